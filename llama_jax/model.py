@@ -1,0 +1,269 @@
+"""Llama 3 in Flax Linen, top to bottom.
+
+    tokens [batch, seq]
+      -> embed                                   [batch, seq, embed]
+      -> n_layers x Block (under nn.scan):
+           x + Attention(RMSNorm(x))             grouped-query attention with rotary positions
+           x + MLP(RMSNorm(x))                   SwiGLU
+      -> RMSNorm -> output projection            [batch, seq, vocab] logits
+
+The model is functional: ``Llama(cfg).init`` returns a params pytree and ``apply`` is pure. It knows
+nothing about devices: every parameter and main activation carries *logical* axis names (``embed``,
+``heads``, ``batch``, ...) that sharding.py maps onto a device mesh, and the activations a backward
+pass may keep carry ``checkpoint_name`` tags that remat.py turns into recomputation policies.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.ad_checkpoint import checkpoint_name
+
+from llama_jax import remat
+from llama_jax.attention import attention, select_implementation
+from llama_jax.config import ModelConfig
+
+# Logical names of activation axes. Parameters use `embed`, `heads`, ...; activations get their own
+# names because they shard differently (an FSDP run shards weights along `embed` but activations
+# along `batch`). `residual_seq` is the sequence axis of the residual stream between the attention
+# and MLP blocks, which Megatron-style sequence parallelism shards.
+RESIDUAL = ("batch", "residual_seq", "act_embed")
+HIDDEN = ("batch", "seq", "act_embed")
+HEADS = ("batch", "seq", "act_heads", "head_dim")
+KV_HEADS = ("batch", "seq", "act_kv_heads", "head_dim")
+MLP_HIDDEN = ("batch", "seq", "act_mlp")
+LOGITS = ("batch", "seq", "act_vocab")
+
+
+def dtype(name: str) -> jnp.dtype:
+    return jnp.dtype(name)
+
+
+def init_normal(std: float, names: tuple[str, ...]):
+    """A normal initialiser whose parameter carries logical axis names."""
+    return nn.with_logical_partitioning(nn.initializers.normal(std), names)
+
+
+# ---------------------------------------------------------------------------------------------
+# Rotary position embeddings with Llama 3's frequency scaling
+
+
+def rope_inverse_frequencies(cfg: ModelConfig) -> np.ndarray:
+    """[head_dim / 2] rotation speeds, rescaled the way Llama 3 extends its context.
+
+    Llama 3 leaves the fast-rotating (short-wavelength) dimensions alone, divides the slow ones by
+    `factor`, and interpolates smoothly in between, with the boundaries set by how many wavelengths
+    fit into the original training context.
+    """
+    head_dim = cfg.resolved_head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    factor = cfg.rope_scaling_factor
+    if factor == 1.0:
+        return inv_freq.astype(np.float32)
+    wavelength = 2 * math.pi / inv_freq
+    # How many times each wavelength fits into the original context, mapped to [0, 1] between the
+    # low- and high-frequency boundaries: 0 = scale fully, 1 = leave unchanged.
+    periods_in_context = cfg.rope_original_max_len / wavelength
+    blend = np.clip(
+        (periods_in_context - cfg.rope_low_freq_factor) / (cfg.rope_high_freq_factor - cfg.rope_low_freq_factor),
+        0.0, 1.0,
+    )
+    scaled = (1 - blend) * inv_freq / factor + blend * inv_freq
+    return scaled.astype(np.float32)
+
+
+def rope_angles(positions: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
+    """positions [batch, seq] -> (cos, sin), each [batch, seq, 1, head_dim / 2], in fp32."""
+    angles = positions.astype(jnp.float32)[..., None] * rope_inverse_frequencies(cfg)
+    return jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate pairs (x[i], x[i + head_dim/2]) — the Hugging Face "rotate_half" layout."""
+    first, second = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    rotated = jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
+    return rotated.astype(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Layers
+
+
+class RMSNorm(nn.Module):
+    eps: float
+    dtype: jnp.dtype
+    param_dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, ("norm",)),
+                           (x.shape[-1],), self.param_dtype)
+        x32 = x.astype(jnp.float32)  # the mean of squares overflows/underflows in 16-bit
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (normed * scale.astype(jnp.float32)).astype(self.dtype)
+
+
+class Linear(nn.Module):
+    """y = einsum(spec, x, W): a bias-free projection whose weight carries logical axis names."""
+
+    spec: str
+    shape: tuple[int, ...]
+    names: tuple[str, ...]
+    std: float
+    dtype: jnp.dtype
+    param_dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        kernel = self.param("kernel", init_normal(self.std, self.names), self.shape, self.param_dtype)
+        return jnp.einsum(self.spec, x.astype(self.dtype), kernel.astype(self.dtype))
+
+
+class Attention(nn.Module):
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x, cos, sin, segment_ids):
+        cfg = self.cfg
+        d, n, kv, h = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.resolved_head_dim
+        linear = partial(Linear, dtype=dtype(cfg.compute_dtype), param_dtype=dtype(cfg.param_dtype))
+        # Residual-branch outputs start smaller so the residual stream's variance does not grow
+        # with depth (GPT-2's scaled init).
+        std, out_std = cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.n_layers)
+
+        q = linear("btd,dnh->btnh", (d, n, h), ("embed", "heads", "head_dim"), std, name="q_proj")(x)
+        k = linear("btd,dkh->btkh", (d, kv, h), ("embed", "kv_heads", "head_dim"), std, name="k_proj")(x)
+        v = linear("btd,dkh->btkh", (d, kv, h), ("embed", "kv_heads", "head_dim"), std, name="v_proj")(x)
+        q = nn.with_logical_constraint(checkpoint_name(q, "query_proj"), HEADS)
+        k = nn.with_logical_constraint(checkpoint_name(k, "key_proj"), KV_HEADS)
+        v = nn.with_logical_constraint(checkpoint_name(v, "value_proj"), KV_HEADS)
+
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        implementation = select_implementation(cfg.attention, jax.default_backend(), q.dtype, h)
+        context = attention(q, k, v, segment_ids, implementation)  # [batch, seq, heads, head_dim]
+        context = nn.with_logical_constraint(checkpoint_name(context, "attention_context"), HEADS)
+
+        out = linear("btnh,nhd->btd", (n, h, d), ("heads", "head_dim", "embed"), out_std, name="o_proj")(context)
+        return checkpoint_name(out, "attention_out")
+
+
+class MLP(nn.Module):
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x):
+        cfg = self.cfg
+        d, f = cfg.d_model, cfg.ffn_dim
+        linear = partial(Linear, dtype=dtype(cfg.compute_dtype), param_dtype=dtype(cfg.param_dtype))
+        std, out_std = cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.n_layers)
+        gate = linear("btd,df->btf", (d, f), ("embed", "mlp"), std, name="gate_proj")(x)
+        up = linear("btd,df->btf", (d, f), ("embed", "mlp"), std, name="up_proj")(x)
+        gate = nn.with_logical_constraint(checkpoint_name(gate, "mlp_gate"), MLP_HIDDEN)
+        up = nn.with_logical_constraint(checkpoint_name(up, "mlp_up"), MLP_HIDDEN)
+        hidden = checkpoint_name(nn.silu(gate) * up, "mlp_hidden")  # SwiGLU
+        out = linear("btf,fd->btd", (f, d), ("mlp", "embed"), out_std, name="down_proj")(hidden)
+        return checkpoint_name(out, "mlp_out")
+
+
+class Block(nn.Module):
+    """One pre-norm transformer layer. Signature fits nn.scan: (carry, *broadcast) -> (carry, None)."""
+
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x, cos, sin, segment_ids):
+        cfg = self.cfg
+        norm = partial(RMSNorm, eps=cfg.norm_eps, dtype=dtype(cfg.compute_dtype), param_dtype=dtype(cfg.param_dtype))
+        h = checkpoint_name(norm(name="attn_norm")(x), "attn_norm")
+        h = nn.with_logical_constraint(h, HIDDEN)
+        x = x + Attention(cfg, name="attn")(h, cos, sin, segment_ids)
+        x = nn.with_logical_constraint(x, RESIDUAL)
+        h = checkpoint_name(norm(name="mlp_norm")(x), "mlp_norm")
+        h = nn.with_logical_constraint(h, HIDDEN)
+        x = x + MLP(cfg, name="mlp")(h)
+        x = nn.with_logical_constraint(x, RESIDUAL)
+        return x, None
+
+
+class Llama(nn.Module):
+    cfg: ModelConfig
+    remat_policy: str = "none"
+
+    @nn.compact
+    def __call__(self, tokens, positions=None, segment_ids=None):
+        """tokens [batch, seq] int -> logits [batch, seq, vocab] in the compute dtype.
+
+        positions restart at 0 for every packed document and segment_ids (>= 1 per document) keep
+        documents from attending to each other; without them the row is one document.
+        """
+        cfg = self.cfg
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+        embed = nn.Embed(cfg.vocab_size, cfg.d_model, embedding_init=init_normal(cfg.init_std, ("vocab", "embed")),
+                         dtype=dtype(cfg.compute_dtype), param_dtype=dtype(cfg.param_dtype), name="embed")
+        x = nn.with_logical_constraint(embed(tokens), RESIDUAL)
+        cos, sin = rope_angles(positions, cfg)
+
+        block = Block
+        policy = remat.checkpoint_policy(self.remat_policy)
+        if policy is not None:
+            # prevent_cse=False is safe (and faster) because scan already stops XLA from merging
+            # the recomputation back into the forward pass.
+            block = nn.remat(Block, policy=policy, prevent_cse=False)
+        # One compiled layer body, run n_layers times: compile time does not grow with depth, and
+        # every layer weight gets a leading `layers` axis.
+        layers = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True},
+                         in_axes=(nn.broadcast, nn.broadcast, nn.broadcast), length=cfg.n_layers,
+                         metadata_params={nn.PARTITION_NAME: "layers"})
+        x, _ = layers(cfg, name="layers")(x, cos, sin, segment_ids)
+
+        x = RMSNorm(cfg.norm_eps, dtype(cfg.compute_dtype), dtype(cfg.param_dtype), name="final_norm")(x)
+        if cfg.tie_embeddings:
+            logits = embed.attend(x)
+        else:
+            logits = Linear("btd,dv->btv", (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), cfg.init_std,
+                            dtype(cfg.compute_dtype), dtype(cfg.param_dtype), name="lm_head")(x)
+        return nn.with_logical_constraint(logits, LOGITS)
+
+
+# ---------------------------------------------------------------------------------------------
+# Sizes and FLOPs
+
+
+def abstract_params(cfg: ModelConfig):
+    """Shapes (with logical axis names) of the params, without allocating them."""
+    tokens = jax.ShapeDtypeStruct((1, 8), jnp.int32)
+    return jax.eval_shape(Llama(cfg).init, jax.random.key(0), tokens)["params"]
+
+
+def param_count(cfg: ModelConfig) -> int:
+    leaves = jax.tree.leaves(nn.meta.unbox(abstract_params(cfg)))
+    return sum(int(np.prod(leaf.shape)) for leaf in leaves)
+
+
+def matmul_param_count(cfg: ModelConfig) -> int:
+    """Parameters that take part in a matmul per token: everything but the embedding lookup and norms.
+
+    The output projection is a matmul (it is the embedding table itself when tied).
+    """
+    head_dim = cfg.resolved_head_dim
+    attention = cfg.d_model * head_dim * (2 * cfg.n_heads + 2 * cfg.n_kv_heads)
+    mlp = 3 * cfg.d_model * cfg.ffn_dim
+    return cfg.n_layers * (attention + mlp) + cfg.d_model * cfg.vocab_size
+
+
+def train_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Model FLOPs to train on one token (forward + backward), PaLM's definition.
+
+    6 x (parameters used in matmuls, including the output projection) plus the attention scores and
+    weighted sum, 12 x layers x heads x head_dim x seq. We count the full seq x seq attention
+    (as PaLM and MaxText's default do), not half for the causal mask, because the XLA kernel
+    computes the masked half too. Recomputation is not counted: it is overhead, not model work.
+    """
+    attention = 12 * cfg.n_layers * cfg.n_heads * cfg.resolved_head_dim * seq_len
+    return 6 * matmul_param_count(cfg) + attention

@@ -1,0 +1,44 @@
+"""The optimizer: AdamW with linear warmup, cosine decay to a floor, and global-norm clipping."""
+
+from __future__ import annotations
+
+import jax
+import optax
+
+from llama_jax.config import TrainConfig
+
+
+def learning_rate(t: TrainConfig) -> optax.Schedule:
+    """0 -> lr over warmup_steps, then cosine down to lr * min_lr_ratio at the last step."""
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0,
+        peak_value=t.lr,
+        warmup_steps=t.warmup_steps,
+        decay_steps=max(t.steps, t.warmup_steps + 1),  # optax counts warmup inside decay_steps
+        end_value=t.lr * t.min_lr_ratio,
+    )
+
+
+def weight_decay_mask(t: TrainConfig):
+    """Which params get weight decay: matmul weights yes; embeddings and norm scales only if asked.
+
+    Decaying norm scales pulls them towards 0 (not their init of 1), and decaying the embedding
+    table shrinks rare tokens' rows, which get few gradient updates to counter it.
+    """
+
+    def decays(path, _leaf) -> bool:
+        names = {getattr(key, "key", str(key)) for key in path}
+        if "embedding" in names:
+            return t.decay_embeddings
+        if "scale" in names:
+            return t.decay_norms
+        return True
+
+    return lambda params: jax.tree_util.tree_map_with_path(decays, params)
+
+
+def make_optimizer(t: TrainConfig) -> optax.GradientTransformation:
+    steps = [optax.clip_by_global_norm(t.grad_clip)] if t.grad_clip > 0 else []
+    steps.append(optax.adamw(learning_rate(t), b1=t.b1, b2=t.b2, eps=t.eps, weight_decay=t.weight_decay,
+                             mask=weight_decay_mask(t)))
+    return optax.chain(*steps)

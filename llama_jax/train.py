@@ -1,0 +1,256 @@
+"""The train state, the jitted train and eval steps, and the training loop."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+from flax import struct
+from jax.sharding import Mesh
+
+from llama_jax import config as config_lib
+from llama_jax import sharding
+from llama_jax.checkpoint import Checkpointer
+from llama_jax.config import Config
+from llama_jax.data.loader import PackedBatches, PreparedCorpus, cache_root
+from llama_jax.generate import generate
+from llama_jax.metrics import MetricsLog, device_peak_flops, mfu
+from llama_jax.model import Llama, param_count, train_flops_per_token
+from llama_jax.optim import learning_rate, make_optimizer
+from llama_jax.report import write_report
+
+
+class TrainState(struct.PyTreeNode):
+    step: jax.Array
+    params: Any
+    opt_state: Any
+
+
+# ---------------------------------------------------------------------------------------------
+# Loss and steps (pure functions of their inputs; jitted by `Trainer`)
+
+
+def cross_entropy_sum(logits: jax.Array, targets: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Summed next-token negative log-likelihood over unmasked targets, and their count, in fp32."""
+    logits = logits.astype(jnp.float32)
+    target_logits = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    nll = jax.nn.logsumexp(logits, axis=-1) - target_logits
+    return jnp.sum(nll * mask), jnp.sum(mask)
+
+
+def loss_terms(params, model: Llama, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
+    logits = model.apply({"params": params}, batch["tokens"], batch["positions"], batch["segment_ids"])
+    return cross_entropy_sum(logits, batch["targets"], batch["loss_mask"])
+
+
+def make_grad_fn(model: Llama, microbatches: int) -> Callable:
+    """(params, batch) -> (mean loss, gradient of the mean loss, token count), accumulating the
+    gradient over `microbatches` slices of the batch with a scan."""
+    grad_fn = jax.value_and_grad(lambda p, b: loss_terms(p, model, b), has_aux=True)
+
+    def loss_and_grads(params, batch: dict[str, jax.Array]):
+        if microbatches == 1:
+            (loss_sum, count), grad_sum = grad_fn(params, batch)
+        else:
+            # Microbatch m takes rows m, m + M, m + 2M, ...: every device's slice of the batch
+            # contributes to every microbatch, so no device idles while the others accumulate.
+            split = jax.tree.map(lambda x: x.reshape(x.shape[0] // microbatches, microbatches, *x.shape[1:])
+                                 .swapaxes(0, 1), batch)
+
+            def accumulate(carry, microbatch):
+                (loss_sum, count), grads = grad_fn(params, microbatch)
+                return jax.tree.map(jnp.add, carry, (loss_sum, count, grads)), None
+
+            zeros = (jnp.zeros(()), jnp.zeros(()), jax.tree.map(jnp.zeros_like, params))
+            (loss_sum, count, grad_sum), _ = jax.lax.scan(accumulate, zeros, split)
+        # Sums divided by the token count of the whole batch: the same gradient whatever the
+        # number of microbatches, even when they hold different numbers of unmasked tokens.
+        count = jnp.maximum(count, 1.0)
+        return loss_sum / count, jax.tree.map(lambda g: g / count, grad_sum), count
+
+    return loss_and_grads
+
+
+def make_train_step(model: Llama, optimizer: optax.GradientTransformation, schedule: optax.Schedule,
+                    microbatches: int) -> Callable:
+    loss_and_grads = make_grad_fn(model, microbatches)
+
+    def train_step(state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainState, dict[str, jax.Array]]:
+        loss, grads, _ = loss_and_grads(state.params, batch)
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": schedule(state.step)}
+        return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+    return train_step
+
+
+# ---------------------------------------------------------------------------------------------
+# The compiled pieces for one config on one mesh
+
+
+@dataclass
+class Trainer:
+    config: Config
+    mesh: Mesh
+    model: Llama
+    state_shardings: Any
+    init_state: Callable
+    train_step: Callable
+    eval_step: Callable
+
+    @classmethod
+    def build(cls, config: Config, mesh: Mesh) -> "Trainer":
+        model = Llama(config.model, remat_policy=config.remat.policy)
+        optimizer = make_optimizer(config.train)
+        schedule = learning_rate(config.train)
+        rules = sharding.axis_rules(config)
+
+        def init_state(rng: jax.Array) -> TrainState:
+            tokens = jnp.zeros((1, config.train.seq_len), jnp.int32)
+            params = model.init(rng, tokens)["params"]
+            return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params))
+
+        # Shapes and logical axis names of the whole state, computed without allocating it; the
+        # optimizer moments inherit their parameter's names, so they are sharded alike.
+        state_shardings = sharding.logical_to_sharding(jax.eval_shape(init_state, jax.random.key(0)), mesh, rules)
+        param_shardings = state_shardings.params
+        batch_sharding = sharding.batch_sharding(mesh)
+
+        def eval_step(params, batch):
+            return loss_terms(params, model, batch)
+
+        return cls(
+            config=config, mesh=mesh, model=model, state_shardings=state_shardings,
+            # The state is created directly in its shards: never materialised whole on one device.
+            init_state=jax.jit(lambda rng: nn.meta.unbox(init_state(rng)), out_shardings=state_shardings),
+            train_step=jax.jit(make_train_step(model, optimizer, schedule, config.train.microbatches),
+                               in_shardings=(state_shardings, batch_sharding),
+                               out_shardings=(state_shardings, sharding.replicated(mesh)), donate_argnums=(0,)),
+            eval_step=jax.jit(eval_step, in_shardings=(param_shardings, batch_sharding)),
+        )
+
+    def activate(self):
+        """Context in which the steps may be traced: the mesh and logical rules are visible."""
+        return sharding.activate(self.mesh, sharding.axis_rules(self.config))
+
+    def abstract_state(self) -> TrainState:
+        """Shapes, dtypes and shardings of the state, e.g. as a target to restore a checkpoint into."""
+        shapes = jax.eval_shape(self.init_state, jax.random.key(0))
+        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes,
+                            self.state_shardings)
+
+    def put(self, batch):
+        return sharding.put_batch(batch, self.mesh)
+
+    def evaluate(self, params, batches: PackedBatches, n_batches: int) -> float:
+        total, count = 0.0, 0.0
+        for i in range(n_batches):
+            loss_sum, n = self.eval_step(params, self.put(batches.batch(i)))
+            total, count = total + float(loss_sum), count + float(n)
+        return total / max(count, 1.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# The loop
+
+
+def train(config: Config, mesh: Mesh, corpus: PreparedCorpus, print_fn: Callable[[str], None] = print) -> dict:
+    """Train `config` on `corpus`, resuming from `<run.dir>/checkpoints` if it holds a step.
+
+    Returns a summary with the first and last eval loss, throughput and MFU.
+    """
+    t, run_dir = config.train, Path(config.run.dir)
+    wall_start = time.perf_counter()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(config_lib.to_yaml(config))
+
+    trainer = Trainer.build(config, mesh)
+    train_batches = PackedBatches(corpus.train_tokens, t.batch_size, t.seq_len, config.seed,
+                                  corpus.tokenizer.bos_id, "train")
+    # Validation batches come from a fixed seed so every evaluation scores the same tokens.
+    val_batches = PackedBatches(corpus.val_tokens, t.batch_size, t.seq_len, 0, corpus.tokenizer.bos_id, "validation")
+    eval_batches = min(t.eval_batches, val_batches.n_rows // t.batch_size)
+
+    n_devices = mesh.devices.size
+    peak, peak_source = device_peak_flops(config.model.compute_dtype, cache_root(config.data))
+    flops_per_token = train_flops_per_token(config.model, t.seq_len)
+    tokens_per_step = t.batch_size * t.seq_len
+    print_fn(f"{param_count(config.model) / 1e6:.2f}M parameters on {n_devices} {jax.devices()[0].platform} "
+             f"device(s), mesh {dict(mesh.shape)}; peak {peak / 1e9:.1f} GFLOP/s per device ({peak_source})")
+
+    checkpointer = Checkpointer(run_dir, config.checkpoint)
+    summary: dict[str, Any] = {"run_dir": str(run_dir)}
+    with trainer.activate():
+        start = checkpointer.latest_step() or 0
+        if start:
+            state = checkpointer.restore(start, trainer.abstract_state())
+            print_fn(f"resumed from {run_dir / 'checkpoints' / str(start)}")
+        else:
+            state = trainer.init_state(jax.random.key(config.seed))
+
+        with MetricsLog(run_dir, total_steps=t.steps, start_step=start, tensorboard=config.run.tensorboard,
+                        print_fn=print_fn) as log:
+            if start == 0:
+                summary["initial_eval_loss"] = trainer.evaluate(state.params, val_batches, eval_batches)
+                log.log({"step": 0, "eval_loss": summary["initial_eval_loss"]})
+
+            throughputs: list[float] = []
+            window_start, window_steps = time.perf_counter(), 0
+            for step in range(start, t.steps):
+                state, metrics = trainer.train_step(state, trainer.put(train_batches.batch(step)))
+                done, window_steps = step + 1, window_steps + 1
+                first = done == start + 1
+                if first or done % t.log_every == 0 or done == t.steps:
+                    metrics = jax.device_get(metrics)
+                    elapsed = time.perf_counter() - window_start
+                    record = {"step": done, **{k: float(v) for k, v in metrics.items()}}
+                    if first:  # this step includes compilation: it says nothing about throughput
+                        record.update(tokens_per_s=None, mfu=None, compile_s=elapsed)
+                    else:
+                        tokens_per_s = window_steps * tokens_per_step / elapsed
+                        throughputs.append(tokens_per_s)
+                        record.update(tokens_per_s=tokens_per_s, step_time_s=elapsed / window_steps,
+                                      mfu=mfu(tokens_per_s * flops_per_token, peak, n_devices))
+                    log.log(record)
+                    window_start, window_steps = time.perf_counter(), 0
+                evaluate_now = t.eval_every > 0 and done % t.eval_every == 0 and done != t.steps
+                if evaluate_now or done == t.steps:
+                    eval_loss = trainer.evaluate(state.params, val_batches, eval_batches)
+                    log.log({"step": done, "eval_loss": eval_loss})
+                    summary["final_eval_loss"] = eval_loss
+                if checkpointer.due(done) or done == t.steps:
+                    checkpointer.save(done, state)
+                if evaluate_now or checkpointer.due(done):
+                    window_start, window_steps = time.perf_counter(), 0
+
+            if throughputs:
+                summary["tokens_per_s"] = statistics.median(throughputs)
+                summary["mfu"] = mfu(summary["tokens_per_s"] * flops_per_token, peak, n_devices)
+            if t.sample_tokens and t.steps > start:
+                summary["sample"] = _sample(trainer, state.params, corpus, config)
+                log.message(f"sample after {t.steps} steps:\n{summary['sample']}")
+                (run_dir / "sample.txt").write_text(summary["sample"] + "\n")
+    checkpointer.close()
+    if start >= t.steps:
+        print_fn(f"{run_dir} is already trained to step {start}; raise train.steps to continue")
+        return summary
+    summary["report"] = str(write_report(run_dir))
+    summary["wall_time_s"] = time.perf_counter() - wall_start
+    return summary
+
+
+def _sample(trainer: Trainer, params, corpus: PreparedCorpus, config: Config) -> str:
+    tokenizer = corpus.tokenizer
+    prompt = [tokenizer.bos_id, *tokenizer.encode(config.train.sample_prompt)]
+    new = generate(trainer.model, params, prompt, config.train.sample_tokens, jax.random.key(config.seed),
+                   stop_token=tokenizer.eos_id)
+    return config.train.sample_prompt + tokenizer.decode(new)
+

@@ -1,0 +1,161 @@
+"""Tests for llama_jax.metrics and llama_jax.report (CPU, fast, no timing assertions)."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import numpy as np
+import jax
+import pytest
+
+from llama_jax import metrics
+from llama_jax.metrics import MetricsLog, device_peak_flops, mfu, read_metrics, table_peak_flops
+from llama_jax.report import write_report
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def _log_steps(run_dir: pathlib.Path, steps: range, lines: list[str], **kwargs) -> None:
+    with MetricsLog(run_dir, total_steps=600, start_step=steps.start, interactive=False,
+                    print_fn=lines.append, **kwargs) as log:
+        for step in steps:
+            # numpy scalars, as a train loop would produce them, must come out as plain JSON.
+            log.log({"step": np.int32(step), "loss": np.float32(4.0 - 0.01 * step),
+                     "tokens_per_s": 12345.6, "mfu": np.float64(0.412), "lr": 3e-4})
+
+
+def test_jsonl_lines_are_valid_and_appended_across_runs(tmp_path):
+    lines: list[str] = []
+    _log_steps(tmp_path, range(0, 3), lines, tensorboard=False)
+    _log_steps(tmp_path, range(3, 5), lines, tensorboard=False)  # a resumed run
+    raw = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert len(raw) == 5
+    records = [json.loads(line) for line in raw]
+    assert [r["step"] for r in records] == [0, 1, 2, 3, 4]
+    assert all(type(r["step"]) is int and type(r["loss"]) is float for r in records)
+    assert records == read_metrics(tmp_path / "metrics.jsonl")
+
+
+def test_plain_output_shows_step_loss_throughput_mfu(tmp_path):
+    lines: list[str] = []
+    _log_steps(tmp_path, range(118, 121), lines, tensorboard=False)
+    last = lines[-1]
+    assert "step 120/600" in last and "loss 2.8" in last
+    assert "12,346 tok/s" in last and "MFU 41.2%" in last and "ETA" in last
+
+
+def test_eval_only_record_is_logged_and_shown(tmp_path):
+    lines: list[str] = []
+    with MetricsLog(tmp_path, total_steps=10, interactive=False, print_fn=lines.append,
+                    tensorboard=False) as log:
+        log.log({"step": 5, "eval_loss": 4.25})
+        log.log({"step": 6, "loss": float("nan")})  # a NaN loss must still be strict JSON
+        log.message("hello")
+    assert "eval_loss 4.2500" in lines[0] and lines[-1] == "hello"
+    assert read_metrics(tmp_path / "metrics.jsonl") == [{"step": 5, "eval_loss": 4.25},
+                                                        {"step": 6, "loss": None}]
+
+
+def test_interactive_bar_does_not_crash(tmp_path, capsys):
+    with MetricsLog(tmp_path, total_steps=10, start_step=2, interactive=True,
+                    tensorboard=False) as log:
+        log.log({"step": 3, "loss": 3.0, "tokens_per_s": 100.0, "mfu": 0.5})
+        log.log({"step": 4, "eval_loss": 3.5})
+        log.message("checkpoint saved")
+    out = capsys.readouterr().out
+    assert "checkpoint saved" in out and "MFU 50.0%" in out and "eval_loss 3.5000" in out
+
+
+def test_tensorboard_event_file_appears(tmp_path):
+    _log_steps(tmp_path, range(0, 2), [], tensorboard=True)
+    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_read_metrics_skips_truncated_last_line_and_log_repairs_it(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "loss": 3.0}\n{"step": 2, "loss": 2.9}\n{"step": 3, "lo')
+    assert [r["step"] for r in read_metrics(path)] == [1, 2]
+    # A run resumed after the kill appends on a fresh line instead of gluing onto the fragment.
+    with MetricsLog(tmp_path, total_steps=5, interactive=False, print_fn=lambda s: None,
+                    tensorboard=False) as log:
+        log.log({"step": 3, "loss": 2.8})
+    assert [r["step"] for r in read_metrics(path)] == [1, 2, 3]
+    path.write_text('{"step": 1}\n{"st\n{"step": 3}\n')
+    with pytest.raises(ValueError, match="corrupt"):
+        read_metrics(path)
+
+
+def _records(with_eval: bool) -> list[dict]:
+    out = [{"step": s, "loss": 5.0 / (s + 1), "tokens_per_s": 1000.0 + s, "mfu": 0.3}
+           for s in range(1, 21)]
+    if with_eval:
+        out += [{"step": s, "eval_loss": 5.5 / (s + 1)} for s in (10, 20)]
+    return out
+
+
+@pytest.mark.parametrize("records", [_records(True), _records(False), [{"step": 1, "loss": 4.0}],
+                                     [{"step": 3, "eval_loss": None}]])
+def test_write_report_writes_png(tmp_path, records):
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    out = write_report(tmp_path)
+    assert out == tmp_path / "report.png"
+    assert out.read_bytes()[:8] == PNG_SIGNATURE
+    assert not list(tmp_path.glob(".report.*"))  # no temp file left behind
+
+
+def test_write_report_raises_without_records(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        write_report(tmp_path)
+    (tmp_path / "metrics.jsonl").write_text("")
+    with pytest.raises(FileNotFoundError, match="no complete records"):
+        write_report(tmp_path)
+
+
+def test_device_peak_flops_measures_once_then_uses_cache(tmp_path, monkeypatch):
+    calls: list[str] = []
+
+    def fake_measure(dtype: str = "float32", size: int = 1024, repeats: int = 5) -> float:
+        calls.append(dtype)
+        return 1.5e11
+
+    monkeypatch.setattr(metrics, "measure_matmul_peak", fake_measure)
+    peak, source = device_peak_flops("float32", tmp_path)
+    # The 8 simulated CPU devices share the measured machine: each is credited with 1/8 of it.
+    assert jax.local_device_count() == 8 and "split over 8 simulated devices" in source
+    assert peak == 1.5e11 / 8 and "measured" in source and "cached" not in source
+    assert (tmp_path / "peak_flops.json").is_file()
+    peak2, source2 = device_peak_flops("float32", tmp_path)
+    assert peak2 == peak and "cached" in source2 and calls == ["float32"]
+    device_peak_flops("bfloat16", tmp_path)  # another dtype is another cache entry
+    assert calls == ["float32", "bfloat16"]
+
+
+def test_corrupt_cache_is_ignored_and_rewritten(tmp_path, monkeypatch):
+    monkeypatch.setattr(metrics, "measure_matmul_peak", lambda dtype="float32", **kw: 2e11)
+    (tmp_path / "peak_flops.json").write_text('{"cpu|cpu|2|0.1')
+    assert device_peak_flops("float32", tmp_path)[0] == 2e11 / jax.local_device_count()
+    assert list(json.loads((tmp_path / "peak_flops.json").read_text()).values()) == [2e11]
+
+
+def test_real_measurement_is_positive():
+    assert metrics.measure_matmul_peak("float32", size=128, repeats=2) > 0
+
+
+def test_table_lookup():
+    assert table_peak_flops("NVIDIA H100 80GB HBM3", "bfloat16") == pytest.approx(989e12)
+    assert table_peak_flops("NVIDIA H100 80GB HBM3", "float32") == pytest.approx(67e12)
+    assert table_peak_flops("NVIDIA A100-SXM4-80GB", "float32") == pytest.approx(19.5e12)
+    assert table_peak_flops("NVIDIA H100 PCIe", "bfloat16") == pytest.approx(756e12)
+    assert table_peak_flops("NVIDIA L40S", "bfloat16") == pytest.approx(362e12)  # not "L4"
+    assert table_peak_flops("TPU v5 lite", "bfloat16") == pytest.approx(197e12)  # not "TPU v5"
+    assert table_peak_flops("NVIDIA A10G", "bfloat16") is None  # not "A10": measured instead
+    assert table_peak_flops("cpu", "float32") is None
+    with pytest.raises(ValueError):
+        table_peak_flops("cpu", "int8")
+
+
+def test_mfu():
+    assert mfu(4e14, 1e15, 2) == pytest.approx(0.2)
+    with pytest.raises(ValueError):
+        mfu(1.0, 0.0, 1)

@@ -1,0 +1,159 @@
+"""Properties of the Llama model itself: causality, document isolation, GQA, RoPE, sizes."""
+
+import dataclasses
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import TINY_MODEL
+
+from llama_jax.attention import select_implementation
+from llama_jax.config import load_config
+from llama_jax.model import Llama, apply_rope, param_count, rope_inverse_frequencies, train_flops_per_token
+
+TOLERANCE = 1e-5  # fp32, absolute on logits of order 1
+
+
+def init(cfg, seed=0):
+    tokens = jnp.zeros((1, 8), jnp.int32)
+    return nn.meta.unbox(Llama(cfg).init(jax.random.key(seed), tokens)["params"])
+
+
+def logits_of(cfg, params, tokens, positions=None, segment_ids=None):
+    return np.asarray(Llama(cfg).apply({"params": params}, jnp.asarray(tokens), positions, segment_ids))
+
+
+@pytest.fixture(scope="module")
+def params():
+    return init(TINY_MODEL)
+
+
+def test_changing_a_future_token_never_changes_earlier_logits(params):
+    tokens = np.random.default_rng(0).integers(0, TINY_MODEL.vocab_size, (2, 24))
+    changed = tokens.copy()
+    changed[:, 15] = (changed[:, 15] + 7) % TINY_MODEL.vocab_size
+    before, after = logits_of(TINY_MODEL, params, tokens), logits_of(TINY_MODEL, params, changed)
+    np.testing.assert_array_equal(before[:, :15], after[:, :15])
+    assert np.abs(before[:, 15:] - after[:, 15:]).max() > 1e-3  # and the change does reach later ones
+
+
+def test_packed_documents_match_documents_alone(params):
+    rng = np.random.default_rng(1)
+    doc_a, doc_b = rng.integers(0, TINY_MODEL.vocab_size, 10), rng.integers(0, TINY_MODEL.vocab_size, 14)
+    packed = np.concatenate([doc_a, doc_b])[None]
+    segment_ids = np.array([[1] * 10 + [2] * 14])
+    positions = np.array([list(range(10)) + list(range(14))])
+    together = logits_of(TINY_MODEL, params, packed, positions, segment_ids)
+    alone_a = logits_of(TINY_MODEL, params, doc_a[None])
+    alone_b = logits_of(TINY_MODEL, params, doc_b[None])
+    np.testing.assert_allclose(together[0, :10], alone_a[0], atol=TOLERANCE)
+    np.testing.assert_allclose(together[0, 10:], alone_b[0], atol=TOLERANCE)
+
+
+def test_grouped_query_attention_equals_multi_head_with_repeated_kv_weights(params):
+    # Query head i reads kv head i // group (jax.nn.dot_product_attention's grouping), so repeating
+    # each kv head's weights `group` times gives the equivalent multi-head model.
+    group = TINY_MODEL.n_heads // TINY_MODEL.n_kv_heads
+    mha_cfg = dataclasses.replace(TINY_MODEL, n_kv_heads=TINY_MODEL.n_heads)
+    mha_params = jax.tree.map(lambda x: x, params)
+    for name in ("k_proj", "v_proj"):
+        kernel = params["layers"]["attn"][name]["kernel"]  # [layers, embed, kv_heads, head_dim]
+        mha_params["layers"]["attn"][name] = {"kernel": jnp.repeat(kernel, group, axis=2)}
+    tokens = np.random.default_rng(2).integers(0, TINY_MODEL.vocab_size, (2, 16))
+    np.testing.assert_allclose(logits_of(TINY_MODEL, params, tokens), logits_of(mha_cfg, mha_params, tokens),
+                               atol=TOLERANCE)
+
+
+def test_rope_scores_depend_only_on_relative_position():
+    cfg = TINY_MODEL
+    rng = np.random.default_rng(3)
+    q = jnp.asarray(rng.normal(size=(1, 1, 1, cfg.resolved_head_dim)), jnp.float32)
+    k = jnp.asarray(rng.normal(size=(1, 1, 1, cfg.resolved_head_dim)), jnp.float32)
+    inv_freq = rope_inverse_frequencies(cfg)
+
+    def rotated(x, position):
+        angles = jnp.float32(position) * inv_freq
+        return apply_rope(x, jnp.cos(angles)[None, None, None], jnp.sin(angles)[None, None, None])
+
+    def score(m, n):
+        return float(jnp.sum(rotated(q, m) * rotated(k, n)))
+
+    for shift in (1, 17, 100):
+        assert score(5, 2) == pytest.approx(score(5 + shift, 2 + shift), abs=1e-4)
+    assert score(5, 2) != pytest.approx(score(5, 4), abs=1e-3)
+
+
+def test_llama3_scaling_keeps_high_frequencies_and_divides_low_ones():
+    base = dataclasses.replace(TINY_MODEL, d_model=512, n_heads=4, rope_theta=500000.0)  # head_dim 128
+    scaled = dataclasses.replace(base, rope_scaling_factor=8.0, rope_low_freq_factor=1.0,
+                                 rope_high_freq_factor=4.0, rope_original_max_len=8192)
+    plain, llama3 = rope_inverse_frequencies(base), rope_inverse_frequencies(scaled)
+    wavelength = 2 * math.pi / plain
+    high = wavelength < 8192 / 4.0
+    low = wavelength > 8192 / 1.0
+    assert high.any() and low.any() and (~high & ~low).any()
+    np.testing.assert_allclose(llama3[high], plain[high], rtol=1e-6)
+    np.testing.assert_allclose(llama3[low], plain[low] / 8.0, rtol=1e-6)
+    middle = ~high & ~low  # smoothly in between
+    assert np.all(llama3[middle] < plain[middle]) and np.all(llama3[middle] > plain[middle] / 8.0)
+
+
+def test_tied_embeddings_have_no_output_projection():
+    tied = dataclasses.replace(TINY_MODEL, tie_embeddings=True)
+    assert "lm_head" not in init(tied)
+    assert param_count(TINY_MODEL) - param_count(tied) == TINY_MODEL.d_model * TINY_MODEL.vocab_size
+
+
+def test_explicit_head_dim_and_bfloat16_compute():
+    cfg = dataclasses.replace(TINY_MODEL, head_dim=32, compute_dtype="bfloat16")  # heads*head_dim != d_model
+    p = init(cfg)
+    assert p["layers"]["attn"]["q_proj"]["kernel"].shape == (2, 64, 4, 32)
+    assert p["layers"]["attn"]["q_proj"]["kernel"].dtype == jnp.float32  # fp32 master weights
+    out = Llama(cfg).apply({"params": p}, jnp.zeros((1, 8), jnp.int32))
+    assert out.dtype == jnp.bfloat16 and out.shape == (1, 8, TINY_MODEL.vocab_size)
+
+
+def test_every_parameter_carries_logical_axis_names():
+    boxed = jax.eval_shape(Llama(TINY_MODEL).init, jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
+    specs = jax.tree.leaves(nn.get_partition_spec(boxed), is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+    known = {"layers", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "norm"}
+    assert specs and all(len(spec) > 0 and set(spec) <= known for spec in specs)
+
+
+@pytest.mark.parametrize("preset, published", [
+    ("llama3_1b", 1.24e9), ("llama3_3b", 3.21e9), ("llama3_8b", 8.03e9),
+    ("llama3_70b", 70.6e9), ("llama3_405b", 405.9e9),
+])
+def test_preset_parameter_counts_match_published_sizes(preset, published):
+    count = param_count(load_config(preset).model)  # eval_shape: nothing is allocated
+    assert abs(count - published) / published < 0.01
+
+
+def test_train_flops_per_token_formula():
+    cfg = load_config("llama3_8b").model
+    # 6 * 8.03B params minus the embedding lookup (0.525B), plus attention 12*L*H*hd*T at T=8192
+    expected = 6 * (8.030e9 - 128256 * 4096) + 12 * 32 * 32 * 128 * 8192
+    assert train_flops_per_token(cfg, 8192) == pytest.approx(expected, rel=1e-3)
+
+
+@pytest.mark.parametrize("requested, platform, dtype, head_dim, expected", [
+    ("auto", "gpu", jnp.bfloat16, 128, "cudnn"),
+    ("auto", "gpu", jnp.float16, 64, "cudnn"),
+    ("auto", "gpu", jnp.float32, 128, "xla"),   # cuDNN flash attention needs 16-bit inputs
+    ("auto", "gpu", jnp.bfloat16, 260, "xla"),  # head_dim above cuDNN's 256 limit
+    ("auto", "gpu", jnp.bfloat16, 60, "xla"),   # not a multiple of 8
+    ("auto", "cpu", jnp.bfloat16, 128, "xla"),
+    ("auto", "tpu", jnp.bfloat16, 128, "xla"),
+    ("xla", "gpu", jnp.bfloat16, 128, "xla"),
+    ("cudnn", "gpu", jnp.bfloat16, 128, "cudnn"),
+])
+def test_attention_implementation_selection(requested, platform, dtype, head_dim, expected):
+    assert select_implementation(requested, platform, dtype, head_dim) == expected
+
+
+def test_requesting_cudnn_where_it_cannot_run_is_an_error():
+    with pytest.raises(ValueError, match="model.attention=auto"):
+        select_implementation("cudnn", "cpu", jnp.bfloat16, 128)

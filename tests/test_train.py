@@ -1,0 +1,183 @@
+"""The train step and loop: gradient accumulation, learning, remat, sharding, resume."""
+
+import shutil
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import tiny_config
+
+from llama_jax import remat, sharding
+from llama_jax.checkpoint import Checkpointer
+from llama_jax.config import DataConfig
+from llama_jax.data.loader import PackedBatches, pack_rows, prepare
+from llama_jax.metrics import read_metrics
+from llama_jax.model import Llama
+from llama_jax.optim import learning_rate, weight_decay_mask
+from llama_jax.train import Trainer, make_grad_fn, train
+
+
+def random_batch(cfg, seed=0, batch=8, seq=32, documents_per_row=3):
+    """Packed rows of random tokens with document boundaries and a loss mask."""
+    rng = np.random.default_rng(seed)
+    rows = rng.integers(3, cfg.model.vocab_size, (batch, seq + 1))
+    for row in rows:
+        row[np.sort(rng.choice(seq, documents_per_row, replace=False))] = 1  # BOS markers
+    return {k: jnp.asarray(v) for k, v in pack_rows(rows, bos_id=1).items()}
+
+
+def one_device_mesh(cfg):
+    return sharding.make_mesh(cfg, devices=jax.devices()[:1])
+
+
+def relative_difference(a, b):
+    a, b = jax.tree.leaves(a), jax.tree.leaves(b)
+    return max(float(jnp.max(jnp.abs(x - y)) / (jnp.max(jnp.abs(y)) + 1e-30)) for x, y in zip(a, b))
+
+
+@pytest.fixture(scope="module")
+def tiny_params():
+    cfg = tiny_config()
+    with sharding.activate(one_device_mesh(cfg), sharding.axis_rules(cfg)):
+        return Trainer.build(cfg, one_device_mesh(cfg)).init_state(jax.random.key(0)).params
+
+
+def test_four_microbatches_give_the_gradient_of_one(tiny_params):
+    """Accumulating over 4 microbatches (with unequal token counts) equals one full batch."""
+    cfg = tiny_config()
+    batch = random_batch(cfg)
+    batch["loss_mask"] = batch["loss_mask"].at[:3, :20].set(0.0)  # microbatches hold different token counts
+    model = Llama(cfg.model)
+    loss_1, grads_1, count_1 = jax.jit(make_grad_fn(model, 1))(tiny_params, batch)
+    loss_4, grads_4, count_4 = jax.jit(make_grad_fn(model, 4))(tiny_params, batch)
+    assert float(count_1) == float(count_4)
+    assert float(loss_4) == pytest.approx(float(loss_1), rel=1e-6)
+    assert relative_difference(grads_4, grads_1) < 1e-5
+
+
+@pytest.mark.parametrize("policy", [p for p in remat.POLICIES if p != "none"])
+def test_remat_policies_leave_gradients_unchanged(tiny_params, policy):
+    """Recomputation changes what is stored, never the numbers (fp32, 1e-6 relative)."""
+    cfg = tiny_config()
+    batch = random_batch(cfg, seed=1)
+    _, reference, _ = jax.jit(make_grad_fn(Llama(cfg.model), 1))(tiny_params, batch)
+    _, grads, _ = jax.jit(make_grad_fn(Llama(cfg.model, remat_policy=policy), 1))(tiny_params, batch)
+    assert relative_difference(grads, reference) < 1e-6
+
+
+def test_a_tiny_model_overfits_a_fixed_batch():
+    """Forty Adam steps on one batch drive its loss from ~ln(vocab) to below 1."""
+    cfg = tiny_config(train=dict(steps=40, lr=1e-2, warmup_steps=0, min_lr_ratio=1.0))
+    mesh = one_device_mesh(cfg)
+    trainer = Trainer.build(cfg, mesh)
+    batch = trainer.put({k: np.asarray(v) for k, v in random_batch(cfg, seed=2).items()})
+    with trainer.activate():
+        state = trainer.init_state(jax.random.key(0))
+        losses = []
+        for _ in range(cfg.train.steps):
+            state, metrics = trainer.train_step(state, batch)
+            losses.append(float(metrics["loss"]))
+    assert losses[0] > 5.0  # ln(320) = 5.77 at init
+    assert losses[-1] < 1.0
+
+
+def first_losses(cfg, devices, steps=4):
+    mesh = sharding.make_mesh(cfg, devices=devices)
+    trainer = Trainer.build(cfg, mesh)
+    losses = []
+    with trainer.activate():
+        state = trainer.init_state(jax.random.key(0))
+        for step in range(steps):
+            state, metrics = trainer.train_step(state, trainer.put(
+                {k: np.asarray(v) for k, v in random_batch(cfg, seed=10 + step).items()}))
+            losses.append(float(metrics["loss"]))
+    return np.array(losses)
+
+
+@pytest.mark.parametrize("data, fsdp, tensor", [(8, 1, 1), (1, 8, 1), (2, 2, 2), (1, 4, 2)])
+def test_sharded_training_matches_one_device(data, fsdp, tensor):
+    """The same losses (fp32, 1e-5 relative) on meshes of 8 devices as on one."""
+    cfg = tiny_config(train=dict(lr=1e-2))
+    reference = first_losses(cfg, jax.devices()[:1])
+    sharded = tiny_config(train=dict(lr=1e-2), mesh=dict(data=data, fsdp=fsdp, tensor=tensor, sequence=1))
+    np.testing.assert_allclose(first_losses(sharded, jax.devices()), reference, rtol=1e-5)
+
+
+def test_fsdp_shards_parameters_and_optimizer_state():
+    cfg = tiny_config(mesh=dict(data=1, fsdp=8, tensor=1, sequence=1))
+    trainer = Trainer.build(cfg, sharding.make_mesh(cfg))
+    kernel = trainer.state_shardings.params["layers"]["mlp"]["up_proj"]["kernel"]
+    adam_mu = trainer.state_shardings.opt_state[1][0].mu["layers"]["mlp"]["up_proj"]["kernel"]
+    assert kernel.spec == adam_mu.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor")
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("corpus")
+    rng = np.random.default_rng(0)
+    words = ["to", "be", "or", "not", "that", "is", "the", "question", "whether", "tis", "nobler"]
+    for i in range(40):
+        (directory / f"doc{i}.txt").write_text(" ".join(rng.choice(words, 200)))
+    return directory
+
+
+def test_resumed_run_is_bitwise_identical_to_straight_run(tmp_path, corpus):
+    """Losing the last checkpoint and re-running resumes from step 4 and reproduces step 8 bit for bit."""
+    cfg = tiny_config(tmp_path, train=dict(steps=8, lr=1e-2), data=dict(corpus=str(corpus)),
+                      checkpoint=dict(every_steps=4))
+    prepared = prepare(cfg.data, cfg.model.vocab_size, log=lambda _: None)
+    mesh = one_device_mesh(cfg)
+    run_dir = Path(cfg.run.dir)
+
+    def final_state():
+        trainer, checkpointer = Trainer.build(cfg, mesh), Checkpointer(run_dir, cfg.checkpoint)
+        with trainer.activate():
+            state = checkpointer.restore(8, trainer.abstract_state())
+        checkpointer.close()
+        return state
+
+    messages = []
+    train(cfg, mesh, prepared, print_fn=lambda _: None)
+    straight = final_state()
+    shutil.rmtree(run_dir / "checkpoints" / "8")  # as if killed between steps 4 and 8
+    train(cfg, mesh, prepared, print_fn=messages.append)
+    assert any("resumed from" in m and m.endswith("4") for m in messages)
+    resumed = final_state()
+    assert int(resumed.step) == 8
+    for a, b in zip(jax.tree.leaves(resumed), jax.tree.leaves(straight)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    records = [r for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r]
+    first_run, second_run = records[:8], records[8:]
+    assert [r["step"] for r in second_run] == [5, 6, 7, 8]
+    assert [r["loss"] for r in second_run] == [r["loss"] for r in first_run[4:]]
+
+
+def test_batches_are_a_pure_function_of_seed_and_step(corpus, tmp_path):
+    prepared = prepare(DataConfig(corpus=str(corpus), cache_dir=str(tmp_path)), 320, log=lambda _: None)
+    first = PackedBatches(prepared.train_tokens, 4, 16, 7, prepared.tokenizer.bos_id, "train")
+    second = PackedBatches(prepared.train_tokens, 4, 16, 7, prepared.tokenizer.bos_id, "train")
+    for step in (5, 0, 5):
+        for key, value in first.batch(step).items():
+            np.testing.assert_array_equal(value, second.batch(step)[key])
+
+
+def test_weight_decay_skips_embeddings_and_norms(tiny_params):
+    cfg = tiny_config()
+    mask = weight_decay_mask(cfg.train)(tiny_params)
+    assert mask["embed"]["embedding"] is False
+    assert mask["final_norm"]["scale"] is False and mask["layers"]["attn_norm"]["scale"] is False
+    assert mask["layers"]["attn"]["q_proj"]["kernel"] is True and mask["lm_head"]["kernel"] is True
+    decayed = tiny_config(train=dict(decay_embeddings=True, decay_norms=True))
+    assert all(jax.tree.leaves(weight_decay_mask(decayed.train)(tiny_params)))
+
+
+def test_learning_rate_warms_up_linearly_then_decays_to_the_floor():
+    cfg = tiny_config(train=dict(steps=100, lr=1e-3, warmup_steps=10, min_lr_ratio=0.1))
+    schedule = learning_rate(cfg.train)
+    assert float(schedule(0)) == 0.0
+    assert float(schedule(5)) == pytest.approx(5e-4)
+    assert float(schedule(10)) == pytest.approx(1e-3)
+    assert float(schedule(55)) < 1e-3
+    assert float(schedule(100)) == pytest.approx(1e-4)
