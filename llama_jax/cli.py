@@ -82,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.set_defaults(func=cmd_train)
 
     report = commands.add_parser("report", help="plot loss, eval loss and throughput of a run to RUN_DIR/report.png")
-    report.add_argument("run_dir")
+    report.add_argument("run_dir", metavar="RUN_DIR")
     report.set_defaults(func=cmd_report)
     return parser
 

@@ -58,7 +58,7 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    steps: int = 600
+    steps: int = 360
     batch_size: int = 16  # global sequences per optimizer step
     seq_len: int = 128
     microbatches: int = 1  # gradient accumulation inside the jitted step
@@ -73,7 +73,7 @@ class TrainConfig:
     eps: float = 1e-8
     grad_clip: float = 1.0  # global-norm clipping; 0 disables
     log_every: int = 10
-    eval_every: int = 200  # 0: only at the start and the end
+    eval_every: int = 120  # 0: only at the start and the end
     eval_batches: int = 8
     sample_tokens: int = 64  # text sample generated at the end; 0 disables
     sample_prompt: str = "ROMEO:"

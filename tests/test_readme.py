@@ -1,0 +1,73 @@
+"""Every command the README shows is checked here, so the README cannot drift from the code."""
+
+import re
+import shlex
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from llama_jax import cli
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+
+
+def readme_commands(prefix: str) -> list[str]:
+    blocks = re.findall(r"```bash\n(.*?)```", README, flags=re.DOTALL)
+    lines = [line.split("#")[0].strip() for block in blocks for line in block.splitlines()]
+    return [line for line in lines if line.startswith(prefix) or f" {prefix}" in line]
+
+
+def llama_jax_args(command: str) -> list[str]:
+    """The arguments after `llama-jax` in a README command line (environment prefix dropped)."""
+    words = shlex.split(command)
+    index = next(i for i, w in enumerate(words) if w.endswith("llama-jax"))
+    return words[index + 1:]
+
+
+def test_readme_has_the_two_setup_commands_and_ci_runs_the_test_one():
+    assert readme_commands("make train")[0] == "make train"
+    assert "make test" in readme_commands("make test")
+    assert "make test" in (ROOT / ".ci" / "run").read_text()
+
+
+def test_make_passes_args_to_the_trainer():
+    dry_run = subprocess.run(["make", "-n", "-W", ".venv/.installed", "train", "ARGS=train.steps=100 run.dir=runs/short"],
+                             cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert "llama-jax train train.steps=100 run.dir=runs/short" in dry_run
+
+
+@pytest.mark.parametrize("command", [c for c in readme_commands("llama-jax train") if "train.step=5" not in c])
+def test_readme_train_commands_resolve_to_valid_configs(command, tmp_path, capsys):
+    args = [a.replace("path/to/texts/", str(tmp_path)) for a in llama_jax_args(command)]
+    assert cli.main(args + ["--print-config"]) == 0
+    assert "model:" in capsys.readouterr().out
+
+
+def test_readme_error_example_is_what_users_see(tmp_path, capsys):
+    shown = re.search(r"\$ llama-jax (train train\.step=5)\n(llama-jax: error: .*)\n", README)
+    assert cli.main(shown.group(1).split() + [f"run.dir={tmp_path}/run"]) == 2
+    assert capsys.readouterr().err.strip() == shown.group(2)
+
+
+def test_readme_report_command_plots_a_run(tmp_path):
+    (command,) = readme_commands("llama-jax report")
+    subcommand, run_dir = llama_jax_args(command)
+    run = tmp_path / run_dir
+    run.mkdir(parents=True)
+    (run / "metrics.jsonl").write_text('{"step": 0, "eval_loss": 8.3}\n'
+                                       '{"step": 10, "loss": 7.0, "tokens_per_s": 5000.0, "mfu": 0.3}\n')
+    assert cli.main([subcommand, str(run)]) == 0
+    assert (run / "report.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_readme_preset_table_matches_the_presets():
+    from llama_jax.config import load_config, preset_names
+    from llama_jax.model import param_count
+
+    rows = re.findall(r"^\| `(\w+)`(?: \(default\))? \| ([\d.]+)([MB]) \|", README, flags=re.MULTILINE)
+    assert sorted(name for name, _, _ in rows) == preset_names()
+    for name, number, unit in rows:
+        stated = float(number) * (1e6 if unit == "M" else 1e9)
+        assert abs(param_count(load_config(name).model) - stated) / stated < 0.01, name
