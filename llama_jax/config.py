@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 from omegaconf import OmegaConf
-from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+from omegaconf.errors import OmegaConfBaseException
 
 DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn")
@@ -139,15 +139,9 @@ def preset_names() -> list[str]:
     return sorted(p.stem for p in preset_dir().glob("*.yaml"))
 
 
-def all_keys(node: Any = Config, prefix: str = "") -> list[str]:
+def all_keys() -> list[str]:
     """Every dotted key of the schema, e.g. ``train.lr``."""
-    keys = []
-    for name, kind in typing.get_type_hints(node).items():
-        if dataclasses.is_dataclass(kind):
-            keys += all_keys(kind, f"{prefix}{name}.")
-        else:
-            keys.append(prefix + name)
-    return keys
+    return list(_leaf_types())
 
 
 def _read_yaml(path: Path) -> dict:
@@ -178,29 +172,67 @@ def _resolve_source(source: str | None) -> tuple[str, dict]:
     return source, _read_yaml(preset_dir() / f"{source}.yaml")
 
 
-def _explain(err: OmegaConfBaseException) -> str:
-    key = getattr(err, "full_key", None) or ""
-    if isinstance(err, ConfigKeyError):
-        near = difflib.get_close_matches(key, all_keys(), n=1, cutoff=0.5)
-        hint = f"; did you mean '{near[0]}'?" if near else "; see `llama-jax train --help-keys`"
-        return f"unknown config key '{key}'{hint}"
-    message = str(err).splitlines()[0]
-    return f"bad value for '{key}': {message}" if key else message
+def _leaf_types(node: Any = Config, prefix: str = "") -> dict[str, Any]:
+    """Dotted key -> its Python type, for every leaf of the schema."""
+    types: dict[str, Any] = {}
+    for name, kind in typing.get_type_hints(node).items():
+        if dataclasses.is_dataclass(kind):
+            types.update(_leaf_types(kind, f"{prefix}{name}."))
+        else:
+            types[prefix + name] = kind
+    return types
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+_BOOL_WORDS = {"true", "false", "yes", "no", "on", "off", "1", "0"}
+
+
+def _check_key(key: str, value: Any, origin: str) -> None:
+    """Unknown keys (with the nearest valid one), whole sections and non-boolean booleans.
+
+    OmegaConf checks the remaining types, but it names only the unknown *part* of a dotted key
+    and turns any number into a bool, so these two checks come first.
+    """
+    types = _leaf_types()
+    if key in {k.rsplit(".", 1)[0] for k in types if "." in k}:
+        raise ConfigError(f"{origin}'{key}' is a section, not a value; set its fields, e.g. "
+                          f"{next(k for k in types if k.startswith(key + '.'))}=...")
+    if key not in types:
+        near = difflib.get_close_matches(key, list(types), n=1, cutoff=0.5)
+        hint = f"did you mean '{near[0]}'?" if near else "`llama-jax train --print-config` lists every key"
+        raise ConfigError(f"unknown config key '{key}'{origin and ' in ' + origin.rstrip(': ')}; {hint}")
+    if types[key] is bool and str(value).lower() not in _BOOL_WORDS:
+        raise ConfigError(f"{origin}'{key}' must be true or false, got '{value}'")
 
 
 def load_config(source: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Build a validated Config from a preset name or YAML path plus ``key=value`` overrides."""
-    _, preset = _resolve_source(source)
+    name, preset = _resolve_source(source)
+    for key, value in _flatten(preset).items():
+        _check_key(key, value, f"{name}: ")
     for item in overrides:
-        if "=" not in item or item.startswith("="):
+        key, sep, value = item.partition("=")
+        if not sep or not key:
             raise ConfigError(f"override '{item}' is not of the form key=value (e.g. train.steps=100)")
+        _check_key(key.strip(), value.strip(), "")
     try:
         merged = OmegaConf.merge(
             OmegaConf.structured(Config), OmegaConf.create(preset), OmegaConf.from_dotlist(list(overrides))
         )
         config = OmegaConf.to_object(merged)
     except OmegaConfBaseException as err:
-        raise ConfigError(_explain(err)) from None
+        key = getattr(err, "full_key", None)
+        message = str(err).splitlines()[0]
+        raise ConfigError(f"bad value for '{key}': {message}" if key else message) from None
     validate(config)
     return config
 

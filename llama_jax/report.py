@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 import os
 import pathlib
-import tempfile
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
@@ -92,12 +91,11 @@ def write_report(run_dir: pathlib.Path) -> pathlib.Path:
 
     # Save next to the target and rename: a viewer never sees a half-written PNG.
     out = run_dir / "report.png"
-    fd, tmp = tempfile.mkstemp(dir=run_dir, prefix=".report.", suffix=".png")
+    tmp = run_dir / f".report.{os.getpid()}.png.tmp"  # per process: a concurrent `report` cannot clash
     try:
-        with os.fdopen(fd, "wb") as f:
-            fig.savefig(f, format="png", dpi=100)
+        fig.savefig(tmp, format="png", dpi=100)
         os.replace(tmp, out)
     except BaseException:
-        os.unlink(tmp)
+        tmp.unlink(missing_ok=True)
         raise
     return out

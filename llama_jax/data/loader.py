@@ -60,6 +60,12 @@ def _save_npy(path: Path, array: np.ndarray) -> None:
     os.replace(tmp, path)  # atomic: a reader never sees half a file
 
 
+def _check_vocab(tokenizer: Tokenizer, vocab_size: int) -> None:
+    if tokenizer.vocab_size > vocab_size:
+        raise DataError(f"the tokenizer has {tokenizer.vocab_size} tokens but model.vocab_size is {vocab_size}; "
+                        "raise model.vocab_size")
+
+
 def prepare(data: DataConfig, vocab_size: int, log: Callable[[str], None] = print) -> PreparedCorpus:
     """Tokenize the corpus (or reuse the cache) and return both splits with their tokenizer."""
     documents = load_documents(data.corpus)
@@ -75,10 +81,11 @@ def prepare(data: DataConfig, vocab_size: int, log: Callable[[str], None] = prin
         val_docs = documents[n - 1::n]
         train_docs = [d for i, d in enumerate(documents) if i % n != n - 1]
         tokenizer = Tokenizer.train_bpe(train_docs, vocab_size)
+        _check_vocab(tokenizer, vocab_size)  # before writing anything that looks complete
         _save_npy(train_path, tokenizer.encode_documents(train_docs))
         _save_npy(val_path, tokenizer.encode_documents(val_docs))
         tokenizer.save(tokenizer_path)  # written last: its presence marks a complete cache
-        (directory / "meta.json").write_text(json.dumps({
+        (directory / f"meta-{vocab_size}.json").write_text(json.dumps({
             "corpus": data.corpus, "documents": len(documents), "train_documents": len(train_docs),
             "val_documents": len(val_docs), "vocab_size": tokenizer.vocab_size, "format": FORMAT_VERSION,
         }, indent=2))
@@ -86,9 +93,7 @@ def prepare(data: DataConfig, vocab_size: int, log: Callable[[str], None] = prin
             f"with a {tokenizer.vocab_size}-token BPE in {time.perf_counter() - start:.1f}s -> {directory}")
 
     tokenizer = Tokenizer.load(tokenizer_path)
-    if tokenizer.vocab_size > vocab_size:
-        raise DataError(f"the tokenizer has {tokenizer.vocab_size} tokens but model.vocab_size is {vocab_size}; "
-                        "raise model.vocab_size")
+    _check_vocab(tokenizer, vocab_size)
     return PreparedCorpus(tokenizer, np.load(train_path, mmap_mode="r"), np.load(val_path, mmap_mode="r"),
                           directory)
 

@@ -1,0 +1,223 @@
+"""Config loading, overrides and validation; bad command lines exit 2 with one line, touching nothing."""
+
+import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import llama_jax.train
+from llama_jax import cli, sharding
+from llama_jax.config import Config, ConfigError, all_keys, load_config, preset_names, to_yaml
+
+REPO = Path(__file__).resolve().parent.parent
+PRESET_FILES = sorted((REPO / "configs").glob("*.yaml"))
+
+# The dotted keys DESIGN.md section 3 promises, each with a valid value that differs from the tiny
+# preset, and the value it must load as.
+INTERFACE_KEYS = {
+    "seed": ("7", 7),
+    "run.dir": ("runs/elsewhere", "runs/elsewhere"),
+    "train.steps": ("7", 7),
+    "train.batch_size": ("32", 32),
+    "train.seq_len": ("64", 64),
+    "train.microbatches": ("2", 2),
+    "train.lr": ("1e-3", 1e-3),
+    "mesh.data": ("2", 2),
+    "mesh.fsdp": ("2", 2),
+    "mesh.tensor": ("2", 2),
+    "mesh.sequence": ("2", 2),
+    "mesh.sequence_parallel": ("false", False),
+    "remat.policy": ("full", "full"),
+    "checkpoint.every_steps": ("5", 5),
+    "checkpoint.keep": ("2", 2),
+    "model.compute_dtype": ("bfloat16", "bfloat16"),
+    "model.n_layers": ("2", 2),
+    "model.d_model": ("128", 128),
+    "model.n_heads": ("8", 8),
+    "model.n_kv_heads": ("4", 4),
+    "model.ffn_dim": ("512", 512),
+    "model.vocab_size": ("1024", 1024),
+}
+
+
+def get(config, key):
+    for part in key.split("."):
+        config = getattr(config, part)
+    return config
+
+
+# --------------------------------------------------------------------------------------------
+# Loading and overrides
+
+
+def test_preset_files_are_the_presets():
+    """configs/ holds exactly the presets load_config knows, including the default tiny and bench."""
+    assert [p.stem for p in PRESET_FILES] == preset_names()
+    assert {"tiny", "bench", "llama3_1b", "llama3_8b", "llama3_405b"} <= set(preset_names())
+
+
+@pytest.mark.parametrize("path", PRESET_FILES, ids=lambda p: p.stem)
+def test_each_preset_loads_by_name_and_by_path(path):
+    """Every preset validates, and loading it by name or by YAML path gives the same config."""
+    by_name = load_config(path.stem)
+    assert isinstance(by_name, Config)
+    assert load_config(str(path)) == by_name
+
+
+def test_no_source_is_the_tiny_preset():
+    """`load_config(None)` (i.e. `llama-jax train` with no arguments) is the tiny preset on Shakespeare."""
+    default = load_config(None)
+    assert default == load_config("tiny")
+    assert default.data.corpus == "shakespeare"
+    assert (default.model.d_model, default.model.n_layers) == (256, 4)  # as written in configs/tiny.yaml
+
+
+def test_overrides_are_typed():
+    """Override strings become the schema's types: float, bool, int, str."""
+    config = load_config("tiny", ["train.lr=1e-3", "model.tie_embeddings=true", "train.steps=12",
+                                  "remat.policy=full", "mesh.sequence_parallel=false"])
+    assert isinstance(config.train.lr, float) and config.train.lr == 1e-3
+    assert config.model.tie_embeddings is True
+    assert isinstance(config.train.steps, int) and config.train.steps == 12
+    assert config.remat.policy == "full"
+    assert config.mesh.sequence_parallel is False
+
+
+def test_later_override_wins_and_others_keep_preset_values():
+    """Overrides replace only their key; the last one for a key wins."""
+    config = load_config("tiny", ["train.steps=3", "train.steps=5"])
+    assert config.train.steps == 5
+    assert config.train.batch_size == load_config("tiny").train.batch_size
+
+
+def test_config_is_frozen():
+    """The dataclasses are immutable: a loaded config cannot be changed by accident."""
+    config = load_config("tiny")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.seed = 1
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.train.steps = 1
+
+
+def test_saved_yaml_loads_back(tmp_path):
+    """The resolved config written to run.dir loads back to the same config."""
+    config = load_config("tiny", ["train.steps=9", "model.n_layers=2", f"run.dir={tmp_path}"])
+    path = tmp_path / "config.yaml"
+    path.write_text(to_yaml(config))
+    assert load_config(str(path)) == config
+
+
+def test_all_interface_keys_exist():
+    """Every key listed in DESIGN.md section 3 is in the schema."""
+    missing = set(INTERFACE_KEYS) - set(all_keys())
+    assert not missing
+
+
+@pytest.mark.parametrize("key", INTERFACE_KEYS)
+def test_each_interface_key_can_be_overridden(key):
+    """Each DESIGN.md section 3 key accepts a `key=value` override and takes that value."""
+    text, expected = INTERFACE_KEYS[key]
+    config = load_config("tiny", [f"{key}={text}"])
+    assert get(config, key) == expected
+    assert get(config, key) != get(load_config("tiny"), key)
+
+
+def test_mesh_shape_fills_one_axis():
+    """mesh.*=-1 takes the devices the other axes leave; the product must equal the device count."""
+    config = load_config("tiny", ["mesh.data=2", "mesh.tensor=2"])
+    assert sharding.mesh_shape(config.mesh, 8) == {"data": 2, "fsdp": 2, "sequence": 1, "tensor": 2}
+    with pytest.raises(ConfigError, match="mesh.fsdp=-1"):
+        sharding.mesh_shape(load_config("tiny", ["mesh.data=3"]).mesh, 8)
+
+
+# --------------------------------------------------------------------------------------------
+# Bad input through the CLI: exit 2, one line on stderr, run.dir untouched
+
+
+def case(name, args, fragments, marks=()):
+    """A bad command line: the arguments after `train`, and fragments its error line must contain."""
+    return pytest.param(args, fragments, id=name, marks=marks)
+
+
+BAD_INPUTS = [
+    case("unknown-key", ["train.step=5"], ["'train.step'", "did you mean 'train.steps'"]),
+    case("unknown-section", ["modle.n_layers=2"], ["modle", "did you mean 'model.n_layers'"]),
+    case("bare-section", ["train=5"], ["'train' is a section", "train.steps"]),
+    case("number-as-bool", ["mesh.sequence_parallel=2"], ["mesh.sequence_parallel", "true or false", "'2'"]),
+    case("wrong-type-int", ["train.steps=abc"], ["train.steps", "abc"]),
+    case("wrong-type-bool", ["model.tie_embeddings=maybe"], ["model.tie_embeddings", "maybe"]),
+    case("negative-steps", ["train.steps=-1"], ["train.steps", "-1"]),
+    case("kv-heads", ["model.n_kv_heads=3"], ["model.n_heads (4)", "model.n_kv_heads (3)"]),
+    case("seq-len-above-max", ["train.seq_len=2048"], ["train.seq_len (2048)", "model.max_seq_len (1024)"]),
+    case("microbatches", ["train.microbatches=3"], ["train.batch_size (16)", "train.microbatches (3)"]),
+    case("unknown-preset", ["llama3_8"], ["unknown preset 'llama3_8'", "did you mean 'llama3_8b'"]),
+    case("missing-yaml", ["{tmp}/missing.yaml"], ["missing.yaml", "does not exist"]),
+    case("bad-dtype", ["model.compute_dtype=float8"], ["model.compute_dtype", "float8", "bfloat16"]),
+    case("remat-policy", ["remat.policy=everything"], ["remat.policy", "everything", "none", "full", "selective"]),
+    case("no-equals", ["train.steps=3", "model.n_layers"], ["'model.n_layers'", "key=value"]),
+    case("two-fill-axes", ["mesh.data=-1", "mesh.fsdp=-1"], ["at most one mesh axis may be -1"]),
+    case("mesh-product", ["mesh.fsdp=3", "mesh.data=1", "mesh.tensor=1", "mesh.sequence=1"],
+         ["fsdp=3", "needs 3 devices", "8 are available"]),
+    case("mesh-no-fill", ["mesh.data=3"], ["data=3", "does not divide the 8"]),
+    case("batch-vs-mesh", ["mesh.fsdp=8", "train.batch_size=12"], ["train.batch_size (12)", "data×fsdp"]),
+    case("heads-vs-tensor", ["mesh.tensor=8"], ["model.n_heads (4)", "mesh.tensor (8)"]),
+    case("missing-corpus", ["data.corpus={tmp}/no_such_corpus"], ["data.corpus", "no_such_corpus", "does not exist"]),
+]
+
+
+@pytest.fixture
+def no_training(monkeypatch):
+    """Fail fast instead of training for minutes if a bad input slips through validation."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("bad input was accepted: training started")
+    monkeypatch.setattr(llama_jax.train, "train", refuse)
+
+
+def snapshot(directory: Path):
+    if not directory.exists():
+        return None
+    return {str(p.relative_to(directory)): p.read_bytes() if p.is_file() else None
+            for p in sorted(directory.rglob("*"))}
+
+
+@pytest.mark.parametrize("run_dir_exists", [False, True], ids=["new-run-dir", "existing-run-dir"])
+@pytest.mark.parametrize("args, fragments", BAD_INPUTS)
+def test_bad_input_exits_2_with_one_line(args, fragments, run_dir_exists, tmp_path, capsys, no_training):
+    """A bad input returns 2, prints one 'llama-jax: error:' line naming the problem, writes nothing to run.dir."""
+    run_dir = tmp_path / "run"
+    if run_dir_exists:
+        run_dir.mkdir()
+        (run_dir / "keep.txt").write_text("precious\n")
+        (run_dir / "config.yaml").write_text("seed: 123\n")
+    before = snapshot(run_dir)
+    args = [a.format(tmp=tmp_path) for a in args]
+
+    status = cli.main(["train", *args, f"run.dir={run_dir}", f"data.cache_dir={tmp_path / 'cache'}"])
+
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert status == 2
+    assert len(lines) == 1 and len(err.splitlines()) == 1, err
+    assert lines[0].startswith("llama-jax: error: ")
+    for fragment in fragments:
+        assert fragment.format(tmp=tmp_path) in lines[0]
+    assert snapshot(run_dir) == before
+    if run_dir_exists:
+        assert (run_dir / "keep.txt").read_text() == "precious\n"
+    else:
+        assert not run_dir.exists()
+
+
+def test_bad_input_in_a_subprocess(tmp_path):
+    """`python -m llama_jax train train.steps=-1` exits with status 2 and one stderr line."""
+    run_dir = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "llama_jax", "train", "train.steps=-1", f"run.dir={run_dir}",
+                           f"data.cache_dir={tmp_path / 'cache'}"],
+                          capture_output=True, text=True, env=dict(os.environ), timeout=300)
+    assert proc.returncode == 2
+    assert len(proc.stderr.splitlines()) == 1, proc.stderr
+    assert proc.stderr.startswith("llama-jax: error: ") and "train.steps" in proc.stderr
+    assert not run_dir.exists()
