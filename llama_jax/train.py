@@ -239,7 +239,7 @@ def train(config: Config, mesh: Mesh, corpus: PreparedCorpus, print_fn: Callable
                 log.message(f"sample after {t.steps} steps:\n{summary['sample']}")
                 (run_dir / "sample.txt").write_text(summary["sample"] + "\n")
     checkpointer.close()
-    if start >= t.steps:
+    if start and start >= t.steps:
         print_fn(f"{run_dir} is already trained to step {start}; raise train.steps to continue")
         return summary
     summary["report"] = str(write_report(run_dir))
