@@ -1,17 +1,25 @@
-"""Attention cores: which implementation runs, and the document/causal mask it applies.
+"""Attention cores: which implementation runs, the causal/document mask, and context parallelism.
 
 The model calls :func:`attention` with rotated queries/keys in [batch, seq, heads, head_dim] layout.
-``jax.nn.dot_product_attention`` handles grouped-query attention itself (query heads a multiple of
-key/value heads) and has two backends: cuDNN's fused flash attention on NVIDIA GPUs and a plain XLA
-implementation everywhere else.
+``jax.nn.dot_product_attention`` handles grouped-query attention itself (query head i reads kv head
+i // (heads / kv_heads)) and has two backends: cuDNN's fused flash attention on NVIDIA GPUs and a
+plain XLA implementation everywhere else.
+
+Context parallelism: when the active mesh splits the sequence over its `sequence` axis, each device
+holds a slice of the queries and all-gathers the keys and values of the whole sequence (the scheme
+Llama 3 used for its 128K context). Masks are built from segment ids and positions rather than
+token indices, so they stay exact for packed documents and for any order of the sequence slices —
+including the load-balanced layout of sharding.balance_sequence.
 """
 
 from __future__ import annotations
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
+SEQUENCE_AXIS = "sequence"
 
 
 def select_implementation(requested: str, platform: str, dtype, head_dim: int) -> str:
@@ -34,17 +42,56 @@ def select_implementation(requested: str, platform: str, dtype, head_dim: int) -
     return requested
 
 
-def document_mask(segment_ids: jax.Array) -> jax.Array:
-    """[batch, seq] segment ids -> [batch, 1, seq, seq] mask: a query sees keys of its own document.
+def document_mask(q_segments: jax.Array, k_segments: jax.Array) -> jax.Array:
+    """[batch, q], [batch, k] segment ids -> [batch, 1, q, k]: a query sees only its own document."""
+    return q_segments[:, None, :, None] == k_segments[:, None, None, :]
 
-    Causality is applied by the kernel (is_causal=True); together they stop packed documents from
-    attending to each other.
+
+def causal_document_mask(q_segments, q_positions, k_segments, k_positions) -> jax.Array:
+    """[batch, 1, q, k] mask: a query sees earlier-or-equal positions of its own document.
+
+    Within one document positions grow by one per token, so comparing positions is the causal
+    mask, whatever order the tokens are laid out in.
     """
-    return (segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
+    not_future = q_positions[:, None, :, None] >= k_positions[:, None, None, :]
+    return document_mask(q_segments, k_segments) & not_future
+
+
+def sequence_shards() -> int:
+    """How many devices the active mesh splits the sequence over (1 outside a mesh)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return mesh.shape.get(SEQUENCE_AXIS, 1) if mesh.axis_names else 1
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None,
-              implementation: str) -> jax.Array:
+              positions: jax.Array | None, implementation: str) -> jax.Array:
     """Causal attention with document masking. q [b,t,n,h], k/v [b,t,kv,h] -> [b,t,n,h]."""
-    mask = None if segment_ids is None else document_mask(segment_ids)
+    if sequence_shards() > 1:
+        return _context_parallel(q, k, v, segment_ids, positions, implementation)
+    # Unsharded, the tokens are in order: the kernel's own causal mask applies (cuDNN then skips
+    # the masked blocks) and only the document boundaries need an explicit mask.
+    mask = None if segment_ids is None else document_mask(segment_ids, segment_ids)
     return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation=implementation)
+
+
+def _context_parallel(q, k, v, segment_ids, positions, implementation):
+    batch, seq = q.shape[:2]
+    if positions is None:
+        positions = jnp.broadcast_to(jnp.arange(seq), (batch, seq))
+    if segment_ids is None:
+        segment_ids = jnp.ones((batch, seq), jnp.int32)
+    # The partition specs follow the logical-axis rules in force, so an expert's table override
+    # moves this shard_map along with everything else.
+    heads = nn.logical_to_mesh_axes(("batch", "seq", "act_heads", "head_dim"))
+    kv_heads = nn.logical_to_mesh_axes(("batch", "seq", "act_kv_heads", "head_dim"))
+    tokens = nn.logical_to_mesh_axes(("batch", "seq"))
+
+    def local(q, k, v, segments, positions):
+        # Every device keeps its query slice and gathers the keys/values of the whole sequence;
+        # autodiff turns the all-gathers into reduce-scatters for the key/value gradients.
+        gather = lambda x: jax.lax.all_gather(x, SEQUENCE_AXIS, axis=1, tiled=True)  # noqa: E731
+        mask = causal_document_mask(segments, positions, gather(segments), gather(positions))
+        return jax.nn.dot_product_attention(q, gather(k), gather(v), mask=mask, implementation=implementation)
+
+    return jax.shard_map(local, in_specs=(heads, kv_heads, kv_heads, tokens, tokens), out_specs=heads)(
+        q, k, v, segment_ids, positions)

@@ -96,6 +96,12 @@ class MeshConfig:
     tensor: int = 1
     sequence: int = 1
     sequence_parallel: bool = True  # Megatron-style; only matters when tensor > 1
+    # Context parallelism: give each sequence shard one early and one late chunk of the sequence,
+    # so causal attention work is the same on every shard.
+    load_balance: bool = True
+    # Expert override of the logical-axis table (sharding.LOGICAL_AXIS_RULES), e.g.
+    # mesh.rules.embed=none or mesh.rules.batch=data,fsdp.
+    rules: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -202,6 +208,11 @@ def _check_key(key: str, value: Any, origin: str) -> None:
     OmegaConf checks the remaining types, but it names only the unknown *part* of a dotted key
     and turns any number into a bool, so these two checks come first.
     """
+    if key.startswith("mesh.rules."):
+        from llama_jax import sharding  # local import: sharding imports this module
+
+        sharding.check_rule(key.removeprefix("mesh.rules."), str(value))
+        return
     types = _leaf_types()
     if key in {k.rsplit(".", 1)[0] for k in types if "." in k}:
         raise ConfigError(f"{origin}'{key}' is a section, not a value; set its fields, e.g. "

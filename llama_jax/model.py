@@ -128,7 +128,7 @@ class Attention(nn.Module):
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, x, cos, sin, segment_ids):
+    def __call__(self, x, cos, sin, segment_ids, positions):
         cfg = self.cfg
         d, n, kv, h = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.resolved_head_dim
         linear = partial(Linear, dtype=dtype(cfg.compute_dtype), param_dtype=dtype(cfg.param_dtype))
@@ -145,7 +145,7 @@ class Attention(nn.Module):
 
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         implementation = select_implementation(cfg.attention, jax.default_backend(), q.dtype, h)
-        context = attention(q, k, v, segment_ids, implementation)  # [batch, seq, heads, head_dim]
+        context = attention(q, k, v, segment_ids, positions, implementation)  # [batch, seq, heads, head_dim]
         context = nn.with_logical_constraint(checkpoint_name(context, "attention_context"), HEADS)
 
         out = linear("btnh,nhd->btd", (n, h, d), ("heads", "head_dim", "embed"), out_std, name="o_proj")(context)
@@ -176,12 +176,12 @@ class Block(nn.Module):
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, x, cos, sin, segment_ids):
+    def __call__(self, x, cos, sin, segment_ids, positions):
         cfg = self.cfg
         norm = partial(RMSNorm, eps=cfg.norm_eps, dtype=dtype(cfg.compute_dtype), param_dtype=dtype(cfg.param_dtype))
         h = checkpoint_name(norm(name="attn_norm")(x), "attn_norm")
         h = nn.with_logical_constraint(h, HIDDEN)
-        x = x + Attention(cfg, name="attn")(h, cos, sin, segment_ids)
+        x = x + Attention(cfg, name="attn")(h, cos, sin, segment_ids, positions)
         x = nn.with_logical_constraint(x, RESIDUAL)
         h = checkpoint_name(norm(name="mlp_norm")(x), "mlp_norm")
         h = nn.with_logical_constraint(h, HIDDEN)
@@ -218,9 +218,9 @@ class Llama(nn.Module):
         # One compiled layer body, run n_layers times: compile time does not grow with depth, and
         # every layer weight gets a leading `layers` axis.
         layers = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True},
-                         in_axes=(nn.broadcast, nn.broadcast, nn.broadcast), length=cfg.n_layers,
+                         in_axes=(nn.broadcast,) * 4, length=cfg.n_layers,
                          metadata_params={nn.PARTITION_NAME: "layers"})
-        x, _ = layers(cfg, name="layers")(x, cos, sin, segment_ids)
+        x, _ = layers(cfg, name="layers")(x, cos, sin, segment_ids, positions)
 
         x = RMSNorm(cfg.norm_eps, dtype(cfg.compute_dtype), dtype(cfg.param_dtype), name="final_norm")(x)
         if cfg.tie_embeddings:

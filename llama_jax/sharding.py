@@ -19,6 +19,7 @@ from contextlib import contextmanager
 import flax.linen as nn
 import jax
 import numpy as np
+from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from llama_jax.config import Config, ConfigError, MeshConfig
@@ -48,13 +49,35 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
 )
 
 
+def _parse_axes(value: str) -> str | tuple[str, ...] | None:
+    """'none' -> None, 'tensor' -> 'tensor', 'data,fsdp' -> ('data', 'fsdp')."""
+    axes = tuple(a.strip() for a in value.split(",") if a.strip() and a.strip().lower() != "none")
+    return None if not axes else axes[0] if len(axes) == 1 else axes
+
+
+def check_rule(logical: str, value: str) -> None:
+    """Validate one `mesh.rules.<logical>=<axes>` override."""
+    names = [name for name, _ in LOGICAL_AXIS_RULES]
+    if logical not in names:
+        raise ConfigError(f"mesh.rules.{logical}: unknown logical axis; known: {', '.join(names)}")
+    parsed = _parse_axes(value)
+    axes = (parsed,) if isinstance(parsed, str) else parsed or ()
+    bad = [a for a in axes if a not in MESH_AXES]
+    if bad:
+        raise ConfigError(f"mesh.rules.{logical}={value}: unknown mesh axis '{bad[0]}'; use a comma-separated "
+                          f"list of {', '.join(MESH_AXES)}, or none")
+
+
 def axis_rules(config: Config) -> tuple:
-    """The rules for this run: Megatron sequence parallelism also splits the residual stream's
-    sequence axis over `tensor`, so norms and residual adds hold 1/tensor of the activations."""
+    """The table for this run: LOGICAL_AXIS_RULES, with Megatron sequence parallelism (which also
+    splits the residual stream's sequence over `tensor`, so norms and residual adds hold 1/tensor
+    of the activations) and then the expert overrides of `mesh.rules` applied."""
+    rules = dict(LOGICAL_AXIS_RULES)
     if config.mesh.sequence_parallel and config.mesh.tensor > 1:
-        return tuple(("residual_seq", ("sequence", "tensor")) if name == "residual_seq" else (name, axes)
-                     for name, axes in LOGICAL_AXIS_RULES)
-    return LOGICAL_AXIS_RULES
+        rules["residual_seq"] = ("sequence", "tensor")
+    for logical, value in config.mesh.rules.items():
+        rules[logical] = _parse_axes(value)
+    return tuple(rules.items())
 
 
 def mesh_shape(mesh: MeshConfig, n_devices: int) -> dict[str, int]:
@@ -96,10 +119,28 @@ def check_divisibility(config: Config, sizes: dict[str, int]) -> None:
             ok = [d for d in range(1, heads + 1) if heads % d == 0]
             raise ConfigError(f"{key} ({heads}) is not divisible by mesh.tensor ({sizes['tensor']}); "
                               f"tensor sizes that work: {ok}")
-    seq_shards = sizes["sequence"] * (sizes["tensor"] if config.mesh.sequence_parallel else 1)
-    if t.seq_len % seq_shards:
-        raise ConfigError(f"train.seq_len ({t.seq_len}) must be divisible by {seq_shards} "
-                          "(mesh.sequence, times mesh.tensor with sequence parallelism)")
+    needs = {sizes["sequence"]: "mesh.sequence"}
+    if config.mesh.sequence_parallel and sizes["tensor"] > 1:
+        needs[sizes["sequence"] * sizes["tensor"]] = "mesh.sequence × mesh.tensor (sequence parallelism)"
+    if config.mesh.load_balance and sizes["sequence"] > 1:
+        needs[2 * sizes["sequence"]] = "2 × mesh.sequence (load-balanced context parallelism)"
+    for divisor, reason in needs.items():
+        if t.seq_len % divisor:
+            raise ConfigError(f"train.seq_len ({t.seq_len}) must be divisible by {divisor} = {reason}; "
+                              f"try train.seq_len={t.seq_len // divisor * divisor or divisor}")
+
+
+def split_over_hosts(shape: tuple[int, ...], n_hosts: int) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """Split a mesh shape into (within-host, across-host) factors, outermost axes crossing hosts first.
+
+    The outer axes (data, then fsdp) carry the least traffic per step, so they take the slow
+    links between hosts. None if the host count does not factor into the axes.
+    """
+    inner, outer, left = list(shape), [1] * len(shape), n_hosts
+    for i in range(len(shape)):
+        factor = math.gcd(inner[i], left)
+        inner[i], outer[i], left = inner[i] // factor, factor, left // factor
+    return (tuple(inner), tuple(outer)) if left == 1 else None
 
 
 def make_mesh(config: Config, devices=None) -> Mesh:
@@ -108,7 +149,13 @@ def make_mesh(config: Config, devices=None) -> Mesh:
     check_divisibility(config, sizes)
     shape = tuple(sizes[a] for a in MESH_AXES)
     # Auto axis types: Flax's logical constraints are GSPMD hints, which Explicit axes reject.
-    return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices)
+    axis_types = (AxisType.Auto,) * len(MESH_AXES)
+    n_hosts = len({d.process_index for d in devices})
+    split = split_over_hosts(shape, n_hosts) if n_hosts > 1 else None
+    if split is None:
+        return jax.make_mesh(shape, MESH_AXES, axis_types=axis_types, devices=devices)
+    grid = mesh_utils.create_hybrid_device_mesh(split[0], split[1], devices, process_is_granule=True)
+    return Mesh(grid, MESH_AXES, axis_types=axis_types)
 
 
 @contextmanager
@@ -133,7 +180,21 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
 
 
-def put_batch(batch: dict[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array]:
+def balance_sequence(x: np.ndarray, shards: int) -> np.ndarray:
+    """Reorder [batch, seq] so sequence shard i holds chunks i and 2·shards-1-i of the sequence.
+
+    Under a causal mask late tokens attend to more keys than early ones; pairing an early chunk
+    with a late one gives every shard the same amount of attention work. The model is indifferent
+    to the order (positions and segment ids travel with the tokens) and the loss is a sum over tokens.
+    """
+    chunks = np.split(x, 2 * shards, axis=1)
+    return np.concatenate([c for i in range(shards) for c in (chunks[i], chunks[2 * shards - 1 - i])], axis=1)
+
+
+def put_batch(batch: dict[str, np.ndarray], mesh: Mesh, load_balance: bool = True) -> dict[str, jax.Array]:
     """Host batch (the full global batch on this single process) -> sharded device arrays."""
     sharding = batch_sharding(mesh)
+    shards = mesh.shape["sequence"]
+    if load_balance and shards > 1:
+        batch = {k: balance_sequence(v, shards) for k, v in batch.items()}
     return {k: jax.device_put(v, sharding) for k, v in batch.items()}

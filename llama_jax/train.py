@@ -40,7 +40,10 @@ class TrainState(struct.PyTreeNode):
 def cross_entropy_sum(logits: jax.Array, targets: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Summed next-token negative log-likelihood over unmasked targets, and their count, in fp32."""
     logits = logits.astype(jnp.float32)
-    target_logits = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    # A masked sum rather than a gather: with the vocab split over `tensor` each device sums its
+    # own slice and XLA adds the partial sums, instead of gathering the [batch, seq, vocab] logits.
+    vocab_ids = jnp.arange(logits.shape[-1], dtype=targets.dtype)
+    target_logits = jnp.sum(jnp.where(vocab_ids == targets[..., None], logits, 0.0), axis=-1)
     nll = jax.nn.logsumexp(logits, axis=-1) - target_logits
     return jnp.sum(nll * mask), jnp.sum(mask)
 
@@ -114,7 +117,9 @@ class Trainer:
         rules = sharding.axis_rules(config)
 
         def init_state(rng: jax.Array) -> TrainState:
-            tokens = jnp.zeros((1, config.train.seq_len), jnp.int32)
+            # The dummy batch only fixes shapes (XLA drops the unused forward pass); one row per
+            # batch shard keeps it divisible by the mesh inside the context-parallel shard_map.
+            tokens = jnp.zeros((mesh.shape["data"] * mesh.shape["fsdp"], config.train.seq_len), jnp.int32)
             params = model.init(rng, tokens)["params"]
             return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params))
 
@@ -148,7 +153,7 @@ class Trainer:
                             self.state_shardings)
 
     def put(self, batch):
-        return sharding.put_batch(batch, self.mesh)
+        return sharding.put_batch(batch, self.mesh, self.config.mesh.load_balance)
 
     def evaluate(self, params, batches: PackedBatches, n_batches: int) -> float:
         total, count = 0.0, 0.0
@@ -234,11 +239,12 @@ def train(config: Config, mesh: Mesh, corpus: PreparedCorpus, print_fn: Callable
             if throughputs:
                 summary["tokens_per_s"] = statistics.median(throughputs)
                 summary["mfu"] = mfu(summary["tokens_per_s"] * flops_per_token, peak, n_devices)
-            if t.sample_tokens and t.steps > start:
-                summary["sample"] = _sample(trainer, state.params, corpus, config)
-                log.message(f"sample after {t.steps} steps:\n{summary['sample']}")
-                (run_dir / "sample.txt").write_text(summary["sample"] + "\n")
     checkpointer.close()
+    if t.sample_tokens and t.steps > start:
+        # Outside the mesh context: the prompt's length need not divide the sequence shards.
+        summary["sample"] = _sample(trainer, state.params, corpus, config)
+        print_fn(f"sample after {t.steps} steps:\n{summary['sample']}")
+        (run_dir / "sample.txt").write_text(summary["sample"] + "\n")
     if start and start >= t.steps:
         print_fn(f"{run_dir} is already trained to step {start}; raise train.steps to continue")
         return summary

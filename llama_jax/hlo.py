@@ -1,0 +1,286 @@
+"""Per-step FLOPs and collective traffic from a compiled XLA HLO module's text.
+
+Input is `jax.jit(f).lower(...).compile().as_text()` (the post-SPMD, per-device program).
+XLA's `compiled.cost_analysis()` counts a while-loop (scan) body once; here every computation
+is weighted by how many times it runs per step, so a scanned layer stack counts every layer.
+
+Multiplicity of a computation: ENTRY = 1; while body/condition = caller x known_trip_count
+(a while without a known trip count counts once and is reported in `unknown_trip_counts`);
+fusion/call/custom-call/async/reducer callees = caller. Every branch of a conditional gets the
+caller's multiplicity, so programs with conditionals give an upper bound. A computation
+called from several places sums the multiplicities.
+
+FLOPs: `dot` = 2 x result elements x product of lhs contracting dims; `convolution` =
+2 x result elements x product of kernel dims other than the output feature ('o') dim.
+Dots lowered to library custom-calls (e.g. GPU `__cublas$gemm`) are not counted.
+
+Collective traffic, per device, ring cost model with group size n (n = 1 moves nothing):
+  all-gather          (n-1)/n  x result bytes
+  reduce-scatter      (n-1)    x result bytes   (= (n-1)/n x operand bytes)
+  all-reduce          2(n-1)/n x result bytes   (reduce-scatter + all-gather)
+  all-to-all          (n-1)/n  x result bytes
+  collective-permute  1        x result bytes   (each device sends its buffer once)
+Async pairs are counted at the `-start` only.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
+
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
+                "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
+                "token": 0, "opaque": 0}
+# Bytes each device sends per result byte, for a group of n (module docstring).
+_RING = {"all-gather": lambda n: (n - 1) / n, "reduce-scatter": lambda n: n - 1.0,
+         "all-reduce": lambda n: 2 * (n - 1) / n, "all-to-all": lambda n: (n - 1) / n}
+# Attributes naming called computations; `body`/`condition` additionally scale by the trip count.
+_CALL_ATTRS = ("calls", "to_apply", "body", "condition", "true_computation", "false_computation",
+               "branch_computations", "called_computations")
+
+
+@dataclass(frozen=True)
+class CollectiveStats:
+    count: int          # executions per step (instruction count x how many times its computation runs)
+    buffer_bytes: int   # sum of result sizes per device (per execution x executions)
+    moved_bytes: float  # per-device bytes sent over links, ring cost model (module docstring)
+
+
+@dataclass(frozen=True)
+class HloStats:
+    dot_flops: float                         # per step, per device
+    collectives: dict[str, CollectiveStats]  # all five KINDS, zeros if absent
+    unknown_trip_counts: int                 # while loops without known_trip_count (counted once)
+
+
+@dataclass
+class _Instr:
+    name: str
+    shape: str
+    opcode: str
+    operands: list[str]
+    attrs: dict[str, str]
+
+
+@dataclass
+class _Computation:
+    name: str
+    shapes: dict[str, str] = field(default_factory=dict)  # parameter/instruction name -> result shape
+    instrs: list[_Instr] = field(default_factory=list)
+
+
+def _walk(text: str) -> Iterator[tuple[int, str, int]]:
+    """Yield (index, char, depth outside the char) for every character not inside quotes.
+    This is the whole tokenizer: HLO nests (), [], {} and strings; the rest splits at depth 0."""
+    depth, quote, escaped = 0, "", False
+    for i, ch in enumerate(text):
+        if quote:  # backend_config="{\"a\":1}" style strings escape their quotes
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == quote:
+                quote = ""
+        elif ch in "\"'":
+            quote = ch
+        else:
+            if ch in ")]}":
+                depth -= 1
+            yield i, ch, depth
+            if ch in "([{":
+                depth += 1
+
+
+def _close(text: str, start: int) -> int:
+    """Index of the bracket closing the one at text[start]."""
+    for i, ch, depth in _walk(text[start:]):
+        if ch in ")]}" and depth == 0:
+            return start + i
+    raise ValueError(f"unbalanced brackets in {text[:80]!r}")
+
+
+def _split_top(text: str) -> list[str]:
+    """Split on commas that are outside brackets and quotes; drop empty pieces."""
+    cuts = [i for i, ch, depth in _walk(text) if ch == "," and depth == 0]
+    pieces = [text[a + 1:b] for a, b in zip([-1, *cuts], [*cuts, len(text)])]
+    return [p.strip() for p in pieces if p.strip()]
+
+
+def _strip_comments(text: str) -> str:
+    """Drop `/*index=5*/` markers that XLA puts inside long tuples."""
+    while "/*" in text:
+        a = text.index("/*")
+        text = text[:a] + text[text.index("*/", a) + 2:]
+    return text
+
+
+def _arrays(shape: str) -> list[tuple[str, list[int]]]:
+    """Flatten a (possibly nested tuple) shape into (dtype, dims) leaves."""
+    shape = _strip_comments(shape).strip()
+    if shape.startswith("("):
+        return [leaf for part in _split_top(shape[1:_close(shape, 0)]) for leaf in _arrays(part)]
+    dtype, _, rest = shape.partition("[")
+    dims = rest[:rest.index("]")] if rest else ""
+    # `<=N` marks a bounded dynamic dimension; N is the buffer size.
+    return [(dtype.strip(), [int(d.strip().removeprefix("<=")) for d in dims.split(",") if d.strip()])]
+
+
+def shape_bytes(shape: str) -> int:
+    """Bytes of an HLO shape, e.g. "f32[32,128]{1,0}" -> 16384 or "(f32[], bf16[2,3])" -> 16."""
+    total = 0
+    for dtype, dims in _arrays(shape):
+        # fp8 is one byte; sub-byte types (s4, f4e2m1fn, ...) are rounded up to one (upper bound).
+        size = 1 if dtype[:2] in ("f8", "f4", "s4", "u4", "s2", "u2") else _DTYPE_BYTES.get(dtype)
+        if size is None:
+            raise ValueError(f"unknown HLO element type {dtype!r} in {shape!r}")
+        total += size * math.prod(dims)
+    return total
+
+
+def _parse_instr(line: str) -> _Instr | None:
+    """`[ROOT] %name = <shape> <opcode>(<operands>), key=value, ...` -> _Instr."""
+    name, eq, rest = line.strip().removeprefix("ROOT ").partition(" = ")
+    if not eq:
+        return None
+    end = _close(rest, 0) + 1 if rest.startswith("(") else rest.index(" ")  # tuple shapes have spaces
+    shape, rest = rest[:end], rest[end:].strip()
+    paren = rest.index("(")
+    close = _close(rest, paren)
+    attrs = {}
+    for item in _split_top(rest[close + 1:]):
+        key, _, value = item.partition("=")
+        attrs[key.strip()] = value.strip()
+    operands = _split_top(_strip_comments(rest[paren + 1:close]))
+    return _Instr(name.lstrip("%"), shape, rest[:paren].strip(), operands, attrs)
+
+
+def _parse_module(text: str) -> tuple[dict[str, _Computation], str]:
+    """Split the module into computations; returns them and the ENTRY computation's name."""
+    comps: dict[str, _Computation] = {}
+    entry, current = "", None
+    for line in text.splitlines():
+        if current is None:
+            # Header lines start at column 0 and open a brace; module attributes and the
+            # FileNames/StackFrames tables after the computations never end in "{".
+            if line[:1].isspace() or not line.rstrip().endswith("{") or line.startswith("HloModule"):
+                continue
+            header = _strip_comments(line.strip())
+            is_entry = header.startswith("ENTRY ")
+            name, _, rest = header.removeprefix("ENTRY ").partition(" ")
+            current = comps[name.lstrip("%")] = _Computation(name.lstrip("%"))
+            entry = current.name if is_entry else entry
+            if rest.startswith("("):  # parameter shapes, for dots whose operands are parameters
+                for param in _split_top(rest[1:_close(rest, 0)]):
+                    pname, _, pshape = param.partition(":")
+                    current.shapes[pname.strip().lstrip("%")] = pshape.strip()
+        elif line.strip() == "}":
+            current = None
+        elif (instr := _parse_instr(line)) is not None:
+            current.instrs.append(instr)
+            current.shapes[instr.name] = instr.shape
+    return comps, entry
+
+
+def _trip_count(instr: _Instr) -> int | None:
+    raw = instr.attrs.get("backend_config", "")
+    try:
+        config = json.loads(raw)
+        if isinstance(config, str):  # older XLA prints backend_config as a quoted JSON string
+            config = json.loads(config)
+        return int(config["known_trip_count"]["n"])
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def _callees(instr: _Instr, trip_count: int) -> Iterator[tuple[str, int]]:
+    if instr.opcode.endswith("-done") or instr.opcode == "async-update":
+        return  # these repeat the `calls=` of their async-start; counting both would double it
+    for attr in _CALL_ATTRS:
+        for callee in _split_top(instr.attrs.get(attr, "").strip("{}")):
+            yield callee.lstrip("%"), trip_count if attr in ("body", "condition") else 1
+
+
+def _operand_dims(comp: _Computation, operand: str) -> list[int]:
+    parts = operand.split()  # some XLA versions print "f32[2,3]{1,0} %x" for operands
+    shape = parts[0] if len(parts) > 1 else comp.shapes[operand.lstrip("%")]
+    return _arrays(shape)[0][1]
+
+
+def _flops(comp: _Computation, instr: _Instr) -> float:
+    if instr.opcode not in ("dot", "convolution"):
+        return 0.0
+    out = math.prod(_arrays(instr.shape)[0][1])
+    if instr.opcode == "dot":
+        lhs = _operand_dims(comp, instr.operands[0])
+        contracting = instr.attrs.get("lhs_contracting_dims", "{}").strip("{}")
+        return 2.0 * out * math.prod(lhs[int(d)] for d in contracting.split(",") if d.strip())
+    # convolution: dim_labels=b01f_01io->b01f, the kernel's labels are the 2nd group
+    kernel_labels = instr.attrs["dim_labels"].split("->")[0].split("_")[1]
+    kernel = _operand_dims(comp, instr.operands[1])
+    return 2.0 * out * math.prod(d for d, label in zip(kernel, kernel_labels) if label != "o")
+
+
+def _group_size(instr: _Instr, num_devices: int) -> int:
+    groups = instr.attrs.get("replica_groups", "{}")
+    if groups in ("{}", "{{}}"):  # empty means one group of all devices
+        return num_devices
+    if groups.startswith("mesh["):  # mesh['a'=8,'b'=1] {'a'}: product of the listed axes
+        axes, _, chosen = groups[len("mesh["):].partition("]")
+        sizes = {k.strip().strip("'\""): int(v) for k, _, v in (a.partition("=") for a in _split_top(axes))}
+        return math.prod(sizes[a.strip("'\"")] for a in _split_top(chosen.strip().strip("{}")))
+    if groups.startswith("["):  # iota form [groups,size]<=[...]: groups are the last dim
+        return int(groups[1:groups.index("]")].split(",")[-1])
+    return len(_split_top(_split_top(groups[1:-1])[0].strip("{}")))  # explicit {{0,1},{2,3}}
+
+
+def _output_shape(instr: _Instr) -> str:
+    # all-gather-start / collective-permute-start return (operand, output[, contexts...]);
+    # all-reduce-start returns just its output(s).
+    shape = _strip_comments(instr.shape).strip()
+    elements = _split_top(shape[1:_close(shape, 0)]) if shape.startswith("(") else [shape]
+    if instr.opcode.endswith("-start") and instr.opcode != "all-reduce-start" and len(elements) > 1:
+        return elements[1]
+    return instr.shape
+
+
+def analyze(hlo_text: str, num_devices: int) -> HloStats:
+    """Per-step, per-device dot FLOPs and collective traffic of a compiled HLO module."""
+    comps, entry = _parse_module(hlo_text)
+    callers: dict[str, list[tuple[str, int]]] = defaultdict(list)
+    unknown = 0
+    for comp in comps.values():
+        for instr in comp.instrs:
+            trips = _trip_count(instr) if instr.opcode == "while" else 1
+            if trips is None:
+                unknown, trips = unknown + 1, 1
+            for callee, factor in _callees(instr, trips):
+                callers[callee].append((comp.name, factor))
+
+    multiplicity: dict[str, int] = {}
+
+    def runs(name: str) -> int:  # call graphs are DAGs, so this terminates; unreachable -> 0
+        if name not in multiplicity:
+            multiplicity[name] = 1 if name == entry else sum(runs(c) * f for c, f in callers[name])
+        return multiplicity[name]
+
+    flops = 0.0
+    count, buffer, moved = defaultdict(int), defaultdict(int), defaultdict(float)
+    for comp in comps.values():
+        if (mult := runs(comp.name)) == 0:
+            continue
+        for instr in comp.instrs:
+            flops += mult * _flops(comp, instr)
+            kind = instr.opcode.removesuffix("-start")
+            if kind not in KINDS:
+                continue
+            nbytes, n = shape_bytes(_output_shape(instr)), _group_size(instr, num_devices)
+            count[kind] += mult
+            buffer[kind] += mult * nbytes
+            moved[kind] += mult * nbytes * (1.0 if kind == "collective-permute" else _RING[kind](n))
+    collectives = {k: CollectiveStats(count[k], buffer[k], moved[k]) for k in KINDS}
+    return HloStats(dot_flops=flops, collectives=collectives, unknown_trip_counts=unknown)
