@@ -1,4 +1,4 @@
-"""`llama-jax` command line: train, report.
+"""`llama-jax` command line: train, plan, report.
 
 Every input error (config, mesh, data) is reported as one line on stderr with exit status 2, and is
 detected before anything in run.dir is created or overwritten.
@@ -59,6 +59,24 @@ def cmd_train(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plan(ns: argparse.Namespace) -> int:
+    from llama_jax import sharding
+    from llama_jax.config import ConfigError, load_config
+
+    source, overrides = _split_source(ns.args)
+    try:
+        config = load_config(source, overrides)
+        mesh = sharding.make_mesh(config)
+    except ConfigError as err:
+        raise BadInput(str(err)) from None
+
+    from llama_jax.plan import format_plan, make_plan, plan_json
+
+    plan = make_plan(config, mesh)
+    print(plan_json(plan) if ns.json else format_plan(plan))
+    return 0
+
+
 def cmd_report(ns: argparse.Namespace) -> int:
     from llama_jax.report import write_report
 
@@ -80,6 +98,14 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("args", nargs="*", metavar="PRESET|CONFIG|key=value")
     train.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
     train.set_defaults(func=cmd_train)
+
+    plan = commands.add_parser(
+        "plan", help="compile the train step ahead of time and report memory, FLOPs and communication",
+        description="llama-jax plan [PRESET|CONFIG.yaml] [key=value ...] [--json]. Runs nothing and allocates "
+                    "nothing; simulate devices with XLA_FLAGS=--xla_force_host_platform_device_count=N.")
+    plan.add_argument("args", nargs="*", metavar="PRESET|CONFIG|key=value")
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+    plan.set_defaults(func=cmd_plan)
 
     report = commands.add_parser("report", help="plot loss, eval loss and throughput of a run to RUN_DIR/report.png")
     report.add_argument("run_dir", metavar="RUN_DIR")

@@ -75,6 +75,10 @@ def axis_rules(config: Config) -> tuple:
     rules = dict(LOGICAL_AXIS_RULES)
     if config.mesh.sequence_parallel and config.mesh.tensor > 1:
         rules["residual_seq"] = ("sequence", "tensor")
+    if config.model.n_kv_heads % max(config.mesh.tensor, 1):
+        # Fewer kv heads than tensor shards (e.g. Llama 3's 8 kv heads at tensor=16): every shard
+        # keeps all key/value heads, as Megatron does, while the query heads stay split.
+        rules["kv_heads"] = rules["act_kv_heads"] = None
     for logical, value in config.mesh.rules.items():
         rules[logical] = _parse_axes(value)
     return tuple(rules.items())
@@ -114,11 +118,14 @@ def check_divisibility(config: Config, sizes: dict[str, int]) -> None:
             f"train.batch_size ({t.batch_size}) must be divisible by data×fsdp×microbatches "
             f"({sizes['data']}×{sizes['fsdp']}×{t.microbatches} = {batch_shards * t.microbatches})"
         )
-    for key, heads in (("model.n_heads", m.n_heads), ("model.n_kv_heads", m.n_kv_heads)):
-        if heads % sizes["tensor"]:
-            ok = [d for d in range(1, heads + 1) if heads % d == 0]
-            raise ConfigError(f"{key} ({heads}) is not divisible by mesh.tensor ({sizes['tensor']}); "
-                              f"tensor sizes that work: {ok}")
+    tensor = sizes["tensor"]
+    # Query heads split evenly over `tensor`; kv heads either split too or, when there are fewer
+    # of them than shards, are replicated (which needs tensor to be a multiple of kv heads).
+    ok = [d for d in range(1, m.n_heads + 1)
+          if m.n_heads % d == 0 and (m.n_kv_heads % d == 0 or d % m.n_kv_heads == 0)]
+    if tensor not in ok:
+        raise ConfigError(f"model.n_heads ({m.n_heads}) and model.n_kv_heads ({m.n_kv_heads}) do not fit "
+                          f"mesh.tensor ({tensor}); tensor sizes that work: {ok}")
     needs = {sizes["sequence"]: "mesh.sequence"}
     if config.mesh.sequence_parallel and sizes["tensor"] > 1:
         needs[sizes["sequence"] * sizes["tensor"]] = "mesh.sequence × mesh.tensor (sequence parallelism)"

@@ -1,5 +1,6 @@
 """Every command the README shows is checked here, so the README cannot drift from the code."""
 
+import json
 import re
 import shlex
 import subprocess
@@ -71,3 +72,12 @@ def test_readme_preset_table_matches_the_presets():
     for name, number, unit in rows:
         stated = float(number) * (1e6 if unit == "M" else 1e9)
         assert abs(param_count(load_config(name).model) - stated) / stated < 0.01, name
+
+
+@pytest.mark.parametrize("command", readme_commands("llama-jax plan"))
+def test_readme_plan_commands_compile_and_report(command, capsys):
+    """Each README plan command runs on this process's 8 simulated devices (its XLA_FLAGS prefix)."""
+    args = llama_jax_args(command)
+    assert "--xla_force_host_platform_device_count=8" in command
+    assert cli.main(args + ([] if "--json" in args else ["--json"])) == 0
+    assert json.loads(capsys.readouterr().out)["hlo_flops"] > 0

@@ -14,9 +14,9 @@ from llama_jax import sharding
 from llama_jax.config import ConfigError, load_config
 from llama_jax.train import Trainer
 
-# Eight query heads so that tensor=8 divides them; kv heads are 2 (GQA) unless tensor needs 8.
+# Eight query heads so that tensor=8 divides them; two kv heads (GQA), which tensor=8 replicates.
 MESH_MODEL = dataclasses.replace(TINY_MODEL, n_heads=8, n_kv_heads=2)
-MESH_MODEL_TP8 = dataclasses.replace(TINY_MODEL, n_heads=8, n_kv_heads=8)
+MESH_MODEL_KV8 = dataclasses.replace(TINY_MODEL, n_heads=8, n_kv_heads=8)  # kv heads split over tensor=8
 STEPS = 5
 
 # (data, fsdp, tensor, sequence)
@@ -30,7 +30,8 @@ def mesh_cases():
             for load_balance in ([True, False] if sequence > 1 else [True]):
                 name = "x".join(map(str, shape)) + ("" if tensor == 1 else "-sp" if sequence_parallel else "-nosp") \
                     + ("" if sequence == 1 else "-balanced" if load_balance else "-inorder")
-                yield pytest.param(shape, sequence_parallel, load_balance, id=name)
+                yield pytest.param(shape, sequence_parallel, load_balance, MESH_MODEL, id=name)
+    yield pytest.param((1, 1, 8, 1), True, True, MESH_MODEL_KV8, id="1x1x8x1-sp-kv8")
 
 
 def losses(cfg, devices):
@@ -56,10 +57,9 @@ def single_device_losses(model):
     return _reference_cache[model]
 
 
-@pytest.mark.parametrize("shape, sequence_parallel, load_balance", list(mesh_cases()))
-def test_mesh_matches_single_device(shape, sequence_parallel, load_balance):
+@pytest.mark.parametrize("shape, sequence_parallel, load_balance, model", list(mesh_cases()))
+def test_mesh_matches_single_device(shape, sequence_parallel, load_balance, model):
     """First 5 losses (fp32) on an 8-device mesh equal the 1-device run within 1e-5 relative."""
-    model = MESH_MODEL_TP8 if shape[2] == 8 else MESH_MODEL
     data, fsdp, tensor, sequence = shape
     cfg = tiny_config(model=dataclasses.asdict(model), train=dict(lr=1e-2),
                       mesh=dict(data=data, fsdp=fsdp, tensor=tensor, sequence=sequence,

@@ -1,0 +1,143 @@
+"""`llama-jax plan`: compile the train step ahead of time and report what one step will cost.
+
+Nothing runs and nothing is allocated: the state and batch are abstract (shapes, dtypes and
+shardings), so a 405B model can be planned on a laptop with simulated devices. Reported per device:
+memory (arguments, temporaries, total), HLO FLOPs with every scanned layer counted, model FLOPs,
+and bytes moved by each collective kind next to the analytic minimum for the mesh.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from llama_jax import hlo, sharding
+from llama_jax.config import Config
+from llama_jax.model import param_count, train_flops_per_token
+from llama_jax.train import Trainer
+
+BATCH_FIELDS = {"tokens": jnp.int32, "targets": jnp.int32, "segment_ids": jnp.int32, "positions": jnp.int32,
+                "loss_mask": jnp.float32}
+
+
+@dataclass(frozen=True)
+class Plan:
+    mesh: dict[str, int]
+    devices: int
+    argument_bytes: int      # per device: state + batch
+    temporary_bytes: int     # per device: activations and other scratch
+    output_bytes: int        # per device, not counting outputs that reuse (alias) donated arguments
+    total_bytes: int         # per device peak estimate: arguments + temporaries + unaliased outputs
+    hlo_flops: float         # per step, all devices, from the compiled program (layers counted)
+    model_flops: float       # per step: train_flops_per_token x tokens
+    collective_bytes: dict[str, float]   # per device per step, by kind (ring cost model)
+    collective_minimum: dict[str, float]  # analytic minimum per device per step, by parallelism
+    compile_seconds: float
+
+    @property
+    def collective_total(self) -> float:
+        return sum(self.collective_bytes.values())
+
+    @property
+    def minimum_total(self) -> float:
+        return sum(self.collective_minimum.values())
+
+
+def abstract_batch(config: Config, mesh: Mesh) -> dict[str, jax.ShapeDtypeStruct]:
+    shape = (config.train.batch_size, config.train.seq_len)
+    return {k: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding.batch_sharding(mesh))
+            for k, dtype in BATCH_FIELDS.items()}
+
+
+def collective_minimum(config: Config, sizes: dict[str, int]) -> dict[str, float]:
+    """The least each device must send per step for this mesh, in the ring cost model of hlo.py.
+
+    fsdp     weights all-gathered for the forward and again for the backward, gradients
+             reduce-scattered: 3 (f-1)/f x the weight bytes a tensor shard holds.
+    data     gradients all-reduced over the devices holding the same weights but other tokens
+             (data and sequence): 2 (g-1)/g x one device's gradient bytes.
+    tensor   per layer two all-reduces in the forward and two in the backward of the
+             [batch, seq, embed] activations (sequence parallelism turns each into an all-gather
+             plus a reduce-scatter of the same total), plus one each for embedding and logits.
+    sequence per layer keys and values all-gathered (forward) and their gradients
+             reduce-scattered (backward): 2 (s-1)/s x the full-sequence K and V bytes.
+    """
+    m, t = config.model, config.train
+    f, d, tp, s = sizes["fsdp"], sizes["data"], sizes["tensor"], sizes["sequence"]
+    param_bytes = param_count(m) * jnp.dtype(m.param_dtype).itemsize
+    compute_bytes = jnp.dtype(m.compute_dtype).itemsize
+    local_batch = t.batch_size / (d * f)
+    activation = local_batch * t.seq_len / s * m.d_model * compute_bytes
+    kv_shards = tp if m.n_kv_heads % tp == 0 else 1  # fewer kv heads than tensor shards: replicated
+    kv_full = local_batch * t.seq_len * 2 * m.n_kv_heads / kv_shards * m.resolved_head_dim * compute_bytes
+    replicas = d * s  # devices that share weights but see different tokens
+    return {
+        "fsdp": 3 * (f - 1) / f * param_bytes / tp,
+        "data": 2 * (replicas - 1) / replicas * param_bytes / (tp * f),
+        "tensor": (4 * m.n_layers + 2) * 2 * (tp - 1) / tp * activation,
+        "sequence": 2 * (s - 1) / s * kv_full * m.n_layers,
+    }
+
+
+def make_plan(config: Config, mesh: Mesh) -> Plan:
+    trainer = Trainer.build(config, mesh)
+    start = time.perf_counter()
+    with trainer.activate():
+        compiled = trainer.train_step.lower(trainer.abstract_state(), abstract_batch(config, mesh)).compile()
+    compile_seconds = time.perf_counter() - start
+    memory = compiled.memory_analysis()
+    devices = mesh.devices.size
+    stats = hlo.analyze(compiled.as_text(), devices)
+    outputs = memory.output_size_in_bytes - memory.alias_size_in_bytes
+    return Plan(
+        mesh=dict(mesh.shape), devices=devices,
+        argument_bytes=memory.argument_size_in_bytes, temporary_bytes=memory.temp_size_in_bytes,
+        output_bytes=outputs, total_bytes=memory.argument_size_in_bytes + memory.temp_size_in_bytes + outputs,
+        hlo_flops=stats.dot_flops * devices,
+        model_flops=train_flops_per_token(config.model, config.train.seq_len) * config.train.batch_size
+        * config.train.seq_len,
+        collective_bytes={kind: c.moved_bytes for kind, c in stats.collectives.items()},
+        collective_minimum=collective_minimum(config, dict(mesh.shape)),
+        compile_seconds=compile_seconds,
+    )
+
+
+def _size(n: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def format_plan(plan: Plan) -> str:
+    ratio = plan.collective_total / plan.minimum_total if plan.minimum_total else math.nan
+    lines = [
+        f"mesh {plan.mesh} on {plan.devices} device(s), compiled in {plan.compile_seconds:.1f}s",
+        "per device memory:",
+        f"  arguments    {_size(plan.argument_bytes):>12}   (train state + batch)",
+        f"  temporaries  {_size(plan.temporary_bytes):>12}   (activations, gradients, scratch)",
+        f"  outputs      {_size(plan.output_bytes):>12}   (not aliased to donated arguments)",
+        f"  total        {_size(plan.total_bytes):>12}",
+        "FLOPs per step (all devices):",
+        f"  HLO          {plan.hlo_flops:12.4g}   (matmuls of the compiled program, every layer counted)",
+        f"  model        {plan.model_flops:12.4g}   (6 x matmul params + attention, per token x tokens)",
+        f"  HLO / model  {plan.hlo_flops / plan.model_flops:12.3f}   (above 1: recomputation or replicated work)",
+        "collectives per device per step (ring cost model):",
+    ]
+    lines += [f"  {kind:<19}{_size(b):>12}" for kind, b in plan.collective_bytes.items()]
+    lines.append(f"  {'total':<19}{_size(plan.collective_total):>12}")
+    minimum = ", ".join(f"{k} {_size(v)}" for k, v in plan.collective_minimum.items() if v)
+    lines.append(f"  analytic minimum {_size(plan.minimum_total):>12}   ({minimum or 'no communication'})")
+    lines.append(f"  measured / minimum {ratio:10.2f}" if plan.minimum_total else "")
+    return "\n".join(line for line in lines if line)
+
+
+def plan_json(plan: Plan) -> str:
+    return json.dumps({**asdict(plan), "collective_total": plan.collective_total,
+                       "minimum_total": plan.minimum_total}, indent=2)

@@ -1,0 +1,87 @@
+"""`llama-jax plan`: ahead-of-time memory, FLOPs and communication of the train step."""
+
+import dataclasses
+import json
+
+import pytest
+from conftest import TINY_MODEL, tiny_config
+
+from llama_jax import cli, sharding
+from llama_jax.plan import collective_minimum, make_plan
+
+MODEL = dataclasses.asdict(dataclasses.replace(TINY_MODEL, n_heads=8, n_kv_heads=2))
+
+
+def plan_for(**mesh):
+    cfg = tiny_config(model=MODEL, mesh=dict(data=1, fsdp=1, tensor=1, sequence=1) | mesh)
+    return make_plan(cfg, sharding.make_mesh(cfg))
+
+
+@pytest.fixture(scope="module")
+def fsdp_plan():
+    return plan_for(fsdp=8)
+
+
+def test_hlo_flops_count_every_layer_and_equal_model_flops_without_recomputation(fsdp_plan):
+    # XLA's own cost analysis would count the scanned layer once; the matmuls of the compiled
+    # program, every layer counted, are exactly the model FLOPs when nothing is recomputed.
+    assert fsdp_plan.hlo_flops == pytest.approx(fsdp_plan.model_flops, rel=0.02)
+
+
+def test_full_recomputation_shows_up_as_extra_hlo_flops():
+    cfg = tiny_config(model=MODEL, remat=dict(policy="full"), mesh=dict(data=1, fsdp=8, tensor=1, sequence=1))
+    plan = make_plan(cfg, sharding.make_mesh(cfg))
+    assert 1.15 < plan.hlo_flops / plan.model_flops < 1.5  # about one extra forward of the layers
+
+
+def test_memory_fields_are_consistent(fsdp_plan):
+    p = fsdp_plan
+    assert p.argument_bytes > 0 and p.temporary_bytes > 0
+    assert p.total_bytes == p.argument_bytes + p.temporary_bytes + p.output_bytes
+
+
+def test_fsdp_gathers_weights(fsdp_plan):
+    assert fsdp_plan.collective_bytes["all-gather"] > 0
+    assert fsdp_plan.collective_minimum["fsdp"] > 0 and fsdp_plan.collective_minimum["tensor"] == 0
+
+
+def test_data_parallel_traffic_is_the_gradient_all_reduce():
+    plan = plan_for(data=8)
+    assert plan.collective_bytes["all-gather"] == 0
+    assert plan.collective_total == pytest.approx(plan.minimum_total, rel=0.1)
+
+
+def test_context_parallel_traffic_matches_the_analytic_minimum():
+    plan = plan_for(sequence=8)
+    assert plan.collective_bytes["all-gather"] > 0 and plan.collective_bytes["reduce-scatter"] > 0
+    assert plan.collective_total == pytest.approx(plan.minimum_total, rel=0.1)
+
+
+def test_sequence_parallelism_lowers_activation_memory():
+    with_sp = plan_for(tensor=8, sequence_parallel=True)
+    without = plan_for(tensor=8, sequence_parallel=False)
+    assert with_sp.temporary_bytes < without.temporary_bytes
+
+
+def test_analytic_minimum_formulas():
+    cfg = tiny_config(model=MODEL)
+    nothing = collective_minimum(cfg, {"data": 1, "fsdp": 1, "tensor": 1, "sequence": 1})
+    assert all(v == 0 for v in nothing.values())
+    data = collective_minimum(cfg, {"data": 8, "fsdp": 1, "tensor": 1, "sequence": 1})
+    from llama_jax.model import param_count
+    assert data["data"] == pytest.approx(2 * 7 / 8 * param_count(cfg.model) * 4)
+
+
+def test_plan_command_prints_json(tmp_path, capsys):
+    assert cli.main(["plan", "tiny", "model.n_layers=2", "mesh.fsdp=8", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    for key in ("argument_bytes", "temporary_bytes", "total_bytes", "hlo_flops", "model_flops",
+                "collective_bytes", "collective_minimum"):
+        assert key in report
+    assert set(report["collective_bytes"]) == {"all-gather", "reduce-scatter", "all-reduce", "all-to-all",
+                                               "collective-permute"}
+
+
+def test_plan_command_rejects_a_bad_mesh(capsys):
+    assert cli.main(["plan", "tiny", "mesh.fsdp=3", "mesh.data=1"]) == 2
+    assert "needs 3 devices" in capsys.readouterr().err
