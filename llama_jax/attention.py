@@ -18,6 +18,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from llama_jax.config import ConfigError
+
 CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
 SEQUENCE_AXIS = "sequence"
 
@@ -34,7 +36,7 @@ def select_implementation(requested: str, platform: str, dtype, head_dim: int) -
     if requested == "auto":
         return "cudnn" if cudnn_ok else "xla"
     if requested == "cudnn" and not cudnn_ok:
-        raise ValueError(
+        raise ConfigError(
             f"model.attention=cudnn needs a GPU, bfloat16/float16 compute and head_dim a multiple of 8 "
             f"<= 256 (have platform {platform}, dtype {jnp.dtype(dtype).name}, head_dim {head_dim}); "
             "use model.attention=auto"

@@ -39,15 +39,15 @@ def cmd_train(ns: argparse.Namespace) -> int:
 
         from llama_jax import sharding
         from llama_jax.data.loader import prepare
+        from llama_jax.train import Run, execute
 
         mesh = sharding.make_mesh(config)
         corpus = prepare(config.data, config.model.vocab_size)
+        run = Run.setup(config, mesh, corpus)  # checks the rest of the input; writes nothing
     except (ConfigError, DataError) as err:
         raise BadInput(str(err)) from None
 
-    from llama_jax.train import train
-
-    result = train(config, mesh, corpus)
+    result = execute(run)
     if "final_eval_loss" in result:
         initial = result.get("initial_eval_loss")
         ratio = f" ({result['final_eval_loss'] / initial:.0%} of the initial {initial:.3f})" if initial else ""
@@ -82,7 +82,7 @@ def cmd_report(ns: argparse.Namespace) -> int:
 
     try:
         print(write_report(Path(ns.run_dir)))
-    except FileNotFoundError as err:
+    except (FileNotFoundError, ValueError) as err:  # no metrics yet, or a corrupt metrics line
         raise BadInput(str(err)) from None
     return 0
 

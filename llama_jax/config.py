@@ -20,7 +20,8 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-DTYPES = ("float32", "bfloat16", "float16")
+# float16 needs loss scaling, which the trainer does not do: bfloat16 has float32's range.
+DTYPES = ("float32", "bfloat16")
 ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn")
 
 
@@ -307,6 +308,9 @@ def validate(config: Config) -> None:
         f"model.attention must be one of {', '.join(ATTENTION_IMPLEMENTATIONS)}, got '{m.attention}'",
     )
     _require(m.norm_eps > 0, f"model.norm_eps must be positive, got {m.norm_eps}")
+    _require(m.init_std > 0, f"model.init_std must be positive, got {m.init_std}")
+    _require(m.rope_original_max_len > 0, f"model.rope_original_max_len must be positive, got {m.rope_original_max_len}")
+    _require(m.rope_low_freq_factor > 0, f"model.rope_low_freq_factor must be positive, got {m.rope_low_freq_factor}")
     _require(m.rope_theta > 0, f"model.rope_theta must be positive, got {m.rope_theta}")
     _require(m.rope_scaling_factor >= 1, f"model.rope_scaling_factor must be >= 1, got {m.rope_scaling_factor}")
     _require(

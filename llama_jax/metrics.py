@@ -17,12 +17,13 @@ import os
 import pathlib
 import re
 import sys
-import tempfile
 import time
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+
+from llama_jax.files import atomic_path
 
 # Peak dense TFLOP/s of ONE jax device as (bf16, fp16, fp32); None = no figure we trust -> measure.
 # fp32 is the plain CUDA-core figure, not TF32. Note JAX's default matmul precision may use TF32 on
@@ -142,12 +143,10 @@ def device_peak_flops(dtype: str, cache_dir: pathlib.Path) -> tuple[float, str]:
         return float(cached) / sharing, where + ", cached"
     peak = measure_matmul_peak(dtype)
     cache[cache_key] = peak
-    try:  # tmp file + os.replace: a concurrent reader or a crash never sees a half-written cache
+    try:
         cache_dir.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=cache_dir, prefix=".peak_flops.", suffix=".tmp")
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(cache, f, indent=1, sort_keys=True)
-        os.replace(tmp, path)
+        with atomic_path(path) as tmp:  # a concurrent reader or a crash never sees half a cache
+            tmp.write_text(json.dumps(cache, indent=1, sort_keys=True), encoding="utf-8")
     except OSError:  # read-only or full disk: the figure is still right, just not reused
         return peak / sharing, where + ", not cached"
     return peak / sharing, where

@@ -40,8 +40,18 @@ MLP_HIDDEN = ("batch", "seq", "act_mlp")
 LOGITS = ("batch", "seq", "act_vocab")
 
 
-def dtype(name: str) -> jnp.dtype:
-    return jnp.dtype(name)
+def dtypes(cfg: ModelConfig) -> dict[str, jnp.dtype]:
+    """The compute and parameter dtypes, as the keyword arguments every layer below takes."""
+    return {"dtype": jnp.dtype(cfg.compute_dtype), "param_dtype": jnp.dtype(cfg.param_dtype)}
+
+
+def output_init_std(cfg: ModelConfig) -> float:
+    """Init scale of the projections that write into the residual stream (attention out, MLP down).
+
+    Scaled by 1/sqrt(2 x layers), GPT-2 style, so the residual stream's variance does not grow
+    with depth.
+    """
+    return cfg.init_std / math.sqrt(2 * cfg.n_layers)
 
 
 def init_normal(std: float, names: tuple[str, ...]):
@@ -131,10 +141,8 @@ class Attention(nn.Module):
     def __call__(self, x, cos, sin, segment_ids, positions):
         cfg = self.cfg
         d, n, kv, h = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.resolved_head_dim
-        linear = partial(Linear, dtype=dtype(cfg.compute_dtype), param_dtype=dtype(cfg.param_dtype))
-        # Residual-branch outputs start smaller so the residual stream's variance does not grow
-        # with depth (GPT-2's scaled init).
-        std, out_std = cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.n_layers)
+        linear = partial(Linear, **dtypes(cfg))
+        std, out_std = cfg.init_std, output_init_std(cfg)
 
         q = linear("btd,dnh->btnh", (d, n, h), ("embed", "heads", "head_dim"), std, name="q_proj")(x)
         k = linear("btd,dkh->btkh", (d, kv, h), ("embed", "kv_heads", "head_dim"), std, name="k_proj")(x)
@@ -159,8 +167,8 @@ class MLP(nn.Module):
     def __call__(self, x):
         cfg = self.cfg
         d, f = cfg.d_model, cfg.ffn_dim
-        linear = partial(Linear, dtype=dtype(cfg.compute_dtype), param_dtype=dtype(cfg.param_dtype))
-        std, out_std = cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.n_layers)
+        linear = partial(Linear, **dtypes(cfg))
+        std, out_std = cfg.init_std, output_init_std(cfg)
         gate = linear("btd,df->btf", (d, f), ("embed", "mlp"), std, name="gate_proj")(x)
         up = linear("btd,df->btf", (d, f), ("embed", "mlp"), std, name="up_proj")(x)
         gate = nn.with_logical_constraint(checkpoint_name(gate, "mlp_gate"), MLP_HIDDEN)
@@ -178,7 +186,7 @@ class Block(nn.Module):
     @nn.compact
     def __call__(self, x, cos, sin, segment_ids, positions):
         cfg = self.cfg
-        norm = partial(RMSNorm, eps=cfg.norm_eps, dtype=dtype(cfg.compute_dtype), param_dtype=dtype(cfg.param_dtype))
+        norm = partial(RMSNorm, eps=cfg.norm_eps, **dtypes(cfg))
         h = checkpoint_name(norm(name="attn_norm")(x), "attn_norm")
         h = nn.with_logical_constraint(h, HIDDEN)
         x = x + Attention(cfg, name="attn")(h, cos, sin, segment_ids, positions)
@@ -205,7 +213,7 @@ class Llama(nn.Module):
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
         embed = nn.Embed(cfg.vocab_size, cfg.d_model, embedding_init=init_normal(cfg.init_std, ("vocab", "embed")),
-                         dtype=dtype(cfg.compute_dtype), param_dtype=dtype(cfg.param_dtype), name="embed")
+                         **dtypes(cfg), name="embed")
         x = nn.with_logical_constraint(embed(tokens), RESIDUAL)
         cos, sin = rope_angles(positions, cfg)
 
@@ -222,12 +230,12 @@ class Llama(nn.Module):
                          metadata_params={nn.PARTITION_NAME: "layers"})
         x, _ = layers(cfg, name="layers")(x, cos, sin, segment_ids, positions)
 
-        x = RMSNorm(cfg.norm_eps, dtype(cfg.compute_dtype), dtype(cfg.param_dtype), name="final_norm")(x)
+        x = RMSNorm(cfg.norm_eps, **dtypes(cfg), name="final_norm")(x)
         if cfg.tie_embeddings:
             logits = embed.attend(x)
         else:
             logits = Linear("btd,dv->btv", (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), cfg.init_std,
-                            dtype(cfg.compute_dtype), dtype(cfg.param_dtype), name="lm_head")(x)
+                            **dtypes(cfg), name="lm_head")(x)
         return nn.with_logical_constraint(logits, LOGITS)
 
 

@@ -9,9 +9,12 @@ from llama_jax.config import TrainConfig
 
 
 def learning_rate(t: TrainConfig) -> optax.Schedule:
-    """0 -> lr over warmup_steps, then cosine down to lr * min_lr_ratio at the last step."""
+    """Linear warmup to lr over warmup_steps, then cosine down to lr * min_lr_ratio at the last step.
+
+    Warmup starts at lr / (warmup_steps + 1), not 0, so the first step already updates the model.
+    """
     return optax.warmup_cosine_decay_schedule(
-        init_value=0.0,
+        init_value=t.lr / (t.warmup_steps + 1),
         peak_value=t.lr,
         warmup_steps=t.warmup_steps,
         decay_steps=max(t.steps, t.warmup_steps + 1),  # optax counts warmup inside decay_steps

@@ -8,12 +8,12 @@ touches no global backend state and is safe to call from a training process or a
 from __future__ import annotations
 
 import math
-import os
 import pathlib
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from llama_jax.files import atomic_path
 from llama_jax.metrics import read_metrics
 
 
@@ -91,11 +91,6 @@ def write_report(run_dir: pathlib.Path) -> pathlib.Path:
 
     # Save next to the target and rename: a viewer never sees a half-written PNG.
     out = run_dir / "report.png"
-    tmp = run_dir / f".report.{os.getpid()}.png.tmp"  # per process: a concurrent `report` cannot clash
-    try:
+    with atomic_path(out) as tmp:
         fig.savefig(tmp, format="png", dpi=100)
-        os.replace(tmp, out)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
     return out

@@ -137,6 +137,29 @@ def check_divisibility(config: Config, sizes: dict[str, int]) -> None:
                               f"try train.seq_len={t.seq_len // divisor * divisor or divisor}")
 
 
+# The config key behind each logical parameter axis, for error messages.
+_AXIS_KEYS = {"vocab": "model.vocab_size", "embed": "model.d_model", "mlp": "model.ffn_dim",
+              "heads": "model.n_heads", "kv_heads": "model.n_kv_heads", "head_dim": "model.head_dim"}
+
+
+def check_parameter_shapes(config: Config, sizes: dict[str, int]) -> None:
+    """Every parameter dimension must split evenly over the mesh axes its logical name maps to."""
+    from llama_jax.model import abstract_params  # local import: the model is only needed here
+
+    rules = dict(axis_rules(config))
+    boxed = abstract_params(config.model)
+    leaves = jax.tree.leaves(boxed, is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned))
+    for leaf in leaves:
+        for dim, name in zip(leaf.value.shape, leaf.names):
+            axes = rules.get(name)
+            axes = () if axes is None else (axes,) if isinstance(axes, str) else axes
+            shards = math.prod(sizes[a] for a in axes)
+            if dim % shards:
+                fix = f"pad it to {-(-dim // shards) * shards}" if name == "vocab" else "change it"
+                raise ConfigError(f"{_AXIS_KEYS.get(name, name)} ({dim}) must be divisible by {'×'.join(axes)} "
+                                  f"({shards}) to shard the '{name}' axis; {fix} or choose another mesh")
+
+
 def split_over_hosts(shape: tuple[int, ...], n_hosts: int) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
     """Split a mesh shape into (within-host, across-host) factors, outermost axes crossing hosts first.
 
@@ -154,6 +177,7 @@ def make_mesh(config: Config, devices=None) -> Mesh:
     devices = jax.devices() if devices is None else devices
     sizes = mesh_shape(config.mesh, len(devices))
     check_divisibility(config, sizes)
+    check_parameter_shapes(config, sizes)
     shape = tuple(sizes[a] for a in MESH_AXES)
     # Auto axis types: Flax's logical constraints are GSPMD hints, which Explicit axes reject.
     axis_types = (AxisType.Auto,) * len(MESH_AXES)

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import flax.linen as nn
+import yaml
 import jax
 import jax.numpy as jnp
 import optax
@@ -17,8 +18,9 @@ from jax.sharding import Mesh
 
 from llama_jax import config as config_lib
 from llama_jax import sharding
+from llama_jax.attention import select_implementation
 from llama_jax.checkpoint import Checkpointer
-from llama_jax.config import Config
+from llama_jax.config import Config, ConfigError
 from llama_jax.data.loader import PackedBatches, PreparedCorpus, cache_root
 from llama_jax.generate import generate
 from llama_jax.metrics import MetricsLog, device_peak_flops, mfu
@@ -115,6 +117,9 @@ class Trainer:
         optimizer = make_optimizer(config.train)
         schedule = learning_rate(config.train)
         rules = sharding.axis_rules(config)
+        # Fail on an impossible attention kernel now, not in the middle of tracing the first step.
+        select_implementation(config.model.attention, jax.default_backend(), config.model.compute_dtype,
+                              config.model.resolved_head_dim)
 
         def init_state(rng: jax.Array) -> TrainState:
             # The dummy batch only fixes shapes (XLA drops the unused forward pass); one row per
@@ -167,23 +172,78 @@ class Trainer:
 # The loop
 
 
-def train(config: Config, mesh: Mesh, corpus: PreparedCorpus, print_fn: Callable[[str], None] = print) -> dict:
-    """Train `config` on `corpus`, resuming from `<run.dir>/checkpoints` if it holds a step.
+SHAPE_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim",
+                "tie_embeddings", "param_dtype")
 
-    Returns a summary with the first and last eval loss, throughput and MFU.
+
+def latest_checkpoint_step(run_dir: Path) -> int:
+    """Newest finished checkpoint step in run_dir (0 if none), read without creating anything.
+
+    Orbax writes into `<step>.orbax-checkpoint-tmp*` and renames to `<step>` when complete, so
+    only all-digit directory names are finished checkpoints.
     """
-    t, run_dir = config.train, Path(config.run.dir)
-    wall_start = time.perf_counter()
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(config_lib.to_yaml(config))
+    directory = run_dir / "checkpoints"
+    steps = [int(p.name) for p in directory.iterdir() if p.name.isdigit()] if directory.is_dir() else []
+    return max(steps, default=0)
 
-    trainer = Trainer.build(config, mesh)
-    train_batches = PackedBatches(corpus.train_tokens, t.batch_size, t.seq_len, config.seed,
-                                  corpus.tokenizer.bos_id, "train")
-    # Validation batches come from a fixed seed so every evaluation scores the same tokens.
-    val_batches = PackedBatches(corpus.val_tokens, t.batch_size, t.seq_len, 0, corpus.tokenizer.bos_id, "validation")
+
+def check_resumable(config: Config, run_dir: Path) -> None:
+    """The checkpoints in run_dir must hold this model: name every field that differs."""
+    saved_path = run_dir / "config.yaml"
+    if not saved_path.is_file():
+        return
+    saved = (yaml.safe_load(saved_path.read_text()) or {}).get("model", {})
+    current = config_lib.to_dict(config)["model"]
+    differ = [f"model.{k} {saved.get(k)} (saved) vs {current[k]}" for k in SHAPE_FIELDS if saved.get(k) != current[k]]
+    if differ:
+        raise ConfigError(f"{run_dir} holds checkpoints of a different model ({'; '.join(differ)}); "
+                          "use another run.dir or the saved model settings")
+
+
+@dataclass
+class Run:
+    """Everything a training run needs, built and checked before anything in run.dir is written."""
+
+    config: Config
+    trainer: Trainer
+    corpus: PreparedCorpus
+    train_batches: PackedBatches
+    val_batches: PackedBatches
+    start: int  # the step to resume from (0: a new run)
+
+    @classmethod
+    def setup(cls, config: Config, mesh: Mesh, corpus: PreparedCorpus) -> "Run":
+        """Raises ConfigError or DataError (one line each) on bad input; writes nothing."""
+        t, run_dir = config.train, Path(config.run.dir)
+        start = latest_checkpoint_step(run_dir)
+        if start:
+            check_resumable(config, run_dir)
+        trainer = Trainer.build(config, mesh)
+        bos = corpus.tokenizer.bos_id
+        # Validation batches come from a fixed seed so every evaluation scores the same tokens.
+        return cls(config, trainer, corpus, PackedBatches(corpus.train_tokens, t.batch_size, t.seq_len, config.seed,
+                                                          bos, "train"),
+                   PackedBatches(corpus.val_tokens, t.batch_size, t.seq_len, 0, bos, "validation"), start)
+
+
+def train(config: Config, mesh: Mesh, corpus: PreparedCorpus, print_fn: Callable[[str], None] = print) -> dict:
+    """Check the input, then train `config` on `corpus` (resuming from run.dir's newest checkpoint)."""
+    return execute(Run.setup(config, mesh, corpus), print_fn)
+
+
+def execute(run: Run, print_fn: Callable[[str], None] = print) -> dict:
+    """The training loop. Returns a summary with the first and last eval loss, throughput and MFU."""
+    config, trainer, corpus, train_batches, val_batches, start = (
+        run.config, run.trainer, run.corpus, run.train_batches, run.val_batches, run.start)
+    t, run_dir, mesh = config.train, Path(config.run.dir), trainer.mesh
+    wall_start = time.perf_counter()
+    if start and start >= t.steps:
+        print_fn(f"{run_dir} is already trained to step {start}; raise train.steps to continue")
+        return {"run_dir": str(run_dir)}
     eval_batches = min(t.eval_batches, val_batches.n_rows // t.batch_size)
 
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(config_lib.to_yaml(config))
     n_devices = mesh.devices.size
     peak, peak_source = device_peak_flops(config.model.compute_dtype, cache_root(config.data))
     flops_per_token = train_flops_per_token(config.model, t.seq_len)
@@ -193,17 +253,14 @@ def train(config: Config, mesh: Mesh, corpus: PreparedCorpus, print_fn: Callable
 
     checkpointer = Checkpointer(run_dir, config.checkpoint)
     summary: dict[str, Any] = {"run_dir": str(run_dir)}
-    with trainer.activate():
-        start = checkpointer.latest_step() or 0
-        if start:
-            state = checkpointer.restore(start, trainer.abstract_state())
-            print_fn(f"resumed from {run_dir / 'checkpoints' / str(start)}")
-        else:
-            state = trainer.init_state(jax.random.key(config.seed))
-
-        with MetricsLog(run_dir, total_steps=t.steps, start_step=start, tensorboard=config.run.tensorboard,
-                        print_fn=print_fn) as log:
-            if start == 0:
+    try:
+        with trainer.activate(), MetricsLog(run_dir, total_steps=t.steps, start_step=start,
+                                            tensorboard=config.run.tensorboard, print_fn=print_fn) as log:
+            if start:
+                state = checkpointer.restore(start, trainer.abstract_state())
+                print_fn(f"resumed from {run_dir / 'checkpoints' / str(start)}")
+            else:
+                state = trainer.init_state(jax.random.key(config.seed))
                 summary["initial_eval_loss"] = trainer.evaluate(state.params, val_batches, eval_batches)
                 log.log({"step": 0, "eval_loss": summary["initial_eval_loss"]})
 
@@ -239,15 +296,13 @@ def train(config: Config, mesh: Mesh, corpus: PreparedCorpus, print_fn: Callable
             if throughputs:
                 summary["tokens_per_s"] = statistics.median(throughputs)
                 summary["mfu"] = mfu(summary["tokens_per_s"] * flops_per_token, peak, n_devices)
-    checkpointer.close()
+    finally:
+        checkpointer.close()  # also on errors: a pending asynchronous save is finished, not lost
     if t.sample_tokens and t.steps > start:
         # Outside the mesh context: the prompt's length need not divide the sequence shards.
         summary["sample"] = _sample(trainer, state.params, corpus, config)
         print_fn(f"sample after {t.steps} steps:\n{summary['sample']}")
         (run_dir / "sample.txt").write_text(summary["sample"] + "\n")
-    if start and start >= t.steps:
-        print_fn(f"{run_dir} is already trained to step {start}; raise train.steps to continue")
-        return summary
     summary["report"] = str(write_report(run_dir))
     summary["wall_time_s"] = time.perf_counter() - wall_start
     return summary

@@ -164,6 +164,15 @@ BAD_INPUTS = [
     case("mesh-no-fill", ["mesh.data=3"], ["data=3", "does not divide the 8"]),
     case("batch-vs-mesh", ["mesh.fsdp=8", "train.batch_size=12"], ["train.batch_size (12)", "data×fsdp"]),
     case("heads-vs-tensor", ["mesh.tensor=8"], ["model.n_heads (4)", "mesh.tensor (8)"]),
+    case("cudnn-on-cpu", ["model.attention=cudnn"], ["model.attention=cudnn needs a GPU", "model.attention=auto"]),
+    case("float16", ["model.compute_dtype=float16"], ["model.compute_dtype", "float16"]),
+    case("negative-rope-context", ["model.rope_original_max_len=-5"], ["model.rope_original_max_len", "-5"]),
+    case("vocab-vs-tensor", ["model.vocab_size=4097", "mesh.tensor=2", "mesh.fsdp=4"],
+         ["model.vocab_size (4097)", "tensor (2)", "pad it to 4098"]),
+    case("embed-vs-fsdp", ["model.d_model=250", "model.n_heads=5", "model.n_kv_heads=5", "train.batch_size=16"],
+         ["model.d_model (250)", "fsdp (8)"]),
+    case("batch-longer-than-corpus", ["train.batch_size=1024", "train.seq_len=1024"],
+         ["validation split", "fewer than one batch"]),
     case("missing-corpus", ["data.corpus={tmp}/no_such_corpus"], ["data.corpus", "no_such_corpus", "does not exist"]),
 ]
 
@@ -173,7 +182,7 @@ def no_training(monkeypatch):
     """Fail fast instead of training for minutes if a bad input slips through validation."""
     def refuse(*args, **kwargs):
         raise AssertionError("bad input was accepted: training started")
-    monkeypatch.setattr(llama_jax.train, "train", refuse)
+    monkeypatch.setattr(llama_jax.train, "execute", refuse)
 
 
 def snapshot(directory: Path):

@@ -190,6 +190,14 @@ def test_changed_corpus_gets_a_new_cache(tmp_path):
     assert len(after.train_tokens) + len(after.val_tokens) > len(before.train_tokens) + len(before.val_tokens)
 
 
+def test_too_few_documents_for_a_validation_split_raises(tmp_path):
+    """With fewer documents than val_every_nth_doc nothing would be held out: a DataError says what to lower."""
+    corpus = write_corpus(tmp_path / "c.txt", make_documents(4))
+    with pytest.raises(DataError, match=r"4 documents.*lower data.val_every_nth_doc to at most 4"):
+        prepare(data_config(tmp_path, corpus, every=20), VOCAB, log=lambda _: None)
+    assert not list((tmp_path / "cache").rglob("*.npy"))  # nothing that looks like a finished cache
+
+
 def test_vocab_below_byte_alphabet_raises(tmp_path):
     """A model vocab smaller than the byte-level tokenizer (256 bytes + 2 specials) is a DataError naming both."""
     corpus = write_corpus(tmp_path / "c.txt", make_documents())

@@ -12,7 +12,9 @@ from conftest import TINY_MODEL
 
 from llama_jax.attention import select_implementation
 from llama_jax.config import load_config
-from llama_jax.model import Llama, apply_rope, param_count, rope_inverse_frequencies, train_flops_per_token
+from llama_jax.data.loader import pack_rows
+from llama_jax.model import (Llama, apply_rope, param_count, rope_angles, rope_inverse_frequencies,
+                             train_flops_per_token)
 
 TOLERANCE = 1e-5  # fp32, absolute on logits of order 1
 
@@ -41,16 +43,18 @@ def test_changing_a_future_token_never_changes_earlier_logits(params):
 
 
 def test_packed_documents_match_documents_alone(params):
+    """Each document's logits are the same alone or packed behind/before others (built by pack_rows)."""
     rng = np.random.default_rng(1)
-    doc_a, doc_b = rng.integers(0, TINY_MODEL.vocab_size, 10), rng.integers(0, TINY_MODEL.vocab_size, 14)
-    packed = np.concatenate([doc_a, doc_b])[None]
-    segment_ids = np.array([[1] * 10 + [2] * 14])
-    positions = np.array([list(range(10)) + list(range(14))])
-    together = logits_of(TINY_MODEL, params, packed, positions, segment_ids)
-    alone_a = logits_of(TINY_MODEL, params, doc_a[None])
-    alone_b = logits_of(TINY_MODEL, params, doc_b[None])
-    np.testing.assert_allclose(together[0, :10], alone_a[0], atol=TOLERANCE)
-    np.testing.assert_allclose(together[0, 10:], alone_b[0], atol=TOLERANCE)
+    bos = 1
+    docs = [np.concatenate([[bos], rng.integers(3, TINY_MODEL.vocab_size, n)]) for n in (9, 13, 6)]
+    row = np.concatenate(docs + [[bos]])[None]  # + the next document's BOS, as a packed row ends
+    packed = pack_rows(row, bos_id=bos)
+    together = logits_of(TINY_MODEL, params, packed["tokens"], packed["positions"], packed["segment_ids"])
+    offset = 0
+    for doc in docs:
+        alone = logits_of(TINY_MODEL, params, doc[None])
+        np.testing.assert_allclose(together[0, offset:offset + len(doc)], alone[0], atol=TOLERANCE)
+        offset += len(doc)
 
 
 def test_grouped_query_attention_equals_multi_head_with_repeated_kv_weights(params):
@@ -67,16 +71,16 @@ def test_grouped_query_attention_equals_multi_head_with_repeated_kv_weights(para
                                atol=TOLERANCE)
 
 
-def test_rope_scores_depend_only_on_relative_position():
-    cfg = TINY_MODEL
+@pytest.mark.parametrize("factor", [1.0, 8.0])
+def test_rope_scores_depend_only_on_relative_position(factor):
+    cfg = dataclasses.replace(TINY_MODEL, rope_scaling_factor=factor, rope_original_max_len=64)
     rng = np.random.default_rng(3)
     q = jnp.asarray(rng.normal(size=(1, 1, 1, cfg.resolved_head_dim)), jnp.float32)
     k = jnp.asarray(rng.normal(size=(1, 1, 1, cfg.resolved_head_dim)), jnp.float32)
-    inv_freq = rope_inverse_frequencies(cfg)
 
     def rotated(x, position):
-        angles = jnp.float32(position) * inv_freq
-        return apply_rope(x, jnp.cos(angles)[None, None, None], jnp.sin(angles)[None, None, None])
+        cos, sin = rope_angles(jnp.array([[position]]), cfg)
+        return apply_rope(x, cos, sin)
 
     def score(m, n):
         return float(jnp.sum(rotated(q, m) * rotated(k, n)))
@@ -84,6 +88,29 @@ def test_rope_scores_depend_only_on_relative_position():
     for shift in (1, 17, 100):
         assert score(5, 2) == pytest.approx(score(5 + shift, 2 + shift), abs=1e-4)
     assert score(5, 2) != pytest.approx(score(5, 4), abs=1e-3)
+
+
+def reference_llama3_inverse_frequencies(head_dim, theta, factor, low, high, original):
+    """Llama 3's published scaling, written out loop by loop as in Meta's reference code."""
+    frequencies = []
+    for i in range(0, head_dim, 2):
+        freq = 1.0 / theta ** (i / head_dim)
+        wavelength = 2 * math.pi / freq
+        if wavelength < original / high:
+            frequencies.append(freq)
+        elif wavelength > original / low:
+            frequencies.append(freq / factor)
+        else:
+            smooth = (original / wavelength - low) / (high - low)
+            frequencies.append((1 - smooth) * freq / factor + smooth * freq)
+    return np.array(frequencies)
+
+
+def test_llama3_scaling_matches_the_reference_formula():
+    cfg = dataclasses.replace(TINY_MODEL, d_model=512, n_heads=4, rope_theta=500000.0, rope_scaling_factor=8.0,
+                              rope_low_freq_factor=1.0, rope_high_freq_factor=4.0, rope_original_max_len=8192)
+    expected = reference_llama3_inverse_frequencies(128, 500000.0, 8.0, 1.0, 4.0, 8192)
+    np.testing.assert_allclose(rope_inverse_frequencies(cfg), expected, rtol=1e-6)
 
 
 def test_llama3_scaling_keeps_high_frequencies_and_divides_low_ones():

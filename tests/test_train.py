@@ -1,22 +1,24 @@
 """The train step and loop: gradient accumulation, learning, remat, sharding, resume."""
 
+import dataclasses
 import shutil
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from conftest import tiny_config
 
 from llama_jax import remat, sharding
 from llama_jax.checkpoint import Checkpointer
-from llama_jax.config import DataConfig
+from llama_jax.config import ConfigError, DataConfig
 from llama_jax.data.loader import PackedBatches, pack_rows, prepare
 from llama_jax.metrics import read_metrics
 from llama_jax.model import Llama
-from llama_jax.optim import learning_rate, weight_decay_mask
-from llama_jax.train import Trainer, make_grad_fn, train
+from llama_jax.optim import learning_rate, make_optimizer, weight_decay_mask
+from llama_jax.train import Run, Trainer, make_grad_fn, train
 
 
 def random_batch(cfg, seed=0, batch=8, seq=32, documents_per_row=3):
@@ -148,6 +150,12 @@ def test_resumed_run_is_bitwise_identical_to_straight_run(tmp_path, corpus):
     assert int(resumed.step) == 8
     for a, b in zip(jax.tree.leaves(resumed), jax.tree.leaves(straight)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # Resuming with another model shape is refused, naming the field, and config.yaml is kept.
+    saved = (run_dir / "config.yaml").read_text()
+    other = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, d_model=32))
+    with pytest.raises(ConfigError, match=r"model.d_model 64 \(saved\) vs 32"):
+        Run.setup(other, mesh, prepared)
+    assert (run_dir / "config.yaml").read_text() == saved
     records = [r for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r]
     first_run, second_run = records[:8], records[8:]
     assert [r["step"] for r in second_run] == [5, 6, 7, 8]
@@ -164,7 +172,14 @@ def test_batches_are_a_pure_function_of_seed_and_step(corpus, tmp_path):
 
 
 def test_weight_decay_skips_embeddings_and_norms(tiny_params):
-    cfg = tiny_config()
+    cfg = tiny_config(train=dict(weight_decay=0.5, warmup_steps=0))
+    optimizer = make_optimizer(cfg.train)
+    zero_grads = jax.tree.map(jnp.zeros_like, tiny_params)
+    updates, _ = optimizer.update(zero_grads, optimizer.init(tiny_params), tiny_params)
+    after = optax.apply_updates(tiny_params, updates)  # a step with zero gradient: only decay moves params
+    np.testing.assert_array_equal(after["embed"]["embedding"], tiny_params["embed"]["embedding"])
+    np.testing.assert_array_equal(after["final_norm"]["scale"], tiny_params["final_norm"]["scale"])
+    assert not np.array_equal(after["lm_head"]["kernel"], tiny_params["lm_head"]["kernel"])
     mask = weight_decay_mask(cfg.train)(tiny_params)
     assert mask["embed"]["embedding"] is False
     assert mask["final_norm"]["scale"] is False and mask["layers"]["attn_norm"]["scale"] is False
@@ -176,8 +191,8 @@ def test_weight_decay_skips_embeddings_and_norms(tiny_params):
 def test_learning_rate_warms_up_linearly_then_decays_to_the_floor():
     cfg = tiny_config(train=dict(steps=100, lr=1e-3, warmup_steps=10, min_lr_ratio=0.1))
     schedule = learning_rate(cfg.train)
-    assert float(schedule(0)) == 0.0
-    assert float(schedule(5)) == pytest.approx(5e-4)
+    assert float(schedule(0)) == pytest.approx(1e-3 / 11)  # the first step already learns
+    assert float(schedule(5)) == pytest.approx(1e-3 / 11 + (1e-3 - 1e-3 / 11) * 5 / 10)
     assert float(schedule(10)) == pytest.approx(1e-3)
     assert float(schedule(55)) < 1e-3
     assert float(schedule(100)) == pytest.approx(1e-4)

@@ -24,6 +24,7 @@ from typing import Callable
 import numpy as np
 
 from llama_jax.config import DataConfig
+from llama_jax.files import atomic_path
 from llama_jax.data.corpus import DataError, load_documents
 from llama_jax.data.tokenizer import Tokenizer
 
@@ -54,10 +55,8 @@ def _digest(documents: list[str], data: DataConfig) -> str:
 
 
 def _save_npy(path: Path, array: np.ndarray) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
+    with atomic_path(path) as tmp, open(tmp, "wb") as f:
         np.save(f, array)
-    os.replace(tmp, path)  # atomic: a reader never sees half a file
 
 
 def _check_vocab(tokenizer: Tokenizer, vocab_size: int) -> None:
@@ -79,6 +78,9 @@ def prepare(data: DataConfig, vocab_size: int, log: Callable[[str], None] = prin
         directory.mkdir(parents=True, exist_ok=True)
         n = data.val_every_nth_doc
         val_docs = documents[n - 1::n]
+        if not val_docs:
+            raise DataError(f"data.corpus has {len(documents)} documents, too few to hold out every "
+                            f"{n}th for validation; lower data.val_every_nth_doc to at most {len(documents)}")
         train_docs = [d for i, d in enumerate(documents) if i % n != n - 1]
         tokenizer = Tokenizer.train_bpe(train_docs, vocab_size)
         _check_vocab(tokenizer, vocab_size)  # before writing anything that looks complete

@@ -8,13 +8,14 @@ encodes with no unknown tokens. Documents are wrapped in Llama 3's special token
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Iterable
 
 import numpy as np
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
+
+from llama_jax.files import atomic_path
 
 BOS = "<|begin_of_text|>"
 EOS = "<|end_of_text|>"
@@ -51,9 +52,8 @@ class Tokenizer:
         return cls(hf)
 
     def save(self, path: Path) -> None:
-        tmp = path.with_suffix(".tmp")
-        self.hf.save(str(tmp))
-        os.replace(tmp, path)
+        with atomic_path(path) as tmp:
+            self.hf.save(str(tmp))
 
     def encode(self, text: str) -> list[int]:
         return self.hf.encode(text, add_special_tokens=False).ids
