@@ -204,7 +204,7 @@ class MetricsLog:
         self._file = path.open("a", encoding="utf-8")  # append: a resumed run continues the file
         self._total = total_steps
         self._print = print_fn
-        self._first: tuple[float, int] | None = None  # (time, step) of the first log, for the ETA
+        self._step_time: float | None = None  # latest measured seconds per step, for the ETA
         self._shown: dict[str, Any] = {}  # latest value of each displayed field
         self._writer = None
         if tensorboard:
@@ -233,12 +233,11 @@ class MetricsLog:
             for k, v in rec.items():
                 if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
                     self._writer.add_scalar(k, v, global_step=step)
-        now = time.perf_counter()
-        if self._first is None:
-            self._first = (now, step)
+        if isinstance(rec.get("step_time_s"), (int, float)):
+            self._step_time = rec["step_time_s"]
         if self._bar is None:
             self._print(f"step {step:>{len(str(self._total))}}/{self._total} | "
-                        + " | ".join(self._fields(rec) + self._eta(now, step)))
+                        + " | ".join(self._fields(rec) + self._eta(step)))
             return
         self._shown.update({k: rec[k] for k in ("loss", "eval_loss", "tokens_per_s", "mfu")
                             if rec.get(k) is not None})
@@ -258,12 +257,11 @@ class MetricsLog:
             out.append(f"MFU {100 * rec['mfu']:.1f}%")
         return out
 
-    def _eta(self, now: float, step: int) -> list[str]:
-        assert self._first is not None
-        t0, step0 = self._first
-        if step <= step0 or now <= t0:
-            return []  # no rate yet on the first call
-        return [f"ETA {_duration(max(0, self._total - step) * (now - t0) / (step - step0))}"]
+    def _eta(self, step: int) -> list[str]:
+        """From the measured step time, so compilation and evaluation pauses do not skew it."""
+        if self._step_time is None:
+            return []
+        return [f"ETA {_duration(max(0, self._total - step) * self._step_time)}"]
 
     def message(self, text: str) -> None:
         """Print a line without breaking the progress bar."""

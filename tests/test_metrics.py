@@ -22,7 +22,7 @@ def _log_steps(run_dir: pathlib.Path, steps: range, lines: list[str], **kwargs) 
         for step in steps:
             # numpy scalars, as a train loop would produce them, must come out as plain JSON.
             log.log({"step": np.int32(step), "loss": np.float32(4.0 - 0.01 * step),
-                     "tokens_per_s": 12345.6, "mfu": np.float64(0.412), "lr": 3e-4})
+                     "tokens_per_s": 12345.6, "mfu": np.float64(0.412), "lr": 3e-4, "step_time_s": 0.5})
 
 
 def test_jsonl_lines_are_valid_and_appended_across_runs(tmp_path):
@@ -42,7 +42,8 @@ def test_plain_output_shows_step_loss_throughput_mfu(tmp_path):
     _log_steps(tmp_path, range(118, 121), lines, tensorboard=False)
     last = lines[-1]
     assert "step 120/600" in last and "loss 2.8" in last
-    assert "12,346 tok/s" in last and "MFU 41.2%" in last and "ETA" in last
+    assert "12,346 tok/s" in last and "MFU 41.2%" in last
+    assert "ETA 4m00s" in last  # 480 steps left x the measured 0.5 s per step
 
 
 def test_eval_only_record_is_logged_and_shown(tmp_path):
