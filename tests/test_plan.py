@@ -85,3 +85,23 @@ def test_plan_command_prints_json(tmp_path, capsys):
 def test_plan_command_rejects_a_bad_mesh(capsys):
     assert cli.main(["plan", "tiny", "mesh.fsdp=3", "mesh.data=1"]) == 2
     assert "needs 3 devices" in capsys.readouterr().err
+
+
+def test_vocab_parallel_loss_never_gathers_the_full_vocabulary():
+    """With the vocab split over tensor, no collective carries a tensor whose last axis is the whole vocab."""
+    import jax
+
+    from llama_jax.plan import abstract_batch
+    from llama_jax.train import Trainer
+
+    cfg = tiny_config(model=MODEL, mesh=dict(data=1, fsdp=4, tensor=2, sequence=1))
+    mesh = sharding.make_mesh(cfg)
+    trainer = Trainer.build(cfg, mesh)
+    with trainer.activate():
+        text = trainer.train_step.lower(trainer.abstract_state(), abstract_batch(cfg, mesh)).compile().as_text()
+    vocab = cfg.model.vocab_size
+    collectives = [line for line in text.splitlines()
+                   if any(f" {kind}(" in line for kind in ("all-gather", "all-reduce", "reduce-scatter"))]
+    assert collectives and jax.device_count() == 8
+    # The embedding/lm_head weights' own gradient all-reduce is [vocab/2, embed]; logits would be [.., vocab].
+    assert not [line for line in collectives if f",{vocab}]" in line.split("=")[1].split("(")[0]]
