@@ -9,10 +9,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 import flax.linen as nn
-import yaml
 import jax
 import jax.numpy as jnp
 import optax
+import yaml
 from flax import struct
 from jax.sharding import Mesh
 

@@ -67,6 +67,13 @@ def test_mesh_matches_single_device(shape, sequence_parallel, load_balance, mode
     np.testing.assert_allclose(losses(cfg, jax.devices()), single_device_losses(model), rtol=1e-5)
 
 
+def test_microbatches_on_a_mesh_match_single_device():
+    """Gradient accumulation over 2 microbatches on fsdp×tensor×sequence gives the 1-device losses."""
+    cfg = tiny_config(model=dataclasses.asdict(MESH_MODEL), train=dict(lr=1e-2, microbatches=2),
+                      mesh=dict(data=1, fsdp=2, tensor=2, sequence=2))
+    np.testing.assert_allclose(losses(cfg, jax.devices()), single_device_losses(MESH_MODEL), rtol=1e-5)
+
+
 def test_parameter_shardings_follow_the_table():
     cfg = tiny_config(model=dataclasses.asdict(MESH_MODEL), mesh=dict(data=1, fsdp=4, tensor=2, sequence=1))
     params = Trainer.build(cfg, sharding.make_mesh(cfg)).state_shardings.params
