@@ -7,6 +7,8 @@ detected before anything in run.dir is created or overwritten.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import sys
 from pathlib import Path
 
@@ -70,10 +72,15 @@ def cmd_plan(ns: argparse.Namespace) -> int:
     except ConfigError as err:
         raise BadInput(str(err)) from None
 
-    from llama_jax.plan import format_plan, make_plan, plan_json
+    from llama_jax import plan as planning
 
-    plan = make_plan(config, mesh)
-    print(plan_json(plan) if ns.json else format_plan(plan))
+    if ns.compare_remat:
+        plans = planning.compare_remat(config, mesh, print_fn=None if ns.json else print)
+        print(json.dumps({k: dataclasses.asdict(p) for k, p in plans.items()}, indent=2) if ns.json
+              else planning.format_remat_comparison(plans))
+        return 0
+    plan = planning.make_plan(config, mesh)
+    print(planning.plan_json(plan) if ns.json else planning.format_plan(plan))
     return 0
 
 
@@ -105,6 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "nothing; simulate devices with XLA_FLAGS=--xla_force_host_platform_device_count=N.")
     plan.add_argument("args", nargs="*", metavar="PRESET|CONFIG|key=value")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+    plan.add_argument("--compare-remat", action="store_true",
+                      help="plan every remat policy side by side (memory and HLO FLOPs relative to none)")
     plan.set_defaults(func=cmd_plan)
 
     report = commands.add_parser("report", help="plot loss, eval loss and throughput of a run to RUN_DIR/report.png")

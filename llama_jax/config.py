@@ -107,7 +107,10 @@ class MeshConfig:
 
 @dataclass(frozen=True)
 class RematConfig:
-    policy: str = "none"
+    policy: str = "none"  # see llama_jax/remat.py: none, full, selective, minimal, ...
+    # Expert refinement, tag -> save | offload | recompute, e.g. remat.custom.mlp_hidden=save.
+    custom: dict[str, str] = field(default_factory=dict)
+    every_n_layers: int = 1  # >1: only every n-th layer recomputes (when memory is nearly enough)
 
 
 @dataclass(frozen=True)
@@ -209,6 +212,8 @@ def _check_key(key: str, value: Any, origin: str) -> None:
     OmegaConf checks the remaining types, but it names only the unknown *part* of a dotted key
     and turns any number into a bool, so these two checks come first.
     """
+    if key.startswith("remat.custom."):
+        return  # tag and action are checked with the rest of the remat config in validate()
     if key.startswith("mesh.rules."):
         from llama_jax import sharding  # local import: sharding imports this module
 
@@ -349,9 +354,9 @@ def validate(config: Config) -> None:
     _require(config.checkpoint.every_steps >= 0, "checkpoint.every_steps must be >= 0 (0: only at the end)")
     _require(config.checkpoint.keep > 0, f"checkpoint.keep must be positive, got {config.checkpoint.keep}")
     _require(bool(config.run.dir.strip()), "run.dir must not be empty")
-    from llama_jax import remat  # local import: remat imports nothing from here, but keep config light
+    from llama_jax import remat  # local import: remat imports this module
 
-    remat.check_policy_name(config.remat.policy)
+    remat.check(config.remat, m.n_layers)
 
 
 def _divisors(n: int) -> str:

@@ -26,7 +26,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from llama_jax import remat
 from llama_jax.attention import attention, select_implementation
-from llama_jax.config import ModelConfig
+from llama_jax.config import ModelConfig, RematConfig
 
 # Logical names of activation axes. Parameters use `embed`, `heads`, ...; activations get their own
 # names because they shard differently (an FSDP run shards weights along `embed` but activations
@@ -200,7 +200,7 @@ class Block(nn.Module):
 
 class Llama(nn.Module):
     cfg: ModelConfig
-    remat_policy: str = "none"
+    remat_config: RematConfig = RematConfig()
 
     @nn.compact
     def __call__(self, tokens, positions=None, segment_ids=None):
@@ -217,9 +217,10 @@ class Llama(nn.Module):
         x = nn.with_logical_constraint(embed(tokens), RESIDUAL)
         cos, sin = rope_angles(positions, cfg)
 
+        policy = remat.checkpoint_policy(self.remat_config)
+        every_n = self.remat_config.every_n_layers
         block = Block
-        policy = remat.checkpoint_policy(self.remat_policy)
-        if policy is not None:
+        if policy is not None and every_n == 1:
             # prevent_cse=False is safe (and faster) because scan already stops XLA from merging
             # the recomputation back into the forward pass.
             block = nn.remat(Block, policy=policy, prevent_cse=False)
@@ -227,8 +228,12 @@ class Llama(nn.Module):
         # every layer weight gets a leading `layers` axis.
         layers = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True},
                          in_axes=(nn.broadcast,) * 4, length=cfg.n_layers,
-                         metadata_params={nn.PARTITION_NAME: "layers"})
-        x, _ = layers(cfg, name="layers")(x, cos, sin, segment_ids, positions)
+                         metadata_params={nn.PARTITION_NAME: "layers"})(cfg, name="layers")
+        if policy is not None and every_n > 1 and not self.is_initializing():
+            x = every_nth_layer_remat(cfg, policy, every_n, self.variables["params"]["layers"],
+                                      x, cos, sin, segment_ids, positions)
+        else:
+            x, _ = layers(x, cos, sin, segment_ids, positions)
 
         x = RMSNorm(cfg.norm_eps, **dtypes(cfg), name="final_norm")(x)
         if cfg.tie_embeddings:
@@ -237,6 +242,27 @@ class Llama(nn.Module):
             logits = Linear("btd,dv->btv", (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), cfg.init_std,
                             **dtypes(cfg), name="lm_head")(x)
         return nn.with_logical_constraint(logits, LOGITS)
+
+
+def every_nth_layer_remat(cfg: ModelConfig, policy, every_n: int, layer_params, x, *broadcast):
+    """Run the layer stack with only layers 0, n, 2n, ... recomputing in the backward pass.
+
+    The weights keep the [layers, ...] layout that nn.scan created; they are viewed as
+    [layers / n, n, ...] groups whose first layer runs under the remat policy and whose others
+    keep all their activations.
+    """
+    def layer(params, x):
+        return Block(cfg).apply({"params": params}, x, *broadcast)[0]
+
+    recomputed_layer = jax.checkpoint(layer, policy=policy, prevent_cse=False)
+    groups = jax.tree.map(lambda w: w.reshape(cfg.n_layers // every_n, every_n, *w.shape[1:]), layer_params)
+
+    def group(x, params):
+        x = recomputed_layer(jax.tree.map(lambda w: w[0], params), x)
+        x, _ = jax.lax.scan(lambda x, p: (layer(p, x), None), x, jax.tree.map(lambda w: w[1:], params))
+        return x, None
+
+    return jax.lax.scan(group, x, groups)[0]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ and bytes moved by each collective kind next to the analytic minimum for the mes
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
@@ -17,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from llama_jax import hlo, sharding
+from llama_jax import hlo, remat, sharding
 from llama_jax.config import Config
 from llama_jax.model import param_count, train_flops_per_token
 from llama_jax.train import Trainer
@@ -34,6 +35,7 @@ class Plan:
     temporary_bytes: int     # per device: activations and other scratch
     output_bytes: int        # per device, not counting outputs that reuse (alias) donated arguments
     total_bytes: int         # per device peak estimate: arguments + temporaries + unaliased outputs
+    host_temporary_bytes: int  # per device, in pinned host memory (activations offloaded by remat)
     hlo_flops: float         # per step, all devices, from the compiled program (layers counted)
     model_flops: float       # per step: train_flops_per_token x tokens
     collective_bytes: dict[str, float]   # per device per step, by kind (ring cost model)
@@ -99,6 +101,7 @@ def make_plan(config: Config, mesh: Mesh) -> Plan:
         mesh=dict(mesh.shape), devices=devices,
         argument_bytes=memory.argument_size_in_bytes, temporary_bytes=memory.temp_size_in_bytes,
         output_bytes=outputs, total_bytes=memory.argument_size_in_bytes + memory.temp_size_in_bytes + outputs,
+        host_temporary_bytes=memory.host_temp_size_in_bytes,
         hlo_flops=stats.dot_flops * devices,
         model_flops=train_flops_per_token(config.model, config.train.seq_len) * config.train.batch_size
         * config.train.seq_len,
@@ -106,6 +109,29 @@ def make_plan(config: Config, mesh: Mesh) -> Plan:
         collective_minimum=collective_minimum(config, dict(mesh.shape)),
         compile_seconds=compile_seconds,
     )
+
+
+def compare_remat(config: Config, mesh: Mesh, print_fn=None) -> dict[str, Plan]:
+    """A plan for every named remat policy (same config and mesh otherwise)."""
+    plans = {}
+    for policy in remat.POLICIES:
+        plans[policy] = make_plan(dataclasses.replace(config, remat=dataclasses.replace(config.remat, policy=policy)),
+                                  mesh)
+        if print_fn:
+            print_fn(f"compiled remat.policy={policy} in {plans[policy].compile_seconds:.1f}s")
+    return plans
+
+
+def format_remat_comparison(plans: dict[str, Plan]) -> str:
+    """Per-device temporaries and total memory, and HLO FLOPs, each also relative to `none`."""
+    base = plans["none"]
+    lines = [f"{'policy':<22}{'temporaries':>13}{'vs none':>9}{'total':>13}{'host':>12}{'HLO FLOPs':>12}"
+             f"{'vs none':>9}{'vs model':>10}"]
+    for name, p in plans.items():
+        lines.append(f"{name:<22}{_size(p.temporary_bytes):>13}{p.temporary_bytes / base.temporary_bytes:>9.3f}"
+                     f"{_size(p.total_bytes):>13}{_size(p.host_temporary_bytes):>12}{p.hlo_flops:>12.4g}"
+                     f"{p.hlo_flops / base.hlo_flops:>9.3f}{p.hlo_flops / p.model_flops:>10.3f}")
+    return "\n".join(lines)
 
 
 def _size(n: float) -> str:
@@ -124,6 +150,8 @@ def format_plan(plan: Plan) -> str:
         f"  temporaries  {_size(plan.temporary_bytes):>12}   (activations, gradients, scratch)",
         f"  outputs      {_size(plan.output_bytes):>12}   (not aliased to donated arguments)",
         f"  total        {_size(plan.total_bytes):>12}",
+        f"  host         {_size(plan.host_temporary_bytes):>12}   (offloaded to pinned host memory)"
+        if plan.host_temporary_bytes else "",
         "FLOPs per step (all devices):",
         f"  HLO          {plan.hlo_flops:12.4g}   (matmuls of the compiled program, every layer counted)",
         f"  model        {plan.model_flops:12.4g}   (6 x matmul params + attention, per token x tokens)",

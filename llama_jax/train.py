@@ -17,7 +17,7 @@ from flax import struct
 from jax.sharding import Mesh
 
 from llama_jax import config as config_lib
-from llama_jax import sharding
+from llama_jax import remat, sharding
 from llama_jax.attention import select_implementation
 from llama_jax.checkpoint import Checkpointer
 from llama_jax.config import Config, ConfigError
@@ -113,7 +113,7 @@ class Trainer:
 
     @classmethod
     def build(cls, config: Config, mesh: Mesh) -> "Trainer":
-        model = Llama(config.model, remat_policy=config.remat.policy)
+        model = Llama(config.model, remat_config=config.remat)
         optimizer = make_optimizer(config.train)
         schedule = learning_rate(config.train)
         rules = sharding.axis_rules(config)
@@ -250,6 +250,7 @@ def execute(run: Run, print_fn: Callable[[str], None] = print) -> dict:
     tokens_per_step = t.batch_size * t.seq_len
     print_fn(f"{param_count(config.model) / 1e6:.2f}M parameters on {n_devices} {jax.devices()[0].platform} "
              f"device(s), mesh {dict(mesh.shape)}; peak {peak / 1e9:.1f} GFLOP/s per device ({peak_source})")
+    print_fn(remat.describe(config.remat))
 
     checkpointer = Checkpointer(run_dir, config.checkpoint)
     summary: dict[str, Any] = {"run_dir": str(run_dir)}

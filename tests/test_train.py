@@ -13,7 +13,7 @@ from conftest import tiny_config
 
 from llama_jax import remat, sharding
 from llama_jax.checkpoint import Checkpointer
-from llama_jax.config import ConfigError, DataConfig
+from llama_jax.config import ConfigError, DataConfig, RematConfig
 from llama_jax.data.loader import PackedBatches, pack_rows, prepare
 from llama_jax.metrics import read_metrics
 from llama_jax.model import Llama
@@ -59,13 +59,21 @@ def test_four_microbatches_give_the_gradient_of_one(tiny_params):
     assert relative_difference(grads_4, grads_1) < 1e-5
 
 
-@pytest.mark.parametrize("policy", [p for p in remat.POLICIES if p != "none"])
-def test_remat_policies_leave_gradients_unchanged(tiny_params, policy):
-    """Recomputation changes what is stored, never the numbers (fp32, 1e-6 relative)."""
+REMAT_CASES = [RematConfig(policy=p) for p in remat.POLICIES if p != "none"] + [
+    RematConfig(policy="full", custom={"mlp_hidden": "save", "query_proj": "offload"}),
+    RematConfig(policy="selective", every_n_layers=2),
+]
+
+
+@pytest.mark.parametrize("remat_config", REMAT_CASES, ids=lambda r: f"{r.policy}-{len(r.custom)}-{r.every_n_layers}")
+def test_remat_policies_leave_gradients_unchanged(tiny_params, remat_config, monkeypatch):
+    """Recomputation changes what is stored, never the numbers (fp32, 1e-6 relative). Offloading is
+    forced on, so its device-to-host copies really compile and run on this CPU."""
+    monkeypatch.setattr(remat, "host_offload_supported", lambda: True)
     cfg = tiny_config()
     batch = random_batch(cfg, seed=1)
     _, reference, _ = jax.jit(make_grad_fn(Llama(cfg.model), 1))(tiny_params, batch)
-    _, grads, _ = jax.jit(make_grad_fn(Llama(cfg.model, remat_policy=policy), 1))(tiny_params, batch)
+    _, grads, _ = jax.jit(make_grad_fn(Llama(cfg.model, remat_config=remat_config), 1))(tiny_params, batch)
     assert relative_difference(grads, reference) < 1e-6
 
 

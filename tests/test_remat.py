@@ -1,0 +1,97 @@
+"""Recomputation policies keep exactly the tensors they name (read from jax's saved-residuals printer)."""
+
+import contextlib
+import io
+import re
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import pytest
+from conftest import TINY_MODEL
+
+from llama_jax import remat
+from llama_jax.config import ConfigError, RematConfig, load_config
+from llama_jax.model import Block, rope_angles
+
+
+def saved_residuals(remat_config: RematConfig) -> tuple[dict[str, str], list[str], list[str]]:
+    """What one layer keeps for its backward: {tag: shape} on the device, shapes offloaded to the
+    host, and descriptions of any unnamed intermediate kept on the device."""
+    cfg = TINY_MODEL
+    x = jnp.ones((2, 16, cfg.d_model))
+    positions = jnp.broadcast_to(jnp.arange(16), (2, 16))
+    segments = jnp.ones((2, 16), jnp.int32)
+    cos, sin = rope_angles(positions, cfg)
+    policy = remat.checkpoint_policy(remat_config)
+    block = Block(cfg) if policy is None else nn.remat(Block, policy=policy, prevent_cse=False)(cfg)
+    params = block.init(jax.random.key(0), x, cos, sin, segments, positions)
+
+    def loss(params, x):
+        return block.apply(params, x, cos, sin, segments, positions)[0].sum()
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        jax.ad_checkpoint.print_saved_residuals(loss, params, x)
+    lines = out.getvalue().splitlines()
+    named = {m.group(2): m.group(1) for line in lines if (m := re.match(r"(\S+) named '(\w+)'", line))}
+    host = sorted(line.split()[0].replace("<host>", "") for line in lines if "<host>" in line)
+    unnamed = [line for line in lines if "named '" not in line and "<host>" not in line
+               and "from the argument" not in line and "from a constant" not in line]
+    return named, host, unnamed
+
+
+@pytest.fixture(scope="module")
+def needed():
+    """{tag: shape} of the tags the backward pass uses (keeping all tags keeps exactly these)."""
+    named, _, _ = saved_residuals(RematConfig(policy="selective"))
+    return named
+
+
+@pytest.mark.parametrize("policy", [p for p in remat.POLICIES if p != "none"])
+def test_each_policy_keeps_exactly_its_tags(policy, needed, monkeypatch):
+    monkeypatch.setattr(remat, "host_offload_supported", lambda: True)  # CPU here has pinned host memory too
+    named, host, unnamed = saved_residuals(RematConfig(policy=policy))
+    chosen = remat.actions(RematConfig(policy=policy))
+    assert set(named) == {t for t, a in chosen.items() if a == "save"} & set(needed)
+    assert host == sorted(shape for t, shape in needed.items() if chosen[t] == "offload")
+    assert unnamed == []  # nothing untagged (scores, softmax, rotary) is kept
+
+
+def test_no_remat_keeps_untagged_intermediates_too():
+    _, _, unnamed = saved_residuals(RematConfig(policy="none"))
+    assert unnamed  # e.g. the rotated queries and keys and the attention probabilities
+
+
+def test_custom_actions_refine_a_policy(needed, monkeypatch):
+    monkeypatch.setattr(remat, "host_offload_supported", lambda: True)
+    named, host, _ = saved_residuals(RematConfig(policy="full", custom={"mlp_hidden": "save", "key_proj": "offload"}))
+    assert set(named) == {"mlp_hidden"} and host == [needed["key_proj"]]
+
+
+def test_selective_keeps_everything_but_the_attention_core(needed):
+    assert {"query_proj", "key_proj", "value_proj", "attention_context", "mlp_hidden"} <= set(needed)
+
+
+def test_cpu_memory_is_not_an_offload_target():
+    assert jax.devices()[0].platform == "cpu" and not remat.host_offload_supported()
+
+
+def test_offload_falls_back_to_saving_without_host_memory(monkeypatch):
+    monkeypatch.setattr(remat, "host_offload_supported", lambda: False)
+    config = RematConfig(policy="minimal_offload")
+    assert "kept on the device instead" in remat.describe(config)
+    named, host, _ = saved_residuals(config)
+    assert "query_proj" in named and host == []
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["remat.policy=most"], "valid policies: none, full, selective"),
+    (["remat.policy=full", "remat.custom.qproj=save"], "unknown tag; valid tags: attn_norm"),
+    (["remat.policy=full", "remat.custom.query_proj=keep"], "must be one of save, offload, recompute"),
+    (["remat.custom.query_proj=save"], "set remat.policy to one of"),
+    (["remat.policy=full", "remat.every_n_layers=3"], "positive divisor of model.n_layers"),
+])
+def test_bad_remat_config(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config("tiny", overrides)
