@@ -118,7 +118,7 @@ def describe(remat: RematConfig) -> str:
         return "remat none: every activation is kept"
     by_action = {a: [t for t, x in chosen.items() if x == a] for a in ACTIONS}
     line = (f"remat {remat.policy}{' (custom)' if remat.custom else ''}"
-            f"{f' on every {remat.every_n_layers}th layer' if remat.every_n_layers > 1 else ''}: "
+            f"{f' on one layer in {remat.every_n_layers}' if remat.every_n_layers > 1 else ''}: "
             f"save {', '.join(by_action['save']) or 'layer input only'}")
     if by_action["offload"]:
         line += f"; offload {', '.join(by_action['offload'])}"
