@@ -34,7 +34,8 @@ TAGS = (
 ACTIONS = ("save", "offload", "recompute")
 
 _QKV = ("query_proj", "key_proj", "value_proj")
-_MATMUL_OUTPUTS = _QKV + ("attention_context", "attention_out", "mlp_gate", "mlp_up", "mlp_out")
+_PROJECTIONS = _QKV + ("attention_out", "mlp_gate", "mlp_up", "mlp_out")
+_MATMUL_OUTPUTS = _PROJECTIONS + ("attention_context",)
 
 
 def _all(tags: tuple[str, ...], action: str) -> dict[str, str]:
@@ -46,10 +47,11 @@ POLICIES: dict[str, dict[str, str] | None] = {
     "none": None,
     # Keep only the layer input: recompute the whole layer, about one extra forward pass.
     "full": {},
-    # Megatron's selective recomputation: keep every tagged tensor, recompute only the attention
-    # core's internals (q kᵀ scores and softmax), which grow with seq² and are cheap to redo.
-    "selective": _all(TAGS, "save"),
-    # Keep every matmul output; norms, rotary and the SwiGLU product are recomputed.
+    # Megatron's selective recomputation: keep every projection output and recompute the attention
+    # core (q kᵀ, softmax, their product with v: what a fused kernel would keep), which is cheap
+    # next to the projections, plus the elementwise norms and SwiGLU product.
+    "selective": _all(_PROJECTIONS, "save"),
+    # Keep every matmul output, the attention core's too; norms, rotary and SwiGLU are recomputed.
     "minimal": _all(_MATMUL_OUTPUTS, "save"),
     "save_qkv_proj": _all(_QKV, "save"),
     "save_dot_except_mlp": _all(_QKV + ("attention_context", "attention_out"), "save"),

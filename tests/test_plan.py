@@ -107,9 +107,9 @@ def test_vocab_parallel_loss_never_gathers_the_full_vocabulary():
     assert not [line for line in collectives if f",{vocab}]" in line.split("=")[1].split("(")[0]]
 
 
-def test_selective_recomputes_only_the_attention_scores():
-    """selective's extra HLO FLOPs are the q·kᵀ products of every layer, 2·b·s²·heads·head_dim (the
-    attention output is kept, so p·v is not redone), and full recomputes much more."""
+def test_selective_recomputes_only_the_attention_core():
+    """selective's extra HLO FLOPs are the attention core's forward, q·kᵀ and p·v of every layer:
+    4·b·s²·heads·head_dim·layers; full recomputes much more."""
     def remat_plan(policy):
         cfg = tiny_config(model=MODEL, remat=dict(policy=policy), mesh=dict(data=1, fsdp=8, tensor=1, sequence=1))
         return make_plan(cfg, sharding.make_mesh(cfg))
@@ -117,8 +117,8 @@ def test_selective_recomputes_only_the_attention_scores():
     plans = {policy: remat_plan(policy) for policy in ("none", "selective", "full")}
     cfg = tiny_config(model=MODEL)
     m, t = cfg.model, cfg.train
-    scores = 2 * t.batch_size * t.seq_len**2 * m.n_heads * m.resolved_head_dim * m.n_layers
+    core = 4 * t.batch_size * t.seq_len**2 * m.n_heads * m.resolved_head_dim * m.n_layers
     extra = plans["selective"].hlo_flops - plans["none"].hlo_flops
-    assert extra == pytest.approx(scores, rel=0.1)
+    assert extra == pytest.approx(core, rel=0.1)
     assert plans["full"].hlo_flops - plans["none"].hlo_flops > 3 * extra
     assert plans["full"].temporary_bytes < plans["selective"].temporary_bytes < plans["none"].temporary_bytes

@@ -44,7 +44,7 @@ def saved_residuals(remat_config: RematConfig) -> tuple[dict[str, str], list[str
 @pytest.fixture(scope="module")
 def needed():
     """{tag: shape} of the tags the backward pass uses (keeping all tags keeps exactly these)."""
-    named, _, _ = saved_residuals(RematConfig(policy="selective"))
+    named, _, _ = saved_residuals(RematConfig(policy="full", custom={tag: "save" for tag in remat.TAGS}))
     return named
 
 
@@ -69,8 +69,10 @@ def test_custom_actions_refine_a_policy(needed, monkeypatch):
     assert set(named) == {"mlp_hidden"} and host == [needed["key_proj"]]
 
 
-def test_selective_keeps_everything_but_the_attention_core(needed):
-    assert {"query_proj", "key_proj", "value_proj", "attention_context", "mlp_hidden"} <= set(needed)
+def test_selective_keeps_the_projections_but_not_the_attention_core(needed):
+    named, _, _ = saved_residuals(RematConfig(policy="selective"))
+    assert {"query_proj", "key_proj", "value_proj", "attention_out", "mlp_gate", "mlp_up"} <= set(named)
+    assert "attention_context" in needed and "attention_context" not in named
 
 
 def test_cpu_memory_is_not_an_offload_target():
