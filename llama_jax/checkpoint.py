@@ -24,9 +24,6 @@ class Checkpointer:
         self.manager = ocp.CheckpointManager(Path(run_dir).absolute() / "checkpoints", options=options,
                                              item_names=("state",))
 
-    def latest_step(self) -> int | None:
-        return self.manager.latest_step()
-
     def due(self, step: int) -> bool:
         return self.every_steps > 0 and step % self.every_steps == 0
 
@@ -44,3 +41,13 @@ class Checkpointer:
         self.manager.wait_until_finished()
         self.manager.close()
 
+
+def latest_checkpoint_step(run_dir: Path) -> int:
+    """Newest finished checkpoint step in run_dir (0 if none), read without creating anything.
+
+    Orbax writes into `<step>.orbax-checkpoint-tmp*` and renames to `<step>` when complete, so
+    only all-digit directory names are finished checkpoints.
+    """
+    directory = run_dir / "checkpoints"
+    steps = [int(p.name) for p in directory.iterdir() if p.name.isdigit()] if directory.is_dir() else []
+    return max(steps, default=0)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import typing
 from dataclasses import dataclass, field
 from importlib import resources
@@ -182,6 +183,7 @@ def _resolve_source(source: str | None) -> tuple[str, dict]:
     return source, _read_yaml(preset_dir() / f"{source}.yaml")
 
 
+@functools.cache
 def _leaf_types(node: Any = Config, prefix: str = "") -> dict[str, Any]:
     """Dotted key -> its Python type, for every leaf of the schema."""
     types: dict[str, Any] = {}

@@ -19,7 +19,7 @@ from jax.sharding import Mesh
 from llama_jax import config as config_lib
 from llama_jax import remat, sharding
 from llama_jax.attention import select_implementation
-from llama_jax.checkpoint import Checkpointer
+from llama_jax.checkpoint import Checkpointer, latest_checkpoint_step
 from llama_jax.config import Config, ConfigError
 from llama_jax.data.loader import PackedBatches, PreparedCorpus, cache_root
 from llama_jax.generate import generate
@@ -107,6 +107,7 @@ class Trainer:
     mesh: Mesh
     model: Llama
     state_shardings: Any
+    state_shapes: Any  # ShapeDtypeStructs of the (unboxed) state, traced once in build()
     init_state: Callable
     train_step: Callable
     eval_step: Callable
@@ -130,7 +131,8 @@ class Trainer:
 
         # Shapes and logical axis names of the whole state, computed without allocating it; the
         # optimizer moments inherit their parameter's names, so they are sharded alike.
-        state_shardings = sharding.logical_to_sharding(jax.eval_shape(init_state, jax.random.key(0)), mesh, rules)
+        boxed_shapes = jax.eval_shape(init_state, jax.random.key(0))
+        state_shardings = sharding.logical_to_sharding(boxed_shapes, mesh, rules)
         param_shardings = state_shardings.params
         batch_sharding = sharding.batch_sharding(mesh)
 
@@ -139,6 +141,10 @@ class Trainer:
 
         return cls(
             config=config, mesh=mesh, model=model, state_shardings=state_shardings,
+            # Unboxed without a sharding constraint: these are shapes, and build() may run in a mesh context.
+            state_shapes=jax.tree.map(
+                lambda x: x.unbox(apply_constraint=False) if isinstance(x, nn.LogicallyPartitioned) else x,
+                boxed_shapes, is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned)),
             # The state is created directly in its shards: never materialised whole on one device.
             init_state=jax.jit(lambda rng: nn.meta.unbox(init_state(rng)), out_shardings=state_shardings),
             train_step=jax.jit(make_train_step(model, optimizer, schedule, config.train.microbatches),
@@ -153,8 +159,7 @@ class Trainer:
 
     def abstract_state(self) -> TrainState:
         """Shapes, dtypes and shardings of the state, e.g. as a target to restore a checkpoint into."""
-        shapes = jax.eval_shape(self.init_state, jax.random.key(0))
-        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes,
+        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), self.state_shapes,
                             self.state_shardings)
 
     def put(self, batch):
@@ -174,17 +179,6 @@ class Trainer:
 
 SHAPE_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim",
                 "tie_embeddings", "param_dtype")
-
-
-def latest_checkpoint_step(run_dir: Path) -> int:
-    """Newest finished checkpoint step in run_dir (0 if none), read without creating anything.
-
-    Orbax writes into `<step>.orbax-checkpoint-tmp*` and renames to `<step>` when complete, so
-    only all-digit directory names are finished checkpoints.
-    """
-    directory = run_dir / "checkpoints"
-    steps = [int(p.name) for p in directory.iterdir() if p.name.isdigit()] if directory.is_dir() else []
-    return max(steps, default=0)
 
 
 def check_resumable(config: Config, run_dir: Path) -> None:
