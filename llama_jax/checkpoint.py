@@ -2,8 +2,9 @@
 
 Saves are asynchronous: the device arrays are copied to host and written by a background thread
 while training continues; Orbax writes into a temporary directory and renames it when complete, so
-a step directory that exists is a finished checkpoint. The loader needs no state of its own here:
-batch i is a pure function of (seed, i), so the step alone says where the data resumes.
+a step directory that exists is a finished checkpoint. Next to the train state each step holds the
+loader's state: the next step and the fingerprint of the batch stream (batch i is a pure function
+of the seed, i and the data settings, so this is all it takes to resume the data exactly).
 """
 
 from __future__ import annotations
@@ -22,19 +23,22 @@ class Checkpointer:
         options = ocp.CheckpointManagerOptions(max_to_keep=config.keep, enable_async_checkpointing=True,
                                                create=True)
         self.manager = ocp.CheckpointManager(Path(run_dir).absolute() / "checkpoints", options=options,
-                                             item_names=("state",))
+                                             item_names=("state", "data"))
 
     def due(self, step: int) -> bool:
         return self.every_steps > 0 and step % self.every_steps == 0
 
-    def save(self, step: int, state: Any) -> None:
+    def save(self, step: int, state: Any, data_state: dict) -> None:
         """Start an asynchronous save (returns once the arrays are safely copied off the device)."""
-        self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state)), force=True)
+        self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                        data=ocp.args.JsonSave(data_state)), force=True)
 
-    def restore(self, step: int, abstract_state: Any) -> Any:
-        """Restore into the shapes, dtypes and shardings of `abstract_state` (a ShapeDtypeStruct tree)."""
-        restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state)))
-        return restored["state"]
+    def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict]:
+        """(train state, loader state); the train state takes the shapes, dtypes and shardings of
+        `abstract_state` (a ShapeDtypeStruct tree), so it may be restored onto another mesh."""
+        restored = self.manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
+        return restored["state"], dict(restored["data"])
 
     def close(self) -> None:
         """Wait for pending writes, then release Orbax's threads."""

@@ -1,4 +1,4 @@
-"""`llama-jax` command line: train, plan, report.
+"""`llama-jax` command line: train, prepare, plan, report.
 
 Every input error (config, mesh, data) is reported as one line on stderr with exit status 2, and is
 detected before anything in run.dir is created or overwritten.
@@ -40,12 +40,12 @@ def cmd_train(ns: argparse.Namespace) -> int:
         print(summary(config), flush=True)
 
         from llama_jax import sharding
-        from llama_jax.data.loader import prepare
+        from llama_jax.data.pipeline import open_data
         from llama_jax.train import Run, execute
 
         mesh = sharding.make_mesh(config)
-        corpus = prepare(config.data, config.model.vocab_size)
-        run = Run.setup(config, mesh, corpus)  # checks the rest of the input; writes nothing
+        data = open_data(config)
+        run = Run.setup(config, mesh, data)  # checks the rest of the input; writes nothing
     except (ConfigError, DataError) as err:
         raise BadInput(str(err)) from None
 
@@ -84,6 +84,21 @@ def cmd_plan(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_prepare(ns: argparse.Namespace) -> int:
+    from llama_jax.data.corpus import DataError, ReadOptions
+    from llama_jax.data.prepare import PrepareOptions, prepare
+
+    options = PrepareOptions(
+        inputs=tuple(ns.inputs), out=ns.out, tokenizer=ns.tokenizer or "", train_vocab=ns.train_tokenizer or 0,
+        read=ReadOptions(ns.text_field, ns.text_unit, ns.on_bad_record), val_every_nth_doc=ns.val_every,
+        workers=ns.workers, tokenizer_sample_mb=ns.tokenizer_sample_mb)
+    try:
+        prepare(options)
+    except DataError as err:
+        raise BadInput(str(err)) from None
+    return 0
+
+
 def cmd_report(ns: argparse.Namespace) -> int:
     from llama_jax.report import write_report
 
@@ -105,6 +120,29 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("args", nargs="*", metavar="PRESET|CONFIG|key=value")
     train.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
     train.set_defaults(func=cmd_train)
+
+    prepare = commands.add_parser(
+        "prepare", help="tokenize text/jsonl/parquet/HF-dataset inputs into a token store for data.sources",
+        description="llama-jax prepare INPUT [INPUT ...] --out DIR (--tokenizer PATH | --train-tokenizer VOCAB). "
+                    "An INPUT is a file, a directory, a glob, hf:DIR or shakespeare, optionally with a mixture "
+                    "weight: web/*.jsonl@0.7. Re-running is a no-op; an interrupted run resumes.")
+    prepare.add_argument("inputs", nargs="+", metavar="INPUT")
+    prepare.add_argument("--out", required=True, help="the token store directory to create")
+    prepare.add_argument("--tokenizer", help="tokenizer.json, a Llama 3 tokenizer.model, a sentencepiece .model, "
+                                             "or a directory holding one")
+    prepare.add_argument("--train-tokenizer", type=int, metavar="VOCAB",
+                         help="train a byte-level BPE with VOCAB tokens on the training documents")
+    prepare.add_argument("--text-field", default="text", help="jsonl field / parquet or dataset column (default text)")
+    prepare.add_argument("--text-unit", default="file", choices=("file", "paragraph", "line"),
+                         help=".txt/.md inputs: one document per file (default), paragraph or line")
+    prepare.add_argument("--val-every", type=int, default=20, metavar="N",
+                         help="hold out every N-th document for validation (default 20)")
+    prepare.add_argument("--on-bad-record", default="fail", choices=("fail", "skip"),
+                         help="a jsonl line that is not JSON or lacks the field: fail (default) or skip and count")
+    prepare.add_argument("--workers", type=int, default=0, help="tokenizing processes (default: one per core)")
+    prepare.add_argument("--tokenizer-sample-mb", type=int, default=256,
+                         help="text the BPE is trained on, at most (default 256)")
+    prepare.set_defaults(func=cmd_prepare)
 
     plan = commands.add_parser(
         "plan", help="compile the train step ahead of time and report memory, FLOPs and communication",

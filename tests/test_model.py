@@ -12,7 +12,7 @@ from conftest import TINY_MODEL
 
 from llama_jax.attention import select_implementation
 from llama_jax.config import load_config
-from llama_jax.data.loader import pack_rows
+from llama_jax.data.loader import model_inputs
 from llama_jax.model import (Llama, apply_rope, param_count, rope_angles, rope_inverse_frequencies,
                              train_flops_per_token)
 
@@ -43,12 +43,15 @@ def test_changing_a_future_token_never_changes_earlier_logits(params):
 
 
 def test_packed_documents_match_documents_alone(params):
-    """Each document's logits are the same alone or packed behind/before others (built by pack_rows)."""
+    """Each document's logits are the same alone or packed behind/before others (built by model_inputs)."""
     rng = np.random.default_rng(1)
     bos = 1
     docs = [np.concatenate([[bos], rng.integers(3, TINY_MODEL.vocab_size, n)]) for n in (9, 13, 6)]
-    row = np.concatenate(docs + [[bos]])[None]  # + the next document's BOS, as a packed row ends
-    packed = pack_rows(row, bos_id=bos)
+    docs.append(np.array([bos]))  # the next document's BOS, as a packed row ends
+    packed = model_inputs([{"tokens": np.concatenate(docs).astype(np.int32),
+                            "segment_ids": np.concatenate([np.full(len(d), i + 1, np.int32) for i, d in enumerate(docs)]),
+                            "positions": np.concatenate([np.arange(len(d), dtype=np.int32) for d in docs])}])
+    docs.pop()
     together = logits_of(TINY_MODEL, params, packed["tokens"], packed["positions"], packed["segment_ids"])
     offset = 0
     for doc in docs:

@@ -83,3 +83,27 @@ def test_readme_plan_commands_compile_and_report(command, capsys):
     report = json.loads(capsys.readouterr().out)
     plans = report.values() if "--compare-remat" in args else [report]
     assert all(plan["hlo_flops"] > 0 for plan in plans)
+
+
+def test_readme_data_guide_commands_build_and_train_on_stores(tmp_path, monkeypatch):
+    """The prepare commands of the data guide run as shown, and the train command's config opens them."""
+    monkeypatch.chdir(tmp_path)
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
+    (tmp_path / "corpus" / "web").mkdir(parents=True)
+    (tmp_path / "corpus" / "books").mkdir()
+    for part in range(2):
+        lines = [json.dumps({"text": " ".join(words[(i + j) % 10] for j in range(40 + i))}) for i in range(30)]
+        (tmp_path / "corpus" / "web" / f"part{part}.jsonl").write_text("\n".join(lines) + "\n")
+    for i in range(30):
+        (tmp_path / "corpus" / "books" / f"book{i}.txt").write_text(" ".join(words[::-1] * (5 + i)))
+    for command in readme_commands("llama-jax prepare"):
+        assert cli.main(llama_jax_args(command)) == 0, command
+    (train_command,) = [c for c in readme_commands("llama-jax train") if "data.weights" in c]
+    args = llama_jax_args(train_command)[1:]
+
+    from llama_jax.config import load_config
+    from llama_jax.data.pipeline import open_data
+
+    config = load_config(args[0], args[1:] + ["train.batch_size=2", "train.seq_len=32"])
+    data = open_data(config, log=lambda _: None)
+    assert data.train.batch(0)["tokens"].shape == (2, 32)

@@ -1,150 +1,315 @@
-"""The simple data path: tokenize a corpus once into a cache, then cut packed batches from it.
+"""Batches from token stores, as a pure function of (seed, step, data config).
 
-Preparation: documents -> train/validation split by document -> byte-level BPE trained on the
-train split -> one token stream per split, saved as .npy next to the tokenizer. A content hash names
-the cache directory, so any later run on the same text reuses it and a changed corpus never does.
+Per mixture component (one input of one store) and epoch, a *packing plan* is computed from the
+document lengths alone: the documents are shuffled with a generator keyed by (seed, component,
+epoch) and cut into rows of seq_len + 1 tokens, either
 
-Batches: the train stream is cut into rows of seq_len + 1 tokens; each epoch visits the rows in a
-permutation drawn from (seed, epoch). Batch i is therefore a pure function of (seed, i) and a resumed
-run sees exactly the batches it would have seen. Rows hold several documents; segment ids and
-positions restart at every <|begin_of_text|> so the model can keep documents apart.
+  concat     concatenated and split every seq_len + 1 tokens (no padding but the epoch's last row), or
+  first_fit  first-fit-decreasing within windows of `data.packing_window` documents: a document
+             starts a row more often (longer contexts stay whole), at the cost of some padding.
+
+A plan is a list of pieces (document, offset, length) per row, a few bytes per document, and is
+identical on every process. Grain mixes the components' rows by weight (an exact, deterministic
+interleaving), and global batch i is rows [i·B, (i+1)·B) of the mixture. A process reads only its
+own rows' tokens. Because nothing depends on how many processes read or where a previous run
+stopped, resuming at step i -- with any number of processes or data-parallel shards -- replays
+exactly the batches a straight run would have seen. Grain's threads prepare the next batches
+while the accelerator works.
+
+The plan and packing are our own code: Grain's packers are iterators whose output depends on the
+iteration history of each process, which is exactly what exact resume across process counts rules out.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
-import os
-import re
-import time
+import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator, Sequence
 
+import grain
 import numpy as np
 
-from llama_jax.config import DataConfig
-from llama_jax.files import atomic_path
-from llama_jax.data.corpus import DataError, load_documents
-from llama_jax.data.tokenizer import Tokenizer
+from llama_jax.data.corpus import DataError
 
-FORMAT_VERSION = 1  # bump when the cache layout or the tokenizer recipe changes
+PACKINGS = ("concat", "first_fit")
 
 
-def cache_root(data: DataConfig) -> Path:
-    if data.cache_dir:
-        return Path(data.cache_dir).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "llama_jax"
+# --------------------------------------------------------------------------------------------
+# Token stores
 
 
 @dataclass(frozen=True)
-class PreparedCorpus:
-    tokenizer: Tokenizer
-    train_tokens: np.ndarray
-    val_tokens: np.ndarray
-    directory: Path
+class Documents:
+    """The documents of one input and split of a store: where each one's tokens are."""
+
+    shards: tuple[np.ndarray, ...]  # memory-mapped token ids, one array per unit
+    shard: np.ndarray  # per document: its shard
+    start: np.ndarray  # per document: its first token within the shard
+    length: np.ndarray  # per document: its token count (BOS/EOS included)
+
+    def read(self, doc: int, offset: int, count: int) -> np.ndarray:
+        begin = int(self.start[doc]) + offset
+        return self.shards[int(self.shard[doc])][begin:begin + count]
+
+    @property
+    def tokens(self) -> int:
+        return int(self.length.sum())
 
 
-def _digest(documents: list[str], data: DataConfig) -> str:
-    h = hashlib.sha256(f"v{FORMAT_VERSION}/{data.val_every_nth_doc}".encode())
-    for doc in documents:
-        h.update(doc.encode("utf-8"))
-        h.update(b"\x00")
-    return h.hexdigest()[:16]
+class TokenStore:
+    """A directory written by `llama-jax prepare` (see prepare.py for the layout)."""
+
+    def __init__(self, directory: Path):
+        self.directory = Path(directory)
+        meta = self.directory / "meta.json"
+        if not meta.exists():
+            if (self.directory / ".prepare.json").exists():
+                raise DataError(f"{self.directory} is an unfinished token store; re-run the same `llama-jax prepare` "
+                                "command to finish it (it resumes)")
+            raise DataError(f"{self.directory} is not a token store (no meta.json); make one with `llama-jax prepare`")
+        self.meta = json.loads(meta.read_text())
+        self.tokenizer_path = self.directory / self.meta["tokenizer"]["file"]
+
+    def documents(self, split: str, source: int) -> Documents:
+        units = self.meta["sources"][source]["units"]
+        shards, shard, start, length = [], [], [], []
+        for k, unit in enumerate(units):
+            bounds = np.load(self.directory / "shards" / f"{unit:05d}.{split}.idx.npy")
+            path = self.directory / "shards" / f"{unit:05d}.{split}.bin"
+            expected = int(bounds[-1]) * np.dtype(self.meta["dtype"]).itemsize
+            if path.stat().st_size != expected:
+                raise DataError(f"{path} has {path.stat().st_size} bytes, its index says {expected}; "
+                                "the store is damaged: prepare it again into a new directory")
+            shards.append(np.memmap(path, self.meta["dtype"], "r") if expected else np.zeros(0, self.meta["dtype"]))
+            shard.append(np.full(len(bounds) - 1, k, np.int32))
+            start.append(bounds[:-1])
+            length.append(np.diff(bounds))
+        return Documents(tuple(shards), np.concatenate(shard), np.concatenate(start), np.concatenate(length))
 
 
-def _save_npy(path: Path, array: np.ndarray) -> None:
-    with atomic_path(path) as tmp, open(tmp, "wb") as f:
-        np.save(f, array)
+# --------------------------------------------------------------------------------------------
+# Packing plans
 
 
-def _check_vocab(tokenizer: Tokenizer, vocab_size: int) -> None:
-    if tokenizer.vocab_size > vocab_size:
-        raise DataError(f"the tokenizer has {tokenizer.vocab_size} tokens but model.vocab_size is {vocab_size}; "
-                        "raise model.vocab_size")
+@dataclass(frozen=True)
+class Plan:
+    """Rows of one epoch as pieces: row r is pieces row_ptr[r]:row_ptr[r+1], in order."""
+
+    row_ptr: np.ndarray  # int64 [rows + 1]
+    doc: np.ndarray  # int64 [pieces] document id
+    offset: np.ndarray  # int64 [pieces] first token within the document
+    length: np.ndarray  # int64 [pieces]
+
+    @property
+    def rows(self) -> int:
+        return len(self.row_ptr) - 1
 
 
-def prepare(data: DataConfig, vocab_size: int, log: Callable[[str], None] = print) -> PreparedCorpus:
-    """Tokenize the corpus (or reuse the cache) and return both splits with their tokenizer."""
-    documents = load_documents(data.corpus)
-    name = "shakespeare" if data.corpus == "shakespeare" else re.sub(r"\W+", "_", Path(data.corpus).name)
-    directory = cache_root(data) / f"{name}-{_digest(documents, data)}"
-    tokenizer_path = directory / f"tokenizer-{vocab_size}.json"
-    train_path, val_path = directory / f"train-{vocab_size}.npy", directory / f"val-{vocab_size}.npy"
-
-    if not (tokenizer_path.exists() and train_path.exists() and val_path.exists()):
-        start = time.perf_counter()
-        directory.mkdir(parents=True, exist_ok=True)
-        n = data.val_every_nth_doc
-        val_docs = documents[n - 1::n]
-        if not val_docs:
-            raise DataError(f"data.corpus has {len(documents)} documents, too few to hold out every "
-                            f"{n}th for validation; lower data.val_every_nth_doc to at most {len(documents)}")
-        train_docs = [d for i, d in enumerate(documents) if i % n != n - 1]
-        tokenizer = Tokenizer.train_bpe(train_docs, vocab_size)
-        _check_vocab(tokenizer, vocab_size)  # before writing anything that looks complete
-        _save_npy(train_path, tokenizer.encode_documents(train_docs))
-        _save_npy(val_path, tokenizer.encode_documents(val_docs))
-        tokenizer.save(tokenizer_path)  # written last: its presence marks a complete cache
-        (directory / f"meta-{vocab_size}.json").write_text(json.dumps({
-            "corpus": data.corpus, "documents": len(documents), "train_documents": len(train_docs),
-            "val_documents": len(val_docs), "vocab_size": tokenizer.vocab_size, "format": FORMAT_VERSION,
-        }, indent=2))
-        log(f"prepared {len(documents)} documents ({len(train_docs)} train, {len(val_docs)} validation) "
-            f"with a {tokenizer.vocab_size}-token BPE in {time.perf_counter() - start:.1f}s -> {directory}")
-
-    tokenizer = Tokenizer.load(tokenizer_path)
-    _check_vocab(tokenizer, vocab_size)
-    return PreparedCorpus(tokenizer, np.load(train_path, mmap_mode="r"), np.load(val_path, mmap_mode="r"),
-                          directory)
+def concat_plan(lengths: np.ndarray, order: np.ndarray, row_len: int) -> Plan:
+    """Documents in `order`, concatenated, cut every row_len tokens (vectorised: O(documents))."""
+    ends = np.cumsum(lengths[order])
+    starts = ends - lengths[order]
+    total = int(ends[-1])
+    rows = -(-total // row_len)
+    points = np.union1d(starts, np.arange(rows, dtype=np.int64) * row_len)  # every piece begins at one
+    index = np.searchsorted(ends, points, side="right")  # the document each piece lies in
+    piece_length = np.diff(np.append(points, total))
+    row_ptr = np.searchsorted(points // row_len, np.arange(rows + 1))
+    return Plan(row_ptr, order[index].astype(np.int64), points - starts[index], piece_length)
 
 
-def pack_rows(rows: np.ndarray, bos_id: int) -> dict[str, np.ndarray]:
-    """rows [batch, seq+1] of concatenated documents -> model inputs and targets [batch, seq].
+def first_fit_plan(lengths: np.ndarray, order: np.ndarray, row_len: int, window: int,
+                   rng: np.random.Generator) -> Plan:
+    """First-fit decreasing within windows of documents; longer documents are cut into full rows first."""
+    rows: list[list[tuple[int, int, int]]] = []
+    for w in range(0, len(order), window):
+        window_rows: list[list[tuple[int, int, int]]] = []
+        rest: list[tuple[int, int, int]] = []
+        for doc in order[w:w + window]:
+            full, tail = divmod(int(lengths[doc]), row_len)
+            window_rows += [[(int(doc), k * row_len, row_len)] for k in range(full)]
+            if tail:
+                rest.append((int(doc), full * row_len, tail))
+        rest.sort(key=lambda piece: -piece[2])  # stable: ties keep the shuffled order
+        space = np.zeros(len(rest), np.int64)
+        bins: list[list[tuple[int, int, int]]] = []
+        for piece in rest:
+            fits = np.flatnonzero(space[:len(bins)] >= piece[2])
+            if len(fits):
+                bins[fits[0]].append(piece)
+                space[fits[0]] -= piece[2]
+            else:
+                bins.append([piece])
+                space[len(bins) - 1] = row_len - piece[2]
+        window_rows += bins
+        rows += [window_rows[i] for i in rng.permutation(len(window_rows))]  # long docs not all first
+    pieces = [p for row in rows for p in row]
+    row_ptr = np.concatenate([[0], np.cumsum([len(r) for r in rows])]).astype(np.int64)
+    doc, offset, length = (np.array([p[i] for p in pieces], np.int64) for i in range(3))
+    return Plan(row_ptr, doc, offset, length)
 
-    segment_ids number the documents within a row (a new one starts at every BOS), positions count
-    from 0 inside each document, and loss_mask drops the one target per boundary that would ask the
-    model to predict the next document's BOS from the previous document.
+
+class PackedRows:
+    """Row k of a component's endless sequence of epochs (a Grain data source: len and getitem).
+
+    Plans are computed on first use and kept for the current and the next epoch; a lock makes
+    this safe under Grain's reader threads.
     """
-    rows = rows.astype(np.int32)
-    is_bos = rows == bos_id
-    segment_ids = np.cumsum(is_bos, axis=1, dtype=np.int32) + 1
-    index = np.broadcast_to(np.arange(rows.shape[1], dtype=np.int32), rows.shape)
-    document_start = np.maximum.accumulate(np.where(is_bos, index, 0), axis=1)
-    positions = index - document_start
-    return {
-        "tokens": rows[:, :-1],
-        "targets": rows[:, 1:],
-        "segment_ids": segment_ids[:, :-1],
-        "positions": positions[:, :-1],
-        "loss_mask": (segment_ids[:, :-1] == segment_ids[:, 1:]).astype(np.float32),
-    }
+
+    def __init__(self, documents: Documents, row_len: int, seed: int, salt: int, packing: str, window: int):
+        if packing not in PACKINGS:
+            raise DataError(f"data.packing '{packing}' is unknown; use concat or first_fit")
+        self.documents, self.row_len, self.seed, self.salt = documents, row_len, seed, salt
+        self.packing, self.window = packing, window
+        self._first_row = [0]  # _first_row[e] = global index of epoch e's first row
+        self._plans: dict[int, Plan] = {}
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return sys.maxsize  # endless: epochs follow each other
+
+    def plan(self, epoch: int) -> Plan:
+        with self._lock:
+            while len(self._first_row) <= epoch + 1:  # row counts of earlier epochs are needed first
+                e = len(self._first_row) - 1
+                self._first_row.append(self._first_row[-1] + self._compute(e).rows)
+            return self._compute(epoch)
+
+    def _compute(self, epoch: int) -> Plan:
+        if epoch not in self._plans:
+            rng = np.random.default_rng([self.seed, self.salt, epoch])
+            lengths = self.documents.length
+            order = rng.permutation(len(lengths))
+            self._plans = {e: p for e, p in self._plans.items() if e >= epoch - 1}
+            self._plans[epoch] = (concat_plan(lengths, order, self.row_len) if self.packing == "concat" else
+                                  first_fit_plan(lengths, order, self.row_len, self.window, rng))
+        return self._plans[epoch]
+
+    def rows_in_epoch(self, epoch: int) -> int:
+        return self.plan(epoch).rows
+
+    def _locate(self, k: int) -> tuple[Plan, int]:
+        epoch = 0
+        while True:
+            plan = self.plan(epoch)
+            if k < self._first_row[epoch + 1]:
+                return plan, k - self._first_row[epoch]
+            epoch += 1
+
+    def __getitem__(self, k: int) -> dict[str, np.ndarray]:
+        plan, r = self._locate(k)
+        tokens = np.zeros(self.row_len, np.int32)  # padding: token 0, segment 0, never a target
+        segments, positions = np.zeros_like(tokens), np.zeros_like(tokens)
+        at = 0
+        for segment, p in enumerate(range(plan.row_ptr[r], plan.row_ptr[r + 1]), start=1):
+            n = int(plan.length[p])
+            tokens[at:at + n] = self.documents.read(int(plan.doc[p]), int(plan.offset[p]), n)
+            segments[at:at + n] = segment
+            positions[at:at + n] = np.arange(n)
+            at += n
+        return {"tokens": tokens, "segment_ids": segments, "positions": positions}
 
 
-class PackedBatches:
-    """Batch i of a token stream, as a pure function of (seed, i)."""
+def model_inputs(rows: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """Rows of seq_len + 1 -> inputs and next-token targets of seq_len.
 
-    def __init__(self, tokens: np.ndarray, batch_size: int, seq_len: int, seed: int, bos_id: int, split: str):
-        self.tokens, self.batch_size, self.seq_len, self.seed, self.bos_id = tokens, batch_size, seq_len, seed, bos_id
-        self.n_rows = len(tokens) // (seq_len + 1)
-        if self.n_rows < batch_size:
-            raise DataError(
-                f"the {split} split has {len(tokens)} tokens, fewer than one batch of {batch_size} x "
-                f"{seq_len + 1}; lower train.batch_size or train.seq_len, or use a larger corpus"
-            )
-        self._epoch, self._order = -1, np.arange(0)
+    The loss skips padding and the one target per segment boundary that would ask the model to
+    predict the next document from the previous one.
+    """
+    tokens, segments, positions = (np.stack([r[k] for r in rows]) for k in ("tokens", "segment_ids", "positions"))
+    same = (segments[:, :-1] == segments[:, 1:]) & (segments[:, 1:] > 0)
+    return {"tokens": tokens[:, :-1], "targets": tokens[:, 1:], "segment_ids": segments[:, :-1],
+            "positions": positions[:, :-1], "loss_mask": same.astype(np.float32)}
 
-    def _row_order(self, epoch: int) -> np.ndarray:
-        if epoch != self._epoch:  # one permutation per epoch, drawn from (seed, epoch) alone
-            self._epoch, self._order = epoch, np.random.default_rng([self.seed, epoch]).permutation(self.n_rows)
-        return self._order
 
-    def batch(self, step: int) -> dict[str, np.ndarray]:
-        length = self.seq_len + 1
-        rows = []
-        for i in range(step * self.batch_size, (step + 1) * self.batch_size):
-            epoch, position = divmod(i, self.n_rows)
-            start = int(self._row_order(epoch)[position]) * length
-            rows.append(self.tokens[start:start + length])
-        return pack_rows(np.stack(rows), self.bos_id)
+# --------------------------------------------------------------------------------------------
+# Batches
+
+
+class Batches:
+    """Global batch i = rows [i·B, (i+1)·B) of the mixture; a process reads only some rows of each."""
+
+    def __init__(self, rows: grain.MapDataset, batch_size: int, seq_len: int, components: list[PackedRows]):
+        self.rows, self.batch_size, self.seq_len, self.components = rows, batch_size, seq_len, components
+
+    def batches_per_epoch(self) -> int:
+        """Whole batches in the first epoch of every component together."""
+        return max(1, sum(c.rows_in_epoch(0) for c in self.components) // self.batch_size)
+
+    def batch(self, step: int, rows: Sequence[int] | None = None) -> dict[str, np.ndarray]:
+        """Global batch `step`, or only its `rows` (a process's share)."""
+        first = step * self.batch_size
+        return model_inputs([self.rows[first + i] for i in (range(self.batch_size) if rows is None else rows)])
+
+    def iterate(self, start: int, stop: int, rows: Sequence[int] | None = None, threads: int = 2,
+                prefetch: int = 4) -> Iterator[dict[str, np.ndarray]]:
+        """Batches start..stop-1, prepared ahead by Grain's reader threads."""
+        steps = grain.MapDataset.range(start, stop).map(functools.partial(self.batch, rows=rows))
+        if threads == 0:
+            return iter(steps)
+        return iter(steps.to_iter_dataset(grain.ReadOptions(num_threads=threads, prefetch_buffer_size=prefetch)))
+
+
+def mixture(components: list[PackedRows], weights: list[float]) -> grain.MapDataset:
+    sources = [grain.MapDataset.source(c) for c in components]
+    return sources[0] if len(sources) == 1 else grain.MapDataset.mix(sources, weights)
+
+
+@dataclass(frozen=True)
+class Component:
+    store: TokenStore
+    source: int  # index into the store's inputs
+    weight: float  # share of the mixture (the weights sum to 1)
+
+    @property
+    def name(self) -> str:
+        return f"{self.store.directory}#{self.store.meta['sources'][self.source]['input']}"
+
+
+def components(stores: list[TokenStore], weights: list[float]) -> list[Component]:
+    """Every input of every store, weighted: store weight (given, or its share of the tokens) times
+    the input's weight within the store (given at prepare time, or its share of the store's tokens)."""
+    if weights and len(weights) != len(stores):
+        raise DataError(f"data.weights has {len(weights)} value(s) for {len(stores)} source(s); give one per source")
+    if any(w <= 0 for w in weights):
+        raise DataError("data.weights must all be > 0")
+    store_weights = weights or [s.meta["tokens"]["train"] for s in stores]
+    result = []
+    for store, store_weight in zip(stores, store_weights):
+        inputs = store.meta["sources"]
+        share = [x["weight"] if x["weight"] is not None else x["tokens"]["train"] for x in inputs]
+        for i, w in enumerate(share):
+            result.append(Component(store, i, store_weight / sum(store_weights) * w / sum(share)))
+    return result
+
+
+def batches(parts: list[Component], split: str, batch_size: int, seq_len: int, seed: int, packing: str,
+            window: int) -> Batches:
+    rows = []
+    for salt, part in enumerate(parts):
+        documents = part.store.documents(split, part.source)
+        if not len(documents.length):
+            raise DataError(f"{part.name} has no {split} documents; prepare it with more documents")
+        rows.append(PackedRows(documents, seq_len + 1, seed, salt, packing, window))
+    tokens = sum(r.documents.tokens for r in rows)
+    # Validation may be smaller than a batch (its rows repeat); training on repeats would mislead.
+    if split == "train" and tokens < batch_size * (seq_len + 1):
+        raise DataError(f"the training split has {tokens} tokens, fewer than one batch of {batch_size} x {seq_len + 1}; "
+                        "lower train.batch_size or train.seq_len, or use a larger corpus")
+    return Batches(mixture(rows, [p.weight for p in parts]), batch_size, seq_len, rows)
+
+
+def stream_fingerprint(parts: list[Component], **settings) -> str:
+    """Names the batch stream: equal fingerprints give equal batches for every step."""
+    identity = [[p.store.meta["fingerprint"], p.source, round(p.weight, 12)] for p in parts]
+    return hashlib.sha256(json.dumps([identity, settings], sort_keys=True).encode()).hexdigest()[:16]
+
+
+def log_components(parts: list[Component], log: Callable[[str], None]) -> None:
+    if len(parts) > 1:
+        log("data mixture: " + ", ".join(f"{p.name} {p.weight:.1%}" for p in parts))
