@@ -1,44 +1,161 @@
-"""Orbax checkpoints of the whole train state under ``<run.dir>/checkpoints/<step>/``.
+"""Orbax checkpoints under ``<run.dir>/checkpoints/<step>/``: one atomic directory per step holding
+
+    state   params, optimizer state and the step counter (sharded arrays; any mesh can restore them)
+    data    the loader's position (next batch index) and the fingerprint of the batch stream
+    meta    the resolved config, code and JAX versions, mesh, process count and save time (JSON)
 
 Saves are asynchronous: the device arrays are copied to host and written by a background thread
 while training continues; Orbax writes into a temporary directory and renames it when complete, so
-a step directory that exists is a finished checkpoint. Next to the train state each step holds the
-loader's state: the next step and the fingerprint of the batch stream (batch i is a pure function
-of the seed, i and the data settings, so this is all it takes to resume the data exactly).
+a step directory that exists is a finished checkpoint and an interrupted save is ignored. All
+processes call save and restore (each writes and reads its own shards).
+
+Restoring walks from the newest step down: a step that fails to restore (a truncated or missing
+array file, a missing manifest, an empty directory) is moved to ``checkpoints/corrupt/`` -- never
+deleted -- with a warning, and the next older step is tried. A step whose model differs from the
+config is not corruption: it stops the run with a message naming the fields.
 """
 
 from __future__ import annotations
 
+import datetime
+import json
+import shutil
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
+import jax
 import orbax.checkpoint as ocp
 
-from llama_jax.config import CheckpointConfig
+from llama_jax.config import CheckpointConfig, ConfigError
+
+# Model fields that change the shape or type of a saved array.
+SHAPE_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim",
+                "tie_embeddings", "param_dtype")
+ITEMS = ("state", "data", "meta")
+
+
+def step_directories(directory: Path) -> list[int]:
+    """Finished step numbers in a checkpoints directory, read without creating anything.
+
+    Orbax writes into `<step>.orbax-checkpoint-tmp*` and renames to `<step>` when complete, so
+    only all-digit directory names are finished checkpoints.
+    """
+    return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit()) if directory.is_dir() else []
+
+
+def latest_checkpoint_step(run_dir: Path) -> int:
+    """Newest finished checkpoint step in run_dir (0 if none)."""
+    return max(step_directories(Path(run_dir) / "checkpoints"), default=0)
+
+
+def read_meta(step_dir: Path) -> dict | None:
+    """The meta item of a step directory, or None if it is missing or unreadable."""
+    try:
+        return json.loads((step_dir / "meta" / "metadata").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def check_model(saved: dict, model: dict, where: Path) -> None:
+    """A checkpoint must hold this model: name every field that differs (exit 2, nothing touched)."""
+    differ = [f"model.{k} {saved.get(k)} (saved) vs {model[k]}" for k in SHAPE_FIELDS if saved.get(k) != model[k]]
+    if differ:
+        raise ConfigError(f"{where} holds checkpoints of a different model ({'; '.join(differ)}); "
+                          "use another run.dir or the saved model settings")
+
+
+def resolve_step_dir(path: str) -> Path:
+    """`checkpoint.resume_from` / `init_from`: a step directory, or a run dir / checkpoints dir (its newest step)."""
+    p = Path(path).expanduser()
+    for candidate in (p, p / "checkpoints"):
+        steps = step_directories(candidate)
+        if steps:
+            return candidate / str(steps[-1])
+    if p.name.isdigit() and p.is_dir():
+        return p
+    raise ConfigError(f"{path} holds no finished checkpoint; give a run dir, its checkpoints/ or a step directory")
 
 
 class Checkpointer:
-    def __init__(self, run_dir: Path, config: CheckpointConfig):
-        self.every_steps = config.every_steps
-        options = ocp.CheckpointManagerOptions(max_to_keep=config.keep, enable_async_checkpointing=True,
-                                               create=True)
-        self.manager = ocp.CheckpointManager(Path(run_dir).absolute() / "checkpoints", options=options,
-                                             item_names=("state", "data"))
+    def __init__(self, run_dir: Path, config: CheckpointConfig, meta: dict | None = None,
+                 directory: Path | None = None):
+        self.config, self.meta = config, meta or {}
+        self.directory = Path(directory or Path(run_dir) / "checkpoints").absolute()
+        self.every_steps = config.every_steps if isinstance(config.every_steps, int) else 0
+        self.last_save_time = time.monotonic()
+        self.save_seconds: list[float] = []  # how long each save blocked the loop
+        self.manager = self._open()
+
+    def _open(self) -> ocp.CheckpointManager:
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=self.config.keep, keep_period=self.config.keep_every or None,
+            enable_async_checkpointing=self.config.async_save, create=True)
+        return ocp.CheckpointManager(self.directory, options=options, item_names=ITEMS)
 
     def due(self, step: int) -> bool:
-        return self.every_steps > 0 and step % self.every_steps == 0
+        """This process's view: step interval or time interval (multi-process callers agree via process 0)."""
+        by_steps = self.every_steps > 0 and step % self.every_steps == 0
+        minutes = self.config.every_minutes
+        return by_steps or (minutes > 0 and time.monotonic() - self.last_save_time >= minutes * 60)
 
-    def save(self, step: int, state: Any, data_state: dict) -> None:
-        """Start an asynchronous save (returns once the arrays are safely copied off the device)."""
+    def save(self, step: int, state: Any, data_state: dict) -> float:
+        """Start an asynchronous save; returns the seconds it blocked (copying arrays off the device)."""
+        start = time.perf_counter()
+        meta = {**self.meta, "step": step, "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat()}
         self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                        data=ocp.args.JsonSave(data_state)), force=True)
+                                                        data=ocp.args.JsonSave(data_state),
+                                                        meta=ocp.args.JsonSave(meta)), force=True)
+        self.last_save_time = time.monotonic()
+        self.save_seconds.append(time.perf_counter() - start)
+        return self.save_seconds[-1]
 
     def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict]:
-        """(train state, loader state); the train state takes the shapes, dtypes and shardings of
+        """(train state, loader state) of `step`; the state takes the shapes, dtypes and shardings of
         `abstract_state` (a ShapeDtypeStruct tree), so it may be restored onto another mesh."""
         restored = self.manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
         return restored["state"], dict(restored["data"])
+
+    def restore_newest(self, abstract_state: Any, model: dict,
+                       warn: Callable[[str], None]) -> tuple[int, Any, dict] | None:
+        """The newest step that restores, setting aside every newer one that does not; None if none."""
+        for step in sorted(self.manager.all_steps(), reverse=True):
+            step_dir = self.directory / str(step)
+            meta = read_meta(step_dir)
+            if meta is not None:
+                check_model(meta.get("config", {}).get("model", {}), model, self.directory)
+            try:
+                if meta is None:
+                    raise ValueError("its meta item is missing or unreadable")
+                return (step, *self.restore(step, abstract_state))
+            except (ConfigError, KeyboardInterrupt):
+                raise
+            except Exception as err:  # Orbax/TensorStore raise many types for damaged files
+                reason = str(err).splitlines()[0][:200] if str(err) else type(err).__name__
+                moved = self.set_aside(step)
+                warn(f"warning: checkpoint step {step} does not restore ({type(err).__name__}: {reason}); "
+                     f"moved it to {moved} and trying the previous one")
+        return None
+
+    def set_aside(self, step: int) -> Path:
+        """Move a step out of Orbax's sight into checkpoints/corrupt/ (process 0), keeping its data."""
+        target = self.directory / "corrupt" / f"{step}-{time.strftime('%Y%m%dT%H%M%S')}"
+        if jax.process_index() == 0:
+            target.parent.mkdir(exist_ok=True)
+            shutil.move(str(self.directory / str(step)), str(target))
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices(f"set_aside_{step}")
+        self.manager.reload()
+        return target
+
+    def wait(self) -> float:
+        """Block until pending writes are done; returns the seconds waited."""
+        start = time.perf_counter()
+        self.manager.wait_until_finished()
+        return time.perf_counter() - start
 
     def close(self) -> None:
         """Wait for pending writes, then release Orbax's threads."""
@@ -46,12 +163,13 @@ class Checkpointer:
         self.manager.close()
 
 
-def latest_checkpoint_step(run_dir: Path) -> int:
-    """Newest finished checkpoint step in run_dir (0 if none), read without creating anything.
-
-    Orbax writes into `<step>.orbax-checkpoint-tmp*` and renames to `<step>` when complete, so
-    only all-digit directory names are finished checkpoints.
-    """
-    directory = run_dir / "checkpoints"
-    steps = [int(p.name) for p in directory.iterdir() if p.name.isdigit()] if directory.is_dir() else []
-    return max(steps, default=0)
+def restore_step(step_dir: Path, abstract_state: Any) -> tuple[Any, dict]:
+    """(train state, loader state) of a step directory of another run (resume_from / init_from),
+    read without opening a manager on that run, so nothing there can be touched."""
+    checkpointer = ocp.Checkpointer(ocp.CompositeCheckpointHandler())
+    try:
+        restored = checkpointer.restore(step_dir, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
+    finally:
+        checkpointer.close()
+    return restored["state"], dict(restored["data"])

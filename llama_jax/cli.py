@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import json
 import sys
+import time
 from pathlib import Path
 
 EXIT_BAD_INPUT = 2
@@ -49,7 +50,7 @@ def cmd_train(ns: argparse.Namespace) -> int:
     except (ConfigError, DataError) as err:
         raise BadInput(str(err)) from None
 
-    result = execute(run)
+    result = execute(run, started_at=ns.started_at)
     if "final_eval_loss" in result:
         initial = result.get("initial_eval_loss")
         ratio = f" ({result['final_eval_loss'] / initial:.0%} of the initial {initial:.3f})" if initial else ""
@@ -58,7 +59,7 @@ def cmd_train(ns: argparse.Namespace) -> int:
         print(f"throughput {result['tokens_per_s']:,.0f} tokens/s, MFU {result['mfu']:.1%}")
     if "report" in result:
         print(f"wall time {result['wall_time_s']:.0f}s; report: {result['report']}")
-    return 0
+    return result["exit_code"]  # 0, or EXIT_PREEMPTED after a signal made the run save and stop
 
 
 def cmd_plan(ns: argparse.Namespace) -> int:
@@ -109,6 +110,18 @@ def cmd_report(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_supervise(ns: argparse.Namespace) -> int:
+    from llama_jax.supervise import Policy, supervise
+
+    command = ns.command[1:] if ns.command[:1] == ["--"] else ns.command
+    if not command:
+        raise BadInput("supervise needs a command: llama-jax supervise [options] -- llama-jax train ... run.dir=DIR")
+    if min(ns.max_restarts, ns.backoff, ns.max_backoff, ns.reset_after, ns.grace) < 0:
+        raise BadInput("supervise: --max-restarts, --backoff, --max-backoff, --reset-after and --grace must be >= 0")
+    return supervise(command, Policy(max_restarts=ns.max_restarts, backoff=ns.backoff, max_backoff=ns.max_backoff,
+                                     reset_after=ns.reset_after, grace=ns.grace))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="llama-jax", description="Pre-train Llama 3 models with JAX.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -157,11 +170,32 @@ def build_parser() -> argparse.ArgumentParser:
     report = commands.add_parser("report", help="plot loss, eval loss and throughput of a run to RUN_DIR/report.png")
     report.add_argument("run_dir", metavar="RUN_DIR")
     report.set_defaults(func=cmd_report)
+
+    supervise = commands.add_parser(
+        "supervise", help="run a command, restarting it after failures (a train command resumes its run.dir)",
+        description="llama-jax supervise [options] -- COMMAND ... Restarts COMMAND unless it exits 0 or 2 (bad "
+                    "input), with exponential backoff; SIGTERM/SIGINT are forwarded as SIGTERM and stop it.")
+    supervise.add_argument("--max-restarts", type=int, default=10, metavar="N",
+                           help="give up after N restarts in a row (default 10)")
+    supervise.add_argument("--backoff", type=float, default=10.0, metavar="S",
+                           help="seconds before the first restart, doubled for each further one (default 10)")
+    supervise.add_argument("--max-backoff", type=float, default=300.0, metavar="S",
+                           help="longest wait between restarts (default 300)")
+    supervise.add_argument("--reset-after", type=float, default=600.0, metavar="S",
+                           help="a command that ran longer than S seconds before failing starts a new streak: "
+                                "the restart count and backoff reset (default 600)")
+    supervise.add_argument("--grace", type=float, default=120.0, metavar="S",
+                           help="seconds the command has to exit after a forwarded SIGTERM before SIGKILL "
+                                "(default 120)")
+    supervise.add_argument("command", nargs=argparse.REMAINDER, metavar="-- COMMAND ...")
+    supervise.set_defaults(func=cmd_supervise)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    started_at = time.time()  # goodput counts the start-up (imports, compilation) as restart overhead
     ns = build_parser().parse_args(argv)
+    ns.started_at = started_at
     try:
         return ns.func(ns)
     except BadInput as err:

@@ -15,7 +15,7 @@ import typing
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, Union
 
 import yaml
 from omegaconf import OmegaConf
@@ -131,14 +131,41 @@ class RematConfig:
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    every_steps: int = 0  # 0: save only at the end
-    keep: int = 3
+    # Save every n steps (0: only at the end and on preemption), or "auto": the Young/Daly interval
+    # sqrt(2 · save time · MTBF), from the measured save time and mtbf_hours (or observed failures).
+    every_steps: Union[int, str] = 0
+    every_minutes: float = 0.0  # also save when this much time passed since the last save (0: off)
+    keep: int = 3  # the newest n are kept ...
+    keep_every: int = 0  # ... plus every step divisible by this one, forever (milestones; 0: none)
+    resume_from: str = ""  # a run dir or step dir to resume from when run.dir has no checkpoint yet
+    init_from: str = ""  # a run dir or step dir whose params (same model) start a new run: fine-tuning
+    mtbf_hours: float = 0.0  # mean time between failures for "auto" (0: observed in this run, else 3 h)
+    async_save: bool = True  # write in a background thread while training continues (false: block until written)
+
+
+@dataclass(frozen=True)
+class FaultConfig:
+    # Hang watchdog: no step within max(hang_min_timeout_s, hang_factor × median step time) -> dump
+    # every thread's stack to <run.dir>/hang-<host>.txt and exit 124 (a supervisor restarts the job).
+    hang_factor: float = 10.0
+    hang_min_timeout_s: float = 300.0
+    hang_startup_timeout_s: float = 3600.0  # before the first timed step: compilation, restore
+    max_bad_steps: int = 3  # consecutive skipped (non-finite) or spiking steps before a rollback
+    spike_zscore: float = 0.0  # a loss above mean + z·std of the last spike_window losses is a spike (0: off)
+    spike_window: int = 100
+    straggler_factor: float = 3.0  # warn when a step takes this many times the rolling median
+    # Fault injection, for tests and chaos drills: poison these steps' batches with NaN; hang at a step.
+    inject_nan_steps: list[int] = field(default_factory=list)
+    inject_hang_step: int = -1
 
 
 @dataclass(frozen=True)
 class RunConfig:
     dir: str = "runs/tiny"
     tensorboard: bool = True
+    # JAX's persistent compilation cache, so a restarted run skips compilation: "" = the user cache
+    # (~/.cache/llama_jax/jax_compilation_cache), "off" disables, anything else is a directory.
+    compilation_cache: str = ""
 
 
 @dataclass(frozen=True)
@@ -150,6 +177,7 @@ class Config:
     mesh: MeshConfig = field(default_factory=MeshConfig)
     remat: RematConfig = field(default_factory=RematConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
 
@@ -378,8 +406,18 @@ def validate(config: Config) -> None:
         sum(v == -1 for v in mesh_axes.values()) <= 1,
         "at most one mesh axis may be -1 (fill the remaining devices)",
     )
-    _require(config.checkpoint.every_steps >= 0, "checkpoint.every_steps must be >= 0 (0: only at the end)")
-    _require(config.checkpoint.keep > 0, f"checkpoint.keep must be positive, got {config.checkpoint.keep}")
+    c, f = config.checkpoint, config.fault
+    _require(c.every_steps == "auto" or (isinstance(c.every_steps, int) and c.every_steps >= 0),
+             f"checkpoint.every_steps must be a step count >= 0 (0: only at the end) or auto, got '{c.every_steps}'")
+    _require(c.keep > 0, f"checkpoint.keep must be positive, got {c.keep}")
+    _require(c.keep_every >= 0 and c.every_minutes >= 0 and c.mtbf_hours >= 0,
+             "checkpoint.keep_every, checkpoint.every_minutes and checkpoint.mtbf_hours must be >= 0")
+    _require(not (c.resume_from and c.init_from), "set checkpoint.resume_from or checkpoint.init_from, not both")
+    _require(f.hang_factor > 0 and f.hang_min_timeout_s > 0 and f.hang_startup_timeout_s > 0,
+             "fault.hang_factor, fault.hang_min_timeout_s and fault.hang_startup_timeout_s must be positive")
+    _require(f.max_bad_steps > 0, f"fault.max_bad_steps must be positive, got {f.max_bad_steps}")
+    _require(f.spike_zscore >= 0 and f.spike_window > 1, "fault.spike_zscore must be >= 0 and fault.spike_window > 1")
+    _require(f.straggler_factor > 1, f"fault.straggler_factor must exceed 1, got {f.straggler_factor}")
     _require(bool(config.run.dir.strip()), "run.dir must not be empty")
     from llama_jax import remat  # local import: remat imports this module
 

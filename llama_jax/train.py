@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import statistics
 import time
 from dataclasses import dataclass
@@ -11,15 +12,16 @@ from typing import Any, Callable
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
-import yaml
 from flax import struct
 from jax.sharding import Mesh
 
 from llama_jax import config as config_lib
 from llama_jax import remat, sharding
 from llama_jax.attention import select_implementation
-from llama_jax.checkpoint import Checkpointer, latest_checkpoint_step
+from llama_jax.checkpoint import Checkpointer, check_model, latest_checkpoint_step, read_meta, resolve_step_dir, \
+    restore_step
 from llama_jax.config import Config, ConfigError
 from llama_jax.data.loader import Batches
 from llama_jax.data.pipeline import TrainData, cache_root
@@ -28,6 +30,10 @@ from llama_jax.metrics import MetricsLog, device_peak_flops, mfu
 from llama_jax.model import Llama, param_count, train_flops_per_token
 from llama_jax.optim import learning_rate, make_optimizer
 from llama_jax.report import write_report
+from llama_jax.resilience import EXIT_PREEMPTED, Goodput, HangWatchdog, PreemptionGuard, SpikeGuard, \
+    StragglerDetector, auto_checkpoint_steps, format_goodput, observed_mtbf_s, young_daly_interval_s
+
+DEFAULT_MTBF_S = 3 * 3600.0  # Llama 3 405B: one interruption every ~3 h on 16k GPUs (a big-run figure)
 
 
 class TrainState(struct.PyTreeNode):
@@ -90,9 +96,15 @@ def make_train_step(model: Llama, optimizer: optax.GradientTransformation, sched
 
     def train_step(state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainState, dict[str, jax.Array]]:
         loss, grads, _ = loss_and_grads(state.params, batch)
+        grad_norm = optax.tree.norm(grads)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": schedule(state.step)}
+        # A non-finite loss or gradient skips the update: params and optimizer moments stay as they
+        # were (so a NaN never reaches a checkpoint); the step still counts, the data moves on.
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        params, opt_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
+                                         (params, opt_state), (state.params, state.opt_state))
+        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state.step), "finite": finite}
         return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
     return train_step
@@ -182,23 +194,6 @@ class Trainer:
 # The loop
 
 
-SHAPE_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim",
-                "tie_embeddings", "param_dtype")
-
-
-def check_resumable(config: Config, run_dir: Path) -> None:
-    """The checkpoints in run_dir must hold this model: name every field that differs."""
-    saved_path = run_dir / "config.yaml"
-    if not saved_path.is_file():
-        return
-    saved = (yaml.safe_load(saved_path.read_text()) or {}).get("model", {})
-    current = config_lib.to_dict(config)["model"]
-    differ = [f"model.{k} {saved.get(k)} (saved) vs {current[k]}" for k in SHAPE_FIELDS if saved.get(k) != current[k]]
-    if differ:
-        raise ConfigError(f"{run_dir} holds checkpoints of a different model ({'; '.join(differ)}); "
-                          "use another run.dir or the saved model settings")
-
-
 @dataclass
 class Run:
     """Everything a training run needs, built and checked before anything in run.dir is written."""
@@ -206,16 +201,25 @@ class Run:
     config: Config
     trainer: Trainer
     data: TrainData
-    start: int  # the step to resume from (0: a new run)
+    start: int  # the newest checkpoint step in run.dir (0: none)
+    source: Path | None = None  # checkpoint.resume_from / init_from step directory, for a new run.dir
 
     @classmethod
     def setup(cls, config: Config, mesh: Mesh, data: TrainData) -> "Run":
         """Raises ConfigError or DataError (one line each) on bad input; writes nothing."""
-        t, run_dir = config.train, Path(config.run.dir)
-        start = latest_checkpoint_step(run_dir)
+        run_dir, model = Path(config.run.dir), config_lib.to_dict(config)["model"]
+        start, source = latest_checkpoint_step(run_dir), None
         if start:
-            check_resumable(config, run_dir)
-        return cls(config, Trainer.build(config, mesh), data, start)
+            meta = read_meta(run_dir / "checkpoints" / str(start))
+            if meta is not None:  # an unreadable one is set aside at restore time
+                check_model(meta["config"]["model"], model, run_dir)
+        elif config.checkpoint.resume_from or config.checkpoint.init_from:
+            source = resolve_step_dir(config.checkpoint.resume_from or config.checkpoint.init_from)
+            meta = read_meta(source)
+            if meta is None:
+                raise ConfigError(f"{source} has no readable meta item: it is not a llama-jax checkpoint or it is damaged")
+            check_model(meta["config"]["model"], model, source)
+        return cls(config, Trainer.build(config, mesh), data, start, source)
 
 
 def train(config: Config, mesh: Mesh, data: TrainData, print_fn: Callable[[str], None] = print) -> dict:
@@ -223,18 +227,69 @@ def train(config: Config, mesh: Mesh, data: TrainData, print_fn: Callable[[str],
     return execute(Run.setup(config, mesh, data), print_fn)
 
 
-def execute(run: Run, print_fn: Callable[[str], None] = print) -> dict:
-    """The training loop. Returns a summary with the first and last eval loss, throughput and MFU."""
-    config, trainer, data, start = run.config, run.trainer, run.data, run.start
-    t, run_dir, mesh = config.train, Path(config.run.dir), trainer.mesh
-    wall_start = time.perf_counter()
-    if start and start >= t.steps:
-        print_fn(f"{run_dir} is already trained to step {start}; raise train.steps to continue")
-        return {"run_dir": str(run_dir)}
-    eval_batches = min(t.eval_batches, data.val.batches_per_epoch())
+def enable_compilation_cache(config: Config) -> None:
+    """JAX's persistent compilation cache: a restarted run loads its compiled steps instead of compiling."""
+    setting = config.run.compilation_cache
+    if setting == "off":
+        return
+    directory = Path(setting).expanduser() if setting else cache_root(config.data) / "jax_compilation_cache"
+    jax.config.update("jax_compilation_cache_dir", str(directory))
 
+
+def run_metadata(config: Config, mesh: Mesh) -> dict:
+    from llama_jax import __version__
+
+    return {"config": config_lib.to_dict(config), "llama_jax": __version__, "jax": jax.__version__,
+            "mesh": dict(mesh.shape), "processes": jax.process_count(), "devices": mesh.devices.size}
+
+
+def _injected_hang() -> None:
+    """fault.inject_hang_step: stand-in for a collective that never returns."""
+    while True:
+        time.sleep(3600)
+
+
+def _restore(run: Run, checkpointer: Checkpointer, print_fn) -> tuple[TrainState | None, int]:
+    """(state, data position) from run.dir's newest good checkpoint, resume_from or init_from; (None, 0) if new."""
+    trainer, abstract = run.trainer, run.trainer.abstract_state()
+    if run.start:
+        model = config_lib.to_dict(run.config)["model"]
+        found = checkpointer.restore_newest(abstract, model, print_fn)
+        if found:
+            step, state, data_state = found
+            print_fn(f"resumed from {checkpointer.directory / str(step)}")
+            if data_state.get("fingerprint") != run.data.fingerprint:
+                print_fn(f"warning: the data settings or sources changed since step {step} was saved; "
+                         "the batches from here on differ from the original run's")
+            return state, int(data_state["next_step"])
+        print_fn("warning: no checkpoint in run.dir restores; starting from scratch")
+    if run.source is not None:
+        state, data_state = restore_step(run.source, abstract)
+        if run.config.checkpoint.resume_from:
+            print_fn(f"resumed from {run.source}")
+            return state, int(data_state["next_step"])
+        print_fn(f"initialised the params from {run.source}")
+        fresh = trainer.init_state(jax.random.key(run.config.seed))
+        return fresh.replace(params=state.params), 0
+    return None, 0
+
+
+def execute(run: Run, print_fn: Callable[[str], None] = print, started_at: float | None = None) -> dict:
+    """The training loop. Returns a summary: eval losses, throughput, MFU, goodput and the exit code
+    (0, or EXIT_PREEMPTED after a SIGTERM/SIGINT made it save and stop)."""
+    config, trainer, data = run.config, run.trainer, run.data
+    t, f, run_dir, mesh = config.train, config.fault, Path(config.run.dir), trainer.mesh
+    started_at = started_at or time.time()
+    wall_start = time.perf_counter()
+    summary: dict[str, Any] = {"run_dir": str(run_dir), "exit_code": 0}
+    if run.start and run.start >= t.steps:
+        print_fn(f"{run_dir} is already trained to step {run.start}; raise train.steps to continue")
+        return summary
+    enable_compilation_cache(config)
+    multi, primary = jax.process_count() > 1, jax.process_index() == 0
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(config_lib.to_yaml(config))
+    if primary:
+        (run_dir / "config.yaml").write_text(config_lib.to_yaml(config))
     n_devices = mesh.devices.size
     peak, peak_source = device_peak_flops(config.model.compute_dtype, cache_root(config.data))
     flops_per_token = train_flops_per_token(config.model, t.seq_len)
@@ -243,70 +298,190 @@ def execute(run: Run, print_fn: Callable[[str], None] = print) -> dict:
              f"device(s), mesh {dict(mesh.shape)}; peak {peak / 1e9:.1f} GFLOP/s per device ({peak_source})")
     print_fn(remat.describe(config.remat))
 
-    checkpointer = Checkpointer(run_dir, config.checkpoint)
-    summary: dict[str, Any] = {"run_dir": str(run_dir)}
+    checkpointer = Checkpointer(run_dir, config.checkpoint, meta=run_metadata(config, mesh))
+    goodput = Goodput(run_dir, started_at, write=primary)
+    guard = SpikeGuard(f.max_bad_steps, f.spike_zscore, f.spike_window)
+    stragglers = StragglerDetector(f.straggler_factor)
+    host = socket.gethostname() + (f"-p{jax.process_index()}" if multi else "")
+    watchdog = HangWatchdog(run_dir, host, factor=f.hang_factor, min_timeout_s=f.hang_min_timeout_s,
+                            startup_timeout_s=f.hang_startup_timeout_s,
+                            describe=lambda: _collective_summary(config, mesh))
+    preemption = PreemptionGuard(checkpointer.manager.reached_preemption if multi else None)
+    auto_interval = config.checkpoint.every_steps == "auto"
+    mtbf_s = config.checkpoint.mtbf_hours * 3600 or observed_mtbf_s(run_dir) or DEFAULT_MTBF_S
     try:
-        with trainer.activate(), MetricsLog(run_dir, total_steps=t.steps, start_step=start,
-                                            tensorboard=config.run.tensorboard, print_fn=print_fn) as log:
-            if start:
-                state, data_state = checkpointer.restore(start, trainer.abstract_state())
-                print_fn(f"resumed from {run_dir / 'checkpoints' / str(start)}")
-                if data_state.get("fingerprint") != data.fingerprint:
-                    print_fn(f"warning: the data settings or sources changed since step {start} was saved; "
-                             "the batches from here on differ from the original run's")
+        with watchdog, preemption, trainer.activate(), MetricsLog(
+                run_dir, total_steps=t.steps, start_step=run.start, tensorboard=config.run.tensorboard,
+                print_fn=print_fn) as log:
+            with watchdog.paused("restore"):
+                restore_start = time.perf_counter()
+                state, data_step = _restore(run, checkpointer, print_fn)
+            if state is not None:
+                goodput.add("checkpoint_restore", time.perf_counter() - restore_start)
             else:
                 state = trainer.init_state(jax.random.key(config.seed))
-                summary["initial_eval_loss"] = trainer.evaluate(state.params, data.val, eval_batches)
+            step = int(state.step)
+            goodput.begin(step)
+            eval_batches = min(t.eval_batches, data.val.batches_per_epoch())
+            if step == 0:
+                with watchdog.paused("eval"):
+                    summary["initial_eval_loss"] = trainer.evaluate(state.params, data.val, eval_batches)
                 log.log({"step": 0, "eval_loss": summary["initial_eval_loss"]})
 
+            host_batches = data.train.iterate(data_step, data_step + 10**12, trainer.local_rows(),
+                                              config.data.loader_threads, config.data.prefetch)
+            window = {"steps": 0, "seconds": 0.0, "data_wait": 0.0}
             throughputs: list[float] = []
-            window_start, window_steps, data_wait = time.perf_counter(), 0, 0.0
-            host_batches = data.train.iterate(start, t.steps, trainer.local_rows(), config.data.loader_threads,
-                                              config.data.prefetch)
-            for step in range(start, t.steps):
+            first_step, last_done, stalled = step + 1, time.perf_counter(), 0.0
+            while step < t.steps:
+                if data_step == f.inject_hang_step:
+                    _injected_hang()
                 wait_start = time.perf_counter()
                 batch = next(host_batches)
-                data_wait += time.perf_counter() - wait_start
+                waited = time.perf_counter() - wait_start
+                if data_step in f.inject_nan_steps:
+                    batch["loss_mask"] = np.full_like(batch["loss_mask"], np.nan)
                 state, metrics = trainer.train_step(state, trainer.put(batch))
-                done, window_steps = step + 1, window_steps + 1
-                first = done == start + 1
-                if first or done % t.log_every == 0 or done == t.steps:
-                    metrics = jax.device_get(metrics)
-                    elapsed = time.perf_counter() - window_start
-                    record = {"step": done, **{k: float(v) for k, v in metrics.items()}}
-                    if first:  # this step includes compilation: it says nothing about throughput
-                        record.update(tokens_per_s=None, mfu=None, compile_s=elapsed)
-                    else:
-                        tokens_per_s = window_steps * tokens_per_step / elapsed
+                step, data_step = step + 1, data_step + 1
+                metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+                done = time.perf_counter()
+                seconds, last_done = done - last_done, done
+                goodput.add("data_wait", waited)
+                if step == first_step:  # compilation happens here; the step time says nothing
+                    goodput.add("compile", seconds - waited - stalled)
+                    watchdog.step_done(step, None)
+                else:
+                    goodput.step_done(step, seconds - waited - stalled)
+                    watchdog.step_done(step, seconds - stalled)
+                    window["steps"] += 1
+                    window["seconds"] += seconds - stalled
+                    window["data_wait"] += waited
+                    warning = stragglers.observe(step, seconds - stalled, process=jax.process_index())
+                    if warning:
+                        print_fn(warning)
+                stalled = 0.0
+                verdict = guard.observe(step, metrics["loss"], bool(metrics.pop("finite")))
+                if verdict == "skipped":
+                    print_fn(f"warning: step {step} skipped: non-finite loss or gradient norm")
+                elif verdict == "spike":
+                    print_fn(f"warning: step {step} loss spike: {metrics['loss']:.4f}")
+                if verdict == "rollback":
+                    with watchdog.paused("rollback"):
+                        state, step = _roll_back(checkpointer, trainer, state, step, data_step, guard, goodput, print_fn)
+                    last_done = time.perf_counter()
+                    continue
+
+                if step == first_step or step % t.log_every == 0 or step == t.steps:
+                    record = {"step": step, **metrics, "skipped_total": guard.bad_steps_total}
+                    if window["steps"]:
+                        per_step = window["seconds"] / window["steps"]
+                        tokens_per_s = tokens_per_step / per_step
                         throughputs.append(tokens_per_s)
-                        record.update(tokens_per_s=tokens_per_s, step_time_s=elapsed / window_steps,
+                        record.update(tokens_per_s=tokens_per_s, step_time_s=per_step,
                                       mfu=mfu(tokens_per_s * flops_per_token, peak, n_devices),
-                                      data_wait_s=data_wait / window_steps)
+                                      data_wait_s=window["data_wait"] / window["steps"])
+                    else:
+                        record.update(tokens_per_s=None, mfu=None, compile_s=seconds)
                     log.log(record)
-                    window_start, window_steps, data_wait = time.perf_counter(), 0, 0.0
-                evaluate_now = t.eval_every > 0 and done % t.eval_every == 0 and done != t.steps
-                if evaluate_now or done == t.steps:
-                    eval_loss = trainer.evaluate(state.params, data.val, eval_batches)
-                    log.log({"step": done, "eval_loss": eval_loss})
+                    goodput.flush()
+                    window = {"steps": 0, "seconds": 0.0, "data_wait": 0.0}
+
+                pause_start = time.perf_counter()
+                evaluate_now = t.eval_every > 0 and step % t.eval_every == 0 and step != t.steps
+                if evaluate_now or step == t.steps:
+                    with watchdog.paused("eval"):
+                        eval_loss = trainer.evaluate(state.params, data.val, eval_batches)
+                    log.log({"step": step, "eval_loss": eval_loss})
                     summary["final_eval_loss"] = eval_loss
-                if checkpointer.due(done) or done == t.steps:
-                    checkpointer.save(done, state, {"next_step": done, "fingerprint": data.fingerprint})
-                if evaluate_now or checkpointer.due(done):
-                    window_start, window_steps, data_wait = time.perf_counter(), 0, 0.0
+                    goodput.add("eval", time.perf_counter() - pause_start)
+                stop = preemption.should_stop(step)
+                if _save_due(checkpointer, step, multi) or step == t.steps or stop:
+                    save_start = time.perf_counter()
+                    with watchdog.paused("checkpoint"):
+                        checkpointer.save(step, state, {"next_step": data_step, "fingerprint": data.fingerprint})
+                        if auto_interval and len(checkpointer.save_seconds) == 1:
+                            _set_auto_interval(checkpointer, mtbf_s, throughputs, tokens_per_step, print_fn)
+                    goodput.add("checkpoint_save", time.perf_counter() - save_start)
+                if stop:
+                    print_fn(f"{preemption.signal_name or 'preemption'} received: saved step {step}, stopping "
+                             f"(exit {EXIT_PREEMPTED}); re-run the same command to continue")
+                    summary["exit_code"] = EXIT_PREEMPTED
+                    break
+                stalled = time.perf_counter() - pause_start
 
             if throughputs:
                 summary["tokens_per_s"] = statistics.median(throughputs)
                 summary["mfu"] = mfu(summary["tokens_per_s"] * flops_per_token, peak, n_devices)
+            with watchdog.paused("final save"):
+                goodput.add("checkpoint_save", checkpointer.wait())
+            summary["goodput"] = goodput.summary()
+            summary["skipped_steps"] = guard.bad_steps_total
+            log.log({"step": step, **{f"goodput_{k}": v for k, v in summary["goodput"].items()}})
+            goodput.finish(preempted=summary["exit_code"] == EXIT_PREEMPTED)
+            print_fn(format_goodput(summary["goodput"]))
+            if checkpointer.save_seconds and throughputs:
+                print_fn(_interval_advice(checkpointer, mtbf_s, tokens_per_step / summary["tokens_per_s"]))
     finally:
         checkpointer.close()  # also on errors: a pending asynchronous save is finished, not lost
-    if t.sample_tokens and t.steps > start:
+    if t.sample_tokens and summary["exit_code"] == 0 and step > run.start:
         # Outside the mesh context: the prompt's length need not divide the sequence shards.
         summary["sample"] = _sample(trainer, state.params, data.tokenizer, config)
         print_fn(f"sample after {t.steps} steps:\n{summary['sample']}")
         (run_dir / "sample.txt").write_text(summary["sample"] + "\n")
-    summary["report"] = str(write_report(run_dir))
+    if primary:
+        summary["report"] = str(write_report(run_dir))
     summary["wall_time_s"] = time.perf_counter() - wall_start
     return summary
+
+
+def _collective_summary(config: Config, mesh: Mesh) -> str:
+    """For hang dumps: what the compiled step communicates (from the persistent cache when warm)."""
+    from llama_jax.plan import format_plan, make_plan  # plan imports this module
+
+    return format_plan(make_plan(config, mesh))
+
+
+def _save_due(checkpointer: Checkpointer, step: int, multi: bool) -> bool:
+    due = checkpointer.due(step)
+    if multi and checkpointer.config.every_minutes > 0:  # clocks differ: process 0 decides for all
+        from jax.experimental import multihost_utils
+
+        due = bool(multihost_utils.broadcast_one_to_all(np.asarray(due)))
+    return due
+
+
+def _roll_back(checkpointer, trainer, state, step, data_step, guard, goodput, print_fn):
+    """After max_bad_steps bad steps in a row: back to the newest checkpoint, skipping the batches since."""
+    checkpointer.wait()
+    steps = checkpointer.manager.all_steps()
+    if not steps:
+        print_fn(f"warning: {guard.consecutive} bad steps in a row at step {step} and no checkpoint to roll back to")
+        guard.reset()
+        return state, step
+    back, _ = checkpointer.restore(max(steps), trainer.abstract_state())
+    back_step = int(back.step)
+    goodput.discard(back_step, step)
+    print_fn(f"warning: {guard.consecutive} bad steps in a row: rolled back from step {step} to {back_step}; "
+             f"the data continues at batch {data_step}, skipping the {step - back_step} batches since")
+    guard.reset()
+    return back, back_step
+
+
+def _set_auto_interval(checkpointer, mtbf_s, throughputs, tokens_per_step, print_fn) -> None:
+    """checkpoint.every_steps=auto: measure the first save completely, then use the Young/Daly interval."""
+    save_s = checkpointer.save_seconds[0] + checkpointer.wait()
+    step_s = tokens_per_step / statistics.median(throughputs) if throughputs else 1.0
+    checkpointer.every_steps = auto_checkpoint_steps(save_s, mtbf_s, step_s)
+    print_fn(f"checkpoint.every_steps=auto: a save takes {save_s:.2f}s, MTBF {mtbf_s / 3600:.1f} h, a step "
+             f"{step_s:.3f}s -> saving every {checkpointer.every_steps} steps")
+
+
+def _interval_advice(checkpointer, mtbf_s: float, step_s: float) -> str:
+    save_s = statistics.median(checkpointer.save_seconds)
+    interval = young_daly_interval_s(save_s, mtbf_s)
+    return (f"checkpoint interval advice (Young/Daly): sqrt(2 x save {save_s:.2f}s x MTBF {mtbf_s / 3600:.1f} h) "
+            f"= {interval:.0f}s = {auto_checkpoint_steps(save_s, mtbf_s, step_s)} steps; "
+            f"checkpoint.every_steps is {checkpointer.every_steps or 'only at the end'}")
 
 
 def _sample(trainer: Trainer, params, tokenizer, config: Config) -> str:
@@ -315,4 +490,3 @@ def _sample(trainer: Trainer, params, tokenizer, config: Config) -> str:
     new = generate(trainer.model, params, prompt, config.train.sample_tokens, jax.random.key(config.seed),
                    stop_token=tokenizer.eos_id)
     return config.train.sample_prompt + tokenizer.decode(new)
-

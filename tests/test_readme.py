@@ -4,6 +4,7 @@ import json
 import re
 import shlex
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -39,7 +40,8 @@ def test_make_passes_args_to_the_trainer():
     assert "llama-jax train train.steps=100 run.dir=runs/short" in dry_run
 
 
-@pytest.mark.parametrize("command", [c for c in readme_commands("llama-jax train") if "train.step=5" not in c])
+@pytest.mark.parametrize("command", [c for c in readme_commands("llama-jax train")
+                                     if "train.step=5" not in c and "llama-jax supervise" not in c])
 def test_readme_train_commands_resolve_to_valid_configs(command, tmp_path, capsys):
     args = [a.replace("path/to/texts/", str(tmp_path)) for a in llama_jax_args(command)]
     assert cli.main(args + ["--print-config"]) == 0
@@ -107,3 +109,16 @@ def test_readme_data_guide_commands_build_and_train_on_stores(tmp_path, monkeypa
     config = load_config(args[0], args[1:] + ["train.batch_size=2", "train.seq_len=32"])
     data = open_data(config, log=lambda _: None)
     assert data.train.batch(0)["tokens"].shape == (2, 32)
+
+
+def test_readme_supervise_command_runs_its_train_command(tmp_path):
+    """The supervisor runs the guide's command as shown (its train command only prints its config here)."""
+    (command,) = readme_commands("llama-jax supervise")
+    args = llama_jax_args(command)
+    split = args.index("--")
+    child = [sys.executable, "-m", "llama_jax", *llama_jax_args(" ".join(args[split + 1:]))]
+    child = [a.replace("run.dir=runs/", f"run.dir={tmp_path}/") for a in child]
+    proc = subprocess.run([sys.executable, "-m", "llama_jax", *args[:split + 1], *child, "--print-config"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "checkpoint:\n  every_steps: 20" in proc.stdout and "start #1" in proc.stderr

@@ -1,0 +1,188 @@
+"""Chaos drill: train a preset under `llama-jax supervise` while SIGKILLs hit the trainer at random
+times, next to the same run left alone, both in this one invocation.
+
+    .venv/bin/python bench/chaos.py [--preset tiny] [--steps 300] [--kills 10] [--seed 0] [--json out.json] [key=value ...]
+
+Prints, for both runs, the wall time and the goodput with its breakdown (compile, checkpoint save and
+restore, data wait, lost = steps computed twice, restart = process start-up and supervisor backoff), and
+checks that the interrupted run ends with parameters bitwise equal to the uninterrupted one and the
+same loss at every step. Both runs share one data cache and one JAX compilation cache, warmed first,
+so neither pays a cold compilation the other does not.
+
+Kills: after each (re)start of the trainer, wait a uniformly random time in [--min-gap, --max-gap]
+seconds, then SIGKILL the trainer process (not the supervisor), until --kills have been sent. A kill
+can land anywhere: during start-up, compilation, restore, a step, an asynchronous save or the eval.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+LLAMA_JAX = [sys.executable, "-m", "llama_jax"]
+
+
+def environment() -> dict:
+    # One CPU device per trainer, as a user's laptop run; the parent's simulated devices are not inherited.
+    return dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+
+
+def trainer_pid(supervisor: subprocess.Popen) -> int | None:
+    """The supervisor's current child (its trainer), read from /proc; None between attempts."""
+    try:
+        children = Path(f"/proc/{supervisor.pid}/task/{supervisor.pid}/children").read_text().split()
+    except OSError:
+        return None
+    return int(children[0]) if children else None
+
+
+def chaos(supervisor: subprocess.Popen, kills: int, min_gap: float, max_gap: float, rng: random.Random,
+          sent: list[dict]) -> None:
+    """SIGKILL each new trainer process after a random delay, `kills` times in all."""
+    killed: set[int] = set()
+    while len(sent) < kills and supervisor.poll() is None:
+        pid = trainer_pid(supervisor)
+        if pid is None or pid in killed:
+            time.sleep(0.02)
+            continue
+        delay = rng.uniform(min_gap, max_gap)
+        started = time.monotonic()
+        while time.monotonic() - started < delay and supervisor.poll() is None and trainer_pid(supervisor) == pid:
+            time.sleep(0.02)
+        if trainer_pid(supervisor) != pid:  # it ended by itself (finished) before its kill came
+            continue
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            continue
+        killed.add(pid)
+        sent.append({"pid": pid, "after_s": round(delay, 2)})
+
+
+def final_state(run_dir: Path, config_args: list[str], step: int):
+    """The train state saved at `step`, restored on one CPU device, as numpy arrays."""
+    import jax
+    import numpy as np
+
+    from llama_jax import sharding
+    from llama_jax.checkpoint import Checkpointer
+    from llama_jax.config import load_config
+    from llama_jax.train import Trainer
+
+    config = load_config(config_args[0], [*config_args[1:], f"run.dir={run_dir}", "mesh.fsdp=1"])
+    trainer = Trainer.build(config, sharding.make_mesh(config, devices=jax.devices()[:1]))
+    checkpointer = Checkpointer(run_dir, config.checkpoint)
+    try:
+        with trainer.activate():
+            state, _ = checkpointer.restore(step, trainer.abstract_state())
+    finally:
+        checkpointer.close()
+    return [np.asarray(x) for x in jax.tree.leaves(state)]
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    """step -> loss of the newest record of that step (a resumed run re-logs the steps it recomputes)."""
+    from llama_jax.metrics import read_metrics
+
+    return {r["step"]: r["loss"] for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="tiny")
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--kills", type=int, default=10)
+    parser.add_argument("--every-steps", type=int, default=20, help="checkpoint interval of both runs")
+    parser.add_argument("--min-gap", type=float, default=3.0, help="shortest time from a (re)start to its kill")
+    parser.add_argument("--max-gap", type=float, default=25.0, help="longest time from a (re)start to its kill")
+    parser.add_argument("--backoff", type=float, default=1.0, help="the supervisor's first restart delay")
+    parser.add_argument("--seed", type=int, default=0, help="seeds the kill times")
+    parser.add_argument("--work", help="keep the run directories here (default: a temporary directory)")
+    parser.add_argument("--json", help="also write the figures here")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides for both runs")
+    args = parser.parse_args()
+
+    from llama_jax.resilience import BUCKETS, format_goodput, read_goodput
+
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(args.work or tmp)
+        config_args = [args.preset, f"train.steps={args.steps}", f"checkpoint.every_steps={args.every_steps}",
+                       f"checkpoint.keep={args.steps}", f"data.cache_dir={work / 'cache'}",
+                       f"run.compilation_cache={work / 'jax_cache'}", "run.tensorboard=false", *args.overrides]
+        train = [*LLAMA_JAX, "train", *config_args]
+
+        print("warming the data and compilation caches ...", flush=True)
+        warm = subprocess.run([*train, f"run.dir={work / 'warm'}", "train.steps=2"], env=environment(),
+                              capture_output=True, text=True)
+        if warm.returncode != 0:
+            sys.exit(f"warm-up failed:\n{warm.stderr}")
+
+        print(f"uninterrupted: {args.steps} steps ...", flush=True)
+        straight_dir = work / "straight"
+        start = time.perf_counter()
+        straight = subprocess.run([*train, f"run.dir={straight_dir}"], env=environment(), capture_output=True,
+                                  text=True)
+        straight_wall = time.perf_counter() - start
+        if straight.returncode != 0:
+            sys.exit(f"the uninterrupted run failed:\n{straight.stderr}")
+
+        print(f"under the supervisor with {args.kills} SIGKILLs ...", flush=True)
+        chaos_dir = work / "chaos"
+        supervise = [*LLAMA_JAX, "supervise", "--backoff", str(args.backoff), "--max-backoff", str(4 * args.backoff),
+                     "--max-restarts", str(args.kills + 5), "--"]
+        sent: list[dict] = []
+        start = time.perf_counter()
+        supervisor = subprocess.Popen([*supervise, *train, f"run.dir={chaos_dir}"], env=environment(),
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        killer = threading.Thread(target=chaos, args=(supervisor, args.kills, args.min_gap, args.max_gap,
+                                                      random.Random(args.seed), sent), daemon=True)
+        killer.start()
+        _, supervisor_log = supervisor.communicate()
+        chaos_wall = time.perf_counter() - start
+        killer.join(timeout=1)
+        if supervisor.returncode != 0:
+            sys.exit(f"the supervised run failed (exit {supervisor.returncode}):\n{supervisor_log}")
+
+        import numpy as np
+
+        expected, got = final_state(straight_dir, config_args, args.steps), final_state(chaos_dir, config_args,
+                                                                                          args.steps)
+        bitwise = len(expected) == len(got) and all(np.array_equal(a, b) for a, b in zip(expected, got))
+        # The interrupted run also logs the first step of every attempt: compare the steps both logged,
+        # and it must have logged every step the straight run did.
+        straight_losses, chaos_losses = losses(straight_dir), losses(chaos_dir)
+        same_losses = all(chaos_losses.get(step) == loss for step, loss in straight_losses.items())
+        runs = {"uninterrupted": (straight_wall, read_goodput(straight_dir)),
+                "10 kills" if args.kills == 10 else f"{args.kills} kills": (chaos_wall, read_goodput(chaos_dir))}
+
+    print(f"\n{args.preset}, {args.steps} steps, checkpoint every {args.every_steps} steps, {os.cpu_count()} cores")
+    print(f"kills sent: {len(sent)} (seconds after each start: {', '.join(str(k['after_s']) for k in sent)})")
+    columns = ["wall_s", "goodput", *BUCKETS, "attempts"]
+    print(f"{'run':<14}" + "".join(f"{c:>19}" if c == "checkpoint_restore" else f"{c:>16}" for c in columns))
+    results = {"preset": args.preset, "steps": args.steps, "kills": sent, "bitwise_equal_params": bitwise,
+               "same_losses": same_losses}
+    for name, (wall, goodput) in runs.items():
+        row = {**goodput, "accounted_s": goodput["wall_s"], "wall_s": wall}
+        cells = [f"{100 * row[c]:.1f}%" if c == "goodput" else (f"{row[c]}" if c == "attempts" else f"{row[c]:.1f}")
+                 for c in columns]
+        print(f"{name:<14}" + "".join(f"{v:>19}" if c == "checkpoint_restore" else f"{v:>16}"
+                                      for c, v in zip(columns, cells)))
+        results[name] = row
+        print(f"{'':<14}{format_goodput(goodput)}")
+    print(f"final params bitwise equal: {bitwise}; identical loss at every step: {same_losses}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+    sys.exit(0 if bitwise and same_losses else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,333 @@
+"""llama_jax.resilience with real threads, real signals and one real subprocess; no JAX involved."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from llama_jax.resilience import EXIT_HANG, EXIT_PREEMPTED, Goodput, HangWatchdog, PreemptionGuard, SpikeGuard, \
+    StragglerDetector, auto_checkpoint_steps, observed_mtbf_s, young_daly_interval_s
+
+# ---------------------------------------------------------------------------------------------
+# HangWatchdog
+
+
+class FakeExit:
+    """exit_fn that records the code instead of ending the test process."""
+
+    def __init__(self):
+        self.codes: list[int] = []
+        self.event = threading.Event()
+
+    def __call__(self, code: int) -> None:
+        self.codes.append(code)
+        self.event.set()
+
+
+def fast_watchdog(tmp_path, exit_fn, **kwargs):
+    options = dict(factor=2.0, min_timeout_s=0.2, startup_timeout_s=0.5, poll_s=0.01,
+                   describe=lambda: "all-reduce x 4 over fsdp")
+    return HangWatchdog(tmp_path, "node-7", exit_fn=exit_fn, **{**options, **kwargs})
+
+
+def stuck_in_collective(fired: threading.Event, limit_s: float) -> None:
+    """Stands in for a collective whose peer died: blocks until the watchdog fires."""
+    deadline = time.monotonic() + limit_s
+    while not fired.is_set() and time.monotonic() < deadline:
+        time.sleep(0.005)
+
+
+def test_watchdog_fires_after_steps_stop_and_dumps_stacks_and_describe(tmp_path):
+    fake = FakeExit()
+    with fast_watchdog(tmp_path, fake) as watchdog:
+        watchdog.step_done(1, None)
+        for step in range(2, 12):
+            time.sleep(0.01)
+            watchdog.step_done(step, 0.01)
+        assert watchdog.timeout_s == 0.2  # max(0.2, 2 x ~0.01)
+        stopped = time.monotonic()
+        stuck_in_collective(fake.event, limit_s=5)
+        fired_after = time.monotonic() - stopped
+    assert fake.codes == [EXIT_HANG]
+    assert 0.2 <= fired_after < 2.0
+    text = (tmp_path / "hang-node-7.txt").read_text()
+    assert "stuck_in_collective" in text  # the main thread's stack shows where it is blocked
+    assert "Thread 'MainThread'" in text and "Thread 'hang-watchdog'" in text
+    assert "all-reduce x 4 over fsdp" in text
+    assert "last completed step: 11 (0.01 s)" in text and "last progress: step 11 done" in text
+    assert f"pid: {os.getpid()}" in text and "host: node-7" in text and "median step time 0.01 s" in text
+
+
+def test_watchdog_quiet_while_steps_come_and_inside_paused(tmp_path):
+    fake = FakeExit()
+    with fast_watchdog(tmp_path, fake) as watchdog:
+        watchdog.step_done(1, None)
+        for step in range(2, 60):  # ~0.6 s of steps, three times the 0.2 s timeout
+            time.sleep(0.01)
+            watchdog.step_done(step, 0.01)
+        with watchdog.paused("checkpoint"):
+            time.sleep(0.8)
+        watchdog.progress("eval batch 1")
+        time.sleep(0.1)
+        assert not fake.codes
+        fake.event.wait(2.0)  # after the pause the clock runs again
+    assert fake.codes == [EXIT_HANG]
+    assert "last progress: eval batch 1" in (tmp_path / "hang-node-7.txt").read_text()
+
+
+def test_watchdog_describe_failure_is_a_note_not_a_crash(tmp_path):
+    fake = FakeExit()
+
+    def broken() -> str:
+        raise RuntimeError("no compiled step")
+
+    with fast_watchdog(tmp_path, fake, describe=broken, startup_timeout_s=0.05):
+        fake.event.wait(2.0)
+    assert fake.codes == [EXIT_HANG]
+    text = (tmp_path / "hang-node-7.txt").read_text()
+    assert "describe() failed: RuntimeError: no compiled step" in text
+    assert "startup timeout 0.05 s (no timed step yet)" in text
+
+
+def test_watchdog_timeout_derivation():
+    watchdog = HangWatchdog(Path("unused"), "h", factor=10.0, min_timeout_s=5.0, startup_timeout_s=900.0, window=3)
+    assert watchdog.timeout_s == 900.0
+    watchdog.step_done(1, None)  # compilation: no step time yet
+    assert watchdog.timeout_s == 900.0
+    watchdog.step_done(2, 0.1)
+    assert watchdog.timeout_s == 5.0  # 10 x 0.1 < the minimum
+    for step, seconds in [(3, 2.0), (4, 3.0), (5, 100.0)]:
+        watchdog.step_done(step, seconds)
+    assert watchdog.timeout_s == 30.0  # 10 x median(2, 3, 100) of the last 3
+
+
+def test_a_stuck_process_exits_124_and_leaves_the_dump(tmp_path):
+    child = textwrap.dedent(f"""
+        import threading
+        from pathlib import Path
+        from llama_jax.resilience import HangWatchdog
+
+        def blocked_forever():
+            threading.Event().wait()
+
+        with HangWatchdog(Path({str(tmp_path)!r}), "child", startup_timeout_s=0.3, poll_s=0.05):
+            blocked_forever()
+    """)
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=30)
+    assert proc.returncode == EXIT_HANG, proc.stderr
+    assert time.monotonic() - started < 20
+    assert "blocked_forever" in (tmp_path / "hang-child.txt").read_text()
+    assert f"exiting {EXIT_HANG}" in proc.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# PreemptionGuard
+
+
+def deliver(sig: signal.Signals) -> None:
+    """Send a signal to ourselves and give the main thread the moment it needs to run the handler."""
+    os.kill(os.getpid(), sig)
+    for _ in range(100):
+        time.sleep(0.001)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_sets_the_flag_and_handlers_are_restored(sig):
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    with PreemptionGuard() as guard:
+        assert not guard.should_stop(1) and guard.signal_name is None
+        deliver(sig)
+        assert guard.should_stop(2)
+        assert guard.signal_name == sig.name
+    assert {s: signal.getsignal(s) for s in before} == before
+    assert EXIT_PREEMPTED == 75
+
+
+def test_a_second_sigint_raises_keyboard_interrupt():
+    with PreemptionGuard() as guard:
+        deliver(signal.SIGTERM)
+        with pytest.raises(KeyboardInterrupt):
+            deliver(signal.SIGINT)
+        assert guard.signal_name == "SIGTERM"
+
+
+def test_multi_process_sync_decides_and_sigterm_stays_with_jax():
+    notified: list[int] = []
+    jax_like = lambda signum, frame: notified.append(signum)  # noqa: E731 - stands in for JAX's notifier
+    previous = signal.signal(signal.SIGTERM, jax_like)
+    try:
+        with PreemptionGuard(sync=lambda step: step >= 3 and bool(notified)) as guard:
+            assert signal.getsignal(signal.SIGTERM) is jax_like  # not replaced
+            deliver(signal.SIGINT)
+            assert notified == [signal.SIGTERM]  # SIGINT was forwarded as SIGTERM to JAX
+            assert guard.signal_name == "SIGINT"
+            assert not guard.should_stop(2)  # only the agreed sync point stops a multi-process run
+            assert guard.should_stop(3)
+        assert signal.getsignal(signal.SIGTERM) is jax_like
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+# ---------------------------------------------------------------------------------------------
+# Goodput
+
+
+class Clock:
+    def __init__(self, t: float):
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def first_attempt(run_dir, clock, flush_after=7):
+    """Started at 1000, loop at 1010, compile 5 s, steps 2..7 of 2 s each; last flush at 1040 after step flush_after."""
+    clock.t = 1010.0
+    goodput = Goodput(run_dir, started_at=1000.0, now=clock)
+    goodput.begin(0)
+    goodput.add("compile", 5.0)
+    for step in range(2, 8):
+        goodput.step_done(step, 2.0)
+        if step == flush_after:
+            clock.t = 1040.0
+            goodput.flush()
+    return goodput  # and "dies": no final record
+
+
+def test_goodput_across_a_death_and_a_resume(tmp_path):
+    clock = Clock(0.0)
+    first_attempt(tmp_path, clock)
+    clock.t = 1103.0
+    second = Goodput(tmp_path, started_at=1100.0, now=clock)
+    second.add("checkpoint_restore", 2.0)
+    second.begin(resumed_step=5)
+    for step in range(6, 10):
+        second.step_done(step, 1.0)
+    clock.t = 1120.0
+    s = second.summary()
+    assert s["lost"] == 4.0  # steps 6 and 7 again, at attempt 1's mean of 2 s
+    assert s["restart"] == 10.0 + 60.0 + 1.0  # start-up 1, gap 1040 -> 1100, start-up 2 less the restore
+    assert s["productive"] == 12.0 + 4.0 - 4.0
+    assert s["wall_s"] == 120.0 and s["attempts"] == 2
+    assert s["goodput"] == 12.0 / 120.0
+    assert sum(s[b] for b in ("productive", "compile", "checkpoint_restore", "lost", "restart", "other")) == 120.0
+    assert second.format().startswith("goodput 10.0% of 120 s over 2 attempts: productive 12 s, compile 5.0 s")
+    second.finish()
+    record = json.loads((tmp_path / "goodput.json").read_text())
+    assert [a["outcome"] for a in record["attempts"]] == ["died", "finished"]
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_goodput_of_a_kill_9_counts_from_its_last_flush(tmp_path):
+    clock = Clock(0.0)
+    first_attempt(tmp_path, clock, flush_after=5)  # steps 6 and 7 ran but were never recorded
+    clock.t = 1100.0
+    second = Goodput(tmp_path, started_at=1100.0, now=clock)
+    second.begin(resumed_step=5)
+    s = second.summary()
+    assert s["lost"] == 0.0  # as far as anyone knows, nothing beyond step 5 was done...
+    assert s["restart"] == 10.0 + 60.0  # ...the unrecorded work is inside the gap
+    assert s["productive"] == 8.0 and s["wall_s"] == 100.0 and s["goodput"] == 0.08
+
+
+def test_goodput_rollback_and_idle_time_after_a_finished_run(tmp_path):
+    clock = Clock(10.0)
+    goodput = Goodput(tmp_path, started_at=0.0, now=clock)
+    goodput.begin(0)
+    for step in range(1, 7):
+        goodput.step_done(step, 1.0)
+    goodput.discard(3, 6)  # rolled back from step 6 to 3
+    clock.t = 20.0
+    goodput.finish()
+    assert goodput.summary()["lost"] == 3.0 and goodput.summary()["productive"] == 3.0
+    clock.t = 1000.0  # a week later (say) the user raises train.steps: the wait is no one's fault
+    later = Goodput(tmp_path, started_at=995.0, now=clock)
+    later.begin(6)
+    s = later.summary()
+    assert s["wall_s"] == 20.0 + 5.0 and s["restart"] == 10.0 + 5.0 and s["lost"] == 3.0
+
+
+def test_goodput_only_process_0_writes_and_a_broken_file_is_not_fatal(tmp_path):
+    Goodput(tmp_path, started_at=time.time(), write=False).begin(0)
+    assert not (tmp_path / "goodput.json").exists()
+    (tmp_path / "goodput.json").write_text("{not json")
+    goodput = Goodput(tmp_path, started_at=time.time())
+    goodput.begin(0)
+    assert goodput.summary()["attempts"] == 1
+    with pytest.raises(ValueError, match="unknown goodput bucket"):
+        goodput.add("coffee", 1.0)
+
+
+def test_observed_mtbf(tmp_path):
+    assert observed_mtbf_s(tmp_path) is None
+    clock = Clock(0.0)
+    first_attempt(tmp_path, clock)  # died; last alive at 1040
+    clock.t = 1100.0
+    second = Goodput(tmp_path, started_at=1100.0, now=clock)
+    second.begin(5)
+    clock.t = 1500.0
+    second.finish()
+    assert observed_mtbf_s(tmp_path) == 500.0  # 500 s of wall, one failure
+    clock.t = 1600.0
+    third = Goodput(tmp_path, started_at=1600.0, now=clock)
+    third.begin(9)
+    clock.t = 1700.0
+    third.finish(preempted=True)  # stopped on a signal: an interruption, not a clean finish
+    assert observed_mtbf_s(tmp_path) == (1700.0 - 1000.0 - 100.0) / 2  # the idle 1500 -> 1600 excluded
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoint interval, stragglers, bad steps
+
+
+def test_young_daly_interval_and_steps():
+    assert young_daly_interval_s(2.0, 3600.0) == 120.0
+    assert young_daly_interval_s(8.0, 10800.0) == pytest.approx(415.692, abs=1e-3)
+    assert auto_checkpoint_steps(2.0, 3600.0, 0.5) == 240
+    assert auto_checkpoint_steps(2.0, 3600.0, 7.0) == 17  # 120 / 7 = 17.1
+    assert auto_checkpoint_steps(0.001, 1.0, 60.0) == 1  # at least one
+    with pytest.raises(ValueError):
+        auto_checkpoint_steps(2.0, 3600.0, 0.0)
+
+
+def test_straggler_warns_only_above_factor_times_median_and_names_the_slowest():
+    detector = StragglerDetector(factor=3.0, window=50, min_steps=10)
+    assert detector.observe(1, 50.0) is None  # not before min_steps
+    for step in range(2, 12):
+        assert detector.observe(step, 1.0) is None
+    assert detector.observe(12, 2.9) is None  # median is 1.0: 2.9 is below 3x
+    warning = detector.observe(13, 4.0, per_process=[1.0, 1.1, 3.8, 0.9], process=0)
+    assert warning is not None and "step 13" in warning and "took 4 s, 4.0x the median 1 s" in warning
+    assert "slowest process 2" in warning and "3.8x the median 1 s of the other 3" in warning
+    assert "seen on process 5" in detector.observe(14, 9.0, process=5)
+
+
+def test_spike_guard_skips_spikes_and_rollback():
+    guard = SpikeGuard(max_bad_steps=3, zscore=3.0, window=20)
+    for step in range(1, 21):
+        assert guard.observe(step, 2.0 + 0.01 * (step % 2), True) == "ok"
+    assert guard.observe(21, float("nan"), False) == "skipped"
+    assert guard.observe(22, 2.0, True) == "ok"  # a good step ends the run of bad ones
+    assert guard.consecutive == 0 and guard.bad_steps_total == 1
+    assert guard.observe(23, 9.0, True) == "spike"
+    assert guard.observe(24, 9.0, True) == "spike"  # the first spike did not raise the bar
+    assert guard.observe(25, 2.0, False) == "rollback"  # three bad in a row
+    assert guard.bad_steps_total == 4 and guard.consecutive == 3
+    guard.reset()
+    assert guard.consecutive == 0 and guard.observe(26, 2.01, True) == "ok"
+
+
+def test_spike_rule_off_by_default_and_needs_history():
+    assert SpikeGuard().observe(1, 1e9, True) == "ok"
+    guard = SpikeGuard(max_bad_steps=0, zscore=1.0)
+    assert guard.observe(1, 2.0, True) == "ok" and guard.observe(2, 50.0, True) == "ok"  # no history yet
+    for step in range(3, 10):
+        assert guard.observe(step, float("inf"), True) == "skipped"  # max_bad_steps 0: never rolls back
