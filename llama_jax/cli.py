@@ -20,6 +20,12 @@ class BadInput(Exception):
     pass
 
 
+def _error(message: str) -> None:
+    # One write: the lines of several processes sharing a terminal must not interleave mid-line.
+    sys.stderr.write(f"llama-jax: error: {message}\n")
+    sys.stderr.flush()
+
+
 def _split_source(args: list[str]) -> tuple[str | None, list[str]]:
     """`[PRESET|CONFIG.yaml] [key=value ...]` -> (source, overrides)."""
     if args and "=" not in args[0]:
@@ -38,19 +44,34 @@ def cmd_train(ns: argparse.Namespace) -> int:
         if ns.print_config:
             print(to_yaml(config), end="")
             return 0
-        print(summary(config), flush=True)
+        from llama_jax import distributed
+
+        try:
+            member = distributed.initialize(config.run)  # a multi-process run: join it before using devices
+        except distributed.CoordinatorUnavailable as err:
+            _error(str(err))
+            return distributed.EXIT_UNAVAILABLE
+        import jax
+
+        primary = member is None or jax.process_index() == 0
+        say = print if primary else _warnings_only  # one voice: process 0's
+        if primary:
+            print(summary(config), flush=True)
 
         from llama_jax import sharding
         from llama_jax.data.pipeline import open_data
         from llama_jax.train import Run, execute
 
         mesh = sharding.make_mesh(config)
-        data = open_data(config)
+        # Process 0 prepares raw sources into the cache first, so processes sharing it never race.
+        data = distributed.primary_first(lambda: open_data(config, log=say), (DataError, ConfigError))
         run = Run.setup(config, mesh, data)  # checks the rest of the input; writes nothing
     except (ConfigError, DataError) as err:
         raise BadInput(str(err)) from None
 
-    result = execute(run, started_at=ns.started_at)
+    result = execute(run, print_fn=say, started_at=ns.started_at)
+    if not primary:
+        return result["exit_code"]
     if "final_eval_loss" in result:
         initial = result.get("initial_eval_loss")
         ratio = f" ({result['final_eval_loss'] / initial:.0%} of the initial {initial:.3f})" if initial else ""
@@ -60,6 +81,14 @@ def cmd_train(ns: argparse.Namespace) -> int:
     if "report" in result:
         print(f"wall time {result['wall_time_s']:.0f}s; report: {result['report']}")
     return result["exit_code"]  # 0, or EXIT_PREEMPTED after a signal made the run save and stop
+
+
+def _warnings_only(line: str) -> None:
+    """The print of processes other than 0: their warnings (e.g. a straggler) still matter."""
+    import jax
+
+    if line.startswith("warning"):
+        print(f"[process {jax.process_index()}] {line}", flush=True)
 
 
 def cmd_plan(ns: argparse.Namespace) -> int:
@@ -199,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return ns.func(ns)
     except BadInput as err:
-        print(f"llama-jax: error: {err}", file=sys.stderr)
+        _error(str(err))
         return EXIT_BAD_INPUT
 
 

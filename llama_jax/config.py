@@ -166,6 +166,14 @@ class RunConfig:
     # JAX's persistent compilation cache, so a restarted run skips compilation: "" = the user cache
     # (~/.cache/llama_jax/jax_compilation_cache), "off" disables, anything else is a directory.
     compilation_cache: str = ""
+    # Multi-process runs (llama_jax/distributed.py); unset: the environment (JAX_COORDINATOR_ADDRESS,
+    # JAX_NUM_PROCESSES, JAX_PROCESS_ID) or JAX's detection of Slurm / Open MPI; else one process.
+    coordinator: str = ""  # HOST:PORT of process 0
+    num_processes: int = 0  # 0: from the environment
+    process_id: int = -1  # -1: from the environment
+    local_device_ids: list[int] = field(default_factory=list)  # GPUs this process drives (default: JAX's choice)
+    init_timeout_s: float = 300.0  # how long to wait for the coordinator and every process to join
+    heartbeat_timeout_s: float = 30.0  # a process silent this long is dead: the others stop instead of hanging
 
 
 @dataclass(frozen=True)
@@ -419,6 +427,8 @@ def validate(config: Config) -> None:
     _require(f.spike_zscore >= 0 and f.spike_window > 1, "fault.spike_zscore must be >= 0 and fault.spike_window > 1")
     _require(f.straggler_factor > 1, f"fault.straggler_factor must exceed 1, got {f.straggler_factor}")
     _require(bool(config.run.dir.strip()), "run.dir must not be empty")
+    _require(config.run.init_timeout_s >= 1 and config.run.heartbeat_timeout_s >= 1,
+             "run.init_timeout_s and run.heartbeat_timeout_s must be at least 1 second")
     from llama_jax import remat  # local import: remat imports this module
 
     remat.check(config.remat, m.n_layers)

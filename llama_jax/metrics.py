@@ -189,7 +189,7 @@ def _drop_partial_last_line(path: pathlib.Path) -> None:
 
 
 class MetricsLog:
-    """Writes each record to metrics.jsonl and TensorBoard and shows progress. Use on process 0 only.
+    """Writes each record to metrics.jsonl and TensorBoard and shows progress (enabled on process 0 only).
 
     Records carry "step" and optionally "loss", "eval_loss", "tokens_per_s", "mfu" (a fraction)
     and any other scalars. Non-finite floats are written to JSONL as null (strict JSON).
@@ -197,7 +197,11 @@ class MetricsLog:
 
     def __init__(self, run_dir: pathlib.Path, total_steps: int, start_step: int = 0,
                  tensorboard: bool = True, interactive: bool | None = None,
-                 print_fn: Callable[[str], Any] = print) -> None:
+                 print_fn: Callable[[str], Any] = print, enabled: bool = True) -> None:
+        self.enabled = enabled  # False on processes other than 0 of a multi-process run: log nothing
+        self._bar = self._writer = self._file = None
+        if not enabled:
+            return
         run_dir.mkdir(parents=True, exist_ok=True)
         path = run_dir / "metrics.jsonl"
         _drop_partial_last_line(path)
@@ -206,13 +210,11 @@ class MetricsLog:
         self._print = print_fn
         self._step_time: float | None = None  # latest measured seconds per step, for the ETA
         self._shown: dict[str, Any] = {}  # latest value of each displayed field
-        self._writer = None
         if tensorboard:
             from tensorboardX import SummaryWriter  # imported lazily: only needed when enabled
             self._writer = SummaryWriter(logdir=str(run_dir / "tensorboard"))
         if interactive is None:
             interactive = sys.stdout.isatty()
-        self._bar = None
         if interactive:
             from tqdm import tqdm
             # initial=start_step: the bar of a resumed run starts where it left off and tqdm's
@@ -223,6 +225,8 @@ class MetricsLog:
     def log(self, record: dict) -> None:
         if "step" not in record:
             raise ValueError(f"metrics record needs a 'step' field, got keys {sorted(record)}")
+        if not self.enabled:
+            return
         rec = {str(k): _plain(v) for k, v in record.items()}
         step = int(rec["step"])
         safe = {k: None if isinstance(v, float) and not math.isfinite(v) else v
@@ -265,6 +269,8 @@ class MetricsLog:
 
     def message(self, text: str) -> None:
         """Print a line without breaking the progress bar."""
+        if not self.enabled:
+            return
         if self._bar is not None:
             self._bar.write(text, file=sys.stdout)
         else:
@@ -279,7 +285,7 @@ class MetricsLog:
             self._writer.flush()
             self._writer.close()
             self._writer = None
-        if not self._file.closed:
+        if self._file is not None and not self._file.closed:
             self._file.close()
 
     def __enter__(self) -> MetricsLog:

@@ -312,7 +312,7 @@ def execute(run: Run, print_fn: Callable[[str], None] = print, started_at: float
     try:
         with watchdog, preemption, trainer.activate(), MetricsLog(
                 run_dir, total_steps=t.steps, start_step=run.start, tensorboard=config.run.tensorboard,
-                print_fn=print_fn) as log:
+                print_fn=print_fn, enabled=primary) as log:
             with watchdog.paused("restore"):
                 restore_start = time.perf_counter()
                 state, data_step = _restore(run, checkpointer, print_fn)
@@ -427,7 +427,8 @@ def execute(run: Run, print_fn: Callable[[str], None] = print, started_at: float
         # Outside the mesh context: the prompt's length need not divide the sequence shards.
         summary["sample"] = _sample(trainer, state.params, data.tokenizer, config)
         print_fn(f"sample after {t.steps} steps:\n{summary['sample']}")
-        (run_dir / "sample.txt").write_text(summary["sample"] + "\n")
+        if primary:
+            (run_dir / "sample.txt").write_text(summary["sample"] + "\n")
     if primary:
         summary["report"] = str(write_report(run_dir))
     summary["wall_time_s"] = time.perf_counter() - wall_start
@@ -472,14 +473,14 @@ def _set_auto_interval(checkpointer, mtbf_s, throughputs, tokens_per_step, print
     save_s = checkpointer.save_seconds[0] + checkpointer.wait()
     step_s = tokens_per_step / statistics.median(throughputs) if throughputs else 1.0
     checkpointer.every_steps = auto_checkpoint_steps(save_s, mtbf_s, step_s)
-    print_fn(f"checkpoint.every_steps=auto: a save takes {save_s:.2f}s, MTBF {mtbf_s / 3600:.1f} h, a step "
+    print_fn(f"checkpoint.every_steps=auto: a save takes {save_s:.2f}s, MTBF {mtbf_s / 3600:.2g} h, a step "
              f"{step_s:.3f}s -> saving every {checkpointer.every_steps} steps")
 
 
 def _interval_advice(checkpointer, mtbf_s: float, step_s: float) -> str:
     save_s = statistics.median(checkpointer.save_seconds)
     interval = young_daly_interval_s(save_s, mtbf_s)
-    return (f"checkpoint interval advice (Young/Daly): sqrt(2 x save {save_s:.2f}s x MTBF {mtbf_s / 3600:.1f} h) "
+    return (f"checkpoint interval advice (Young/Daly): sqrt(2 x save {save_s:.2f}s x MTBF {mtbf_s / 3600:.2g} h) "
             f"= {interval:.0f}s = {auto_checkpoint_steps(save_s, mtbf_s, step_s)} steps; "
             f"checkpoint.every_steps is {checkpointer.every_steps or 'only at the end'}")
 

@@ -51,3 +51,186 @@ def test_readme_local_commands_dry_run():
         args = shlex.split(command)[1:]
         result = local("--dry-run", *args)
         assert result.returncode == 0 and "llama-jax train" in result.stdout
+
+
+# --------------------------------------------------------------------------------------------
+# Multi-process and cluster launchers. The cluster scripts really run here, with stand-ins for the
+# commands a cluster provides (srun, scontrol, ssh) and for llama-jax (it prints what it was given).
+
+FAKE_LLAMA_JAX = """#!/usr/bin/env python3
+import json, os, sys
+args = sys.argv[1:]
+if args[0] == "supervise":  # run the supervised command, as the real supervisor would
+    command = args[args.index("--") + 1:]
+    os.execvp(command[0], command)
+keys = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "JAX_LOCAL_DEVICE_IDS", "XLA_FLAGS")
+print(json.dumps({"args": args, **{k: os.environ.get(k) for k in keys}}), flush=True)
+"""
+FAKE_SRUN = """#!/usr/bin/env bash
+# srun --kill-on-bad-exit=1 --ntasks-per-node=N CMD...: run every task of SLURM_NTASKS here, one after another
+per_node="${2#--ntasks-per-node=}"; shift 2
+for ((p = 0; p < SLURM_NTASKS; p++)); do SLURM_PROCID=$p SLURM_LOCALID=$((p % per_node)) "$@"; done
+"""
+FAKE_SCONTROL = """#!/usr/bin/env bash
+[[ "$1 $2" == "show hostnames" ]] && printf 'gpu17\\ngpu18\\n'
+"""
+FAKE_SSH = """#!/usr/bin/env bash
+# ssh HOST COMMAND: run COMMAND here
+shift
+exec bash -c "$1"
+"""
+
+
+def fakes(tmp_path):
+    """A bin directory with the stand-ins; returns the environment that puts it first on PATH."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, text in {"llama-jax": FAKE_LLAMA_JAX, "srun": FAKE_SRUN, "scontrol": FAKE_SCONTROL,
+                       "ssh": FAKE_SSH}.items():
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    return env | {"PATH": f"{bin_dir}:{env['PATH']}", "LLAMA_JAX": str(bin_dir / "llama-jax")}
+
+
+def processes_of(stdout: str) -> list[dict]:
+    return sorted((json.loads(line) for line in stdout.splitlines() if line.startswith("{")),
+                  key=lambda p: int(p["JAX_PROCESS_ID"]))
+
+
+def test_local_launcher_with_processes_dry_run():
+    result = local("--processes", "2", "--devices", "4", "--dry-run", "tiny", "run.dir=runs/mh")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert len(lines) == 2
+    for i, line in enumerate(lines):
+        words = shlex.split(line)
+        assert words[:5] == ["XLA_FLAGS=--xla_force_host_platform_device_count=4", "JAX_PLATFORMS=cpu",
+                             words[2], "JAX_NUM_PROCESSES=2", f"JAX_PROCESS_ID={i}"]
+        assert words[2].startswith("JAX_COORDINATOR_ADDRESS=127.0.0.1:")
+        assert words[-3:] == ["train", "tiny", "run.dir=runs/mh"]
+    assert shlex.split(lines[0])[2] == shlex.split(lines[1])[2]  # one coordinator
+
+
+def test_slurm_dry_run_names_every_process():
+    result = subprocess.run(["bash", str(ROOT / "launch" / "slurm.sbatch"), "--dry-run", "--nodes", "3",
+                             "--gpus-per-node", "4", "llama3_8b", "run.dir=/shared/8b"],
+                            capture_output=True, text=True, env={**os.environ, "LLAMA_JAX": "llama-jax"})
+    assert result.returncode == 0, result.stderr
+    header, supervised, *tasks = result.stdout.splitlines()
+    assert header == "# 3 node(s) x 4 process(es) = 12 processes; coordinator node0:20000"
+    assert supervised.startswith("llama-jax supervise ") and " srun --kill-on-bad-exit=1 --ntasks-per-node=4 " in supervised
+    assert len(tasks) == 12
+    for p, task in enumerate(tasks):
+        assert task.startswith(f"node{p // 4}: JAX_COORDINATOR_ADDRESS=node0:20000 JAX_NUM_PROCESSES=12 "
+                               f"JAX_PROCESS_ID={p} JAX_LOCAL_DEVICE_IDS={p % 4} llama-jax train llama3_8b")
+
+
+def test_slurm_script_gives_each_task_its_place(tmp_path):
+    """The batch script as Slurm runs it: 2 nodes x 2 tasks, job 4242 on gpu17 and gpu18."""
+    env = fakes(tmp_path) | {"SLURM_JOB_ID": "4242", "SLURM_JOB_NUM_NODES": "2", "SLURM_NTASKS_PER_NODE": "2(x2)",
+                             "SLURM_NTASKS": "4", "SLURM_JOB_NODELIST": "gpu[17-18]", "SLURM_SUBMIT_DIR": str(ROOT)}
+    result = subprocess.run(["bash", str(ROOT / "launch" / "slurm.sbatch"), "tiny", "run.dir=/shared/t"],
+                            capture_output=True, text=True, env=env, timeout=60)
+    assert result.returncode == 0, result.stderr
+    tasks = processes_of(result.stdout)
+    assert [t["JAX_PROCESS_ID"] for t in tasks] == ["0", "1", "2", "3"]
+    assert {t["JAX_COORDINATOR_ADDRESS"] for t in tasks} == {f"gpu17:{20000 + 4242}"}
+    assert {t["JAX_NUM_PROCESSES"] for t in tasks} == {"4"}
+    assert [t["JAX_LOCAL_DEVICE_IDS"] for t in tasks] == ["0", "1", "0", "1"]
+    assert all(t["args"] == ["train", "tiny", "run.dir=/shared/t"] for t in tasks)
+    assert all("--xla_gpu_enable_latency_hiding_scheduler=true" in t["XLA_FLAGS"] for t in tasks)
+
+
+def test_kubernetes_manifest_is_an_indexed_job_with_a_headless_service():
+    import yaml
+
+    result = subprocess.run(["bash", str(ROOT / "launch" / "k8s.sh"), "--image", "registry/llama-jax:1", "--name",
+                             "pretrain", "--processes", "4", "--gpus-per-pod", "8", "--port", "8476", "--dry-run",
+                             "llama3_8b", "run.dir=/runs/8b", 'train.sample_prompt=say "hi"'],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    service, job = yaml.safe_load_all(result.stdout)
+    assert service["kind"] == "Service" and service["spec"]["clusterIP"] == "None"
+    assert service["spec"]["selector"] == {"job-name": "pretrain"}
+    spec = job["spec"]
+    assert spec["completionMode"] == "Indexed" and spec["completions"] == spec["parallelism"] == 4
+    pod = spec["template"]["spec"]
+    assert pod["subdomain"] == "pretrain"  # pod i is pretrain-i.pretrain
+    (container,) = pod["containers"]
+    env = {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
+    assert env["JAX_COORDINATOR_ADDRESS"] == "pretrain-0.pretrain:8476"
+    assert env["JAX_NUM_PROCESSES"] == "4"
+    assert env["JAX_PROCESS_ID"] == {"fieldRef": {
+        "fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"}}
+    assert container["command"] == ["llama-jax", "supervise", "--", "llama-jax", "train", "llama3_8b",
+                                    "run.dir=/runs/8b", 'train.sample_prompt=say "hi"']
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 8
+    rule = spec["podFailurePolicy"]["rules"][0]
+    assert rule["action"] == "FailJob" and rule["onExitCodes"]["values"] == [2]
+
+
+def test_kubernetes_without_an_image_exits_2():
+    result = subprocess.run(["bash", str(ROOT / "launch" / "k8s.sh"), "--dry-run", "tiny"], capture_output=True, text=True)
+    assert result.returncode == 2 and "--image is required" in result.stderr
+
+
+def test_multihost_script_starts_every_host_with_its_id(tmp_path):
+    env = fakes(tmp_path)
+    args = ["--hosts", "hostA,hostB,hostC", "--port", "5555", "--", "tiny", "run.dir=/shared/t"]
+    dry = subprocess.run(["bash", str(ROOT / "launch" / "multihost.sh"), "--dry-run", *args], capture_output=True,
+                         text=True, env=env)
+    assert dry.returncode == 0, dry.stderr
+    header, *lines = dry.stdout.splitlines()
+    assert header == "# 3 processes, one per host; coordinator hostA:5555"
+    assert [shlex.split(line)[1] for line in lines] == ["hostA", "hostB", "hostC"]
+    for i, line in enumerate(lines):
+        remote = shlex.split(shlex.split(line)[2])
+        assert f"JAX_PROCESS_ID={i}" in remote and "JAX_COORDINATOR_ADDRESS=hostA:5555" in remote
+    ran = subprocess.run(["bash", str(ROOT / "launch" / "multihost.sh"), *args], capture_output=True, text=True,
+                         env=env, timeout=60)
+    assert ran.returncode == 0, ran.stderr
+    processes = processes_of(ran.stdout)
+    assert [p["JAX_PROCESS_ID"] for p in processes] == ["0", "1", "2"]
+    assert {p["JAX_COORDINATOR_ADDRESS"] for p in processes} == {"hostA:5555"}
+    assert {p["JAX_NUM_PROCESSES"] for p in processes} == {"3"}
+
+
+def test_recommended_gpu_flags_are_known_to_the_installed_xla():
+    """XLA aborts on an unknown flag: every flag gpu_env.sh sets must parse in this jaxlib."""
+    flags = subprocess.run(["bash", str(ROOT / "launch" / "gpu_env.sh")], capture_output=True, text=True,
+                           env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}, check=True).stdout
+    settings = dict(line.split("=", 1) for line in flags.splitlines())
+    assert "--xla_gpu_enable_latency_hiding_scheduler=true" in settings["XLA_FLAGS"]
+    run = subprocess.run([sys.executable, "-c", "import jax.numpy as jnp; print(float((jnp.ones(2) + 1).sum()))"],
+                         capture_output=True, text=True, env={**os.environ, "XLA_FLAGS": settings["XLA_FLAGS"],
+                                                              "JAX_PLATFORMS": "cpu"})
+    assert run.returncode == 0 and run.stdout.strip() == "4.0", run.stderr
+
+
+def test_readme_cluster_commands_run_as_dry_runs():
+    """The multi-host guide's cluster commands, each run here with --dry-run (sbatch's as Slurm would)."""
+    import yaml
+
+    env = {**os.environ, "LLAMA_JAX": "llama-jax"}
+    commands = [c for c in readme_commands("launch/") if "launch/local.sh" not in c]
+    scripts = sorted({Path(w).name for c in commands for w in shlex.split(c) if w.startswith("launch/")})
+    assert scripts == ["k8s.sh", "multihost.sh", "slurm.sbatch"]
+    for command in commands:
+        words = shlex.split(command)
+        index = next(i for i, w in enumerate(words) if w.startswith("launch/"))
+        script, args = ROOT / words[index], words[index + 1:]
+        run_env = dict(env)
+        if words[0] == "sbatch":  # sbatch --nodes N: inside the job Slurm says how many nodes it has
+            run_env["SLURM_JOB_NUM_NODES"] = words[words.index("--nodes") + 1]
+        if "--dry-run" not in args:
+            args = ["--dry-run", *args]
+        result = subprocess.run(["bash", str(script), *args], capture_output=True, text=True, env=run_env)
+        assert result.returncode == 0, (command, result.stderr)
+        if script.name == "k8s.sh":
+            assert [d["kind"] for d in yaml.safe_load_all(result.stdout)] == ["Service", "Job"]
+        elif script.name == "slurm.sbatch":
+            assert result.stdout.startswith("# 4 node(s) x 8 process(es) = 32 processes")
+        else:
+            remote = " ".join(shlex.split(result.stdout.splitlines()[-1]))  # ssh's command, or the one to type
+            assert "JAX_PROCESS_ID=1" in remote and "train llama3_8b run.dir=/shared/runs/8b" in remote
