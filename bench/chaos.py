@@ -73,19 +73,11 @@ def final_state(run_dir: Path, config_args: list[str], step: int):
     import jax
     import numpy as np
 
-    from llama_jax import sharding
-    from llama_jax.checkpoint import Checkpointer
     from llama_jax.config import load_config
-    from llama_jax.train import Trainer
+    from llama_jax.train import load_checkpoint
 
     config = load_config(config_args[0], [*config_args[1:], f"run.dir={run_dir}", "mesh.fsdp=1"])
-    trainer = Trainer.build(config, sharding.make_mesh(config, devices=jax.devices()[:1]))
-    checkpointer = Checkpointer(run_dir, config.checkpoint)
-    try:
-        with trainer.activate():
-            state, _ = checkpointer.restore(step, trainer.abstract_state())
-    finally:
-        checkpointer.close()
+    state, _ = load_checkpoint(config, step, devices=jax.devices()[:1])
     return [np.asarray(x) for x in jax.tree.leaves(state)]
 
 

@@ -76,6 +76,18 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array |
     return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation=implementation)
 
 
+def cached_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positions: jax.Array) -> jax.Array:
+    """Decoding: queries at `positions` [b, t] attend to the cache slots at or before them.
+
+    Slot i holds the token at position i; slots after a query's position are future tokens or not
+    yet written, and are masked. Decoding is bound by reading the cache, not by FLOPs, so JAX picks
+    the kernel (implementation=None: cuDNN where it applies, else XLA).
+    """
+    slots = jnp.arange(k_cache.shape[1])
+    mask = positions[:, None, :, None] >= slots[None, None, None, :]
+    return jax.nn.dot_product_attention(q, k_cache, v_cache, mask=mask, implementation=None)
+
+
 def _context_parallel(q, k, v, segment_ids, positions, implementation):
     batch, seq = q.shape[:2]
     if positions is None:

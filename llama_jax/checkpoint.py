@@ -66,8 +66,9 @@ def check_model(saved: dict, model: dict, where: Path) -> None:
 
 
 def resolve_step_dir(path: str) -> Path:
-    """`checkpoint.resume_from` / `init_from`: a step directory, or a run dir / checkpoints dir (its newest step)."""
-    p = Path(path).expanduser()
+    """`checkpoint.resume_from` / `init_from`: a step directory, or a run dir / checkpoints dir (its newest
+    step), as an absolute path (Orbax requires one)."""
+    p = Path(path).expanduser().absolute()
     for candidate in (p, p / "checkpoints"):
         steps = step_directories(candidate)
         if steps:
@@ -173,3 +174,33 @@ def restore_step(step_dir: Path, abstract_state: Any) -> tuple[Any, dict]:
     finally:
         checkpointer.close()
     return restored["state"], dict(restored["data"])
+
+
+def restore_params(step_dir: Path, abstract_params: Any) -> Any:
+    """The parameters of a step directory: a converted checkpoint's `params` item, or the `params`
+    of a training checkpoint's state (only they are read, not the optimizer moments)."""
+    has_params_item = (Path(step_dir) / "params").is_dir()
+    item = "params" if has_params_item else "state"
+    target = abstract_params if has_params_item else {"params": abstract_params}
+    restore_args = jax.tree.map(lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding, global_shape=a.shape,
+                                                               dtype=a.dtype), target)
+    checkpointer = ocp.Checkpointer(ocp.CompositeCheckpointHandler())
+    try:
+        restored = checkpointer.restore(step_dir, args=ocp.args.Composite(**{item: ocp.args.PyTreeRestore(
+            item=target, restore_args=restore_args, partial_restore=not has_params_item)}))
+    finally:
+        checkpointer.close()
+    return restored[item] if has_params_item else restored[item]["params"]
+
+
+def save_params(directory: Path, params: Any, meta: dict) -> Path:
+    """A parameters-only checkpoint (e.g. converted from Hugging Face): <directory>/checkpoints/0/ with
+    items `params` and `meta`. `checkpoint.init_from`, `llama-jax generate` and `eval` read it."""
+    manager = ocp.CheckpointManager(Path(directory).absolute() / "checkpoints", item_names=("params", "meta"),
+                                    options=ocp.CheckpointManagerOptions(create=True))
+    try:
+        manager.save(0, args=ocp.args.Composite(params=ocp.args.StandardSave(params), meta=ocp.args.JsonSave(meta)))
+        manager.wait_until_finished()
+    finally:
+        manager.close()
+    return Path(directory) / "checkpoints" / "0"

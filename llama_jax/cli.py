@@ -1,4 +1,4 @@
-"""`llama-jax` command line: train, prepare, plan, report.
+"""`llama-jax` command line: train, prepare, plan, report, convert, generate, eval, supervise.
 
 Every input error (config, mesh, data) is reported as one line on stderr with exit status 2, and is
 detected before anything in run.dir is created or overwritten.
@@ -151,6 +151,48 @@ def cmd_supervise(ns: argparse.Namespace) -> int:
                                      reset_after=ns.reset_after, grace=ns.grace))
 
 
+def _inference_errors(fn):
+    """Run an inference command; its bad input (model, data, settings) is one line and exit 2."""
+    from llama_jax.config import ConfigError
+    from llama_jax.data.corpus import DataError
+
+    try:
+        return fn()
+    except (ConfigError, DataError) as err:
+        raise BadInput(str(err)) from None
+
+
+def cmd_convert(ns: argparse.Namespace) -> int:
+    from llama_jax import api
+
+    _inference_errors(lambda: api.convert(ns.source, ns.out, ns.overrides, ns.dtype, ns.rotary))
+    return 0
+
+
+def cmd_generate(ns: argparse.Namespace) -> int:
+    from llama_jax import api
+    from llama_jax.generate import Sampling
+
+    def run():
+        sampling = Sampling(ns.temperature, ns.top_k, ns.top_p)
+        sampling.check()
+        tokenizer = api.load_tokenizer(ns.model) if not ns.tokenizer else api.tokenizers.load_tokenizer(ns.tokenizer)
+        cfg, params = api.load(ns.model, compute_dtype=ns.dtype)
+        return api.generate_text(cfg, params, tokenizer, ns.prompt, ns.max_new_tokens, sampling, ns.seed)
+
+    for prompt, text in zip(ns.prompt, _inference_errors(run)):
+        print(prompt + text)
+        print()
+    return 0
+
+
+def cmd_eval(ns: argparse.Namespace) -> int:
+    from llama_jax import api
+
+    _inference_errors(lambda: api.evaluate(ns.model, ns.data, ns.overrides, ns.batches, ns.split))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="llama-jax", description="Pre-train Llama 3 models with JAX.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -199,6 +241,48 @@ def build_parser() -> argparse.ArgumentParser:
     report = commands.add_parser("report", help="plot loss, eval loss and throughput of a run to RUN_DIR/report.png")
     report.add_argument("run_dir", metavar="RUN_DIR")
     report.set_defaults(func=cmd_report)
+
+    convert = commands.add_parser(
+        "convert", help="Hugging Face Llama directory <-> llama-jax checkpoint",
+        description="llama-jax convert SOURCE OUT [key=value ...]. SOURCE is a Hugging Face directory "
+                    "(config.json + safetensors; written as a parameters-only checkpoint in OUT, sharded for "
+                    "the mesh of the mesh.* keys) or a llama-jax run / checkpoint (written as a Hugging Face "
+                    "directory). Tokenizer files go along.")
+    convert.add_argument("source", metavar="SOURCE")
+    convert.add_argument("out", metavar="OUT")
+    convert.add_argument("overrides", nargs="*", metavar="key=value")
+    convert.add_argument("--dtype", default="float32", help="safetensors dtype when writing Hugging Face: "
+                                                            "float32 (default), bfloat16 or float16")
+    convert.add_argument("--rotary", default="half", help="q/k layout of the Hugging Face side: half (transformers' "
+                                                          "rotate_half, default) or interleaved (Meta's original)")
+    convert.set_defaults(func=cmd_convert)
+
+    generate = commands.add_parser(
+        "generate", help="continue prompts with a trained or converted model (KV cache)",
+        description="llama-jax generate MODEL --prompt TEXT [--prompt TEXT ...]. MODEL is a run dir, a "
+                    "checkpoint, or a Hugging Face directory (hf:DIR).")
+    generate.add_argument("model", metavar="MODEL")
+    generate.add_argument("--prompt", action="append", required=True, help="a prompt; repeat for a batch")
+    generate.add_argument("--max-new-tokens", type=int, default=64)
+    generate.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
+    generate.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0: all)")
+    generate.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (1: off)")
+    generate.add_argument("--seed", type=int, default=0)
+    generate.add_argument("--tokenizer", help="tokenizer file (default: the model's)")
+    generate.add_argument("--dtype", default="float32", help="compute dtype: float32 (default) or bfloat16")
+    generate.set_defaults(func=cmd_generate)
+
+    evaluate = commands.add_parser(
+        "eval", help="perplexity of a model on a token store or text files",
+        description="llama-jax eval MODEL DATA [key=value ...]. DATA is a token store made with the model's "
+                    "tokenizer (its validation split is scored) or text/jsonl files (scored whole); "
+                    "train.batch_size, train.seq_len and mesh.* keys apply.")
+    evaluate.add_argument("model", metavar="MODEL")
+    evaluate.add_argument("data", metavar="DATA")
+    evaluate.add_argument("overrides", nargs="*", metavar="key=value")
+    evaluate.add_argument("--batches", type=int, default=0, help="at most this many batches (0: one pass)")
+    evaluate.add_argument("--split", default="val", choices=("val", "train"), help="token store split (default val)")
+    evaluate.set_defaults(func=cmd_eval)
 
     supervise = commands.add_parser(
         "supervise", help="run a command, restarting it after failures (a train command resumes its run.dir)",

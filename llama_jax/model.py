@@ -25,7 +25,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from llama_jax import remat
-from llama_jax.attention import attention, select_implementation
+from llama_jax.attention import attention, cached_attention, select_implementation
 from llama_jax.config import ModelConfig, RematConfig
 
 # Logical names of activation axes. Parameters use `embed`, `heads`, ...; activations get their own
@@ -136,6 +136,7 @@ class Linear(nn.Module):
 
 class Attention(nn.Module):
     cfg: ModelConfig
+    decode: bool = False  # generation: keys/values of earlier tokens come from a cache
 
     @nn.compact
     def __call__(self, x, cos, sin, segment_ids, positions):
@@ -152,12 +153,31 @@ class Attention(nn.Module):
         v = nn.with_logical_constraint(checkpoint_name(v, "value_proj"), KV_HEADS)
 
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        implementation = select_implementation(cfg.attention, jax.default_backend(), q.dtype, h)
-        context = attention(q, k, v, segment_ids, positions, implementation)  # [batch, seq, heads, head_dim]
+        if self.decode:
+            k, v = self.cached(k, v, positions)  # [batch, cache_len, kv_heads, head_dim]
+            context = cached_attention(q, k, v, positions)
+        else:
+            implementation = select_implementation(cfg.attention, jax.default_backend(), q.dtype, h)
+            context = attention(q, k, v, segment_ids, positions, implementation)  # [batch, seq, heads, head_dim]
         context = nn.with_logical_constraint(checkpoint_name(context, "attention_context"), HEADS)
 
         out = linear("btnh,nhd->btd", (n, h, d), ("heads", "head_dim", "embed"), out_std, name="o_proj")(context)
         return checkpoint_name(out, "attention_out")
+
+    def cached(self, k, v, positions):
+        """Write this call's keys/values into the cache, at slots = their positions; return the cache.
+
+        The cache is made by `init` with the shape of its input ([batch, cache_len]); a prefill then
+        writes a prompt at once and each decode step one token per row, at that row's position.
+        """
+        creating = not self.has_variable("cache", "key")
+        cache_k = self.variable("cache", "key", jnp.zeros, k.shape, k.dtype)
+        cache_v = self.variable("cache", "value", jnp.zeros, v.shape, v.dtype)
+        if not creating:
+            write = jax.vmap(lambda cache, new, start: jax.lax.dynamic_update_slice_in_dim(cache, new, start, 0))
+            cache_k.value = nn.with_logical_constraint(write(cache_k.value, k, positions[:, 0]), KV_HEADS)
+            cache_v.value = nn.with_logical_constraint(write(cache_v.value, v, positions[:, 0]), KV_HEADS)
+        return cache_k.value, cache_v.value
 
 
 class MLP(nn.Module):
@@ -182,6 +202,7 @@ class Block(nn.Module):
     """One pre-norm transformer layer. Signature fits nn.scan: (carry, *broadcast) -> (carry, None)."""
 
     cfg: ModelConfig
+    decode: bool = False
 
     @nn.compact
     def __call__(self, x, cos, sin, segment_ids, positions):
@@ -189,7 +210,7 @@ class Block(nn.Module):
         norm = partial(RMSNorm, eps=cfg.norm_eps, **dtypes(cfg))
         h = checkpoint_name(norm(name="attn_norm")(x), "attn_norm")
         h = nn.with_logical_constraint(h, HIDDEN)
-        x = x + Attention(cfg, name="attn")(h, cos, sin, segment_ids, positions)
+        x = x + Attention(cfg, self.decode, name="attn")(h, cos, sin, segment_ids, positions)
         x = nn.with_logical_constraint(x, RESIDUAL)
         h = checkpoint_name(norm(name="mlp_norm")(x), "mlp_norm")
         h = nn.with_logical_constraint(h, HIDDEN)
@@ -201,13 +222,15 @@ class Block(nn.Module):
 class Llama(nn.Module):
     cfg: ModelConfig
     remat_config: RematConfig = RematConfig()
+    decode: bool = False  # generation with a key/value cache (the "cache" collection), see generate.py
 
     @nn.compact
     def __call__(self, tokens, positions=None, segment_ids=None):
         """tokens [batch, seq] int -> logits [batch, seq, vocab] in the compute dtype.
 
         positions restart at 0 for every packed document and segment_ids (>= 1 per document) keep
-        documents from attending to each other; without them the row is one document.
+        documents from attending to each other; without them the row is one document. With
+        decode=True, tokens at `positions` attend to every cached token at earlier positions.
         """
         cfg = self.cfg
         if positions is None:
@@ -226,9 +249,9 @@ class Llama(nn.Module):
             block = nn.remat(Block, policy=policy, prevent_cse=False)
         # One compiled layer body, run n_layers times: compile time does not grow with depth, and
         # every layer weight gets a leading `layers` axis.
-        layers = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True},
+        layers = nn.scan(block, variable_axes={"params": 0, "cache": 0}, split_rngs={"params": True},
                          in_axes=(nn.broadcast,) * 4, length=cfg.n_layers,
-                         metadata_params={nn.PARTITION_NAME: "layers"})(cfg, name="layers")
+                         metadata_params={nn.PARTITION_NAME: "layers"})(cfg, self.decode, name="layers")
         if policy is not None and every_n > 1 and not self.is_initializing():
             x = every_nth_layer_remat(cfg, policy, every_n, self.variables["params"]["layers"],
                                       x, cos, sin, segment_ids, positions)

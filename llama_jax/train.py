@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 import statistics
 import time
@@ -18,14 +19,14 @@ from flax import struct
 from jax.sharding import Mesh
 
 from llama_jax import config as config_lib
-from llama_jax import remat, sharding
+from llama_jax import api, remat, sharding
 from llama_jax.attention import select_implementation
 from llama_jax.checkpoint import Checkpointer, check_model, latest_checkpoint_step, read_meta, resolve_step_dir, \
     restore_step
 from llama_jax.config import Config, ConfigError
 from llama_jax.data.loader import Batches
 from llama_jax.data.pipeline import TrainData, cache_root
-from llama_jax.generate import generate
+from llama_jax.generate import Sampling, generate
 from llama_jax.metrics import MetricsLog, device_peak_flops, mfu
 from llama_jax.model import Llama, param_count, train_flops_per_token
 from llama_jax.optim import learning_rate, make_optimizer
@@ -202,7 +203,7 @@ class Run:
     trainer: Trainer
     data: TrainData
     start: int  # the newest checkpoint step in run.dir (0: none)
-    source: Path | None = None  # checkpoint.resume_from / init_from step directory, for a new run.dir
+    source: str | None = None  # checkpoint.resume_from / init_from, for a new run.dir
 
     @classmethod
     def setup(cls, config: Config, mesh: Mesh, data: TrainData) -> "Run":
@@ -214,11 +215,12 @@ class Run:
             if meta is not None:  # an unreadable one is set aside at restore time
                 check_model(meta["config"]["model"], model, run_dir)
         elif config.checkpoint.resume_from or config.checkpoint.init_from:
-            source = resolve_step_dir(config.checkpoint.resume_from or config.checkpoint.init_from)
-            meta = read_meta(source)
-            if meta is None:
-                raise ConfigError(f"{source} has no readable meta item: it is not a llama-jax checkpoint or it is damaged")
-            check_model(meta["config"]["model"], model, source)
+            source = config.checkpoint.resume_from or config.checkpoint.init_from
+            if config.checkpoint.resume_from and (api.hf_directory(source) or
+                                                  (resolve_step_dir(source) / "params").is_dir()):
+                raise ConfigError(f"{source} holds parameters only (no optimizer state or data position) and "
+                                  "cannot be resumed; start from it with checkpoint.init_from")
+            check_model(dataclasses.asdict(api.model_config(source)), model, source)
         return cls(config, Trainer.build(config, mesh), data, start, source)
 
 
@@ -263,14 +265,14 @@ def _restore(run: Run, checkpointer: Checkpointer, print_fn) -> tuple[TrainState
                          "the batches from here on differ from the original run's")
             return state, int(data_state["next_step"])
         print_fn("warning: no checkpoint in run.dir restores; starting from scratch")
+    if run.source is not None and run.config.checkpoint.resume_from:
+        state, data_state = restore_step(resolve_step_dir(run.source), abstract)
+        print_fn(f"resumed from {run.source}")
+        return state, int(data_state["next_step"])
     if run.source is not None:
-        state, data_state = restore_step(run.source, abstract)
-        if run.config.checkpoint.resume_from:
-            print_fn(f"resumed from {run.source}")
-            return state, int(data_state["next_step"])
+        _, params = api.load(run.source, compute_dtype=None, target=abstract.params)
         print_fn(f"initialised the params from {run.source}")
-        fresh = trainer.init_state(jax.random.key(run.config.seed))
-        return fresh.replace(params=state.params), 0
+        return trainer.init_state(jax.random.key(run.config.seed)).replace(params=params), 0
     return None, 0
 
 
@@ -290,6 +292,7 @@ def execute(run: Run, print_fn: Callable[[str], None] = print, started_at: float
     run_dir.mkdir(parents=True, exist_ok=True)
     if primary:
         (run_dir / "config.yaml").write_text(config_lib.to_yaml(config))
+        data.tokenizer.save(run_dir)  # `llama-jax generate` and `eval` find the run's tokenizer here
     n_devices = mesh.devices.size
     peak, peak_source = device_peak_flops(config.model.compute_dtype, cache_root(config.data))
     flops_per_token = train_flops_per_token(config.model, t.seq_len)
@@ -425,7 +428,7 @@ def execute(run: Run, print_fn: Callable[[str], None] = print, started_at: float
         checkpointer.close()  # also on errors: a pending asynchronous save is finished, not lost
     if t.sample_tokens and summary["exit_code"] == 0 and step > run.start:
         # Outside the mesh context: the prompt's length need not divide the sequence shards.
-        summary["sample"] = _sample(trainer, state.params, data.tokenizer, config)
+        summary["sample"] = _sample(state.params, data.tokenizer, config)
         print_fn(f"sample after {t.steps} steps:\n{summary['sample']}")
         if primary:
             (run_dir / "sample.txt").write_text(summary["sample"] + "\n")
@@ -485,9 +488,22 @@ def _interval_advice(checkpointer, mtbf_s: float, step_s: float) -> str:
             f"checkpoint.every_steps is {checkpointer.every_steps or 'only at the end'}")
 
 
-def _sample(trainer: Trainer, params, tokenizer, config: Config) -> str:
+def load_checkpoint(config: Config, step: int, devices=None) -> tuple[TrainState, dict]:
+    """(train state, loader state) saved at `step` in config.run.dir, restored onto `devices` (default:
+    all) in config's mesh: to inspect a run's parameters or compare two runs."""
+    trainer = Trainer.build(config, sharding.make_mesh(config, devices=devices))
+    checkpointer = Checkpointer(Path(config.run.dir), config.checkpoint)
+    try:
+        with trainer.activate():
+            return checkpointer.restore(step, trainer.abstract_state())
+    finally:
+        checkpointer.close()
+
+
+def _sample(params, tokenizer, config: Config) -> str:
     bos = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
-    prompt = [*bos, *tokenizer.encode(config.train.sample_prompt)]
-    new = generate(trainer.model, params, prompt, config.train.sample_tokens, jax.random.key(config.seed),
-                   stop_token=tokenizer.eos_id)
+    new_tokens = min(config.train.sample_tokens, config.model.max_seq_len - 1)
+    prompt = [*bos, *tokenizer.encode(config.train.sample_prompt)][-(config.model.max_seq_len - new_tokens):]
+    (new,) = generate(config.model, params, [prompt], new_tokens, jax.random.key(config.seed),
+                      Sampling(temperature=0.8, top_k=40), stop_token=tokenizer.eos_id)
     return config.train.sample_prompt + tokenizer.decode(new)

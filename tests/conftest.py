@@ -8,7 +8,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import dataclasses  # noqa: E402
 
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+import yaml  # noqa: E402
 
 from llama_jax.config import Config, DataConfig, ModelConfig, RunConfig, TrainConfig  # noqa: E402
 
@@ -34,3 +36,30 @@ def tiny_config(tmp_path=None, **sections) -> Config:
 @pytest.fixture
 def tiny():
     return tiny_config
+
+
+def write_tiny_yaml(root, **sections):
+    """A config file around TINY_MODEL for subprocess runs, with the data store and compiled steps
+    cached under root (shared by the runs of a module); sections update the defaults' fields."""
+    config = {"model": dataclasses.asdict(TINY_MODEL),
+              "train": {"steps": 12, "batch_size": 8, "seq_len": 32, "warmup_steps": 0, "log_every": 1,
+                        "eval_every": 0, "eval_batches": 1, "sample_tokens": 0, "lr": 1e-2},
+              "checkpoint": {"every_steps": 2, "keep": 20},
+              "data": {"cache_dir": str(root / "cache")},
+              "run": {"tensorboard": False, "compilation_cache": str(root / "jax_cache")}}
+    for section, fields in sections.items():
+        config[section].update(fields)
+    path = root / "tiny.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory):
+    """40 small text documents of random words."""
+    directory = tmp_path_factory.mktemp("corpus")
+    rng = np.random.default_rng(0)
+    words = ["to", "be", "or", "not", "that", "is", "the", "question", "whether", "tis", "nobler"]
+    for i in range(40):
+        (directory / f"doc{i}.txt").write_text(" ".join(rng.choice(words, 200)))
+    return directory

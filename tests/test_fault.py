@@ -18,14 +18,14 @@ import jax
 import numpy as np
 import pytest
 import yaml
-from conftest import TINY_MODEL, tiny_config
+from conftest import tiny_config, write_tiny_yaml
 
 from llama_jax import sharding
 from llama_jax.checkpoint import Checkpointer, latest_checkpoint_step
 from llama_jax.data.pipeline import open_data
 from llama_jax.metrics import read_metrics
 from llama_jax.resilience import EXIT_HANG, EXIT_PREEMPTED
-from llama_jax.train import Trainer, train
+from llama_jax.train import Trainer, load_checkpoint, train
 
 STEPS = 12
 
@@ -33,16 +33,7 @@ STEPS = 12
 @pytest.fixture(scope="module")
 def shared(tmp_path_factory):
     """A config file for subprocess runs and caches they share (data store, compiled steps)."""
-    root = tmp_path_factory.mktemp("fault")
-    config = {"model": dataclasses.asdict(TINY_MODEL),
-              "train": {"steps": STEPS, "batch_size": 8, "seq_len": 32, "warmup_steps": 0, "log_every": 1,
-                        "eval_every": 0, "eval_batches": 1, "sample_tokens": 0, "lr": 1e-2},
-              "checkpoint": {"every_steps": 2, "keep": 20},
-              "data": {"cache_dir": str(root / "cache")},
-              "run": {"tensorboard": False, "compilation_cache": str(root / "jax_cache")}}
-    path = root / "tiny.yaml"
-    path.write_text(yaml.safe_dump(config))
-    return path
+    return write_tiny_yaml(tmp_path_factory.mktemp("fault"), train={"steps": STEPS})
 
 
 def command(config_path, run_dir, *overrides):
@@ -76,14 +67,9 @@ def wait_for_step(run_dir, step, proc, timeout=240):
 
 def final_params(run_dir, step, config_path):
     config = yaml.safe_load(Path(config_path).read_text())
-    cfg = tiny_config(model=config["model"], train=dict(batch_size=8, seq_len=32), mesh=dict(fsdp=1))
-    trainer = Trainer.build(cfg, sharding.make_mesh(cfg, devices=jax.devices()[:1]))
-    checkpointer = Checkpointer(run_dir, cfg.checkpoint)
-    try:
-        with trainer.activate():
-            state, _ = checkpointer.restore(step, trainer.abstract_state())
-    finally:
-        checkpointer.close()
+    cfg = tiny_config(model=config["model"], train=dict(batch_size=8, seq_len=32), mesh=dict(fsdp=1),
+                      run=dict(dir=str(run_dir)))
+    state, _ = load_checkpoint(cfg, step, devices=jax.devices()[:1])
     return [np.asarray(x) for x in jax.tree.leaves(state)]
 
 
@@ -160,16 +146,6 @@ def test_supervisor_never_retries_bad_input(tmp_path):
 
 # --------------------------------------------------------------------------------------------
 # In process, on the simulated devices
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("corpus")
-    rng = np.random.default_rng(0)
-    words = ["to", "be", "or", "not", "that", "is", "the", "question", "whether", "tis", "nobler"]
-    for i in range(40):
-        (directory / f"doc{i}.txt").write_text(" ".join(rng.choice(words, 200)))
-    return directory
 
 
 def config_for(tmp_path, corpus, **sections):

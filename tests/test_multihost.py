@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
-from conftest import TINY_MODEL
+from conftest import write_tiny_yaml
 
 from llama_jax.checkpoint import latest_checkpoint_step
 from llama_jax.metrics import read_metrics
@@ -30,16 +30,7 @@ STEPS = 14
 @pytest.fixture(scope="module")
 def config_path(tmp_path_factory):
     """A tiny model with a constant learning rate, so a run raised from 10 to 14 steps follows a 14-step run."""
-    root = tmp_path_factory.mktemp("multihost")
-    config = {"model": {**TINY_MODEL.__dict__},
-              "train": {"steps": STEPS, "batch_size": 8, "seq_len": 32, "warmup_steps": 0, "min_lr_ratio": 1.0,
-                        "log_every": 1, "eval_every": 0, "eval_batches": 1, "sample_tokens": 0, "lr": 1e-2},
-              "checkpoint": {"every_steps": 2, "keep": 20},
-              "data": {"cache_dir": str(root / "cache")},
-              "run": {"tensorboard": False, "compilation_cache": str(root / "jax_cache")}}
-    path = root / "tiny.yaml"
-    path.write_text(yaml.safe_dump(config))
-    return path
+    return write_tiny_yaml(tmp_path_factory.mktemp("multihost"), train={"steps": STEPS, "min_lr_ratio": 1.0})
 
 
 def environment():
@@ -138,3 +129,22 @@ def test_killing_one_process_stops_the_other_and_the_supervisor_resumes_both(con
     got = losses(run_dir)
     close(got, straight, range(1, STEPS + 1))  # the first 14 steps of a constant-LR run equal the straight run's
     assert max(got) == 30
+
+
+def test_sigterm_to_every_process_saves_one_agreed_step(config_path, tmp_path):
+    """Preemption: both processes get SIGTERM (at slightly different steps) and save the same step."""
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([str(ROOT / "launch" / "local.sh"), "--processes", "2", "--devices", "4", "--", "train",
+                             str(config_path), f"run.dir={run_dir}", "train.steps=2000", "checkpoint.every_steps=0"],
+                            env=environment(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 240
+    while time.time() < deadline and max(losses(run_dir) if (run_dir / "metrics.jsonl").exists() else [], default=0) < 5:
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)  # the launcher forwards it to both processes
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 75, err
+    saved = latest_checkpoint_step(run_dir)
+    assert f"saved step {saved}, stopping (exit 75)" in out
+    assert max(losses(run_dir)) == saved  # no step lost
+    assert "process 0 exited with status 75" in err and "process 1 exited with status 75" in err

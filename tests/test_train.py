@@ -129,16 +129,6 @@ def test_fsdp_shards_parameters_and_optimizer_state():
     assert kernel.spec == adam_mu.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor")
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("corpus")
-    rng = np.random.default_rng(0)
-    words = ["to", "be", "or", "not", "that", "is", "the", "question", "whether", "tis", "nobler"]
-    for i in range(40):
-        (directory / f"doc{i}.txt").write_text(" ".join(rng.choice(words, 200)))
-    return directory
-
-
 def test_resumed_run_is_bitwise_identical_to_straight_run(tmp_path, corpus):
     """Losing the last checkpoint and re-running resumes from step 4 and reproduces step 8 bit for bit."""
     cfg = tiny_config(tmp_path, train=dict(steps=8, lr=1e-2), data=dict(sources=[str(corpus)], cache_dir=str(tmp_path / "cache")),

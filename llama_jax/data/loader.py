@@ -304,6 +304,18 @@ def batches(parts: list[Component], split: str, batch_size: int, seq_len: int, s
     return Batches(mixture(rows, [p.weight for p in parts]), batch_size, seq_len, rows)
 
 
+def document_batches(documents: list[np.ndarray], batch_size: int, seq_len: int) -> Batches:
+    """Batches of in-memory token documents (e.g. a text file to score), concatenated and split."""
+    lengths = np.array([len(d) for d in documents], np.int64)
+    if lengths.sum() < seq_len + 1:
+        raise DataError(f"the text has {lengths.sum()} tokens, fewer than one row of {seq_len + 1}; "
+                        "lower --seq-len or give more text")
+    docs = Documents(shards=(np.concatenate(documents).astype(np.int32),), shard=np.zeros(len(lengths), np.int64),
+                     start=np.cumsum(lengths) - lengths, length=lengths)
+    rows = PackedRows(docs, seq_len + 1, seed=0, salt=0, packing="concat", window=1)
+    return Batches(grain.MapDataset.source(rows), batch_size, seq_len, [rows])
+
+
 def stream_fingerprint(parts: list[Component], **settings) -> str:
     """Names the batch stream: equal fingerprints give equal batches for every step."""
     identity = [[p.store.meta["fingerprint"], p.source, round(p.weight, 12)] for p in parts]
