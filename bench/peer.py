@@ -1,0 +1,110 @@
+"""The peer: the same model and optimizer step in Hugging Face transformers + PyTorch, timed the way
+bench/step.py times ours. Run by bench/step.py in the same invocation (or alone):
+
+    .venv/bin/python bench/peer.py [--preset bench] [--steps 5] [--compile] [--json out.json]
+
+Needs torch and transformers (`pip install torch transformers`; on this CPU machine
+`pip install torch==2.13.0` takes the local CPU build). fp32, AdamW (β2 0.95, weight decay 0.1, as
+ours), gradient clipping 1.0, random tokens, SDPA attention (transformers' default), all cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+
+def model_dimensions(preset: str) -> dict:
+    """The preset's dimensions, read from its YAML without importing JAX."""
+    import yaml
+
+    presets = Path(__file__).resolve().parents[1] / "llama_jax" / "configs"
+    config = yaml.safe_load((presets / f"{preset}.yaml").read_text())
+    model, train = config.get("model", {}), config.get("train", {})
+    return {"vocab": model["vocab_size"], "d_model": model["d_model"], "layers": model["n_layers"],
+            "heads": model["n_heads"], "kv_heads": model["n_kv_heads"], "ffn": model["ffn_dim"],
+            "head_dim": model.get("head_dim") or model["d_model"] // model["n_heads"],
+            "tied": model.get("tie_embeddings", False), "rope_theta": model.get("rope_theta", 500000.0),
+            "batch": train["batch_size"], "seq": train["seq_len"]}
+
+
+def measure(dims: dict, steps: int, warmup: int, compiled: bool) -> dict:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    torch.set_num_threads(os.cpu_count() or 1)
+    config = LlamaConfig(vocab_size=dims["vocab"], hidden_size=dims["d_model"], num_hidden_layers=dims["layers"],
+                         num_attention_heads=dims["heads"], num_key_value_heads=dims["kv_heads"],
+                         head_dim=dims["head_dim"], intermediate_size=dims["ffn"],
+                         max_position_embeddings=max(dims["seq"], 2048), rope_theta=dims["rope_theta"],
+                         tie_word_embeddings=dims["tied"], use_cache=False)
+    model = LlamaForCausalLM(config).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1)
+    tokens = torch.randint(0, dims["vocab"], (dims["batch"], dims["seq"] + 1))
+    inputs, labels = tokens[:, :-1], tokens[:, 1:]
+
+    def forward_backward():
+        logits = model(input_ids=inputs).logits
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1))
+        loss.backward()
+        return loss
+
+    if compiled:
+        forward_backward = torch.compile(forward_backward)
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        loss = forward_backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        return float(loss)
+
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    seconds = statistics.median(times)
+    return {"step_s": seconds, "tokens_per_s": dims["batch"] * dims["seq"] / seconds, "torch": torch.__version__,
+            "params": sum(p.numel() for p in model.parameters())}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="bench")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--compile", action="store_true", help="also measure torch.compile")
+    parser.add_argument("--json", help="write the figures here")
+    args = parser.parse_args()
+
+    import transformers
+
+    dims = model_dimensions(args.preset)
+    results = {"preset": args.preset, "transformers": transformers.__version__,
+               "eager": measure(dims, args.steps, args.warmup, compiled=False)}
+    if args.compile:
+        try:
+            results["compiled"] = measure(dims, args.steps, args.warmup, compiled=True)
+        except Exception as err:  # torch.compile needs a C++ toolchain and may not support the CPU
+            results["compiled"] = {"error": f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"}
+    for mode in ("eager", "compiled"):
+        if mode in results and "tokens_per_s" in results[mode]:
+            r = results[mode]
+            print(f"peer {mode}: transformers {results['transformers']} + torch {r['torch']}: "
+                  f"{r['tokens_per_s']:.1f} tokens/s ({r['step_s']:.3f} s/step)")
+        elif mode in results:
+            print(f"peer {mode}: failed: {results[mode]['error']}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
