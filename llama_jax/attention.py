@@ -19,29 +19,43 @@ import jax
 import jax.numpy as jnp
 
 from llama_jax.config import ConfigError
+from llama_jax.flash import MIN_BLOCK, block_size, blocked_attention
 
 CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
 SEQUENCE_AXIS = "sequence"
 
 
-def select_implementation(requested: str, platform: str, dtype, head_dim: int) -> str:
-    """Pick 'cudnn' or 'xla'.
+def select_implementation(requested: str, platform: str, dtype, head_dim: int, seq_len: int | None = None,
+                          strict: bool = True) -> str:
+    """Pick 'cudnn', 'blocked' (flash.py, plain JAX) or 'xla'.
 
-    'auto' picks cuDNN only where it can run: a GPU, a 16-bit dtype and a head_dim that is a
-    multiple of 8 and at most 256 (cuDNN's limits). Asking for 'cudnn' where it cannot run is an
-    error rather than a silent fallback, so a benchmark never measures the wrong kernel.
+    'auto' picks cuDNN where it can run: a GPU, a 16-bit dtype and a head_dim that is a multiple of
+    8 and at most 256 (cuDNN's limits); otherwise, on CPUs and GPUs, the blocked kernel when the
+    sequence splits into blocks (seq_len None: assume it does); otherwise XLA's. Asking for a kernel where it cannot run
+    is an error rather than a silent fallback, so a benchmark never measures the wrong kernel.
     """
     cudnn_ok = platform == "gpu" and jnp.dtype(dtype) in map(jnp.dtype, CUDNN_DTYPES) \
         and head_dim % 8 == 0 and head_dim <= 256
+    blocked_ok = platform in ("cpu", "gpu") and (seq_len is None or block_size(seq_len) is not None)
     if requested == "auto":
-        return "cudnn" if cudnn_ok else "xla"
+        return "cudnn" if cudnn_ok else "blocked" if blocked_ok else "xla"
     if requested == "cudnn" and not cudnn_ok:
         raise ConfigError(
             f"model.attention=cudnn needs a GPU, bfloat16/float16 compute and head_dim a multiple of 8 "
             f"<= 256 (have platform {platform}, dtype {jnp.dtype(dtype).name}, head_dim {head_dim}); "
             "use model.attention=auto"
         )
+    if requested == "blocked" and not blocked_ok:
+        if not strict:  # an input shorter than training's (init's dummy batch, a prompt): XLA's kernel
+            return "xla"
+        raise ConfigError(f"model.attention=blocked needs a CPU or GPU and train.seq_len >= {2 * MIN_BLOCK} divisible "
+                          f"by its block length (have platform {platform}, seq_len {seq_len}); use model.attention=auto")
     return requested
+
+
+def skips_masked_blocks(implementation: str) -> bool:
+    """Whether the kernel skips the causal mask's future half (model FLOPs then count half of it)."""
+    return implementation in ("cudnn", "blocked")
 
 
 def document_mask(q_segments: jax.Array, k_segments: jax.Array) -> jax.Array:
@@ -70,6 +84,8 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array |
     """Causal attention with document masking. q [b,t,n,h], k/v [b,t,kv,h] -> [b,t,n,h]."""
     if sequence_shards() > 1:
         return _context_parallel(q, k, v, segment_ids, positions, implementation)
+    if implementation == "blocked":
+        return blocked_attention(q, k, v, segment_ids)
     # Unsharded, the tokens are in order: the kernel's own causal mask applies (cuDNN then skips
     # the masked blocks) and only the document boundaries need an explicit mask.
     mask = None if segment_ids is None else document_mask(segment_ids, segment_ids)
@@ -99,6 +115,8 @@ def _context_parallel(q, k, v, segment_ids, positions, implementation):
     heads = nn.logical_to_mesh_axes(("batch", "seq", "act_heads", "head_dim"))
     kv_heads = nn.logical_to_mesh_axes(("batch", "seq", "act_kv_heads", "head_dim"))
     tokens = nn.logical_to_mesh_axes(("batch", "seq"))
+
+    implementation = "xla" if implementation == "blocked" else implementation  # tokens are not in order here
 
     def local(q, k, v, segments, positions):
         # Every device keeps its query slice and gathers the keys/values of the whole sequence;

@@ -96,6 +96,8 @@ class Checkpointer:
 
     def due(self, step: int) -> bool:
         """This process's view: step interval or time interval (multi-process callers agree via process 0)."""
+        if self.config.every_steps == "auto" and not self.save_seconds:
+            return True  # the first save is measured to choose the interval
         by_steps = self.every_steps > 0 and step % self.every_steps == 0
         minutes = self.config.every_minutes
         return by_steps or (minutes > 0 and time.monotonic() - self.last_save_time >= minutes * 60)

@@ -23,7 +23,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 # float16 needs loss scaling, which the trainer does not do: bfloat16 has float32's range.
 DTYPES = ("float32", "bfloat16")
-ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn")
+ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn", "blocked")
 PACKINGS = ("concat", "first_fit")
 TEXT_UNITS = ("file", "paragraph", "line")
 BAD_RECORD_ACTIONS = ("fail", "skip")
@@ -53,7 +53,8 @@ class ModelConfig:
     tie_embeddings: bool = False
     param_dtype: str = "float32"
     compute_dtype: str = "bfloat16"
-    attention: str = "auto"  # auto: cuDNN flash attention on GPU with bf16/fp16, XLA elsewhere
+    attention: str = "auto"  # auto: cuDNN flash attention on GPU with bf16/fp16, else blocked (flash.py), else XLA
+    cpu_projection: bool = True  # on CPU, projections' weight gradients transpose the narrow operand (projection.py)
     init_std: float = 0.02
 
     @property

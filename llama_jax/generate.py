@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from llama_jax.config import ConfigError, ModelConfig
+from llama_jax.config import Config, ConfigError, ModelConfig
 from llama_jax.model import Llama
 
 
@@ -142,3 +142,13 @@ def generate_without_cache(cfg: ModelConfig, params, prompt: list[int], max_new_
         tokens[0, length] = token
         produced.append(token)
     return produced
+
+
+def sample_text(config: Config, params, tokenizer) -> str:
+    """The trainer's end-of-run sample: train.sample_prompt continued by train.sample_tokens tokens."""
+    bos = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
+    new_tokens = min(config.train.sample_tokens, config.model.max_seq_len - 1)
+    prompt = [*bos, *tokenizer.encode(config.train.sample_prompt)][-(config.model.max_seq_len - new_tokens):]
+    (new,) = generate(config.model, params, [prompt], new_tokens, jax.random.key(config.seed),
+                      Sampling(temperature=0.8, top_k=40), stop_token=tokenizer.eos_id)
+    return config.train.sample_prompt + tokenizer.decode(new)

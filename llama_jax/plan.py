@@ -20,8 +20,8 @@ from jax.sharding import Mesh
 
 from llama_jax import hlo, remat, sharding
 from llama_jax.config import Config
-from llama_jax.model import param_count, train_flops_per_token
-from llama_jax.train import Trainer
+from llama_jax.model import param_count
+from llama_jax.train import Trainer, model_flops_per_token
 
 BATCH_FIELDS = {"tokens": jnp.int32, "targets": jnp.int32, "segment_ids": jnp.int32, "positions": jnp.int32,
                 "loss_mask": jnp.float32}
@@ -103,8 +103,7 @@ def make_plan(config: Config, mesh: Mesh) -> Plan:
         output_bytes=outputs, total_bytes=memory.argument_size_in_bytes + memory.temp_size_in_bytes + outputs,
         host_temporary_bytes=memory.host_temp_size_in_bytes,
         hlo_flops=stats.dot_flops * devices,
-        model_flops=train_flops_per_token(config.model, config.train.seq_len) * config.train.batch_size
-        * config.train.seq_len,
+        model_flops=model_flops_per_token(config) * config.train.batch_size * config.train.seq_len,
         collective_bytes={kind: c.moved_bytes for kind, c in stats.collectives.items()},
         collective_minimum=collective_minimum(config, dict(mesh.shape)),
         compile_seconds=compile_seconds,

@@ -27,7 +27,8 @@ from llama_jax.files import atomic_path
 from llama_jax.supervise import EXIT_HANG, EXIT_PREEMPTED  # the supervisor's contract: restart on these
 
 __all__ = ["EXIT_HANG", "EXIT_PREEMPTED", "Goodput", "HangWatchdog", "PreemptionGuard", "SpikeGuard",
-           "StragglerDetector", "auto_checkpoint_steps", "format_goodput", "observed_mtbf_s", "read_goodput",
+           "StragglerDetector", "auto_checkpoint_steps", "format_goodput", "interval_advice", "observed_mtbf_s",
+           "read_goodput",
            "summarize", "young_daly_interval_s"]
 
 DESCRIBE_TIMEOUT_S = 120.0  # describe() may itself block (it may compile); the dump must still finish
@@ -385,6 +386,16 @@ def auto_checkpoint_steps(save_s: float, mtbf_s: float, step_s: float) -> int:
     if step_s <= 0:
         raise ValueError(f"step_s must be positive, got {step_s}")
     return max(1, round(young_daly_interval_s(save_s, mtbf_s) / step_s))
+
+
+def interval_advice(save_s: float, mtbf_s: float, step_s: float, every_steps: int, auto: bool = False) -> str:
+    """The log line: the Young/Daly interval for the measured save time next to the one in use."""
+    derivation = f"sqrt(2 x save {save_s:.2f}s x MTBF {mtbf_s / 3600:.2g} h) = {young_daly_interval_s(save_s, mtbf_s):.0f}s"
+    steps = auto_checkpoint_steps(save_s, mtbf_s, step_s)
+    if auto:
+        return f"checkpoint.every_steps=auto: {derivation} at {step_s:.3f}s a step -> saving every {steps} steps"
+    return (f"checkpoint interval advice (Young/Daly): {derivation} = {steps} steps; "
+            f"checkpoint.every_steps is {every_steps or 'only at the end'}")
 
 
 # ---------------------------------------------------------------------------------------------

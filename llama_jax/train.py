@@ -20,19 +20,19 @@ from jax.sharding import Mesh
 
 from llama_jax import config as config_lib
 from llama_jax import api, remat, sharding
-from llama_jax.attention import select_implementation
+from llama_jax.attention import select_implementation, skips_masked_blocks
 from llama_jax.checkpoint import Checkpointer, check_model, latest_checkpoint_step, read_meta, resolve_step_dir, \
     restore_step
 from llama_jax.config import Config, ConfigError
 from llama_jax.data.loader import Batches
 from llama_jax.data.pipeline import TrainData, cache_root
-from llama_jax.generate import Sampling, generate
+from llama_jax.generate import sample_text
 from llama_jax.metrics import MetricsLog, device_peak_flops, mfu
 from llama_jax.model import Llama, param_count, train_flops_per_token
 from llama_jax.optim import learning_rate, make_optimizer
 from llama_jax.report import write_report
 from llama_jax.resilience import EXIT_PREEMPTED, Goodput, HangWatchdog, PreemptionGuard, SpikeGuard, \
-    StragglerDetector, auto_checkpoint_steps, format_goodput, observed_mtbf_s, young_daly_interval_s
+    StragglerDetector, auto_checkpoint_steps, format_goodput, interval_advice, observed_mtbf_s
 
 DEFAULT_MTBF_S = 3 * 3600.0  # Llama 3 405B: one interruption every ~3 h on 16k GPUs (a big-run figure)
 
@@ -134,7 +134,7 @@ class Trainer:
         rules = sharding.axis_rules(config)
         # Fail on an impossible attention kernel now, not in the middle of tracing the first step.
         select_implementation(config.model.attention, jax.default_backend(), config.model.compute_dtype,
-                              config.model.resolved_head_dim)
+                              config.model.resolved_head_dim, config.train.seq_len)
 
         def init_state(rng: jax.Array) -> TrainState:
             # The dummy batch only fixes shapes (XLA drops the unused forward pass); one row per
@@ -238,6 +238,14 @@ def enable_compilation_cache(config: Config) -> None:
     jax.config.update("jax_compilation_cache_dir", str(directory))
 
 
+def model_flops_per_token(config: Config) -> float:
+    """train_flops_per_token for the attention kernel this config runs (context parallelism uses XLA's)."""
+    m = config.model
+    kernel = select_implementation(m.attention, jax.default_backend(), m.compute_dtype, m.resolved_head_dim,
+                                   config.train.seq_len)
+    return train_flops_per_token(m, config.train.seq_len, skips_masked_blocks(kernel) and config.mesh.sequence == 1)
+
+
 def run_metadata(config: Config, mesh: Mesh) -> dict:
     from llama_jax import __version__
 
@@ -295,7 +303,7 @@ def execute(run: Run, print_fn: Callable[[str], None] = print, started_at: float
         data.tokenizer.save(run_dir)  # `llama-jax generate` and `eval` find the run's tokenizer here
     n_devices = mesh.devices.size
     peak, peak_source = device_peak_flops(config.model.compute_dtype, cache_root(config.data))
-    flops_per_token = train_flops_per_token(config.model, t.seq_len)
+    flops_per_token = model_flops_per_token(config)
     tokens_per_step = t.batch_size * t.seq_len
     print_fn(f"{param_count(config.model) / 1e6:.2f}M parameters on {n_devices} {jax.devices()[0].platform} "
              f"device(s), mesh {dict(mesh.shape)}; peak {peak / 1e9:.1f} GFLOP/s per device ({peak_source})")
@@ -403,7 +411,10 @@ def execute(run: Run, print_fn: Callable[[str], None] = print, started_at: float
                     with watchdog.paused("checkpoint"):
                         checkpointer.save(step, state, {"next_step": data_step, "fingerprint": data.fingerprint})
                         if auto_interval and len(checkpointer.save_seconds) == 1:
-                            _set_auto_interval(checkpointer, mtbf_s, throughputs, tokens_per_step, print_fn)
+                            save_s = checkpointer.save_seconds[0] + checkpointer.wait()  # the first, in full
+                            step_s = tokens_per_step / statistics.median(throughputs) if throughputs else 1.0
+                            checkpointer.every_steps = auto_checkpoint_steps(save_s, mtbf_s, step_s)
+                            print_fn(interval_advice(save_s, mtbf_s, step_s, checkpointer.every_steps, auto=True))
                     goodput.add("checkpoint_save", time.perf_counter() - save_start)
                 if stop:
                     print_fn(f"{preemption.signal_name or 'preemption'} received: saved step {step}, stopping "
@@ -423,12 +434,13 @@ def execute(run: Run, print_fn: Callable[[str], None] = print, started_at: float
             goodput.finish(preempted=summary["exit_code"] == EXIT_PREEMPTED)
             print_fn(format_goodput(summary["goodput"]))
             if checkpointer.save_seconds and throughputs:
-                print_fn(_interval_advice(checkpointer, mtbf_s, tokens_per_step / summary["tokens_per_s"]))
+                print_fn(interval_advice(statistics.median(checkpointer.save_seconds), mtbf_s,
+                                         tokens_per_step / summary["tokens_per_s"], checkpointer.every_steps))
     finally:
         checkpointer.close()  # also on errors: a pending asynchronous save is finished, not lost
     if t.sample_tokens and summary["exit_code"] == 0 and step > run.start:
         # Outside the mesh context: the prompt's length need not divide the sequence shards.
-        summary["sample"] = _sample(state.params, data.tokenizer, config)
+        summary["sample"] = sample_text(config, state.params, data.tokenizer)
         print_fn(f"sample after {t.steps} steps:\n{summary['sample']}")
         if primary:
             (run_dir / "sample.txt").write_text(summary["sample"] + "\n")
@@ -471,23 +483,6 @@ def _roll_back(checkpointer, trainer, state, step, data_step, guard, goodput, pr
     return back, back_step
 
 
-def _set_auto_interval(checkpointer, mtbf_s, throughputs, tokens_per_step, print_fn) -> None:
-    """checkpoint.every_steps=auto: measure the first save completely, then use the Young/Daly interval."""
-    save_s = checkpointer.save_seconds[0] + checkpointer.wait()
-    step_s = tokens_per_step / statistics.median(throughputs) if throughputs else 1.0
-    checkpointer.every_steps = auto_checkpoint_steps(save_s, mtbf_s, step_s)
-    print_fn(f"checkpoint.every_steps=auto: a save takes {save_s:.2f}s, MTBF {mtbf_s / 3600:.2g} h, a step "
-             f"{step_s:.3f}s -> saving every {checkpointer.every_steps} steps")
-
-
-def _interval_advice(checkpointer, mtbf_s: float, step_s: float) -> str:
-    save_s = statistics.median(checkpointer.save_seconds)
-    interval = young_daly_interval_s(save_s, mtbf_s)
-    return (f"checkpoint interval advice (Young/Daly): sqrt(2 x save {save_s:.2f}s x MTBF {mtbf_s / 3600:.2g} h) "
-            f"= {interval:.0f}s = {auto_checkpoint_steps(save_s, mtbf_s, step_s)} steps; "
-            f"checkpoint.every_steps is {checkpointer.every_steps or 'only at the end'}")
-
-
 def load_checkpoint(config: Config, step: int, devices=None) -> tuple[TrainState, dict]:
     """(train state, loader state) saved at `step` in config.run.dir, restored onto `devices` (default:
     all) in config's mesh: to inspect a run's parameters or compare two runs."""
@@ -498,12 +493,3 @@ def load_checkpoint(config: Config, step: int, devices=None) -> tuple[TrainState
             return checkpointer.restore(step, trainer.abstract_state())
     finally:
         checkpointer.close()
-
-
-def _sample(params, tokenizer, config: Config) -> str:
-    bos = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
-    new_tokens = min(config.train.sample_tokens, config.model.max_seq_len - 1)
-    prompt = [*bos, *tokenizer.encode(config.train.sample_prompt)][-(config.model.max_seq_len - new_tokens):]
-    (new,) = generate(config.model, params, [prompt], new_tokens, jax.random.key(config.seed),
-                      Sampling(temperature=0.8, top_k=40), stop_token=tokenizer.eos_id)
-    return config.train.sample_prompt + tokenizer.decode(new)

@@ -265,3 +265,17 @@ def test_consecutive_bad_steps_roll_back_to_the_last_checkpoint(tmp_path, corpus
     assert summary["skipped_steps"] == 3
     assert latest_checkpoint_step(Path(cfg.run.dir)) == 8
     assert summary["goodput"]["lost"] > 0
+
+
+def test_auto_checkpoint_interval_follows_young_daly(tmp_path, corpus):
+    """every_steps=auto: the first save is timed, then saves come every sqrt(2 x save x MTBF) / step time."""
+    cfg = config_for(tmp_path, corpus, train=dict(steps=12), checkpoint=dict(every_steps="auto", mtbf_hours=1e-4,
+                                                                               keep=20))
+    messages = []
+    train_quietly(cfg, messages=messages)
+    (line,) = [m for m in messages if m.startswith("checkpoint.every_steps=auto:")]
+    every = int(line.rsplit("saving every ", 1)[1].split()[0])
+    assert every >= 1
+    saved = sorted(int(p.name) for p in (Path(cfg.run.dir) / "checkpoints").iterdir() if p.name.isdigit())
+    # The first save comes after step 1 (to measure one), the rest on the interval, and one at the end.
+    assert saved == sorted({1, *range(every, 13, every), 12})

@@ -169,19 +169,30 @@ def test_train_flops_per_token_formula():
     assert train_flops_per_token(cfg, 8192) == pytest.approx(expected, rel=1e-3)
 
 
-@pytest.mark.parametrize("requested, platform, dtype, head_dim, expected", [
-    ("auto", "gpu", jnp.bfloat16, 128, "cudnn"),
-    ("auto", "gpu", jnp.float16, 64, "cudnn"),
-    ("auto", "gpu", jnp.float32, 128, "xla"),   # cuDNN flash attention needs 16-bit inputs
-    ("auto", "gpu", jnp.bfloat16, 260, "xla"),  # head_dim above cuDNN's 256 limit
-    ("auto", "gpu", jnp.bfloat16, 60, "xla"),   # not a multiple of 8
-    ("auto", "cpu", jnp.bfloat16, 128, "xla"),
-    ("auto", "tpu", jnp.bfloat16, 128, "xla"),
-    ("xla", "gpu", jnp.bfloat16, 128, "xla"),
-    ("cudnn", "gpu", jnp.bfloat16, 128, "cudnn"),
+@pytest.mark.parametrize("requested, platform, dtype, head_dim, seq_len, expected", [
+    ("auto", "gpu", jnp.bfloat16, 128, 4096, "cudnn"),
+    ("auto", "gpu", jnp.float16, 64, 4096, "cudnn"),
+    ("auto", "gpu", jnp.float32, 128, 4096, "blocked"),  # cuDNN flash attention needs 16-bit inputs
+    ("auto", "gpu", jnp.bfloat16, 260, 4096, "blocked"),  # head_dim above cuDNN's 256 limit
+    ("auto", "gpu", jnp.bfloat16, 60, 4096, "blocked"),  # not a multiple of 8
+    ("auto", "gpu", jnp.float32, 128, 128, "xla"),  # too short to split into blocks
+    ("auto", "cpu", jnp.float32, 64, 512, "blocked"),
+    ("auto", "cpu", jnp.float32, 64, 1000, "xla"),  # no block length divides it
+    ("auto", "cpu", jnp.bfloat16, 128, None, "blocked"),
+    ("auto", "tpu", jnp.bfloat16, 128, 4096, "xla"),
+    ("xla", "gpu", jnp.bfloat16, 128, 4096, "xla"),
+    ("cudnn", "gpu", jnp.bfloat16, 128, 4096, "cudnn"),
+    ("blocked", "gpu", jnp.bfloat16, 128, 4096, "blocked"),
 ])
-def test_attention_implementation_selection(requested, platform, dtype, head_dim, expected):
-    assert select_implementation(requested, platform, dtype, head_dim) == expected
+def test_attention_implementation_selection(requested, platform, dtype, head_dim, seq_len, expected):
+    assert select_implementation(requested, platform, dtype, head_dim, seq_len) == expected
+
+
+def test_blocked_attention_where_it_cannot_run_is_an_error():
+    with pytest.raises(ValueError, match="model.attention=auto"):
+        select_implementation("blocked", "cpu", jnp.float32, 64, 100)
+    with pytest.raises(ValueError, match="model.attention=auto"):
+        select_implementation("blocked", "tpu", jnp.float32, 64, 512)
 
 
 def test_requesting_cudnn_where_it_cannot_run_is_an_error():

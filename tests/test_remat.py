@@ -91,7 +91,7 @@ def test_offload_falls_back_to_saving_without_host_memory(monkeypatch):
     (["remat.policy=most"], "valid policies: none, full, selective"),
     (["remat.policy=full", "remat.custom.qproj=save"], "unknown tag; valid tags: attn_norm"),
     (["remat.policy=full", "remat.custom.query_proj=keep"], "must be one of save, offload, recompute"),
-    (["remat.custom.query_proj=save"], "set remat.policy to one of"),
+    (["remat.policy=none", "remat.custom.query_proj=save"], "set remat.policy to one of"),
     (["remat.policy=full", "remat.every_n_layers=3"], "positive divisor of model.n_layers"),
 ])
 def test_bad_remat_config(overrides, message):

@@ -1,0 +1,163 @@
+"""Training-step speed of a preset on the current devices, next to the hardware peak and the peer
+(Hugging Face transformers + PyTorch, bench/peer.py), measured in this one invocation.
+
+    .venv/bin/python bench/step.py [--preset bench] [--steps 5] [--peer] [--peer-python PY] [--ablation]
+                                   [--json out.json] [key=value ...]
+
+Ours: the jitted train step (AdamW, clipping, the preset's remat policy and attention kernel) on random
+tokens, 2 warm-up steps, then the median of --steps. MFU = model FLOPs (llama_jax.model.train_flops_per_token,
+attention halved when the kernel skips the masked half) / (peak x devices); the peak is the data-sheet
+figure of a known accelerator, or on CPU the best fp32 matmul measured here, now. Peak memory is the
+compiled step's footprint (XLA's memory analysis) and, on accelerators, the device's peak in use.
+--peer runs bench/peer.py (with --peer-python, default this interpreter) and prints the ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+# The CPU fast path, one change at a time (--ablation): each row adds one to the row before.
+ABLATION = [
+    ("XLA attention, einsum backward, no recomputation",
+     ["model.attention=xla", "model.cpu_projection=false", "remat.policy=none"]),
+    ("+ blocked (flash) attention", ["model.attention=auto", "model.cpu_projection=false", "remat.policy=none"]),
+    ("+ CPU projection backward", ["model.attention=auto", "model.cpu_projection=true", "remat.policy=none"]),
+    ("+ the preset's recomputation policy", []),
+]
+
+
+def measure_ours(preset: str, overrides: list[str], steps: int, peak: tuple[float, str] | None = None) -> dict:
+    import jax
+    import numpy as np
+
+    from llama_jax import sharding
+    from llama_jax.config import load_config
+    from llama_jax.metrics import measure_matmul_peak, table_peak_flops
+    from llama_jax.train import Trainer, model_flops_per_token
+
+    config = load_config(preset, overrides)
+    mesh = sharding.make_mesh(config)
+    trainer = Trainer.build(config, mesh)
+    b, t, v = config.train.batch_size, config.train.seq_len, config.model.vocab_size
+    rng = np.random.default_rng(0)
+    batch = {"tokens": rng.integers(0, v, (b, t), dtype=np.int32), "targets": rng.integers(0, v, (b, t), dtype=np.int32),
+             "segment_ids": np.ones((b, t), np.int32), "positions": np.tile(np.arange(t, dtype=np.int32), (b, 1)),
+             "loss_mask": np.ones((b, t), np.float32)}
+    with trainer.activate():
+        state = trainer.init_state(jax.random.key(0))
+        placed = trainer.put(batch)
+        compiled = trainer.train_step.lower(state, placed).compile()
+        memory = compiled.memory_analysis()
+        times = []
+        for i in range(2 + steps):
+            start = time.perf_counter()
+            state, metrics = trainer.train_step(state, placed)
+            jax.block_until_ready(metrics)
+            if i >= 2:
+                times.append(time.perf_counter() - start)
+    device = jax.devices()[0]
+    peak, peak_source = peak or (table_peak_flops(device.device_kind, config.model.compute_dtype), "data sheet")
+    if peak is None:  # CPU: the whole machine's best matmul, shared by the simulated devices
+        peak = max(measure_matmul_peak(config.model.compute_dtype, size) for size in (1024, 2048))
+        peak /= jax.local_device_count() if device.platform == "cpu" else 1
+        peak_source = f"{config.model.compute_dtype} matmul measured now"
+    step_s = statistics.median(times)
+    tokens_per_s = b * t / step_s
+    flops = model_flops_per_token(config)
+    stats = device.memory_stats() or {}
+    return {"preset": preset, "overrides": overrides, "devices": mesh.devices.size, "mesh": dict(mesh.shape),
+            "device": device.device_kind, "remat": config.remat.policy, "attention": config.model.attention,
+            "step_s": step_s, "tokens_per_s": tokens_per_s, "model_flops_per_token": flops,
+            "achieved_flops_per_s": tokens_per_s * flops, "peak_flops_per_device": peak, "peak_source": peak_source,
+            "mfu": tokens_per_s * flops / (peak * mesh.devices.size),
+            "compiled_bytes": memory.argument_size_in_bytes + memory.temp_size_in_bytes + memory.output_size_in_bytes
+            - memory.alias_size_in_bytes,
+            "device_peak_bytes": stats.get("peak_bytes_in_use"),
+            "process_max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "loss": float(metrics["loss"]), "jax": jax.__version__}
+
+
+def run_peer(python: str, preset: str, steps: int) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "peer.json"
+        proc = subprocess.run([python, str(HERE / "peer.py"), "--preset", preset, "--steps", str(steps), "--compile",
+                               "--json", str(out)], capture_output=True, text=True)
+        if proc.returncode != 0:
+            return {"error": (proc.stderr.strip().splitlines() or ["failed"])[-1]}
+        return json.loads(out.read_text())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="bench")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--peer", action="store_true", help="also time the Hugging Face + PyTorch peer")
+    parser.add_argument("--peer-python", default=sys.executable, help="interpreter with torch + transformers")
+    parser.add_argument("--ablation", action="store_true", help="also time the CPU fast path one change at a time")
+    parser.add_argument("--json", help="also write the figures here")
+    parser.add_argument("overrides", nargs="*", metavar="key=value")
+    args = parser.parse_args()
+
+    ours = measure_ours(args.preset, args.overrides, args.steps)
+    results = {"date": datetime.date.today().isoformat(), "cpu": cpu_name(), "cores": os.cpu_count(), "ours": ours}
+    if args.ablation:
+        peak = (ours["peak_flops_per_device"], ours["peak_source"])
+        results["ablation"] = [{"change": name, **measure_ours(args.preset, [*overrides, *args.overrides], args.steps,
+                                                               peak)} for name, overrides in ABLATION]
+    if args.peer:
+        results["peer"] = run_peer(args.peer_python, args.preset, args.steps)
+
+    gib = 2**30
+    print(f"{args.preset} {' '.join(args.overrides)} on {ours['devices']} x {ours['device']} ({results['cpu']}, "
+          f"{results['cores']} cores), jax {ours['jax']}, remat {ours['remat']}, attention {ours['attention']}")
+    print(f"  ours: {ours['tokens_per_s']:9.1f} tokens/s  {ours['step_s']:.3f} s/step  "
+          f"{ours['achieved_flops_per_s'] / 1e9:.1f} GFLOP/s = MFU {100 * ours['mfu']:.1f}% of "
+          f"{ours['peak_flops_per_device'] / 1e9:.1f} GFLOP/s per device ({ours['peak_source']})")
+    print(f"        compiled step {ours['compiled_bytes'] / gib:.2f} GiB, process peak RSS "
+          f"{ours['process_max_rss_bytes'] / gib:.2f} GiB" +
+          (f", device peak {ours['device_peak_bytes'] / gib:.2f} GiB" if ours["device_peak_bytes"] else ""))
+    previous = None
+    for row in results.get("ablation", []):
+        gain = f"  {row['tokens_per_s'] / previous - 1:+.0%}" if previous else ""
+        print(f"  {row['change']:<50} {row['tokens_per_s']:8.1f} tokens/s  MFU {100 * row['mfu']:4.1f}%{gain}")
+        previous = row["tokens_per_s"]
+    peer = results.get("peer", {})
+    for mode in ("eager", "compiled"):
+        entry = peer.get(mode)
+        if isinstance(entry, dict) and "tokens_per_s" in entry:
+            print(f"  peer ({mode}, transformers {peer['transformers']}, torch {entry['torch']}): "
+                  f"{entry['tokens_per_s']:9.1f} tokens/s -> ours / peer = {ours['tokens_per_s'] / entry['tokens_per_s']:.2f}x")
+        elif isinstance(entry, dict):
+            print(f"  peer ({mode}): {entry.get('error')}")
+    if "error" in peer:
+        print(f"  peer: {peer['error']}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
