@@ -1,4 +1,4 @@
-"""`llama-jax` command line: train, prepare, plan, report, convert, generate, eval, supervise.
+"""`llama-jax` command line: train, prepare, plan, tune, report, convert, generate, eval, supervise.
 
 Every input error (config, mesh, data) is reported as one line on stderr with exit status 2, and is
 detected before anything in run.dir is created or overwritten.
@@ -7,7 +7,6 @@ detected before anything in run.dir is created or overwritten.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 import time
@@ -106,11 +105,57 @@ def cmd_plan(ns: argparse.Namespace) -> int:
 
     if ns.compare_remat:
         plans = planning.compare_remat(config, mesh, print_fn=None if ns.json else print)
-        print(json.dumps({k: dataclasses.asdict(p) for k, p in plans.items()}, indent=2) if ns.json
+        print(json.dumps({k: planning.plan_dict(p) for k, p in plans.items()}, indent=2) if ns.json
               else planning.format_remat_comparison(plans))
         return 0
     plan = planning.make_plan(config, mesh)
     print(planning.plan_json(plan) if ns.json else planning.format_plan(plan))
+    return 0
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got '{text}'") from None
+    if min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got '{text}'")
+    return values
+
+
+def cmd_tune(ns: argparse.Namespace) -> int:
+    from llama_jax import remat
+    from llama_jax.config import ConfigError
+
+    source, overrides = _split_source(ns.args)
+    policies = tuple(ns.policies.split(","))
+    unknown = [p for p in policies if p not in remat.POLICIES]
+    if unknown:
+        raise BadInput(f"--policies: unknown remat policy '{unknown[0]}'; valid: {', '.join(remat.POLICIES)}")
+    if ns.memory_gb < 0 or ns.budget_min <= 0 or ns.top_k < 1 or ns.steps < 1 or ns.meshes < 1:
+        raise BadInput("tune: --memory-gb must be >= 0, and --budget-min, --top-k, --steps, --meshes positive")
+    if not 0 <= ns.efficiency <= 1 or ns.bandwidth_gbs < 0 or not (ns.overlap == -1 or 0 <= ns.overlap <= 1):
+        raise BadInput("tune: --efficiency and --overlap must be in [0, 1], --bandwidth-gbs >= 0")
+    out = Path(ns.out)
+    if out.is_dir():
+        raise BadInput(f"--out {out} is a directory; name the YAML file to write, e.g. {out / 'tune.yaml'}")
+    from llama_jax import tune
+
+    options = tune.Options(
+        memory_gb=ns.memory_gb, budget_min=ns.budget_min, top_k=ns.top_k, measure=ns.measure, steps=ns.steps,
+        meshes=ns.meshes, policies=policies, microbatches=ns.microbatches, every_n_layers=ns.every_n_layers,
+        efficiency=ns.efficiency, bandwidth_gbs=ns.bandwidth_gbs, overlap=ns.overlap, progress=not ns.json)
+    try:
+        if ns.dry_run:
+            print(tune.format_candidates(tune.enumerate_candidates(source, overrides, options)[2]))
+            return 0
+        report = tune.tune(source, overrides, options)
+    except ConfigError as err:
+        raise BadInput(str(err)) from None
+    tune.write_winner(report, out)
+    print(tune.report_json(report) if ns.json else tune.format_report(report, rows=ns.rows))
+    if not ns.json:
+        print(f"wrote {out}: llama-jax train {out}")
     return 0
 
 
@@ -237,6 +282,40 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--compare-remat", action="store_true",
                       help="plan every remat policy side by side (memory and HLO FLOPs relative to none)")
     plan.set_defaults(func=cmd_plan)
+
+    tune = commands.add_parser(
+        "tune", help="search mesh x micro-batches x remat for the fastest configuration that fits in memory",
+        description="llama-jax tune [PRESET|CONFIG.yaml] [key=value ...]. Compiles candidates ahead of time, ranks "
+                    "them with a cost model, measures the best few on real devices and writes the winner's "
+                    "config. A key=value on a searched key (mesh.*, train.microbatches, remat.policy, "
+                    "remat.every_n_layers) pins it. Cached: a re-run is instant.")
+    tune.add_argument("args", nargs="*", metavar="PRESET|CONFIG|key=value")
+    tune.add_argument("--memory-gb", type=float, default=0.0,
+                      help="per-device memory budget in GiB (default: the device's memory minus 10%%)")
+    tune.add_argument("--budget-min", type=float, default=10.0, help="minutes of compiling, at most (default 10)")
+    tune.add_argument("--top-k", type=int, default=3, help="candidates to measure (default 3)")
+    tune.add_argument("--measure", action=argparse.BooleanOptionalAction, default=None,
+                      help="time the top-k for a few steps (default: on, except on simulated CPU devices)")
+    tune.add_argument("--steps", type=int, default=3, help="timed steps per measured candidate (default 3)")
+    tune.add_argument("--meshes", type=int, default=3,
+                      help="the best N meshes of stage 1 get every micro-batch count and policy (default 3)")
+    tune.add_argument("--policies", default="none,save_dot_except_mlp,selective,full",
+                      help="remat policies to try, comma-separated (default none,save_dot_except_mlp,selective,full)")
+    tune.add_argument("--microbatches", type=_int_list, default=(1, 2, 4), help="micro-batch counts (default 1,2,4)")
+    tune.add_argument("--every-n-layers", type=_int_list, default=(1, 2),
+                      help="remat.every_n_layers values for recomputing policies (default 1,2)")
+    tune.add_argument("--efficiency", type=float, default=0.0, help="cost model: fraction of peak FLOP/s reached "
+                                                                    "(default 0.5)")
+    tune.add_argument("--bandwidth-gbs", type=float, default=0.0,
+                      help="cost model: collective GB/s per device (default 450 on GPUs, measured on CPUs)")
+    tune.add_argument("--overlap", type=float, default=-1.0,
+                      help="cost model: fraction of communication hidden by compute (default 0.5 GPU, 0 CPU)")
+    tune.add_argument("--rows", type=int, default=20, help="table rows to print (default 20)")
+    tune.add_argument("--out", default="tune.yaml", help="the winner's config file (default tune.yaml)")
+    tune.add_argument("--json", action="store_true", help="print every candidate as JSON")
+    tune.add_argument("--dry-run", action="store_true",
+                      help="list the candidates and why the invalid ones are refused; compile nothing")
+    tune.set_defaults(func=cmd_tune)
 
     report = commands.add_parser("report", help="plot loss, eval loss and throughput of a run to RUN_DIR/report.png")
     report.add_argument("run_dir", metavar="RUN_DIR")

@@ -21,6 +21,11 @@ Collective traffic, per device, ring cost model with group size n (n = 1 moves n
   all-to-all          (n-1)/n  x result bytes
   collective-permute  1        x result bytes   (each device sends its buffer once)
 Async pairs are counted at the `-start` only.
+
+Operations, for a roofline: every instruction of a scheduled computation (the entry, loop bodies
+and conditions, conditional branches, called computations; not fusion bodies or reducers) with its
+FLOPs (a fusion's: its body's dots) and the bytes it reads and writes (operands + result). Data
+movement without arithmetic (parameter, tuple, bitcast, ...) and control flow are left out.
 """
 
 from __future__ import annotations
@@ -42,6 +47,9 @@ _RING = {"all-gather": lambda n: (n - 1) / n, "reduce-scatter": lambda n: n - 1.
 # Attributes naming called computations; `body`/`condition` additionally scale by the trip count.
 _CALL_ATTRS = ("calls", "to_apply", "body", "condition", "true_computation", "false_computation",
                "branch_computations", "called_computations")
+# Instructions that move no data through memory themselves (views, bookkeeping, control flow).
+_FREE = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast", "while", "call", "conditional",
+         "after-all", "partition-id", "replica-id", "opt-barrier", "add-dependency", "domain"}
 
 
 @dataclass(frozen=True)
@@ -56,6 +64,21 @@ class HloStats:
     dot_flops: float                         # per step, per device
     collectives: dict[str, CollectiveStats]  # all five KINDS, zeros if absent
     unknown_trip_counts: int                 # while loops without known_trip_count (counted once)
+    # Per scheduled operation (flops, bytes read + written), each already times its executions per step.
+    operations: tuple[tuple[float, float], ...] = ()
+
+    @property
+    def memory_bytes(self) -> float:
+        """Bytes read and written by the operations per step, per device."""
+        return sum(b for _, b in self.operations)
+
+    def roofline_seconds(self, flops_per_s: float, bytes_per_s: float) -> float:
+        return roofline_seconds(self.operations, flops_per_s, bytes_per_s)
+
+
+def roofline_seconds(operations, flops_per_s: float, bytes_per_s: float) -> float:
+    """Each operation takes as long as its arithmetic or its memory traffic, whichever is longer."""
+    return sum(max(f / flops_per_s, b / bytes_per_s) for f, b in operations)
 
 
 @dataclass
@@ -262,6 +285,12 @@ def analyze(hlo_text: str, num_devices: int) -> HloStats:
                 callers[callee].append((comp.name, factor))
 
     multiplicity: dict[str, int] = {}
+    # Computations that run as a sequence of operations (not fused into one kernel or applied per element).
+    scheduled_names = {entry} | {
+        callee.lstrip("%") for comp in comps.values() for instr in comp.instrs if instr.opcode != "fusion"
+        for attr in ("body", "condition", "true_computation", "false_computation", "branch_computations")
+        + (("to_apply",) if instr.opcode == "call" else ())
+        for callee in _split_top(instr.attrs.get(attr, "").strip("{}"))}
 
     def runs(name: str) -> int:  # call graphs are DAGs, so this terminates; unreachable -> 0
         if name not in multiplicity:
@@ -270,11 +299,18 @@ def analyze(hlo_text: str, num_devices: int) -> HloStats:
 
     flops = 0.0
     count, buffer, moved = defaultdict(int), defaultdict(int), defaultdict(float)
+    operations = []
     for comp in comps.values():
         if (mult := runs(comp.name)) == 0:
             continue
+        scheduled = comp.name in scheduled_names
         for instr in comp.instrs:
             flops += mult * _flops(comp, instr)
+            if scheduled and instr.opcode not in _FREE and not instr.opcode.endswith("-done"):
+                own = _flops(comp, instr) + (_body_flops(comps, instr.attrs["calls"].lstrip("%"))
+                                             if instr.opcode == "fusion" else 0.0)
+                traffic = shape_bytes(instr.shape) + sum(_operand_bytes(comp, o) for o in instr.operands)
+                operations.append((mult * own, mult * traffic))
             kind = instr.opcode.removesuffix("-start")
             if kind not in KINDS:
                 continue
@@ -283,4 +319,20 @@ def analyze(hlo_text: str, num_devices: int) -> HloStats:
             buffer[kind] += mult * nbytes
             moved[kind] += mult * nbytes * (1.0 if kind == "collective-permute" else _RING[kind](n))
     collectives = {k: CollectiveStats(count[k], buffer[k], moved[k]) for k in KINDS}
-    return HloStats(dot_flops=flops, collectives=collectives, unknown_trip_counts=unknown)
+    return HloStats(dot_flops=flops, collectives=collectives, unknown_trip_counts=unknown,
+                    operations=tuple(operations))
+
+
+def _body_flops(comps: dict[str, _Computation], name: str) -> float:
+    """Dot FLOPs inside a fusion body, nested fusions included."""
+    comp = comps[name]
+    return sum(_flops(comp, i) + (_body_flops(comps, i.attrs["calls"].lstrip("%")) if i.opcode == "fusion" else 0.0)
+               for i in comp.instrs)
+
+
+def _operand_bytes(comp: _Computation, operand: str) -> int:
+    parts = operand.split()  # some XLA versions print "f32[2,3]{1,0} %x" for operands
+    if len(parts) > 1:
+        return shape_bytes(parts[0])
+    shape = comp.shapes.get(operand.lstrip("%"))
+    return shape_bytes(shape) if shape else 0  # a literal operand, e.g. in a constant

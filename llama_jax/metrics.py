@@ -80,6 +80,11 @@ def _table_key(device_kind: str) -> str | None:
     return max(hits, key=len) if hits else None
 
 
+def table_key(device_kind: str) -> str | None:
+    """The data-sheet name of a device kind (e.g. "NVIDIA H100 80GB HBM3" -> "H100"), or None."""
+    return _table_key(device_kind)
+
+
 def table_peak_flops(device_kind: str, dtype: str) -> float | None:
     """Data-sheet dense peak FLOP/s of one device of this kind, or None if unknown."""
     column = _COLUMN[_dtype_name(dtype)]  # validate dtype even for unknown devices

@@ -12,7 +12,7 @@ import dataclasses
 import json
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field
 
 import jax
 import jax.numpy as jnp
@@ -41,6 +41,9 @@ class Plan:
     collective_bytes: dict[str, float]   # per device per step, by kind (ring cost model)
     collective_minimum: dict[str, float]  # analytic minimum per device per step, by parallelism
     compile_seconds: float
+    memory_traffic_bytes: float = 0.0  # per device per step: bytes every operation reads and writes
+    # Per operation (FLOPs, bytes) per device per step, for roofline estimates (hlo.HloStats); not printed.
+    operations: tuple[tuple[float, float], ...] = field(default=(), repr=False)
 
     @property
     def collective_total(self) -> float:
@@ -107,6 +110,7 @@ def make_plan(config: Config, mesh: Mesh) -> Plan:
         collective_bytes={kind: c.moved_bytes for kind, c in stats.collectives.items()},
         collective_minimum=collective_minimum(config, dict(mesh.shape)),
         compile_seconds=compile_seconds,
+        memory_traffic_bytes=stats.memory_bytes, operations=stats.operations,
     )
 
 
@@ -124,8 +128,8 @@ def compare_remat(config: Config, mesh: Mesh, print_fn=None) -> dict[str, Plan]:
 def format_remat_comparison(plans: dict[str, Plan]) -> str:
     """Per-device temporaries and total memory, and HLO FLOPs, each also relative to `none`."""
     base = plans["none"]
-    lines = [f"{'policy':<22}{'temporaries':>13}{'vs none':>9}{'total':>13}{'host':>12}{'HLO FLOPs':>12}"
-             f"{'vs none':>9}{'vs model':>10}"]
+    lines = [(f"{'policy':<22}{'temporaries':>13}{'vs none':>9}{'total':>13}{'host':>12}{'HLO FLOPs':>12}"
+              f"{'vs none':>9}{'vs model':>10}")]
     for name, p in plans.items():
         lines.append(f"{name:<22}{_size(p.temporary_bytes):>13}{p.temporary_bytes / base.temporary_bytes:>9.3f}"
                      f"{_size(p.total_bytes):>13}{_size(p.host_temporary_bytes):>12}{p.hlo_flops:>12.4g}"
@@ -155,6 +159,7 @@ def format_plan(plan: Plan) -> str:
         f"  HLO          {plan.hlo_flops:12.4g}   (matmuls of the compiled program, every layer counted)",
         f"  model        {plan.model_flops:12.4g}   (6 x matmul params + attention, per token x tokens)",
         f"  HLO / model  {plan.hlo_flops / plan.model_flops:12.3f}   (above 1: recomputation or replicated work)",
+        f"memory traffic {_size(plan.memory_traffic_bytes):>11}   (per device: bytes operations read and write)",
         "collectives per device per step (ring cost model):",
     ]
     lines += [f"  {kind:<19}{_size(b):>12}" for kind, b in plan.collective_bytes.items()]
@@ -165,6 +170,10 @@ def format_plan(plan: Plan) -> str:
     return "\n".join(line for line in lines if line)
 
 
+def plan_dict(plan: Plan) -> dict:
+    fields = {f.name: getattr(plan, f.name) for f in dataclasses.fields(plan) if f.name != "operations"}
+    return {**fields, "collective_total": plan.collective_total, "minimum_total": plan.minimum_total}
+
+
 def plan_json(plan: Plan) -> str:
-    return json.dumps({**asdict(plan), "collective_total": plan.collective_total,
-                       "minimum_total": plan.minimum_total}, indent=2)
+    return json.dumps(plan_dict(plan), indent=2)

@@ -234,3 +234,20 @@ def test_shard_map_psum_all_reduces(mesh):
     assert reduce.count == 1 and reduce.buffer_bytes == 1024 * 4
     assert reduce.moved_bytes == pytest.approx(2 * 7 / 8 * 4096)
     assert stats.collectives["all-gather"].count == 0
+
+
+def test_operations_give_each_scheduled_instruction_its_flops_and_traffic():
+    # Per trip: the fusion (its body's dot; reads x and w, writes the product) and the all-gather;
+    # then the entry's copy. Parameters, constants, tuples and the while itself move nothing, and the
+    # fusion body's own instructions are inside the fusion's kernel, not separate operations.
+    text = module(FUSED_DOT, loop_computations("body"), loop_entry(while_line("loop", "body", "3")))
+    stats = analyze(text, num_devices=8)
+    fusion = (DOT_FLOPS, 16 * 8 * 4 + 16 * 32 * 4 + 32 * 8 * 4)
+    gather = (0.0, 256 * 4 + 32 * 8 * 4)
+    copy = (0.0, 2 * 16 * 32 * 4)
+    assert sorted(stats.operations) == sorted([(3 * fusion[0], 3 * fusion[1]), (0.0, 3 * gather[1]), copy])
+    assert stats.memory_bytes == 3 * fusion[1] + 3 * gather[1] + copy[1]
+    # Roofline: the fusion is bound by whichever of its FLOPs and bytes takes longer.
+    for flops_per_s, bytes_per_s in ((1e9, 1e12), (1e12, 1e9)):
+        expected = 3 * max(fusion[0] / flops_per_s, fusion[1] / bytes_per_s) + (3 * gather[1] + copy[1]) / bytes_per_s
+        assert stats.roofline_seconds(flops_per_s, bytes_per_s) == pytest.approx(expected)

@@ -64,7 +64,8 @@ if args[0] == "supervise":  # run the supervised command, as the real supervisor
     command = args[args.index("--") + 1:]
     os.execvp(command[0], command)
 keys = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "JAX_LOCAL_DEVICE_IDS", "XLA_FLAGS")
-print(json.dumps({"args": args, **{k: os.environ.get(k) for k in keys}}), flush=True)
+# One write: processes on the fake hosts share stdout, and print() may write the newline separately.
+os.write(1, (json.dumps({"args": args, **{k: os.environ.get(k) for k in keys}}) + "\\n").encode())
 """
 FAKE_SRUN = """#!/usr/bin/env bash
 # srun --kill-on-bad-exit=1 --ntasks-per-node=N CMD...: run every task of SLURM_NTASKS here, one after another

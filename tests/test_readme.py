@@ -1,6 +1,7 @@
 """Every command the README shows is checked here, so the README cannot drift from the code."""
 
 import json
+import os
 import re
 import shlex
 import subprocess
@@ -41,7 +42,8 @@ def test_make_passes_args_to_the_trainer():
 
 
 @pytest.mark.parametrize("command", [c for c in readme_commands("llama-jax train")
-                                     if "train.step=5" not in c and "llama-jax supervise" not in c])
+                                     if "train.step=5" not in c and "llama-jax supervise" not in c
+                                     and "tune.yaml" not in c])  # written by `llama-jax tune`: test_tune.py
 def test_readme_train_commands_resolve_to_valid_configs(command, tmp_path, capsys):
     args = [a.replace("path/to/texts/", str(tmp_path)) for a in llama_jax_args(command)]
     assert cli.main(args + ["--print-config"]) == 0
@@ -85,6 +87,25 @@ def test_readme_plan_commands_compile_and_report(command, capsys):
     report = json.loads(capsys.readouterr().out)
     plans = report.values() if "--compare-remat" in args else [report]
     assert all(plan["hlo_flops"] > 0 for plan in plans)
+
+
+@pytest.mark.parametrize("command", readme_commands("llama-jax tune"))
+def test_readme_tune_commands_enumerate_their_candidates(command):
+    """Each README tune command, as a --dry-run on its XLA_FLAGS devices (the search itself: test_tune.py)."""
+    flags = re.search(r"XLA_FLAGS=(\S+)", command)
+    env = {**os.environ, "XLA_FLAGS": flags.group(1) if flags else ""}
+    result = subprocess.run([sys.executable, "-m", "llama_jax", *llama_jax_args(command), "--dry-run"], env=env,
+                            cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    summary = result.stdout.strip().splitlines()[-1]
+    total, valid = map(int, re.match(r"(\d+) candidates: (\d+) valid", summary).groups())
+    assert 0 < valid <= total
+
+
+def test_readme_trains_the_file_tune_writes():
+    (tune_command,) = [c for c in readme_commands("llama-jax tune") if "--out" in c]
+    out = llama_jax_args(tune_command)[llama_jax_args(tune_command).index("--out") + 1]
+    assert f"llama-jax train {out}" in readme_commands("llama-jax train")
 
 
 def test_readme_data_guide_commands_build_and_train_on_stores(tmp_path, monkeypatch):

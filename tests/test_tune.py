@@ -1,0 +1,180 @@
+"""`llama-jax tune` on 8 simulated CPU devices with a tiny model."""
+
+import itertools
+import math
+import re
+
+import pytest
+from conftest import write_tiny_yaml
+
+from llama_jax import cli, config, plan, tune
+from llama_jax.costmodel import CostModel
+from llama_jax.train import Trainer
+
+# The end-to-end search pins tensor and sequence to 1 to keep compilations few: 4 meshes.
+PINNED = ["mesh.tensor=1", "mesh.sequence=1", "train.batch_size=16"]  # 16: 2 micro-batches on 8 shards
+SEARCH = ["--policies", "none,full", "--microbatches", "1,2", "--every-n-layers", "1", "--meshes", "1"]
+UNITS = {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
+OPTIONS = tune.Options(policies=("none", "full"), microbatches=(1, 2), every_n_layers=(1,), meshes=1, top_k=2,
+                       steps=2, measure=True, progress=False)
+
+
+def test_candidate_space_is_complete_and_every_rejection_has_a_reason(tmp_path):
+    source = str(write_tiny_yaml(tmp_path))
+    space = tune.candidate_space(8, [], ("none", "full"), (1, 2), (1, 2))
+    # An independent enumeration: every 4-tuple of sizes whose product is 8, sequence parallelism
+    # both ways when tensor > 1, every micro-batch count, every policy, every-n only when recomputing.
+    expected = {tune.Candidate(d, f, t, s, sp, mb, policy, every)
+                for d, f, t, s in itertools.product(range(1, 9), repeat=4) if d * f * t * s == 8
+                for sp in ((True, False) if t > 1 else (True,))
+                for mb in (1, 2) for policy in ("none", "full") for every in ((1,) if policy == "none" else (1, 2))}
+    assert len(space) == len(set(space)) == len(expected) == 30 * 2 * 3
+    assert set(space) == expected
+
+    results = tune.validate_candidates(source, [], space)
+    assert len(results) == len(space)
+    valid = [r for r in results if r.config is not None]
+    rejected = [r for r in results if r.config is None]
+    assert valid and rejected
+    assert all(r.rejected and r.config is None for r in rejected)  # a reason for each one
+    for r in valid:  # each valid candidate's config is the candidate
+        c, cfg = r.candidate, r.config
+        assert (cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, cfg.mesh.sequence) == (c.data, c.fsdp, c.tensor,
+                                                                                       c.sequence)
+        assert (cfg.train.microbatches, cfg.remat.policy, cfg.remat.every_n_layers) == (c.microbatches, c.policy,
+                                                                                          c.every_n_layers)
+    # The tiny model has 4 query / 2 kv heads and a batch of 8: tensor=8 and data x fsdp x micro-batches
+    # above 8 are refused with the mesh checks' own words.
+    reasons = {r.candidate: r.rejected for r in rejected}
+    assert all("mesh.tensor (8)" in reasons[c] for c in space if c.tensor == 8)
+    assert all("data×fsdp×microbatches" in reasons[c] for c in space
+               if c.tensor != 8 and c.data * c.fsdp * c.microbatches > 8)
+    assert {c for c in space if c.tensor != 8 and c.data * c.fsdp * c.microbatches <= 8
+            and 32 % (c.sequence * (c.tensor if c.sequence_parallel else 1) * (2 if c.sequence > 1 else 1)) == 0} \
+        == {r.candidate for r in valid}
+
+
+def test_searched_keys_given_on_the_command_line_are_pinned():
+    space = tune.candidate_space(8, ["mesh.tensor=2", "remat.policy=full", "train.microbatches=2"],
+                                 ("none", "full"), (1, 2, 4), (1, 2))
+    assert space and all(c.tensor == 2 and c.policy == "full" and c.microbatches == 2 for c in space)
+    assert {c.every_n_layers for c in space} == {1, 2}
+
+
+@pytest.fixture(scope="module")
+def searched(tmp_path_factory):
+    """One measured search (module-wide; later searches of these tests hit its cache)."""
+    root = tmp_path_factory.mktemp("tune")
+    source = str(write_tiny_yaml(root))
+    report = tune.tune(source, PINNED, OPTIONS)
+    out = root / "winner.yaml"
+    tune.write_winner(report, out)
+    return root, source, report, out
+
+
+def test_the_winner_is_the_fastest_measured_candidate(searched):
+    _, _, report, _ = searched
+    measured = [r for r in report.results if r.measured_s is not None]
+    assert len(measured) >= 2  # the top 2 by prediction, plus the default when it ranks lower
+    assert report.winner.measured_s == min(r.measured_s for r in measured)
+    assert report.default in measured
+    table = tune.format_report(report)
+    assert "<- default" in table and report.winner.candidate.label in table
+
+
+def test_search_scores_every_mesh_then_the_best_with_every_setting(searched):
+    _, _, report, _ = searched
+    scored = [r for r in report.results if r.predicted_s is not None]
+    assert {r.candidate.mesh_key for r in scored} == {(d, 8 // d, 1, 1, True) for d in (1, 2, 4, 8)}
+    best = min((r for r in scored if r.candidate.microbatches == 1 and r.candidate.policy == "none"),
+               key=lambda r: r.predicted_s).candidate.mesh_key
+    for mesh in {best, report.default.candidate.mesh_key}:
+        assert {(r.candidate.microbatches, r.candidate.policy) for r in scored if r.candidate.mesh_key == mesh} \
+            == {(1, "none"), (1, "full"), (2, "none"), (2, "full")}
+    assert all(r.memory_bytes > 0 and r.hlo_flops > 0 and r.predicted_s > 0 for r in scored)
+
+
+def test_the_winner_yaml_loads_and_trains(searched, tmp_path):
+    _, _, report, out = searched
+    assert out.read_text().startswith("# Written by llama-jax tune")
+    loaded = config.load_config(str(out))
+    assert config.to_dict(loaded) == config.to_dict(report.winner.config)
+    run_dir = tmp_path / "run"
+    assert cli.main(["train", str(out), "train.steps=2", f"run.dir={run_dir}", "checkpoint.every_steps=0"]) == 0
+    assert (run_dir / "metrics.jsonl").exists()
+
+
+def test_a_rerun_is_answered_from_the_cache(searched, monkeypatch):
+    _, source, report, _ = searched
+
+    def compiled_again(*args, **kwargs):
+        raise AssertionError("a cached candidate was compiled or built again")
+
+    monkeypatch.setattr(plan, "make_plan", compiled_again)
+    monkeypatch.setattr(Trainer, "build", compiled_again)
+    again = tune.tune(source, PINNED, OPTIONS)
+    assert again.winner.candidate == report.winner.candidate
+    assert [r.predicted_s for r in again.results] == [r.predicted_s for r in report.results]
+
+
+def test_a_memory_budget_below_the_smallest_candidate_exits_2_saying_by_how_much(searched, capsys):
+    root, source, report, _ = searched
+    out = root / "too_small.yaml"
+    budget = 100 * 2**10  # 100 KiB, below the tiny model's ~1 MiB
+    code = cli.main(["tune", source, *PINNED, *SEARCH, "--memory-gb", str(budget / 2**30), "--no-measure",
+                     "--out", str(out)])
+    assert code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "memory budget of 100.00 KiB" in err
+    needs, more = (float(n) * UNITS[u] for n, u in re.findall(r"([\d.]+) ([KMG]iB)", err.split("needs ")[1])[:2])
+    assert more == pytest.approx(needs - budget, abs=0.01 * UNITS["MiB"])  # both printed with 2 decimals
+    # The leanest it compiled: at most the leanest of the first search (which saw other meshes' settings).
+    leanest = min(r.memory_bytes for r in report.results if r.memory_bytes)
+    assert 0 < needs <= leanest * 1.01
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--policies", "none,fastest"], "unknown remat policy 'fastest'"),
+    (["modle.n_layers=2"], "model.n_layers"),
+    (["--top-k", "0"], "--top-k"),
+])
+def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, args, message):
+    out = tmp_path / "tune.yaml"
+    assert cli.main(["tune", str(write_tiny_yaml(tmp_path)), *args, "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err
+    assert not out.exists()
+
+
+def test_cost_model_is_a_roofline_plus_exposed_communication():
+    model = CostModel(peak_flops=100.0, memory_bandwidth=10.0, link_bandwidth=5.0, efficiency=0.5, overlap=0.4)
+    operations = [(100.0, 10.0), (0.0, 30.0)]  # compute-bound: 2 s; memory-bound: 3 s
+    assert model.predict(operations, collective_bytes=50.0) == pytest.approx(2 + 3 + 0.6 * 10)
+
+
+def test_spearman():
+    assert tune.spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert tune.spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    assert tune.spearman([1, 2], [1, 2]) is None
+    assert math.isclose(tune.spearman([1, 2, 3], [1, 3, 2]), 0.5)
+
+
+class FakeGpu:
+    platform, device_kind = "gpu", "NVIDIA H100 80GB HBM3"
+
+    def memory_stats(self):
+        return {"bytes_limit": 80 * 2**30}
+
+
+def test_gpus_get_data_sheet_figures_and_their_memory(monkeypatch, tmp_path):
+    import jax
+
+    from llama_jax import costmodel
+
+    monkeypatch.setattr(jax, "devices", lambda *args: [FakeGpu()] * 8)
+    model = costmodel.default_cost_model("bfloat16", tmp_path)
+    assert (model.peak_flops, model.memory_bandwidth, model.link_bandwidth) == (989e12, 3350e9, 450e9)
+    assert (model.efficiency, model.overlap) == (0.7, 0.5)
+    assert costmodel.default_memory_budget() == 0.9 * 80 * 2**30
+    assert not costmodel.simulated_devices()
