@@ -123,7 +123,25 @@ def _context_parallel(q, k, v, segment_ids, positions, implementation):
         # autodiff turns the all-gathers into reduce-scatters for the key/value gradients.
         gather = lambda x: jax.lax.all_gather(x, SEQUENCE_AXIS, axis=1, tiled=True)  # noqa: E731
         mask = causal_document_mask(segments, positions, gather(segments), gather(positions))
+        k, v = _own_kv_heads(q, k, v, heads[2], kv_heads[2])
         return jax.nn.dot_product_attention(q, gather(k), gather(v), mask=mask, implementation=implementation)
 
     return jax.shard_map(local, in_specs=(heads, kv_heads, kv_heads, tokens, tokens), out_specs=heads)(
         q, k, v, segment_ids, positions)
+
+
+def _own_kv_heads(q, k, v, q_axes, kv_axes):
+    """Inside the shard_map: the kv heads this device's query heads use.
+
+    With fewer kv heads than tensor shards, the kv heads are replicated (sharding.py) while the
+    query heads are split, so each device holds every kv head but needs only one: the group its
+    query heads belong to. (Outside a shard_map, sharding propagation does this on its own.)
+    """
+    if q_axes is None or q_axes == kv_axes:
+        return k, v  # heads not split, or split alike: the local heads already pair up
+    shards = jax.lax.psum(1, q_axes)
+    index = jax.lax.axis_index(q_axes)
+    group = q.shape[2] * shards // k.shape[2]  # query heads per kv head, over the whole model
+    first = index * q.shape[2] // group  # this shard's query heads all fall in this one group
+    take = lambda x: jax.lax.dynamic_slice_in_dim(x, first, 1, axis=2)  # noqa: E731
+    return take(k), take(v)

@@ -32,6 +32,8 @@ def mesh_cases():
                     + ("" if sequence == 1 else "-balanced" if load_balance else "-inorder")
                 yield pytest.param(shape, sequence_parallel, load_balance, MESH_MODEL, id=name)
     yield pytest.param((1, 1, 8, 1), True, True, MESH_MODEL_KV8, id="1x1x8x1-sp-kv8")
+    # kv heads (2) fewer than tensor shards (4) are replicated, also inside context parallelism.
+    yield pytest.param((1, 1, 4, 2), True, True, MESH_MODEL, id="1x1x4x2-sp-balanced-kv-replicated")
 
 
 def losses(cfg, devices):
