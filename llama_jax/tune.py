@@ -148,6 +148,15 @@ def validate_candidates(source: str | None, overrides: list[str], candidates: li
     return results
 
 
+def _source_digest() -> str:
+    """Of llama_jax's own code: a changed model or step must not be answered from an old compilation."""
+    package = Path(__file__).parent
+    digest = hashlib.sha256()
+    for path in sorted(package.rglob("*.py")):
+        digest.update(str(path.relative_to(package)).encode() + path.read_bytes())
+    return digest.hexdigest()
+
+
 class Cache:
     """One file per candidate (its plan's figures, its measured step time), in a directory named by a
     digest of everything else about the run: the config without the searched keys, devices, versions."""
@@ -163,7 +172,7 @@ class Cache:
         identity["run"] = {}  # where a run writes does not change its speed
         identity["checkpoint"] = identity["fault"] = {}
         identity["platform"] = [jax.devices()[0].device_kind, jax.device_count(), jax.__version__, __version__,
-                                os.environ.get("XLA_FLAGS", "")]
+                                os.environ.get("XLA_FLAGS", ""), _source_digest()]
         digest = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:16]
         self.directory = directory / digest
 
