@@ -72,9 +72,6 @@ class HloStats:
         """Bytes read and written by the operations per step, per device."""
         return sum(b for _, b in self.operations)
 
-    def roofline_seconds(self, flops_per_s: float, bytes_per_s: float) -> float:
-        return roofline_seconds(self.operations, flops_per_s, bytes_per_s)
-
 
 def roofline_seconds(operations, flops_per_s: float, bytes_per_s: float) -> float:
     """Each operation takes as long as its arithmetic or its memory traffic, whichever is longer."""

@@ -72,23 +72,19 @@ def _dtype_name(dtype: Any) -> str:
     return name
 
 
-def _table_key(device_kind: str) -> str | None:
-    """Longest table key found in device_kind as a whole word ("L4" must not match "L40S")."""
+def table_key(device_kind: str) -> str | None:
+    """The data-sheet name of a device kind (e.g. "NVIDIA H100 80GB HBM3" -> "H100"), or None: the longest
+    table key found in device_kind as a whole word ("L4" must not match "L40S")."""
     kind = device_kind.lower()
     hits = [k for k in _PEAK_TFLOPS
             if re.search(rf"(?<![a-z0-9]){re.escape(k.lower())}(?![a-z0-9])", kind)]
     return max(hits, key=len) if hits else None
 
 
-def table_key(device_kind: str) -> str | None:
-    """The data-sheet name of a device kind (e.g. "NVIDIA H100 80GB HBM3" -> "H100"), or None."""
-    return _table_key(device_kind)
-
-
 def table_peak_flops(device_kind: str, dtype: str) -> float | None:
     """Data-sheet dense peak FLOP/s of one device of this kind, or None if unknown."""
     column = _COLUMN[_dtype_name(dtype)]  # validate dtype even for unknown devices
-    key = _table_key(device_kind)
+    key = table_key(device_kind)
     tflops = None if key is None else _PEAK_TFLOPS[key][column]
     return None if tflops is None else tflops * 1e12
 
@@ -127,7 +123,7 @@ def device_peak_flops(dtype: str, cache_dir: pathlib.Path) -> tuple[float, str]:
     """
     dtype = _dtype_name(dtype)
     device = jax.devices()[0]
-    key = _table_key(device.device_kind)
+    key = table_key(device.device_kind)
     peak = table_peak_flops(device.device_kind, dtype)
     if peak is not None:
         return peak, f"{key} table, {dtype} dense"
