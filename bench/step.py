@@ -24,7 +24,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -52,33 +51,22 @@ ABLATION = [
 
 def measure_ours(preset: str, overrides: list[str], steps: int, peak: tuple[float, str] | None = None) -> dict:
     import jax
-    import numpy as np
 
     from llama_jax import sharding
     from llama_jax.config import load_config
     from llama_jax.metrics import measure_matmul_peak, table_peak_flops
     from llama_jax.train import Trainer, model_flops_per_token
+    from llama_jax.tune import random_batch, time_train_steps
 
     config = load_config(preset, overrides)
     mesh = sharding.make_mesh(config)
     trainer = Trainer.build(config, mesh)
-    b, t, v = config.train.batch_size, config.train.seq_len, config.model.vocab_size
-    rng = np.random.default_rng(0)
-    batch = {"tokens": rng.integers(0, v, (b, t), dtype=np.int32), "targets": rng.integers(0, v, (b, t), dtype=np.int32),
-             "segment_ids": np.ones((b, t), np.int32), "positions": np.tile(np.arange(t, dtype=np.int32), (b, 1)),
-             "loss_mask": np.ones((b, t), np.float32)}
+    b, t = config.train.batch_size, config.train.seq_len
     with trainer.activate():
         state = trainer.init_state(jax.random.key(0))
-        placed = trainer.put(batch)
-        compiled = trainer.train_step.lower(state, placed).compile()
-        memory = compiled.memory_analysis()
-        times = []
-        for i in range(2 + steps):
-            start = time.perf_counter()
-            state, metrics = trainer.train_step(state, placed)
-            jax.block_until_ready(metrics)
-            if i >= 2:
-                times.append(time.perf_counter() - start)
+        placed = trainer.put(random_batch(config))
+        memory = trainer.train_step.lower(state, placed).compile().memory_analysis()
+        times, metrics = time_train_steps(trainer, state, placed, steps, warmup=2)
     device = jax.devices()[0]
     peak, peak_source = peak or (table_peak_flops(device.device_kind, config.model.compute_dtype), "data sheet")
     if peak is None:  # CPU: the whole machine's best matmul, shared by the simulated devices

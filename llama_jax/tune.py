@@ -223,6 +223,33 @@ def score(result: Result, cache: Cache, model: CostModel, budget: float) -> None
         result.rejected = f"needs {_size(result.memory_bytes)} per device, over the budget of {_size(budget)}"
 
 
+def random_batch(config: Config) -> dict:
+    """One global batch of random tokens, one document per row: what timing a step needs."""
+    import numpy as np
+
+    b, t, v = config.train.batch_size, config.train.seq_len, config.model.vocab_size
+    rng = np.random.default_rng(0)
+    return {"tokens": rng.integers(0, v, (b, t), dtype=np.int32),
+            "targets": rng.integers(0, v, (b, t), dtype=np.int32),
+            "segment_ids": np.ones((b, t), np.int32), "positions": np.tile(np.arange(t, dtype=np.int32), (b, 1)),
+            "loss_mask": np.ones((b, t), np.float32)}
+
+
+def time_train_steps(trainer, state, batch, steps: int, warmup: int) -> tuple[list[float], dict]:
+    """Seconds of each of `steps` train steps on a placed batch, after `warmup` untimed ones, and the
+    last step's metrics (within trainer.activate(); the state is donated step to step)."""
+    import jax
+
+    times = []
+    for i in range(warmup + steps):
+        start = time.perf_counter()
+        state, metrics = trainer.train_step(state, batch)
+        jax.block_until_ready(metrics)
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    return times, metrics
+
+
 def measure(result: Result, cache: Cache, steps: int) -> None:
     """Median time of `steps` train steps on random tokens, after one warm-up step."""
     entry = cache.get(result.candidate)
@@ -230,30 +257,16 @@ def measure(result: Result, cache: Cache, steps: int) -> None:
         result.measured_s = entry["measured_s"]
         return
     import jax
-    import numpy as np
 
     from llama_jax import sharding
     from llama_jax.train import Trainer
 
-    config = result.config
-    trainer = Trainer.build(config, sharding.make_mesh(config))
-    b, t, v = config.train.batch_size, config.train.seq_len, config.model.vocab_size
-    rng = np.random.default_rng(0)
-    batch = {"tokens": rng.integers(0, v, (b, t), dtype=np.int32),
-             "targets": rng.integers(0, v, (b, t), dtype=np.int32),
-             "segment_ids": np.ones((b, t), np.int32), "positions": np.tile(np.arange(t, dtype=np.int32), (b, 1)),
-             "loss_mask": np.ones((b, t), np.float32)}
-    times = []
+    trainer = Trainer.build(result.config, sharding.make_mesh(result.config))
     try:
         with trainer.activate():
             state = trainer.init_state(jax.random.key(0))
-            placed = trainer.put(batch)
-            for i in range(steps + 1):
-                start = time.perf_counter()
-                state, metrics = trainer.train_step(state, placed)
-                jax.block_until_ready(metrics)
-                if i:
-                    times.append(time.perf_counter() - start)
+            times, _ = time_train_steps(trainer, state, trainer.put(random_batch(result.config)), steps,
+                                        warmup=1)
     except Exception as err:  # noqa: BLE001 - e.g. out of memory at run time although the plan fitted
         result.rejected = f"failed when measured: {type(err).__name__}: {str(err).splitlines()[0][:160]}"
         return
