@@ -252,10 +252,19 @@ def _group_size(instr: _Instr, num_devices: int) -> int:
     if groups.startswith("mesh["):  # mesh['a'=8,'b'=1] {'a'}: product of the listed axes
         axes, _, chosen = groups[len("mesh["):].partition("]")
         sizes = {k.strip().strip("'\""): int(v) for k, _, v in (a.partition("=") for a in _split_top(axes))}
-        return math.prod(sizes[a.strip("'\"")] for a in _split_top(chosen.strip().strip("{}")))
+        return math.prod(_axis_size(a, sizes) for a in _split_top(chosen.strip().strip("{}")))
     if groups.startswith("["):  # iota form [groups,size]<=[...]: groups are the last dim
         return int(groups[1:groups.index("]")].split(",")[-1])
     return len(_split_top(_split_top(groups[1:-1])[0].strip("{}")))  # explicit {{0,1},{2,3}}
+
+
+def _axis_size(axis: str, sizes: dict[str, int]) -> int:
+    """One axis of a mesh device group: 'tensor' (the whole axis), or a sub-axis 'tensor':(1)2 (newer XLA,
+    Shardy's notation: the part of size 2 after a part of size 1 when the axis is split)."""
+    name, colon, sub = axis.partition(":")
+    if colon:
+        return int(sub.strip().partition(")")[2])
+    return sizes[name.strip().strip("'\"")]
 
 
 def _output_shape(instr: _Instr) -> str:

@@ -49,6 +49,12 @@ def test_shape_bytes_rejects_unknown_dtype():
      "dimensions={0}, use_global_device_ids=true", "all-gather", 4096, 4096 * 7 / 8),
     ("%c = f32[256]{0} all-gather(%p), replica_groups=mesh['x'=4,'y'=2] {'y'}, dimensions={0}",
      "all-gather", 1024, 1024 / 2),
+    # a sub-axis (jax >= 0.11, Shardy): 'tensor':(1)2 is a part of size 2 of the axis of 8
+    ("%c = f32[8,32,2,8]{3,1,0,2} all-gather(%p), channel_id=12, replica_groups=mesh['data'=1,'fsdp'=1,"
+     "'sequence'=1,'tensor'=8] {'tensor':(1)2}, dimensions={2}, use_global_device_ids=true",
+     "all-gather", 16384, 16384 / 2),
+    ("%c = f32[64]{0} all-reduce(%p), replica_groups=mesh['x'=2,'y'=8] {'x','y':(2)4}, to_apply=%add",
+     "all-reduce", 256, 2 * 7 / 8 * 256),
     # explicit groups: size of the first group
     ("%c = f32[128]{0} all-reduce(%p), replica_groups={{0,1,2,3},{4,5,6,7}}, to_apply=%add",
      "all-reduce", 512, 2 * 3 / 4 * 512),
