@@ -103,7 +103,7 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides for both runs")
     args = parser.parse_args()
 
-    from llama_jax.resilience import BUCKETS, format_goodput, read_goodput
+    from llama_jax.goodput import BUCKETS, format_goodput, read_goodput
 
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(args.work or tmp)

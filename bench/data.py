@@ -81,18 +81,17 @@ def bench_loader(config, batches: int) -> dict:
 def bench_step(config, data, steps: int) -> dict:
     import jax
 
-    from llama_jax import sharding
-    from llama_jax.train import Trainer
+    from llama_jax.step import TrainProgram
 
-    trainer = Trainer.build(config, sharding.make_mesh(config))
-    with trainer.activate():
-        state = trainer.init_state(jax.random.key(0))
-        rows = trainer.local_rows()
-        state, metrics = trainer.train_step(state, trainer.put(data.train.batch(0, rows)))  # compiles
+    program = TrainProgram.for_config(config)
+    with program.activate():
+        state = program.init_state(jax.random.key(0))
+        rows = program.local_rows()
+        state, metrics = program.train_step(state, program.put(data.train.batch(0, rows)))  # compiles
         jax.block_until_ready(metrics)
         start = time.perf_counter()
         for step in range(1, steps + 1):
-            state, metrics = trainer.train_step(state, trainer.put(data.train.batch(step, rows)))
+            state, metrics = program.train_step(state, program.put(data.train.batch(step, rows)))
         jax.block_until_ready(metrics)
     seconds = (time.perf_counter() - start) / steps
     return {"step_s": seconds, "step_tokens_per_s": config.train.batch_size * config.train.seq_len / seconds}

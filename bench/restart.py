@@ -36,17 +36,16 @@ def environment() -> dict:
 def bench_saves(preset: str, saves: int, work: Path) -> dict:
     import jax
 
-    from llama_jax import sharding
     from llama_jax.checkpoint import Checkpointer
     from llama_jax.config import load_config
     from llama_jax.model import param_count
-    from llama_jax.train import Trainer
+    from llama_jax.step import TrainProgram
 
     config = load_config(preset, ["mesh.fsdp=1"])
-    trainer = Trainer.build(config, sharding.make_mesh(config, devices=jax.devices()[:1]))
+    program = TrainProgram.for_config(config, devices=jax.devices()[:1])
     results = {"preset": preset, "params": param_count(config.model)}
-    with trainer.activate():
-        state = trainer.init_state(jax.random.key(0))
+    with program.activate():
+        state = program.init_state(jax.random.key(0))
         jax.block_until_ready(state)
         results["state_mb"] = sum(x.nbytes for x in jax.tree.leaves(state)) / 1e6
         for mode in ("async", "sync"):

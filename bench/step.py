@@ -52,21 +52,19 @@ ABLATION = [
 def measure_ours(preset: str, overrides: list[str], steps: int, peak: tuple[float, str] | None = None) -> dict:
     import jax
 
-    from llama_jax import sharding
     from llama_jax.config import load_config
-    from llama_jax.metrics import measure_matmul_peak, table_peak_flops
-    from llama_jax.train import Trainer, model_flops_per_token
-    from llama_jax.tune import random_batch, time_train_steps
+    from llama_jax.hardware import measure_matmul_peak, table_peak_flops
+    from llama_jax.step import TrainProgram, model_flops_per_token, random_batch, time_train_steps
 
     config = load_config(preset, overrides)
-    mesh = sharding.make_mesh(config)
-    trainer = Trainer.build(config, mesh)
+    program = TrainProgram.for_config(config)
+    mesh = program.mesh
     b, t = config.train.batch_size, config.train.seq_len
-    with trainer.activate():
-        state = trainer.init_state(jax.random.key(0))
-        placed = trainer.put(random_batch(config))
-        memory = trainer.train_step.lower(state, placed).compile().memory_analysis()
-        times, metrics = time_train_steps(trainer, state, placed, steps, warmup=2)
+    with program.activate():
+        state = program.init_state(jax.random.key(0))
+        placed = program.put(random_batch(config))
+        memory = program.train_step.lower(state, placed).compile().memory_analysis()
+        times, metrics = time_train_steps(program, state, placed, steps, warmup=2)
     device = jax.devices()[0]
     peak, peak_source = peak or (table_peak_flops(device.device_kind, config.model.compute_dtype), "data sheet")
     if peak is None:  # CPU: the whole machine's best matmul, shared by the simulated devices

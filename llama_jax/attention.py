@@ -18,7 +18,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from llama_jax.config import ConfigError
+from llama_jax.errors import ConfigError
 from llama_jax.flash import MIN_BLOCK, block_size, blocked_attention
 
 CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)

@@ -9,6 +9,11 @@ while training continues; Orbax writes into a temporary directory and renames it
 a step directory that exists is a finished checkpoint and an interrupted save is ignored. All
 processes call save and restore (each writes and reads its own shards).
 
+The checkpointer decides when a save is due: every `checkpoint.every_steps`, every
+`checkpoint.every_minutes` (process 0's clock decides for all processes), or, with
+`checkpoint.every_steps=auto`, at the Young/Daly interval sqrt(2 x save time x MTBF) from the timed
+first save.
+
 Restoring walks from the newest step down: a step that fails to restore (a truncated or missing
 array file, a missing manifest, an empty directory) is moved to ``checkpoints/corrupt/`` -- never
 deleted -- with a warning, and the next older step is tried. A step whose model differs from the
@@ -19,19 +24,23 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import shutil
+import statistics
 import time
 from pathlib import Path
 from typing import Any, Callable
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 
-from llama_jax.config import CheckpointConfig, ConfigError
+from llama_jax.config import SHAPE_FIELDS, CheckpointConfig
+from llama_jax.errors import ConfigError
+from llama_jax.goodput import observed_mtbf_s
 
-# Model fields that change the shape or type of a saved array.
-SHAPE_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim",
-                "tie_embeddings", "param_dtype")
+DEFAULT_MTBF_S = 3 * 3600.0  # Llama 3 405B: one interruption every ~3 h on 16k GPUs (a big-run figure)
 ITEMS = ("state", "data", "meta")
 
 
@@ -78,12 +87,46 @@ def resolve_step_dir(path: str) -> Path:
     raise ConfigError(f"{path} holds no finished checkpoint; give a run dir, its checkpoints/ or a step directory")
 
 
+# ---------------------------------------------------------------------------------------------
+# When to save: Young/Daly
+
+
+def young_daly_interval_s(save_s: float, mtbf_s: float) -> float:
+    """Young's first-order optimum of the checkpoint interval: sqrt(2 × save cost × MTBF)."""
+    if save_s < 0 or mtbf_s <= 0:
+        raise ValueError(f"need save_s >= 0 and mtbf_s > 0, got {save_s} and {mtbf_s}")
+    return math.sqrt(2 * save_s * mtbf_s)
+
+
+def auto_checkpoint_steps(save_s: float, mtbf_s: float, step_s: float) -> int:
+    if step_s <= 0:
+        raise ValueError(f"step_s must be positive, got {step_s}")
+    return max(1, round(young_daly_interval_s(save_s, mtbf_s) / step_s))
+
+
+def interval_advice(save_s: float, mtbf_s: float, step_s: float, every_steps: int, auto: bool = False) -> str:
+    """The log line: the Young/Daly interval for the measured save time next to the one in use."""
+    derivation = f"sqrt(2 x save {save_s:.2f}s x MTBF {mtbf_s / 3600:.2g} h) = {young_daly_interval_s(save_s, mtbf_s):.0f}s"
+    steps = auto_checkpoint_steps(save_s, mtbf_s, step_s)
+    if auto:
+        return f"checkpoint.every_steps=auto: {derivation} at {step_s:.3f}s a step -> saving every {steps} steps"
+    return (f"checkpoint interval advice (Young/Daly): {derivation} = {steps} steps; "
+            f"checkpoint.every_steps is {every_steps or 'only at the end'}")
+
+
+# ---------------------------------------------------------------------------------------------
+# The checkpointer of a run
+
+
 class Checkpointer:
     def __init__(self, run_dir: Path, config: CheckpointConfig, meta: dict | None = None,
-                 directory: Path | None = None):
-        self.config, self.meta = config, meta or {}
+                 directory: Path | None = None, log: Callable[[str], None] = print):
+        self.config, self.meta, self.log = config, meta or {}, log
         self.directory = Path(directory or Path(run_dir) / "checkpoints").absolute()
         self.every_steps = config.every_steps if isinstance(config.every_steps, int) else 0
+        # MTBF for the Young/Daly interval: configured, else observed in this run (read before this
+        # attempt is recorded), else a big run's figure.
+        self.mtbf_s = config.mtbf_hours * 3600 or observed_mtbf_s(Path(run_dir)) or DEFAULT_MTBF_S
         self.last_save_time = time.monotonic()
         self.save_seconds: list[float] = []  # how long each save blocked the loop
         self.manager = self._open()
@@ -94,16 +137,29 @@ class Checkpointer:
             enable_async_checkpointing=self.config.async_save, create=True)
         return ocp.CheckpointManager(self.directory, options=options, item_names=ITEMS)
 
+    @property
+    def auto(self) -> bool:
+        return self.config.every_steps == "auto"
+
     def due(self, step: int) -> bool:
-        """This process's view: step interval or time interval (multi-process callers agree via process 0)."""
-        if self.config.every_steps == "auto" and not self.save_seconds:
+        """Whether `step` is saved: its step interval, or its time interval (then process 0's clock
+        decides for every process)."""
+        if self.auto and not self.save_seconds:
             return True  # the first save is measured to choose the interval
         by_steps = self.every_steps > 0 and step % self.every_steps == 0
         minutes = self.config.every_minutes
-        return by_steps or (minutes > 0 and time.monotonic() - self.last_save_time >= minutes * 60)
+        if minutes <= 0:
+            return by_steps
+        by_time = time.monotonic() - self.last_save_time >= minutes * 60
+        if jax.process_count() > 1:  # clocks differ between hosts
+            by_time = bool(multihost_utils.broadcast_one_to_all(np.asarray(by_time)))
+        return by_steps or by_time
 
-    def save(self, step: int, state: Any, data_state: dict) -> float:
-        """Start an asynchronous save; returns the seconds it blocked (copying arrays off the device)."""
+    def save(self, step: int, state: Any, data_state: dict, step_s: float | None = None) -> float:
+        """Start an asynchronous save; returns the seconds it blocked (copying arrays off the device).
+
+        With every_steps=auto the first save is waited for in full, and with its time and the step time
+        `step_s` (1 s if unknown) it sets the interval of the saves after it."""
         start = time.perf_counter()
         meta = {**self.meta, "step": step, "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat()}
         self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
@@ -111,7 +167,15 @@ class Checkpointer:
                                                         meta=ocp.args.JsonSave(meta)), force=True)
         self.last_save_time = time.monotonic()
         self.save_seconds.append(time.perf_counter() - start)
+        if self.auto and len(self.save_seconds) == 1:
+            save_s = self.save_seconds[0] + self.wait()
+            self.every_steps = auto_checkpoint_steps(save_s, self.mtbf_s, step_s or 1.0)
+            self.log(interval_advice(save_s, self.mtbf_s, step_s or 1.0, self.every_steps, auto=True))
         return self.save_seconds[-1]
+
+    def advice(self, step_s: float) -> str:
+        """The Young/Daly interval for the median save time so far, next to the interval in use."""
+        return interval_advice(statistics.median(self.save_seconds), self.mtbf_s, step_s, self.every_steps)
 
     def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict]:
         """(train state, loader state) of `step`; the state takes the shapes, dtypes and shardings of
@@ -148,8 +212,6 @@ class Checkpointer:
             target.parent.mkdir(exist_ok=True)
             shutil.move(str(self.directory / str(step)), str(target))
         if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-
             multihost_utils.sync_global_devices(f"set_aside_{step}")
         self.manager.reload()
         return target

@@ -1,7 +1,8 @@
 """`llama-jax` command line: train, prepare, plan, tune, report, convert, generate, eval, supervise.
 
-Every input error (config, mesh, data) is reported as one line on stderr with exit status 2, and is
-detected before anything in run.dir is created or overwritten.
+Every error a user can act on (errors.py) is reported as one line on stderr with its exit status:
+2 for bad input (config, mesh, data), detected before anything in run.dir is created or overwritten.
+The commands import their modules when they run, so `llama-jax --help` answers at once.
 """
 
 from __future__ import annotations
@@ -12,11 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-EXIT_BAD_INPUT = 2
-
-
-class BadInput(Exception):
-    pass
+from llama_jax.errors import InputError, LlamaJaxError
 
 
 def _error(message: str) -> None:
@@ -33,43 +30,18 @@ def _split_source(args: list[str]) -> tuple[str | None, list[str]]:
 
 
 def cmd_train(ns: argparse.Namespace) -> int:
-    # Imports are deferred so `llama-jax --help` and bad-input errors stay instant.
-    from llama_jax.config import ConfigError, load_config, summary, to_yaml
-    from llama_jax.data.corpus import DataError
+    from llama_jax.config import load_config, to_yaml
 
-    source, overrides = _split_source(ns.args)
-    try:
-        config = load_config(source, overrides)
-        if ns.print_config:
-            print(to_yaml(config), end="")
-            return 0
-        from llama_jax import distributed
+    config = load_config(*_split_source(ns.args))
+    if ns.print_config:
+        print(to_yaml(config), end="")
+        return 0
+    import jax
 
-        try:
-            member = distributed.initialize(config.run)  # a multi-process run: join it before using devices
-        except distributed.CoordinatorUnavailable as err:
-            _error(str(err))
-            return distributed.EXIT_UNAVAILABLE
-        import jax
+    from llama_jax.train import train
 
-        primary = member is None or jax.process_index() == 0
-        say = print if primary else _warnings_only  # one voice: process 0's
-        if primary:
-            print(summary(config), flush=True)
-
-        from llama_jax import sharding
-        from llama_jax.data.pipeline import open_data
-        from llama_jax.train import Run, execute
-
-        mesh = sharding.make_mesh(config)
-        # Process 0 prepares raw sources into the cache first, so processes sharing it never race.
-        data = distributed.primary_first(lambda: open_data(config, log=say), (DataError, ConfigError))
-        run = Run.setup(config, mesh, data)  # checks the rest of the input; writes nothing
-    except (ConfigError, DataError) as err:
-        raise BadInput(str(err)) from None
-
-    result = execute(run, print_fn=say, started_at=ns.started_at)
-    if not primary:
+    result = train(config, print_fn=print, started_at=ns.started_at)
+    if jax.process_index() != 0:
         return result["exit_code"]
     if "final_eval_loss" in result:
         initial = result.get("initial_eval_loss")
@@ -82,27 +54,13 @@ def cmd_train(ns: argparse.Namespace) -> int:
     return result["exit_code"]  # 0, or EXIT_PREEMPTED after a signal made the run save and stop
 
 
-def _warnings_only(line: str) -> None:
-    """The print of processes other than 0: their warnings (e.g. a straggler) still matter."""
-    import jax
-
-    if line.startswith("warning"):
-        print(f"[process {jax.process_index()}] {line}", flush=True)
-
-
 def cmd_plan(ns: argparse.Namespace) -> int:
-    from llama_jax import sharding
-    from llama_jax.config import ConfigError, load_config
-
-    source, overrides = _split_source(ns.args)
-    try:
-        config = load_config(source, overrides)
-        mesh = sharding.make_mesh(config)
-    except ConfigError as err:
-        raise BadInput(str(err)) from None
-
     from llama_jax import plan as planning
+    from llama_jax import sharding
+    from llama_jax.config import load_config
 
+    config = load_config(*_split_source(ns.args))
+    mesh = sharding.make_mesh(config)
     if ns.compare_remat:
         plans = planning.compare_remat(config, mesh, print_fn=None if ns.json else print)
         print(json.dumps({k: planning.plan_dict(p) for k, p in plans.items()}, indent=2) if ns.json
@@ -124,34 +82,30 @@ def _int_list(text: str) -> tuple[int, ...]:
 
 
 def cmd_tune(ns: argparse.Namespace) -> int:
-    from llama_jax import remat
-    from llama_jax.config import ConfigError
+    from llama_jax.config import REMAT_POLICIES
 
     source, overrides = _split_source(ns.args)
     policies = tuple(ns.policies.split(","))
-    unknown = [p for p in policies if p not in remat.POLICIES]
+    unknown = [p for p in policies if p not in REMAT_POLICIES]
     if unknown:
-        raise BadInput(f"--policies: unknown remat policy '{unknown[0]}'; valid: {', '.join(remat.POLICIES)}")
+        raise InputError(f"--policies: unknown remat policy '{unknown[0]}'; valid: {', '.join(REMAT_POLICIES)}")
     if ns.memory_gb < 0 or ns.budget_min <= 0 or ns.top_k < 1 or ns.steps < 1 or ns.meshes < 1:
-        raise BadInput("tune: --memory-gb must be >= 0, and --budget-min, --top-k, --steps, --meshes positive")
+        raise InputError("tune: --memory-gb must be >= 0, and --budget-min, --top-k, --steps, --meshes positive")
     if not 0 <= ns.efficiency <= 1 or ns.bandwidth_gbs < 0 or not (ns.overlap == -1 or 0 <= ns.overlap <= 1):
-        raise BadInput("tune: --efficiency and --overlap must be in [0, 1], --bandwidth-gbs >= 0")
+        raise InputError("tune: --efficiency and --overlap must be in [0, 1], --bandwidth-gbs >= 0")
     out = Path(ns.out)
     if out.is_dir():
-        raise BadInput(f"--out {out} is a directory; name the YAML file to write, e.g. {out / 'tune.yaml'}")
+        raise InputError(f"--out {out} is a directory; name the YAML file to write, e.g. {out / 'tune.yaml'}")
     from llama_jax import tune
 
     options = tune.Options(
         memory_gb=ns.memory_gb, budget_min=ns.budget_min, top_k=ns.top_k, measure=ns.measure, steps=ns.steps,
         meshes=ns.meshes, policies=policies, microbatches=ns.microbatches, every_n_layers=ns.every_n_layers,
         efficiency=ns.efficiency, bandwidth_gbs=ns.bandwidth_gbs, overlap=ns.overlap, progress=not ns.json)
-    try:
-        if ns.dry_run:
-            print(tune.format_candidates(tune.enumerate_candidates(source, overrides, options)[2]))
-            return 0
-        report = tune.tune(source, overrides, options)
-    except ConfigError as err:
-        raise BadInput(str(err)) from None
+    if ns.dry_run:
+        print(tune.format_candidates(tune.enumerate_candidates(source, overrides, options)[2]))
+        return 0
+    report = tune.tune(source, overrides, options)
     tune.write_winner(report, out)
     print(tune.report_json(report) if ns.json else tune.format_report(report, rows=ns.rows))
     if not ns.json:
@@ -160,17 +114,13 @@ def cmd_tune(ns: argparse.Namespace) -> int:
 
 
 def cmd_prepare(ns: argparse.Namespace) -> int:
-    from llama_jax.data.corpus import DataError, ReadOptions
+    from llama_jax.data.corpus import ReadOptions
     from llama_jax.data.prepare import PrepareOptions, prepare
 
-    options = PrepareOptions(
+    prepare(PrepareOptions(
         inputs=tuple(ns.inputs), out=ns.out, tokenizer=ns.tokenizer or "", train_vocab=ns.train_tokenizer or 0,
         read=ReadOptions(ns.text_field, ns.text_unit, ns.on_bad_record), val_every_nth_doc=ns.val_every,
-        workers=ns.workers, tokenizer_sample_mb=ns.tokenizer_sample_mb)
-    try:
-        prepare(options)
-    except DataError as err:
-        raise BadInput(str(err)) from None
+        workers=ns.workers, tokenizer_sample_mb=ns.tokenizer_sample_mb))
     return 0
 
 
@@ -180,7 +130,7 @@ def cmd_report(ns: argparse.Namespace) -> int:
     try:
         print(write_report(Path(ns.run_dir)))
     except (FileNotFoundError, ValueError) as err:  # no metrics yet, or a corrupt metrics line
-        raise BadInput(str(err)) from None
+        raise InputError(str(err)) from None
     return 0
 
 
@@ -189,43 +139,32 @@ def cmd_supervise(ns: argparse.Namespace) -> int:
 
     command = ns.command[1:] if ns.command[:1] == ["--"] else ns.command
     if not command:
-        raise BadInput("supervise needs a command: llama-jax supervise [options] -- llama-jax train ... run.dir=DIR")
+        raise InputError("supervise needs a command: llama-jax supervise [options] -- llama-jax train ... run.dir=DIR")
     if min(ns.max_restarts, ns.backoff, ns.max_backoff, ns.reset_after, ns.grace) < 0:
-        raise BadInput("supervise: --max-restarts, --backoff, --max-backoff, --reset-after and --grace must be >= 0")
+        raise InputError("supervise: --max-restarts, --backoff, --max-backoff, --reset-after and --grace must be >= 0")
     return supervise(command, Policy(max_restarts=ns.max_restarts, backoff=ns.backoff, max_backoff=ns.max_backoff,
                                      reset_after=ns.reset_after, grace=ns.grace))
-
-
-def _inference_errors(fn):
-    """Run an inference command; its bad input (model, data, settings) is one line and exit 2."""
-    from llama_jax.config import ConfigError
-    from llama_jax.data.corpus import DataError
-
-    try:
-        return fn()
-    except (ConfigError, DataError) as err:
-        raise BadInput(str(err)) from None
 
 
 def cmd_convert(ns: argparse.Namespace) -> int:
     from llama_jax import api
 
-    _inference_errors(lambda: api.convert(ns.source, ns.out, ns.overrides, ns.dtype, ns.rotary))
+    api.convert(ns.source, ns.out, ns.overrides, ns.dtype, ns.rotary)
     return 0
 
 
 def cmd_generate(ns: argparse.Namespace) -> int:
     from llama_jax import api
+    from llama_jax.data.tokenizer import load_tokenizer
     from llama_jax.generate import Sampling
 
-    def run():
-        sampling = Sampling(ns.temperature, ns.top_k, ns.top_p)
-        sampling.check()
-        tokenizer = api.load_tokenizer(ns.model) if not ns.tokenizer else api.tokenizers.load_tokenizer(ns.tokenizer)
-        cfg, params = api.load(ns.model, compute_dtype=ns.dtype)
-        return api.generate_text(cfg, params, tokenizer, ns.prompt, ns.max_new_tokens, sampling, ns.seed)
-
-    for prompt, text in zip(ns.prompt, _inference_errors(run)):
+    sampling = Sampling(ns.temperature, ns.top_k, ns.top_p)
+    sampling.check()
+    model = api.resolve(ns.model)
+    tokenizer = load_tokenizer(ns.tokenizer) if ns.tokenizer else api.load_tokenizer(model)
+    cfg, params = api.load(model, compute_dtype=ns.dtype)
+    for prompt, text in zip(ns.prompt, api.generate_text(cfg, params, tokenizer, ns.prompt, ns.max_new_tokens,
+                                                         sampling, ns.seed)):
         print(prompt + text)
         print()
     return 0
@@ -234,7 +173,7 @@ def cmd_generate(ns: argparse.Namespace) -> int:
 def cmd_eval(ns: argparse.Namespace) -> int:
     from llama_jax import api
 
-    _inference_errors(lambda: api.evaluate(ns.model, ns.data, ns.overrides, ns.batches, ns.split))
+    api.evaluate(ns.model, ns.data, ns.overrides, ns.batches, ns.split)
     return 0
 
 
@@ -305,9 +244,10 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--every-n-layers", type=_int_list, default=(1, 2),
                       help="remat.every_n_layers values for recomputing policies (default 1,2)")
     tune.add_argument("--efficiency", type=float, default=0.0, help="cost model: fraction of peak FLOP/s reached "
-                                                                    "(default 0.5)")
+                                                                    "(default 0.7 on GPUs, 0.8 on CPUs)")
     tune.add_argument("--bandwidth-gbs", type=float, default=0.0,
-                      help="cost model: collective GB/s per device (default 450 on GPUs, measured on CPUs)")
+                      help="cost model: collective GB/s per device (default: the data sheet's NVLink or PCIe "
+                           "figure on known GPUs, e.g. 450 on an H100 SXM; measured on CPUs)")
     tune.add_argument("--overlap", type=float, default=-1.0,
                       help="cost model: fraction of communication hidden by compute (default 0.5 GPU, 0 CPU)")
     tune.add_argument("--rows", type=int, default=20, help="table rows to print (default 20)")
@@ -390,9 +330,9 @@ def main(argv: list[str] | None = None) -> int:
     ns.started_at = started_at
     try:
         return ns.func(ns)
-    except BadInput as err:
+    except LlamaJaxError as err:
         _error(str(err))
-        return EXIT_BAD_INPUT
+        return err.exit_code
 
 
 if __name__ == "__main__":

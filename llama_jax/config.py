@@ -1,9 +1,13 @@
 """The configuration schema: frozen dataclasses, YAML presets and dotted ``key=value`` overrides.
 
-The dataclasses below *are* the schema. OmegaConf merges a preset (or a user YAML file) and the
-command-line overrides onto them, checking key names and types; ``validate`` then checks the values
-that depend on each other. Every failure becomes one :class:`ConfigError` line, which the CLI prints
-and turns into exit status 2 before anything is written.
+The dataclasses below *are* the schema, and the constants after them every other vocabulary a user
+can type: mesh axes, logical axis names, remat tags, actions and policies. OmegaConf merges a preset
+(or a user YAML file) and the command-line overrides onto the schema, checking key names and types;
+``validate`` then checks the values that depend on each other. Every failure becomes one
+:class:`ConfigError` line, which the CLI prints and turns into exit status 2 before anything is written.
+
+This is the bottom of the package: it imports nothing of llama_jax but errors.py. The mechanisms that
+give the vocabularies meaning live above it (sharding.py, remat.py).
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from llama_jax.errors import ConfigError
+
 # float16 needs loss scaling, which the trainer does not do: bfloat16 has float32's range.
 DTYPES = ("float32", "bfloat16")
 ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn", "blocked")
@@ -28,9 +34,62 @@ PACKINGS = ("concat", "first_fit")
 TEXT_UNITS = ("file", "paragraph", "line")
 BAD_RECORD_ACTIONS = ("fail", "skip")
 
+# Model fields that change the shape or type of a saved array: a checkpoint must agree on every one.
+SHAPE_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim",
+                "tie_embeddings", "param_dtype")
 
-class ConfigError(ValueError):
-    """A bad configuration value; the message is one line that says how to fix it."""
+# Mesh axes, outermost (slowest links) to innermost (fastest); sharding.py builds the mesh.
+MESH_AXES = ("data", "fsdp", "sequence", "tensor")
+
+# Logical axis names the model gives its parameters and activations; sharding.LOGICAL_AXIS_RULES maps
+# each onto mesh axes, and `mesh.rules.<name>=<axes>` overrides one entry.
+LOGICAL_AXES = ("layers", "vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "norm",  # parameters
+                "batch", "seq", "residual_seq", "act_embed", "act_heads", "act_kv_heads", "act_mlp", "act_vocab")
+
+# Every activation the model tags for recomputation policies (remat.py), in the order a layer computes them.
+REMAT_TAGS = (
+    "attn_norm",          # RMSNorm output before attention        [batch, seq, embed]
+    "query_proj",         # q = x Wq                                [batch, seq, heads, head_dim]
+    "key_proj",           # k = x Wk                                [batch, seq, kv_heads, head_dim]
+    "value_proj",         # v = x Wv                                [batch, seq, kv_heads, head_dim]
+    "attention_context",  # softmax(q kᵀ) v, the attention core     [batch, seq, heads, head_dim]
+    "attention_out",      # context Wo                              [batch, seq, embed]
+    "mlp_norm",           # RMSNorm output before the MLP           [batch, seq, embed]
+    "mlp_gate",           # x Wgate                                 [batch, seq, mlp]
+    "mlp_up",             # x Wup                                   [batch, seq, mlp]
+    "mlp_hidden",         # silu(gate) * up                         [batch, seq, mlp]
+    "mlp_out",            # hidden Wdown                            [batch, seq, embed]
+)
+# What a policy does with a tag: keep it in device memory, move it to pinned host memory, or recompute it.
+REMAT_ACTIONS = ("save", "offload", "recompute")
+
+_QKV = ("query_proj", "key_proj", "value_proj")
+_PROJECTIONS = _QKV + ("attention_out", "mlp_gate", "mlp_up", "mlp_out")
+_MATMUL_OUTPUTS = _PROJECTIONS + ("attention_context",)
+
+
+def _all(tags: tuple[str, ...], action: str) -> dict[str, str]:
+    return {tag: action for tag in tags}
+
+
+# remat.policy names -> the tags they keep. None: no recomputation at all (the layer is not wrapped in
+# remat). Tags left out are recomputed.
+REMAT_POLICIES: dict[str, dict[str, str] | None] = {
+    "none": None,
+    # Keep only the layer input: recompute the whole layer, about one extra forward pass.
+    "full": {},
+    # Megatron's selective recomputation: keep every projection output and recompute the attention
+    # core (q kᵀ, softmax, their product with v: what a fused kernel would keep), which is cheap
+    # next to the projections, plus the elementwise norms and SwiGLU product.
+    "selective": _all(_PROJECTIONS, "save"),
+    # Keep every matmul output, the attention core's too; norms, rotary and SwiGLU are recomputed.
+    "minimal": _all(_MATMUL_OUTPUTS, "save"),
+    "save_qkv_proj": _all(_QKV, "save"),
+    "save_dot_except_mlp": _all(_QKV + ("attention_context", "attention_out"), "save"),
+    # The same choices with the kept tensors in pinned host memory instead of HBM (GPU/TPU).
+    "minimal_offload": _all(_MATMUL_OUTPUTS, "offload"),
+    "qkv_proj_offload": _all(_QKV, "offload"),
+}
 
 
 @dataclass(frozen=True)
@@ -117,14 +176,14 @@ class MeshConfig:
     # Context parallelism: give each sequence shard one early and one late chunk of the sequence,
     # so causal attention work is the same on every shard.
     load_balance: bool = True
-    # Expert override of the logical-axis table (sharding.LOGICAL_AXIS_RULES), e.g.
+    # Expert override of the logical-axis table (sharding.LOGICAL_AXIS_RULES, names in LOGICAL_AXES), e.g.
     # mesh.rules.embed=none or mesh.rules.batch=data,fsdp.
     rules: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
 class RematConfig:
-    policy: str = "none"  # see llama_jax/remat.py: none, full, selective, minimal, ...
+    policy: str = "none"  # one of REMAT_POLICIES: none, full, selective, minimal, ...
     # Expert refinement, tag -> save | offload | recompute, e.g. remat.custom.mlp_hidden=save.
     custom: dict[str, str] = field(default_factory=dict)
     every_n_layers: int = 1  # >1: only every n-th layer recomputes (when memory is nearly enough)
@@ -269,9 +328,7 @@ def _check_key(key: str, value: Any, origin: str) -> None:
     if key.startswith("remat.custom."):
         return  # tag and action are checked with the rest of the remat config in validate()
     if key.startswith("mesh.rules."):
-        from llama_jax import sharding  # local import: sharding imports this module
-
-        sharding.check_rule(key.removeprefix("mesh.rules."), str(value))
+        check_rule(key.removeprefix("mesh.rules."), str(value))
         return
     types = _leaf_types()
     if key in {k.rsplit(".", 1)[0] for k in types if "." in k}:
@@ -430,9 +487,7 @@ def validate(config: Config) -> None:
     _require(bool(config.run.dir.strip()), "run.dir must not be empty")
     _require(config.run.init_timeout_s >= 1 and config.run.heartbeat_timeout_s >= 1,
              "run.init_timeout_s and run.heartbeat_timeout_s must be at least 1 second")
-    from llama_jax import remat  # local import: remat imports this module
-
-    remat.check(config.remat, m.n_layers)
+    _check_remat(config.remat, m.n_layers)
 
 
 def _check_data(d: DataConfig) -> None:
@@ -446,6 +501,41 @@ def _check_data(d: DataConfig) -> None:
     _require(d.val_every_nth_doc >= 2, "data.val_every_nth_doc must be >= 2")
     _require(d.packing_window > 0, f"data.packing_window must be positive, got {d.packing_window}")
     _require(d.loader_threads >= 0 and d.prefetch >= 0, "data.loader_threads and data.prefetch must be >= 0")
+
+
+def parse_axes(value: str) -> str | tuple[str, ...] | None:
+    """A `mesh.rules` value: 'none' -> None, 'tensor' -> 'tensor', 'data,fsdp' -> ('data', 'fsdp')."""
+    axes = tuple(a.strip() for a in value.split(",") if a.strip() and a.strip().lower() != "none")
+    return None if not axes else axes[0] if len(axes) == 1 else axes
+
+
+def check_rule(logical: str, value: str) -> None:
+    """Validate one `mesh.rules.<logical>=<axes>` override."""
+    if logical not in LOGICAL_AXES:
+        raise ConfigError(f"mesh.rules.{logical}: unknown logical axis; known: {', '.join(LOGICAL_AXES)}")
+    parsed = parse_axes(value)
+    axes = (parsed,) if isinstance(parsed, str) else parsed or ()
+    bad = [a for a in axes if a not in MESH_AXES]
+    if bad:
+        raise ConfigError(f"mesh.rules.{logical}={value}: unknown mesh axis '{bad[0]}'; use a comma-separated "
+                          f"list of {', '.join(MESH_AXES)}, or none")
+
+
+def _check_remat(remat: RematConfig, n_layers: int) -> None:
+    if remat.policy not in REMAT_POLICIES:
+        raise ConfigError(f"unknown remat.policy '{remat.policy}'; valid policies: {', '.join(REMAT_POLICIES)}")
+    for tag, action in remat.custom.items():
+        if tag not in REMAT_TAGS:
+            raise ConfigError(f"remat.custom.{tag}: unknown tag; valid tags: {', '.join(REMAT_TAGS)}")
+        if action not in REMAT_ACTIONS:
+            raise ConfigError(f"remat.custom.{tag}={action}: the action must be one of {', '.join(REMAT_ACTIONS)}")
+    if remat.custom and remat.policy == "none":
+        raise ConfigError("remat.custom refines a recomputation policy; set remat.policy to one of "
+                          f"{', '.join(p for p in REMAT_POLICIES if p != 'none')} (e.g. full: recompute all but your "
+                          "tags)")
+    if remat.every_n_layers < 1 or n_layers % remat.every_n_layers:
+        raise ConfigError(f"remat.every_n_layers ({remat.every_n_layers}) must be a positive divisor of "
+                          f"model.n_layers ({n_layers})")
 
 
 def _divisors(n: int) -> str:

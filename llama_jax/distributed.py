@@ -24,18 +24,16 @@ import time
 from dataclasses import dataclass
 from typing import Callable, TypeVar
 
+import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
-from llama_jax.config import ConfigError, RunConfig
+from llama_jax.config import RunConfig
+from llama_jax.errors import ConfigError, CoordinatorUnavailable
 
 T = TypeVar("T")
-EXIT_UNAVAILABLE = 69  # EX_UNAVAILABLE (sysexits.h): the coordinator did not answer; a restart may help
 
 _ENV = {"coordinator": "JAX_COORDINATOR_ADDRESS", "num_processes": "JAX_NUM_PROCESSES", "process_id": "JAX_PROCESS_ID"}
-
-
-class CoordinatorUnavailable(RuntimeError):
-    """The coordination service did not answer in time (one line; not bad input: a restart may help)."""
 
 
 @dataclass(frozen=True)
@@ -108,14 +106,15 @@ def local_device_ids(run: RunConfig) -> list[int] | None:
 
 
 def initialize(run: RunConfig) -> Membership | None:
-    """Join the run described by `run` and the environment; a no-op for a single process.
+    """Join the run described by `run` and the environment; a no-op for a single process, and for a
+    process that has already joined (a second `train` call in one script).
 
     Raises ConfigError on inconsistent settings and CoordinatorUnavailable when the coordinator does
     not answer within run.init_timeout_s.
     """
     member = membership(run)
-    if member is None:
-        return None
+    if member is None or jax.distributed.is_initialized():
+        return member
     if member.coordinator is not None and member.process_id != 0:
         # JAX aborts the process (no exception to catch) when the coordinator never answers; a plain
         # TCP probe first turns the common case, a wrong address or a coordinator not up, into one line.
@@ -123,8 +122,6 @@ def initialize(run: RunConfig) -> Membership | None:
     print(f"joining the run at {member.coordinator or member.detected} as process "
           f"{'(detected)' if member.process_id is None else member.process_id} of "
           f"{member.num_processes or '(detected)'}", file=sys.stderr, flush=True)
-    import jax
-
     try:
         jax.distributed.initialize(
             coordinator_address=member.coordinator, num_processes=member.num_processes,
@@ -161,12 +158,8 @@ def primary_first(fn: Callable[[], T], errors: tuple[type[Exception], ...]) -> T
     """fn() on process 0, then on the others: work with a shared side effect, such as preparing the data
     into a cache every process reads, is done once. If process 0 fails with one of `errors`, the others
     raise it too (naming process 0) instead of waiting for it in a collective."""
-    import jax
-
     if jax.process_count() == 1:
         return fn()
-    from jax.experimental import multihost_utils
-
     primary = jax.process_index() == 0
     result, failure = None, None
     if primary:

@@ -1,4 +1,4 @@
-"""Writing files so that a reader (or a crash) never sees half of one."""
+"""Small helpers every layer shares: atomic writes, the user cache directory, human-readable sizes and times."""
 
 from __future__ import annotations
 
@@ -21,3 +21,35 @@ def atomic_path(path: Path) -> Iterator[Path]:
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def cache_root(cache_dir: str = "") -> Path:
+    """Where prepared token stores, compiled steps, tune results and measured peaks are kept:
+    `cache_dir` (data.cache_dir) or $XDG_CACHE_HOME/llama_jax or ~/.cache/llama_jax."""
+    if cache_dir:
+        return Path(cache_dir).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "llama_jax"
+
+
+def format_bytes(n: float) -> str:
+    """1536 -> '1.50 KiB'; the unit every command prints sizes in."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def format_clock(seconds: float) -> str:
+    """A time span as a clock shows it, for an ETA: 4000 -> '1h06m', 185 -> '3m05s', 12.3 -> '12s'."""
+    s = int(round(seconds))
+    if s >= 3600:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
+
+
+def format_seconds(seconds: float) -> str:
+    """An amount of time in one unit, for totals that are added up (goodput): '1.1 h', '185 s', '1.2 s'."""
+    if seconds >= 3600:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds:.0f} s" if seconds >= 10 else f"{seconds:.1f} s"

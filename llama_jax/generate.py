@@ -18,7 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from llama_jax.config import Config, ConfigError, ModelConfig
+from llama_jax.config import Config, ModelConfig
+from llama_jax.errors import ConfigError
 from llama_jax.model import Llama
 
 

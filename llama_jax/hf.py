@@ -33,9 +33,12 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 import jax
+import ml_dtypes
 import numpy as np
+from safetensors import safe_open
 
-from llama_jax.config import ConfigError, ModelConfig
+from llama_jax.config import ModelConfig
+from llama_jax.errors import ConfigError
 
 ROTARY_LAYOUTS = ("half", "interleaved")
 SHARD_BYTES = 5 * 2**30  # transformers' default shard size
@@ -193,8 +196,6 @@ class SafetensorsReader:
     """Tensors by name from model.safetensors or the shards of model.safetensors.index.json."""
 
     def __init__(self, directory: Path):
-        from safetensors import safe_open
-
         directory = Path(directory)
         index = directory / "model.safetensors.index.json"
         if index.is_file():
@@ -321,8 +322,6 @@ def write_safetensors(directory: Path, items: list[tuple[str, Callable, tuple[in
 def write_hf(directory: Path, params: dict, cfg: ModelConfig, dtype: str = "float32", rotary: str = "half",
              shard_bytes: int = SHARD_BYTES) -> Path:
     """A Hugging Face Llama directory (config.json + safetensors) from our params."""
-    import ml_dtypes
-
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     np_dtype = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}[dtype]

@@ -1,9 +1,7 @@
-"""Throughput accounting (peak FLOP/s, MFU) and what a user sees while a run trains.
+"""Throughput accounting (tokens/s, MFU) and what a user sees while a run trains.
 
-MFU = achieved model FLOP/s / (peak FLOP/s of one device x number of devices). The peak comes from a
-table of vendor data-sheet figures (dense, never the 2x "with sparsity" numbers) or, on CPU and on
-accelerators the table does not know, from a matmul timed on this machine and cached, so every run
-on the same machine/software divides by the same number. Never a hard-coded A100 peak.
+MFU = achieved model FLOP/s / (peak FLOP/s of one device x number of devices), with the peak of
+hardware.py: a data-sheet figure or a matmul measured on this machine, never a hard-coded A100 peak.
 
 MetricsLog is the single sink for training metrics: metrics.jsonl (the interface scripts rely on),
 TensorBoard, and a tqdm bar (terminal) or one plain line per log call (log files, CI, Slurm).
@@ -15,142 +13,14 @@ import json
 import math
 import os
 import pathlib
-import re
+import statistics
 import sys
-import time
 from typing import Any, Callable
 
-import jax
-import jax.numpy as jnp
+from tensorboardX import SummaryWriter
+from tqdm import tqdm
 
-from llama_jax.files import atomic_path
-
-# Peak dense TFLOP/s of ONE jax device as (bf16, fp16, fp32); None = no figure we trust -> measure.
-# fp32 is the plain CUDA-core figure, not TF32. Note JAX's default matmul precision may use TF32 on
-# Ampere+, so fp32 "MFU" can then exceed 100%; set jax_default_matmul_precision=highest to compare.
-# Sources (dense columns): NVIDIA H100 data sheet (SXM / PCIe / NVL), H200 data sheet (SXM / NVL;
-# GH200 has the H100/H200 SXM GPU), A100 40/80GB data sheet (SXM = PCIe peaks), A10, L4 and L40S data
-# sheets (their tensor figures marked * are sparse: halved here), V100 (SXM2 / PCIe) and T4 data
-# sheets (fp16 tensor cores, no bf16), HGX B200 data sheet (per GPU = 1/8; fp32 left to measurement),
-# AMD Instinct MI300X data sheet, Google Cloud TPU system-architecture pages (bf16 per chip; v2/v3
-# expose each of a chip's 2 cores as a jax device, hence half the chip figure).
-# "A10G" (AWS) is deliberately absent: no vendor data sheet, so it is measured.
-_PEAK_TFLOPS: dict[str, tuple[float | None, float | None, float | None]] = {
-    "H100": (989.0, 989.0, 67.0),
-    "H100 PCIe": (756.0, 756.0, 51.0),
-    "H100 NVL": (835.0, 835.0, 60.0),
-    "H200": (989.0, 989.0, 67.0),
-    "H200 NVL": (835.0, 835.0, 60.0),
-    "GH200": (989.0, 989.0, 67.0),
-    "A100": (312.0, 312.0, 19.5),
-    "A10": (125.0, 125.0, 31.2),
-    "L4": (121.0, 121.0, 30.3),
-    "L40S": (362.0, 362.0, 91.6),
-    "V100": (None, 125.0, 15.7),
-    "V100-PCIE": (None, 112.0, 14.0),
-    "T4": (None, 65.0, 8.1),
-    "B200": (2250.0, 2250.0, None),
-    "MI300X": (1307.4, 1307.4, 163.4),
-    "TPU v2": (22.5, None, None),
-    "TPU v3": (61.5, None, None),
-    "TPU v4": (275.0, None, None),
-    "TPU v5 lite": (197.0, None, None), "TPU v5e": (197.0, None, None),  # jax says "v5 lite"
-    "TPU v5": (459.0, None, None), "TPU v5p": (459.0, None, None),
-    "TPU v6 lite": (918.0, None, None), "TPU v6e": (918.0, None, None),
-}
-_COLUMN = {"bfloat16": 0, "float16": 1, "float32": 2}
-_SHORT = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
-
-
-def _dtype_name(dtype: Any) -> str:
-    try:
-        name = jnp.dtype(dtype).name
-    except TypeError:
-        name = str(dtype)
-    if name not in _COLUMN:
-        raise ValueError(f"compute dtype must be one of {sorted(_COLUMN)}, got {dtype!r}")
-    return name
-
-
-def table_key(device_kind: str) -> str | None:
-    """The data-sheet name of a device kind (e.g. "NVIDIA H100 80GB HBM3" -> "H100"), or None: the longest
-    table key found in device_kind as a whole word ("L4" must not match "L40S")."""
-    kind = device_kind.lower()
-    hits = [k for k in _PEAK_TFLOPS
-            if re.search(rf"(?<![a-z0-9]){re.escape(k.lower())}(?![a-z0-9])", kind)]
-    return max(hits, key=len) if hits else None
-
-
-def table_peak_flops(device_kind: str, dtype: str) -> float | None:
-    """Data-sheet dense peak FLOP/s of one device of this kind, or None if unknown."""
-    column = _COLUMN[_dtype_name(dtype)]  # validate dtype even for unknown devices
-    key = table_key(device_kind)
-    tflops = None if key is None else _PEAK_TFLOPS[key][column]
-    return None if tflops is None else tflops * 1e12
-
-
-def measure_matmul_peak(dtype: str = "float32", size: int = 1024, repeats: int = 5) -> float:
-    """FLOP/s of a jitted square matmul on the default device: best of `repeats` timed chains."""
-    chain = 4  # back-to-back matmuls per timing, so dispatch overhead is amortised
-    key_a, key_b = jax.random.split(jax.random.key(0))
-    a = jax.random.normal(key_a, (size, size), jnp.float32).astype(dtype)
-    # Scaling by 1/sqrt(size) keeps unit variance along the chain: no overflow, no subnormals.
-    b = (jax.random.normal(key_b, (size, size), jnp.float32) / math.sqrt(size)).astype(dtype)
-    matmul = jax.jit(jnp.matmul)
-
-    def run() -> None:
-        x = a
-        for _ in range(chain):  # each product feeds the next: none can be skipped or overlapped
-            x = matmul(x, b)
-        x.block_until_ready()
-
-    run()  # compile and warm up
-    best = math.inf
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        best = min(best, time.perf_counter() - start)
-    return chain * 2.0 * size**3 / best
-
-
-def device_peak_flops(dtype: str, cache_dir: pathlib.Path) -> tuple[float, str]:
-    """Peak FLOP/s of ONE device (jax.devices()[0]) for `dtype`, and where the figure came from.
-
-    Unknown devices (always CPU) get a measured matmul, cached in cache_dir/peak_flops.json. One
-    CPU device already uses every core, so the measurement is the whole machine's peak; simulated
-    CPU devices (--xla_force_host_platform_device_count=N) share those cores, so each is credited
-    with 1/N of it and MFU over N devices still divides by the machine's peak.
-    """
-    dtype = _dtype_name(dtype)
-    device = jax.devices()[0]
-    key = table_key(device.device_kind)
-    peak = table_peak_flops(device.device_kind, dtype)
-    if peak is not None:
-        return peak, f"{key} table, {dtype} dense"
-    where = f"measured {_SHORT[dtype]} matmul on {device.device_kind}"
-    sharing = jax.local_device_count() if device.platform == "cpu" else 1
-    if sharing > 1:
-        where += f", split over {sharing} simulated devices sharing the cores"
-    cache_key = "|".join([device.platform, device.device_kind, str(os.cpu_count()),
-                          jax.__version__, dtype, os.environ.get("XLA_FLAGS", "")])
-    path = cache_dir / "peak_flops.json"
-    try:
-        cache = json.loads(path.read_text(encoding="utf-8"))
-        cache = cache if isinstance(cache, dict) else {}
-    except (OSError, ValueError):  # missing or corrupt: measure and rewrite
-        cache = {}
-    cached = cache.get(cache_key)
-    if isinstance(cached, (int, float)) and cached > 0:
-        return float(cached) / sharing, where + ", cached"
-    peak = measure_matmul_peak(dtype)
-    cache[cache_key] = peak
-    try:
-        cache_dir.mkdir(parents=True, exist_ok=True)
-        with atomic_path(path) as tmp:  # a concurrent reader or a crash never sees half a cache
-            tmp.write_text(json.dumps(cache, indent=1, sort_keys=True), encoding="utf-8")
-    except OSError:  # read-only or full disk: the figure is still right, just not reused
-        return peak / sharing, where + ", not cached"
-    return peak / sharing, where
+from llama_jax.files import format_clock
 
 
 def mfu(model_flops_per_s: float, peak_per_device: float, n_devices: int) -> float:
@@ -168,13 +38,6 @@ def _plain(value: Any) -> Any:
     if hasattr(value, "item") and getattr(value, "size", 1) == 1:
         return _plain(value.item())
     raise TypeError(f"metrics values must be scalars or strings, got {type(value).__name__}")
-
-
-def _duration(seconds: float) -> str:
-    s = int(round(seconds))
-    if s >= 3600:
-        return f"{s // 3600}h{s % 3600 // 60:02d}m"
-    return f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
 
 
 def _drop_partial_last_line(path: pathlib.Path) -> None:
@@ -201,6 +64,7 @@ class MetricsLog:
                  print_fn: Callable[[str], Any] = print, enabled: bool = True) -> None:
         self.enabled = enabled  # False on processes other than 0 of a multi-process run: log nothing
         self._bar = self._writer = self._file = None
+        self._print = print_fn
         if not enabled:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -208,16 +72,13 @@ class MetricsLog:
         _drop_partial_last_line(path)
         self._file = path.open("a", encoding="utf-8")  # append: a resumed run continues the file
         self._total = total_steps
-        self._print = print_fn
         self._step_time: float | None = None  # latest measured seconds per step, for the ETA
         self._shown: dict[str, Any] = {}  # latest value of each displayed field
         if tensorboard:
-            from tensorboardX import SummaryWriter  # imported lazily: only needed when enabled
             self._writer = SummaryWriter(logdir=str(run_dir / "tensorboard"))
         if interactive is None:
             interactive = sys.stdout.isatty()
         if interactive:
-            from tqdm import tqdm
             # initial=start_step: the bar of a resumed run starts where it left off and tqdm's
             # rate/ETA count only the steps done in this process.
             self._bar = tqdm(total=total_steps, initial=start_step, unit="step",
@@ -266,12 +127,11 @@ class MetricsLog:
         """From the measured step time, so compilation and evaluation pauses do not skew it."""
         if self._step_time is None:
             return []
-        return [f"ETA {_duration(max(0, self._total - step) * self._step_time)}"]
+        return [f"ETA {format_clock(max(0, self._total - step) * self._step_time)}"]
 
     def message(self, text: str) -> None:
-        """Print a line without breaking the progress bar."""
-        if not self.enabled:
-            return
+        """Print a line (a warning, a resume notice) without breaking the progress bar. A disabled log
+        (processes other than 0) still hands it to print_fn, which shows their warnings."""
         if self._bar is not None:
             self._bar.write(text, file=sys.stdout)
         else:
@@ -313,3 +173,44 @@ def read_metrics(path: pathlib.Path) -> list[dict]:
             raise ValueError(f"{path}:{i + 1}: corrupt metrics line ({e})") from None
         records.append(record)
     return records
+
+
+class ThroughputMeter:
+    """Tokens/s, step time and MFU over the timed steps since the last record, and their medians over
+    the run. A step's time excludes compilation, evaluation and checkpoint pauses (goodput.py's clock)."""
+
+    def __init__(self, tokens_per_step: int, flops_per_token: float, peak_per_device: float, n_devices: int):
+        self.tokens_per_step, self.flops_per_token = tokens_per_step, flops_per_token
+        self.peak_per_device, self.n_devices = peak_per_device, n_devices
+        self.throughputs: list[float] = []  # tokens/s of each record
+        self._steps, self._seconds, self._data_wait = 0, 0.0, 0.0
+
+    def add(self, seconds: float, data_wait: float) -> None:
+        self._steps += 1
+        self._seconds += seconds
+        self._data_wait += data_wait
+
+    def record(self) -> dict[str, float | None]:
+        """The window's figures for a metrics record (None before any timed step), and a new window."""
+        if not self._steps:
+            return {"tokens_per_s": None, "mfu": None}
+        per_step = self._seconds / self._steps
+        tokens_per_s = self.tokens_per_step / per_step
+        self.throughputs.append(tokens_per_s)
+        fields = {"tokens_per_s": tokens_per_s, "step_time_s": per_step, "mfu": self.mfu(tokens_per_s),
+                  "data_wait_s": self._data_wait / self._steps}
+        self._steps, self._seconds, self._data_wait = 0, 0.0, 0.0
+        return fields
+
+    def mfu(self, tokens_per_s: float) -> float:
+        return mfu(tokens_per_s * self.flops_per_token, self.peak_per_device, self.n_devices)
+
+    @property
+    def median_tokens_per_s(self) -> float | None:
+        return statistics.median(self.throughputs) if self.throughputs else None
+
+    @property
+    def median_step_s(self) -> float | None:
+        """Seconds per step at the median throughput (None before the first record)."""
+        median = self.median_tokens_per_s
+        return None if median is None else self.tokens_per_step / median

@@ -14,17 +14,14 @@ import math
 import time
 from dataclasses import dataclass, field
 
-import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from llama_jax import hlo, remat, sharding
-from llama_jax.config import Config
+from llama_jax import hlo
+from llama_jax.config import REMAT_POLICIES, Config
+from llama_jax.files import format_bytes
 from llama_jax.model import param_count
-from llama_jax.train import Trainer, model_flops_per_token
-
-BATCH_FIELDS = {"tokens": jnp.int32, "targets": jnp.int32, "segment_ids": jnp.int32, "positions": jnp.int32,
-                "loss_mask": jnp.float32}
+from llama_jax.step import TrainProgram, model_flops_per_token
 
 
 @dataclass(frozen=True)
@@ -52,12 +49,6 @@ class Plan:
     @property
     def minimum_total(self) -> float:
         return sum(self.collective_minimum.values())
-
-
-def abstract_batch(config: Config, mesh: Mesh) -> dict[str, jax.ShapeDtypeStruct]:
-    shape = (config.train.batch_size, config.train.seq_len)
-    return {k: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding.batch_sharding(mesh))
-            for k, dtype in BATCH_FIELDS.items()}
 
 
 def collective_minimum(config: Config, sizes: dict[str, int]) -> dict[str, float]:
@@ -91,10 +82,10 @@ def collective_minimum(config: Config, sizes: dict[str, int]) -> dict[str, float
 
 
 def make_plan(config: Config, mesh: Mesh) -> Plan:
-    trainer = Trainer.build(config, mesh)
+    program = TrainProgram.build(config, mesh)
     start = time.perf_counter()
-    with trainer.activate():
-        compiled = trainer.train_step.lower(trainer.abstract_state(), abstract_batch(config, mesh)).compile()
+    with program.activate():
+        compiled = program.train_step.lower(program.abstract_state(), program.abstract_batch()).compile()
     compile_seconds = time.perf_counter() - start
     memory = compiled.memory_analysis()
     devices = mesh.devices.size
@@ -117,7 +108,7 @@ def make_plan(config: Config, mesh: Mesh) -> Plan:
 def compare_remat(config: Config, mesh: Mesh, print_fn=None) -> dict[str, Plan]:
     """A plan for every named remat policy (same config and mesh otherwise)."""
     plans = {}
-    for policy in remat.POLICIES:
+    for policy in REMAT_POLICIES:
         plans[policy] = make_plan(dataclasses.replace(config, remat=dataclasses.replace(config.remat, policy=policy)),
                                   mesh)
         if print_fn:
@@ -131,17 +122,10 @@ def format_remat_comparison(plans: dict[str, Plan]) -> str:
     lines = [(f"{'policy':<22}{'temporaries':>13}{'vs none':>9}{'total':>13}{'host':>12}{'HLO FLOPs':>12}"
               f"{'vs none':>9}{'vs model':>10}")]
     for name, p in plans.items():
-        lines.append(f"{name:<22}{_size(p.temporary_bytes):>13}{p.temporary_bytes / base.temporary_bytes:>9.3f}"
-                     f"{_size(p.total_bytes):>13}{_size(p.host_temporary_bytes):>12}{p.hlo_flops:>12.4g}"
+        lines.append(f"{name:<22}{format_bytes(p.temporary_bytes):>13}{p.temporary_bytes / base.temporary_bytes:>9.3f}"
+                     f"{format_bytes(p.total_bytes):>13}{format_bytes(p.host_temporary_bytes):>12}{p.hlo_flops:>12.4g}"
                      f"{p.hlo_flops / base.hlo_flops:>9.3f}{p.hlo_flops / p.model_flops:>10.3f}")
     return "\n".join(lines)
-
-
-def _size(n: float) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n:.0f} B"
 
 
 def format_plan(plan: Plan) -> str:
@@ -149,23 +133,23 @@ def format_plan(plan: Plan) -> str:
     lines = [
         f"mesh {plan.mesh} on {plan.devices} device(s), compiled in {plan.compile_seconds:.1f}s",
         "per device memory:",
-        f"  arguments    {_size(plan.argument_bytes):>12}   (train state + batch)",
-        f"  temporaries  {_size(plan.temporary_bytes):>12}   (activations, gradients, scratch)",
-        f"  outputs      {_size(plan.output_bytes):>12}   (not aliased to donated arguments)",
-        f"  total        {_size(plan.total_bytes):>12}",
-        f"  host         {_size(plan.host_temporary_bytes):>12}   (offloaded to pinned host memory)"
+        f"  arguments    {format_bytes(plan.argument_bytes):>12}   (train state + batch)",
+        f"  temporaries  {format_bytes(plan.temporary_bytes):>12}   (activations, gradients, scratch)",
+        f"  outputs      {format_bytes(plan.output_bytes):>12}   (not aliased to donated arguments)",
+        f"  total        {format_bytes(plan.total_bytes):>12}",
+        f"  host         {format_bytes(plan.host_temporary_bytes):>12}   (offloaded to pinned host memory)"
         if plan.host_temporary_bytes else "",
         "FLOPs per step (all devices):",
         f"  HLO          {plan.hlo_flops:12.4g}   (matmuls of the compiled program, every layer counted)",
         f"  model        {plan.model_flops:12.4g}   (6 x matmul params + attention, per token x tokens)",
         f"  HLO / model  {plan.hlo_flops / plan.model_flops:12.3f}   (above 1: recomputation or replicated work)",
-        f"memory traffic {_size(plan.memory_traffic_bytes):>11}   (per device: bytes operations read and write)",
+        f"memory traffic {format_bytes(plan.memory_traffic_bytes):>11}   (per device: bytes operations read and write)",
         "collectives per device per step (ring cost model):",
     ]
-    lines += [f"  {kind:<19}{_size(b):>12}" for kind, b in plan.collective_bytes.items()]
-    lines.append(f"  {'total':<19}{_size(plan.collective_total):>12}")
-    minimum = ", ".join(f"{k} {_size(v)}" for k, v in plan.collective_minimum.items() if v)
-    lines.append(f"  analytic minimum {_size(plan.minimum_total):>12}   ({minimum or 'no communication'})")
+    lines += [f"  {kind:<19}{format_bytes(b):>12}" for kind, b in plan.collective_bytes.items()]
+    lines.append(f"  {'total':<19}{format_bytes(plan.collective_total):>12}")
+    minimum = ", ".join(f"{k} {format_bytes(v)}" for k, v in plan.collective_minimum.items() if v)
+    lines.append(f"  analytic minimum {format_bytes(plan.minimum_total):>12}   ({minimum or 'no communication'})")
     lines.append(f"  measured / minimum {ratio:10.2f}" if plan.minimum_total else "")
     return "\n".join(line for line in lines if line)
 

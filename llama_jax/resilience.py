@@ -1,12 +1,12 @@
-"""Keeping a long run alive and honest: hang watchdog, preemption, goodput, stragglers, bad steps.
+"""Keeping a long run alive and honest: hang watchdog, preemption, stragglers, bad steps.
 
 Everything here is host-side bookkeeping with no JAX dependency, so it can be tested with real
-threads and signals in milliseconds. The training loop (llama_jax/train.py) owns the instances.
+threads and signals in milliseconds. The training loop (llama_jax/train.py) owns the instances;
+goodput.py accounts for the time, checkpoint.py decides when to save.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -17,19 +17,13 @@ import threading
 import time
 import traceback
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from llama_jax.files import atomic_path
-from llama_jax.supervise import EXIT_HANG, EXIT_PREEMPTED  # the supervisor's contract: restart on these
-
-__all__ = ["EXIT_HANG", "EXIT_PREEMPTED", "Goodput", "HangWatchdog", "PreemptionGuard", "SpikeGuard",
-           "StragglerDetector", "auto_checkpoint_steps", "format_goodput", "interval_advice", "observed_mtbf_s",
-           "read_goodput",
-           "summarize", "young_daly_interval_s"]
+from llama_jax.errors import EXIT_HANG
 
 DESCRIBE_TIMEOUT_S = 120.0  # describe() may itself block (it may compile); the dump must still finish
 
@@ -234,171 +228,6 @@ class PreemptionGuard:
 
 
 # ---------------------------------------------------------------------------------------------
-# Goodput
-
-
-BUCKETS = ("productive", "compile", "checkpoint_save", "checkpoint_restore", "data_wait", "eval", "lost",
-           "restart", "other")
-
-
-class Goodput:
-    """Effective training time across restarts, kept in <run_dir>/goodput.json (written atomically by process 0).
-
-    One record per attempt (process start). `lost` is time first counted as productive and then thrown
-    away (steps recomputed after a restart or a rollback), so the productive total is the sum of
-    productive minus lost. A killed attempt never writes a last record: what it did after its last
-    flush() falls into the gap between its last_alive and the next start, charged to `restart`.
-    An attempt ended with finish() (the run reached its step target) is followed by idle time of the
-    user's choosing: that gap is neither charged nor part of the wall time.
-    """
-
-    def __init__(self, run_dir: Path, started_at: float, write: bool = True, now: Callable[[], float] = time.time):
-        self.path, self.write, self.now = Path(run_dir) / "goodput.json", write, now
-        self.previous = _read_attempts(self.path)
-        self.current: dict[str, Any] = {
-            "started_at": started_at, "pid": os.getpid(), "resumed_step": None, "last_alive": started_at,
-            "outcome": "died", "highest_step": 0, "timed_steps": 0, "step_seconds": 0.0,
-            "buckets": dict.fromkeys(BUCKETS, 0.0)}
-
-    def begin(self, resumed_step: int) -> None:
-        """The loop starts at resumed_step: charge the previous attempt's lost steps and the restart."""
-        now, current = self.now(), self.current
-        current.update(resumed_step=resumed_step, highest_step=resumed_step)
-        before = sum(current["buckets"].values())  # e.g. checkpoint_restore, already charged
-        self.add("restart", now - current["started_at"] - before)
-        if self.previous:
-            last = self.previous[-1]
-            # Only the newest attempt: steps an older one computed beyond this point were charged by its successor.
-            redone = last["highest_step"] - resumed_step
-            if redone > 0 and last["timed_steps"]:
-                self.add("lost", redone * last["step_seconds"] / last["timed_steps"])
-            if last["outcome"] != "finished":
-                self.add("restart", current["started_at"] - last["last_alive"])
-        self.flush()
-
-    def add(self, bucket: str, seconds: float) -> None:
-        if bucket not in BUCKETS:
-            raise ValueError(f"unknown goodput bucket {bucket!r}; one of {', '.join(BUCKETS)}")
-        self.current["buckets"][bucket] += max(0.0, seconds)  # clocks can step backwards
-
-    def step_done(self, step: int, seconds: float) -> None:
-        self.add("productive", seconds)
-        self.current["timed_steps"] += 1
-        self.current["step_seconds"] += seconds
-        self.current["highest_step"] = max(self.current["highest_step"], step)
-
-    def discard(self, back_to: int, from_step: int) -> None:
-        """A rollback from from_step to back_to: those steps' time becomes lost (at this attempt's mean)."""
-        current = self.current
-        if current["timed_steps"] and from_step > back_to:
-            self.add("lost", (from_step - back_to) * current["step_seconds"] / current["timed_steps"])
-        current["highest_step"] = back_to
-
-    def flush(self) -> None:
-        """Persist; also the attempt's sign of life (last_alive) should it be killed without a word."""
-        self.current["last_alive"] = self.now()
-        if self.write:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            with atomic_path(self.path) as tmp:
-                with open(tmp, "w") as f:
-                    json.dump({"attempts": [*self.previous, self.current]}, f, indent=1)
-                    f.flush()
-                    os.fsync(f.fileno())
-
-    def finish(self, preempted: bool = False) -> None:
-        """The loop ended on its own terms: finished its steps, or saved and stopped on a signal."""
-        self.current["outcome"] = "preempted" if preempted else "finished"
-        self.flush()
-
-    def summary(self) -> dict[str, Any]:
-        return summarize([*self.previous, self.current], self.now())
-
-    def format(self) -> str:
-        return format_goodput(self.summary())
-
-
-def summarize(attempts: list[dict[str, Any]], now: float) -> dict[str, Any]:
-    """Goodput and the time of each bucket over all attempts, from the first start until `now`."""
-    totals = {b: sum(a["buckets"].get(b, 0.0) for a in attempts) for b in BUCKETS}
-    totals["productive"] -= totals["lost"]
-    wall = now - attempts[0]["started_at"] - _idle_s(attempts)
-    totals["other"] += max(0.0, wall - sum(totals.values()))  # the unaccounted rest (logging, loop overhead)
-    return {"goodput": totals["productive"] / wall if wall > 0 else 0.0, "wall_s": wall,
-            "attempts": len(attempts), **totals}
-
-
-def format_goodput(s: dict[str, Any]) -> str:
-    parts = ", ".join(f"{b} {_duration(s[b])}" for b in BUCKETS if s[b] >= 0.05)
-    n = s["attempts"]
-    return f"goodput {100 * s['goodput']:.1f}% of {_duration(s['wall_s'])} over {n} attempt{'s' * (n != 1)}: {parts}"
-
-
-def read_goodput(run_dir: Path) -> dict[str, Any] | None:
-    """The goodput of a run so far, from its goodput.json (until its last sign of life); None without one."""
-    attempts = _read_attempts(Path(run_dir) / "goodput.json")
-    return summarize(attempts, max(a["last_alive"] for a in attempts)) if attempts else None
-
-
-def _read_attempts(path: Path) -> list[dict[str, Any]]:
-    """The attempts recorded so far; none when the file is missing or unreadable (bookkeeping must not stop a run)."""
-    try:
-        attempts = json.loads(path.read_text())["attempts"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return []
-    return [a for a in attempts if isinstance(a, dict) and {"started_at", "last_alive", "buckets"} <= a.keys()]
-
-
-def _idle_s(attempts: list[dict[str, Any]]) -> float:
-    """Time between a finished attempt and the next one: chosen by the user, not lost to a failure."""
-    return sum(max(0.0, b["started_at"] - a["last_alive"])
-               for a, b in zip(attempts, attempts[1:]) if a.get("outcome") == "finished")
-
-
-def _duration(seconds: float) -> str:
-    if seconds >= 3600:
-        return f"{seconds / 3600:.1f} h"
-    return f"{seconds:.0f} s" if seconds >= 10 else f"{seconds:.1f} s"
-
-
-def observed_mtbf_s(run_dir: Path) -> float | None:
-    """Wall time / attempts that ended without a clean finish (killed, crashed, hung or preempted); call
-    it before Goodput.begin writes this attempt. None if nothing failed yet."""
-    attempts = _read_attempts(Path(run_dir) / "goodput.json")
-    failures = sum(a.get("outcome") != "finished" for a in attempts)
-    if not failures:
-        return None
-    wall = max(a["last_alive"] for a in attempts) - attempts[0]["started_at"] - _idle_s(attempts)
-    return wall / failures if wall > 0 else None
-
-
-# ---------------------------------------------------------------------------------------------
-# Checkpoint interval
-
-
-def young_daly_interval_s(save_s: float, mtbf_s: float) -> float:
-    """Young's first-order optimum of the checkpoint interval: sqrt(2 × save cost × MTBF)."""
-    if save_s < 0 or mtbf_s <= 0:
-        raise ValueError(f"need save_s >= 0 and mtbf_s > 0, got {save_s} and {mtbf_s}")
-    return math.sqrt(2 * save_s * mtbf_s)
-
-
-def auto_checkpoint_steps(save_s: float, mtbf_s: float, step_s: float) -> int:
-    if step_s <= 0:
-        raise ValueError(f"step_s must be positive, got {step_s}")
-    return max(1, round(young_daly_interval_s(save_s, mtbf_s) / step_s))
-
-
-def interval_advice(save_s: float, mtbf_s: float, step_s: float, every_steps: int, auto: bool = False) -> str:
-    """The log line: the Young/Daly interval for the measured save time next to the one in use."""
-    derivation = f"sqrt(2 x save {save_s:.2f}s x MTBF {mtbf_s / 3600:.2g} h) = {young_daly_interval_s(save_s, mtbf_s):.0f}s"
-    steps = auto_checkpoint_steps(save_s, mtbf_s, step_s)
-    if auto:
-        return f"checkpoint.every_steps=auto: {derivation} at {step_s:.3f}s a step -> saving every {steps} steps"
-    return (f"checkpoint interval advice (Young/Daly): {derivation} = {steps} steps; "
-            f"checkpoint.every_steps is {every_steps or 'only at the end'}")
-
-
-# ---------------------------------------------------------------------------------------------
 # Stragglers and bad steps
 
 
@@ -410,29 +239,15 @@ class StragglerDetector:
         self.factor, self.min_steps = factor, min_steps
         self._times: deque[float] = deque(maxlen=window)
 
-    def observe(self, step: int, seconds: float, per_process: Sequence[float] | None = None,
-                process: int = 0) -> str | None:
+    def observe(self, step: int, seconds: float, process: int = 0) -> str | None:
         warning = None
         if len(self._times) >= self.min_steps:
             median = statistics.median(self._times)
             if seconds > self.factor * median:
                 warning = (f"warning: straggler: step {step} took {seconds:.3g} s, {seconds / median:.1f}x "
-                           f"the median {median:.3g} s; {self._who(process, per_process)}")
+                           f"the median {median:.3g} s; seen on process {process}")
         self._times.append(seconds)
         return warning
-
-    @staticmethod
-    def _who(process: int, per_process: Sequence[float] | None) -> str:
-        if not per_process:
-            return f"seen on process {process}"
-        slowest = max(range(len(per_process)), key=per_process.__getitem__)
-        others = [t for i, t in enumerate(per_process) if i != slowest]
-        if not others:
-            return f"slowest process {slowest} (busy {per_process[slowest]:.3g} s)"
-        median = statistics.median(others)
-        ratio = f"{per_process[slowest] / median:.1f}x" if median > 0 else "inf x"
-        return (f"slowest process {slowest} (busy {per_process[slowest]:.3g} s, {ratio} the median "
-                f"{median:.3g} s of the other {len(others)})")
 
 
 SPIKE_MIN_HISTORY = 10  # good losses needed before a standard deviation means anything

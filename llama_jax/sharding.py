@@ -22,11 +22,11 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from llama_jax.config import Config, ConfigError, MeshConfig
+from llama_jax.config import MESH_AXES, Config, MeshConfig, parse_axes
+from llama_jax.errors import ConfigError
+from llama_jax.model import abstract_params
 
-MESH_AXES = ("data", "fsdp", "sequence", "tensor")
-
-# logical axis -> mesh axis (or axes, or None = replicated).
+# logical axis (config.LOGICAL_AXES) -> mesh axis (or axes, or None = replicated).
 LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     # parameters
     ("layers", None),
@@ -49,25 +49,6 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
 )
 
 
-def _parse_axes(value: str) -> str | tuple[str, ...] | None:
-    """'none' -> None, 'tensor' -> 'tensor', 'data,fsdp' -> ('data', 'fsdp')."""
-    axes = tuple(a.strip() for a in value.split(",") if a.strip() and a.strip().lower() != "none")
-    return None if not axes else axes[0] if len(axes) == 1 else axes
-
-
-def check_rule(logical: str, value: str) -> None:
-    """Validate one `mesh.rules.<logical>=<axes>` override."""
-    names = [name for name, _ in LOGICAL_AXIS_RULES]
-    if logical not in names:
-        raise ConfigError(f"mesh.rules.{logical}: unknown logical axis; known: {', '.join(names)}")
-    parsed = _parse_axes(value)
-    axes = (parsed,) if isinstance(parsed, str) else parsed or ()
-    bad = [a for a in axes if a not in MESH_AXES]
-    if bad:
-        raise ConfigError(f"mesh.rules.{logical}={value}: unknown mesh axis '{bad[0]}'; use a comma-separated "
-                          f"list of {', '.join(MESH_AXES)}, or none")
-
-
 def axis_rules(config: Config) -> tuple:
     """The table for this run: LOGICAL_AXIS_RULES, with Megatron sequence parallelism (which also
     splits the residual stream's sequence over `tensor`, so norms and residual adds hold 1/tensor
@@ -80,7 +61,7 @@ def axis_rules(config: Config) -> tuple:
         # keeps all key/value heads, as Megatron does, while the query heads stay split.
         rules["kv_heads"] = rules["act_kv_heads"] = None
     for logical, value in config.mesh.rules.items():
-        rules[logical] = _parse_axes(value)
+        rules[logical] = parse_axes(value)
     return tuple(rules.items())
 
 
@@ -144,8 +125,6 @@ _AXIS_KEYS = {"vocab": "model.vocab_size", "embed": "model.d_model", "mlp": "mod
 
 def check_parameter_shapes(config: Config, sizes: dict[str, int]) -> None:
     """Every parameter dimension must split evenly over the mesh axes its logical name maps to."""
-    from llama_jax.model import abstract_params  # local import: the model is only needed here
-
     rules = dict(axis_rules(config))
     boxed = abstract_params(config.model)
     leaves = jax.tree.leaves(boxed, is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned))
@@ -200,6 +179,11 @@ def logical_to_sharding(logical_tree, mesh: Mesh, rules: tuple):
     """A pytree of LogicallyPartitioned leaves (from eval_shape of init) -> NamedShardings."""
     specs = nn.get_partition_spec(logical_tree)
     return nn.logical_to_mesh_sharding(specs, mesh, rules)
+
+
+def param_shardings(config: Config, mesh: Mesh):
+    """The shardings of the model's parameters on `mesh` (a tree like the params)."""
+    return logical_to_sharding(abstract_params(config.model), mesh, axis_rules(config))
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:

@@ -38,10 +38,7 @@ import sys
 import time
 from pathlib import Path
 
-EXIT_OK = 0
-EXIT_BAD_INPUT = 2
-EXIT_PREEMPTED = 75  # EX_TEMPFAIL from sysexits.h: "try again later"
-EXIT_HANG = 124  # what coreutils `timeout` returns, the usual meaning of "took too long"
+from llama_jax.errors import EXIT_BAD_INPUT, EXIT_HANG, EXIT_OK, EXIT_PREEMPTED
 
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 _POLL_S = 0.05  # how quickly a received signal is forwarded to the child

@@ -28,14 +28,17 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import jax
+from tqdm import tqdm
+
+from llama_jax import __version__, plan, sharding
 from llama_jax import config as config_lib
-from llama_jax.config import Config, ConfigError
-from llama_jax.costmodel import (
-    CostModel,
-    default_cost_model,
-    default_memory_budget,
-    simulated_devices,
-)
+from llama_jax.config import Config
+from llama_jax.costmodel import CostModel, default_cost_model
+from llama_jax.errors import ConfigError
+from llama_jax.files import atomic_path, cache_root, format_bytes
+from llama_jax.hardware import default_memory_budget, simulated_devices
+from llama_jax.step import TrainProgram, model_flops_per_token, random_batch, time_train_steps
 
 SEARCHED_KEYS = ("mesh.data", "mesh.fsdp", "mesh.tensor", "mesh.sequence", "mesh.sequence_parallel",
                  "train.microbatches", "remat.policy", "remat.every_n_layers")
@@ -52,12 +55,6 @@ class Candidate:
     microbatches: int
     policy: str
     every_n_layers: int = 1
-
-    def overrides(self) -> list[str]:
-        return [f"mesh.data={self.data}", f"mesh.fsdp={self.fsdp}", f"mesh.tensor={self.tensor}",
-                f"mesh.sequence={self.sequence}", f"mesh.sequence_parallel={str(self.sequence_parallel).lower()}",
-                f"train.microbatches={self.microbatches}", f"remat.policy={self.policy}",
-                f"remat.every_n_layers={self.every_n_layers}"]
 
     @property
     def mesh_key(self) -> tuple:
@@ -118,17 +115,27 @@ def candidate_space(devices: int, overrides: list[str], policies: tuple[str, ...
     return out
 
 
-def validate_candidates(source: str | None, overrides: list[str], candidates: list[Candidate]) -> list[Result]:
-    """Each candidate with its Config, or the validator's / mesh checks' reason it cannot run."""
-    from llama_jax import sharding
+def candidate_config(base: Config, candidate: Candidate) -> Config:
+    """The config `base` with the candidate's searched values, validated like `llama-jax train`'s."""
+    c = candidate
+    config = dataclasses.replace(
+        base,
+        mesh=dataclasses.replace(base.mesh, data=c.data, fsdp=c.fsdp, tensor=c.tensor, sequence=c.sequence,
+                                 sequence_parallel=c.sequence_parallel),
+        train=dataclasses.replace(base.train, microbatches=c.microbatches),
+        remat=dataclasses.replace(base.remat, policy=c.policy, every_n_layers=c.every_n_layers))
+    config_lib.validate(config)
+    return config
 
-    rest = [o for o in overrides if o.split("=", 1)[0].strip() not in SEARCHED_KEYS]
+
+def validate_candidates(base: Config, candidates: list[Candidate]) -> list[Result]:
+    """Each candidate with its Config, or the validator's / mesh checks' reason it cannot run."""
     shape_checks: dict[tuple, str | None] = {}  # parameter shapes depend on the mesh sizes only
     results = []
     for candidate in candidates:
         result = Result(candidate)
         try:
-            config = config_lib.load_config(source, [*rest, *candidate.overrides()])
+            config = candidate_config(base, candidate)
             sizes = {"data": candidate.data, "fsdp": candidate.fsdp, "tensor": candidate.tensor,
                      "sequence": candidate.sequence}
             sharding.check_divisibility(config, sizes)
@@ -162,10 +169,6 @@ class Cache:
     digest of everything else about the run: the config without the searched keys, devices, versions."""
 
     def __init__(self, directory: Path, config: Config):
-        import jax
-
-        from llama_jax import __version__
-
         identity = config_lib.to_dict(config)
         for section, key in (k.split(".") for k in SEARCHED_KEYS):
             identity[section].pop(key, None)
@@ -187,8 +190,6 @@ class Cache:
         return entry if isinstance(entry, dict) and entry.get("key") == key else {}
 
     def write(self, key: str, fields: dict) -> None:
-        from llama_jax.files import atomic_path
-
         self.directory.mkdir(parents=True, exist_ok=True)
         with atomic_path(self._path(key)) as tmp:  # an interrupted tune leaves no half-written entry
             tmp.write_text(json.dumps({**self.read(key), **fields, "key": key}))
@@ -202,52 +203,22 @@ class Cache:
 
 def score(result: Result, cache: Cache, model: CostModel, budget: float) -> None:
     """Compile the candidate (or read the cache) and fill in memory, FLOPs, traffic and the prediction."""
-    from llama_jax import sharding
-    from llama_jax.plan import make_plan
-
     entry = cache.get(result.candidate)
     if "operations" not in entry:
         try:
-            plan = make_plan(result.config, sharding.make_mesh(result.config))
+            planned = plan.make_plan(result.config, sharding.make_mesh(result.config))
         except Exception as err:  # noqa: BLE001 - a candidate the compiler refuses is a rejection, not a crash
             result.rejected = f"does not compile: {type(err).__name__}: {str(err).splitlines()[0][:160]}"
             return
-        entry = {"memory_bytes": plan.total_bytes, "hlo_flops": plan.hlo_flops,
-                 "collective_bytes": plan.collective_total, "devices": plan.devices,
-                 "operations": [[round(f), round(b)] for f, b in plan.operations]}
+        entry = {"memory_bytes": planned.total_bytes, "hlo_flops": planned.hlo_flops,
+                 "collective_bytes": planned.collective_total, "devices": planned.devices,
+                 "operations": [[round(f), round(b)] for f, b in planned.operations]}
         cache.put(result.candidate, **entry)
     result.memory_bytes, result.hlo_flops = entry["memory_bytes"], entry["hlo_flops"]
     result.collective_bytes = entry["collective_bytes"]
     result.predicted_s = model.predict(entry["operations"], result.collective_bytes)
     if result.memory_bytes > budget:
-        result.rejected = f"needs {_size(result.memory_bytes)} per device, over the budget of {_size(budget)}"
-
-
-def random_batch(config: Config) -> dict:
-    """One global batch of random tokens, one document per row: what timing a step needs."""
-    import numpy as np
-
-    b, t, v = config.train.batch_size, config.train.seq_len, config.model.vocab_size
-    rng = np.random.default_rng(0)
-    return {"tokens": rng.integers(0, v, (b, t), dtype=np.int32),
-            "targets": rng.integers(0, v, (b, t), dtype=np.int32),
-            "segment_ids": np.ones((b, t), np.int32), "positions": np.tile(np.arange(t, dtype=np.int32), (b, 1)),
-            "loss_mask": np.ones((b, t), np.float32)}
-
-
-def time_train_steps(trainer, state, batch, steps: int, warmup: int) -> tuple[list[float], dict]:
-    """Seconds of each of `steps` train steps on a placed batch, after `warmup` untimed ones, and the
-    last step's metrics (within trainer.activate(); the state is donated step to step)."""
-    import jax
-
-    times = []
-    for i in range(warmup + steps):
-        start = time.perf_counter()
-        state, metrics = trainer.train_step(state, batch)
-        jax.block_until_ready(metrics)
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
-    return times, metrics
+        result.rejected = f"needs {format_bytes(result.memory_bytes)} per device, over the budget of {format_bytes(budget)}"
 
 
 def measure(result: Result, cache: Cache, steps: int) -> None:
@@ -256,16 +227,11 @@ def measure(result: Result, cache: Cache, steps: int) -> None:
     if "measured_s" in entry:
         result.measured_s = entry["measured_s"]
         return
-    import jax
-
-    from llama_jax import sharding
-    from llama_jax.train import Trainer
-
-    trainer = Trainer.build(result.config, sharding.make_mesh(result.config))
+    program = TrainProgram.for_config(result.config)
     try:
-        with trainer.activate():
-            state = trainer.init_state(jax.random.key(0))
-            times, _ = time_train_steps(trainer, state, trainer.put(random_batch(result.config)), steps,
+        with program.activate():
+            state = program.init_state(jax.random.key(0))
+            times, _ = time_train_steps(program, state, program.put(random_batch(result.config)), steps,
                                         warmup=1)
     except Exception as err:  # noqa: BLE001 - e.g. out of memory at run time although the plan fitted
         result.rejected = f"failed when measured: {type(err).__name__}: {str(err).splitlines()[0][:160]}"
@@ -326,8 +292,6 @@ class TuneError(ConfigError):
 
 
 def default_candidate(config: Config, devices: int) -> Candidate:
-    from llama_jax import sharding
-
     sizes = sharding.mesh_shape(config.mesh, devices)
     return Candidate(sizes["data"], sizes["fsdp"], sizes["tensor"], sizes["sequence"],
                      config.mesh.sequence_parallel or sizes["tensor"] == 1, config.train.microbatches,
@@ -352,15 +316,13 @@ def _cost_model(options: Options, cache: Cache, dtype: str, cache_dir: Path) -> 
 def enumerate_candidates(source: str | None, overrides: list[str], options: Options
                          ) -> tuple[Config, Candidate, list[Result]]:
     """The config, its own (default) candidate, and every candidate validated (step 1; compiles nothing)."""
-    import jax
-
     base = config_lib.load_config(source, overrides)
     devices = jax.device_count()
     default = default_candidate(base, devices)
     space = candidate_space(devices, overrides, options.policies, options.microbatches, options.every_n_layers)
     if default not in space:
         space.insert(0, default)  # the baseline every speed-up is measured against
-    results = validate_candidates(source, overrides, space)
+    results = validate_candidates(base, space)
     if not any(r.config is not None for r in results):
         raise TuneError(f"none of the {len(results)} candidates is valid on {devices} devices; e.g. "
                         f"{results[0].candidate.label}: {results[0].rejected}")
@@ -376,17 +338,12 @@ def format_candidates(results: list[Result]) -> str:
 
 
 def tune(source: str | None, overrides: list[str], options: Options = Options()) -> Report:
-    import jax
-    from tqdm import tqdm
-
-    from llama_jax.data.pipeline import cache_root
-
     base, default, results = enumerate_candidates(source, overrides, options)
     devices = jax.device_count()
     valid = [r for r in results if r.config is not None]
     budget = options.memory_gb * 2**30 if options.memory_gb else default_memory_budget()
-    cache = Cache(cache_root(base.data) / "tune", base)
-    model = _cost_model(options, cache, base.model.compute_dtype, cache_root(base.data))
+    cache = Cache(cache_root(base.data.cache_dir) / "tune", base)
+    model = _cost_model(options, cache, base.model.compute_dtype, cache_root(base.data.cache_dir))
     deadline = time.monotonic() + 60 * options.budget_min
 
     quiet = None if options.progress else True  # None: a bar on terminals only
@@ -427,9 +384,9 @@ def tune(source: str | None, overrides: list[str], options: Options = Options())
         if not over:
             raise TuneError(f"no candidate was compiled within --budget-min {options.budget_min:g}; raise it")
         leanest = min(over, key=lambda r: r.memory_bytes)
-        raise TuneError(f"no candidate fits the memory budget of {_size(budget)} per device: the leanest, "
-                        f"{leanest.candidate.label}, needs {_size(leanest.memory_bytes)}, "
-                        f"{_size(leanest.memory_bytes - budget)} more; raise --memory-gb, lower "
+        raise TuneError(f"no candidate fits the memory budget of {format_bytes(budget)} per device: the leanest, "
+                        f"{leanest.candidate.label}, needs {format_bytes(leanest.memory_bytes)}, "
+                        f"{format_bytes(leanest.memory_bytes - budget)} more; raise --memory-gb, lower "
                         f"train.batch_size or train.seq_len, or use more devices")
 
     measuring = options.measure if options.measure is not None else not simulated_devices()
@@ -445,18 +402,9 @@ def tune(source: str | None, overrides: list[str], options: Options = Options())
     else:
         winner, correlation = fits[0], None
     t = base.train
-    from llama_jax.train import model_flops_per_token
-
     return Report(results=results, default=default_result, winner=winner, model=model, budget=budget,
                   measured=measuring, correlation=correlation, tokens=t.batch_size * t.seq_len,
                   model_flops=model_flops_per_token(base) * t.batch_size * t.seq_len, devices=devices)
-
-
-def _size(n: float) -> str:
-    # plan's units, so that the two commands print sizes alike
-    from llama_jax.plan import _size as size
-
-    return size(n)
 
 
 def step_time(result: Result) -> float | None:
@@ -491,7 +439,7 @@ def format_report(report: Report, rows: int = 20) -> str:
                "micro-batches, remat policy (/n: on every n-th layer); tokens/s and MFU from the measured step "
                "time where there is one, else the predicted"), "",
               f"{len(results)} candidates: {len(invalid)} invalid, {len(over)} over the memory budget of "
-              f"{_size(report.budget)}, {len(failed)} failed to compile or run, {len(unscored)} not compiled "
+              f"{format_bytes(report.budget)}, {len(failed)} failed to compile or run, {len(unscored)} not compiled "
               f"(staged search or time budget), {len(fits)} ranked"
               + (f", {sum(r.measured_s is not None for r in fits)} measured" if report.measured else "")]
     lines += [f"  {n:>4} x {reason}" for reason, n in sorted(reasons.items(), key=lambda kv: -kv[1])]
@@ -513,8 +461,6 @@ def format_report(report: Report, rows: int = 20) -> str:
 
 
 def write_winner(report: Report, out: Path) -> None:
-    from llama_jax.files import atomic_path
-
     r = report.winner
     timing = f"measured {r.measured_s * 1e3:.1f} ms" if r.measured_s is not None else \
         f"predicted {r.predicted_s * 1e3:.1f} ms"
@@ -526,8 +472,6 @@ def write_winner(report: Report, out: Path) -> None:
 
 
 def jax_device_kind() -> str:
-    import jax
-
     return jax.devices()[0].device_kind
 
 

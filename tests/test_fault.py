@@ -20,12 +20,11 @@ import pytest
 import yaml
 from conftest import tiny_config, write_tiny_yaml
 
-from llama_jax import sharding
 from llama_jax.checkpoint import Checkpointer, latest_checkpoint_step
-from llama_jax.data.pipeline import open_data
 from llama_jax.metrics import read_metrics
-from llama_jax.resilience import EXIT_HANG, EXIT_PREEMPTED
-from llama_jax.train import Trainer, load_checkpoint, train
+from llama_jax.errors import EXIT_HANG, EXIT_PREEMPTED
+from llama_jax.step import TrainProgram
+from llama_jax.train import load_checkpoint, train
 
 STEPS = 12
 
@@ -157,9 +156,7 @@ def config_for(tmp_path, corpus, **sections):
 
 
 def train_quietly(cfg, devices=None, messages=None):
-    mesh = sharding.make_mesh(cfg, devices=devices)
-    return train(cfg, mesh, open_data(cfg, log=lambda _: None),
-                 print_fn=(messages.append if messages is not None else lambda _: None))
+    return train(cfg, print_fn=(messages.append if messages is not None else lambda _: None), devices=devices)
 
 
 def corrupt(step_dir: Path, mode: str) -> None:
@@ -244,10 +241,10 @@ def test_injected_nan_is_skipped_and_never_saved(tmp_path, corpus):
     summary = train_quietly(cfg, messages=messages)
     assert "warning: step 3 skipped: non-finite loss or gradient norm" in messages
     assert summary["skipped_steps"] == 1
-    trainer = Trainer.build(cfg, sharding.make_mesh(cfg))
+    program = TrainProgram.for_config(cfg)
     checkpointer = Checkpointer(Path(cfg.run.dir), cfg.checkpoint)
-    with trainer.activate():
-        states = {s: checkpointer.restore(s, trainer.abstract_state())[0] for s in (2, 3, 4)}
+    with program.activate():
+        states = {s: checkpointer.restore(s, program.abstract_state())[0] for s in (2, 3, 4)}
     checkpointer.close()
     for before, after in zip(jax.tree.leaves(states[2].params), jax.tree.leaves(states[3].params)):
         np.testing.assert_array_equal(np.asarray(before), np.asarray(after))  # the update was skipped

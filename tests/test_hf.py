@@ -201,13 +201,11 @@ def test_generate_and_eval_commands_on_a_converted_model(tmp_path, capsys):
 
 
 def test_a_checkpoint_trained_with_sharding_converts_and_evaluates_on_one_device(tmp_path, corpus, tiny):
-    from llama_jax import sharding
-    from llama_jax.data.pipeline import open_data
     from llama_jax.train import train
 
     cfg = tiny(tmp_path, train=dict(steps=3), mesh=dict(fsdp=8), data=dict(sources=[str(corpus)]),
                checkpoint=dict(every_steps=0))
-    train(cfg, sharding.make_mesh(cfg), open_data(cfg, log=lambda _: None), print_fn=lambda _: None)
+    train(cfg, print_fn=lambda _: None)
     exported = tmp_path / "hf"
     api.convert(cfg.run.dir, str(exported), print_fn=lambda _: None)
     assert (exported / "tokenizer.json").is_file()
@@ -223,8 +221,6 @@ def test_a_checkpoint_trained_with_sharding_converts_and_evaluates_on_one_device
 
 
 def test_init_from_hf_trains_from_those_weights(tmp_path, corpus, tiny):
-    from llama_jax import sharding
-    from llama_jax.data.pipeline import open_data
     from llama_jax.train import train
 
     source = GOLDEN / "gqa_llama3_untied"  # its vocabulary (300) holds a byte-level BPE (>= 258)
@@ -232,7 +228,7 @@ def test_init_from_hf_trains_from_those_weights(tmp_path, corpus, tiny):
     cfg = tiny(tmp_path, model=dataclasses.asdict(model), train=dict(steps=1, lr=1e-9, weight_decay=0.0),
                data=dict(sources=[str(corpus)]), checkpoint=dict(init_from=f"hf:{source}"))
     messages = []
-    train(cfg, sharding.make_mesh(cfg), open_data(cfg, log=lambda _: None), print_fn=messages.append)
+    train(cfg, print_fn=messages.append)
     assert f"initialised the params from hf:{source}" in messages
     _, trained = api.load(cfg.run.dir)
     _, original = api.load(f"hf:{source}")
@@ -262,13 +258,11 @@ def test_readme_hugging_face_guide_commands(tmp_path, monkeypatch, corpus, tiny,
     """The guide's convert / generate / eval commands as shown, on a golden model and a short tiny run."""
     from test_readme import llama_jax_args, readme_commands
 
-    from llama_jax import sharding
-    from llama_jax.data.pipeline import open_data
     from llama_jax.train import train
 
     monkeypatch.chdir(tmp_path)
     cfg = tiny(tmp_path, train=dict(steps=2), data=dict(sources=[str(corpus)]), run=dict(dir="runs/tiny"))
-    train(cfg, sharding.make_mesh(cfg), open_data(cfg, log=lambda _: None), print_fn=lambda _: None)
+    train(cfg, print_fn=lambda _: None)
     commands = [c for verb in ("convert", "generate", "eval") for c in readme_commands(f"llama-jax {verb}")]
     assert len(commands) == 4
     for command in commands:

@@ -9,8 +9,9 @@ import numpy as np
 import jax
 import pytest
 
-from llama_jax import metrics
-from llama_jax.metrics import MetricsLog, device_peak_flops, mfu, read_metrics, table_peak_flops
+from llama_jax import hardware
+from llama_jax.hardware import device_peak_flops, table_peak_flops
+from llama_jax.metrics import MetricsLog, ThroughputMeter, mfu, read_metrics
 from llama_jax.report import write_report
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -120,7 +121,7 @@ def test_device_peak_flops_measures_once_then_uses_cache(tmp_path, monkeypatch):
         calls.append(dtype)
         return 1.5e11
 
-    monkeypatch.setattr(metrics, "measure_matmul_peak", fake_measure)
+    monkeypatch.setattr(hardware, "measure_matmul_peak", fake_measure)
     peak, source = device_peak_flops("float32", tmp_path)
     # The 8 simulated CPU devices share the measured machine: each is credited with 1/8 of it.
     assert jax.local_device_count() == 8 and "split over 8 simulated devices" in source
@@ -133,14 +134,14 @@ def test_device_peak_flops_measures_once_then_uses_cache(tmp_path, monkeypatch):
 
 
 def test_corrupt_cache_is_ignored_and_rewritten(tmp_path, monkeypatch):
-    monkeypatch.setattr(metrics, "measure_matmul_peak", lambda dtype="float32", **kw: 2e11)
+    monkeypatch.setattr(hardware, "measure_matmul_peak", lambda dtype="float32", **kw: 2e11)
     (tmp_path / "peak_flops.json").write_text('{"cpu|cpu|2|0.1')
     assert device_peak_flops("float32", tmp_path)[0] == 2e11 / jax.local_device_count()
     assert list(json.loads((tmp_path / "peak_flops.json").read_text()).values()) == [2e11]
 
 
 def test_real_measurement_is_positive():
-    assert metrics.measure_matmul_peak("float32", size=128, repeats=2) > 0
+    assert hardware.measure_matmul_peak("float32", size=128, repeats=2) > 0
 
 
 def test_table_lookup():
@@ -160,3 +161,19 @@ def test_mfu():
     assert mfu(4e14, 1e15, 2) == pytest.approx(0.2)
     with pytest.raises(ValueError):
         mfu(1.0, 0.0, 1)
+
+
+def test_throughput_meter_reports_its_window_and_the_run_medians():
+    meter = ThroughputMeter(tokens_per_step=1000, flops_per_token=6e6, peak_per_device=1e12, n_devices=2)
+    assert meter.record() == {"tokens_per_s": None, "mfu": None}  # nothing timed yet (the compiling step)
+    assert meter.median_step_s is None
+    meter.add(0.5, data_wait=0.1)
+    meter.add(1.5, data_wait=0.3)
+    first = meter.record()  # 2 steps in 2 s
+    assert first == pytest.approx({"tokens_per_s": 1000.0, "step_time_s": 1.0, "mfu": 1000 * 6e6 / 2e12,
+                                   "data_wait_s": 0.2})
+    meter.add(0.25, data_wait=0.0)  # a new window: the first one's steps are gone
+    assert meter.record()["tokens_per_s"] == 4000.0
+    meter.add(0.5, data_wait=0.0)
+    assert meter.record()["tokens_per_s"] == 2000.0
+    assert meter.median_tokens_per_s == 2000.0 and meter.median_step_s == 0.5

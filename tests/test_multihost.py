@@ -83,6 +83,24 @@ def test_two_processes_train_like_one_and_only_process_0_writes_the_log(two_proc
     assert meta["processes"] == 2 and meta["devices"] == 8
 
 
+def test_the_python_api_joins_a_multi_process_run_like_the_cli(config_path, one_process, tmp_path):
+    """Each process calls api.train (joining from the JAX_* variables the launcher sets): same losses, one voice."""
+    script = tmp_path / "train_with_api.py"
+    script.write_text("import sys\nfrom llama_jax import api\n"
+                      "sys.exit(api.train(sys.argv[2], sys.argv[3:])['exit_code'])\n")  # argv: train CONFIG key=value...
+    run_dir = tmp_path / "run"
+    proc = subprocess.run([str(ROOT / "launch" / "local.sh"), "--processes", "2", "--devices", "4", "--", "train",
+                           str(config_path), f"run.dir={run_dir}", "train.steps=6"],
+                          env={**environment(), "LLAMA_JAX": f"{sys.executable} {script}"}, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "multiprocess: process 1 exited with status 0" in proc.stderr
+    assert proc.stdout.count("step 6/6 | loss") == 1  # one voice: process 0's
+    close(losses(run_dir), one_process, range(1, 7))
+    meta = json.loads((run_dir / "checkpoints" / "6" / "meta" / "metadata").read_text())
+    assert meta["processes"] == 2 and meta["devices"] == 8
+
+
 @pytest.mark.parametrize("processes", [1, 4])
 def test_a_two_process_checkpoint_resumes_with_another_process_count(processes, two_processes, one_process,
                                                                     config_path, tmp_path):

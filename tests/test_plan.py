@@ -91,14 +91,12 @@ def test_vocab_parallel_loss_never_gathers_the_full_vocabulary():
     """With the vocab split over tensor, no collective carries a tensor whose last axis is the whole vocab."""
     import jax
 
-    from llama_jax.plan import abstract_batch
-    from llama_jax.train import Trainer
+    from llama_jax.step import TrainProgram
 
     cfg = tiny_config(model=MODEL, mesh=dict(data=1, fsdp=4, tensor=2, sequence=1))
-    mesh = sharding.make_mesh(cfg)
-    trainer = Trainer.build(cfg, mesh)
-    with trainer.activate():
-        text = trainer.train_step.lower(trainer.abstract_state(), abstract_batch(cfg, mesh)).compile().as_text()
+    program = TrainProgram.for_config(cfg)
+    with program.activate():
+        text = program.train_step.lower(program.abstract_state(), program.abstract_batch()).compile().as_text()
     vocab = cfg.model.vocab_size
     collectives = [line for line in text.splitlines()
                    if any(f" {kind}(" in line for kind in ("all-gather", "all-reduce", "reduce-scatter"))]

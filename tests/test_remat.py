@@ -11,7 +11,8 @@ import pytest
 from conftest import TINY_MODEL
 
 from llama_jax import remat
-from llama_jax.config import ConfigError, RematConfig, load_config
+from llama_jax.config import REMAT_POLICIES, REMAT_TAGS, RematConfig, load_config
+from llama_jax.errors import ConfigError
 from llama_jax.model import Block, rope_angles
 
 
@@ -44,11 +45,11 @@ def saved_residuals(remat_config: RematConfig) -> tuple[dict[str, str], list[str
 @pytest.fixture(scope="module")
 def needed():
     """{tag: shape} of the tags the backward pass uses (keeping all tags keeps exactly these)."""
-    named, _, _ = saved_residuals(RematConfig(policy="full", custom={tag: "save" for tag in remat.TAGS}))
+    named, _, _ = saved_residuals(RematConfig(policy="full", custom={tag: "save" for tag in REMAT_TAGS}))
     return named
 
 
-@pytest.mark.parametrize("policy", [p for p in remat.POLICIES if p != "none"])
+@pytest.mark.parametrize("policy", [p for p in REMAT_POLICIES if p != "none"])
 def test_each_policy_keeps_exactly_its_tags(policy, needed, monkeypatch):
     monkeypatch.setattr(remat, "host_offload_supported", lambda: True)  # CPU here has pinned host memory too
     named, host, unnamed = saved_residuals(RematConfig(policy=policy))

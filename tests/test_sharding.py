@@ -12,7 +12,7 @@ from test_train import random_batch
 
 from llama_jax import sharding
 from llama_jax.config import ConfigError, load_config
-from llama_jax.train import Trainer
+from llama_jax.step import TrainProgram
 
 # Eight query heads so that tensor=8 divides them; two kv heads (GQA), which tensor=8 replicates.
 MESH_MODEL = dataclasses.replace(TINY_MODEL, n_heads=8, n_kv_heads=2)
@@ -37,14 +37,14 @@ def mesh_cases():
 
 
 def losses(cfg, devices):
-    trainer = Trainer.build(cfg, sharding.make_mesh(cfg, devices=devices))
+    program = TrainProgram.build(cfg, sharding.make_mesh(cfg, devices=devices))
     out = []
-    with trainer.activate():
-        state = trainer.init_state(jax.random.key(0))
+    with program.activate():
+        state = program.init_state(jax.random.key(0))
         for step in range(STEPS):
             # Packed rows: three documents each, so document masks matter under context parallelism.
             batch = {k: np.asarray(v) for k, v in random_batch(cfg, seed=20 + step, documents_per_row=3).items()}
-            state, metrics = trainer.train_step(state, trainer.put(batch))
+            state, metrics = program.train_step(state, program.put(batch))
             out.append(float(metrics["loss"]))
     return np.array(out)
 
@@ -78,7 +78,7 @@ def test_microbatches_on_a_mesh_match_single_device():
 
 def test_parameter_shardings_follow_the_table():
     cfg = tiny_config(model=dataclasses.asdict(MESH_MODEL), mesh=dict(data=1, fsdp=4, tensor=2, sequence=1))
-    params = Trainer.build(cfg, sharding.make_mesh(cfg)).state_shardings.params
+    params = TrainProgram.build(cfg, sharding.make_mesh(cfg)).state_shardings.params
     spec = lambda s: s.spec  # noqa: E731
     assert spec(params["embed"]["embedding"]) == P("tensor", "fsdp")          # [vocab, embed]
     assert spec(params["lm_head"]["kernel"]) == P("fsdp", "tensor")           # [embed, vocab]
@@ -112,10 +112,10 @@ def per_device_bytes(tree, shardings):
 def test_fsdp_state_per_device_is_an_eighth_of_the_total():
     """Params + Adam moments of the `bench` model under fsdp=8: at most 1.05 x total / 8 per device."""
     cfg = load_config("bench", ["mesh.fsdp=8"])
-    trainer = Trainer.build(cfg, sharding.make_mesh(cfg))
-    abstract = trainer.abstract_state()
+    program = TrainProgram.build(cfg, sharding.make_mesh(cfg))
+    abstract = program.abstract_state()
     total = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(abstract))
-    assert per_device_bytes(abstract, trainer.state_shardings) <= 1.05 * total / 8
+    assert per_device_bytes(abstract, program.state_shardings) <= 1.05 * total / 8
 
 
 def test_balanced_layout_pairs_early_and_late_chunks():

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from llama_jax import cli
-from llama_jax.supervise import EXIT_BAD_INPUT, EXIT_HANG, EXIT_OK, EXIT_PREEMPTED
+from llama_jax.errors import EXIT_BAD_INPUT, EXIT_HANG, EXIT_OK, EXIT_PREEMPTED
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -13,13 +13,15 @@ from conftest import tiny_config
 
 from llama_jax import remat, sharding
 from llama_jax.checkpoint import Checkpointer
-from llama_jax.config import ConfigError, RematConfig
+from llama_jax.config import REMAT_POLICIES, RematConfig
+from llama_jax.errors import ConfigError
 from llama_jax.data.loader import model_inputs
 from llama_jax.data.pipeline import open_data
 from llama_jax.metrics import read_metrics
 from llama_jax.model import Llama
 from llama_jax.optim import learning_rate, make_optimizer, weight_decay_mask
-from llama_jax.train import Run, Trainer, make_grad_fn, train
+from llama_jax.step import TrainProgram, make_grad_fn
+from llama_jax.train import Run, train
 
 
 def random_batch(cfg, seed=0, batch=8, seq=32, documents_per_row=3):
@@ -49,7 +51,7 @@ def relative_difference(a, b):
 def tiny_params():
     cfg = tiny_config()
     with sharding.activate(one_device_mesh(cfg), sharding.axis_rules(cfg)):
-        return Trainer.build(cfg, one_device_mesh(cfg)).init_state(jax.random.key(0)).params
+        return TrainProgram.build(cfg, one_device_mesh(cfg)).init_state(jax.random.key(0)).params
 
 
 def test_four_microbatches_give_the_gradient_of_one(tiny_params):
@@ -65,7 +67,7 @@ def test_four_microbatches_give_the_gradient_of_one(tiny_params):
     assert relative_difference(grads_4, grads_1) < 1e-5
 
 
-REMAT_CASES = [RematConfig(policy=p) for p in remat.POLICIES if p != "none"] + [
+REMAT_CASES = [RematConfig(policy=p) for p in REMAT_POLICIES if p != "none"] + [
     RematConfig(policy="full", custom={"mlp_hidden": "save", "query_proj": "offload"}),
     RematConfig(policy="selective", every_n_layers=2),
 ]
@@ -87,13 +89,13 @@ def test_a_tiny_model_overfits_a_fixed_batch():
     """Forty Adam steps on one batch drive its loss from ~ln(vocab) to below 1."""
     cfg = tiny_config(train=dict(steps=40, lr=1e-2, warmup_steps=0, min_lr_ratio=1.0))
     mesh = one_device_mesh(cfg)
-    trainer = Trainer.build(cfg, mesh)
-    batch = trainer.put({k: np.asarray(v) for k, v in random_batch(cfg, seed=2).items()})
-    with trainer.activate():
-        state = trainer.init_state(jax.random.key(0))
+    program = TrainProgram.build(cfg, mesh)
+    batch = program.put({k: np.asarray(v) for k, v in random_batch(cfg, seed=2).items()})
+    with program.activate():
+        state = program.init_state(jax.random.key(0))
         losses = []
         for _ in range(cfg.train.steps):
-            state, metrics = trainer.train_step(state, batch)
+            state, metrics = program.train_step(state, batch)
             losses.append(float(metrics["loss"]))
     assert losses[0] > 5.0  # ln(320) = 5.77 at init
     assert losses[-1] < 1.0
@@ -101,12 +103,12 @@ def test_a_tiny_model_overfits_a_fixed_batch():
 
 def first_losses(cfg, devices, steps=4):
     mesh = sharding.make_mesh(cfg, devices=devices)
-    trainer = Trainer.build(cfg, mesh)
+    program = TrainProgram.build(cfg, mesh)
     losses = []
-    with trainer.activate():
-        state = trainer.init_state(jax.random.key(0))
+    with program.activate():
+        state = program.init_state(jax.random.key(0))
         for step in range(steps):
-            state, metrics = trainer.train_step(state, trainer.put(
+            state, metrics = program.train_step(state, program.put(
                 {k: np.asarray(v) for k, v in random_batch(cfg, seed=10 + step).items()}))
             losses.append(float(metrics["loss"]))
     return np.array(losses)
@@ -123,9 +125,9 @@ def test_sharded_training_matches_one_device(data, fsdp, tensor):
 
 def test_fsdp_shards_parameters_and_optimizer_state():
     cfg = tiny_config(mesh=dict(data=1, fsdp=8, tensor=1, sequence=1))
-    trainer = Trainer.build(cfg, sharding.make_mesh(cfg))
-    kernel = trainer.state_shardings.params["layers"]["mlp"]["up_proj"]["kernel"]
-    adam_mu = trainer.state_shardings.opt_state[1][0].mu["layers"]["mlp"]["up_proj"]["kernel"]
+    program = TrainProgram.build(cfg, sharding.make_mesh(cfg))
+    kernel = program.state_shardings.params["layers"]["mlp"]["up_proj"]["kernel"]
+    adam_mu = program.state_shardings.opt_state[1][0].mu["layers"]["mlp"]["up_proj"]["kernel"]
     assert kernel.spec == adam_mu.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor")
 
 
@@ -138,18 +140,18 @@ def test_resumed_run_is_bitwise_identical_to_straight_run(tmp_path, corpus):
     run_dir = Path(cfg.run.dir)
 
     def final_state():
-        trainer, checkpointer = Trainer.build(cfg, mesh), Checkpointer(run_dir, cfg.checkpoint)
-        with trainer.activate():
-            state, data_state = checkpointer.restore(8, trainer.abstract_state())
+        program, checkpointer = TrainProgram.build(cfg, mesh), Checkpointer(run_dir, cfg.checkpoint)
+        with program.activate():
+            state, data_state = checkpointer.restore(8, program.abstract_state())
         assert data_state == {"next_step": 8, "fingerprint": prepared.fingerprint}
         checkpointer.close()
         return state
 
     messages = []
-    train(cfg, mesh, prepared, print_fn=lambda _: None)
+    train(cfg, print_fn=lambda _: None, devices=jax.devices()[:1])
     straight = final_state()
     shutil.rmtree(run_dir / "checkpoints" / "8")  # as if killed between steps 4 and 8
-    train(cfg, mesh, prepared, print_fn=messages.append)
+    train(cfg, print_fn=messages.append, devices=jax.devices()[:1])
     assert any("resumed from" in m and m.endswith("4") for m in messages)
     resumed = final_state()
     assert int(resumed.step) == 8

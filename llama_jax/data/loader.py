@@ -34,7 +34,7 @@ from typing import Callable, Iterator, Sequence
 import grain
 import numpy as np
 
-from llama_jax.data.corpus import DataError
+from llama_jax.errors import DataError
 
 PACKINGS = ("concat", "first_fit")
 

@@ -1,4 +1,5 @@
-"""The trainer's view of the data: config -> token stores -> train and validation batches.
+"""The trainer's view of the data: config -> token stores -> train and validation batches; and the
+batches `llama-jax eval` scores.
 
 Sources that are not yet token stores ("shakespeare", text/jsonl/parquet files, hf:DIR) are
 prepared on first use into the cache (`data.cache_dir`), keyed by the input and the options, so a
@@ -9,24 +10,21 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
+
 from llama_jax.config import Config, DataConfig
-from llama_jax.data.corpus import DataError, ReadOptions
-from llama_jax.data.loader import Batches, TokenStore, batches, components, log_components, stream_fingerprint
+from llama_jax.data.corpus import BadRecords, ReadOptions, plan_units, read_unit
+from llama_jax.data.loader import Batches, TokenStore, batches, components, document_batches, log_components, \
+    stream_fingerprint
 from llama_jax.data.prepare import PrepareOptions, prepare
 from llama_jax.data.tokenizer import Tokenizer, check_vocab, load_tokenizer
-
-
-def cache_root(data: DataConfig) -> Path:
-    if data.cache_dir:
-        return Path(data.cache_dir).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "llama_jax"
+from llama_jax.errors import DataError
+from llama_jax.files import cache_root
 
 
 def is_store(spec: str) -> bool:
@@ -49,7 +47,7 @@ def resolve_store(spec: str, data: DataConfig, vocab_size: int, tokenizer: str, 
     key = json.dumps([absolute, options.tokenizer and str(Path(options.tokenizer).absolute()), options.train_vocab,
                       options.read.__dict__, options.val_every_nth_doc])
     name = re.sub(r"\W+", "_", Path(spec.removeprefix("hf:")).name or "input")[:40]
-    out = cache_root(data) / "stores" / f"{name}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+    out = cache_root(data.cache_dir) / "stores" / f"{name}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
     return TokenStore(prepare(PrepareOptions(**{**options.__dict__, "out": str(out)}), log=log, progress=False))
 
 
@@ -92,3 +90,19 @@ def open_data(config: Config, log: Callable[[str], None] = print) -> TrainData:
     val = batches(parts, "val", t.batch_size, t.seq_len, 0, **settings)
     fingerprint = stream_fingerprint(parts, seed=config.seed, batch_size=t.batch_size, seq_len=t.seq_len, **settings)
     return TrainData(tokenizer, train, val, fingerprint)
+
+
+def evaluation_batches(data: str, tokenizer: Tokenizer, batch_size: int, seq_len: int, split: str = "val",
+                       model: str = "the model") -> Batches:
+    """What `llama-jax eval` scores: a token store's `split` (made with `tokenizer`, the tokenizer of
+    `model`), or text/jsonl files tokenized here, every document whole."""
+    if is_store(data):
+        store = TokenStore(Path(data).expanduser())
+        if store.meta["tokenizer"]["sha256"] != tokenizer.fingerprint()["sha256"]:
+            raise DataError(f"{data} was prepared with another tokenizer than {model}'s; prepare it with "
+                            f"`llama-jax prepare ... --tokenizer` and that model's tokenizer")
+        return batches(components([store], []), split, batch_size, seq_len, 0, "concat", 1)
+    options, bad = ReadOptions(), BadRecords()
+    documents = [np.asarray(tokenizer.encode_document(text), np.int32)
+                 for unit in plan_units(data, options) for text in read_unit(unit, options, bad)]
+    return document_batches(documents, batch_size, seq_len)

@@ -30,10 +30,11 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 import numpy as np
+from tqdm import tqdm
 
-from llama_jax.data.corpus import BadRecords, DataError, ReadOptions, Unit, input_files, parse_input, plan_units, \
-    read_unit
+from llama_jax.data.corpus import BadRecords, ReadOptions, Unit, input_identity, parse_input, plan_units, read_unit
 from llama_jax.data.tokenizer import Tokenizer, load_tokenizer, train_bpe
+from llama_jax.errors import DataError
 from llama_jax.files import atomic_path
 
 FORMAT = 1  # bump when the store layout changes
@@ -76,8 +77,7 @@ def fingerprint(options: PrepareOptions) -> dict:
     inputs = []
     for spec in options.inputs:
         path, weight = parse_input(spec)
-        files = [[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in input_files(path)]
-        inputs.append({"input": path, "weight": weight, "files": files})
+        inputs.append({"input": path, "weight": weight, "files": input_identity(path)})
     if options.tokenizer:
         tokenizer = {"sha256": load_tokenizer(options.tokenizer).fingerprint()["sha256"]}
     else:
@@ -258,8 +258,6 @@ def _build(options: PrepareOptions, out: Path, units, identity: dict, digest: st
 
 def _run_units(units, todo: list[int], tokenizer_path: str, options: PrepareOptions, shards: Path,
                progress: bool) -> None:
-    from tqdm import tqdm
-
     workers = min(options.workers or os.cpu_count() or 1, len(todo))
     jobs = [(i, units[i][1], tokenizer_path, options.read, options.val_every_nth_doc, shards) for i in todo]
     bar = tqdm(total=len(jobs), unit="unit", desc="tokenizing", disable=not progress or not jobs)

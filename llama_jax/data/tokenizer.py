@@ -23,7 +23,7 @@ import tiktoken
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from llama_jax.data.corpus import DataError
+from llama_jax.errors import DataError
 from llama_jax.files import atomic_path
 
 BOS = "<|begin_of_text|>"

@@ -1,0 +1,48 @@
+"""The failures a user can act on, and the exit status each one ends a command with.
+
+Every command exits with one of these statuses, and `llama-jax supervise` (and a cluster's requeue
+logic) decides from it whether a restart can help:
+
+    EXIT_OK           0    finished
+    EXIT_BAD_INPUT    2    bad config, mesh, data, tokenizer or checkpoint: a restart cannot fix it
+    EXIT_UNAVAILABLE  69   the coordinator of a multi-process run did not answer (EX_UNAVAILABLE)
+    EXIT_PREEMPTED    75   saved the current step after SIGTERM/SIGINT: restart to continue (EX_TEMPFAIL)
+    EXIT_HANG         124  the hang watchdog fired (what coreutils `timeout` returns)
+
+An error's message is one line that says what is wrong and how to fix it; the CLI prints it as
+`llama-jax: error: ...` and exits with the error's `exit_code`.
+"""
+
+from __future__ import annotations
+
+EXIT_OK = 0
+EXIT_BAD_INPUT = 2
+EXIT_UNAVAILABLE = 69
+EXIT_PREEMPTED = 75
+EXIT_HANG = 124
+
+
+class LlamaJaxError(Exception):
+    """An expected failure with a one-line message; the CLI catches this one type."""
+
+    exit_code = 1
+
+
+class InputError(LlamaJaxError, ValueError):
+    """Bad input, found before anything in run.dir is created or overwritten."""
+
+    exit_code = EXIT_BAD_INPUT
+
+
+class ConfigError(InputError):
+    """A bad configuration value, mesh, model spec or checkpoint."""
+
+
+class DataError(InputError):
+    """Bad data: a missing or unreadable input, a bad record, a mismatched tokenizer or token store."""
+
+
+class CoordinatorUnavailable(LlamaJaxError, RuntimeError):
+    """The coordination service of a multi-process run did not answer in time: not bad input, a restart may help."""
+
+    exit_code = EXIT_UNAVAILABLE

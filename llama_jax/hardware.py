@@ -1,0 +1,200 @@
+"""What the hardware can do: peak FLOP/s, memory and link bandwidth, and the memory budget of a device.
+
+Figures come from vendor data sheets (dense, never the 2x "with sparsity" numbers) for the devices in
+the tables below. Elsewhere (always on CPUs) they are measured on this machine: a timed matmul for the
+peak, cached per machine and software so every run divides by the same number, and a timed copy for
+the bandwidth. MFU, `llama-jax plan` and `llama-jax tune`'s cost model all read them from here.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pathlib
+import re
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from llama_jax.files import atomic_path
+
+# Peak dense TFLOP/s of ONE jax device as (bf16, fp16, fp32); None = no figure we trust -> measure.
+# fp32 is the plain CUDA-core figure, not TF32. Note JAX's default matmul precision may use TF32 on
+# Ampere+, so fp32 "MFU" can then exceed 100%; set jax_default_matmul_precision=highest to compare.
+# Sources (dense columns): NVIDIA H100 data sheet (SXM / PCIe / NVL), H200 data sheet (SXM / NVL;
+# GH200 has the H100/H200 SXM GPU), A100 40/80GB data sheet (SXM = PCIe peaks), A10, L4 and L40S data
+# sheets (their tensor figures marked * are sparse: halved here), V100 (SXM2 / PCIe) and T4 data
+# sheets (fp16 tensor cores, no bf16), HGX B200 data sheet (per GPU = 1/8; fp32 left to measurement),
+# AMD Instinct MI300X data sheet, Google Cloud TPU system-architecture pages (bf16 per chip; v2/v3
+# expose each of a chip's 2 cores as a jax device, hence half the chip figure).
+# "A10G" (AWS) is deliberately absent: no vendor data sheet, so it is measured.
+_PEAK_TFLOPS: dict[str, tuple[float | None, float | None, float | None]] = {
+    "H100": (989.0, 989.0, 67.0),
+    "H100 PCIe": (756.0, 756.0, 51.0),
+    "H100 NVL": (835.0, 835.0, 60.0),
+    "H200": (989.0, 989.0, 67.0),
+    "H200 NVL": (835.0, 835.0, 60.0),
+    "GH200": (989.0, 989.0, 67.0),
+    "A100": (312.0, 312.0, 19.5),
+    "A10": (125.0, 125.0, 31.2),
+    "L4": (121.0, 121.0, 30.3),
+    "L40S": (362.0, 362.0, 91.6),
+    "V100": (None, 125.0, 15.7),
+    "V100-PCIE": (None, 112.0, 14.0),
+    "T4": (None, 65.0, 8.1),
+    "B200": (2250.0, 2250.0, None),
+    "MI300X": (1307.4, 1307.4, 163.4),
+    "TPU v2": (22.5, None, None),
+    "TPU v3": (61.5, None, None),
+    "TPU v4": (275.0, None, None),
+    "TPU v5 lite": (197.0, None, None), "TPU v5e": (197.0, None, None),  # jax says "v5 lite"
+    "TPU v5": (459.0, None, None), "TPU v5p": (459.0, None, None),
+    "TPU v6 lite": (918.0, None, None), "TPU v6e": (918.0, None, None),
+}
+_COLUMN = {"bfloat16": 0, "float16": 1, "float32": 2}
+_SHORT = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+
+
+def _dtype_name(dtype: Any) -> str:
+    try:
+        name = jnp.dtype(dtype).name
+    except TypeError:
+        name = str(dtype)
+    if name not in _COLUMN:
+        raise ValueError(f"compute dtype must be one of {sorted(_COLUMN)}, got {dtype!r}")
+    return name
+
+
+def table_key(device_kind: str) -> str | None:
+    """The data-sheet name of a device kind (e.g. "NVIDIA H100 80GB HBM3" -> "H100"), or None: the longest
+    table key found in device_kind as a whole word ("L4" must not match "L40S")."""
+    kind = device_kind.lower()
+    hits = [k for k in _PEAK_TFLOPS
+            if re.search(rf"(?<![a-z0-9]){re.escape(k.lower())}(?![a-z0-9])", kind)]
+    return max(hits, key=len) if hits else None
+
+
+def table_peak_flops(device_kind: str, dtype: str) -> float | None:
+    """Data-sheet dense peak FLOP/s of one device of this kind, or None if unknown."""
+    column = _COLUMN[_dtype_name(dtype)]  # validate dtype even for unknown devices
+    key = table_key(device_kind)
+    tflops = None if key is None else _PEAK_TFLOPS[key][column]
+    return None if tflops is None else tflops * 1e12
+
+
+def measure_matmul_peak(dtype: str = "float32", size: int = 1024, repeats: int = 5) -> float:
+    """FLOP/s of a jitted square matmul on the default device: best of `repeats` timed chains."""
+    chain = 4  # back-to-back matmuls per timing, so dispatch overhead is amortised
+    key_a, key_b = jax.random.split(jax.random.key(0))
+    a = jax.random.normal(key_a, (size, size), jnp.float32).astype(dtype)
+    # Scaling by 1/sqrt(size) keeps unit variance along the chain: no overflow, no subnormals.
+    b = (jax.random.normal(key_b, (size, size), jnp.float32) / math.sqrt(size)).astype(dtype)
+    matmul = jax.jit(jnp.matmul)
+
+    def run() -> None:
+        x = a
+        for _ in range(chain):  # each product feeds the next: none can be skipped or overlapped
+            x = matmul(x, b)
+        x.block_until_ready()
+
+    run()  # compile and warm up
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - start)
+    return chain * 2.0 * size**3 / best
+
+
+def device_peak_flops(dtype: str, cache_dir: pathlib.Path) -> tuple[float, str]:
+    """Peak FLOP/s of ONE device (jax.devices()[0]) for `dtype`, and where the figure came from.
+
+    Unknown devices (always CPU) get a measured matmul, cached in cache_dir/peak_flops.json. One
+    CPU device already uses every core, so the measurement is the whole machine's peak; simulated
+    CPU devices (--xla_force_host_platform_device_count=N) share those cores, so each is credited
+    with 1/N of it and MFU over N devices still divides by the machine's peak.
+    """
+    dtype = _dtype_name(dtype)
+    device = jax.devices()[0]
+    key = table_key(device.device_kind)
+    peak = table_peak_flops(device.device_kind, dtype)
+    if peak is not None:
+        return peak, f"{key} table, {dtype} dense"
+    where = f"measured {_SHORT[dtype]} matmul on {device.device_kind}"
+    sharing = jax.local_device_count() if device.platform == "cpu" else 1
+    if sharing > 1:
+        where += f", split over {sharing} simulated devices sharing the cores"
+    cache_key = "|".join([device.platform, device.device_kind, str(os.cpu_count()),
+                          jax.__version__, dtype, os.environ.get("XLA_FLAGS", "")])
+    path = cache_dir / "peak_flops.json"
+    try:
+        cache = json.loads(path.read_text(encoding="utf-8"))
+        cache = cache if isinstance(cache, dict) else {}
+    except (OSError, ValueError):  # missing or corrupt: measure and rewrite
+        cache = {}
+    cached = cache.get(cache_key)
+    if isinstance(cached, (int, float)) and cached > 0:
+        return float(cached) / sharing, where + ", cached"
+    peak = measure_matmul_peak(dtype)
+    cache[cache_key] = peak
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        with atomic_path(path) as tmp:  # a concurrent reader or a crash never sees half a cache
+            tmp.write_text(json.dumps(cache, indent=1, sort_keys=True), encoding="utf-8")
+    except OSError:  # read-only or full disk: the figure is still right, just not reused
+        return peak / sharing, where + ", not cached"
+    return peak / sharing, where
+
+
+# Data-sheet HBM bandwidth and NVLink (or PCIe) bandwidth per direction, GB/s, keyed like the peak table.
+_BANDWIDTH_GBS = {
+    "H100": (3350, 450), "H100 PCIe": (2000, 64), "H100 NVL": (3900, 300), "H200": (4800, 450),
+    "H200 NVL": (4800, 450), "GH200": (4000, 450), "A100": (2039, 300), "A10": (600, 32), "L4": (300, 32),
+    "L40S": (864, 32), "V100": (900, 150), "V100-PCIE": (900, 16), "T4": (320, 16), "B200": (8000, 900),
+}
+
+
+def table_bandwidth(device_kind: str) -> tuple[float, float] | None:
+    """(memory, link) bytes/s of one device of this kind from its data sheet, or None if unknown."""
+    key = table_key(device_kind)
+    if key not in _BANDWIDTH_GBS:
+        return None
+    memory, link = _BANDWIDTH_GBS[key]
+    return memory * 1e9, link * 1e9
+
+
+def measure_copy_bandwidth() -> float:
+    """Bytes/s per local device of a scale (read + write) over 128 MiB split over every local device,
+    each scaling its shard at once: far beyond the caches, so it is memory bandwidth."""
+    devices = jax.local_devices()
+    mesh = jax.sharding.Mesh(np.array(devices), ("all",))
+    array = jax.device_put(np.ones(2**25, np.float32),
+                           jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("all")))
+    scale = jax.jit(lambda x: x * jnp.float32(1.0001))
+    scale(array).block_until_ready()
+    best = math.inf
+    for _ in range(5):
+        start = time.perf_counter()
+        scale(array).block_until_ready()
+        best = min(best, time.perf_counter() - start)
+    return 2 * array.nbytes / best / len(devices)
+
+
+def default_memory_budget() -> float:
+    """Bytes per device: 90% of an accelerator's memory; on CPU, 80% of RAM shared by the devices."""
+    device = jax.devices()[0]
+    limit = (device.memory_stats() or {}).get("bytes_limit")
+    if limit:
+        return 0.9 * limit
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return 0.8 * total / jax.local_device_count()
+
+
+def simulated_devices() -> bool:
+    """Whether the devices are CPU devices simulated with --xla_force_host_platform_device_count."""
+    return jax.devices()[0].platform == "cpu" and jax.device_count() > 1 and \
+        "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", "")

@@ -1,0 +1,232 @@
+"""The train state, the loss, and the compiled programs of one config on one mesh.
+
+`TrainProgram.for_config(config)` is what training, evaluation, `plan`, `tune`, conversion and the
+benchmarks all build: the model, the state's shardings, and three jitted functions (init, train step,
+eval step) whose inputs and outputs are placed by the logical-axis table of sharding.py.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import struct
+from jax.sharding import Mesh
+
+from llama_jax import sharding
+from llama_jax.attention import select_implementation, skips_masked_blocks
+from llama_jax.config import Config
+from llama_jax.data.loader import Batches
+from llama_jax.model import Llama, train_flops_per_token
+from llama_jax.optim import learning_rate, make_optimizer
+
+# The fields of a batch, each [batch, seq]: what the loader yields and the train step takes.
+BATCH_FIELDS = {"tokens": jnp.int32, "targets": jnp.int32, "segment_ids": jnp.int32, "positions": jnp.int32,
+                "loss_mask": jnp.float32}
+
+
+class TrainState(struct.PyTreeNode):
+    step: jax.Array
+    params: Any
+    opt_state: Any
+
+
+# ---------------------------------------------------------------------------------------------
+# Loss and steps (pure functions of their inputs; jitted by TrainProgram)
+
+
+def cross_entropy_sum(logits: jax.Array, targets: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Summed next-token negative log-likelihood over unmasked targets, and their count, in fp32."""
+    logits = logits.astype(jnp.float32)
+    # A masked sum rather than a gather: with the vocab split over `tensor` each device sums its
+    # own slice and XLA adds the partial sums, instead of gathering the [batch, seq, vocab] logits.
+    vocab_ids = jnp.arange(logits.shape[-1], dtype=targets.dtype)
+    target_logits = jnp.sum(jnp.where(vocab_ids == targets[..., None], logits, 0.0), axis=-1)
+    nll = jax.nn.logsumexp(logits, axis=-1) - target_logits
+    return jnp.sum(nll * mask), jnp.sum(mask)
+
+
+def loss_terms(params, model: Llama, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
+    logits = model.apply({"params": params}, batch["tokens"], batch["positions"], batch["segment_ids"])
+    return cross_entropy_sum(logits, batch["targets"], batch["loss_mask"])
+
+
+def make_grad_fn(model: Llama, microbatches: int) -> Callable:
+    """(params, batch) -> (mean loss, gradient of the mean loss, token count), accumulating the
+    gradient over `microbatches` slices of the batch with a scan."""
+    grad_fn = jax.value_and_grad(lambda p, b: loss_terms(p, model, b), has_aux=True)
+
+    def loss_and_grads(params, batch: dict[str, jax.Array]):
+        if microbatches == 1:
+            (loss_sum, count), grad_sum = grad_fn(params, batch)
+        else:
+            # Microbatch m takes rows m, m + M, m + 2M, ...: every device's slice of the batch
+            # contributes to every microbatch, so no device idles while the others accumulate.
+            split = jax.tree.map(lambda x: x.reshape(x.shape[0] // microbatches, microbatches, *x.shape[1:])
+                                 .swapaxes(0, 1), batch)
+
+            def accumulate(carry, microbatch):
+                (loss_sum, count), grads = grad_fn(params, microbatch)
+                return jax.tree.map(jnp.add, carry, (loss_sum, count, grads)), None
+
+            zeros = (jnp.zeros(()), jnp.zeros(()), jax.tree.map(jnp.zeros_like, params))
+            (loss_sum, count, grad_sum), _ = jax.lax.scan(accumulate, zeros, split)
+        # Sums divided by the token count of the whole batch: the same gradient whatever the
+        # number of microbatches, even when they hold different numbers of unmasked tokens.
+        count = jnp.maximum(count, 1.0)
+        return loss_sum / count, jax.tree.map(lambda g: g / count, grad_sum), count
+
+    return loss_and_grads
+
+
+def make_train_step(model: Llama, optimizer: optax.GradientTransformation, schedule: optax.Schedule,
+                    microbatches: int) -> Callable:
+    loss_and_grads = make_grad_fn(model, microbatches)
+
+    def train_step(state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainState, dict[str, jax.Array]]:
+        loss, grads, _ = loss_and_grads(state.params, batch)
+        grad_norm = optax.tree.norm(grads)
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        # A non-finite loss or gradient skips the update: params and optimizer moments stay as they
+        # were (so a NaN never reaches a checkpoint); the step still counts, the data moves on.
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        params, opt_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
+                                         (params, opt_state), (state.params, state.opt_state))
+        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state.step), "finite": finite}
+        return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+    return train_step
+
+
+# ---------------------------------------------------------------------------------------------
+# The compiled programs of one config on one mesh
+
+
+@dataclass
+class TrainProgram:
+    config: Config
+    mesh: Mesh
+    model: Llama
+    state_shardings: Any
+    state_shapes: Any  # ShapeDtypeStructs of the (unboxed) state, traced once in build()
+    init_state: Callable
+    train_step: Callable
+    eval_step: Callable
+
+    @classmethod
+    def for_config(cls, config: Config, devices=None) -> TrainProgram:
+        """On config's mesh over `devices` (default: all). Raises ConfigError for a mesh that cannot work."""
+        return cls.build(config, sharding.make_mesh(config, devices=devices))
+
+    @classmethod
+    def build(cls, config: Config, mesh: Mesh) -> TrainProgram:
+        model = Llama(config.model, remat_config=config.remat)
+        optimizer = make_optimizer(config.train)
+        schedule = learning_rate(config.train)
+        rules = sharding.axis_rules(config)
+        # Fail on an impossible attention kernel now, not in the middle of tracing the first step.
+        select_implementation(config.model.attention, jax.default_backend(), config.model.compute_dtype,
+                              config.model.resolved_head_dim, config.train.seq_len)
+
+        def init_state(rng: jax.Array) -> TrainState:
+            # The dummy batch only fixes shapes (XLA drops the unused forward pass); one row per
+            # batch shard keeps it divisible by the mesh inside the context-parallel shard_map.
+            tokens = jnp.zeros((mesh.shape["data"] * mesh.shape["fsdp"], config.train.seq_len), jnp.int32)
+            params = model.init(rng, tokens)["params"]
+            return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params))
+
+        # Shapes and logical axis names of the whole state, computed without allocating it; the
+        # optimizer moments inherit their parameter's names, so they are sharded alike.
+        boxed_shapes = jax.eval_shape(init_state, jax.random.key(0))
+        state_shardings = sharding.logical_to_sharding(boxed_shapes, mesh, rules)
+        batch_sharding = sharding.batch_sharding(mesh)
+
+        def eval_step(params, batch):
+            return loss_terms(params, model, batch)
+
+        return cls(
+            config=config, mesh=mesh, model=model, state_shardings=state_shardings,
+            # Unboxed without a sharding constraint: these are shapes, and build() may run in a mesh context.
+            state_shapes=jax.tree.map(
+                lambda x: x.unbox(apply_constraint=False) if isinstance(x, nn.LogicallyPartitioned) else x,
+                boxed_shapes, is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned)),
+            # The state is created directly in its shards: never materialised whole on one device.
+            init_state=jax.jit(lambda rng: nn.meta.unbox(init_state(rng)), out_shardings=state_shardings),
+            train_step=jax.jit(make_train_step(model, optimizer, schedule, config.train.microbatches),
+                               in_shardings=(state_shardings, batch_sharding),
+                               out_shardings=(state_shardings, sharding.replicated(mesh)), donate_argnums=(0,)),
+            eval_step=jax.jit(eval_step, in_shardings=(state_shardings.params, batch_sharding)),
+        )
+
+    def activate(self):
+        """Context in which the steps may be traced: the mesh and logical rules are visible."""
+        return sharding.activate(self.mesh, sharding.axis_rules(self.config))
+
+    def abstract_state(self) -> TrainState:
+        """Shapes, dtypes and shardings of the state, e.g. as a target to restore a checkpoint into."""
+        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), self.state_shapes,
+                            self.state_shardings)
+
+    def abstract_batch(self) -> dict[str, jax.ShapeDtypeStruct]:
+        """Shapes, dtypes and sharding of one global batch: with abstract_state(), what the train step is
+        compiled for ahead of time (`llama-jax plan`)."""
+        shape = (self.config.train.batch_size, self.config.train.seq_len)
+        return {k: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding.batch_sharding(self.mesh))
+                for k, dtype in BATCH_FIELDS.items()}
+
+    def local_rows(self) -> list[int]:
+        """The rows of every global batch that this process loads."""
+        return sharding.process_rows(self.mesh, self.config.train.batch_size, self.config.train.seq_len)
+
+    def put(self, batch):
+        return sharding.put_batch(batch, self.mesh, self.config.train.batch_size, self.config.mesh.load_balance)
+
+    def evaluate(self, params, batches: Batches, n_batches: int) -> float:
+        """Mean next-token loss over the first n_batches of `batches` (inside activate())."""
+        total, count, rows = 0.0, 0.0, self.local_rows()
+        for i in range(n_batches):
+            loss_sum, n = self.eval_step(params, self.put(batches.batch(i, rows)))
+            total, count = total + float(loss_sum), count + float(n)
+        return total / max(count, 1.0)
+
+
+def model_flops_per_token(config: Config) -> float:
+    """train_flops_per_token for the attention kernel this config runs (context parallelism uses XLA's)."""
+    m = config.model
+    kernel = select_implementation(m.attention, jax.default_backend(), m.compute_dtype, m.resolved_head_dim,
+                                   config.train.seq_len)
+    return train_flops_per_token(m, config.train.seq_len, skips_masked_blocks(kernel) and config.mesh.sequence == 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Timing steps (`llama-jax tune` and bench/step.py)
+
+
+def random_batch(config: Config) -> dict[str, np.ndarray]:
+    """One global batch of random tokens, one document per row: what timing a step needs."""
+    b, t, v = config.train.batch_size, config.train.seq_len, config.model.vocab_size
+    rng = np.random.default_rng(0)
+    return {"tokens": rng.integers(0, v, (b, t), dtype=np.int32),
+            "targets": rng.integers(0, v, (b, t), dtype=np.int32),
+            "segment_ids": np.ones((b, t), np.int32), "positions": np.tile(np.arange(t, dtype=np.int32), (b, 1)),
+            "loss_mask": np.ones((b, t), np.float32)}
+
+
+def time_train_steps(program: TrainProgram, state, batch, steps: int, warmup: int) -> tuple[list[float], dict]:
+    """Seconds of each of `steps` train steps on a placed batch, after `warmup` untimed ones, and the
+    last step's metrics (within program.activate(); the state is donated step to step)."""
+    times = []
+    for i in range(warmup + steps):
+        start = time.perf_counter()
+        state, metrics = program.train_step(state, batch)
+        jax.block_until_ready(metrics)
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    return times, metrics
