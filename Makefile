@@ -2,14 +2,17 @@
 #   make train   # creates .venv, installs llama-jax, trains the tiny preset on bundled Shakespeare
 #   make test    # creates .venv, installs llama-jax[test], runs the test suite
 # Pass overrides with ARGS, e.g.  make train ARGS="train.steps=100 run.dir=runs/short"
+# `make test-newest` runs the suite again on Python 3.12 in .venv-newest, where a plain install takes the
+# newest jax: CI runs both ends of the supported range (PYTHON_NEWEST=/path/to/python3.12 to choose it).
 
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 # pytest-xdist workers; each test process sees 8 simulated CPU devices (tests/conftest.py).
 WORKERS ?= 2
+PYTHON_NEWEST ?= $(shell pyenv prefix 3.12 2>/dev/null || echo /usr)/bin/python3.12
 
-.PHONY: train test install clean
+.PHONY: train test test-newest install clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -25,7 +28,11 @@ train: $(VENV)/.installed
 	$(BIN)/llama-jax train $(ARGS)
 
 test: $(VENV)/.installed
+	$(BIN)/python -c 'import sys, jax; print(f"python {sys.version.split()[0]}, jax {jax.__version__}")'
 	$(BIN)/python -m pytest -q -n $(WORKERS) $(PYTEST_ARGS)
 
+test-newest:
+	$(MAKE) test PYTHON=$(PYTHON_NEWEST) VENV=.venv-newest
+
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) .venv-newest runs
