@@ -34,7 +34,7 @@ INTERFACE_KEYS = {
     "checkpoint.every_steps": ("5", 5),
     "checkpoint.keep": ("2", 2),
     "model.compute_dtype": ("bfloat16", "bfloat16"),
-    "model.n_layers": ("2", 2),
+    "model.n_layers": ("3", 3),
     "model.d_model": ("128", 128),
     "model.n_heads": ("8", 8),
     "model.n_kv_heads": ("4", 4),
@@ -72,7 +72,7 @@ def test_no_source_is_the_tiny_preset():
     default = load_config(None)
     assert default == load_config("tiny")
     assert default.data.sources == ["shakespeare"]
-    assert (default.model.d_model, default.model.n_layers) == (256, 4)  # as written in configs/tiny.yaml
+    assert (default.model.d_model, default.model.n_layers) == (192, 2)  # as written in configs/tiny.yaml
 
 
 def test_overrides_are_typed():
