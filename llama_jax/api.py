@@ -78,8 +78,9 @@ def generate_text(cfg: ModelConfig, params, tokenizer: Tokenizer, prompts: list[
 
 
 def train(source: str | None = None, overrides: list[str] = (), print_fn: Callable[[str], None] = print) -> dict:
-    """Train like `llama-jax train SOURCE KEY=VALUE ...` (also one process of a multi-process run, joined
-    from run.* keys or the environment); returns the summary (eval losses, tokens/s, MFU, goodput, sample)."""
+    """Train like `llama-jax train SOURCE KEY=VALUE ...`, printing what it prints through print_fn (also
+    as one process of a multi-process run, joined from run.* keys or the environment); returns the summary
+    (eval losses, tokens/s, MFU, goodput, sample)."""
     return training.train(load_config(source, list(overrides)), print_fn=print_fn)
 
 

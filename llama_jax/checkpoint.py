@@ -142,18 +142,16 @@ class Checkpointer:
         return self.config.every_steps == "auto"
 
     def due(self, step: int) -> bool:
-        """Whether `step` is saved: its step interval, or its time interval (then process 0's clock
-        decides for every process)."""
+        """Whether `step` is saved: its step interval or its time interval. With a time interval this is
+        a collective that every process calls: clocks differ, so process 0 decides for all."""
         if self.auto and not self.save_seconds:
             return True  # the first save is measured to choose the interval
-        by_steps = self.every_steps > 0 and step % self.every_steps == 0
         minutes = self.config.every_minutes
-        if minutes <= 0:
-            return by_steps
-        by_time = time.monotonic() - self.last_save_time >= minutes * 60
-        if jax.process_count() > 1:  # clocks differ between hosts
-            by_time = bool(multihost_utils.broadcast_one_to_all(np.asarray(by_time)))
-        return by_steps or by_time
+        due = (self.every_steps > 0 and step % self.every_steps == 0) or \
+            (minutes > 0 and time.monotonic() - self.last_save_time >= minutes * 60)
+        if minutes > 0 and jax.process_count() > 1:
+            due = bool(multihost_utils.broadcast_one_to_all(np.asarray(due)))
+        return due
 
     def save(self, step: int, state: Any, data_state: dict, step_s: float | None = None) -> float:
         """Start an asynchronous save; returns the seconds it blocked (copying arrays off the device).

@@ -1,7 +1,8 @@
 """`llama-jax` command line: train, prepare, plan, tune, report, convert, generate, eval, supervise.
 
-Every error a user can act on (errors.py) is reported as one line on stderr with its exit status:
-2 for bad input (config, mesh, data), detected before anything in run.dir is created or overwritten.
+Every error a user can act on (errors.py) is reported as one line on stderr with its exit status: 2
+for bad input (config, mesh, data, checkpoint). `train` checks its input before anything in run.dir is
+created or overwritten.
 The commands import their modules when they run, so `llama-jax --help` answers at once.
 """
 

@@ -1,4 +1,4 @@
-"""The hardware side of `llama-jax tune`: a step-time cost model, and the figures it needs.
+"""The step-time cost model of `llama-jax tune`.
 
 predicted step time, per device =
     sum over the compiled step's operations of max(FLOPs / (peak x efficiency),
@@ -7,7 +7,7 @@ predicted step time, per device =
 
 The roofline term (hlo.py lists the operations, every scanned layer counted) charges what a FLOP
 count alone misses: optimizer updates over replicated weights, activations stored and read back.
-On known GPUs the figures come from data sheets; on CPUs they are measured here.
+The figures come from hardware.py: data sheets on known GPUs, measurements on CPUs.
 """
 
 from __future__ import annotations

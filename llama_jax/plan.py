@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from llama_jax import hlo
+from llama_jax import hlo, remat
 from llama_jax.config import REMAT_POLICIES, Config
 from llama_jax.files import format_bytes
 from llama_jax.model import param_count
@@ -106,13 +106,17 @@ def make_plan(config: Config, mesh: Mesh) -> Plan:
 
 
 def compare_remat(config: Config, mesh: Mesh, print_fn=None) -> dict[str, Plan]:
-    """A plan for every named remat policy (same config and mesh otherwise)."""
-    plans = {}
+    """A plan for every named remat policy (same config and mesh otherwise). A policy that runs like one
+    already planned on these devices (an offload policy where there is no pinned host memory) shares its plan."""
+    plans: dict[str, Plan] = {}
+    planned: dict[tuple | None, str] = {}  # remat.placement -> the first policy planned with it
     for policy in REMAT_POLICIES:
-        plans[policy] = make_plan(dataclasses.replace(config, remat=dataclasses.replace(config.remat, policy=policy)),
-                                  mesh)
+        variant = dataclasses.replace(config, remat=dataclasses.replace(config.remat, policy=policy))
+        twin = planned.setdefault(remat.placement(variant.remat), policy)
+        plans[policy] = plans[twin] if twin != policy else make_plan(variant, mesh)
         if print_fn:
-            print_fn(f"compiled remat.policy={policy} in {plans[policy].compile_seconds:.1f}s")
+            print_fn(f"remat.policy={policy} runs like {twin} on these devices: same plan" if twin != policy
+                     else f"compiled remat.policy={policy} in {plans[policy].compile_seconds:.1f}s")
     return plans
 
 

@@ -36,17 +36,24 @@ def host_offload_supported() -> bool:
     return device.platform != "cpu" and any(m.kind == "pinned_host" for m in device.addressable_memories())
 
 
-def checkpoint_policy(remat: RematConfig, offload: bool | None = None) -> Callable | None:
-    """The jax.checkpoint policy for a config, or None when layers are not rematerialised.
-
-    Without a pinned host memory space, offloaded tags are saved on the device instead.
-    """
+def placement(remat: RematConfig, offload: bool | None = None) -> tuple[tuple[str, ...], tuple[str, ...]] | None:
+    """(tags kept on the device, tags offloaded to pinned host memory) as this device runs the config, or
+    None when layers are not rematerialised. Without a pinned host memory space offloaded tags are saved
+    on the device instead, so two policies may run alike."""
     chosen = actions(remat)
     if chosen is None:
         return None
     offload = host_offload_supported() if offload is None else offload
-    saved = [t for t, a in chosen.items() if a == "save" or (a == "offload" and not offload)]
-    offloaded = [t for t, a in chosen.items() if a == "offload" and offload]
+    saved = tuple(t for t, a in chosen.items() if a == "save" or (a == "offload" and not offload))
+    return saved, tuple(t for t, a in chosen.items() if a == "offload" and offload)
+
+
+def checkpoint_policy(remat: RematConfig, offload: bool | None = None) -> Callable | None:
+    """The jax.checkpoint policy for a config, or None when layers are not rematerialised."""
+    placed = placement(remat, offload)
+    if placed is None:
+        return None
+    saved, offloaded = placed
     if offloaded:
         return jax.checkpoint_policies.save_and_offload_only_these_names(
             names_which_can_be_saved=saved, names_which_can_be_offloaded=offloaded,

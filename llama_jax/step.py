@@ -1,8 +1,9 @@
 """The train state, the loss, and the compiled programs of one config on one mesh.
 
-`TrainProgram.for_config(config)` is what training, evaluation, `plan`, `tune`, conversion and the
-benchmarks all build: the model, the state's shardings, and three jitted functions (init, train step,
-eval step) whose inputs and outputs are placed by the logical-axis table of sharding.py.
+A TrainProgram is what training, evaluation, `plan`, `tune` and the benchmarks all build (with
+`TrainProgram.for_config(config)`, or `build(config, mesh)` on a mesh they already have): the model, the
+state's shardings, and three jitted functions (init, train step, eval step) whose inputs and outputs are
+placed by the logical-axis table of sharding.py.
 """
 
 from __future__ import annotations

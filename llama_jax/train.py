@@ -106,11 +106,11 @@ def _warnings_only(print_fn: Callable[[str], None]) -> Callable[[str], None]:
 def execute(run: Run, print_fn: Callable[[str], None] = print, started_at: float | None = None) -> dict:
     """The training loop. Returns a summary: eval losses, throughput, MFU, goodput and the exit code
     (0, or EXIT_PREEMPTED after a SIGTERM/SIGINT made it save and stop)."""
-    config, program, t = run.config, run.program, run.config.train
+    config, program, t, run_dir = run.config, run.program, run.config.train, Path(run.config.run.dir)
     wall_start = time.perf_counter()
-    summary: dict[str, Any] = {"run_dir": config.run.dir, "exit_code": EXIT_OK}
+    summary: dict[str, Any] = {"run_dir": str(run_dir), "exit_code": EXIT_OK}
     if run.start and run.start >= t.steps:
-        print_fn(f"{config.run.dir} is already trained to step {run.start}; raise train.steps to continue")
+        print_fn(f"{run_dir} is already trained to step {run.start}; raise train.steps to continue")
         return summary
     loop = Loop.open(run, print_fn, started_at or time.time())
     try:
@@ -118,10 +118,11 @@ def execute(run: Run, print_fn: Callable[[str], None] = print, started_at: float
             state, data_step = loop.restore()
             step = int(state.step)
             loop.goodput.begin(step)
-            if step == 0:
-                summary["initial_eval_loss"] = loop.evaluate(state.params, step)
-            batches = run.data.train.iterate(data_step, data_step + 10**12, program.local_rows(),
-                                             config.data.loader_threads, config.data.prefetch)
+            with loop.goodput.pause(None):  # not part of the first step's time
+                if step == 0:
+                    summary["initial_eval_loss"] = loop.evaluate(state.params, step)
+                batches = run.data.train.iterate(data_step, data_step + 10**12, program.local_rows(),
+                                                 config.data.loader_threads, config.data.prefetch)
             first_step = step + 1
             while step < t.steps:
                 batch, waited = loop.next_batch(batches, data_step)
@@ -150,9 +151,9 @@ def execute(run: Run, print_fn: Callable[[str], None] = print, started_at: float
         summary["sample"] = sample_text(config, state.params, run.data.tokenizer)
         print_fn(f"sample after {t.steps} steps:\n{summary['sample']}")
         if primary:
-            (Path(config.run.dir) / "sample.txt").write_text(summary["sample"] + "\n")
+            (run_dir / "sample.txt").write_text(summary["sample"] + "\n")
     if primary:
-        summary["report"] = str(write_report(Path(config.run.dir)))
+        summary["report"] = str(write_report(run_dir))
     summary["wall_time_s"] = time.perf_counter() - wall_start
     return summary
 
@@ -188,27 +189,35 @@ class Loop:
                  f"{jax.devices()[0].platform} device(s), mesh {dict(mesh.shape)}; peak {peak / 1e9:.1f} GFLOP/s "
                  f"per device ({peak_source})")
         print_fn(remat.describe(config.remat))
+        host = socket.gethostname() + (f"-p{jax.process_index()}" if multi else "")
         log = MetricsLog(run_dir, total_steps=t.steps, start_step=run.start, tensorboard=config.run.tensorboard,
                          print_fn=print_fn, enabled=primary)
-        checkpointer = Checkpointer(run_dir, config.checkpoint, meta=run_metadata(config, mesh), log=log.message)
-        host = socket.gethostname() + (f"-p{jax.process_index()}" if multi else "")
-        return cls(
-            run=run, log=log, checkpointer=checkpointer, goodput=Goodput(run_dir, started_at, write=primary),
-            meter=ThroughputMeter(t.batch_size * t.seq_len, model_flops_per_token(config), peak, mesh.devices.size),
-            guard=SpikeGuard(f.max_bad_steps, f.spike_zscore, f.spike_window),
-            stragglers=StragglerDetector(f.straggler_factor),
-            watchdog=HangWatchdog(run_dir, host, factor=f.hang_factor, min_timeout_s=f.hang_min_timeout_s,
-                                  startup_timeout_s=f.hang_startup_timeout_s,
-                                  describe=lambda: format_plan(make_plan(config, mesh))),
-            preemption=PreemptionGuard(checkpointer.manager.reached_preemption if multi else None),
-            eval_batches=min(t.eval_batches, run.data.val.batches_per_epoch()))
+        try:
+            checkpointer = Checkpointer(run_dir, config.checkpoint, meta=run_metadata(config, mesh), log=log.message)
+            return cls(
+                run=run, log=log, checkpointer=checkpointer, goodput=Goodput(run_dir, started_at, write=primary),
+                meter=ThroughputMeter(t.batch_size * t.seq_len, model_flops_per_token(config), peak,
+                                      mesh.devices.size),
+                guard=SpikeGuard(f.max_bad_steps, f.spike_zscore, f.spike_window),
+                stragglers=StragglerDetector(f.straggler_factor),
+                watchdog=HangWatchdog(run_dir, host, factor=f.hang_factor, min_timeout_s=f.hang_min_timeout_s,
+                                      startup_timeout_s=f.hang_startup_timeout_s,
+                                      describe=lambda: format_plan(make_plan(config, mesh))),
+                preemption=PreemptionGuard(checkpointer.manager.reached_preemption if multi else None),
+                eval_batches=min(t.eval_batches, run.data.val.batches_per_epoch()))
+        except BaseException:
+            log.close()  # the loop never started: nothing else will close it
+            raise
 
     def restore(self) -> tuple[TrainState, int]:
         """(state, data position): run.dir's newest good checkpoint, else resume_from or init_from, else new."""
-        run = self.run
-        with self.watchdog.paused("restore"), self.goodput.pause("checkpoint_restore"):
+        run, start = self.run, time.perf_counter()
+        with self.watchdog.paused("restore"):
             state, data_step = self._restored(run.program.abstract_state())
-        return (run.program.init_state(jax.random.key(run.config.seed)), 0) if state is None else (state, data_step)
+        if state is None:
+            return run.program.init_state(jax.random.key(run.config.seed)), 0
+        self.goodput.add("checkpoint_restore", time.perf_counter() - start)
+        return state, data_step
 
     def _restored(self, abstract: TrainState) -> tuple[TrainState | None, int]:
         run, say = self.run, self.log.message

@@ -342,8 +342,9 @@ def tune(source: str | None, overrides: list[str], options: Options = Options())
     devices = jax.device_count()
     valid = [r for r in results if r.config is not None]
     budget = options.memory_gb * 2**30 if options.memory_gb else default_memory_budget()
-    cache = Cache(cache_root(base.data.cache_dir) / "tune", base)
-    model = _cost_model(options, cache, base.model.compute_dtype, cache_root(base.data.cache_dir))
+    root = cache_root(base.data.cache_dir)
+    cache = Cache(root / "tune", base)
+    model = _cost_model(options, cache, base.model.compute_dtype, root)
     deadline = time.monotonic() + 60 * options.budget_min
 
     quiet = None if options.progress else True  # None: a bar on terminals only

@@ -75,17 +75,18 @@ def resolve(text: str | ModelSpec) -> ModelSpec:
     return ModelSpec(text, model, step_dir=step_dir)
 
 
-def load_params(spec: ModelSpec, target: Any = None) -> Any:
+def load_params(spec: ModelSpec, target: Any = None, rotary: str = "half") -> Any:
     """The model's parameters, taking the shapes, dtypes and shardings of `target` (a ShapeDtypeStruct
-    tree, e.g. TrainProgram.abstract_state().params) or, without one, the model's param_dtype on the
-    default device. A training checkpoint's optimizer moments are not read."""
+    tree, e.g. TrainProgram.abstract_state().params, or shardings alone) or, without one, the model's
+    param_dtype on the default device. A training checkpoint's optimizer moments are not read; `rotary`
+    is the q/k layout of a Hugging Face model's weights (hf.ROTARY_LAYOUTS)."""
     if target is None:
         device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=device),
                               nn.meta.unbox(abstract_params(spec.model)))
     if spec.hf_dir is not None:
-        shardings = jax.tree.map(lambda t: t.sharding, target)
-        return hf.read_params(spec.hf_dir, spec.model, shardings, dtype=np.dtype(spec.model.param_dtype))
+        shardings = jax.tree.map(lambda t: getattr(t, "sharding", t), target)
+        return hf.read_params(spec.hf_dir, spec.model, shardings, np.dtype(spec.model.param_dtype), rotary)
     return restore_params(spec.step_dir, target)
 
 
@@ -118,13 +119,12 @@ def convert(source: str, out: str, overrides: list[str] = (), dtype: str = "floa
         raise ConfigError(f"{target} exists and is not empty; choose a new output directory")
     if rotary not in hf.ROTARY_LAYOUTS:
         raise ConfigError(f"--rotary must be one of {', '.join(hf.ROTARY_LAYOUTS)}, got '{rotary}'")
-    if hf_directory(source) is None and dtype not in ("float32", "bfloat16", "float16"):
-        raise ConfigError(f"--dtype must be float32, bfloat16 or float16, got '{dtype}'")
     spec = resolve(source)
+    if spec.hf_dir is None and dtype not in ("float32", "bfloat16", "float16"):
+        raise ConfigError(f"--dtype must be float32, bfloat16 or float16, got '{dtype}'")
     if spec.hf_dir is not None:  # Hugging Face -> llama-jax
         config = inference_config(spec.model, overrides)
-        shardings = sharding.param_shardings(config, sharding.make_mesh(config))
-        params = hf.read_params(spec.hf_dir, spec.model, shardings, np.dtype(spec.model.param_dtype), rotary)
+        params = load_params(spec, sharding.param_shardings(config, sharding.make_mesh(config)), rotary)
         meta = {"config": {"model": dataclasses.asdict(spec.model)}, "source": str(spec.hf_dir),
                 "llama_jax": __version__, "jax": jax.__version__}
         print_fn(f"converted {spec.hf_dir} -> {save_params(target, params, meta)}")

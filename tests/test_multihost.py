@@ -37,11 +37,12 @@ def environment():
     return dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu", LLAMA_JAX=str(Path(sys.executable).parent / "llama-jax"))
 
 
-def launch(processes, devices, *args, timeout=300):
-    """launch/local.sh, as the README's multi-host guide runs it (it hands several processes to LAUNCHER)."""
+def launch(processes, devices, *args, timeout=300, command=None):
+    """launch/local.sh, as the README's multi-host guide runs it (it hands several processes to LAUNCHER),
+    each process running `command train ARGS` (default: the llama-jax CLI)."""
+    env = environment() | ({"LLAMA_JAX": command} if command else {})
     return subprocess.run([str(ROOT / "launch" / "local.sh"), "--processes", str(processes), "--devices", str(devices),
-                           "--", "train", *map(str, args)], env=environment(), capture_output=True, text=True,
-                          timeout=timeout)
+                           "--", "train", *map(str, args)], env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def losses(run_dir):
@@ -59,18 +60,22 @@ def one_process(config_path, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def two_processes(config_path, tmp_path_factory):
-    """A run of 2 processes x 4 devices stopped at step 10 (its checkpoint is the resume tests' start)."""
-    run_dir = tmp_path_factory.mktemp("two") / "run"
-    proc = launch(2, 4, config_path, f"run.dir={run_dir}", "train.steps=10")
+    """A run of 2 processes x 4 devices stopped at step 10 (its checkpoint is the resume tests' start), each
+    process calling the Python API's train, which joins the run from the JAX_* variables the launcher sets."""
+    root = tmp_path_factory.mktemp("two")
+    script = root / "train_with_api.py"
+    script.write_text("import sys\nfrom llama_jax import api\n"  # argv: train CONFIG key=value ...
+                      "sys.exit(api.train(sys.argv[2], sys.argv[3:])['exit_code'])\n")
+    proc = launch(2, 4, config_path, f"run.dir={root / 'run'}", "train.steps=10", command=f"{sys.executable} {script}")
     assert proc.returncode == 0, proc.stderr
-    return run_dir, proc
+    return root / "run", proc
 
 
 def close(a: dict, b: dict, steps) -> None:
     np.testing.assert_allclose([a[s] for s in steps], [b[s] for s in steps], rtol=1e-5)
 
 
-def test_two_processes_train_like_one_and_only_process_0_writes_the_log(two_processes, one_process):
+def test_two_processes_via_the_api_train_like_one_and_only_process_0_writes_the_log(two_processes, one_process):
     run_dir, proc = two_processes
     close(losses(run_dir), one_process, range(1, 11))
     assert proc.stdout.count("step 10/10 | loss") == 1  # one voice: process 0's
@@ -80,24 +85,6 @@ def test_two_processes_train_like_one_and_only_process_0_writes_the_log(two_proc
     assert records == list(range(1, 11))  # not one record per process
     assert yaml.safe_load((run_dir / "config.yaml").read_text())["train"]["steps"] == 10
     meta = json.loads((run_dir / "checkpoints" / "10" / "meta" / "metadata").read_text())
-    assert meta["processes"] == 2 and meta["devices"] == 8
-
-
-def test_the_python_api_joins_a_multi_process_run_like_the_cli(config_path, one_process, tmp_path):
-    """Each process calls api.train (joining from the JAX_* variables the launcher sets): same losses, one voice."""
-    script = tmp_path / "train_with_api.py"
-    script.write_text("import sys\nfrom llama_jax import api\n"
-                      "sys.exit(api.train(sys.argv[2], sys.argv[3:])['exit_code'])\n")  # argv: train CONFIG key=value...
-    run_dir = tmp_path / "run"
-    proc = subprocess.run([str(ROOT / "launch" / "local.sh"), "--processes", "2", "--devices", "4", "--", "train",
-                           str(config_path), f"run.dir={run_dir}", "train.steps=6"],
-                          env={**environment(), "LLAMA_JAX": f"{sys.executable} {script}"}, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    assert "multiprocess: process 1 exited with status 0" in proc.stderr
-    assert proc.stdout.count("step 6/6 | loss") == 1  # one voice: process 0's
-    close(losses(run_dir), one_process, range(1, 7))
-    meta = json.loads((run_dir / "checkpoints" / "6" / "meta" / "metadata").read_text())
     assert meta["processes"] == 2 and meta["devices"] == 8
 
 

@@ -120,3 +120,22 @@ def test_selective_recomputes_only_the_attention_core():
     assert extra == pytest.approx(core, rel=0.1)
     assert plans["full"].hlo_flops - plans["none"].hlo_flops > 3 * extra
     assert plans["full"].temporary_bytes < plans["selective"].temporary_bytes < plans["none"].temporary_bytes
+
+
+def test_compare_remat_plans_policies_that_run_alike_on_these_devices_once(monkeypatch):
+    """Without pinned host memory (a CPU) an offload policy saves on the device: it shares its twin's plan."""
+    import types
+
+    from llama_jax import plan, remat
+    from llama_jax.config import REMAT_POLICIES
+
+    compiled, lines = [], []
+    monkeypatch.setattr(plan, "make_plan", lambda config, mesh: compiled.append(config.remat.policy)
+                        or types.SimpleNamespace(compile_seconds=1.0))
+    plans = plan.compare_remat(tiny_config(), mesh=None, print_fn=lines.append)
+    assert list(plans) == list(REMAT_POLICIES)
+    assert compiled == [p for p in REMAT_POLICIES if p not in ("minimal_offload", "qkv_proj_offload")]
+    assert plans["minimal_offload"] is plans["minimal"] and plans["qkv_proj_offload"] is plans["save_qkv_proj"]
+    assert "remat.policy=minimal_offload runs like minimal on these devices: same plan" in lines
+    offloading = remat.placement(tiny_config(remat=dict(policy="minimal_offload")).remat, offload=True)
+    assert offloading[1] and offloading != remat.placement(tiny_config(remat=dict(policy="minimal")).remat, True)

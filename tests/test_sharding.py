@@ -76,6 +76,13 @@ def test_microbatches_on_a_mesh_match_single_device():
     np.testing.assert_allclose(losses(cfg, jax.devices()), single_device_losses(MESH_MODEL), rtol=1e-5)
 
 
+def test_the_table_maps_exactly_the_logical_axis_names_users_may_override():
+    """config.LOGICAL_AXES (what mesh.rules.<name> accepts) and the table name the same axes, in order."""
+    from llama_jax.config import LOGICAL_AXES
+
+    assert tuple(name for name, _ in sharding.LOGICAL_AXIS_RULES) == LOGICAL_AXES
+
+
 def test_parameter_shardings_follow_the_table():
     cfg = tiny_config(model=dataclasses.asdict(MESH_MODEL), mesh=dict(data=1, fsdp=4, tensor=2, sequence=1))
     params = TrainProgram.build(cfg, sharding.make_mesh(cfg)).state_shardings.params

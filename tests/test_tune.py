@@ -178,3 +178,14 @@ def test_gpus_get_data_sheet_figures_and_their_memory(monkeypatch, tmp_path):
     assert (model.efficiency, model.overlap) == (0.7, 0.5)
     assert hardware.default_memory_budget() == 0.9 * 80 * 2**30
     assert not hardware.simulated_devices()
+
+
+def test_the_cli_states_the_defaults_tune_uses():
+    """`llama-jax tune --help` must not drift from the code: the policies searched and the cost model's defaults."""
+    from llama_jax import costmodel
+
+    (parser,) = [action.choices["tune"] for action in cli.build_parser()._actions if action.choices]
+    options = {action.dest: action for action in parser._actions}
+    assert tuple(options["policies"].default.split(",")) == tune.DEFAULT_POLICIES == tune.Options().policies
+    assert f"{costmodel.GPU_EFFICIENCY:g} on GPUs, {costmodel.CPU_EFFICIENCY:g} on CPUs" in options["efficiency"].help
+    assert f"{costmodel.GPU_OVERLAP:g} GPU, 0 CPU" in options["overlap"].help

@@ -74,6 +74,7 @@ class TokenStore:
             raise DataError(f"{self.directory} is not a token store (no meta.json); make one with `llama-jax prepare`")
         self.meta = json.loads(meta.read_text())
         self.tokenizer_path = self.directory / self.meta["tokenizer"]["file"]
+        self.tokenizer_sha256 = self.meta["tokenizer"]["sha256"]  # names the tokenizer it was prepared with
 
     def documents(self, split: str, source: int) -> Documents:
         units = self.meta["sources"][source]["units"]

@@ -68,15 +68,14 @@ def open_data(config: Config, log: Callable[[str], None] = print) -> TrainData:
     for spec in data.sources:
         stores.append(resolve_store(spec, data, config.model.vocab_size, tokenizer_file, log))
         tokenizer_file = tokenizer_file or str(stores[0].tokenizer_path)
-    identities = {s.meta["tokenizer"]["sha256"]: s for s in stores}
+    identities = {s.tokenizer_sha256: s for s in stores}
     if len(identities) > 1:
         a, b = list(identities.values())[:2]
         raise DataError(f"{a.directory} and {b.directory} were prepared with different tokenizers; "
                         "prepare every source with the same tokenizer")
     store = stores[0]
     if data.tokenizer != "bpe":
-        named = load_tokenizer(data.tokenizer).fingerprint()["sha256"]
-        if named != store.meta["tokenizer"]["sha256"]:
+        if load_tokenizer(data.tokenizer).fingerprint()["sha256"] != store.tokenizer_sha256:
             raise DataError(f"{store.directory} was prepared with another tokenizer than data.tokenizer "
                             f"({data.tokenizer}); prepare it with that tokenizer or set data.tokenizer to "
                             f"{store.tokenizer_path}")
@@ -98,7 +97,7 @@ def evaluation_batches(data: str, tokenizer: Tokenizer, batch_size: int, seq_len
     `model`), or text/jsonl files tokenized here, every document whole."""
     if is_store(data):
         store = TokenStore(Path(data).expanduser())
-        if store.meta["tokenizer"]["sha256"] != tokenizer.fingerprint()["sha256"]:
+        if store.tokenizer_sha256 != tokenizer.fingerprint()["sha256"]:
             raise DataError(f"{data} was prepared with another tokenizer than {model}'s; prepare it with "
                             f"`llama-jax prepare ... --tokenizer` and that model's tokenizer")
         return batches(components([store], []), split, batch_size, seq_len, 0, "concat", 1)
