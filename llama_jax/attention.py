@@ -5,11 +5,19 @@ The model calls :func:`attention` with rotated queries/keys in [batch, seq, head
 i // (heads / kv_heads)) and has two backends: cuDNN's fused flash attention on NVIDIA GPUs and a
 plain XLA implementation everywhere else.
 
+Packed documents: the blocked kernel (flash.py) and cuDNN's packed layout (cudnn.py) take segment ids
+as they are; only XLA's kernel gets a dense document mask.
+
 Context parallelism: when the active mesh splits the sequence over its `sequence` axis, each device
 holds a slice of the queries and all-gathers the keys and values of the whole sequence (the scheme
 Llama 3 used for its 128K context). Masks are built from segment ids and positions rather than
 token indices, so they stay exact for packed documents and for any order of the sequence slices —
 including the load-balanced layout of sharding.balance_sequence.
+
+More tensor shards than kv heads (Llama 3 70B/405B at tensor=16 have 8 kv heads): the kv heads are
+replicated while the query heads are split, and attention runs inside a shard_map in which each
+device takes the kv head of its own query group, on every implementation (jax's cuDNN partitioner
+would reject q and k/v sharded differently).
 """
 
 from __future__ import annotations
@@ -17,7 +25,10 @@ from __future__ import annotations
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 
+from llama_jax.cudnn import cudnn_attention
 from llama_jax.errors import ConfigError
 from llama_jax.flash import MIN_BLOCK, block_size, blocked_attention
 
@@ -75,22 +86,59 @@ def causal_document_mask(q_segments, q_positions, k_segments, k_positions) -> ja
 
 def sequence_shards() -> int:
     """How many devices the active mesh splits the sequence over (1 outside a mesh)."""
+    return _mesh_size(SEQUENCE_AXIS)
+
+
+def _mesh_size(axes) -> int:
     mesh = jax.sharding.get_abstract_mesh()
-    return mesh.shape.get(SEQUENCE_AXIS, 1) if mesh.axis_names else 1
+    if axes is None or not mesh.axis_names:
+        return 1
+    axes = (axes,) if isinstance(axes, str) else axes
+    return int(np.prod([mesh.shape.get(a, 1) for a in axes]))
+
+
+def _query_heads_split_from_kv_heads() -> bool:
+    """Whether the query heads are split over devices that the kv heads are replicated on."""
+    q_axes, kv_axes = nn.logical_to_mesh_axes(("act_heads", "act_kv_heads"))
+    return q_axes != kv_axes and _mesh_size(q_axes) > 1
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None,
-              positions: jax.Array | None, implementation: str) -> jax.Array:
+              positions: jax.Array | None, implementation: str, max_segments: int = 16) -> jax.Array:
     """Causal attention with document masking. q [b,t,n,h], k/v [b,t,kv,h] -> [b,t,n,h]."""
-    if sequence_shards() > 1:
-        return _context_parallel(q, k, v, segment_ids, positions, implementation)
+    if sequence_shards() > 1 or _query_heads_split_from_kv_heads():
+        return _per_device(q, k, v, segment_ids, positions, implementation, max_segments)
+    return _tokens_in_order(q, k, v, segment_ids, implementation, max_segments)
+
+
+def _tokens_in_order(q, k, v, segment_ids, implementation, max_segments):
     if implementation == "blocked":
-        return blocked_attention(q, k, v, segment_ids)
-    # Unsharded, the tokens are in order: the kernel's own causal mask applies (cuDNN then skips
-    # the masked blocks) and only the document boundaries need an explicit mask.
+        return _keeping_residuals(blocked_attention)(q, k, v, segment_ids)
+    if implementation == "cudnn":
+        return _keeping_residuals(lambda q, k, v, s: cudnn_attention(q, k, v, s, max_segments))(q, k, v, segment_ids)
+    # The tokens are in order: the kernel's own causal mask applies and only the document
+    # boundaries need an explicit mask.
     mask = None if segment_ids is None else document_mask(segment_ids, segment_ids)
     return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation=implementation)
 
+
+def _keeping_residuals(kernel):
+    """A flash kernel whose backward-pass residuals (its inputs, output and per-query softmax
+    statistics: O(T) memory) carry the tag "attention_context", so a remat policy that keeps the
+    attention's output keeps them too and never re-runs the kernel's forward pass."""
+    @jax.custom_vjp
+    def run(q, k, v, segment_ids):
+        return kernel(q, k, v, segment_ids)
+
+    def forward(q, k, v, segment_ids):
+        out, backward = jax.vjp(lambda q, k, v: kernel(q, k, v, segment_ids), q, k, v)
+        return out, jax.tree.map(lambda r: checkpoint_name(r, "attention_context"), backward)
+
+    def backward(residuals, d_out):
+        return (*residuals(d_out), None)
+
+    run.defvjp(forward, backward)
+    return run
 
 def cached_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positions: jax.Array) -> jax.Array:
     """Decoding: queries at `positions` [b, t] attend to the cache slots at or before them.
@@ -104,7 +152,8 @@ def cached_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, posit
     return jax.nn.dot_product_attention(q, k_cache, v_cache, mask=mask, implementation=None)
 
 
-def _context_parallel(q, k, v, segment_ids, positions, implementation):
+def _per_device(q, k, v, segment_ids, positions, implementation, max_segments):
+    """Attention inside a shard_map: for context parallelism, or for more tensor shards than kv heads."""
     batch, seq = q.shape[:2]
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(seq), (batch, seq))
@@ -115,16 +164,19 @@ def _context_parallel(q, k, v, segment_ids, positions, implementation):
     heads = nn.logical_to_mesh_axes(("batch", "seq", "act_heads", "head_dim"))
     kv_heads = nn.logical_to_mesh_axes(("batch", "seq", "act_kv_heads", "head_dim"))
     tokens = nn.logical_to_mesh_axes(("batch", "seq"))
-
-    implementation = "xla" if implementation == "blocked" else implementation  # tokens are not in order here
+    context_parallel = sequence_shards() > 1
 
     def local(q, k, v, segments, positions):
+        k, v = _own_kv_heads(q, k, v, heads[2], kv_heads[2])
+        if not context_parallel:
+            return _tokens_in_order(q, k, v, segments, implementation, max_segments)
         # Every device keeps its query slice and gathers the keys/values of the whole sequence;
-        # autodiff turns the all-gathers into reduce-scatters for the key/value gradients.
+        # autodiff turns the all-gathers into reduce-scatters for the key/value gradients. The
+        # tokens are not in order here, so the blocked kernel does not apply.
         gather = lambda x: jax.lax.all_gather(x, SEQUENCE_AXIS, axis=1, tiled=True)  # noqa: E731
         mask = causal_document_mask(segments, positions, gather(segments), gather(positions))
-        k, v = _own_kv_heads(q, k, v, heads[2], kv_heads[2])
-        return jax.nn.dot_product_attention(q, gather(k), gather(v), mask=mask, implementation=implementation)
+        return jax.nn.dot_product_attention(q, gather(k), gather(v), mask=mask,
+                                            implementation="xla" if implementation == "blocked" else implementation)
 
     return jax.shard_map(local, in_specs=(heads, kv_heads, kv_heads, tokens, tokens), out_specs=heads)(
         q, k, v, segment_ids, positions)

@@ -231,7 +231,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "remat.every_n_layers) pins it. Cached: a re-run is instant.")
     tune.add_argument("args", nargs="*", metavar="PRESET|CONFIG|key=value")
     tune.add_argument("--memory-gb", type=float, default=0.0,
-                      help="per-device memory budget in GiB (default: the device's memory minus 10%%)")
+                      help="per-device memory budget in GiB (default: run.device_memory_gb, else the device's "
+                           "memory minus 10%%)")
     tune.add_argument("--budget-min", type=float, default=10.0, help="minutes of compiling, at most (default 10)")
     tune.add_argument("--top-k", type=int, default=3, help="candidates to measure (default 3)")
     tune.add_argument("--measure", action=argparse.BooleanOptionalAction, default=None,

@@ -113,6 +113,7 @@ class ModelConfig:
     param_dtype: str = "float32"
     compute_dtype: str = "bfloat16"
     attention: str = "auto"  # auto: cuDNN flash attention on GPU with bf16/fp16, else blocked (flash.py), else XLA
+    attention_max_segments: int = 16  # cuDNN packed layout: documents per row (memory ~0.25 GiB per unit at 8K)
     cpu_projection: bool = True  # on CPU, projections' weight gradients transpose the narrow operand (projection.py)
     init_std: float = 0.02
 
@@ -126,7 +127,8 @@ class TrainConfig:
     steps: int = 360
     batch_size: int = 16  # global sequences per optimizer step
     seq_len: int = 128
-    microbatches: int = 1  # gradient accumulation inside the jitted step
+    # Gradient accumulation inside the jitted step; auto: the fewest whose compiled step fits run.device_memory_gb.
+    microbatches: Union[int, str] = 1
     lr: float = 3e-3
     warmup_steps: int = 50
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
@@ -234,6 +236,9 @@ class RunConfig:
     local_device_ids: list[int] = field(default_factory=list)  # GPUs this process drives (default: JAX's choice)
     init_timeout_s: float = 300.0  # how long to wait for the coordinator and every process to join
     heartbeat_timeout_s: float = 30.0  # a process silent this long is dead: the others stop instead of hanging
+    # Memory per device the train step may use, checked before the first step and by microbatches=auto, plan
+    # and tune (0: what XLA may allocate: 90% of a GPU under launch/gpu_env.sh; CPU: 80% of RAM / devices).
+    device_memory_gb: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -391,7 +396,7 @@ def summary(config: Config) -> str:
         f"head_dim {m.resolved_head_dim}, ffn {m.ffn_dim}, vocab {m.vocab_size}, "
         f"{'tied' if m.tie_embeddings else 'untied'} embeddings, compute {m.compute_dtype}\n"
         f"train: {t.steps} steps x {t.batch_size} seqs x {t.seq_len} tokens "
-        f"({t.microbatches} microbatch{'es' if t.microbatches > 1 else ''}), lr {t.lr:g}, "
+        f"({t.microbatches} microbatch{'es' if t.microbatches != 1 else ''}), lr {t.lr:g}, "
         f"remat {config.remat.policy}, data {', '.join(config.data.sources)}, run.dir {config.run.dir}"
     )
 
@@ -410,8 +415,8 @@ def validate(config: Config) -> None:
     for key, value in [
         ("model.vocab_size", m.vocab_size), ("model.d_model", m.d_model), ("model.n_layers", m.n_layers),
         ("model.n_heads", m.n_heads), ("model.n_kv_heads", m.n_kv_heads), ("model.ffn_dim", m.ffn_dim),
-        ("model.max_seq_len", m.max_seq_len), ("train.batch_size", t.batch_size),
-        ("train.seq_len", t.seq_len), ("train.microbatches", t.microbatches),
+        ("model.max_seq_len", m.max_seq_len), ("model.attention_max_segments", m.attention_max_segments),
+        ("train.batch_size", t.batch_size), ("train.seq_len", t.seq_len),
     ]:
         _require(value > 0, f"{key} must be positive, got {value}")
     _require(t.steps >= 0, f"train.steps must be >= 0, got {t.steps}")
@@ -448,8 +453,10 @@ def validate(config: Config) -> None:
         f"train.seq_len ({t.seq_len}) exceeds model.max_seq_len ({m.max_seq_len}); "
         "lower train.seq_len or raise model.max_seq_len",
     )
+    _require(t.microbatches == "auto" or (isinstance(t.microbatches, int) and t.microbatches > 0),
+             f"train.microbatches must be a positive count or auto, got '{t.microbatches}'")
     _require(
-        t.batch_size % t.microbatches == 0,
+        t.microbatches == "auto" or t.batch_size % t.microbatches == 0,
         f"train.batch_size ({t.batch_size}) is not divisible by train.microbatches ({t.microbatches}); "
         f"valid microbatch counts: {_divisors(t.batch_size)}",
     )
@@ -487,6 +494,7 @@ def validate(config: Config) -> None:
     _require(bool(config.run.dir.strip()), "run.dir must not be empty")
     _require(config.run.init_timeout_s >= 1 and config.run.heartbeat_timeout_s >= 1,
              "run.init_timeout_s and run.heartbeat_timeout_s must be at least 1 second")
+    _require(config.run.device_memory_gb >= 0, "run.device_memory_gb must be >= 0 (0: the device's memory less 10%)")
     _check_remat(config.remat, m.n_layers)
 
 

@@ -184,12 +184,18 @@ def measure_copy_bandwidth() -> float:
     return 2 * array.nbytes / best / len(devices)
 
 
+def memory_budget(device_memory_gb: float = 0.0) -> float:
+    """Bytes per device a step may use: run.device_memory_gb, or (0) default_memory_budget()."""
+    return device_memory_gb * 2**30 if device_memory_gb > 0 else default_memory_budget()
+
+
 def default_memory_budget() -> float:
-    """Bytes per device: 90% of an accelerator's memory; on CPU, 80% of RAM shared by the devices."""
-    device = jax.devices()[0]
+    """Bytes per device: on an accelerator, what XLA may allocate there (its allocator's limit: 90% of a GPU
+    under launch/gpu_env.sh, JAX's default 75% otherwise); on CPU, 80% of RAM shared by the devices."""
+    device = jax.local_devices()[0]  # this process's: jax.devices()[0] belongs to process 0
     limit = (device.memory_stats() or {}).get("bytes_limit")
     if limit:
-        return 0.9 * limit
+        return float(limit)
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return 0.8 * total / jax.local_device_count()
 

@@ -6,6 +6,7 @@
            x + Attention(RMSNorm(x))             grouped-query attention with rotary positions
            x + MLP(RMSNorm(x))                   SwiGLU
       -> RMSNorm -> output projection            [batch, seq, vocab] logits
+                    (or, given targets, fused with the loss: loss.py)
 
 The model is functional: ``Llama(cfg).init`` returns a params pytree and ``apply`` is pure. It knows
 nothing about devices: every parameter and main activation carries *logical* axis names (``embed``,
@@ -27,6 +28,7 @@ from jax.ad_checkpoint import checkpoint_name
 from llama_jax import remat
 from llama_jax.attention import attention, cached_attention, select_implementation
 from llama_jax.config import ModelConfig, RematConfig
+from llama_jax.loss import LOGITS, fused_cross_entropy_sum
 from llama_jax.projection import project
 
 # Logical names of activation axes. Parameters use `embed`, `heads`, ...; activations get their own
@@ -38,7 +40,7 @@ HIDDEN = ("batch", "seq", "act_embed")
 HEADS = ("batch", "seq", "act_heads", "head_dim")
 KV_HEADS = ("batch", "seq", "act_kv_heads", "head_dim")
 MLP_HIDDEN = ("batch", "seq", "act_mlp")
-LOGITS = ("batch", "seq", "act_vocab")
+# LOGITS = ("batch", "seq", "act_vocab"), in loss.py
 
 
 def dtypes(cfg: ModelConfig) -> dict[str, jnp.dtype]:
@@ -114,9 +116,51 @@ class RMSNorm(nn.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, ("norm",)),
                            (x.shape[-1],), self.param_dtype)
-        x32 = x.astype(jnp.float32)  # the mean of squares overflows/underflows in 16-bit
-        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (normed * scale.astype(jnp.float32)).astype(self.dtype)
+        return rms_norm(x, scale, self.eps, jnp.dtype(self.dtype))
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float, dtype: jnp.dtype) -> jax.Array:
+    """x / rms(x) * scale, in fp32 (the mean of squares overflows/underflows in 16-bit), cast to dtype.
+
+    A custom backward pass: autodiff of the formula would keep fp32 copies of the activation; this
+    keeps only the input x (bf16 on GPU) and recomputes the cheap normalisation from it.
+    """
+    return _rms_norm_forward(x, scale, eps, dtype)[0]
+
+
+def _rms_norm_forward(x, scale, eps, dtype):
+    x32 = x.astype(jnp.float32)
+    inverse_rms = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (x32 * inverse_rms * scale.astype(jnp.float32)).astype(dtype), (x, scale)
+
+
+def _rms_norm_backward(eps, dtype, residuals, d_out):
+    x, scale = residuals
+    x32 = x.astype(jnp.float32)
+    inverse_rms = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    normed = x32 * inverse_rms
+    d_normed = d_out.astype(jnp.float32) * scale.astype(jnp.float32)
+    # d/dx of x * r(x), r = 1/rms: r * (g - normed * mean(g * normed))
+    d_x = inverse_rms * (d_normed - normed * jnp.mean(d_normed * normed, axis=-1, keepdims=True))
+    d_scale = jnp.sum(d_out.astype(jnp.float32) * normed, axis=tuple(range(x.ndim - 1)))
+    return d_x.astype(x.dtype), d_scale.astype(scale.dtype)
+
+
+rms_norm.defvjp(_rms_norm_forward, _rms_norm_backward)
+
+
+class Weight(nn.Module):
+    """A weight on its own, for code that uses it in more than one einsum (the fused loss)."""
+
+    shape: tuple[int, ...]
+    names: tuple[str, ...]
+    std: float
+    param_dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self) -> jax.Array:
+        return self.param("kernel", init_normal(self.std, self.names), self.shape, self.param_dtype)
 
 
 class Linear(nn.Module):
@@ -162,7 +206,8 @@ class Attention(nn.Module):
         else:
             implementation = select_implementation(cfg.attention, jax.default_backend(), q.dtype, h, q.shape[1],
                                                    strict=False)
-            context = attention(q, k, v, segment_ids, positions, implementation)  # [batch, seq, heads, head_dim]
+            context = attention(q, k, v, segment_ids, positions, implementation,  # [batch, seq, heads, head_dim]
+                                cfg.attention_max_segments)
         context = nn.with_logical_constraint(checkpoint_name(context, "attention_context"), HEADS)
 
         out = linear("btnh,nhd->btd", (n, h, d), ("heads", "head_dim", "embed"), out_std, name="o_proj")(context)
@@ -229,8 +274,9 @@ class Llama(nn.Module):
     decode: bool = False  # generation with a key/value cache (the "cache" collection), see generate.py
 
     @nn.compact
-    def __call__(self, tokens, positions=None, segment_ids=None):
-        """tokens [batch, seq] int -> logits [batch, seq, vocab] in the compute dtype.
+    def __call__(self, tokens, positions=None, segment_ids=None, targets=None, loss_mask=None):
+        """tokens [batch, seq] int -> logits [batch, seq, vocab] in the compute dtype; or, given
+        targets [batch, seq] (and loss_mask), the summed next-token loss and its token count (fp32).
 
         positions restart at 0 for every packed document and segment_ids (>= 1 per document) keep
         documents from attending to each other; without them the row is one document. With
@@ -264,10 +310,16 @@ class Llama(nn.Module):
 
         x = RMSNorm(cfg.norm_eps, **dtypes(cfg), name="final_norm")(x)
         if cfg.tie_embeddings:
-            logits = embed.attend(x)
+            head = embed.embedding.T  # [embed, vocab]
         else:
-            logits = Linear("btd,dv->btv", (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), cfg.init_std,
-                            **dtypes(cfg), cpu_backward=cfg.cpu_projection, name="lm_head")(x)
+            head = Weight((cfg.d_model, cfg.vocab_size), ("embed", "vocab"), cfg.init_std, cfg.param_dtype,
+                          name="lm_head")()
+        head = head.astype(cfg.compute_dtype)
+        if targets is not None:  # training and evaluation: the logits never exist as a whole
+            if loss_mask is None:
+                loss_mask = jnp.ones(targets.shape, jnp.float32)
+            return fused_cross_entropy_sum(x, head, targets, loss_mask)
+        logits = project("btd,dv->btv", x, head, cfg.cpu_projection)
         return nn.with_logical_constraint(logits, LOGITS)
 
 

@@ -21,7 +21,8 @@ from llama_jax import hlo, remat
 from llama_jax.config import REMAT_POLICIES, Config
 from llama_jax.files import format_bytes
 from llama_jax.model import param_count
-from llama_jax.step import TrainProgram, model_flops_per_token
+from llama_jax.hardware import memory_budget
+from llama_jax.step import TrainProgram, model_flops_per_token, step_memory_bytes
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,8 @@ class Plan:
     collective_bytes: dict[str, float]   # per device per step, by kind (ring cost model)
     collective_minimum: dict[str, float]  # analytic minimum per device per step, by parallelism
     compile_seconds: float
+    microbatches: int = 1    # train.microbatches (auto resolved)
+    budget_bytes: float = 0.0  # per device: run.device_memory_gb or the default budget
     memory_traffic_bytes: float = 0.0  # per device per step: bytes every operation reads and writes
     # Per operation (FLOPs, bytes) per device per step, for roofline estimates (hlo.HloStats); not printed.
     operations: tuple[tuple[float, float], ...] = field(default=(), repr=False)
@@ -82,10 +85,9 @@ def collective_minimum(config: Config, sizes: dict[str, int]) -> dict[str, float
 
 
 def make_plan(config: Config, mesh: Mesh) -> Plan:
-    program = TrainProgram.build(config, mesh)
     start = time.perf_counter()
-    with program.activate():
-        compiled = program.train_step.lower(program.abstract_state(), program.abstract_batch()).compile()
+    program = TrainProgram.build(config, mesh)  # train.microbatches=auto compiles the counts it tries
+    compiled = program.compile_step()
     compile_seconds = time.perf_counter() - start
     memory = compiled.memory_analysis()
     devices = mesh.devices.size
@@ -94,13 +96,14 @@ def make_plan(config: Config, mesh: Mesh) -> Plan:
     return Plan(
         mesh=dict(mesh.shape), devices=devices,
         argument_bytes=memory.argument_size_in_bytes, temporary_bytes=memory.temp_size_in_bytes,
-        output_bytes=outputs, total_bytes=memory.argument_size_in_bytes + memory.temp_size_in_bytes + outputs,
+        output_bytes=outputs, total_bytes=step_memory_bytes(compiled),
         host_temporary_bytes=memory.host_temp_size_in_bytes,
         hlo_flops=stats.dot_flops * devices,
         model_flops=model_flops_per_token(config) * config.train.batch_size * config.train.seq_len,
         collective_bytes={kind: c.moved_bytes for kind, c in stats.collectives.items()},
         collective_minimum=collective_minimum(config, dict(mesh.shape)),
-        compile_seconds=compile_seconds,
+        compile_seconds=compile_seconds, microbatches=program.config.train.microbatches,
+        budget_bytes=memory_budget(config.run.device_memory_gb),
         memory_traffic_bytes=stats.memory_bytes, operations=stats.operations,
     )
 
@@ -140,7 +143,9 @@ def format_plan(plan: Plan) -> str:
         f"  arguments    {format_bytes(plan.argument_bytes):>12}   (train state + batch)",
         f"  temporaries  {format_bytes(plan.temporary_bytes):>12}   (activations, gradients, scratch)",
         f"  outputs      {format_bytes(plan.output_bytes):>12}   (not aliased to donated arguments)",
-        f"  total        {format_bytes(plan.total_bytes):>12}",
+        f"  total        {format_bytes(plan.total_bytes):>12}   "
+        f"({'fits' if plan.total_bytes <= plan.budget_bytes else 'OVER'} the budget of {format_bytes(plan.budget_bytes)}, "
+        f"run.device_memory_gb; {plan.microbatches} micro-batch{'es' if plan.microbatches > 1 else ''})",
         f"  host         {format_bytes(plan.host_temporary_bytes):>12}   (offloaded to pinned host memory)"
         if plan.host_temporary_bytes else "",
         "FLOPs per step (all devices):",

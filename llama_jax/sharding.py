@@ -94,10 +94,11 @@ def check_divisibility(config: Config, sizes: dict[str, int]) -> None:
     """Errors that depend on both the model/batch and the mesh."""
     m, t = config.model, config.train
     batch_shards = sizes["data"] * sizes["fsdp"]
-    if t.batch_size % (batch_shards * t.microbatches):
+    microbatches = 1 if t.microbatches == "auto" else t.microbatches  # auto picks a count that divides
+    if t.batch_size % (batch_shards * microbatches):
         raise ConfigError(
             f"train.batch_size ({t.batch_size}) must be divisible by data×fsdp×microbatches "
-            f"({sizes['data']}×{sizes['fsdp']}×{t.microbatches} = {batch_shards * t.microbatches})"
+            f"({sizes['data']}×{sizes['fsdp']}×{microbatches} = {batch_shards * microbatches})"
         )
     tensor = sizes["tensor"]
     # Query heads split evenly over `tensor`; kv heads either split too or, when there are fewer

@@ -8,6 +8,7 @@ placed by the logical-axis table of sharding.py.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -24,6 +25,9 @@ from llama_jax import sharding
 from llama_jax.attention import select_implementation, skips_masked_blocks
 from llama_jax.config import Config
 from llama_jax.data.loader import Batches
+from llama_jax.errors import ConfigError
+from llama_jax.files import format_bytes
+from llama_jax.hardware import memory_budget
 from llama_jax.model import Llama, train_flops_per_token
 from llama_jax.optim import learning_rate, make_optimizer
 
@@ -42,20 +46,10 @@ class TrainState(struct.PyTreeNode):
 # Loss and steps (pure functions of their inputs; jitted by TrainProgram)
 
 
-def cross_entropy_sum(logits: jax.Array, targets: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Summed next-token negative log-likelihood over unmasked targets, and their count, in fp32."""
-    logits = logits.astype(jnp.float32)
-    # A masked sum rather than a gather: with the vocab split over `tensor` each device sums its
-    # own slice and XLA adds the partial sums, instead of gathering the [batch, seq, vocab] logits.
-    vocab_ids = jnp.arange(logits.shape[-1], dtype=targets.dtype)
-    target_logits = jnp.sum(jnp.where(vocab_ids == targets[..., None], logits, 0.0), axis=-1)
-    nll = jax.nn.logsumexp(logits, axis=-1) - target_logits
-    return jnp.sum(nll * mask), jnp.sum(mask)
-
-
 def loss_terms(params, model: Llama, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
-    logits = model.apply({"params": params}, batch["tokens"], batch["positions"], batch["segment_ids"])
-    return cross_entropy_sum(logits, batch["targets"], batch["loss_mask"])
+    """(summed next-token loss, unmasked token count) of one batch, in fp32."""
+    return model.apply({"params": params}, batch["tokens"], batch["positions"], batch["segment_ids"],
+                       targets=batch["targets"], loss_mask=batch["loss_mask"])
 
 
 def make_grad_fn(model: Llama, microbatches: int) -> Callable:
@@ -120,6 +114,7 @@ class TrainProgram:
     init_state: Callable
     train_step: Callable
     eval_step: Callable
+    compiled_step: Any = None  # the train step compiled ahead of time (compile_step); calls of train_step reuse it
 
     @classmethod
     def for_config(cls, config: Config, devices=None) -> TrainProgram:
@@ -128,6 +123,10 @@ class TrainProgram:
 
     @classmethod
     def build(cls, config: Config, mesh: Mesh) -> TrainProgram:
+        """The programs of `config` on `mesh`; train.microbatches=auto compiles the step for each count
+        in turn and keeps the first that fits the memory budget."""
+        if config.train.microbatches == "auto":
+            return cls._fewest_microbatches_that_fit(config, mesh)
         model = Llama(config.model, remat_config=config.remat)
         optimizer = make_optimizer(config.train)
         schedule = learning_rate(config.train)
@@ -166,6 +165,38 @@ class TrainProgram:
             eval_step=jax.jit(eval_step, in_shardings=(state_shardings.params, batch_sharding)),
         )
 
+    @classmethod
+    def _fewest_microbatches_that_fit(cls, config: Config, mesh: Mesh) -> TrainProgram:
+        """The program with the fewest micro-batches whose compiled step fits the budget; else the most
+        (one sequence per device at a time), which check_fits then refuses."""
+        rows = config.train.batch_size // (mesh.shape["data"] * mesh.shape["fsdp"])  # per batch shard
+        budget = memory_budget(config.run.device_memory_gb)
+        for count in (n for n in range(1, rows + 1) if rows % n == 0):
+            program = cls.build(dataclasses.replace(config, train=dataclasses.replace(config.train, microbatches=count)),
+                                mesh)
+            if step_memory_bytes(program.compile_step()) <= budget:
+                break
+        return program
+
+    def compile_step(self):
+        """The train step compiled for the abstract state and batch (once; later calls of train_step reuse it)."""
+        if self.compiled_step is None:
+            with self.activate():
+                self.compiled_step = self.train_step.lower(self.abstract_state(), self.abstract_batch()).compile()
+        return self.compiled_step
+
+    def check_fits(self) -> None:
+        """Raise ConfigError (one line: what the step needs, the budget, the keys to change) when the compiled
+        step needs more memory per device than run.device_memory_gb allows."""
+        need, budget = step_memory_bytes(self.compile_step()), memory_budget(self.config.run.device_memory_gb)
+        if need > budget:
+            t, remat_policy = self.config.train, self.config.remat.policy
+            raise ConfigError(
+                f"the train step ({t.microbatches} micro-batch(es), remat.policy={remat_policy}) needs {format_bytes(need)} "
+                f"per device, over the budget of {format_bytes(budget)} (run.device_memory_gb); use train.microbatches="
+                "auto (or more), recompute more (remat.policy=full), shard over more devices (mesh.fsdp, mesh.tensor), "
+                "or let `llama-jax tune` choose")
+
     def activate(self):
         """Context in which the steps may be traced: the mesh and logical rules are visible."""
         return sharding.activate(self.mesh, sharding.axis_rules(self.config))
@@ -196,6 +227,13 @@ class TrainProgram:
             loss_sum, n = self.eval_step(params, self.put(batches.batch(i, rows)))
             total, count = total + float(loss_sum), count + float(n)
         return total / max(count, 1.0)
+
+
+def step_memory_bytes(compiled) -> int:
+    """Per device: arguments + temporaries + outputs that do not reuse (alias) donated arguments."""
+    memory = compiled.memory_analysis()
+    return (memory.argument_size_in_bytes + memory.temp_size_in_bytes + memory.output_size_in_bytes
+            - memory.alias_size_in_bytes)
 
 
 def model_flops_per_token(config: Config) -> float:

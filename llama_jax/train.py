@@ -51,6 +51,7 @@ class Run:
     data: TrainData
     start: int  # the newest checkpoint step in run.dir (0: none)
     source: ModelSpec | None = None  # checkpoint.resume_from / init_from, for a new run.dir
+    compile_seconds: float = 0.0  # compiling the train step ahead of time, to check its memory
 
     @classmethod
     def setup(cls, config: Config, mesh: Mesh, data: TrainData) -> Run:
@@ -67,7 +68,11 @@ class Run:
                 raise ConfigError(f"{source.text} holds parameters only (no optimizer state or data position) and "
                                   "cannot be resumed; start from it with checkpoint.init_from")
             check_model(dataclasses.asdict(source.model), model, source.text)
-        return cls(config, TrainProgram.build(config, mesh), data, start, source)
+        enable_compilation_cache(config)
+        compiling = time.perf_counter()
+        program = TrainProgram.build(config, mesh)  # train.microbatches=auto: the fewest that fit
+        program.check_fits()  # the step compiled now, its memory against run.device_memory_gb
+        return cls(program.config, program, data, start, source, time.perf_counter() - compiling)
 
 
 def train(config: Config, print_fn: Callable[[str], None] = print, *, devices=None,
@@ -113,6 +118,7 @@ def execute(run: Run, print_fn: Callable[[str], None] = print, started_at: float
         print_fn(f"{run_dir} is already trained to step {run.start}; raise train.steps to continue")
         return summary
     loop = Loop.open(run, print_fn, started_at or time.time())
+    loop.goodput.add("compile", run.compile_seconds)  # Run.setup compiled the step to check its memory
     try:
         with loop.watchdog, loop.preemption, program.activate(), loop.log:
             state, data_step = loop.restore()
@@ -178,7 +184,6 @@ class Loop:
         """Write the run's config and tokenizer and start every part (Run.setup has checked the input)."""
         config, mesh = run.config, run.program.mesh
         t, f, run_dir = config.train, config.fault, Path(config.run.dir)
-        enable_compilation_cache(config)
         multi, primary = jax.process_count() > 1, jax.process_index() == 0
         run_dir.mkdir(parents=True, exist_ok=True)
         if primary:

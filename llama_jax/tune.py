@@ -37,7 +37,7 @@ from llama_jax.config import Config
 from llama_jax.costmodel import CostModel, default_cost_model
 from llama_jax.errors import ConfigError
 from llama_jax.files import atomic_path, cache_root, format_bytes
-from llama_jax.hardware import default_memory_budget, simulated_devices
+from llama_jax.hardware import memory_budget, simulated_devices
 from llama_jax.step import TrainProgram, model_flops_per_token, random_batch, time_train_steps
 
 SEARCHED_KEYS = ("mesh.data", "mesh.fsdp", "mesh.tensor", "mesh.sequence", "mesh.sequence_parallel",
@@ -294,7 +294,8 @@ class TuneError(ConfigError):
 def default_candidate(config: Config, devices: int) -> Candidate:
     sizes = sharding.mesh_shape(config.mesh, devices)
     return Candidate(sizes["data"], sizes["fsdp"], sizes["tensor"], sizes["sequence"],
-                     config.mesh.sequence_parallel or sizes["tensor"] == 1, config.train.microbatches,
+                     config.mesh.sequence_parallel or sizes["tensor"] == 1,
+                     config.train.microbatches if config.train.microbatches != "auto" else 1,
                      config.remat.policy, config.remat.every_n_layers)
 
 
@@ -341,7 +342,7 @@ def tune(source: str | None, overrides: list[str], options: Options = Options())
     base, default, results = enumerate_candidates(source, overrides, options)
     devices = jax.device_count()
     valid = [r for r in results if r.config is not None]
-    budget = options.memory_gb * 2**30 if options.memory_gb else default_memory_budget()
+    budget = memory_budget(options.memory_gb or base.run.device_memory_gb)
     root = cache_root(base.data.cache_dir)
     cache = Cache(root / "tune", base)
     model = _cost_model(options, cache, base.model.compute_dtype, root)

@@ -1,15 +1,22 @@
 """The CPU fast path: blocked (flash) attention and the projection's CPU backward pass, each checked
 against the plain XLA computation it replaces, forward and gradients, at fixed fp32 tolerances."""
 
+import contextlib
+import dataclasses
+import io
+
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import TINY_MODEL
 
-from llama_jax import flash, projection
+from llama_jax import flash, projection, remat
 from llama_jax.attention import document_mask, skips_masked_blocks
-from llama_jax.config import load_config
-from llama_jax.model import train_flops_per_token
+from llama_jax.config import RematConfig, load_config
+from llama_jax.cudnn import query_chunked_attention
+from llama_jax.model import Block, rope_angles, train_flops_per_token
 
 
 def reference_attention(q, k, v, segments):
@@ -48,6 +55,22 @@ def test_blocked_attention_matches_xla_forward_and_gradients(seq, heads, kv_head
         np.testing.assert_allclose(g, e, atol=1e-4, rtol=1e-5)
 
 
+@pytest.mark.parametrize("chunk", [128, 1024])  # several chunks; one chunk of the whole sequence
+def test_query_chunked_attention_matches_xla_forward_and_gradients(chunk):
+    """cuDNN's fallback for rows with more documents than its packed layout holds."""
+    rng = np.random.default_rng(1)
+    q = jnp.asarray(rng.standard_normal((2, 512, 4, 16)), jnp.float32)
+    k, v = (jnp.asarray(rng.standard_normal((2, 512, 2, 16)), jnp.float32) for _ in range(2))
+    ids = np.ones((2, 512), np.int32)
+    ids[0, 100:], ids[0, 300:], ids[1, 129:] = 2, 3, 2
+    segments, weights = jnp.asarray(ids), jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
+    fallback = lambda q, k, v, s: query_chunked_attention(q, k, v, s, chunk)  # noqa: E731
+    np.testing.assert_allclose(fallback(q, k, v, segments), reference_attention(q, k, v, segments), atol=1e-5)
+    for fn_grads in zip(*(jax.grad(lambda q, k, v, f=f: jnp.sum(f(q, k, v, segments) * weights), argnums=(0, 1, 2))(
+            q, k, v) for f in (fallback, reference_attention))):
+        np.testing.assert_allclose(fn_grads[0], fn_grads[1], atol=1e-4, rtol=1e-5)
+
+
 def test_block_sizes():
     assert flash.block_size(128) is None  # a single block: nothing to skip
     assert flash.block_size(512) == 128
@@ -83,3 +106,26 @@ def test_kernels_that_skip_the_masked_half_count_half_the_attention_flops():
     full, half = train_flops_per_token(cfg, 512), train_flops_per_token(cfg, 512, causal_skip=True)
     assert full - half == pytest.approx(6 * cfg.n_layers * cfg.n_heads * cfg.resolved_head_dim * 512)
     assert skips_masked_blocks("blocked") and skips_masked_blocks("cudnn") and not skips_masked_blocks("xla")
+
+
+def test_a_policy_that_keeps_attention_keeps_the_kernels_residuals_instead_of_rerunning_it():
+    """save_dot_except_mlp keeps attention: the blocked kernel's per-query log-sum-exp is saved under the
+    attention_context tag (with its inputs and output), so the backward pass never re-runs its forward."""
+    cfg, batch, seq = dataclasses.replace(TINY_MODEL, max_seq_len=256), 2, 256
+    x = jnp.ones((batch, seq, cfg.d_model))
+    positions = jnp.broadcast_to(jnp.arange(seq), (batch, seq))
+    segments = jnp.ones((batch, seq), jnp.int32)
+    cos, sin = rope_angles(positions, cfg)
+
+    def saved(policy: str) -> str:
+        block = nn.remat(Block, policy=remat.checkpoint_policy(RematConfig(policy=policy)), prevent_cse=False)(cfg)
+        params = block.init(jax.random.key(0), x, cos, sin, segments, positions)
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            jax.ad_checkpoint.print_saved_residuals(
+                lambda p: block.apply(p, x, cos, sin, segments, positions)[0].sum(), params)
+        return out.getvalue()
+
+    lse = f"f32[{batch},{cfg.n_kv_heads},{cfg.n_heads // cfg.n_kv_heads},{seq}] named 'attention_context'"
+    assert lse in saved("save_dot_except_mlp")
+    assert "attention_context" not in saved("full")

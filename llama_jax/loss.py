@@ -1,0 +1,116 @@
+"""The next-token loss, fused with the output projection and computed over chunks of tokens.
+
+The plain formula projects the final hidden states to logits, [batch, seq, vocab], and takes their
+log-softmax. With Llama 3's 128,256-token vocabulary those logits are ~4 GB per 8K sequence in fp32,
+and autodiff keeps them (and a mask of the same shape) for the backward pass. Here the projection and
+the loss run together over chunks of tokens, so one chunk's logits exist at a time; and because the
+summed loss is the last thing the program computes, its cotangent is one scalar that only scales the
+gradient: each chunk's gradients with respect to the hidden states and the output weight are computed
+while its logits are at hand (the idea of Liger-Kernel's fused linear cross-entropy). The backward
+pass then keeps dx [batch, seq, embed] and dW [embed, vocab], never [batch, seq, vocab], and no
+logits are computed twice.
+
+Works with the vocabulary sharded over `tensor`: the log-sum-exp and the target logit are reductions
+over the vocab axis (each device reduces its slice, XLA adds the partial results) rather than a gather.
+Written by hand because no kept library does this in JAX for CPU and GPU alike.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+CHUNK_TOKENS = 1024  # tokens of each row per chunk: [batch, 1024, vocab] fp32 logits at a time
+LOGITS = ("batch", "seq", "act_vocab")
+
+
+def cross_entropy_sum(logits: jax.Array, targets: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The plain formula from logits: summed next-token NLL over unmasked targets, and their count."""
+    logits = logits.astype(jnp.float32)
+    nll = jax.nn.logsumexp(logits, axis=-1) - _target_logits(logits, targets)
+    return jnp.sum(nll * mask), jnp.sum(mask)
+
+
+def fused_cross_entropy_sum(x: jax.Array, weight: jax.Array, targets: jax.Array,
+                            mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """cross_entropy_sum(x @ weight, targets, mask) without the [batch, seq, vocab] logits.
+
+    x [batch, seq, embed] final hidden states, weight [embed, vocab] (the transposed embedding table
+    when tied), targets [batch, seq] int, mask [batch, seq] float.
+    """
+    chunks = chunk_count(x.shape[1])
+    return _fused(x, weight, targets, mask.astype(jnp.float32), chunks), jnp.sum(mask)
+
+
+def chunk_count(seq_len: int) -> int:
+    """The fewest chunks, dividing seq_len, with at most CHUNK_TOKENS tokens of a row in each."""
+    return next(n for n in range(1, seq_len + 1) if seq_len % n == 0 and seq_len // n <= CHUNK_TOKENS)
+
+
+def _target_logits(logits, targets):
+    # A masked sum rather than a gather: with the vocab split over `tensor` each device sums its own
+    # slice, instead of gathering the logits.
+    vocab_ids = jnp.arange(logits.shape[-1], dtype=targets.dtype)
+    return jnp.sum(jnp.where(vocab_ids == targets[..., None], logits, 0.0), axis=-1)
+
+
+def _by_chunk(a: jax.Array, chunks: int) -> jax.Array:
+    """[batch, seq, ...] -> [chunks, batch, seq / chunks, ...]; chunk c holds tokens c, c + chunks, ...
+
+    Strided rather than contiguous chunks keep a sequence-sharded axis sharded the same way inside
+    every chunk (the loss is a sum over tokens, so their order does not matter).
+    """
+    b, t = a.shape[:2]
+    return jnp.moveaxis(a.reshape(b, t // chunks, chunks, *a.shape[2:]), 2, 0)
+
+
+def _chunk_logits(x_c, weight):
+    logits = jnp.einsum("btd,dv->btv", x_c, weight, preferred_element_type=jnp.float32)
+    return nn.with_logical_constraint(logits, LOGITS)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _fused(x, weight, targets, mask, chunks):
+    def loss_of_chunk(total, chunk):
+        x_c, targets_c, mask_c = chunk
+        logits = _chunk_logits(x_c, weight)
+        nll = jax.nn.logsumexp(logits, axis=-1) - _target_logits(logits, targets_c)
+        return total + jnp.sum(nll * mask_c), None
+
+    chunked = (_by_chunk(x, chunks), _by_chunk(targets, chunks), _by_chunk(mask, chunks))
+    return jax.lax.scan(loss_of_chunk, jnp.zeros((), jnp.float32), chunked)[0]
+
+
+def _fused_forward(x, weight, targets, mask, chunks):
+    def chunk_loss_and_grads(carry, chunk):
+        total, d_weight = carry
+        x_c, targets_c, mask_c = chunk
+        logits = _chunk_logits(x_c, weight)
+        lse = jax.nn.logsumexp(logits, axis=-1)
+        total = total + jnp.sum((lse - _target_logits(logits, targets_c)) * mask_c)
+        # d(loss)/d(logits) = softmax - one_hot(target), for unmasked tokens
+        vocab_ids = jnp.arange(logits.shape[-1], dtype=targets_c.dtype)
+        d_logits = (jnp.exp(logits - lse[..., None]) - (vocab_ids == targets_c[..., None])) * mask_c[..., None]
+        d_logits = nn.with_logical_constraint(d_logits.astype(x.dtype), LOGITS)
+        d_x = jnp.einsum("btv,dv->btd", d_logits, weight, preferred_element_type=jnp.float32).astype(x.dtype)
+        d_weight = d_weight + jnp.einsum("btd,btv->dv", x_c, d_logits, preferred_element_type=jnp.float32)
+        return (total, d_weight), d_x
+
+    chunked = (_by_chunk(x, chunks), _by_chunk(targets, chunks), _by_chunk(mask, chunks))
+    zeros = (jnp.zeros((), jnp.float32), jnp.zeros(weight.shape, jnp.float32))
+    (total, d_weight), d_x = jax.lax.scan(chunk_loss_and_grads, zeros, chunked)
+    b, t = x.shape[:2]
+    d_x = jnp.moveaxis(d_x, 0, 2).reshape(b, t, x.shape[2])  # back from chunks to the token order
+    return total, (d_x, d_weight.astype(weight.dtype))
+
+
+def _fused_backward(chunks, residuals, d_total):
+    d_x, d_weight = residuals
+    # The loss is linear in its cotangent: the gradients computed in the forward pass, scaled.
+    return (d_x * d_total).astype(d_x.dtype), (d_weight * d_total).astype(d_weight.dtype), None, None
+
+
+_fused.defvjp(_fused_forward, _fused_backward)

@@ -1,0 +1,88 @@
+"""The GPU attention path, checked on this CPU machine by lowering for CUDA and reading the module.
+
+Lowering cuDNN attention needs two answers that only a GPU machine gives: the cuDNN version (jax
+asks the CUDA plugin, absent here) and the GPU's compute capability (the packed layout needs Hopper).
+Both are patched to an H100's; everything else (our layout of packed documents, the kernel choice,
+the shard_map for more tensor shards than kv heads, the rest of the train step) lowers for real.
+"""
+
+import re
+from unittest import mock
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from llama_jax import cudnn
+from llama_jax.attention import attention, document_mask
+from llama_jax.config import load_config
+from llama_jax.step import TrainProgram
+
+SEQ = 1024
+
+
+@pytest.fixture
+def hopper():
+    with mock.patch.object(cudnn.cudnn, "check_cudnn_version", lambda: 91000), \
+            mock.patch.object(cudnn.cudnn, "check_compute_capability", lambda capability: True):
+        yield
+
+
+def square_tensors(module_text: str, size: int = SEQ) -> list[str]:
+    """Shapes in the module with two dimensions of the sequence's length: a [.., T, T] mask, bias or scores."""
+    shapes = set(re.findall(r"tensor<([0-9x]+)x(?:[a-z]+[0-9]*)>", module_text))
+    return sorted(s for s in shapes if s.split("x").count(str(size)) >= 2)
+
+
+def custom_calls(module_text: str) -> set[str]:
+    return set(re.findall(r"custom_call @([\w$]+)", module_text)) | \
+        set(re.findall(r'call_target_name = "([^"]+)"', module_text))
+
+
+def test_segment_layout_is_cudnns_packed_layout():
+    ids = np.zeros((3, 12), np.int32)
+    ids[0, :5], ids[0, 5:9] = 1, 2  # two documents, then padding
+    ids[1, :] = 1  # one document filling the row
+    ids[2, :3], ids[2, 3:6], ids[2, 6:8], ids[2, 8:] = 1, 2, 3, 4  # more documents than max_segments
+    lengths, offsets, documents = (np.asarray(a) for a in cudnn.segment_layout(jnp.asarray(ids), 3))
+    assert documents.tolist() == [3, 1, 4]
+    assert lengths.tolist() == [[5, 4, 3], [12, -1, -1], [3, 3, 2]]
+    assert offsets.tolist() == [[0, 5, 9, -1], [0, -1, -1, -1], [0, 3, 6, -1]]
+
+
+def test_packed_documents_lower_to_cudnn_without_any_t_by_t_tensor(hopper):
+    q = jax.ShapeDtypeStruct((2, SEQ, 8, 64), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((2, SEQ, 2, 64), jnp.bfloat16)
+    segments = jax.ShapeDtypeStruct((2, SEQ), jnp.int32)
+
+    def loss(q, k, v, segments):
+        return attention(q, k, v, segments, None, "cudnn", max_segments=16).astype(jnp.float32).sum()
+
+    text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, kv, kv, segments).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert {"__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward"} <= custom_calls(text)
+    assert square_tensors(text) == []
+
+    def dense_mask_loss(q, k, v, segments):  # what jax.nn.dot_product_attention needs for packed documents
+        mask = document_mask(segments, segments)
+        return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation="cudnn").sum()
+
+    dense = jax.jit(jax.grad(dense_mask_loss)).trace(q, kv, kv, segments).lower(lowering_platforms=("cuda",))
+    assert square_tensors(dense.as_text())  # the check sees a T x T mask when there is one
+
+
+def test_train_step_with_more_tensor_shards_than_kv_heads_lowers_with_attention_in_a_shard_map(hopper):
+    """tensor=8 > 4 kv heads (as Llama 3 70B/405B at tensor=16 > 8): jax's cuDNN partitioner would
+    reject q split and k/v replicated, so each device runs cuDNN on its own kv head in a shard_map."""
+    config = load_config("tiny", ["model.d_model=256", "model.n_heads=8", "model.n_kv_heads=4", "model.n_layers=1",
+                                  "model.compute_dtype=bfloat16",
+                                  f"train.seq_len={SEQ}", "train.batch_size=2", "mesh.tensor=8", "mesh.fsdp=1"])
+    with mock.patch("llama_jax.model.select_implementation", lambda *args, **kwargs: "cudnn"):
+        program = TrainProgram.for_config(config)
+        with program.activate():
+            text = program.train_step.trace(program.abstract_state(), program.abstract_batch()).lower(
+                lowering_platforms=("cuda",)).as_text()
+    assert "__cudnn$fmhaSoftmax" in custom_calls(text)
+    assert "sdy.manual_computation" in text or "SPMDFullToShardShape" in custom_calls(text)
+    assert square_tensors(text) == []

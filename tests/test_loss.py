@@ -1,0 +1,102 @@
+"""The fused, chunked cross-entropy and RMSNorm's backward pass: the same values and gradients as the
+plain formulas (fp32, fixed tolerances), and what they keep for the backward pass."""
+
+import contextlib
+import dataclasses
+import io
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import TINY_MODEL
+
+from llama_jax import loss
+from llama_jax.model import Llama, rms_norm
+
+RELATIVE = 1e-6  # fp32
+
+
+def relative_error(a, b) -> float:
+    return float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)))
+
+
+@pytest.mark.parametrize("chunk_tokens", [4, 8, 1024])  # 8, 4 and 1 chunks of a 32-token row
+def test_fused_loss_and_gradients_equal_the_plain_formula(chunk_tokens, monkeypatch):
+    monkeypatch.setattr(loss, "CHUNK_TOKENS", chunk_tokens)
+    rng = np.random.default_rng(0)
+    batch, seq, embed, vocab = 2, 32, 16, 50
+    x = jnp.asarray(rng.standard_normal((batch, seq, embed)), jnp.float32)
+    weight = jnp.asarray(rng.standard_normal((embed, vocab)) * 0.3, jnp.float32)
+    targets = jnp.asarray(rng.integers(0, vocab, (batch, seq)), jnp.int32)
+    mask = jnp.asarray(rng.random((batch, seq)) > 0.2, jnp.float32)
+
+    def plain(x, w):
+        return loss.cross_entropy_sum(jnp.einsum("btd,dv->btv", x, w), targets, mask)[0]
+
+    def fused(x, w):
+        return loss.fused_cross_entropy_sum(x, w, targets, mask)[0]
+
+    (want, want_grads), (got, got_grads) = (jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(x, weight)
+                                            for f in (plain, fused))
+    assert abs(float(got - want)) / abs(float(want)) < RELATIVE
+    for g, w in zip(got_grads, want_grads):
+        assert relative_error(g, w) < RELATIVE
+    # Scaled cotangents (the mean over tokens, a loss scale) scale the gradients.
+    scaled = jax.grad(lambda x, w: 0.25 * fused(x, w))(x, weight)
+    assert relative_error(scaled, 0.25 * got_grads[0]) < RELATIVE
+    assert float(loss.fused_cross_entropy_sum(x, weight, targets, mask)[1]) == float(mask.sum())
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_model_loss_equals_the_plain_formula_on_its_logits(tied, monkeypatch):
+    monkeypatch.setattr(loss, "CHUNK_TOKENS", 8)
+    cfg = dataclasses.replace(TINY_MODEL, tie_embeddings=tied)
+    model = Llama(cfg)
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 24)), jnp.int32)
+    targets = jnp.roll(tokens, -1, axis=1)
+    mask = jnp.ones(tokens.shape, jnp.float32).at[:, -1].set(0)
+    params = nn.meta.unbox(model.init(jax.random.key(0), tokens)["params"])
+
+    def plain(p):
+        return loss.cross_entropy_sum(model.apply({"params": p}, tokens), targets, mask)[0]
+
+    def fused(p):
+        return model.apply({"params": p}, tokens, targets=targets, loss_mask=mask)[0]
+
+    (want, want_grads), (got, got_grads) = (jax.jit(jax.value_and_grad(f))(params) for f in (plain, fused))
+    assert abs(float(got - want)) / abs(float(want)) < RELATIVE
+    for g, w in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads)):
+        assert relative_error(g, w) < 1e-5  # through every layer: fp32 sums in another order
+
+
+def test_rms_norm_backward_equals_autodiff_of_the_formula():
+    rng = np.random.default_rng(2)
+    x = jnp.asarray(rng.standard_normal((3, 5, 16)), jnp.float32)
+    scale = jnp.asarray(rng.standard_normal(16), jnp.float32)
+    weights = jnp.asarray(rng.standard_normal((3, 5, 16)), jnp.float32)
+
+    def formula(x, scale):
+        return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-5) * scale
+
+    want = jax.grad(lambda x, s: jnp.sum(formula(x, s) * weights), argnums=(0, 1))(x, scale)
+    got = jax.grad(lambda x, s: jnp.sum(rms_norm(x, s, 1e-5, jnp.dtype(jnp.float32)) * weights), argnums=(0, 1))(x, scale)
+    for g, w in zip(got, want):
+        assert relative_error(g, w) < RELATIVE
+
+
+def test_the_backward_pass_keeps_no_logits_and_no_fp32_norm_copies():
+    """bf16 compute: what the loss's backward keeps, read from jax's saved-residuals printer."""
+    cfg = dataclasses.replace(TINY_MODEL, compute_dtype="bfloat16", n_layers=1)
+    batch, seq = 2, 32
+    model = Llama(cfg)
+    tokens = jnp.zeros((batch, seq), jnp.int32)
+    params = nn.meta.unbox(model.init(jax.random.key(0), tokens)["params"])
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        jax.ad_checkpoint.print_saved_residuals(
+            lambda p: model.apply({"params": p}, tokens, targets=tokens)[0], params)
+    saved = out.getvalue()
+    assert f"{cfg.vocab_size}]" not in saved.replace(f"[{cfg.d_model},{cfg.vocab_size}]", "")  # only dW
+    assert f"f32[{batch},{seq},{cfg.d_model}]" not in saved  # no fp32 copy of an activation
