@@ -93,7 +93,10 @@ def train(config: Config, print_fn: Callable[[str], None] = print, *, devices=No
     mesh = sharding.make_mesh(config, devices=devices)
     # Process 0 prepares raw sources into the cache first, so processes sharing it never race.
     data = distributed.primary_first(lambda: open_data(config, log=say), (InputError,))
-    return execute(Run.setup(config, mesh, data), say, started_at)
+    run = Run.setup(config, mesh, data)
+    if config.train.microbatches == "auto":
+        say(f"train.microbatches=auto: {run.config.train.microbatches}, the fewest whose step fits run.device_memory_gb")
+    return execute(run, say, started_at)
 
 
 def _warnings_only(print_fn: Callable[[str], None]) -> Callable[[str], None]:
