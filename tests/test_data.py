@@ -451,6 +451,25 @@ def test_packing_covers_every_token_once_per_epoch(packing_store, packing):
     assert not np.array_equal(other.plan(0).doc, plans[0].doc)
 
 
+@pytest.mark.parametrize("packing", ["concat", "first_fit"])
+def test_a_row_of_a_late_epoch_does_not_recompute_the_earlier_epochs(packing_store, packing, monkeypatch):
+    """Each epoch's plan is computed about once as the rows go by, not once per row per earlier epoch
+    (which made each batch slower than the last on a small corpus)."""
+    from llama_jax.data import loader
+
+    computed = []
+    plan_of = {"concat": loader.concat_plan, "first_fit": loader.first_fit_plan}[packing]
+    monkeypatch.setattr(loader, f"{packing}_plan", lambda *args: computed.append(1) or plan_of(*args))
+    documents = TokenStore(packing_store).documents("train", 0)
+    rows = PackedRows(documents, 17, seed=3, salt=0, packing=packing, window=16)
+    first_of_epoch_30 = sum(rows.rows_in_epoch(e) for e in range(30))
+    computed.clear()
+    reference = PackedRows(documents, 17, seed=3, salt=0, packing=packing, window=16)
+    for k in range(first_of_epoch_30, first_of_epoch_30 + 3 * rows.rows_in_epoch(30)):
+        assert np.array_equal(reference[k]["tokens"], rows[k]["tokens"])
+    assert len(computed) <= 2 * 34  # epochs 0-33, each at most twice (before: every earlier epoch per row)
+
+
 def test_first_fit_plan_on_known_lengths():
     """Exact lengths: full rows are cut first, tails are packed first-fit decreasing."""
     from llama_jax.data.loader import first_fit_plan

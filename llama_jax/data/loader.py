@@ -22,6 +22,7 @@ iteration history of each process, which is exactly what exact resume across pro
 
 from __future__ import annotations
 
+import bisect
 import functools
 import hashlib
 import json
@@ -195,12 +196,13 @@ class PackedRows:
         return self.plan(epoch).rows
 
     def _locate(self, k: int) -> tuple[Plan, int]:
-        epoch = 0
-        while True:
-            plan = self.plan(epoch)
-            if k < self._first_row[epoch + 1]:
-                return plan, k - self._first_row[epoch]
-            epoch += 1
+        # Epochs are counted once, in order, as the rows reach them; then row k's epoch is a bisection of
+        # their first rows, so a row never recomputes the plans of earlier epochs (which are not kept).
+        with self._lock:
+            while self._first_row[-1] <= k:
+                self._first_row.append(self._first_row[-1] + self._compute(len(self._first_row) - 1).rows)
+        epoch = bisect.bisect_right(self._first_row, k) - 1
+        return self.plan(epoch), k - self._first_row[epoch]
 
     def __getitem__(self, k: int) -> dict[str, np.ndarray]:
         plan, r = self._locate(k)
