@@ -67,41 +67,42 @@ def _by_chunk(a: jax.Array, chunks: int) -> jax.Array:
     return jnp.moveaxis(a.reshape(b, t // chunks, chunks, *a.shape[2:]), 2, 0)
 
 
-def _chunk_logits(x_c, weight):
-    logits = jnp.einsum("btd,dv->btv", x_c, weight, preferred_element_type=jnp.float32)
-    return nn.with_logical_constraint(logits, LOGITS)
+def _chunks(x, targets, mask, chunks: int):
+    return _by_chunk(x, chunks), _by_chunk(targets, chunks), _by_chunk(mask, chunks)
+
+
+def _chunk_loss(x_c, weight, targets_c, mask_c):
+    """One chunk's fp32 logits [batch, seq / chunks, vocab], their log-sum-exp and its summed loss."""
+    logits = nn.with_logical_constraint(
+        jnp.einsum("btd,dv->btv", x_c, weight, preferred_element_type=jnp.float32), LOGITS)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    return logits, lse, jnp.sum((lse - _target_logits(logits, targets_c)) * mask_c)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _fused(x, weight, targets, mask, chunks):
-    def loss_of_chunk(total, chunk):
+    def add_chunk_loss(total, chunk):
         x_c, targets_c, mask_c = chunk
-        logits = _chunk_logits(x_c, weight)
-        nll = jax.nn.logsumexp(logits, axis=-1) - _target_logits(logits, targets_c)
-        return total + jnp.sum(nll * mask_c), None
+        return total + _chunk_loss(x_c, weight, targets_c, mask_c)[2], None
 
-    chunked = (_by_chunk(x, chunks), _by_chunk(targets, chunks), _by_chunk(mask, chunks))
-    return jax.lax.scan(loss_of_chunk, jnp.zeros((), jnp.float32), chunked)[0]
+    return jax.lax.scan(add_chunk_loss, jnp.zeros((), jnp.float32), _chunks(x, targets, mask, chunks))[0]
 
 
 def _fused_forward(x, weight, targets, mask, chunks):
     def chunk_loss_and_grads(carry, chunk):
         total, d_weight = carry
         x_c, targets_c, mask_c = chunk
-        logits = _chunk_logits(x_c, weight)
-        lse = jax.nn.logsumexp(logits, axis=-1)
-        total = total + jnp.sum((lse - _target_logits(logits, targets_c)) * mask_c)
+        logits, lse, loss = _chunk_loss(x_c, weight, targets_c, mask_c)
         # d(loss)/d(logits) = softmax - one_hot(target), for unmasked tokens
         vocab_ids = jnp.arange(logits.shape[-1], dtype=targets_c.dtype)
         d_logits = (jnp.exp(logits - lse[..., None]) - (vocab_ids == targets_c[..., None])) * mask_c[..., None]
         d_logits = nn.with_logical_constraint(d_logits.astype(x.dtype), LOGITS)
         d_x = jnp.einsum("btv,dv->btd", d_logits, weight, preferred_element_type=jnp.float32).astype(x.dtype)
         d_weight = d_weight + jnp.einsum("btd,btv->dv", x_c, d_logits, preferred_element_type=jnp.float32)
-        return (total, d_weight), d_x
+        return (total + loss, d_weight), d_x
 
-    chunked = (_by_chunk(x, chunks), _by_chunk(targets, chunks), _by_chunk(mask, chunks))
     zeros = (jnp.zeros((), jnp.float32), jnp.zeros(weight.shape, jnp.float32))
-    (total, d_weight), d_x = jax.lax.scan(chunk_loss_and_grads, zeros, chunked)
+    (total, d_weight), d_x = jax.lax.scan(chunk_loss_and_grads, zeros, _chunks(x, targets, mask, chunks))
     b, t = x.shape[:2]
     d_x = jnp.moveaxis(d_x, 0, 2).reshape(b, t, x.shape[2])  # back from chunks to the token order
     return total, (d_x, d_weight.astype(weight.dtype))

@@ -129,17 +129,19 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float, dtype: jnp.dtype) -> ja
     return _rms_norm_forward(x, scale, eps, dtype)[0]
 
 
-def _rms_norm_forward(x, scale, eps, dtype):
+def _normalized(x, eps):
     x32 = x.astype(jnp.float32)
     inverse_rms = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return (x32 * inverse_rms * scale.astype(jnp.float32)).astype(dtype), (x, scale)
+    return x32 * inverse_rms, inverse_rms
+
+
+def _rms_norm_forward(x, scale, eps, dtype):
+    return (_normalized(x, eps)[0] * scale.astype(jnp.float32)).astype(dtype), (x, scale)
 
 
 def _rms_norm_backward(eps, dtype, residuals, d_out):
     x, scale = residuals
-    x32 = x.astype(jnp.float32)
-    inverse_rms = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    normed = x32 * inverse_rms
+    normed, inverse_rms = _normalized(x, eps)  # recomputed: cheaper than keeping fp32 copies
     d_normed = d_out.astype(jnp.float32) * scale.astype(jnp.float32)
     # d/dx of x * r(x), r = 1/rms: r * (g - normed * mean(g * normed))
     d_x = inverse_rms * (d_normed - normed * jnp.mean(d_normed * normed, axis=-1, keepdims=True))
