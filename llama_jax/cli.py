@@ -83,7 +83,7 @@ def _int_list(text: str) -> tuple[int, ...]:
 
 
 def cmd_tune(ns: argparse.Namespace) -> int:
-    from llama_jax.config import REMAT_POLICIES
+    from llama_jax.vocabulary import REMAT_POLICIES
 
     source, overrides = _split_source(ns.args)
     policies = tuple(ns.policies.split(","))

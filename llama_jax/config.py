@@ -1,13 +1,12 @@
 """The configuration schema: frozen dataclasses, YAML presets and dotted ``key=value`` overrides.
 
-The dataclasses below *are* the schema, and the constants after them every other vocabulary a user
-can type: mesh axes, logical axis names, remat tags, actions and policies. OmegaConf merges a preset
+The dataclasses below *are* the schema; vocabulary.py holds every other vocabulary a user can type
+(mesh axes, logical axis names, remat tags, actions and policies). OmegaConf merges a preset
 (or a user YAML file) and the command-line overrides onto the schema, checking key names and types;
 ``validate`` then checks the values that depend on each other. Every failure becomes one
 :class:`ConfigError` line, which the CLI prints and turns into exit status 2 before anything is written.
 
-This is the bottom of the package: it imports nothing of llama_jax but errors.py. The mechanisms that
-give the vocabularies meaning live above it (sharding.py, remat.py).
+Near the bottom of the package: it imports nothing of llama_jax but errors.py and vocabulary.py.
 """
 
 from __future__ import annotations
@@ -26,70 +25,9 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from llama_jax.errors import ConfigError
-
-# float16 needs loss scaling, which the trainer does not do: bfloat16 has float32's range.
-DTYPES = ("float32", "bfloat16")
-ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn", "blocked")
-PACKINGS = ("concat", "first_fit")
-TEXT_UNITS = ("file", "paragraph", "line")
-BAD_RECORD_ACTIONS = ("fail", "skip")
-
-# Model fields that change the shape or type of a saved array: a checkpoint must agree on every one.
-SHAPE_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim",
-                "tie_embeddings", "param_dtype")
-
-# Mesh axes, outermost (slowest links) to innermost (fastest); sharding.py builds the mesh.
-MESH_AXES = ("data", "fsdp", "sequence", "tensor")
-
-# Logical axis names the model gives its parameters and activations; sharding.LOGICAL_AXIS_RULES maps
-# each onto mesh axes, and `mesh.rules.<name>=<axes>` overrides one entry.
-LOGICAL_AXES = ("layers", "vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "norm",  # parameters
-                "batch", "seq", "residual_seq", "act_embed", "act_heads", "act_kv_heads", "act_mlp", "act_vocab")
-
-# Every activation the model tags for recomputation policies (remat.py), in the order a layer computes them.
-REMAT_TAGS = (
-    "attn_norm",          # RMSNorm output before attention        [batch, seq, embed]
-    "query_proj",         # q = x Wq                                [batch, seq, heads, head_dim]
-    "key_proj",           # k = x Wk                                [batch, seq, kv_heads, head_dim]
-    "value_proj",         # v = x Wv                                [batch, seq, kv_heads, head_dim]
-    "attention_context",  # softmax(q kᵀ) v, the attention core     [batch, seq, heads, head_dim]
-    "attention_out",      # context Wo                              [batch, seq, embed]
-    "mlp_norm",           # RMSNorm output before the MLP           [batch, seq, embed]
-    "mlp_gate",           # x Wgate                                 [batch, seq, mlp]
-    "mlp_up",             # x Wup                                   [batch, seq, mlp]
-    "mlp_hidden",         # silu(gate) * up                         [batch, seq, mlp]
-    "mlp_out",            # hidden Wdown                            [batch, seq, embed]
-)
-# What a policy does with a tag: keep it in device memory, move it to pinned host memory, or recompute it.
-REMAT_ACTIONS = ("save", "offload", "recompute")
-
-_QKV = ("query_proj", "key_proj", "value_proj")
-_PROJECTIONS = _QKV + ("attention_out", "mlp_gate", "mlp_up", "mlp_out")
-_MATMUL_OUTPUTS = _PROJECTIONS + ("attention_context",)
-
-
-def _all(tags: tuple[str, ...], action: str) -> dict[str, str]:
-    return {tag: action for tag in tags}
-
-
-# remat.policy names -> the tags they keep. None: no recomputation at all (the layer is not wrapped in
-# remat). Tags left out are recomputed.
-REMAT_POLICIES: dict[str, dict[str, str] | None] = {
-    "none": None,
-    # Keep only the layer input: recompute the whole layer, about one extra forward pass.
-    "full": {},
-    # Megatron's selective recomputation: keep every projection output and recompute the attention
-    # core (q kᵀ, softmax, their product with v: what a fused kernel would keep), which is cheap
-    # next to the projections, plus the elementwise norms and SwiGLU product.
-    "selective": _all(_PROJECTIONS, "save"),
-    # Keep every matmul output, the attention core's too; norms, rotary and SwiGLU are recomputed.
-    "minimal": _all(_MATMUL_OUTPUTS, "save"),
-    "save_qkv_proj": _all(_QKV, "save"),
-    "save_dot_except_mlp": _all(_QKV + ("attention_context", "attention_out"), "save"),
-    # The same choices with the kept tensors in pinned host memory instead of HBM (GPU/TPU).
-    "minimal_offload": _all(_MATMUL_OUTPUTS, "offload"),
-    "qkv_proj_offload": _all(_QKV, "offload"),
-}
+from llama_jax.vocabulary import (  # noqa: F401 - the schema's vocabularies, importable from here too
+    ARCHITECTURE_FIELDS, ATTENTION_IMPLEMENTATIONS, BAD_RECORD_ACTIONS, DTYPES, FUNCTION_FIELDS, LOGICAL_AXES,
+    MESH_AXES, PACKINGS, REMAT_ACTIONS, REMAT_POLICIES, REMAT_TAGS, SHAPE_FIELDS, TEXT_UNITS)
 
 
 @dataclass(frozen=True)
@@ -203,6 +141,10 @@ class CheckpointConfig:
     init_from: str = ""  # a run dir or step dir whose params (same model) start a new run: fine-tuning
     mtbf_hours: float = 0.0  # mean time between failures for "auto" (0: observed in this run, else 3 h)
     async_save: bool = True  # write in a background thread while training continues (false: block until written)
+    # Model fields (vocabulary.FUNCTION_FIELDS) that may differ from the checkpoint resumed or initialised
+    # from, e.g. [rope_scaling_factor, rope_original_max_len] to extend the context; shapes never may.
+    allow_model_changes: list[str] = field(default_factory=list)
+    timeout_s: float = 1800.0  # a save or restore not finished in this time stops the run, naming it (exit 124)
 
 
 @dataclass(frozen=True)
@@ -216,9 +158,21 @@ class FaultConfig:
     spike_zscore: float = 0.0  # a loss above mean + z·std of the last spike_window losses is a spike (0: off)
     spike_window: int = 100
     straggler_factor: float = 3.0  # warn when a step takes this many times the rolling median
-    # Fault injection, for tests and chaos drills: poison these steps' batches with NaN; hang at a step.
+    # Per-host straggler scores (multi-process): every n steps each process's host time per step is
+    # gathered; a host costing the fleet more than this share of each step, two windows running, is named.
+    straggler_every_steps: int = 50
+    straggler_host_threshold: float = 0.1
+    # Barriers and agreements outside the jitted step (start-up, data preparation, checkpoint decisions):
+    # a process missing for this long stops the others, which name it (exit 76).
+    barrier_timeout_s: float = 600.0
+    # Fault injection, for tests and chaos drills: poison these steps' batches with NaN; hang at a step;
+    # slow down one process's steps or saves, or stall it before the barrier named inject_stall_at.
     inject_nan_steps: list[int] = field(default_factory=list)
     inject_hang_step: int = -1
+    inject_process: int = -1  # the process the delays and the stall apply to (-1: none)
+    inject_step_delay_s: float = 0.0
+    inject_save_delay_s: float = 0.0
+    inject_stall_at: str = ""
 
 
 @dataclass(frozen=True)
@@ -239,6 +193,12 @@ class RunConfig:
     # Memory per device the train step may use, checked before the first step and by microbatches=auto, plan
     # and tune (0: what XLA may allocate: 90% of a GPU under launch/gpu_env.sh; CPU: 80% of RAM / devices).
     device_memory_gb: float = 0.0
+    # Weights & Biases (pip install 'llama-jax[wandb]'): the scalars TensorBoard gets, from process 0.
+    # WANDB_MODE=offline writes them under run.dir/wandb without a network; `wandb sync` uploads later.
+    wandb: bool = False
+    wandb_project: str = "llama-jax"
+    wandb_name: str = ""  # "" : run.dir's name
+    wandb_entity: str = ""  # "" : your default entity
 
 
 @dataclass(frozen=True)
@@ -491,6 +451,14 @@ def validate(config: Config) -> None:
     _require(f.max_bad_steps > 0, f"fault.max_bad_steps must be positive, got {f.max_bad_steps}")
     _require(f.spike_zscore >= 0 and f.spike_window > 1, "fault.spike_zscore must be >= 0 and fault.spike_window > 1")
     _require(f.straggler_factor > 1, f"fault.straggler_factor must exceed 1, got {f.straggler_factor}")
+    _require(f.straggler_every_steps > 0 and f.straggler_host_threshold > 0,
+             "fault.straggler_every_steps and fault.straggler_host_threshold must be positive")
+    _require(f.barrier_timeout_s >= 1 and c.timeout_s >= 1,
+             "fault.barrier_timeout_s and checkpoint.timeout_s must be at least 1 second")
+    _require(f.inject_step_delay_s >= 0 and f.inject_save_delay_s >= 0, "fault.inject_*_delay_s must be >= 0")
+    bad = sorted(set(c.allow_model_changes) - set(FUNCTION_FIELDS))
+    _require(not bad, f"checkpoint.allow_model_changes: {', '.join(bad)} cannot change under a checkpoint; "
+             f"allowed: {', '.join(FUNCTION_FIELDS)}")
     _require(bool(config.run.dir.strip()), "run.dir must not be empty")
     _require(config.run.init_timeout_s >= 1 and config.run.heartbeat_timeout_s >= 1,
              "run.init_timeout_s and run.heartbeat_timeout_s must be at least 1 second")

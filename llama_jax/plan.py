@@ -18,7 +18,8 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from llama_jax import hlo, remat
-from llama_jax.config import REMAT_POLICIES, Config
+from llama_jax.config import Config
+from llama_jax.vocabulary import REMAT_POLICIES
 from llama_jax.files import format_bytes
 from llama_jax.model import param_count
 from llama_jax.hardware import memory_budget

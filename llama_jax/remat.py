@@ -15,7 +15,8 @@ from typing import Callable
 
 import jax
 
-from llama_jax.config import REMAT_ACTIONS, REMAT_POLICIES, REMAT_TAGS, RematConfig
+from llama_jax.config import RematConfig
+from llama_jax.vocabulary import REMAT_ACTIONS, REMAT_POLICIES, REMAT_TAGS
 
 
 def actions(remat: RematConfig) -> dict[str, str] | None:

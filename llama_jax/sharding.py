@@ -22,7 +22,8 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from llama_jax.config import MESH_AXES, Config, MeshConfig, parse_axes
+from llama_jax.config import Config, MeshConfig, parse_axes
+from llama_jax.vocabulary import MESH_AXES
 from llama_jax.errors import ConfigError
 from llama_jax.model import abstract_params
 

@@ -11,7 +11,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "llama_jax"
 
 # Bottom to top: a module imports modules of its own layer or below, never above.
 LAYERS = [
-    ["llama_jax", "errors", "files", "hlo", "supervise"],  # no JAX model code; shared helpers and the exit codes
+    ["llama_jax", "errors", "files", "hlo", "supervise", "vocabulary"],  # no JAX model code; shared helpers and the exit codes
     ["config", "hardware", "goodput", "resilience", "distributed"],  # the schema and vocabularies; host-side parts
     ["data.corpus", "data.tokenizer", "data.prepare", "data.loader", "data.pipeline", "data", "metrics", "report"],
     ["projection", "flash", "cudnn", "attention", "loss", "remat", "optim", "model"],  # the model, which knows only logical axes
