@@ -12,12 +12,13 @@ processes call save and restore (each writes and reads its own shards).
 The checkpointer decides when a save is due: every `checkpoint.every_steps`, every
 `checkpoint.every_minutes` (process 0's clock decides for all processes), or, with
 `checkpoint.every_steps=auto`, at the Young/Daly interval sqrt(2 x save time x MTBF) from the timed
-first save.
+first save (the slowest process's time, agreed by all).
 
-Restoring walks from the newest step down: a step that fails to restore (a truncated or missing
-array file, a missing manifest, an empty directory) is moved to ``checkpoints/corrupt/`` -- never
-deleted -- with a warning, and the next older step is tried. A step whose model differs from the
-config is not corruption: it stops the run with a message naming the fields.
+Restoring walks from the newest step down: a step that fails to restore on any process (a truncated
+or missing array file, a missing manifest, an empty directory) is moved to ``checkpoints/corrupt/`` by
+every process together -- never deleted -- with a warning, and the next older step is tried. A step
+whose model differs from the config (shapes, or the function: RoPE, norm epsilon) is not corruption:
+it stops the run with a message naming the fields, unless checkpoint.allow_model_changes lists them.
 """
 
 from __future__ import annotations
@@ -32,13 +33,13 @@ from pathlib import Path
 from typing import Any, Callable
 
 import jax
-import numpy as np
 import orbax.checkpoint as ocp
-from jax.experimental import multihost_utils
 
-from llama_jax.config import SHAPE_FIELDS, CheckpointConfig
+from llama_jax.config import CheckpointConfig
+from llama_jax.distributed import Peers
 from llama_jax.errors import ConfigError
 from llama_jax.goodput import observed_mtbf_s
+from llama_jax.vocabulary import ARCHITECTURE_FIELDS, FUNCTION_FIELDS
 
 DEFAULT_MTBF_S = 3 * 3600.0  # Llama 3 405B: one interruption every ~3 h on 16k GPUs (a big-run figure)
 ITEMS = ("state", "data", "meta")
@@ -66,12 +67,26 @@ def read_meta(step_dir: Path) -> dict | None:
         return None
 
 
-def check_model(saved: dict, model: dict, where: Path) -> None:
-    """A checkpoint must hold this model: name every field that differs (exit 2, nothing touched)."""
-    differ = [f"model.{k} {saved.get(k)} (saved) vs {model[k]}" for k in SHAPE_FIELDS if saved.get(k) != model[k]]
+def model_differences(saved: dict, model: dict) -> list[str]:
+    """The architecture fields (vocabulary.ARCHITECTURE_FIELDS) in which two model configs differ. The
+    llama3 RoPE scaling's shape parameters count only where its factor is not 1 (a factor of 1 leaves
+    the frequencies untouched whatever they say)."""
+    scaled = saved.get("rope_scaling_factor", 1.0) != 1.0 or model.get("rope_scaling_factor", 1.0) != 1.0
+    ignored = set() if scaled else {"rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_len"}
+    return [k for k in ARCHITECTURE_FIELDS if k not in ignored and k in saved and saved[k] != model[k]]
+
+
+def check_model(saved: dict, model: dict, where: Path | str, allowed: tuple[str, ...] | list[str] = ()) -> None:
+    """A checkpoint must hold this model: the same shapes and the same function. Names every field that
+    differs (exit 2, nothing touched); `allowed` (checkpoint.allow_model_changes) lets function fields differ."""
+    differ = [k for k in model_differences(saved, model) if k not in allowed]
     if differ:
-        raise ConfigError(f"{where} holds checkpoints of a different model ({'; '.join(differ)}); "
-                          "use another run.dir or the saved model settings")
+        hint = "" if set(differ) - set(FUNCTION_FIELDS) else (
+            f"; to change it on purpose (e.g. new RoPE scaling for a longer context) add "
+            f"checkpoint.allow_model_changes=[{','.join(differ)}]")
+        fields = "; ".join(f"model.{k} {saved[k]} (saved) vs {model[k]}" for k in differ)
+        raise ConfigError(f"{where} holds checkpoints of a different model ({fields}); "
+                          f"use another run.dir or the saved model settings{hint}")
 
 
 def resolve_step_dir(path: str) -> Path:
@@ -119,9 +134,16 @@ def interval_advice(save_s: float, mtbf_s: float, step_s: float, every_steps: in
 
 
 class Checkpointer:
+    """The checkpoints of one run. Every decision all processes must share is made once, through `peers`
+    (distributed.Peers, bounded waits): when to save, the auto interval, which steps exist, and whether
+    a step restores (a step that fails on any one process is set aside by all)."""
+
     def __init__(self, run_dir: Path, config: CheckpointConfig, meta: dict | None = None,
-                 directory: Path | None = None, log: Callable[[str], None] = print):
+                 directory: Path | None = None, log: Callable[[str], None] = print, peers: Peers | None = None,
+                 save_delay_s: float = 0.0):
         self.config, self.meta, self.log = config, meta or {}, log
+        self.peers = peers or Peers(timeout_s=600.0)
+        self.save_delay_s = save_delay_s  # fault injection: this process's saves take longer
         self.directory = Path(directory or Path(run_dir) / "checkpoints").absolute()
         self.every_steps = config.every_steps if isinstance(config.every_steps, int) else 0
         # MTBF for the Young/Daly interval: configured, else observed in this run (read before this
@@ -142,23 +164,34 @@ class Checkpointer:
         return self.config.every_steps == "auto"
 
     def due(self, step: int) -> bool:
-        """Whether `step` is saved: its step interval or its time interval. With a time interval this is
-        a collective that every process calls: clocks differ, so process 0 decides for all."""
+        """Whether `step` is saved: its step interval or its time interval. Every process calls it after
+        every step; with a time interval process 0's clock decides (see _time_due)."""
         if self.auto and not self.save_seconds:
             return True  # the first save is measured to choose the interval
+        interval_due = self.every_steps > 0 and step % self.every_steps == 0
+        return self._time_due(step) or interval_due
+
+    def _time_due(self, step: int) -> bool:
+        """checkpoint.every_minutes, decided by process 0's clock one step ahead: after step n it announces
+        a save at n + 1, and every process reads the announcement after step n + 1, which cannot finish
+        anywhere before process 0 has dispatched it, that is after the announcement. So no process waits."""
         minutes = self.config.every_minutes
-        due = (self.every_steps > 0 and step % self.every_steps == 0) or \
-            (minutes > 0 and time.monotonic() - self.last_save_time >= minutes * 60)
-        if minutes > 0 and jax.process_count() > 1:
-            due = bool(multihost_utils.broadcast_one_to_all(np.asarray(due)))
+        if minutes <= 0:
+            return False
+        due = self.peers.announced("save", step)
+        if self.peers.index == 0 and time.monotonic() - self.last_save_time >= minutes * 60 and not due:
+            self.peers.announce("save", step + 1)
         return due
 
     def save(self, step: int, state: Any, data_state: dict, step_s: float | None = None) -> float:
         """Start an asynchronous save; returns the seconds it blocked (copying arrays off the device).
 
         With every_steps=auto the first save is waited for in full, and with its time and the step time
-        `step_s` (1 s if unknown) it sets the interval of the saves after it."""
+        `step_s` (1 s if unknown) it sets the interval of the saves after it: the slowest process's
+        times, so that every process arrives at the same interval."""
+        self.peers.barrier(f"save of step {step}")  # a process that never comes is named here, not in Orbax
         start = time.perf_counter()
+        time.sleep(self.save_delay_s)
         meta = {**self.meta, "step": step, "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat()}
         self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                         data=ocp.args.JsonSave(data_state),
@@ -166,9 +199,10 @@ class Checkpointer:
         self.last_save_time = time.monotonic()
         self.save_seconds.append(time.perf_counter() - start)
         if self.auto and len(self.save_seconds) == 1:
-            save_s = self.save_seconds[0] + self.wait()
-            self.every_steps = auto_checkpoint_steps(save_s, self.mtbf_s, step_s or 1.0)
-            self.log(interval_advice(save_s, self.mtbf_s, step_s or 1.0, self.every_steps, auto=True))
+            mine = [self.save_seconds[0] + self.wait(), step_s or 1.0]
+            save_s, step_s = self.peers.reduce("checkpoint interval", mine, lambda all_: list(map(max, zip(*all_))))
+            self.every_steps = auto_checkpoint_steps(save_s, self.mtbf_s, step_s)
+            self.log(interval_advice(save_s, self.mtbf_s, step_s, self.every_steps, auto=True))
         return self.save_seconds[-1]
 
     def advice(self, step_s: float) -> str:
@@ -177,40 +211,52 @@ class Checkpointer:
 
     def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict]:
         """(train state, loader state) of `step`; the state takes the shapes, dtypes and shardings of
-        `abstract_state` (a ShapeDtypeStruct tree), so it may be restored onto another mesh."""
-        restored = self.manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
-        return restored["state"], dict(restored["data"])
+        `abstract_state` (a ShapeDtypeStruct tree), so it may be restored onto another mesh.
 
-    def restore_newest(self, abstract_state: Any, model: dict,
-                       warn: Callable[[str], None]) -> tuple[int, Any, dict] | None:
-        """The newest step that restores, setting aside every newer one that does not; None if none."""
-        for step in sorted(self.manager.all_steps(), reverse=True):
-            step_dir = self.directory / str(step)
-            meta = read_meta(step_dir)
+        Read by Orbax's handler, not its manager: the manager ends a restore in a device barrier without a
+        timeout, which a process whose read failed never reaches, so the others would wait there forever.
+        The processes agree on the outcome afterwards instead (restore_newest)."""
+        return _read_step(self.directory / str(step), abstract_state)
+
+    def steps(self) -> list[int]:
+        """The finished steps, newest first, as process 0 sees them (one list for all processes)."""
+        return self.peers.broadcast("checkpoint steps", sorted(self.manager.all_steps(), reverse=True))
+
+    def restore_newest(self, abstract_state: Any, model: dict, warn: Callable[[str], None],
+                       allowed: tuple[str, ...] | list[str] = ()) -> tuple[int, Any, dict] | None:
+        """The newest step that restores on every process, setting aside every newer one that does not
+        restore on some process (its damage may be in one process's shards only); None if none."""
+        for step in self.steps():
+            meta = read_meta(self.directory / str(step))
             if meta is not None:
-                check_model(meta.get("config", {}).get("model", {}), model, self.directory)
+                check_model(meta.get("config", {}).get("model", {}), model, self.directory, allowed)
+            failure, restored = None, None
             try:
                 if meta is None:
                     raise ValueError("its meta item is missing or unreadable")
-                return (step, *self.restore(step, abstract_state))
+                restored = self.restore(step, abstract_state)
             except (ConfigError, KeyboardInterrupt):
                 raise
             except Exception as err:  # Orbax/TensorStore raise many types for damaged files
                 reason = str(err).splitlines()[0][:200] if str(err) else type(err).__name__
-                moved = self.set_aside(step)
-                warn(f"warning: checkpoint step {step} does not restore ({type(err).__name__}: {reason}); "
-                     f"moved it to {moved} and trying the previous one")
+                failure = f"process {self.peers.index}: {type(err).__name__}: {reason}"
+            failures = self.peers.reduce(f"restore of step {step}", failure, lambda all_: [f for f in all_ if f])
+            if not failures:
+                return (step, *restored)
+            moved = self.set_aside(step)
+            more = f" and {len(failures) - 1} more" if len(failures) > 1 else ""
+            warn(f"warning: checkpoint step {step} does not restore ({failures[0]}{more}); moved it to {moved} "
+                 "and trying the previous one")
         return None
 
     def set_aside(self, step: int) -> Path:
         """Move a step out of Orbax's sight into checkpoints/corrupt/ (process 0), keeping its data."""
         target = self.directory / "corrupt" / f"{step}-{time.strftime('%Y%m%dT%H%M%S')}"
-        if jax.process_index() == 0:
+        target = Path(self.peers.broadcast(f"set aside step {step}", str(target)))  # one name: clocks differ
+        if self.peers.index == 0:
             target.parent.mkdir(exist_ok=True)
             shutil.move(str(self.directory / str(step)), str(target))
-        if jax.process_count() > 1:
-            multihost_utils.sync_global_devices(f"set_aside_{step}")
+        self.peers.barrier(f"step {step} set aside")
         self.manager.reload()
         return target
 
@@ -226,16 +272,20 @@ class Checkpointer:
         self.manager.close()
 
 
+def _read_step(step_dir: Path, abstract_state: Any) -> tuple[Any, dict]:
+    handler = ocp.CompositeCheckpointHandler()
+    try:
+        restored = handler.restore(step_dir, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
+    finally:
+        handler.close()
+    return restored["state"], dict(restored["data"])
+
+
 def restore_step(step_dir: Path, abstract_state: Any) -> tuple[Any, dict]:
     """(train state, loader state) of a step directory of another run (resume_from / init_from),
     read without opening a manager on that run, so nothing there can be touched."""
-    checkpointer = ocp.Checkpointer(ocp.CompositeCheckpointHandler())
-    try:
-        restored = checkpointer.restore(step_dir, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
-    finally:
-        checkpointer.close()
-    return restored["state"], dict(restored["data"])
+    return _read_step(Path(step_dir).absolute(), abstract_state)
 
 
 def restore_params(step_dir: Path, abstract_params: Any) -> Any:

@@ -17,19 +17,22 @@ or JAX_LOCAL_DEVICE_IDS, or Slurm's local task id). The coordinator must answer 
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import socket
 import sys
 import time
-from dataclasses import dataclass
-from typing import Callable, TypeVar
+import statistics
+from dataclasses import dataclass, field
+from typing import Any, Callable, TypeVar
 
 import jax
-import numpy as np
-from jax.experimental import multihost_utils
+from jax._src import distributed as jax_distributed
 
 from llama_jax.config import RunConfig
-from llama_jax.errors import ConfigError, CoordinatorUnavailable
+from llama_jax.errors import ConfigError, CoordinatorUnavailable, PeerTimeout
+from llama_jax.resilience import HostScores, ranges
 
 T = TypeVar("T")
 
@@ -154,20 +157,181 @@ def wait_for_coordinator(address: str, timeout_s: float, process_id: int | None)
         "(run.coordinator, run.init_timeout_s)")
 
 
-def primary_first(fn: Callable[[], T], errors: tuple[type[Exception], ...]) -> T:
+class Peers:
+    """The processes of a run agreeing outside the jitted step, through JAX's coordination service (its
+    barriers and key-value store, the same service `jax.distributed` joined), every wait bounded.
+
+    A process that does not arrive within `timeout_s` is named: every waiting process raises PeerTimeout
+    (exit 76, which the supervisor restarts on) instead of waiting forever in a device collective. Every
+    process must make the same calls in the same order, as for any collective: a call's keys carry its
+    sequence number, so two calls never share one. In a one-process run every call returns at once.
+
+    `stall_at` is fault injection (fault.inject_stall_at): this process never arrives at that barrier.
+    """
+
+    def __init__(self, timeout_s: float, stall_at: str = "", client=None):
+        self.timeout_s, self.stall_at = timeout_s, stall_at
+        self.count, self.index = jax.process_count(), jax.process_index()
+        # JAX has no public handle on its coordination client; Orbax reads the same attribute.
+        self.client = client if client is not None or self.count == 1 else jax_distributed.global_state.client
+        self._calls = 0
+        self._finished: list[str] = []  # key prefixes every process is done with (deleted by process 0)
+        self._announced: set[tuple[str, int]] = set()  # process 0's announcements not yet deleted
+
+    def _key(self, name: str) -> str:
+        self._calls += 1
+        return f"llama_jax/{self._calls}/{re.sub(r'[^A-Za-z0-9_.-]', '_', name)}"
+
+    def barrier(self, name: str) -> None:
+        """Return when every process has called barrier(name); PeerTimeout naming the absent ones."""
+        if self.count > 1:
+            self._meet(self._key(name), name)
+
+    def _meet(self, key: str, name: str) -> None:
+        while name == self.stall_at:  # injected: this process never arrives
+            time.sleep(3600)
+        self.client.key_value_set(f"{key}/arrived/{self.index}", socket.gethostname())
+        try:
+            self.client.wait_at_barrier(key, int(self.timeout_s * 1000))
+        except Exception:  # jaxlib's runtime error: DEADLINE_EXCEEDED, or the barrier failed elsewhere
+            raise self._absent(key, name) from None
+        if self.index == 0:  # everyone has passed this barrier, so no one reads the earlier keys again
+            for done in self._finished:
+                self.client.key_value_delete(done)
+            self._finished[:] = [key]
+
+    def _absent(self, key: str, name: str) -> PeerTimeout:
+        try:
+            arrived = {int(k.rsplit("/", 1)[1]) for k, _ in self.client.key_value_dir_get(f"{key}/arrived/")}
+        except Exception:  # the coordinator itself is gone: process 0 stopped
+            arrived = set(range(1, self.count)) if self.index else set()
+        missing = sorted(set(range(self.count)) - arrived)
+        if not missing:  # all came, but one of them had given up already and failed the barrier for all
+            return PeerTimeout(f"'{name}': the barrier failed: a process gave up waiting before all arrived "
+                               f"(fault.barrier_timeout_s {self.timeout_s:g}s); stopping so that a restart brings "
+                               "every process back together")
+        return PeerTimeout(f"'{name}': process{'es' * (len(missing) != 1)} {ranges(missing)} of {self.count} did "
+                           f"not arrive within {self.timeout_s:g}s (fault.barrier_timeout_s); process {self.index} "
+                           "stops too, so a restart (llama-jax supervise) brings every process back together; "
+                           "look for a hang report or an error in the absent processes' logs")
+
+    def broadcast(self, name: str, value: Any) -> Any:
+        """Process 0's `value` (JSON-serialisable) on every process: one decision for all."""
+        if self.count == 1:
+            return value
+        key = self._key(name)
+        if self.index == 0:
+            self.client.key_value_set(f"{key}/value", json.dumps(value))
+            self._finished.append(key)
+            return value
+        try:
+            return json.loads(self.client.blocking_key_value_get(f"{key}/value", int(self.timeout_s * 1000)))
+        except Exception:
+            raise PeerTimeout(f"'{name}': process 0 did not decide within {self.timeout_s:g}s "
+                              "(fault.barrier_timeout_s); stopping so that a restart brings every process back") from None
+
+    def reduce(self, name: str, value: Any, combine: Callable[[list], Any]) -> Any:
+        """combine(every process's value), computed once by process 0 and returned on every process."""
+        if self.count == 1:
+            return combine([value])
+        key = self._key(name)
+        self.client.key_value_set(f"{key}/value/{self.index}", json.dumps(value))
+        self._meet(key, name)
+        if self.index == 0:
+            value = combine([json.loads(v) for _, v in self.client.key_value_dir_get(f"{key}/value/")])
+        return self.broadcast(f"{name} (result)", value)
+
+    def any(self, name: str, flag: bool) -> bool:
+        """Whether `flag` holds on some process."""
+        return bool(self.reduce(name, bool(flag), any))
+
+    # Decisions taken one step ahead, so no process waits: process 0 announces after step n what happens
+    # at step n + 1 on every process. A process reads it after step n + 1, which cannot finish before
+    # process 0 has dispatched that step (the train step's collectives span every process), so after the
+    # announcement: reading it never waits. Once process 0 has finished step n + 1, every process has
+    # dispatched it, so has read the announcement, which process 0 then deletes.
+
+    def announce(self, topic: str, step: int) -> None:
+        """Process 0: `topic` happens at `step` everywhere."""
+        self._announced.add((topic, step))
+        if self.count > 1:
+            self.client.key_value_set(f"llama_jax/announced/{topic}/{step}", "1")
+
+    def announced(self, topic: str, step: int) -> bool:
+        """Whether process 0 announced `topic` for `step`; every process calls this after every step."""
+        if self.index == 0:
+            for old in [a for a in self._announced if a[0] == topic and a[1] < step]:
+                self._announced.discard(old)
+                if self.count > 1:
+                    self.client.key_value_delete(f"llama_jax/announced/{topic}/{old[1]}")
+            return (topic, step) in self._announced
+        try:
+            return self.client.key_value_try_get(f"llama_jax/announced/{topic}/{step}") == "1"
+        except Exception:  # NOT_FOUND: nothing announced for this step
+            return False
+
+    # Reports that no one waits for: a process posts, process 0 reads what has arrived.
+
+    def post(self, topic: str, value: Any) -> None:
+        if self.count > 1:
+            self.client.key_value_set(f"llama_jax/posts/{topic}/{self.index}", json.dumps(value))
+
+    def read(self, topic: str) -> dict[int, Any]:
+        """Process 0: the posts on `topic` so far, by process, and they are deleted (each is read once)."""
+        if self.count == 1:
+            return {}
+        posts = self.client.key_value_dir_get(f"llama_jax/posts/{topic}/")
+        self.client.key_value_delete(f"llama_jax/posts/{topic}")
+        return {int(k.rsplit("/", 1)[1]): json.loads(v) for k, v in posts}
+
+
+@dataclass
+class HostWindow:
+    """This process's step and host times (resilience.HostScores) over each window of `every` steps,
+    posted when the window closes; process 0 scores the window before (complete by then: see announce)."""
+
+    peers: Peers
+    scores: HostScores
+    every: int
+    host: str
+    devices: list[int]
+    _step_s: list[float] = field(default_factory=list)
+    _host_s: list[float] = field(default_factory=list)
+    _windows: list[tuple[int, int]] = field(default_factory=list)  # (first, last) step of each posted window
+
+    def add(self, step_s: float, host_s: float) -> None:
+        self._step_s.append(step_s)
+        self._host_s.append(host_s)
+
+    def close(self, step: int) -> tuple[list[dict], float, list[str]] | None:
+        """Post the window ending at `step`; on process 0, the previous window's scores (HostScores.observe)."""
+        if self.peers.count == 1 or not self._step_s:
+            self._step_s.clear(), self._host_s.clear()
+            return None
+        self.peers.post(f"hosts/{len(self._windows)}", {
+            "host_s": statistics.median(self._host_s), "step_s": statistics.median(self._step_s),
+            "steps": len(self._step_s), "host": self.host, "devices": self.devices})
+        self._windows.append((step - len(self._step_s) + 1, step))
+        self._step_s.clear(), self._host_s.clear()
+        if self.peers.index != 0 or len(self._windows) < 2:
+            return None
+        return self.scores.observe(self._windows[-2], self.peers.read(f"hosts/{len(self._windows) - 2}"))
+
+
+def primary_first(fn: Callable[[], T], errors: tuple[type[Exception], ...], peers: Peers) -> T:
     """fn() on process 0, then on the others: work with a shared side effect, such as preparing the data
     into a cache every process reads, is done once. If process 0 fails with one of `errors`, the others
-    raise it too (naming process 0) instead of waiting for it in a collective."""
-    if jax.process_count() == 1:
+    raise it too (naming process 0) instead of waiting for it; they wait at most peers.timeout_s."""
+    if peers.count == 1:
         return fn()
-    primary = jax.process_index() == 0
+    primary = peers.index == 0
     result, failure = None, None
     if primary:
         try:
             result = fn()
         except errors as err:
             failure = err
-    failed = bool(multihost_utils.broadcast_one_to_all(np.int32(failure is not None)))
+    failed = peers.broadcast("data prepared by process 0", failure is not None)
     if failure is not None:
         raise failure
     if failed:

@@ -7,6 +7,7 @@ logic) decides from it whether a restart can help:
     EXIT_BAD_INPUT    2    bad config, mesh, data, tokenizer or checkpoint: a restart cannot fix it
     EXIT_UNAVAILABLE  69   the coordinator of a multi-process run did not answer (EX_UNAVAILABLE)
     EXIT_PREEMPTED    75   saved the current step after SIGTERM/SIGINT: restart to continue (EX_TEMPFAIL)
+    EXIT_PEER_TIMEOUT 76   a process of a multi-process run did not reach a barrier in time (EX_PROTOCOL)
     EXIT_HANG         124  the hang watchdog fired (what coreutils `timeout` returns)
 
 An error's message is one line that says what is wrong and how to fix it; the CLI prints it as
@@ -19,6 +20,7 @@ EXIT_OK = 0
 EXIT_BAD_INPUT = 2
 EXIT_UNAVAILABLE = 69
 EXIT_PREEMPTED = 75
+EXIT_PEER_TIMEOUT = 76
 EXIT_HANG = 124
 
 
@@ -46,3 +48,10 @@ class CoordinatorUnavailable(LlamaJaxError, RuntimeError):
     """The coordination service of a multi-process run did not answer in time: not bad input, a restart may help."""
 
     exit_code = EXIT_UNAVAILABLE
+
+
+class PeerTimeout(LlamaJaxError, RuntimeError):
+    """Some processes of a multi-process run did not reach a barrier or an agreement in time; the message
+    names them. Not bad input: a restart of every process (the supervisor's) may help."""
+
+    exit_code = EXIT_PEER_TIMEOUT

@@ -2,8 +2,9 @@
 
 Kept in <run_dir>/goodput.json, one record per attempt (process start), written atomically by
 process 0. The rest of the wall time is broken down into compilation, checkpoint save and restore,
-data wait, evaluation, lost work (steps computed again after a failure or a rollback) and restart
-overhead. The training loop reports each step and each pause to one Goodput, whose step clock also
+data wait, evaluation, lost work (steps computed again after a failure or a rollback), straggler time
+(in a multi-process run: the fleet waiting for its slowest host beyond the others' median, resilience.HostScores)
+and restart overhead. The training loop reports each step and each pause to one Goodput, whose step clock also
 gives the step times the throughput meter and the hang watchdog use.
 """
 
@@ -20,7 +21,7 @@ from typing import Any
 from llama_jax.files import atomic_path, format_seconds
 
 BUCKETS = ("productive", "compile", "checkpoint_save", "checkpoint_restore", "data_wait", "eval", "lost",
-           "restart", "other")
+           "straggler", "restart", "other")
 
 
 class Goodput:
@@ -79,6 +80,15 @@ class Goodput:
         if current["timed_steps"] and from_step > back_to:
             self.add("lost", (from_step - back_to) * current["step_seconds"] / current["timed_steps"])
         current["highest_step"] = back_to
+
+    def stragglers(self, waited_s: float, scores: list[dict]) -> None:
+        """A window of a multi-process run: the fleet waited waited_s for its slowest host beyond the
+        others' median. That time was counted as productive step time; it is the straggler's. The scores of
+        the newest window are kept with the attempt."""
+        moved = min(waited_s, self.current["buckets"]["productive"])
+        self.current["buckets"]["productive"] -= moved
+        self.add("straggler", moved)
+        self.current["hosts"] = scores
 
     def flush(self) -> None:
         """Persist; also the attempt's sign of life (last_alive) should it be killed without a word."""

@@ -4,15 +4,18 @@ MFU = achieved model FLOP/s / (peak FLOP/s of one device x number of devices), w
 hardware.py: a data-sheet figure or a matmul measured on this machine, never a hard-coded A100 peak.
 
 MetricsLog is the single sink for training metrics: metrics.jsonl (the interface scripts rely on),
-TensorBoard, and a tqdm bar (terminal) or one plain line per log call (log files, CI, Slurm).
+TensorBoard, Weights & Biases (optional: run.wandb=true), and a tqdm bar (terminal) or one plain line
+per log call (log files, CI, Slurm).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
 import pathlib
+import secrets
 import statistics
 import sys
 from typing import Any, Callable
@@ -20,7 +23,9 @@ from typing import Any, Callable
 from tensorboardX import SummaryWriter
 from tqdm import tqdm
 
-from llama_jax.files import format_clock
+from llama_jax.config import Config, RunConfig, to_dict
+from llama_jax.errors import ConfigError
+from llama_jax.files import atomic_path, format_clock
 
 
 def mfu(model_flops_per_s: float, peak_per_device: float, n_devices: int) -> float:
@@ -32,12 +37,17 @@ def mfu(model_flops_per_s: float, peak_per_device: float, n_devices: int) -> flo
 
 
 def _plain(value: Any) -> Any:
-    """numpy/jax scalars -> Python bool/int/float so json and TensorBoard accept them."""
+    """numpy/jax scalars -> Python bool/int/float so json and TensorBoard accept them. Lists and dicts of
+    them (e.g. the straggler hosts of a window) go to metrics.jsonl only."""
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
     if hasattr(value, "item") and getattr(value, "size", 1) == 1:
         return _plain(value.item())
-    raise TypeError(f"metrics values must be scalars or strings, got {type(value).__name__}")
+    raise TypeError(f"metrics values must be scalars, strings, or lists and dicts of them, got {type(value).__name__}")
 
 
 def _drop_partial_last_line(path: pathlib.Path) -> None:
@@ -52,22 +62,83 @@ def _drop_partial_last_line(path: pathlib.Path) -> None:
             f.truncate(tail_start + tail.rfind(b"\n") + 1)  # no newline at all: rfind -1 -> start
 
 
+@dataclasses.dataclass(frozen=True)
+class WandbSettings:
+    """The Weights & Biases run MetricsLog sends its scalars to (the run.wandb_* keys)."""
+
+    project: str = "llama-jax"
+    name: str = ""  # "": the run directory's name
+    entity: str = ""  # "": the user's default entity
+    config: dict = dataclasses.field(default_factory=dict)  # the W&B run's config: the resolved Config
+
+    @classmethod
+    def from_config(cls, config: Config) -> WandbSettings | None:
+        """None unless run.wandb is set."""
+        r = config.run
+        return cls(r.wandb_project, r.wandb_name, r.wandb_entity, to_dict(config)) if r.wandb else None
+
+
+def check_wandb(run: RunConfig) -> None:
+    """Raise ConfigError (one line) when run.wandb is set and wandb cannot be imported. Call it while
+    checking the input, before anything in run.dir is written (MetricsLog imports it too late for that)."""
+    if not run.wandb:
+        return
+    try:
+        import wandb  # noqa: F401  (optional dependency; imported here only to see that it loads)
+    except ImportError as e:
+        reason = (str(e) or type(e).__name__).splitlines()[0]
+        raise ConfigError(f"run.wandb=true but wandb cannot be imported ({reason}); "
+                          "pip install 'llama-jax[wandb]' or set run.wandb=false") from None
+
+
+def wandb_run_id(run_dir: pathlib.Path) -> str:
+    """The W&B run id of run_dir, kept in run_dir/wandb/run_id: every restart of a run continues the same
+    W&B run, and a new run directory starts a new one (delete the file to start a new W&B run)."""
+    path = run_dir / "wandb" / "run_id"
+    if path.is_file() and (run_id := path.read_text(encoding="utf-8").strip()):
+        return run_id
+    path.parent.mkdir(parents=True, exist_ok=True)
+    run_id = secrets.token_hex(6)  # W&B ids are letters, digits, "-" and "_"
+    with atomic_path(path) as tmp:
+        tmp.write_text(run_id + "\n", encoding="utf-8")
+    return run_id
+
+
+def _start_wandb(run_dir: pathlib.Path, settings: WandbSettings) -> Any:
+    import wandb  # optional dependency: pip install 'llama-jax[wandb]'
+
+    run = wandb.init(project=settings.project, entity=settings.entity or None,
+                     name=settings.name or run_dir.resolve().name, id=wandb_run_id(run_dir),
+                     resume="allow", dir=str(run_dir), config=settings.config)
+    # The x-axis is our "step", not W&B's own counter, which only increases: a run restarted from an
+    # earlier checkpoint logs its steps again, as TensorBoard shows them, instead of W&B dropping them.
+    run.define_metric("step")
+    run.define_metric("*", step_metric="step")
+    return run
+
+
 class MetricsLog:
-    """Writes each record to metrics.jsonl and TensorBoard and shows progress (enabled on process 0 only).
+    """Writes each record to metrics.jsonl, TensorBoard and (optionally) Weights & Biases and shows
+    progress (enabled on process 0 only).
 
     Records carry "step" and optionally "loss", "eval_loss", "tokens_per_s", "mfu" (a fraction)
     and any other scalars. Non-finite floats are written to JSONL as null (strict JSON).
+    `wandb` (WandbSettings.from_config(config)) also sends the scalars TensorBoard gets to W&B, to the
+    run of wandb_run_id(run_dir) with files under run_dir/wandb.
     """
 
     def __init__(self, run_dir: pathlib.Path, total_steps: int, start_step: int = 0,
                  tensorboard: bool = True, interactive: bool | None = None,
-                 print_fn: Callable[[str], Any] = print, enabled: bool = True) -> None:
+                 print_fn: Callable[[str], Any] = print, enabled: bool = True,
+                 wandb: WandbSettings | None = None) -> None:
         self.enabled = enabled  # False on processes other than 0 of a multi-process run: log nothing
-        self._bar = self._writer = self._file = None
+        self._bar = self._writer = self._file = self._wandb = None
         self._print = print_fn
         if not enabled:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
+        if wandb is not None:  # first: if it fails, nothing else is open
+            self._wandb = _start_wandb(run_dir, wandb)
         path = run_dir / "metrics.jsonl"
         _drop_partial_last_line(path)
         self._file = path.open("a", encoding="utf-8")  # append: a resumed run continues the file
@@ -95,10 +166,13 @@ class MetricsLog:
                 for k, v in rec.items()}
         self._file.write(json.dumps(safe, allow_nan=False) + "\n")
         self._file.flush()  # a crash loses at most the line being written
+        scalars = {k: v for k, v in rec.items()
+                   if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
         if self._writer is not None:
-            for k, v in rec.items():
-                if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
-                    self._writer.add_scalar(k, v, global_step=step)
+            for k, v in scalars.items():
+                self._writer.add_scalar(k, v, global_step=step)
+        if self._wandb is not None and scalars:
+            self._wandb.log({"step": step, **scalars})
         if isinstance(rec.get("step_time_s"), (int, float)):
             self._step_time = rec["step_time_s"]
         if self._bar is None:
@@ -137,8 +211,9 @@ class MetricsLog:
         else:
             self._print(text)
 
-    def close(self) -> None:
-        """Idempotent: safe to call again, e.g. from both a finally block and __exit__."""
+    def close(self, exit_code: int | None = None) -> None:
+        """Idempotent: safe to call again, e.g. from both a finally block and __exit__. `exit_code`
+        (default 0) is what the W&B run records: nonzero marks it failed."""
         if self._bar is not None:
             self._bar.close()
             self._bar = None
@@ -148,12 +223,15 @@ class MetricsLog:
             self._writer = None
         if self._file is not None and not self._file.closed:
             self._file.close()
+        if self._wandb is not None:
+            self._wandb.finish(exit_code=exit_code)
+            self._wandb = None
 
     def __enter__(self) -> MetricsLog:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type | None, *exc: object) -> None:
+        self.close(exit_code=None if exc_type is None else 1)
 
 
 def read_metrics(path: pathlib.Path) -> list[dict]:

@@ -60,6 +60,7 @@ class HangWatchdog:
         self._last_what = "watchdog started"
         self._last_step: tuple[int, float | None] | None = None
         self._paused = 0
+        self._bounded: list[tuple[str, float, float]] = []  # (what, bound in s, since): phases with their own timeout
 
     def __enter__(self) -> HangWatchdog:
         self.progress("watchdog started")
@@ -87,15 +88,23 @@ class HangWatchdog:
             self._last_at, self._last_what = time.monotonic(), what
 
     @contextmanager
-    def paused(self, what: str) -> Iterator[None]:
-        """No timeout inside: restores, compilations and final saves have no step time to compare with."""
+    def paused(self, what: str, timeout_s: float | None = None) -> Iterator[None]:
+        """No step timeout inside: restores, compilations and saves have no step time to compare with.
+        With timeout_s the phase has its own bound instead (a checkpoint save or restore): past it the
+        watchdog fires, naming the phase."""
         with self._lock:
-            self._paused += 1
+            if timeout_s is None:
+                self._paused += 1
+            else:
+                self._bounded.append((what, timeout_s, time.monotonic()))
         try:
             yield
         finally:
             with self._lock:
-                self._paused -= 1
+                if timeout_s is None:
+                    self._paused -= 1
+                else:
+                    self._bounded.pop()
                 self._last_at, self._last_what = time.monotonic(), f"{what} finished"
 
     @property
@@ -115,20 +124,26 @@ class HangWatchdog:
     def _watch(self) -> None:
         while not self._stop.wait(self.poll_s):
             with self._lock:
-                idle = time.monotonic() - self._last_at
-                if self._paused or idle <= self._timeout()[0]:
+                now = time.monotonic()
+                overdue = [(what, bound, now - since) for what, bound, since in self._bounded if now - since > bound]
+                if overdue:
+                    what, bound, took = overdue[0]
+                    report = self._report(took, f"{what} did not finish within its bound of {bound:g} s")
+                elif self._paused or self._bounded or now - self._last_at <= self._timeout()[0]:
                     continue
-                report = self._report(idle)
+                else:
+                    report = self._report(now - self._last_at)
             self.fired = True
             self._fire(report)
             return
 
-    def _report(self, idle: float) -> str:
+    def _report(self, idle: float, headline: str = "") -> str:
         timeout, derivation = self._timeout()
+        headline = headline or f"no progress for {idle:.1f} s (timeout {timeout:.4g} s)"
         step = "none yet" if self._last_step is None else (
             f"{self._last_step[0]} ({'untimed' if self._last_step[1] is None else f'{self._last_step[1]:.4g} s'})")
         median = f"{statistics.median(self._times):.4g} s" if self._times else "n/a"
-        lines = [f"hang watchdog: no progress for {idle:.1f} s (timeout {timeout:.4g} s)",
+        lines = [f"hang watchdog: {headline}",
                  f"time (UTC): {datetime.now(timezone.utc).isoformat(timespec='seconds')}",
                  f"host: {self.host}", f"pid: {os.getpid()}", f"timeout: {derivation}",
                  f"last completed step: {step}; recent median step time {median}",
@@ -146,8 +161,7 @@ class HangWatchdog:
             where = str(self.path)
         except OSError as e:  # a full or gone disk must not stop the exit: a stuck job wastes the cluster
             where = f"nowhere ({e}); stacks follow on stderr\n{report}"
-        print(f"hang watchdog: no progress within the timeout; report in {where}; exiting {EXIT_HANG}",
-              file=sys.stderr)
+        print(f"{report.splitlines()[0]}; report in {where}; exiting {EXIT_HANG}", file=sys.stderr)
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()  # os._exit skips this, and the last log lines are the useful ones
@@ -248,6 +262,64 @@ class StragglerDetector:
                            f"the median {median:.3g} s; seen on process {process}")
         self._times.append(seconds)
         return warning
+
+
+class HostScores:
+    """Per-host straggler scores of a multi-process run, from every process's host time per step.
+
+    A step of a synchronous program ends for all when its slowest process has taken part: the time a
+    process spends on its host between receiving one step's result and dispatching the next (its data,
+    logging, a slow CPU, disk or injected delay) delays the whole fleet, and every other process spends it
+    waiting in the step's collectives, where it looks like step time. So each window every process reports
+    its median host time per step, and a host's score is the share of the fleet's step it costs:
+    (its host time - the median host time of the others) / the median step time. A host above `threshold` in
+    `windows` consecutive windows is named with its devices; its ratio to its own best window tells
+    whether it got slower or was always slow. Device-side slowness (a degraded GPU) is not in host time:
+    every process waits for it alike, so it shows in the step time, not here.
+    """
+
+    def __init__(self, threshold: float, windows: int = 2):
+        self.threshold, self.windows = threshold, windows
+        self._best: dict[int, float] = {}
+        self._over: dict[int, int] = {}  # consecutive windows above the threshold, by process
+
+    def observe(self, steps: tuple[int, int], reports: dict[int, dict]) -> tuple[list[dict], float, list[str]]:
+        """(every process's score, slowest first; the seconds the fleet waited for its slowest host beyond
+        the median of the others over the window; warnings naming persistent stragglers) for the window of steps
+        [first, last] and each process's report {host_s, step_s, steps, host, devices}."""
+        if len(reports) < 2:
+            return [], 0.0, []
+        step_s = statistics.median(r["step_s"] for r in reports.values())
+        scores, warnings, waited = [], [], 0.0
+        for process, r in sorted(reports.items()):
+            best = self._best[process] = min(self._best.get(process, math.inf), r["host_s"])
+            median_host = statistics.median(o["host_s"] for q, o in reports.items() if q != process)
+            waited = max(waited, r["host_s"] - median_host)
+            score = (r["host_s"] - median_host) / step_s if step_s > 0 else 0.0
+            self._over[process] = self._over.get(process, 0) + 1 if score > self.threshold else 0
+            scores.append({"process": process, "host": r["host"], "devices": r["devices"], "score": round(score, 4),
+                           "host_s": r["host_s"], "vs_own_best": round(r["host_s"] / best, 3) if best > 0 else 1.0,
+                           "straggler": self._over[process] >= self.windows})
+            if scores[-1]["straggler"]:
+                warnings.append(
+                    f"warning: straggler host: process {process} on {r['host']} (devices {ranges(r['devices'])}) "
+                    f"costs the fleet {r['host_s'] - median_host:.3g} s of each {step_s:.3g} s step over steps "
+                    f"{steps[0]}-{steps[1]} (score {score:.2f} > fault.straggler_host_threshold {self.threshold:g}, "
+                    f"{self._over[process]} windows running; {scores[-1]['vs_own_best']:.2f}x its own best)")
+        scores.sort(key=lambda x: -x["score"])
+        return scores, waited * max(r["steps"] for r in reports.values()), warnings
+
+
+def ranges(indices: list[int]) -> str:
+    """[0, 1, 2, 3, 7] -> '0-3, 7': a host of 8 GPUs, or the absent processes of 16,000, on one line."""
+    parts, run = [], []
+    for i in [*indices, None]:
+        if run and (i is None or i != run[-1] + 1):
+            parts.append(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}")
+            run = []
+        if i is not None:
+            run.append(i)
+    return ", ".join(parts)
 
 
 SPIKE_MIN_HISTORY = 10  # good losses needed before a standard deviation means anything

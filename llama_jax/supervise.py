@@ -7,6 +7,7 @@ needs nothing but restarting the command, which is all this does, deciding by th
     EXIT_OK (0)          finished                      -> exit 0
     EXIT_BAD_INPUT (2)   bad config or data            -> exit 2, never restarted (it will not fix itself)
     EXIT_PREEMPTED (75)  saved after SIGTERM/SIGINT    -> restarted (exit 75 if *we* were told to stop)
+    EXIT_PEER_TIMEOUT (76) a peer missed a barrier     -> restarted (every process rejoins)
     EXIT_HANG (124)      the hang watchdog fired       -> restarted
     anything else, or killed by a signal              -> restarted
 
@@ -38,7 +39,7 @@ import sys
 import time
 from pathlib import Path
 
-from llama_jax.errors import EXIT_BAD_INPUT, EXIT_HANG, EXIT_OK, EXIT_PREEMPTED
+from llama_jax.errors import EXIT_BAD_INPUT, EXIT_HANG, EXIT_OK, EXIT_PEER_TIMEOUT, EXIT_PREEMPTED
 
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 _POLL_S = 0.05  # how quickly a received signal is forwarded to the child
@@ -63,7 +64,7 @@ def meaning(returncode: int) -> str:
         except ValueError:
             return f"killed by signal {-returncode}"
     return {EXIT_OK: "finished", EXIT_BAD_INPUT: "bad input", EXIT_PREEMPTED: "preempted, checkpoint saved",
-            EXIT_HANG: "hang watchdog fired"}.get(returncode, "failed")
+            EXIT_HANG: "hang watchdog fired", EXIT_PEER_TIMEOUT: "a peer missed a barrier"}.get(returncode, "failed")
 
 
 def exit_status(returncode: int) -> int:

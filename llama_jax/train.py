@@ -27,17 +27,18 @@ from llama_jax import __version__, distributed, remat, sharding, weights
 from llama_jax import config as config_lib
 from llama_jax.checkpoint import Checkpointer, check_model, latest_checkpoint_step, read_meta, restore_step
 from llama_jax.config import Config
+from llama_jax.distributed import HostWindow, Peers
 from llama_jax.data.pipeline import TrainData, open_data
 from llama_jax.errors import EXIT_OK, EXIT_PREEMPTED, ConfigError, InputError
 from llama_jax.files import cache_root
 from llama_jax.generate import sample_text
 from llama_jax.goodput import Goodput, format_goodput
 from llama_jax.hardware import device_peak_flops
-from llama_jax.metrics import MetricsLog, ThroughputMeter
+from llama_jax.metrics import MetricsLog, ThroughputMeter, WandbSettings, check_wandb
 from llama_jax.model import param_count
 from llama_jax.plan import format_plan, make_plan
 from llama_jax.report import write_report
-from llama_jax.resilience import HangWatchdog, PreemptionGuard, SpikeGuard, StragglerDetector
+from llama_jax.resilience import HangWatchdog, HostScores, PreemptionGuard, SpikeGuard, StragglerDetector
 from llama_jax.step import TrainProgram, TrainState, model_flops_per_token
 from llama_jax.weights import ModelSpec
 
@@ -50,29 +51,31 @@ class Run:
     program: TrainProgram
     data: TrainData
     start: int  # the newest checkpoint step in run.dir (0: none)
+    peers: Peers  # the other processes, for every decision outside the jitted step
     source: ModelSpec | None = None  # checkpoint.resume_from / init_from, for a new run.dir
     compile_seconds: float = 0.0  # compiling the train step ahead of time, to check its memory
 
     @classmethod
-    def setup(cls, config: Config, mesh: Mesh, data: TrainData) -> Run:
+    def setup(cls, config: Config, mesh: Mesh, data: TrainData, peers: Peers) -> Run:
         """Raises ConfigError or DataError (one line each) on bad input; writes nothing."""
         run_dir, model = Path(config.run.dir), dataclasses.asdict(config.model)
-        start, source = latest_checkpoint_step(run_dir), None
+        start, source, allowed = latest_checkpoint_step(run_dir), None, config.checkpoint.allow_model_changes
+        check_wandb(config.run)
         if start:
             meta = read_meta(run_dir / "checkpoints" / str(start))
             if meta is not None:  # an unreadable one is set aside at restore time
-                check_model(meta["config"]["model"], model, run_dir)
+                check_model(meta["config"]["model"], model, run_dir, allowed)
         elif config.checkpoint.resume_from or config.checkpoint.init_from:
             source = weights.resolve(config.checkpoint.resume_from or config.checkpoint.init_from)
             if config.checkpoint.resume_from and source.params_only:
                 raise ConfigError(f"{source.text} holds parameters only (no optimizer state or data position) and "
                                   "cannot be resumed; start from it with checkpoint.init_from")
-            check_model(dataclasses.asdict(source.model), model, source.text)
+            check_model(dataclasses.asdict(source.model), model, source.text, allowed)
         enable_compilation_cache(config)
         compiling = time.perf_counter()
         program = TrainProgram.build(config, mesh)  # train.microbatches=auto: the fewest that fit
         program.check_fits()  # the step compiled now, its memory against run.device_memory_gb
-        return cls(program.config, program, data, start, source, time.perf_counter() - compiling)
+        return cls(program.config, program, data, start, peers, source, time.perf_counter() - compiling)
 
 
 def train(config: Config, print_fn: Callable[[str], None] = print, *, devices=None,
@@ -90,10 +93,12 @@ def train(config: Config, print_fn: Callable[[str], None] = print, *, devices=No
     say = print_fn if primary else _warnings_only(print_fn)
     if primary:
         print_fn(config_lib.summary(config))
+    f = config.fault
+    peers = Peers(f.barrier_timeout_s, stall_at=f.inject_stall_at if f.inject_process == jax.process_index() else "")
     mesh = sharding.make_mesh(config, devices=devices)
     # Process 0 prepares raw sources into the cache first, so processes sharing it never race.
-    data = distributed.primary_first(lambda: open_data(config, log=say), (InputError,))
-    run = Run.setup(config, mesh, data)
+    data = distributed.primary_first(lambda: open_data(config, log=say), (InputError,), peers)
+    run = Run.setup(config, mesh, data, peers)
     if config.train.microbatches == "auto":
         say(f"train.microbatches=auto: {run.config.train.microbatches}, the fewest whose step fits run.device_memory_gb")
     return execute(run, say, started_at)
@@ -135,9 +140,13 @@ def execute(run: Run, print_fn: Callable[[str], None] = print, started_at: float
             first_step = step + 1
             while step < t.steps:
                 batch, waited = loop.next_batch(batches, data_step)
-                state, metrics = program.train_step(state, program.put(batch))
+                batch = program.put(batch)
+                dispatched = time.perf_counter()
+                state, metrics = program.train_step(state, batch)
+                metrics = jax.device_get(metrics)  # blocks on the step, and so on the slowest process
                 step, data_step = step + 1, data_step + 1
-                if loop.observe(step, jax.device_get(metrics), waited, compiled=step == first_step) == "rollback":
+                on_device = time.perf_counter() - dispatched
+                if loop.observe(step, metrics, waited, step == first_step, on_device) == "rollback":
                     state, step = loop.roll_back(state, step, data_step)
                     continue
                 with loop.goodput.pause(None):  # evaluation, the preemption check and saves are not step time
@@ -178,6 +187,7 @@ class Loop:
     meter: ThroughputMeter
     guard: SpikeGuard
     stragglers: StragglerDetector
+    hosts: HostWindow
     watchdog: HangWatchdog
     preemption: PreemptionGuard
     eval_batches: int
@@ -199,15 +209,19 @@ class Loop:
         print_fn(remat.describe(config.remat))
         host = socket.gethostname() + (f"-p{jax.process_index()}" if multi else "")
         log = MetricsLog(run_dir, total_steps=t.steps, start_step=run.start, tensorboard=config.run.tensorboard,
-                         print_fn=print_fn, enabled=primary)
+                         print_fn=print_fn, enabled=primary, wandb=WandbSettings.from_config(config))
+        injected = f.inject_process == jax.process_index()
         try:
-            checkpointer = Checkpointer(run_dir, config.checkpoint, meta=run_metadata(config, mesh), log=log.message)
+            checkpointer = Checkpointer(run_dir, config.checkpoint, meta=run_metadata(config, mesh), log=log.message,
+                                        peers=run.peers, save_delay_s=f.inject_save_delay_s if injected else 0.0)
             return cls(
                 run=run, log=log, checkpointer=checkpointer, goodput=Goodput(run_dir, started_at, write=primary),
                 meter=ThroughputMeter(t.batch_size * t.seq_len, model_flops_per_token(config), peak,
                                       mesh.devices.size),
                 guard=SpikeGuard(f.max_bad_steps, f.spike_zscore, f.spike_window),
                 stragglers=StragglerDetector(f.straggler_factor),
+                hosts=HostWindow(run.peers, HostScores(f.straggler_host_threshold), f.straggler_every_steps, host,
+                                 sorted(d.id for d in mesh.devices.flat if d.process_index == jax.process_index())),
                 watchdog=HangWatchdog(run_dir, host, factor=f.hang_factor, min_timeout_s=f.hang_min_timeout_s,
                                       startup_timeout_s=f.hang_startup_timeout_s,
                                       describe=lambda: format_plan(make_plan(config, mesh))),
@@ -220,7 +234,8 @@ class Loop:
     def restore(self) -> tuple[TrainState, int]:
         """(state, data position): run.dir's newest good checkpoint, else resume_from or init_from, else new."""
         run, start = self.run, time.perf_counter()
-        with self.watchdog.paused("restore"):
+        run.peers.barrier("restore")  # a process that never gets here is named, instead of a silent wait in Orbax
+        with self.watchdog.paused("restore", run.config.checkpoint.timeout_s):
             state, data_step = self._restored(run.program.abstract_state())
         if state is None:
             return run.program.init_state(jax.random.key(run.config.seed)), 0
@@ -230,7 +245,8 @@ class Loop:
     def _restored(self, abstract: TrainState) -> tuple[TrainState | None, int]:
         run, say = self.run, self.log.message
         if run.start:
-            found = self.checkpointer.restore_newest(abstract, dataclasses.asdict(run.config.model), say)
+            found = self.checkpointer.restore_newest(abstract, dataclasses.asdict(run.config.model), say,
+                                                     run.config.checkpoint.allow_model_changes)
             if found:
                 step, state, data_state = found
                 say(f"resumed from {self.checkpointer.directory / str(step)}")
@@ -254,6 +270,8 @@ class Loop:
         fault = self.run.config.fault
         if data_step == fault.inject_hang_step:
             _injected_hang()
+        if fault.inject_process == jax.process_index():
+            time.sleep(fault.inject_step_delay_s)
         start = time.perf_counter()
         batch = next(batches)
         waited = time.perf_counter() - start
@@ -261,8 +279,9 @@ class Loop:
             batch["loss_mask"] = np.full_like(batch["loss_mask"], np.nan)
         return batch, waited
 
-    def observe(self, step: int, metrics: dict, waited: float, compiled: bool) -> str:
-        """Account for a finished step and log it when due; the guard's verdict: ok, skipped, spike or rollback."""
+    def observe(self, step: int, metrics: dict, waited: float, compiled: bool, on_device: float = 0.0) -> str:
+        """Account for a finished step and log it when due; the guard's verdict: ok, skipped, spike or rollback.
+        on_device: the seconds from dispatching the step to its result (the rest of the step was the host's)."""
         t, say = self.run.config.train, self.log.message
         metrics = {k: float(v) for k, v in metrics.items()}
         seconds = self.goodput.time_step(step, waited, compiled)
@@ -271,6 +290,9 @@ class Loop:
             self.meter.add(seconds, waited)
             if warning := self.stragglers.observe(step, seconds, process=jax.process_index()):
                 say(warning)
+            self.hosts.add(seconds, max(0.0, seconds - on_device))
+            if step % self.hosts.every == 0:
+                self._score_hosts(step)
         verdict = self.guard.observe(step, metrics["loss"], bool(metrics.pop("finite")))
         if verdict == "skipped":
             say(f"warning: step {step} skipped: non-finite loss or gradient norm")
@@ -281,6 +303,18 @@ class Loop:
             self.log.log(record | ({"compile_s": seconds} if compiled else {}))
             self.goodput.flush()
         return verdict
+
+    def _score_hosts(self, step: int) -> None:
+        """Every fault.straggler_every_steps: post this host's window; process 0 scores the previous one."""
+        scored = self.hosts.close(step)
+        if scored is None:
+            return
+        scores, waited, warnings = scored
+        for warning in warnings:
+            self.log.message(warning)
+        self.goodput.stragglers(waited, scores)
+        stragglers = [{k: s[k] for k in ("process", "host", "devices", "score")} for s in scores if s["straggler"]]
+        self.log.log({"step": step, "host_score_max": scores[0]["score"], "straggler_hosts": stragglers})
 
     def eval_due(self, step: int) -> bool:
         t = self.run.config.train
@@ -293,16 +327,17 @@ class Loop:
         return loss
 
     def save(self, step: int, state: TrainState, data_step: int) -> None:
-        with self.watchdog.paused("checkpoint"), self.goodput.pause("checkpoint_save"):
+        bound = self.run.config.checkpoint.timeout_s
+        with self.watchdog.paused(f"checkpoint save of step {step}", bound), self.goodput.pause("checkpoint_save"):
             self.checkpointer.save(step, state, {"next_step": data_step, "fingerprint": self.run.data.fingerprint},
                                    step_s=self.meter.median_step_s)
 
     def roll_back(self, state: TrainState, step: int, data_step: int) -> tuple[TrainState, int]:
         """After max_bad_steps bad steps in a row: back to the newest checkpoint, skipping the batches since."""
         guard, say = self.guard, self.log.message
-        with self.watchdog.paused("rollback"), self.goodput.pause(None):
+        with self.watchdog.paused("rollback", self.run.config.checkpoint.timeout_s), self.goodput.pause(None):
             self.checkpointer.wait()
-            steps = self.checkpointer.manager.all_steps()
+            steps = self.checkpointer.steps()  # one list for every process
             if not steps:
                 say(f"warning: {guard.consecutive} bad steps in a row at step {step} and no checkpoint to roll "
                     "back to")
@@ -322,7 +357,7 @@ class Loop:
         if self.meter.throughputs:
             summary["tokens_per_s"] = self.meter.median_tokens_per_s
             summary["mfu"] = self.meter.mfu(summary["tokens_per_s"])
-        with self.watchdog.paused("final save"):
+        with self.watchdog.paused("final save", self.run.config.checkpoint.timeout_s):
             self.goodput.add("checkpoint_save", self.checkpointer.wait())
         summary["goodput"] = self.goodput.summary()
         summary["skipped_steps"] = self.guard.bad_steps_total

@@ -23,7 +23,7 @@ LAYERS = [
     ["cli", "__main__"],
 ]
 LAZY_IMPORTS_ALLOWED = {"cli"}  # `llama-jax --help` must not import JAX
-OPTIONAL_DEPENDENCIES = {"pyarrow", "datasets", "importlib"}  # importlib: data/corpus.py's optional loader
+OPTIONAL_DEPENDENCIES = {"pyarrow", "datasets", "importlib", "wandb"}  # importlib: data/corpus.py's optional loader
 MAX_LINES = 550
 
 

@@ -4,14 +4,19 @@ from __future__ import annotations
 
 import json
 import pathlib
+import subprocess
+import sys
 
 import numpy as np
 import jax
 import pytest
 
 from llama_jax import hardware
+from llama_jax.config import Config, RunConfig
+from llama_jax.errors import ConfigError
 from llama_jax.hardware import device_peak_flops, table_peak_flops
-from llama_jax.metrics import MetricsLog, ThroughputMeter, mfu, read_metrics
+from llama_jax.metrics import (MetricsLog, ThroughputMeter, WandbSettings, check_wandb, mfu, read_metrics,
+                               wandb_run_id)
 from llama_jax.report import write_report
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -86,6 +91,105 @@ def test_read_metrics_skips_truncated_last_line_and_log_repairs_it(tmp_path):
     path.write_text('{"step": 1}\n{"st\n{"step": 3}\n')
     with pytest.raises(ValueError, match="corrupt"):
         read_metrics(path)
+
+
+# W&B in offline mode: no network, no account, files only under the test's directories.
+WANDB_ENV = {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_CONSOLE": "off", "WANDB_DISABLE_GIT": "true",
+             "WANDB_DISABLE_CODE": "true", "WANDB__DISABLE_STATS": "true", "WANDB__DISABLE_META": "true",
+             "WANDB__SAVE_REQUIREMENTS": "false"}
+
+
+def _wandb_records(offline_run: pathlib.Path) -> list[dict]:
+    """The records of an offline run's .wandb file, read by wandb's own reader (`wandb leet inspect`)."""
+    out = subprocess.run([sys.executable, "-m", "wandb", "leet", "inspect", "--json", str(offline_run)],
+                         capture_output=True, text=True, check=True, timeout=120).stdout
+    return [json.loads(line) for line in out.splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="module")
+def wandb_run(tmp_path_factory):
+    """A run directory logged to W&B by a MetricsLog and then by a second one, as a restarted run
+    (resumed from step 1's checkpoint) logs it: one W&B service for the module's tests.
+    Returns (run_dir, config, [the records of each offline run, in order])."""
+    wandb = pytest.importorskip("wandb")
+    root = tmp_path_factory.mktemp("wandb")
+    run_dir = root / "run"
+    config = Config(run=RunConfig(dir=str(run_dir), wandb=True, wandb_project="llama-jax-test"))
+    with pytest.MonkeyPatch.context() as env:
+        for key, value in WANDB_ENV.items():
+            env.setenv(key, value)
+        for key in ("WANDB_DIR", "WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
+            env.setenv(key, str(root / key.lower()))  # WANDB_DIR: dir=run_dir must win over it
+        _log_steps(run_dir, range(0, 3), [], tensorboard=False, wandb=WandbSettings.from_config(config))
+        with MetricsLog(run_dir, total_steps=600, start_step=1, interactive=False, print_fn=lambda s: None,
+                        tensorboard=False, wandb=WandbSettings.from_config(config)) as log:
+            log.log({"step": 2, "loss": 3.5, "grad_norm": np.float32(0.25), "finite": True})
+            log.log({"step": 2, "eval_loss": 3.75})
+            log.log({"step": 3, "eval_loss": None})  # nothing to plot: no W&B row
+        offline = sorted((run_dir / "wandb").glob("offline-run-*"), key=lambda p: p.stat().st_mtime)
+        runs = [_wandb_records(path) for path in offline]
+    wandb.teardown()  # stop the W&B service this process started
+    return run_dir, config, runs
+
+
+def _of_type(records: list[dict], kind: str) -> list[dict]:
+    return [r[kind] for r in records if r["type"] == kind]
+
+
+def _history(records: list[dict]) -> list[dict]:
+    """Logged rows without W&B's own fields (_step, _runtime, _timestamp)."""
+    return [{k: v for k, v in h["item"].items() if not k.startswith("_")} for h in _of_type(records, "history")]
+
+
+def test_wandb_logs_the_scalars_tensorboard_gets_with_the_config(wandb_run):
+    run_dir, config, runs = wandb_run
+    assert len(runs) == 2  # the run and its restart, each an offline run under run.dir/wandb
+    history = _history(runs[0])
+    assert [h["step"] for h in history] == [0, 1, 2]
+    for h in history:
+        assert h == pytest.approx({"step": h["step"], "loss": 4.0 - 0.01 * h["step"], "tokens_per_s": 12345.6,
+                                   "mfu": 0.412, "lr": 3e-4, "step_time_s": 0.5})
+    (started,) = _of_type(runs[0], "run")
+    assert started["project"] == "llama-jax-test" and started["display_name"] == "run"  # wandb_name "": run.dir's name
+    assert started["config"]["update"]["model"]["n_layers"] == config.model.n_layers
+    assert started["config"]["update"]["run"]["wandb"] is True
+    step_axis = [m for m in _of_type(runs[0], "metric") if m.get("glob_name") == "*"]
+    assert step_axis and step_axis[0]["step_metric"] == "step"  # charts plot against our step
+    assert [e["exit_code"] for e in _of_type(runs[0], "exit")] == [0]
+
+
+def test_a_restarted_run_continues_the_same_wandb_run(wandb_run):
+    run_dir, _, runs = wandb_run
+    run_id = (run_dir / "wandb" / "run_id").read_text().strip()
+    assert [_of_type(records, "run")[0]["run_id"] for records in runs] == [run_id, run_id]
+    assert _of_type(runs[1], "run")[0]["resume"] is True
+    # Step 2 again (resumed from step 1), then its evaluation: kept, not dropped as an "old" step.
+    assert _history(runs[1]) == [{"step": 2, "loss": 3.5, "grad_norm": 0.25}, {"step": 2, "eval_loss": 3.75}]
+
+
+def test_wandb_run_id_is_kept_per_run_dir(tmp_path):
+    first = wandb_run_id(tmp_path / "a")
+    assert wandb_run_id(tmp_path / "a") == first == (tmp_path / "a" / "wandb" / "run_id").read_text().strip()
+    assert wandb_run_id(tmp_path / "b") != first
+
+
+def test_check_wandb_is_one_line_config_error_when_wandb_is_missing(tmp_path, monkeypatch):
+    check_wandb(RunConfig(wandb=False))  # off: wandb is never imported
+    monkeypatch.setitem(sys.modules, "wandb", None)  # what `import wandb` sees when it is not installed
+    check_wandb(RunConfig(wandb=False))
+    with pytest.raises(ConfigError, match=r"pip install 'llama-jax\[wandb\]'") as err:
+        check_wandb(RunConfig(dir=str(tmp_path / "run"), wandb=True))
+    assert "\n" not in str(err.value) and not (tmp_path / "run").exists()
+
+
+def test_wandb_settings_only_when_enabled_and_disabled_log_starts_no_wandb_run(tmp_path):
+    assert WandbSettings.from_config(Config()) is None
+    settings = WandbSettings.from_config(Config(run=RunConfig(wandb=True, wandb_name="n", wandb_entity="e")))
+    assert (settings.project, settings.name, settings.entity) == ("llama-jax", "n", "e")
+    assert settings.config["run"]["wandb_name"] == "n"
+    with MetricsLog(tmp_path / "run", total_steps=5, interactive=False, enabled=False, wandb=settings) as log:
+        log.log({"step": 1, "loss": 3.0})  # process 1 of a multi-process run: nothing written, no W&B run
+    assert not (tmp_path / "run").exists()
 
 
 def _records(with_eval: bool) -> list[dict]:

@@ -12,10 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from llama_jax.checkpoint import auto_checkpoint_steps, young_daly_interval_s
+from llama_jax.checkpoint import auto_checkpoint_steps, check_model, model_differences, young_daly_interval_s
+from llama_jax.errors import ConfigError
 from llama_jax.errors import EXIT_HANG, EXIT_PREEMPTED
 from llama_jax.goodput import Goodput, format_goodput, observed_mtbf_s
-from llama_jax.resilience import HangWatchdog, PreemptionGuard, SpikeGuard, StragglerDetector
+from llama_jax.resilience import HangWatchdog, HostScores, PreemptionGuard, SpikeGuard, StragglerDetector, ranges
 
 # ---------------------------------------------------------------------------------------------
 # HangWatchdog
@@ -82,6 +83,20 @@ def test_watchdog_quiet_while_steps_come_and_inside_paused(tmp_path):
         fake.event.wait(2.0)  # after the pause the clock runs again
     assert fake.codes == [EXIT_HANG]
     assert "last progress: eval batch 1" in (tmp_path / "hang-node-7.txt").read_text()
+
+
+def test_watchdog_bounds_a_checkpoint_phase_and_names_it(tmp_path):
+    """A save or restore is not timed against steps, but it has its own bound (checkpoint.timeout_s)."""
+    fake = FakeExit()
+    with fast_watchdog(tmp_path, fake) as watchdog:
+        watchdog.step_done(1, 0.01)
+        start = time.monotonic()
+        with watchdog.paused("checkpoint save of step 12", timeout_s=0.5):
+            fake.event.wait(3.0)  # the save "hangs"
+        fired_after = time.monotonic() - start
+    assert fake.codes == [EXIT_HANG] and 0.5 <= fired_after < 2.5
+    text = (tmp_path / "hang-node-7.txt").read_text()
+    assert text.startswith("hang watchdog: checkpoint save of step 12 did not finish within its bound of 0.5 s")
 
 
 def test_watchdog_describe_failure_is_a_note_not_a_crash(tmp_path):
@@ -353,3 +368,45 @@ def test_spike_rule_off_by_default_and_needs_history():
     assert guard.observe(1, 2.0, True) == "ok" and guard.observe(2, 50.0, True) == "ok"  # no history yet
     for step in range(3, 10):
         assert guard.observe(step, float("inf"), True) == "skipped"  # max_bad_steps 0: never rolls back
+
+
+def report(host_s, step_s=1.0, steps=5, process=0):
+    return {"host_s": host_s, "step_s": step_s, "steps": steps, "host": f"node-{process}",
+            "devices": list(range(8 * process, 8 * process + 8))}
+
+
+def test_host_scores_name_a_host_slow_two_windows_running_with_its_devices():
+    scores = HostScores(threshold=0.1)
+    fleet = {p: report(0.02, process=p) for p in range(16)}
+    assert scores.observe((1, 5), fleet)[2] == []
+    fleet[3] = report(0.32, process=3)  # 0.3 s of each 1 s step more than the others' median
+    ranked, waited, warnings = scores.observe((6, 10), fleet)
+    assert ranked[0]["process"] == 3 and ranked[0]["score"] == pytest.approx(0.3) and not ranked[0]["straggler"]
+    assert waited == pytest.approx(0.3 * 5) and warnings == []  # one window is not yet persistent
+    ranked, _, warnings = scores.observe((11, 15), fleet)
+    assert ranked[0]["straggler"] and ranked[0]["vs_own_best"] == pytest.approx(16.0)
+    assert warnings == ["warning: straggler host: process 3 on node-3 (devices 24-31) costs the fleet 0.3 s of each 1 s "
+                        "step over steps 11-15 (score 0.30 > fault.straggler_host_threshold 0.1, 2 windows running; "
+                        "16.00x its own best)"]
+    fleet[3] = report(0.02, process=3)  # recovered: no longer named
+    assert scores.observe((16, 20), fleet)[2] == []
+    assert HostScores(0.1).observe((1, 5), {0: report(9.0)}) == ([], 0.0, [])  # one process: nothing to compare
+
+
+def test_ranges_keep_a_list_of_processes_or_devices_short():
+    assert ranges([0, 1, 2, 3, 7, 9, 10]) == "0-3, 7, 9-10" and ranges([5]) == "5" and ranges([]) == ""
+
+
+def test_a_checkpoint_of_another_function_is_refused_unless_allowed():
+    saved = {"d_model": 64, "rope_theta": 10000.0, "norm_eps": 1e-5, "rope_scaling_factor": 1.0,
+             "rope_low_freq_factor": 1.0, "rope_high_freq_factor": 4.0, "rope_original_max_len": 8192}
+    assert model_differences(saved, dict(saved, rope_original_max_len=2048)) == []  # no scaling: unused
+    assert model_differences(saved, dict(saved, rope_scaling_factor=8.0, rope_original_max_len=2048)) == [
+        "rope_scaling_factor", "rope_original_max_len"]
+    with pytest.raises(ConfigError, match=r"model.rope_theta 10000.0 \(saved\) vs 20000.0.*"
+                       r"checkpoint.allow_model_changes=\[rope_theta\]"):
+        check_model(saved, dict(saved, rope_theta=20000.0), "runs/x")
+    check_model(saved, dict(saved, rope_theta=20000.0), "runs/x", allowed=["rope_theta"])
+    with pytest.raises(ConfigError, match=r"model.d_model 64 \(saved\) vs 128\); use another run.dir or the saved "
+                       r"model settings$"):  # shapes cannot be allowed
+        check_model(saved, dict(saved, d_model=128), "runs/x", allowed=["rope_theta"])
