@@ -321,7 +321,9 @@ class Loop:
         return step == t.steps or (t.eval_every > 0 and step % t.eval_every == 0)
 
     def evaluate(self, params: Any, step: int) -> float:
-        with self.watchdog.paused("eval"), self.goodput.pause("eval"):
+        # Bounded like the steps it is made of (a peer that never joins an eval batch must not hang it).
+        bound = self.watchdog.timeout_s * max(1, self.eval_batches)
+        with self.watchdog.paused("eval", bound), self.goodput.pause("eval"):
             loss = self.run.program.evaluate(params, self.run.data.val, self.eval_batches)
         self.log.log({"step": step, "eval_loss": loss})
         return loss
