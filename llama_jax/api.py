@@ -4,13 +4,16 @@
 
     cfg, params = api.load("hf:/models/Llama-3.2-1B")    # a Hugging Face directory, or one of our runs:
     cfg, params = api.load("runs/tiny")                  # a run dir, its checkpoints/, or a step dir
+    cfg, params = api.load("hf:/models/Llama-3.1-70B", overrides=["mesh.tensor=8"])   # sharded over 8 devices
     logits = api.logits(cfg, params, [[128000, 791, 6864, 315]])     # [batch, seq, vocab] numpy
     tokenizer = api.load_tokenizer("runs/tiny")
     print(api.generate_text(cfg, params, tokenizer, ["To be, or not"], max_new_tokens=40)[0])
     summary = api.train("tiny", ["train.steps=100", "run.dir=runs/notebook"])
 
 A model is named by a spec string (weights.py) or by the ModelSpec `api.resolve` makes of one, which
-saves reading it again. Every function raises ConfigError or DataError (one line) on bad input.
+saves reading it again. Without mesh.* keys `load` puts a model on one device; with them it is sharded
+over that mesh, and `logits`, `generate_text` (KV cache included) run on the mesh the params are on.
+Every function raises ConfigError or DataError (one line) on bad input.
 """
 
 from __future__ import annotations
@@ -23,8 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from llama_jax import distributed, weights
 from llama_jax import train as training
-from llama_jax import weights
 from llama_jax.config import ModelConfig, load_config
 from llama_jax.data.pipeline import evaluation_batches
 from llama_jax.data.tokenizer import Tokenizer
@@ -37,13 +40,22 @@ __all__ = ["ModelSpec", "convert", "evaluate", "generate_text", "load", "load_to
            "train"]
 
 
-def load(model: str | ModelSpec, compute_dtype: str | None = "float32", target=None) -> tuple[ModelConfig, dict]:
+def load(model: str | ModelSpec, compute_dtype: str | None = "float32", target=None, overrides: list[str] = (),
+         devices=None) -> tuple[ModelConfig, dict]:
     """(config, params) of a Hugging Face directory or a llama-jax checkpoint. The params take the
     shapes, dtypes and shardings of `target` (a ShapeDtypeStruct tree, e.g. the params of
-    TrainProgram.abstract_state()) or, without one, the model's param_dtype on the default device.
-    compute_dtype (None: the model's own) is the dtype the forward pass computes in."""
+    TrainProgram.abstract_state()); without one they are sharded over the mesh of the mesh.* keys in
+    `overrides` over `devices` (default: all) when either is given, else put on the default device.
+    compute_dtype (None: the model's own) is the dtype the forward pass computes in, unless `overrides`
+    set model.compute_dtype; model.attention can change too."""
     spec = resolve(model)
-    cfg = dataclasses.replace(spec.model, compute_dtype=compute_dtype) if compute_dtype else spec.model
+    config = weights.inference_config(spec.model, overrides, batches=False)
+    cfg = config.model
+    if compute_dtype and not any(o.strip().startswith("model.compute_dtype=") for o in overrides):
+        cfg = dataclasses.replace(cfg, compute_dtype=compute_dtype)
+    distributed.initialize(config.run)
+    if target is None and (devices is not None or weights.names_a_mesh(overrides)):
+        target = weights.param_target(config, weights.inference_mesh(config, devices))
     return cfg, weights.load_params(spec, target)
 
 
@@ -70,7 +82,8 @@ def _forward(cfg: ModelConfig) -> Callable:
 
 def generate_text(cfg: ModelConfig, params, tokenizer: Tokenizer, prompts: list[str], max_new_tokens: int = 64,
                   sampling: Sampling = Sampling(), seed: int = 0) -> list[str]:
-    """Continue each prompt (BOS added when the tokenizer has one); stops at EOS or max_new_tokens."""
+    """Continue each prompt (BOS added when the tokenizer has one); stops at EOS or max_new_tokens. On the
+    mesh the params are sharded over, if any (the key/value cache is sharded alike)."""
     bos = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
     encoded = [[*bos, *tokenizer.encode(p)] for p in prompts]
     new = generate(cfg, params, encoded, max_new_tokens, jax.random.key(seed), sampling, tokenizer.eos_id)
@@ -85,9 +98,9 @@ def train(source: str | None = None, overrides: list[str] = (), print_fn: Callab
 
 
 def convert(source: str, out: str, overrides: list[str] = (), dtype: str = "float32", rotary: str = "half",
-            print_fn: Callable[[str], None] = print) -> Path:
-    """Hugging Face directory <-> llama-jax checkpoint; see weights.convert."""
-    return weights.convert(source, out, overrides, dtype, rotary, print_fn)
+            print_fn: Callable[[str], None] = print, devices=None) -> Path:
+    """Hugging Face directory <-> llama-jax checkpoint, sharded over the mesh of `overrides`; see weights.convert."""
+    return weights.convert(source, out, overrides, dtype, rotary, print_fn, devices)
 
 
 def evaluate(model: str | ModelSpec, data: str, overrides: list[str] = (), max_batches: int = 0, split: str = "val",
@@ -97,6 +110,7 @@ def evaluate(model: str | ModelSpec, data: str, overrides: list[str] = (), max_b
     and mesh.* come from `overrides`, over `devices` (default: all); max_batches 0 = one pass."""
     spec = resolve(model)
     config = weights.inference_config(spec.model, overrides)
+    distributed.initialize(config.run)
     t = config.train
     stream = evaluation_batches(data, weights.load_tokenizer(spec), t.batch_size, t.seq_len, split, spec.text)
     program = TrainProgram.for_config(config, devices)

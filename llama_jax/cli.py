@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
 
-from llama_jax.errors import InputError, LlamaJaxError
+from llama_jax.errors import EXIT_PEER_TIMEOUT, InputError, LlamaJaxError
 
 
 def _error(message: str) -> None:
@@ -155,6 +156,8 @@ def cmd_convert(ns: argparse.Namespace) -> int:
 
 
 def cmd_generate(ns: argparse.Namespace) -> int:
+    import jax
+
     from llama_jax import api
     from llama_jax.data.tokenizer import load_tokenizer
     from llama_jax.generate import Sampling
@@ -163,11 +166,12 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     sampling.check()
     model = api.resolve(ns.model)
     tokenizer = load_tokenizer(ns.tokenizer) if ns.tokenizer else api.load_tokenizer(model)
-    cfg, params = api.load(model, compute_dtype=ns.dtype)
-    for prompt, text in zip(ns.prompt, api.generate_text(cfg, params, tokenizer, ns.prompt, ns.max_new_tokens,
-                                                         sampling, ns.seed)):
-        print(prompt + text)
-        print()
+    cfg, params = api.load(model, compute_dtype=ns.dtype or "float32", overrides=ns.overrides)
+    texts = api.generate_text(cfg, params, tokenizer, ns.prompt, ns.max_new_tokens, sampling, ns.seed)
+    if jax.process_index() == 0:
+        for prompt, text in zip(ns.prompt, texts):
+            print(prompt + text)
+            print()
     return 0
 
 
@@ -266,9 +270,11 @@ def build_parser() -> argparse.ArgumentParser:
     convert = commands.add_parser(
         "convert", help="Hugging Face Llama directory <-> llama-jax checkpoint",
         description="llama-jax convert SOURCE OUT [key=value ...]. SOURCE is a Hugging Face directory "
-                    "(config.json + safetensors; written as a parameters-only checkpoint in OUT, sharded for "
-                    "the mesh of the mesh.* keys) or a llama-jax run / checkpoint (written as a Hugging Face "
-                    "directory). Tokenizer files go along.")
+                    "(config.json + safetensors; written as a parameters-only checkpoint in OUT) or a llama-jax "
+                    "run / checkpoint (written as a Hugging Face directory, in safetensors files of at most "
+                    "5 GiB). Either way the model is loaded sharded over the mesh of the mesh.* keys (default: "
+                    "all devices on fsdp) and streamed through the host a block at a time. Tokenizer files "
+                    "go along.")
     convert.add_argument("source", metavar="SOURCE")
     convert.add_argument("out", metavar="OUT")
     convert.add_argument("overrides", nargs="*", metavar="key=value")
@@ -280,9 +286,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     generate = commands.add_parser(
         "generate", help="continue prompts with a trained or converted model (KV cache)",
-        description="llama-jax generate MODEL --prompt TEXT [--prompt TEXT ...]. MODEL is a run dir, a "
-                    "checkpoint, or a Hugging Face directory (hf:DIR).")
+        description="llama-jax generate MODEL [key=value ...] --prompt TEXT [--prompt TEXT ...]. MODEL is a run "
+                    "dir, a checkpoint, or a Hugging Face directory (hf:DIR). Without mesh.* keys the model goes "
+                    "on one device; with them (e.g. mesh.tensor=8) it is sharded over that mesh of all devices, "
+                    "and so is the key/value cache.")
     generate.add_argument("model", metavar="MODEL")
+    generate.add_argument("overrides", nargs="*", metavar="key=value",
+                          help="mesh.* keys; model.compute_dtype, model.attention")
     generate.add_argument("--prompt", action="append", required=True, help="a prompt; repeat for a batch")
     generate.add_argument("--max-new-tokens", type=int, default=64)
     generate.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
@@ -290,7 +300,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (1: off)")
     generate.add_argument("--seed", type=int, default=0)
     generate.add_argument("--tokenizer", help="tokenizer file (default: the model's)")
-    generate.add_argument("--dtype", default="float32", help="compute dtype: float32 (default) or bfloat16")
+    generate.add_argument("--dtype", help="compute dtype: float32 (default) or bfloat16; model.compute_dtype=... too")
     generate.set_defaults(func=cmd_generate)
 
     evaluate = commands.add_parser(
@@ -328,12 +338,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     started_at = time.time()  # goodput counts the start-up (imports, compilation) as restart overhead
-    ns = build_parser().parse_args(argv)
+    parser = build_parser()
+    ns, extra = parser.parse_known_args(argv)
+    if extra and hasattr(ns, "overrides") and all("=" in a and not a.startswith("-") for a in extra):
+        ns.overrides = [*ns.overrides, *extra]  # key=value after an option: `convert A B --dtype bfloat16 mesh.tensor=8`
+    elif extra:
+        parser.parse_args(argv)  # argparse's own error for what it does not know
     ns.started_at = started_at
     try:
         return ns.func(ns)
     except LlamaJaxError as err:
         _error(str(err))
+        if err.exit_code == EXIT_PEER_TIMEOUT:
+            # JAX's exit handler waits for every process at a shutdown barrier, which the absent one will
+            # never reach: leave without it, so the supervisor can restart this process now.
+            sys.stdout.flush(), sys.stderr.flush()
+            os._exit(err.exit_code)
         return err.exit_code
 
 

@@ -1,10 +1,13 @@
 """Text generation: prefill the prompts once, then one jitted decode step per new token.
 
 The key/value cache is preallocated for prompt + new tokens ([layers, batch, cache_len, kv_heads,
-head_dim] per tensor, in the compute dtype) and carries the same logical axis names as the model's
-keys and values, so under a mesh it is sharded like them. Prompts of different lengths share one
-batch: each row is right-padded, and row r's token at position p goes to cache slot p, so padding is
-overwritten before any query can see it.
+head_dim] per tensor, in the compute dtype) and carries the logical axis names of the model's keys and
+values. On a mesh (the one the params are sharded over: `api.load(..., overrides=["mesh.tensor=8"])`)
+the steps run under the logical-axis table of sharding.py, so the cache is sharded like the keys and
+values: rows over the data/fsdp axes that divide the batch, kv heads over `tensor` where they divide.
+Nothing is split along the sequence: a decode step has one token. Prompts of different lengths share
+one batch: each row is right-padded, and row r's token at position p goes to cache slot p, so padding
+is overwritten before any query can see it.
 
 `generate_without_cache` is the reference: it re-runs the whole window for every token (O(length²)),
 and tests check that both produce the same greedy tokens.
@@ -12,15 +15,24 @@ and tests check that both produce the same greedy tokens.
 
 from __future__ import annotations
 
+import math
+from contextlib import nullcontext
 from dataclasses import dataclass
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from llama_jax.config import Config, ModelConfig
+from llama_jax import sharding
+from llama_jax.config import Config, MeshConfig, ModelConfig
 from llama_jax.errors import ConfigError
-from llama_jax.model import Llama
+from llama_jax.model import KV_HEADS, Llama
+from llama_jax.vocabulary import MESH_AXES
+
+# The cache's logical axes: one [batch, cache_len, kv_heads, head_dim] block of keys or values per layer.
+CACHE_AXES = ("layers", *KV_HEADS)
 
 
 @dataclass(frozen=True)
@@ -56,19 +68,53 @@ def sample_next(logits: jax.Array, rng: jax.Array, sampling: Sampling) -> jax.Ar
     return jax.random.categorical(rng, logits, axis=-1)
 
 
-class Generator:
-    """Compiled prefill and decode steps for one model, batch size and cache length."""
+def params_mesh(params) -> Mesh | None:
+    """The mesh the params are sharded over (None: they are on one device)."""
+    placement = getattr(jax.tree.leaves(params)[0], "sharding", None)
+    return placement.mesh if isinstance(placement, NamedSharding) and placement.mesh.size > 1 else None
 
-    def __init__(self, cfg: ModelConfig, batch: int, cache_len: int, sampling: Sampling = GREEDY):
+
+def default_rules(cfg: ModelConfig, mesh: Mesh) -> tuple:
+    """The logical-axis table (sharding.axis_rules) of a run of this model on this mesh."""
+    if sorted(mesh.axis_names) != sorted(MESH_AXES):
+        raise ConfigError(f"generation needs a mesh with the axes {', '.join(MESH_AXES)} (sharding.make_mesh), "
+                          f"got {', '.join(mesh.axis_names)}")
+    return sharding.axis_rules(Config(model=cfg, mesh=MeshConfig(**dict(mesh.shape))))
+
+
+def decoding_rules(rules: tuple, mesh: Mesh, batch: int) -> tuple:
+    """The table for decoding `batch` rows: the batch over those of its mesh axes whose product divides
+    it (outermost first; none: replicated), and no split along the sequence (a decode step has one token)."""
+    table = dict(rules)
+    axes = table.get("batch") or ()
+    axes = (axes,) if isinstance(axes, str) else tuple(axes)
+    while axes and batch % math.prod(mesh.shape[a] for a in axes):
+        axes = axes[:-1]
+    table["batch"] = axes or None
+    table["seq"] = table["residual_seq"] = None
+    return tuple(table.items())
+
+
+class Generator:
+    """Compiled prefill and decode steps for one model, batch size and cache length, on one device or on
+    `mesh` (where the params must be) under the logical-axis table `rules` (default: the standard table
+    for the mesh, as decoding_rules adapts it to the batch)."""
+
+    def __init__(self, cfg: ModelConfig, batch: int, cache_len: int, sampling: Sampling = GREEDY,
+                 mesh: Mesh | None = None, rules: tuple | None = None):
         if cache_len > cfg.max_seq_len:
             raise ConfigError(f"prompt + new tokens = {cache_len} exceed model.max_seq_len {cfg.max_seq_len}; "
                               "generate fewer tokens or shorten the prompt")
         sampling.check()
-        self.cfg, self.batch, self.cache_len, self.sampling = cfg, batch, cache_len, sampling
+        self.cfg, self.batch, self.cache_len, self.sampling, self.mesh = cfg, batch, cache_len, sampling, mesh
         self.model = Llama(cfg, decode=True)
-        # Cache shapes from an abstract init; the cache starts as zeros (placed by jit's output sharding).
+        self.rules = None if mesh is None else decoding_rules(rules or default_rules(cfg, mesh), mesh, batch)
+        # Cache shapes from an abstract init; the cache starts as zeros, made in its shards.
         shapes = jax.eval_shape(self.model.init, jax.random.key(0), jnp.zeros((batch, cache_len), jnp.int32))
-        self._empty_cache = jax.jit(lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes["cache"]))
+        self.cache_shardings = None if mesh is None else jax.tree.map(
+            lambda _: nn.logical_to_mesh_sharding(PartitionSpec(*CACHE_AXES), mesh, self.rules), shapes["cache"])
+        self._empty_cache = jax.jit(lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes["cache"]),
+                                    out_shardings=self.cache_shardings)
 
         def step(params, cache, tokens, positions, last, rng):
             logits, updated = self.model.apply({"params": params, "cache": cache}, tokens, positions,
@@ -76,25 +122,42 @@ class Generator:
             chosen = jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]  # [batch, vocab]
             return sample_next(chosen, rng, self.sampling), updated["cache"]
 
-        self._step = jax.jit(step, donate_argnums=(1,))
+        # On a mesh the chosen tokens come back replicated: every process can read them.
+        outputs = None if mesh is None else (NamedSharding(mesh, PartitionSpec()), self.cache_shardings)
+        self._step = jax.jit(step, out_shardings=outputs, donate_argnums=(1,))
+
+    def _put(self, x: np.ndarray) -> jax.Array:
+        """A host array as a step input: on the default device, or replicated over the mesh (also when the
+        mesh spans processes, each of which passes the same value)."""
+        if self.mesh is None:
+            return jnp.asarray(x)
+        return jax.make_array_from_callback(x.shape, NamedSharding(self.mesh, PartitionSpec()), lambda i: x[i])
+
+    def _run(self, *args):
+        with nullcontext() if self.mesh is None else sharding.activate(self.mesh, self.rules):
+            return self._step(*args)
+
+    def prefill(self, params, prompts: list[list[int]], rng: jax.Array) -> tuple[jax.Array, dict]:
+        """(the first new token of each prompt [batch], the cache holding the prompts)."""
+        if len(prompts) != self.batch or any(not p for p in prompts):
+            raise ConfigError(f"need {self.batch} non-empty prompt(s), got {[len(p) for p in prompts]}")
+        lengths = np.array([len(p) for p in prompts], np.int32)
+        tokens = np.zeros((self.batch, int(lengths.max())), np.int32)
+        for row, prompt in enumerate(prompts):
+            tokens[row, :len(prompt)] = prompt
+        positions = np.broadcast_to(np.arange(tokens.shape[1], dtype=np.int32), tokens.shape)
+        return self._run(params, self._empty_cache(), self._put(tokens), self._put(positions),
+                         self._put(lengths - 1), rng)
 
     def __call__(self, params, prompts: list[list[int]], max_new_tokens: int, rng: jax.Array,
                  stop_token: int | None = None) -> list[list[int]]:
         """The new tokens of each prompt: up to max_new_tokens, ending before stop_token if produced."""
-        if len(prompts) != self.batch or any(not p for p in prompts):
-            raise ConfigError(f"need {self.batch} non-empty prompt(s), got {[len(p) for p in prompts]}")
         lengths = np.array([len(p) for p in prompts], np.int32)
-        if lengths.max() + max_new_tokens > self.cache_len:
+        if lengths.max(initial=0) + max_new_tokens > self.cache_len:
             raise ConfigError(f"the longest prompt ({lengths.max()}) + {max_new_tokens} new tokens exceed the "
                               f"cache of {self.cache_len}")
-        width = int(lengths.max())
-        tokens = np.zeros((self.batch, width), np.int32)
-        for row, prompt in enumerate(prompts):
-            tokens[row, :len(prompt)] = prompt
-        positions = np.broadcast_to(np.arange(width, dtype=np.int32), tokens.shape)
         rng, step_rng = jax.random.split(rng)
-        token, cache = self._step(params, self._empty_cache(), jnp.asarray(tokens), jnp.asarray(positions),
-                                  jnp.asarray(lengths - 1), step_rng)
+        token, cache = self.prefill(params, prompts, step_rng)
         produced = np.zeros((self.batch, max_new_tokens), np.int32)
         done = np.zeros(self.batch, bool)
         last = np.zeros(self.batch, np.int32)
@@ -105,8 +168,8 @@ class Generator:
             if done.all() or i == max_new_tokens - 1:
                 break
             rng, step_rng = jax.random.split(rng)
-            token, cache = self._step(params, cache, token[:, None], jnp.asarray((lengths + i)[:, None]),
-                                      jnp.asarray(last), step_rng)
+            token, cache = self._run(params, cache, token[:, None], self._put((lengths + i)[:, None]),
+                                     self._put(last), step_rng)
         return [_until(list(row[:i + 1]), stop_token) for row in produced]
 
 
@@ -115,10 +178,13 @@ def _until(tokens: list[int], stop_token: int | None) -> list[int]:
 
 
 def generate(cfg: ModelConfig, params, prompts: list[list[int]], max_new_tokens: int, rng: jax.Array,
-             sampling: Sampling = GREEDY, stop_token: int | None = None) -> list[list[int]]:
-    """KV-cache generation for a batch of prompts (compiles a Generator for this shape)."""
+             sampling: Sampling = GREEDY, stop_token: int | None = None, rules: tuple | None = None
+             ) -> list[list[int]]:
+    """KV-cache generation for a batch of prompts (compiles a Generator for this shape), on the mesh the
+    params are sharded over, if any, under `rules` (default: the standard table for that mesh)."""
     cache_len = max(map(len, prompts)) + max_new_tokens
-    return Generator(cfg, len(prompts), cache_len, sampling)(params, prompts, max_new_tokens, rng, stop_token)
+    generator = Generator(cfg, len(prompts), cache_len, sampling, params_mesh(params), rules)
+    return generator(params, prompts, max_new_tokens, rng, stop_token)
 
 
 def generate_without_cache(cfg: ModelConfig, params, prompt: list[int], max_new_tokens: int, rng: jax.Array,
@@ -151,5 +217,6 @@ def sample_text(config: Config, params, tokenizer) -> str:
     new_tokens = min(config.train.sample_tokens, config.model.max_seq_len - 1)
     prompt = [*bos, *tokenizer.encode(config.train.sample_prompt)][-(config.model.max_seq_len - new_tokens):]
     (new,) = generate(config.model, params, [prompt], new_tokens, jax.random.key(config.seed),
-                      Sampling(temperature=0.8, top_k=40), stop_token=tokenizer.eos_id)
+                      Sampling(temperature=0.8, top_k=40), stop_token=tokenizer.eos_id,
+                      rules=sharding.axis_rules(config))
     return config.train.sample_prompt + tokenizer.decode(new)

@@ -16,11 +16,20 @@ Rotary layout: our model and transformers rotate (x[i], x[i + H/2]) ("rotate_hal
 checkpoints rotate interleaved pairs (x[2i], x[2i+1]). With rotary="interleaved" the q/k rows of each
 head are reordered between the two (evens first, then odds), as transformers' own conversion does.
 
-Reading streams one Hugging Face tensor at a time from the memory-mapped safetensors files and places
-each stacked parameter straight into its shards (jax.make_array_from_callback): the host holds about
-one parameter at a time. Writing streams too: the safetensors header is computed from the shapes
-first and each tensor's bytes follow, so export needs one tensor of host memory per write (the
-safetensors library can only write a whole dict at once, hence our small writer).
+Memory: neither direction ever holds a whole parameter, let alone the model, on the host.
+- Reading builds each parameter device by device (jax.make_array_from_single_device_arrays). A
+  device's shard is filled in blocks of at most BLOCK_BYTES along its first axis (layers, for the
+  stacked ones); each block is read with safetensors' get_slice, which reads only the rows and
+  columns that block needs, then converted (dtype, layout, rotary order) and copied into the shard.
+  A shard replicated on several devices is read once and copied between them.
+- Writing pulls one Hugging Face tensor at a time (one layer of a stacked parameter) off the
+  (possibly sharded) devices and streams its rows, converted in blocks of at most BLOCK_BYTES, into
+  safetensors files of at most `shard_bytes` (model-0000k-of-0000n.safetensors and
+  model.safetensors.index.json, as save_pretrained writes them): the header is computed from the
+  shapes first (the safetensors library only writes a whole dict at once, hence our small writer).
+  In a multi-process run every process takes part in gathering each tensor and process 0 writes.
+So reading holds a block at a time and writing the largest single tensor and a block, whatever the
+size of the model.
 """
 
 from __future__ import annotations
@@ -28,20 +37,27 @@ from __future__ import annotations
 import json
 import math
 import struct
+from contextlib import nullcontext
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
+import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+from jax.experimental import multihost_utils
 from safetensors import safe_open
 
 from llama_jax.config import ModelConfig
 from llama_jax.errors import ConfigError
+from llama_jax.model import abstract_params
 
 ROTARY_LAYOUTS = ("half", "interleaved")
 SHARD_BYTES = 5 * 2**30  # transformers' default shard size
+BLOCK_BYTES = 64 * 2**20  # the most a conversion reads or converts at once
 
 
 # ---------------------------------------------------------------------------------------------
@@ -117,53 +133,85 @@ def hf_config(cfg: ModelConfig, dtype: str) -> dict:
 
 @dataclass(frozen=True)
 class Tensor:
-    """One llama-jax parameter and the Hugging Face tensor(s) it is made of."""
+    """One llama-jax parameter and the Hugging Face tensor(s) it is made of. `layout` says how one
+    layer of ours (left) and the Hugging Face tensor (right) hold the same numbers:
+
+        same        ours[...] == hf[...]                         embedding, norms
+        transposed  ours[i, j] == hf[j, i]                       MLP, lm_head
+        heads_in    ours[d, n, h] == hf[n * head_dim + h, d]     q, k, v projections
+        heads_out   ours[n, h, d] == hf[d, n * head_dim + h]     o projection
+    """
     path: tuple[str, ...]  # in our params tree
     hf_name: str  # with {i} for the layer index when per_layer
     per_layer: bool
-    to_ours: Callable[[np.ndarray, ModelConfig], np.ndarray]  # one HF tensor -> our layout (one layer)
-    to_hf: Callable[[np.ndarray, ModelConfig], np.ndarray]
+    layout: str
 
+    @property
+    def row_axis(self) -> int:
+        """The axis of ours (one layer) along which the Hugging Face tensor's rows run."""
+        return {"same": 0, "transposed": 1, "heads_in": 1, "heads_out": 2}[self.layout]
 
-def _heads_in(n_heads: Callable[[ModelConfig], int]):
-    """[heads*head_dim, D] -> [D, heads, head_dim] and back."""
-    def to_ours(w, cfg):
-        return w.T.reshape(cfg.d_model, n_heads(cfg), cfg.resolved_head_dim)
+    @property
+    def rotary(self) -> bool:
+        """Whether the rows are rotated by RoPE (q and k), so their order depends on the rotary layout."""
+        return self.hf_name.endswith(("q_proj.weight", "k_proj.weight"))
 
-    def to_hf(w, cfg):
-        return w.reshape(cfg.d_model, -1).T
-    return to_ours, to_hf
+    def hf_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The Hugging Face tensor's shape for one layer of ours of `shape`."""
+        if self.layout == "same":
+            return tuple(shape)
+        if self.layout == "transposed":
+            return tuple(shape[::-1])
+        if self.layout == "heads_in":
+            return shape[1] * shape[2], shape[0]
+        return shape[2], shape[0] * shape[1]
 
+    def to_hf(self, w: np.ndarray) -> np.ndarray:
+        """A block of ours (one layer, any range along row_axis) -> those rows of the Hugging Face tensor."""
+        if self.layout == "same":
+            return w
+        if self.layout == "transposed":
+            return w.T
+        if self.layout == "heads_in":
+            return w.reshape(w.shape[0], -1).T
+        return w.reshape(-1, w.shape[-1]).T
 
-def _transposed():
-    return (lambda w, cfg: w.T), (lambda w, cfg: w.T)
-
-
-def _same():
-    return (lambda w, cfg: w), (lambda w, cfg: w)
+    def from_hf(self, read: Callable[[tuple[slice, ...]], np.ndarray], index: tuple[slice, ...], head_dim: int,
+                interleaved: bool) -> np.ndarray:
+        """ours[index] (one layer; slices with start and stop), reading only the Hugging Face rows and
+        columns it needs with read(hf_index)."""
+        if self.layout == "same":
+            return read(index)
+        if self.layout == "transposed":
+            return read(index[::-1]).T
+        if self.layout == "heads_in":
+            d, n, h = index
+            w = read((slice(n.start * head_dim, n.stop * head_dim), d))  # [n * head_dim, d]
+            if interleaved and self.rotary:
+                w = interleaved_to_half(w, n.stop - n.start)
+            return w.reshape(n.stop - n.start, head_dim, -1)[:, h].transpose(2, 0, 1)
+        n, h, d = index
+        w = read((d, slice(n.start * head_dim, n.stop * head_dim)))  # [d, n * head_dim]
+        return w.reshape(w.shape[0], n.stop - n.start, head_dim)[:, :, h].transpose(1, 2, 0)
 
 
 def tensor_map(cfg: ModelConfig) -> list[Tensor]:
-    q = _heads_in(lambda c: c.n_heads)
-    kv = _heads_in(lambda c: c.n_kv_heads)
-    o = ((lambda w, c: w.T.reshape(c.n_heads, c.resolved_head_dim, c.d_model)),
-         (lambda w, c: w.reshape(-1, c.d_model).T))
     layer = "model.layers.{i}."
     tensors = [
-        Tensor(("embed", "embedding"), "model.embed_tokens.weight", False, *_same()),
-        Tensor(("layers", "attn", "q_proj", "kernel"), layer + "self_attn.q_proj.weight", True, *q),
-        Tensor(("layers", "attn", "k_proj", "kernel"), layer + "self_attn.k_proj.weight", True, *kv),
-        Tensor(("layers", "attn", "v_proj", "kernel"), layer + "self_attn.v_proj.weight", True, *kv),
-        Tensor(("layers", "attn", "o_proj", "kernel"), layer + "self_attn.o_proj.weight", True, *o),
-        Tensor(("layers", "mlp", "gate_proj", "kernel"), layer + "mlp.gate_proj.weight", True, *_transposed()),
-        Tensor(("layers", "mlp", "up_proj", "kernel"), layer + "mlp.up_proj.weight", True, *_transposed()),
-        Tensor(("layers", "mlp", "down_proj", "kernel"), layer + "mlp.down_proj.weight", True, *_transposed()),
-        Tensor(("layers", "attn_norm", "scale"), layer + "input_layernorm.weight", True, *_same()),
-        Tensor(("layers", "mlp_norm", "scale"), layer + "post_attention_layernorm.weight", True, *_same()),
-        Tensor(("final_norm", "scale"), "model.norm.weight", False, *_same()),
+        Tensor(("embed", "embedding"), "model.embed_tokens.weight", False, "same"),
+        Tensor(("layers", "attn", "q_proj", "kernel"), layer + "self_attn.q_proj.weight", True, "heads_in"),
+        Tensor(("layers", "attn", "k_proj", "kernel"), layer + "self_attn.k_proj.weight", True, "heads_in"),
+        Tensor(("layers", "attn", "v_proj", "kernel"), layer + "self_attn.v_proj.weight", True, "heads_in"),
+        Tensor(("layers", "attn", "o_proj", "kernel"), layer + "self_attn.o_proj.weight", True, "heads_out"),
+        Tensor(("layers", "mlp", "gate_proj", "kernel"), layer + "mlp.gate_proj.weight", True, "transposed"),
+        Tensor(("layers", "mlp", "up_proj", "kernel"), layer + "mlp.up_proj.weight", True, "transposed"),
+        Tensor(("layers", "mlp", "down_proj", "kernel"), layer + "mlp.down_proj.weight", True, "transposed"),
+        Tensor(("layers", "attn_norm", "scale"), layer + "input_layernorm.weight", True, "same"),
+        Tensor(("layers", "mlp_norm", "scale"), layer + "post_attention_layernorm.weight", True, "same"),
+        Tensor(("final_norm", "scale"), "model.norm.weight", False, "same"),
     ]
     if not cfg.tie_embeddings:
-        tensors.append(Tensor(("lm_head", "kernel"), "lm_head.weight", False, *_transposed()))
+        tensors.append(Tensor(("lm_head", "kernel"), "lm_head.weight", False, "transposed"))
     return tensors
 
 
@@ -181,19 +229,18 @@ def half_to_interleaved(w: np.ndarray, n_heads: int) -> np.ndarray:
     return out.reshape(w.shape)
 
 
-def _rotary_heads(name: str, cfg: ModelConfig) -> int | None:
-    """How many heads a q/k projection has (None for other tensors)."""
-    if name.endswith("q_proj.weight"):
-        return cfg.n_heads
-    return cfg.n_kv_heads if name.endswith("k_proj.weight") else None
-
-
 # ---------------------------------------------------------------------------------------------
 # Reading
 
 
 class SafetensorsReader:
-    """Tensors by name from model.safetensors or the shards of model.safetensors.index.json."""
+    """Slices of tensors by name from model.safetensors or the shards of model.safetensors.index.json.
+
+    An open file is memory-mapped, and every page read through the mapping counts as this process's
+    memory until the file is closed; a slice of a few columns touches a page of every row. So each read
+    opens the file for at most READ_BYTES of whole rows at a time and closes it again."""
+
+    READ_BYTES = 16 * 2**20
 
     def __init__(self, directory: Path):
         directory = Path(directory)
@@ -204,42 +251,115 @@ class SafetensorsReader:
             weight_map = None
         else:
             raise ConfigError(f"{directory} has neither model.safetensors nor model.safetensors.index.json")
-        files = sorted(set(weight_map.values())) if weight_map else ["model.safetensors"]
-        self._handles = {f: safe_open(str(directory / f), framework="flax") for f in files}
-        self.names = {n: f for f, h in self._handles.items() for n in h.keys()}
-        if weight_map:
-            self.names = {n: f for n, f in weight_map.items() if n in self.names}
+        self.files, self.shapes, self.row_bytes = {}, {}, {}
+        for file in sorted(set(weight_map.values())) if weight_map else ["model.safetensors"]:
+            with safe_open(str(directory / file), framework="numpy") as handle:
+                for name in handle.keys():
+                    if weight_map is None or weight_map.get(name) == file:
+                        tensor = handle.get_slice(name)
+                        self.files[name], self.shapes[name] = directory / file, tuple(tensor.get_shape())
+                        itemsize = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}.get(tensor.get_dtype(), 4)
+                        self.row_bytes[name] = math.prod(self.shapes[name][1:]) * itemsize
 
-    def get(self, name: str) -> np.ndarray:
-        """The tensor as numpy, in its stored dtype (bfloat16 via ml_dtypes)."""
-        return np.asarray(self._handles[self.names[name]].get_tensor(name))
+    def read(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
+        """tensor[index] (slices with start and stop) as numpy, in its stored dtype (bfloat16 via ml_dtypes)."""
+        rows, rest = index[0], index[1:]
+        step = max(1, self.READ_BYTES // max(1, self.row_bytes[name]))
+        if rows.stop - rows.start <= step:
+            return self._read(name, index)
+        out = None
+        for start in range(rows.start, rows.stop, step):
+            part = self._read(name, (slice(start, min(start + step, rows.stop)), *rest))
+            if out is None:
+                out = np.empty((rows.stop - rows.start, *part.shape[1:]), part.dtype)
+            out[start - rows.start:start - rows.start + len(part)] = part
+        return out
+
+    def _read(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
+        return safe_open(str(self.files[name]), framework="numpy").get_slice(name)[index]
 
 
-def read_params(directory: Path, cfg: ModelConfig, shardings=None, dtype=None, rotary: str = "half") -> dict:
-    """Our params tree from a Hugging Face directory. Each stacked parameter is built on the host and
-    placed in its shardings (a tree like the params; None: the default device), then dropped."""
+def single_device_target(cfg: ModelConfig) -> Any:
+    """The params' shapes and param_dtype on this process's first device: where a model goes without a mesh."""
+    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=device),
+                        nn.meta.unbox(abstract_params(cfg)))
+
+
+def read_params(directory: Path, cfg: ModelConfig, target: Any = None, rotary: str = "half",
+                block_bytes: int = BLOCK_BYTES) -> dict:
+    """Our params tree from a Hugging Face directory, each parameter in the shape, dtype and sharding of
+    `target` (ShapeDtypeStructs in a tree like the params; None: single_device_target), read and placed
+    block by block (module docstring)."""
+    target = single_device_target(cfg) if target is None else target
     reader = SafetensorsReader(directory)
-    expected = [t.hf_name.format(i=i) for t in tensor_map(cfg) for i in (range(cfg.n_layers) if t.per_layer else [0])]
-    missing = [n for n in expected if n not in reader.names]
+    expected = {}
+    for tensor in tensor_map(cfg):
+        shape = _get(target, tensor.path).shape
+        for i in range(cfg.n_layers) if tensor.per_layer else [0]:
+            expected[tensor.hf_name.format(i=i)] = tensor.hf_shape(shape[1:] if tensor.per_layer else shape)
+    missing = [n for n in expected if n not in reader.files]
     if missing:
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
         raise ConfigError(f"{directory} lacks tensor(s) {', '.join(missing[:3])}{more} that a Llama with this "
                           "config.json needs")
+    wrong = [n for n, shape in expected.items() if reader.shapes[n] != shape]
+    if wrong:
+        raise ConfigError(f"{directory}: {wrong[0]} has shape {list(reader.shapes[wrong[0]])} but config.json "
+                          f"implies {list(expected[wrong[0]])}")
     params: dict = {}
     for tensor in tensor_map(cfg):
-        layers = [reader.get(tensor.hf_name.format(i=i)) for i in (range(cfg.n_layers) if tensor.per_layer else [0])]
-        heads = _rotary_heads(tensor.hf_name, cfg)
-        if rotary == "interleaved" and heads:
-            layers = [interleaved_to_half(w, heads) for w in layers]
-        ours = [tensor.to_ours(w, cfg) for w in layers]
-        value = np.stack(ours) if tensor.per_layer else ours[0]
-        if dtype is not None:
-            value = value.astype(dtype)
-        sharding = _get(shardings, tensor.path) if shardings is not None else None
-        placed = jax.make_array_from_callback(value.shape, sharding, lambda index, v=value: v[index]) \
-            if sharding is not None else jax.numpy.asarray(value)
-        _set(params, tensor.path, placed)
+        spec = _get(target, tensor.path)
+
+        def read(index, tensor=tensor, dtype=spec.dtype):  # ours[index], in dtype
+            def one(name, index):
+                block = tensor.from_hf(partial(reader.read, name), index, cfg.resolved_head_dim,
+                                       rotary == "interleaved")
+                return block.astype(dtype, copy=False)
+            if not tensor.per_layer:
+                return one(tensor.hf_name, index)
+            layers = range(index[0].start, index[0].stop)
+            out = np.empty((len(layers), *(s.stop - s.start for s in index[1:])), dtype)
+            for j, layer in enumerate(layers):
+                out[j] = one(tensor.hf_name.format(i=layer), index[1:])
+            return out
+
+        _set(params, tensor.path, place(spec.shape, spec.dtype, spec.sharding, read, block_bytes))
     return params
+
+
+def place(shape: tuple[int, ...], dtype, sharding, read: Callable[[tuple[slice, ...]], np.ndarray],
+          block_bytes: int = BLOCK_BYTES) -> jax.Array:
+    """A jax.Array of `shape` in `sharding` whose values are read(index) (slices with start and stop):
+    each addressable device's shard is filled in blocks of at most block_bytes along axis 0, so the host
+    holds one block at a time; a shard that several devices hold is read once and copied."""
+    arrays, placed = [], {}
+    for device, index in sharding.addressable_devices_indices_map(shape).items():
+        index = tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, shape))
+        key = tuple((s.start, s.stop) for s in index)
+        if key in placed:
+            arrays.append(jax.device_put(placed[key], device))
+            continue
+        placed[key] = _fill_shard(index, np.dtype(dtype), device, read, block_bytes)
+        arrays.append(placed[key])
+    return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
+
+
+def _fill_shard(index: tuple[slice, ...], dtype: np.dtype, device, read, block_bytes: int) -> jax.Array:
+    shape = tuple(s.stop - s.start for s in index)
+    rows = max(1, block_bytes // max(1, math.prod(shape[1:]) * dtype.itemsize))  # per block
+    if rows >= shape[0]:
+        return jax.device_put(read(index), device).block_until_ready()
+    shard = jnp.zeros(shape, dtype, device=device)
+    for start in range(0, shape[0], rows):
+        block = read((slice(index[0].start + start, min(index[0].start + start + rows, index[0].stop)), *index[1:]))
+        shard = _write_rows(shard, jax.device_put(block, device).block_until_ready(), start)
+    return shard
+
+
+@partial(jax.jit, donate_argnums=(0,))
+def _write_rows(shard: jax.Array, block: jax.Array, start) -> jax.Array:
+    return jax.lax.dynamic_update_slice_in_dim(shard, block, start, 0)
 
 
 def _get(tree, path):
@@ -258,36 +378,67 @@ def _set(tree: dict, path, value) -> None:
 # Writing
 
 
-def hf_tensors(params: dict, cfg: ModelConfig, dtype, rotary: str = "half"
-               ) -> Iterator[tuple[str, Callable[[], np.ndarray], tuple[int, ...]]]:
-    """(name, load, shape) in transformers' order; load() returns the tensor as numpy in `dtype`, so a
-    writer pulls one tensor off the devices at a time."""
+Item = tuple[str, tuple[int, ...], Callable[[], Iterator[np.ndarray | None]]]
+
+
+def hf_tensors(params: dict, cfg: ModelConfig, dtype, rotary: str = "half", block_bytes: int = BLOCK_BYTES
+               ) -> Iterator[Item]:
+    """(name, shape, blocks) per Hugging Face tensor, in transformers' order. blocks() pulls the tensor (one
+    layer of a stacked parameter) off the devices and yields its rows as numpy in `dtype`, in blocks of at
+    most block_bytes, on process 0; the other processes of a multi-process run take part and get None."""
     for tensor in tensor_map(cfg):
+        value = _get(params, tensor.path)
+        layer_shape = value.shape[1:] if tensor.per_layer else value.shape
         for i in range(cfg.n_layers) if tensor.per_layer else [None]:
-            def load(tensor=tensor, i=i):
-                value = _get(params, tensor.path)
-                value = np.asarray(jax.device_get(value[i] if i is not None else value))
-                out = tensor.to_hf(value, cfg)
-                heads = _rotary_heads(tensor.hf_name, cfg)
-                if rotary == "interleaved" and heads:
-                    out = half_to_interleaved(out, heads)
-                return np.ascontiguousarray(out.astype(dtype))
-            shape_source = _get(params, tensor.path)
-            yield tensor.hf_name.format(i=i), load, _hf_shape(tensor, shape_source.shape, cfg)
+            yield (tensor.hf_name.format(i=i), tensor.hf_shape(layer_shape),
+                   partial(_hf_blocks, tensor, value, i, cfg.resolved_head_dim, np.dtype(dtype),
+                           rotary == "interleaved", block_bytes))
 
 
-def _hf_shape(tensor: Tensor, our_shape: tuple[int, ...], cfg: ModelConfig) -> tuple[int, ...]:
-    layer_shape = our_shape[1:] if tensor.per_layer else our_shape
-    return tensor.to_hf(np.empty(layer_shape, np.int8), cfg).shape
+def _hf_blocks(tensor: Tensor, value: jax.Array, layer: int | None, head_dim: int, dtype: np.dtype,
+               interleaved: bool, block_bytes: int) -> Iterator[np.ndarray | None]:
+    ours = pull(value, layer)
+    if ours is None:
+        yield None
+        return
+    rows = tensor.to_hf(ours)  # a view where the layout allows
+    if interleaved and tensor.rotary:
+        rows = half_to_interleaved(rows, rows.shape[0] // head_dim)
+    step = max(1, block_bytes // max(1, rows[:1].size * max(rows.dtype.itemsize, dtype.itemsize)))
+    for start in range(0, rows.shape[0], step):
+        yield rows[start:start + step].astype(dtype, order="C")
 
 
-def write_safetensors(directory: Path, items: list[tuple[str, Callable, tuple[int, ...]]], dtype,
-                      shard_bytes: int = SHARD_BYTES) -> list[str]:
+def pull(value: jax.Array, layer: int | None) -> np.ndarray | None:
+    """value[layer] (or all of value) on the host of process 0, gathered from the devices' shards; the
+    other processes of a multi-process run must call it too, and get None. Taking the layer on the
+    devices first is local to each (the table never splits the layers axis): no device holds more than
+    its shards and, in a multi-process run, the layer gathered."""
+    # A fresh array either way: the numpy copy of an array stays cached on it, as long as the params live.
+    piece = _copy(value) if layer is None else _layer(value, layer)
+    if jax.process_count() == 1:
+        return np.asarray(piece)
+    gathered = multihost_utils.process_allgather(piece, tiled=True)
+    return np.asarray(gathered) if jax.process_index() == 0 else None
+
+
+@jax.jit
+def _layer(value: jax.Array, layer) -> jax.Array:
+    return jax.lax.dynamic_index_in_dim(value, layer, keepdims=False)
+
+
+@jax.jit
+def _copy(value: jax.Array) -> jax.Array:
+    return value * 1
+
+
+def write_safetensors(directory: Path, items: list[Item], dtype, shard_bytes: int = SHARD_BYTES) -> list[str]:
     """Write tensors as safetensors files of at most shard_bytes (one file if it fits), streaming each
-    tensor's bytes; with several files, also model.safetensors.index.json. Returns the file names."""
+    tensor's blocks; with several files, also model.safetensors.index.json. Only process 0 writes (the
+    others pull with it). Returns the file names."""
     dtype = np.dtype(dtype)
     code = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16"}.get(dtype, "BF16")
-    sizes = [math.prod(shape) * dtype.itemsize for _, _, shape in items]
+    sizes = [math.prod(shape) * dtype.itemsize for _, shape, _ in items]
     groups, current, used = [], [], 0
     for item, size in zip(items, sizes):
         if current and used + size > shard_bytes:
@@ -298,34 +449,45 @@ def write_safetensors(directory: Path, items: list[tuple[str, Callable, tuple[in
     groups.append(current)
     names = ["model.safetensors"] if len(groups) == 1 else \
         [f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors" for k in range(len(groups))]
+    primary = jax.process_index() == 0
     weight_map = {}
     for name, group in zip(names, groups):
         header, offset = {}, 0
-        for (tensor_name, _, shape), size in group:
+        for (tensor_name, shape, _), size in group:
             header[tensor_name] = {"dtype": code, "shape": list(shape), "data_offsets": [offset, offset + size]}
             offset += size
             weight_map[tensor_name] = name
         header["__metadata__"] = {"format": "pt"}
         encoded = json.dumps(header, separators=(",", ":")).encode()
         encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
-        with open(directory / name, "wb") as f:
-            f.write(struct.pack("<Q", len(encoded)))
-            f.write(encoded)
-            for (_, load, shape), _size in group:
-                f.write(load().tobytes())
-    if len(names) > 1:
+        with open(directory / name, "wb") if primary else nullcontext() as f:
+            if f is not None:
+                f.write(struct.pack("<Q", len(encoded)))
+                f.write(encoded)
+            for (tensor_name, _, blocks), size in group:
+                written = 0
+                for block in blocks():
+                    if f is not None:
+                        f.write(block.reshape(-1).view(np.uint8).data)
+                        written += block.nbytes
+                if f is not None and written != size:
+                    raise RuntimeError(f"{tensor_name}: wrote {written} bytes, its header says {size}")
+    if len(names) > 1 and primary:
         (directory / "model.safetensors.index.json").write_text(json.dumps(
             {"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}, indent=2) + "\n")
     return names
 
 
 def write_hf(directory: Path, params: dict, cfg: ModelConfig, dtype: str = "float32", rotary: str = "half",
-             shard_bytes: int = SHARD_BYTES) -> Path:
-    """A Hugging Face Llama directory (config.json + safetensors) from our params."""
+             shard_bytes: int = SHARD_BYTES, block_bytes: int = BLOCK_BYTES) -> Path:
+    """A Hugging Face Llama directory (config.json + safetensors) from our params, which may be sharded
+    over a mesh; in a multi-process run every process calls it and process 0 writes."""
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
+    if jax.process_index() == 0:
+        directory.mkdir(parents=True, exist_ok=True)
     np_dtype = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}[dtype]
-    items = list(hf_tensors(params, cfg, np_dtype, rotary))
-    write_safetensors(directory, items, np_dtype, shard_bytes)
-    (directory / "config.json").write_text(json.dumps(hf_config(cfg, dtype), indent=2) + "\n")
+    write_safetensors(directory, list(hf_tensors(params, cfg, np_dtype, rotary, block_bytes)), np_dtype,
+                      shard_bytes)
+    if jax.process_index() == 0:
+        (directory / "config.json").write_text(json.dumps(hf_config(cfg, dtype), indent=2) + "\n")
     return directory

@@ -9,6 +9,10 @@ generate/eval/convert MODEL`, `api.load`):
 
 `resolve` reads it once into a ModelSpec: its directory and its architecture, read without loading any
 weights. Everything else here takes the ModelSpec.
+
+Placement: a model goes to one device, or, for models that do not fit one, is sharded over the mesh of
+the `mesh.*` keys (inference_mesh) by the logical-axis table of sharding.py, as in training: each
+device reads only its shards of the weights (hf.read_params, or Orbax for a checkpoint).
 """
 
 from __future__ import annotations
@@ -21,9 +25,10 @@ from typing import Any, Callable
 
 import flax.linen as nn
 import jax
-import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh
 
-from llama_jax import __version__, hf, sharding
+from llama_jax import __version__, distributed, hf, sharding
 from llama_jax.checkpoint import read_meta, resolve_step_dir, restore_params, save_params
 from llama_jax.config import SHAPE_FIELDS, Config, ModelConfig, load_config, validate
 from llama_jax.data.tokenizer import Tokenizer, load_tokenizer as load_tokenizer_file
@@ -77,17 +82,38 @@ def resolve(text: str | ModelSpec) -> ModelSpec:
 
 def load_params(spec: ModelSpec, target: Any = None, rotary: str = "half") -> Any:
     """The model's parameters, taking the shapes, dtypes and shardings of `target` (a ShapeDtypeStruct
-    tree, e.g. TrainProgram.abstract_state().params, or shardings alone) or, without one, the model's
-    param_dtype on the default device. A training checkpoint's optimizer moments are not read; `rotary`
-    is the q/k layout of a Hugging Face model's weights (hf.ROTARY_LAYOUTS)."""
+    tree, e.g. TrainProgram.abstract_state().params or param_target(), or shardings alone) or, without
+    one, the model's param_dtype on the default device. A training checkpoint's optimizer moments are
+    not read; `rotary` is the q/k layout of a Hugging Face model's weights (hf.ROTARY_LAYOUTS)."""
     if target is None:
-        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=device),
-                              nn.meta.unbox(abstract_params(spec.model)))
+        target = hf.single_device_target(spec.model)
+    elif isinstance(jax.tree.leaves(target)[0], jax.sharding.Sharding):
+        target = jax.tree.map(lambda s, placement: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=placement),
+                              nn.meta.unbox(abstract_params(spec.model)), target)
     if spec.hf_dir is not None:
-        shardings = jax.tree.map(lambda t: getattr(t, "sharding", t), target)
-        return hf.read_params(spec.hf_dir, spec.model, shardings, np.dtype(spec.model.param_dtype), rotary)
+        return hf.read_params(spec.hf_dir, spec.model, target, rotary)
     return restore_params(spec.step_dir, target)
+
+
+def names_a_mesh(overrides: list[str]) -> bool:
+    """Whether `overrides` set any mesh.* key: what places a model on a mesh instead of one device."""
+    return any(o.split("=", 1)[0].strip().startswith("mesh.") for o in overrides)
+
+
+def inference_mesh(config: Config, devices=None) -> Mesh:
+    """The mesh of config's mesh.* keys over `devices` (default: all), for inference and conversion: the
+    checks of training batches against it (batch size, sequence length) do not apply."""
+    devices = jax.devices() if devices is None else devices
+    sizes = sharding.mesh_shape(config.mesh, len(devices))
+    train = dataclasses.replace(config.train, batch_size=sizes["data"] * sizes["fsdp"], microbatches=1,
+                                seq_len=2 * sizes["sequence"] * sizes["tensor"])
+    return sharding.make_mesh(dataclasses.replace(config, train=train), devices)
+
+
+def param_target(config: Config, mesh: Mesh) -> Any:
+    """Shapes, dtypes and shardings of the model's parameters on `mesh`: a target for load_params."""
+    return jax.tree.map(lambda s, placement: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=placement),
+                        nn.meta.unbox(abstract_params(config.model)), sharding.param_shardings(config, mesh))
 
 
 def load_tokenizer(spec: ModelSpec) -> Tokenizer:
@@ -96,24 +122,32 @@ def load_tokenizer(spec: ModelSpec) -> Tokenizer:
     return load_tokenizer_file(spec.home)
 
 
-def inference_config(model: ModelConfig, overrides: list[str] = ()) -> Config:
+def inference_config(model: ModelConfig, overrides: list[str] = (), batches: bool = True) -> Config:
     """A full Config around a loaded model: the mesh, batch and sequence settings of `overrides`, and
-    the model settings that do not change its weights (model.compute_dtype, model.attention, ...)."""
+    the model settings that do not change its weights (model.compute_dtype, model.attention, ...).
+    batches=False (generation, conversion): no training batches are made, so train.seq_len is not
+    checked against the model."""
     base = load_config(None, list(overrides))
-    changed = {o.split("=", 1)[0].removeprefix("model.") for o in overrides if o.startswith("model.")}
+    changed = {o.split("=", 1)[0].strip().removeprefix("model.") for o in overrides if o.startswith("model.")}
     if changed & set(SHAPE_FIELDS):
         raise ConfigError(f"model.{sorted(changed & set(SHAPE_FIELDS))[0]} is fixed by the loaded weights; "
                           "only settings such as model.compute_dtype or model.attention can change")
     config = dataclasses.replace(base, model=dataclasses.replace(model, **{k: getattr(base.model, k) for k in changed}))
+    if not batches:
+        config = dataclasses.replace(config, train=dataclasses.replace(
+            config.train, seq_len=min(config.train.seq_len, config.model.max_seq_len)))
     validate(config)
     return config
 
 
 def convert(source: str, out: str, overrides: list[str] = (), dtype: str = "float32", rotary: str = "half",
-            print_fn: Callable[[str], None] = print) -> Path:
-    """Hugging Face directory -> llama-jax checkpoint (params only, sharded for the mesh of `overrides`),
-    or a llama-jax checkpoint -> Hugging Face directory (safetensors in `dtype`). The tokenizer files
-    go along. `out` must not exist yet (or be empty): nothing is overwritten."""
+            print_fn: Callable[[str], None] = print, devices=None) -> Path:
+    """Hugging Face directory -> llama-jax checkpoint (params only), or a llama-jax checkpoint -> Hugging
+    Face directory (safetensors in `dtype`). Either way the model is loaded sharded over the mesh of
+    `overrides` over `devices` (default: all; mesh.fsdp=-1 unless mesh.* keys say otherwise), and only a
+    block of one tensor at a time passes through the host. The tokenizer files go along. `out` must not
+    exist yet (or be empty): nothing is overwritten. Every process of a multi-process run (run.* keys or
+    the environment) runs it; process 0 writes the Hugging Face files."""
     target = Path(out).expanduser()
     if target.exists() and any(target.iterdir()):
         raise ConfigError(f"{target} exists and is not empty; choose a new output directory")
@@ -122,16 +156,23 @@ def convert(source: str, out: str, overrides: list[str] = (), dtype: str = "floa
     spec = resolve(source)
     if spec.hf_dir is None and dtype not in ("float32", "bfloat16", "float16"):
         raise ConfigError(f"--dtype must be float32, bfloat16 or float16, got '{dtype}'")
+    config = inference_config(spec.model, overrides, batches=False)
+    distributed.initialize(config.run)
+    if jax.process_count() > 1:  # every process has checked `out` before any writes to it
+        multihost_utils.sync_global_devices("llama-jax convert")
+    params = load_params(spec, param_target(config, inference_mesh(config, devices)), rotary)
+    primary = jax.process_index() == 0
     if spec.hf_dir is not None:  # Hugging Face -> llama-jax
-        config = inference_config(spec.model, overrides)
-        params = load_params(spec, sharding.param_shardings(config, sharding.make_mesh(config)), rotary)
         meta = {"config": {"model": dataclasses.asdict(spec.model)}, "source": str(spec.hf_dir),
                 "llama_jax": __version__, "jax": jax.__version__}
-        print_fn(f"converted {spec.hf_dir} -> {save_params(target, params, meta)}")
+        saved = save_params(target, params, meta)
+        if primary:
+            print_fn(f"converted {spec.hf_dir} -> {saved}")
     else:  # llama-jax -> Hugging Face
-        hf.write_hf(target, load_params(spec), spec.model, dtype, rotary)
-        print_fn(f"converted {source} -> {target} ({dtype})")
+        hf.write_hf(target, params, spec.model, dtype, rotary)
+        if primary:
+            print_fn(f"converted {source} -> {target} ({dtype})")
     for name in TOKENIZER_FILES:
-        if (spec.home / name).is_file():
+        if primary and (spec.home / name).is_file():
             shutil.copy2(spec.home / name, target / name)
     return target
