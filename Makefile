@@ -8,7 +8,8 @@
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
-# pytest-xdist workers; each test process sees 8 simulated CPU devices (tests/conftest.py).
+# pytest-xdist workers; each test process sees 8 simulated CPU devices (tests/conftest.py). loadgroup: the tests of
+# an xdist_group (tests/test_multihost.py) share one worker, so their module fixtures (real multi-process runs) run once.
 WORKERS ?= 2
 PYTHON_NEWEST ?= $(shell pyenv prefix 3.12 2>/dev/null || echo /usr)/bin/python3.12
 
@@ -29,7 +30,7 @@ train: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(BIN)/python -c 'import sys, jax; print(f"python {sys.version.split()[0]}, jax {jax.__version__}")'
-	$(BIN)/python -m pytest -q -n $(WORKERS) $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n $(WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 test-newest:
 	$(MAKE) test PYTHON=$(PYTHON_NEWEST) VENV=.venv-newest

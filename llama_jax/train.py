@@ -56,8 +56,10 @@ class Run:
     compile_seconds: float = 0.0  # compiling the train step ahead of time, to check its memory
 
     @classmethod
-    def setup(cls, config: Config, mesh: Mesh, data: TrainData, peers: Peers) -> Run:
-        """Raises ConfigError or DataError (one line each) on bad input; writes nothing."""
+    def setup(cls, config: Config, mesh: Mesh, data: TrainData, peers: Peers | None = None) -> Run:
+        """Raises ConfigError or DataError (one line each) on bad input; writes nothing. `peers` defaults to
+        every process, with config's barrier timeout."""
+        peers = peers or Peers(config.fault.barrier_timeout_s)
         run_dir, model = Path(config.run.dir), dataclasses.asdict(config.model)
         start, source, allowed = latest_checkpoint_step(run_dir), None, config.checkpoint.allow_model_changes
         check_wandb(config.run)

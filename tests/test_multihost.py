@@ -23,6 +23,8 @@ from llama_jax.checkpoint import latest_checkpoint_step
 from llama_jax.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
+# One worker runs them all (make test: --dist loadgroup), so the module fixtures below run once, not per worker.
+pytestmark = pytest.mark.xdist_group("multihost")
 LAUNCHER = ROOT / "launch" / "multiprocess.py"
 STEPS = 14
 
@@ -166,21 +168,6 @@ def launcher(processes, devices, *args, grace=90, timeout=300):
                           env=environment(), capture_output=True, text=True, timeout=timeout)
 
 
-def test_auto_interval_is_one_decision_although_one_process_saves_slower(config_path, tmp_path):
-    """Process 1's saves take 1.5 s longer: deciding alone, it would choose a longer Young/Daly interval than
-    process 0 (4 steps against 1-2: the first save is at step 1, before a step time is known, so 1 s a step and
-    an MTBF of 5 s), the two would save at different steps and wait in Orbax's collectives forever."""
-    run_dir = tmp_path / "run"
-    proc = launcher(2, 4, config_path, f"run.dir={run_dir}", "train.steps=12", "checkpoint.every_steps=auto",
-                    "checkpoint.mtbf_hours=0.0014", "fault.inject_process=1", "fault.inject_save_delay_s=1.5",
-                    "fault.barrier_timeout_s=60", timeout=240)
-    assert proc.returncode == 0, proc.stderr
-    every = int(re.search(r"checkpoint.every_steps=auto: .* saving every (\d+) steps", proc.stdout).group(1))
-    assert every >= 4  # sqrt(2 x the slowest save (process 1's, >= 1.5 s) x 5 s) at 1 s a step
-    saved = sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
-    assert saved == sorted({1, 12} | set(range(every, 13, every)))  # the first (timed) save, the interval, the end
-
-
 @pytest.fixture
 def resumable(two_processes, tmp_path):
     """A copy of the two-process run (checkpoints at steps 2, 4, ..., 10) to damage or resume."""
@@ -212,11 +199,22 @@ def test_resuming_with_another_rope_theta_exits_2_naming_it_and_changes_nothing(
     assert {p: p.stat().st_mtime_ns for p in resumable.rglob("*")} == before
 
 
-def test_an_injected_slow_process_is_named_as_the_straggler_and_charged_in_goodput(config_path, tmp_path):
+def test_a_slow_process_agrees_on_the_auto_interval_and_is_named_as_the_straggler(config_path, tmp_path):
+    """Process 1 is slow twice over (one launch for both checks, to keep the suite short):
+    - its saves take 1.5 s longer. Deciding alone, it would choose a longer Young/Daly interval than process 0
+      (4 steps against 1-2: the first save is at step 1, before a step time is known, so 1 s a step, and an
+      MTBF of 5 s); the two would save at different steps and wait in Orbax's collectives forever;
+    - each of its steps starts 0.4 s late: it must be named as the straggler host, and goodput charged."""
     run_dir = tmp_path / "run"
-    proc = launch(2, 4, config_path, f"run.dir={run_dir}", "train.steps=13", "fault.straggler_every_steps=3",
-                  "fault.inject_process=1", "fault.inject_step_delay_s=0.4")
+    proc = launch(2, 4, config_path, f"run.dir={run_dir}", "train.steps=13", "checkpoint.every_steps=auto",
+                  "checkpoint.mtbf_hours=0.0014", "fault.straggler_every_steps=3", "fault.inject_process=1",
+                  "fault.inject_save_delay_s=1.5", "fault.inject_step_delay_s=0.4", "fault.barrier_timeout_s=60")
     assert proc.returncode == 0, proc.stderr
+    every = int(re.search(r"checkpoint.every_steps=auto: .* saving every (\d+) steps", proc.stdout).group(1))
+    assert every >= 4  # sqrt(2 x the slowest save (process 1's, >= 1.5 s) x 5 s) at 1 s a step
+    saved = sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
+    assert saved == sorted({1, 13} | set(range(every, 14, every)))  # the first (timed) save, the interval, the end
+
     line = re.search(r"warning: straggler host: process 1 on \S+ \(devices \d+-\d+\) costs the fleet ([\d.]+) s of each "
                      r"([\d.]+) s step over steps \d+-\d+ \(score ([\d.]+) > .*", proc.stdout)
     assert line, proc.stdout
@@ -234,7 +232,7 @@ def test_an_injected_slow_process_is_named_as_the_straggler_and_charged_in_goodp
 def test_a_process_that_never_reaches_a_barrier_is_named_by_the_others(config_path, tmp_path):
     run_dir = tmp_path / "run"
     proc = launcher(2, 4, config_path, f"run.dir={run_dir}", "fault.inject_process=1",
-                    "fault.inject_stall_at=restore", "fault.barrier_timeout_s=10", grace=5)
-    assert "'restore': process 1 of 2 did not arrive within 10s" in proc.stderr, proc.stderr
+                    "fault.inject_stall_at=restore", "fault.barrier_timeout_s=5", grace=5)
+    assert "'restore': process 1 of 2 did not arrive within 5s" in proc.stderr, proc.stderr
     assert re.search(r"process 0 exited with status 76 after", proc.stderr), proc.stderr
     assert proc.returncode == 76
