@@ -13,6 +13,11 @@ On GPU machines with one process per GPU, each process sees only its own GPU (`r
 or JAX_LOCAL_DEVICE_IDS, or Slurm's local task id). The coordinator must answer within
 `run.init_timeout_s`; when a process dies, the coordination service notices within
 `run.heartbeat_timeout_s` and the others stop instead of waiting forever in a collective.
+
+Once joined, `Peers` makes every decision the processes must share outside the jitted step (barriers,
+broadcasts, reductions, announcements a step ahead) through JAX's coordination service, each wait
+bounded by fault.barrier_timeout_s and naming the processes that did not come; `HostWindow` posts this
+process's step timing for the per-host straggler scores.
 """
 
 from __future__ import annotations
@@ -21,9 +26,9 @@ import json
 import os
 import re
 import socket
+import statistics
 import sys
 import time
-import statistics
 from dataclasses import dataclass, field
 from typing import Any, Callable, TypeVar
 

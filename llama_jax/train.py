@@ -338,17 +338,19 @@ class Loop:
 
     def roll_back(self, state: TrainState, step: int, data_step: int) -> tuple[TrainState, int]:
         """After max_bad_steps bad steps in a row: back to the newest checkpoint, skipping the batches since."""
-        guard, say = self.guard, self.log.message
-        with self.watchdog.paused("rollback", self.run.config.checkpoint.timeout_s), self.goodput.pause(None):
+        guard, say, config = self.guard, self.log.message, self.run.config
+        with self.watchdog.paused("rollback", config.checkpoint.timeout_s), self.goodput.pause(None):
             self.checkpointer.wait()
-            steps = self.checkpointer.steps()  # one list for every process
-            if not steps:
+            # As at start-up: the newest step that restores on every process, one decision for all.
+            found = self.checkpointer.restore_newest(self.run.program.abstract_state(),
+                                                     dataclasses.asdict(config.model), say,
+                                                     config.checkpoint.allow_model_changes)
+            if found is None:
                 say(f"warning: {guard.consecutive} bad steps in a row at step {step} and no checkpoint to roll "
                     "back to")
                 guard.reset()
                 return state, step
-            back, _ = self.checkpointer.restore(max(steps), self.run.program.abstract_state())
-        back_step = int(back.step)
+            back_step, back, _ = found
         self.goodput.discard(back_step, step)
         say(f"warning: {guard.consecutive} bad steps in a row: rolled back from step {step} to {back_step}; "
             f"the data continues at batch {data_step}, skipping the {step - back_step} batches since")
