@@ -169,7 +169,9 @@ class Peers:
     A process that does not arrive within `timeout_s` is named: every waiting process raises PeerTimeout
     (exit 76, which the supervisor restarts on) instead of waiting forever in a device collective. Every
     process must make the same calls in the same order, as for any collective: a call's keys carry its
-    sequence number, so two calls never share one. In a one-process run every call returns at once.
+    sequence number and the instance's (the processes create their Peers in the same order too, and each
+    counts its own in the store), so no two calls share one, also when a script trains or converts twice.
+    In a one-process run every call returns at once.
 
     `stall_at` is fault injection (fault.inject_stall_at): this process never arrives at that barrier.
     """
@@ -180,12 +182,14 @@ class Peers:
         # JAX has no public handle on its coordination client; Orbax reads the same attribute.
         self.client = client if client is not None or self.count == 1 else jax_distributed.global_state.client
         self._calls = 0
+        instance = self.client.key_value_increment(f"llama_jax/instances/{self.index}", 1) if self.count > 1 else 0
+        self._prefix = f"llama_jax/{instance}"  # every key of this instance starts with it
         self._finished: list[str] = []  # key prefixes every process is done with (deleted by process 0)
         self._announced: set[tuple[str, int]] = set()  # process 0's announcements not yet deleted
 
     def _key(self, name: str) -> str:
         self._calls += 1
-        return f"llama_jax/{self._calls}/{re.sub(r'[^A-Za-z0-9_.-]', '_', name)}"
+        return f"{self._prefix}/{self._calls}/{re.sub(r'[^A-Za-z0-9_.-]', '_', name)}"
 
     def barrier(self, name: str) -> None:
         """Return when every process has called barrier(name); PeerTimeout naming the absent ones."""
@@ -260,7 +264,7 @@ class Peers:
         """Process 0: `topic` happens at `step` everywhere."""
         self._announced.add((topic, step))
         if self.count > 1:
-            self.client.key_value_set(f"llama_jax/announced/{topic}/{step}", "1")
+            self.client.key_value_set(f"{self._prefix}/announced/{topic}/{step}", "1")
 
     def announced(self, topic: str, step: int) -> bool:
         """Whether process 0 announced `topic` for `step`; every process calls this after every step."""
@@ -268,10 +272,10 @@ class Peers:
             for old in [a for a in self._announced if a[0] == topic and a[1] < step]:
                 self._announced.discard(old)
                 if self.count > 1:
-                    self.client.key_value_delete(f"llama_jax/announced/{topic}/{old[1]}")
+                    self.client.key_value_delete(f"{self._prefix}/announced/{topic}/{old[1]}")
             return (topic, step) in self._announced
         try:
-            return self.client.key_value_try_get(f"llama_jax/announced/{topic}/{step}") == "1"
+            return self.client.key_value_try_get(f"{self._prefix}/announced/{topic}/{step}") == "1"
         except Exception:  # NOT_FOUND: nothing announced for this step
             return False
 
@@ -279,14 +283,14 @@ class Peers:
 
     def post(self, topic: str, value: Any) -> None:
         if self.count > 1:
-            self.client.key_value_set(f"llama_jax/posts/{topic}/{self.index}", json.dumps(value))
+            self.client.key_value_set(f"{self._prefix}/posts/{topic}/{self.index}", json.dumps(value))
 
     def read(self, topic: str) -> dict[int, Any]:
         """Process 0: the posts on `topic` so far, by process, and they are deleted (each is read once)."""
         if self.count == 1:
             return {}
-        posts = self.client.key_value_dir_get(f"llama_jax/posts/{topic}/")
-        self.client.key_value_delete(f"llama_jax/posts/{topic}")
+        posts = self.client.key_value_dir_get(f"{self._prefix}/posts/{topic}/")
+        self.client.key_value_delete(f"{self._prefix}/posts/{topic}")
         return {int(k.rsplit("/", 1)[1]): json.loads(v) for k, v in posts}
 
 

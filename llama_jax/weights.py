@@ -25,7 +25,6 @@ from typing import Any, Callable
 
 import flax.linen as nn
 import jax
-from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 from llama_jax import __version__, distributed, hf, sharding
@@ -88,8 +87,7 @@ def load_params(spec: ModelSpec, target: Any = None, rotary: str = "half") -> An
     if target is None:
         target = hf.single_device_target(spec.model)
     elif isinstance(jax.tree.leaves(target)[0], jax.sharding.Sharding):
-        target = jax.tree.map(lambda s, placement: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=placement),
-                              nn.meta.unbox(abstract_params(spec.model)), target)
+        target = _placed(spec.model, target)
     if spec.hf_dir is not None:
         return hf.read_params(spec.hf_dir, spec.model, target, rotary)
     return restore_params(spec.step_dir, target)
@@ -112,8 +110,13 @@ def inference_mesh(config: Config, devices=None) -> Mesh:
 
 def param_target(config: Config, mesh: Mesh) -> Any:
     """Shapes, dtypes and shardings of the model's parameters on `mesh`: a target for load_params."""
+    return _placed(config.model, sharding.param_shardings(config, mesh))
+
+
+def _placed(model: ModelConfig, shardings: Any) -> Any:
+    """The model's abstract parameters, each with its sharding from `shardings`."""
     return jax.tree.map(lambda s, placement: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=placement),
-                        nn.meta.unbox(abstract_params(config.model)), sharding.param_shardings(config, mesh))
+                        nn.meta.unbox(abstract_params(model)), shardings)
 
 
 def load_tokenizer(spec: ModelSpec) -> Tokenizer:
@@ -158,8 +161,8 @@ def convert(source: str, out: str, overrides: list[str] = (), dtype: str = "floa
         raise ConfigError(f"--dtype must be float32, bfloat16 or float16, got '{dtype}'")
     config = inference_config(spec.model, overrides, batches=False)
     distributed.initialize(config.run)
-    if jax.process_count() > 1:  # every process has checked `out` before any writes to it
-        multihost_utils.sync_global_devices("llama-jax convert")
+    # Every process has checked `out` before any writes to it; a process that never comes is named.
+    distributed.Peers(config.fault.barrier_timeout_s).barrier("llama-jax convert")
     params = load_params(spec, param_target(config, inference_mesh(config, devices)), rotary)
     primary = jax.process_index() == 0
     if spec.hf_dir is not None:  # Hugging Face -> llama-jax
