@@ -4,6 +4,7 @@
 # Pass overrides with ARGS, e.g.  make train ARGS="train.steps=100 run.dir=runs/short"
 # `make test-newest` runs the suite again on Python 3.12 in .venv-newest, where a plain install takes the
 # newest jax: CI runs both ends of the supported range (PYTHON_NEWEST=/path/to/python3.12 to choose it).
+# `make gpu-check` checks an NVIDIA GPU in one table (bench/gpu_check.py; ARGS passed on, e.g. ARGS="--json out.json").
 
 PYTHON ?= python3
 VENV   ?= .venv
@@ -13,7 +14,7 @@ BIN    := $(VENV)/bin
 WORKERS ?= 2
 PYTHON_NEWEST ?= $(shell pyenv prefix 3.12 2>/dev/null || echo /usr)/bin/python3.12
 
-.PHONY: train test test-newest install clean
+.PHONY: train test test-newest gpu-check install clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +32,13 @@ train: $(VENV)/.installed
 test: $(VENV)/.installed
 	$(BIN)/python -c 'import sys, jax; print(f"python {sys.version.split()[0]}, jax {jax.__version__}")'
 	$(BIN)/python -m pytest -q -n $(WORKERS) --dist loadgroup $(PYTEST_ARGS)
+
+# Under launch/gpu_env.sh's settings (a bash script), so the check measures what the launch scripts run.
+# Where nvidia-smi finds a GPU, the venv gets the CUDA build of jax first (the gpu extra: Python >= 3.12,
+# e.g. make gpu-check PYTHON=python3.12); elsewhere the check says there is no GPU, in one line.
+gpu-check: $(VENV)/.installed
+	if nvidia-smi -L >/dev/null 2>&1; then $(BIN)/python -m pip install --quiet -e '.[gpu]'; fi
+	bash -c 'source launch/gpu_env.sh && exec $(BIN)/python bench/gpu_check.py $(ARGS)'
 
 test-newest:
 	$(MAKE) test PYTHON=$(PYTHON_NEWEST) VENV=.venv-newest

@@ -15,10 +15,13 @@ Method (each number printed is one of these, nothing is measured on a GPU):
   upper bound: compile the plan on the real devices for the real figure.
 - Compute time = model FLOPs per device / (989 TFLOP/s dense bf16 x --mfu). The MFU is an
   assumption, default 0.45, between Llama 3's 38–43% and MaxText's ~50%.
-- Communication = plan.collective_minimum for the mesh (ring model, bytes per device). Tensor
-  traffic runs over NVLink at 450 GB/s per GPU and sits on the critical path. FSDP traffic runs
-  over NVLink within one node (D=8), otherwise over InfiniBand at 50 GB/s per GPU (400 Gb/s NIC per
-  GPU). The latency-hiding scheduler overlaps it with compute.
+- Communication = plan.collective_minimum for the mesh (ring model, bytes per device), each axis's
+  bytes at the bandwidth of the tier it crosses, as `llama-jax tune`'s cost model prices them
+  (llama_jax/costmodel.py, figures from llama_jax/hardware.py): hosts of 8 GPUs, laid out as
+  sharding.make_mesh lays out a multi-host mesh (outer axes across hosts), NVLink at 450 GB/s per
+  GPU within a host, the NIC at 50 GB/s per GPU (400 Gb/s) between hosts. Tensor traffic stays
+  within a host and sits on the critical path; FSDP traffic crosses hosts beyond 8 GPUs, and the
+  latency-hiding scheduler overlaps it with compute.
 - Step time = max(compute, fsdp communication) + tensor communication.
 """
 
@@ -28,11 +31,18 @@ import argparse
 import json
 from pathlib import Path
 
-H100_BF16 = 989e12
-NVLINK = 450e9
-INFINIBAND = 50e9
 SEQ = 8192
 HBM = 80 * 2**30
+GPUS_PER_HOST = 8
+
+
+def h100_cost_model():
+    """The data-sheet figures `llama-jax tune` uses on an H100 SXM (the MFU is applied by the caller)."""
+    from llama_jax import hardware
+    from llama_jax.costmodel import CostModel
+
+    memory, link = hardware.table_bandwidth("H100")
+    return CostModel(hardware.table_peak_flops("H100", "bfloat16"), memory, link, hardware.NIC_GBS * 1e9)
 
 
 def mesh_for(preset: str, devices: int) -> dict[str, int]:
@@ -77,27 +87,31 @@ def analytic_activation_bytes(preset: str, mesh: dict[str, int]) -> float:
 
 def row(preset: str, devices: int, activations: float, mfu: float) -> dict:
     from llama_jax.config import load_config
+    from llama_jax.costmodel import cluster_topology
     from llama_jax.model import param_count, train_flops_per_token
     from llama_jax.plan import collective_minimum
+    from llama_jax.vocabulary import MESH_AXES
 
     mesh = mesh_for(preset, devices)
+    gpu = h100_cost_model()
+    topology = cluster_topology(MESH_AXES, tuple(mesh[a] for a in MESH_AXES), min(devices, GPUS_PER_HOST))
     config = load_config(preset, [f"train.seq_len={SEQ}", f"train.batch_size={mesh['fsdp']}"])
     params = param_count(config.model)
     analytic = analytic_activation_bytes(preset, mesh)
     memory = 16 * params / devices + analytic
     tokens_per_device = SEQ * mesh["fsdp"] / devices  # one sequence per data shard, split over tensor
     flops = train_flops_per_token(config.model, SEQ, causal_skip=True) * tokens_per_device
-    compute = flops / (H100_BF16 * mfu)
+    compute = flops / (gpu.peak_flops * mfu)
     traffic = collective_minimum(config, mesh)
-    fsdp_link = NVLINK if devices <= 8 else INFINIBAND
-    fsdp_time = traffic["fsdp"] / fsdp_link
-    tensor_time = traffic["tensor"] / NVLINK
+    fsdp_time = traffic["fsdp"] / gpu.bandwidth(topology.axis_tier("fsdp"))
+    tensor_time = traffic["tensor"] / gpu.bandwidth(topology.axis_tier("tensor"))
     step = max(compute, fsdp_time) + tensor_time
     return {"preset": preset, "devices": devices, "mesh": mesh, "params": params, "memory_gib": memory / 2**30,
             "activations_gib": analytic / 2**30, "activations_cpu_plan_gib": activations / 2**30,
             "fits_80gb": memory < HBM, "compute_s": compute, "fsdp_comm_s": fsdp_time, "tensor_comm_s": tensor_time,
             "step_s": step, "tokens_per_s_per_device": tokens_per_device / step,
-            "mfu_expected": flops / (step * H100_BF16), "global_batch_tokens": SEQ * mesh["fsdp"]}
+            "mfu_expected": flops / (step * gpu.peak_flops), "global_batch_tokens": SEQ * mesh["fsdp"],
+            "fsdp_tier": topology.axis_tier("fsdp"), "tensor_tier": topology.axis_tier("tensor")}
 
 
 def main() -> None:
@@ -114,8 +128,12 @@ def main() -> None:
     for preset in ("llama3_8b", "llama3_70b", "llama3_405b"):
         activations = activation_bytes(preset)
         rows += [row(preset, d, activations, args.mfu) for d in (8, 64, 512)]
+    from llama_jax.costmodel import INTER_HOST, INTRA_HOST
+
+    gpu = h100_cost_model()
     print(f"H100 SXM, bf16, seq {SEQ}, one sequence per data shard, remat full, assumed MFU {args.mfu:.0%} "
-          f"(compute), NVLink {NVLINK / 1e9:.0f} GB/s, InfiniBand {INFINIBAND / 1e9:.0f} GB/s per GPU")
+          f"(compute), {GPUS_PER_HOST} GPUs per host, NVLink {gpu.bandwidth(INTRA_HOST) / 1e9:.0f} GB/s, "
+          f"NIC {gpu.bandwidth(INTER_HOST) / 1e9:.0f} GB/s per GPU")
     print(f"{'model':<12}{'GPUs':>5}  {'mesh':<22}{'GiB/GPU':>9}{'(act.':>7}{' plan)':>7}{'fits':>6}{'compute':>9}"
           f"{'fsdp comm':>10}{'tp comm':>9}{'step':>8}{'tok/s/GPU':>11}{'MFU':>6}")
     for r in rows:

@@ -40,7 +40,7 @@ fail() { echo "multihost.sh: error: $*" >&2; exit 2; }
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 llama_jax="${LLAMA_JAX:-llama-jax}"
 
-# The recommended GPU environment (gpu_env.sh; its XLA flags are harmless on CPU hosts), as env arguments.
+# The recommended GPU environment (gpu_env.sh; its XLA flags need jaxlib >= 0.11.1 on every host), as env arguments.
 gpu_env=()
 while IFS= read -r setting; do gpu_env+=("$setting"); done < <(bash "$here/gpu_env.sh")
 

@@ -150,6 +150,7 @@ class Checkpointer:
         # attempt is recorded), else a big run's figure.
         self.mtbf_s = config.mtbf_hours * 3600 or observed_mtbf_s(Path(run_dir)) or DEFAULT_MTBF_S
         self.last_save_time = time.monotonic()
+        self.announced_save: int | None = None  # process 0: the step of the save it announced last
         self.save_seconds: list[float] = []  # how long each save blocked the loop
         self.manager = self._open()
 
@@ -172,15 +173,18 @@ class Checkpointer:
         return self._time_due(step) or interval_due
 
     def _time_due(self, step: int) -> bool:
-        """checkpoint.every_minutes, decided by process 0's clock one step ahead: after step n it announces
-        a save at n + 1, and every process reads the announcement after step n + 1, which cannot finish
-        anywhere before process 0 has dispatched it, that is after the announcement. So no process waits."""
+        """checkpoint.every_minutes, decided by process 0's clock two steps ahead: after dispatching step n
+        it announces a save at n + 2. Every process asks about step n + 2 once it has dispatched it and read
+        step n + 1's result (train.py: the host runs one step ahead), and step n + 1 cannot finish anywhere
+        before process 0 has dispatched it, that is after the announcement. So no process waits."""
         minutes = self.config.every_minutes
         if minutes <= 0:
             return False
         due = self.peers.announced("save", step)
-        if self.peers.index == 0 and time.monotonic() - self.last_save_time >= minutes * 60 and not due:
-            self.peers.announce("save", step + 1)
+        pending = self.announced_save is not None and step < self.announced_save
+        if self.peers.index == 0 and time.monotonic() - self.last_save_time >= minutes * 60 and not (due or pending):
+            self.peers.announce("save", step + 2)
+            self.announced_save = step + 2
         return due
 
     def save(self, step: int, state: Any, data_state: dict, step_s: float | None = None) -> float:

@@ -64,11 +64,12 @@ def cmd_plan(ns: argparse.Namespace) -> int:
     config = load_config(*_split_source(ns.args))
     mesh = sharding.make_mesh(config)
     if ns.compare_remat:
-        plans = planning.compare_remat(config, mesh, print_fn=None if ns.json else print)
+        plans = planning.compare_remat(config, mesh, print_fn=None if ns.json else print,
+                                       devices_per_host=ns.devices_per_host)
         print(json.dumps({k: planning.plan_dict(p) for k, p in plans.items()}, indent=2) if ns.json
               else planning.format_remat_comparison(plans))
         return 0
-    plan = planning.make_plan(config, mesh)
+    plan = planning.make_plan(config, mesh, ns.devices_per_host)
     print(planning.plan_json(plan) if ns.json else planning.format_plan(plan))
     return 0
 
@@ -93,8 +94,9 @@ def cmd_tune(ns: argparse.Namespace) -> int:
         raise InputError(f"--policies: unknown remat policy '{unknown[0]}'; valid: {', '.join(REMAT_POLICIES)}")
     if ns.memory_gb < 0 or ns.budget_min <= 0 or ns.top_k < 1 or ns.steps < 1 or ns.meshes < 1:
         raise InputError("tune: --memory-gb must be >= 0, and --budget-min, --top-k, --steps, --meshes positive")
-    if not 0 <= ns.efficiency <= 1 or ns.bandwidth_gbs < 0 or not (ns.overlap == -1 or 0 <= ns.overlap <= 1):
-        raise InputError("tune: --efficiency and --overlap must be in [0, 1], --bandwidth-gbs >= 0")
+    if not 0 <= ns.efficiency <= 1 or min(ns.bandwidth_gbs, ns.nic_gbs) < 0 or \
+            not (ns.overlap == -1 or 0 <= ns.overlap <= 1):
+        raise InputError("tune: --efficiency and --overlap must be in [0, 1], --bandwidth-gbs and --nic-gbs >= 0")
     out = Path(ns.out)
     if out.is_dir():
         raise InputError(f"--out {out} is a directory; name the YAML file to write, e.g. {out / 'tune.yaml'}")
@@ -103,7 +105,8 @@ def cmd_tune(ns: argparse.Namespace) -> int:
     options = tune.Options(
         memory_gb=ns.memory_gb, budget_min=ns.budget_min, top_k=ns.top_k, measure=ns.measure, steps=ns.steps,
         meshes=ns.meshes, policies=policies, microbatches=ns.microbatches, every_n_layers=ns.every_n_layers,
-        efficiency=ns.efficiency, bandwidth_gbs=ns.bandwidth_gbs, overlap=ns.overlap, progress=not ns.json)
+        efficiency=ns.efficiency, bandwidth_gbs=ns.bandwidth_gbs, overlap=ns.overlap, nic_gbs=ns.nic_gbs,
+        devices_per_host=ns.devices_per_host, progress=not ns.json)
     if ns.dry_run:
         print(tune.format_candidates(tune.enumerate_candidates(source, overrides, options)[2]))
         return 0
@@ -182,6 +185,11 @@ def cmd_eval(ns: argparse.Namespace) -> int:
     return 0
 
 
+DEVICES_PER_HOST_HELP = ("devices per host, to tell which collectives cross the network between hosts; must divide "
+                         "the device count (default: the processes the devices belong to, one per host as launch/ "
+                         "starts them; e.g. 8 plans a cluster of 8-GPU hosts on simulated devices)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="llama-jax", description="Pre-train Llama 3 models with JAX.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -225,6 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
     plan.add_argument("--compare-remat", action="store_true",
                       help="plan every remat policy side by side (memory and HLO FLOPs relative to none)")
+    plan.add_argument("--devices-per-host", type=int, default=0, help=DEVICES_PER_HOST_HELP)
     plan.set_defaults(func=cmd_plan)
 
     tune = commands.add_parser(
@@ -252,8 +261,12 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--efficiency", type=float, default=0.0, help="cost model: fraction of peak FLOP/s reached "
                                                                     "(default 0.7 on GPUs, 0.8 on CPUs)")
     tune.add_argument("--bandwidth-gbs", type=float, default=0.0,
-                      help="cost model: collective GB/s per device (default: the data sheet's NVLink or PCIe "
-                           "figure on known GPUs, e.g. 450 on an H100 SXM; measured on CPUs)")
+                      help="cost model: collective GB/s per device within a host (default: the data sheet's NVLink "
+                           "or PCIe figure on known GPUs, e.g. 450 on an H100 SXM; measured on CPUs)")
+    tune.add_argument("--nic-gbs", type=float, default=0.0,
+                      help="cost model: collective GB/s per device between hosts (default 50: one 400 Gb/s NIC per "
+                           "GPU; at most the link within a host)")
+    tune.add_argument("--devices-per-host", type=int, default=0, help=DEVICES_PER_HOST_HELP)
     tune.add_argument("--overlap", type=float, default=-1.0,
                       help="cost model: fraction of communication hidden by compute (default 0.5 GPU, 0 CPU)")
     tune.add_argument("--rows", type=int, default=20, help="table rows to print (default 20)")

@@ -451,8 +451,10 @@ def validate(config: Config) -> None:
     _require(f.max_bad_steps > 0, f"fault.max_bad_steps must be positive, got {f.max_bad_steps}")
     _require(f.spike_zscore >= 0 and f.spike_window > 1, "fault.spike_zscore must be >= 0 and fault.spike_window > 1")
     _require(f.straggler_factor > 1, f"fault.straggler_factor must exceed 1, got {f.straggler_factor}")
-    _require(f.straggler_every_steps > 0 and f.straggler_host_threshold > 0,
-             "fault.straggler_every_steps and fault.straggler_host_threshold must be positive")
+    # At least 2: a window is scored once every process has posted it, which the train loop (one step
+    # ahead of the devices) guarantees only a window of 2+ steps later (distributed.HostWindow).
+    _require(f.straggler_every_steps >= 2 and f.straggler_host_threshold > 0,
+             "fault.straggler_every_steps must be at least 2 and fault.straggler_host_threshold positive")
     _require(f.barrier_timeout_s >= 1 and c.timeout_s >= 1,
              "fault.barrier_timeout_s and checkpoint.timeout_s must be at least 1 second")
     _require(f.inject_step_delay_s >= 0 and f.inject_save_delay_s >= 0, "fault.inject_*_delay_s must be >= 0")

@@ -254,11 +254,13 @@ class Peers:
         """Whether `flag` holds on some process."""
         return bool(self.reduce(name, bool(flag), any))
 
-    # Decisions taken one step ahead, so no process waits: process 0 announces after step n what happens
-    # at step n + 1 on every process. A process reads it after step n + 1, which cannot finish before
-    # process 0 has dispatched that step (the train step's collectives span every process), so after the
-    # announcement: reading it never waits. Once process 0 has finished step n + 1, every process has
-    # dispatched it, so has read the announcement, which process 0 then deletes.
+    # Decisions taken ahead, so no process waits. The train loop reads step n's result only after
+    # dispatching step n + 1, and asks about step n + 1 after that read. So process 0 announces, when it
+    # asks about step n, what happens at step n + 2: a process asking about n + 2 has read step n + 1's
+    # result, and step n + 1 cannot finish before process 0 has dispatched it (the train step's collectives
+    # span every process), which is after the announcement: reading it never waits. Once process 0 asks
+    # about step m it has read step m - 1's result, so every process has dispatched step m - 1 and asked
+    # about every step before it: announcements of steps below m - 1 are read everywhere and deleted.
 
     def announce(self, topic: str, step: int) -> None:
         """Process 0: `topic` happens at `step` everywhere."""
@@ -269,7 +271,7 @@ class Peers:
     def announced(self, topic: str, step: int) -> bool:
         """Whether process 0 announced `topic` for `step`; every process calls this after every step."""
         if self.index == 0:
-            for old in [a for a in self._announced if a[0] == topic and a[1] < step]:
+            for old in [a for a in self._announced if a[0] == topic and a[1] < step - 1]:
                 self._announced.discard(old)
                 if self.count > 1:
                     self.client.key_value_delete(f"{self._prefix}/announced/{topic}/{old[1]}")
@@ -296,8 +298,10 @@ class Peers:
 
 @dataclass
 class HostWindow:
-    """This process's step and host times (resilience.HostScores) over each window of `every` steps,
-    posted when the window closes; process 0 scores the window before (complete by then: see announce)."""
+    """This process's step and host times (resilience.HostScores) over each window of `every` (>= 2) steps,
+    posted when the window closes; process 0 scores the window before. That one is complete by then: process 0
+    closes window k + 1 when it reads step s = (k + 2) x every, so every process has dispatched step s, and a
+    process posts window k when it reads step (k + 1) x every, before it dispatches step (k + 1) x every + 2 <= s."""
 
     peers: Peers
     scores: HostScores

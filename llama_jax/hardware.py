@@ -2,7 +2,7 @@
 
 Figures come from vendor data sheets (dense, never the 2x "with sparsity" numbers) for the devices in
 the tables below. Elsewhere (always on CPUs) they are measured on this machine: a timed matmul for the
-peak, cached per machine and software so every run divides by the same number, and a timed copy for
+peak, re-measured each run and kept as the best seen per machine and software, and a timed copy for
 the bandwidth. MFU, `llama-jax plan` and `llama-jax tune`'s cost model all read them from here.
 """
 
@@ -110,21 +110,31 @@ def measure_matmul_peak(dtype: str = "float32", size: int = 1024, repeats: int =
     return chain * 2.0 * size**3 / best
 
 
-def device_peak_flops(dtype: str, cache_dir: pathlib.Path) -> tuple[float, str]:
-    """Peak FLOP/s of ONE device (jax.devices()[0]) for `dtype`, and where the figure came from.
+# Measured peaks: the matmul size. On a GPU a small matmul is bound by kernel launches, not by the tensor
+# cores, so an unknown GPU gets 8192^3 (about 1.1 TFLOP, milliseconds on any recent GPU); on a CPU 1024^3
+# already keeps every core busy, and the measurement stays well under a second.
+MEASURED_MATMUL_SIZE = {"gpu": 8192, "cpu": 1024}
 
-    Unknown devices (always CPU) get a measured matmul, cached in cache_dir/peak_flops.json. One
-    CPU device already uses every core, so the measurement is the whole machine's peak; simulated
-    CPU devices (--xla_force_host_platform_device_count=N) share those cores, so each is credited
-    with 1/N of it and MFU over N devices still divides by the machine's peak.
+
+def device_peak_flops(dtype: str, cache_dir: pathlib.Path) -> tuple[float, str]:
+    """Peak FLOP/s of ONE of this process's devices for `dtype`, and where the figure came from.
+
+    Known devices: the data sheet. Unknown ones (always CPUs) are measured on every call, a large matmul
+    timed in well under a second, and the figure is the best ever seen on this machine and software
+    (cache_dir/peak_flops.json keeps it): a run on a busy machine can neither lower the denominator of
+    MFU for later runs nor report an inflated MFU itself, and an idle moment raises it for good. One CPU
+    device already uses every core, so the measurement is the whole machine's peak; simulated CPU devices
+    (--xla_force_host_platform_device_count=N) share those cores, so each is credited with 1/N of it and
+    MFU over N devices still divides by the machine's peak.
     """
     dtype = _dtype_name(dtype)
-    device = jax.devices()[0]
+    device = jax.local_devices()[0]  # this process's: jax.devices()[0] belongs to process 0
     key = table_key(device.device_kind)
     peak = table_peak_flops(device.device_kind, dtype)
     if peak is not None:
         return peak, f"{key} table, {dtype} dense"
-    where = f"measured {_SHORT[dtype]} matmul on {device.device_kind}"
+    size = MEASURED_MATMUL_SIZE.get(device.platform, MEASURED_MATMUL_SIZE["gpu"])
+    where = f"measured {_SHORT[dtype]} {size}^3 matmul on {device.device_kind}, best seen"
     sharing = jax.local_device_count() if device.platform == "cpu" else 1
     if sharing > 1:
         where += f", split over {sharing} simulated devices sharing the cores"
@@ -134,19 +144,19 @@ def device_peak_flops(dtype: str, cache_dir: pathlib.Path) -> tuple[float, str]:
     try:
         cache = json.loads(path.read_text(encoding="utf-8"))
         cache = cache if isinstance(cache, dict) else {}
-    except (OSError, ValueError):  # missing or corrupt: measure and rewrite
+    except (OSError, ValueError):  # missing or corrupt: start again
         cache = {}
     cached = cache.get(cache_key)
-    if isinstance(cached, (int, float)) and cached > 0:
-        return float(cached) / sharing, where + ", cached"
-    peak = measure_matmul_peak(dtype)
-    cache[cache_key] = peak
-    try:
-        cache_dir.mkdir(parents=True, exist_ok=True)
-        with atomic_path(path) as tmp:  # a concurrent reader or a crash never sees half a cache
-            tmp.write_text(json.dumps(cache, indent=1, sort_keys=True), encoding="utf-8")
-    except OSError:  # read-only or full disk: the figure is still right, just not reused
-        return peak / sharing, where + ", not cached"
+    best_seen = float(cached) if isinstance(cached, (int, float)) and cached > 0 else 0.0
+    peak = max(best_seen, measure_matmul_peak(dtype, size=size, repeats=3))
+    if peak > best_seen:
+        cache[cache_key] = peak
+        try:
+            cache_dir.mkdir(parents=True, exist_ok=True)
+            with atomic_path(path) as tmp:  # a concurrent reader or a crash never sees half a cache
+                tmp.write_text(json.dumps(cache, indent=1, sort_keys=True), encoding="utf-8")
+        except OSError:  # read-only or full disk: the figure is still right, just not kept
+            where += ", not cached"
     return peak / sharing, where
 
 
@@ -156,6 +166,10 @@ _BANDWIDTH_GBS = {
     "H200 NVL": (4800, 450), "GH200": (4000, 450), "A100": (2039, 300), "A10": (600, 32), "L4": (300, 32),
     "L40S": (864, 32), "V100": (900, 150), "V100-PCIE": (900, 16), "T4": (320, 16), "B200": (8000, 900),
 }
+# Between hosts, GB/s per device per direction: one 400 Gb/s NIC per GPU (the NVIDIA DGX H100/H200 and
+# HGX reference design's eight ConnectX-7 400 Gb/s InfiniBand/Ethernet ports for eight GPUs) = 50 GB/s.
+# The default of `llama-jax tune --nic-gbs`; bench/scaling.py uses it too.
+NIC_GBS = 50.0
 
 
 def table_bandwidth(device_kind: str) -> tuple[float, float] | None:
@@ -202,5 +216,5 @@ def default_memory_budget() -> float:
 
 def simulated_devices() -> bool:
     """Whether the devices are CPU devices simulated with --xla_force_host_platform_device_count."""
-    return jax.devices()[0].platform == "cpu" and jax.device_count() > 1 and \
+    return jax.local_devices()[0].platform == "cpu" and jax.device_count() > 1 and \
         "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", "")

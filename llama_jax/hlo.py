@@ -11,8 +11,17 @@ caller's multiplicity, so programs with conditionals give an upper bound. A comp
 called from several places sums the multiplicities.
 
 FLOPs: `dot` = 2 x result elements x product of lhs contracting dims; `convolution` =
-2 x result elements x product of kernel dims other than the output feature ('o') dim.
-Dots lowered to library custom-calls (e.g. GPU `__cublas$gemm`) are not counted.
+2 x result elements x product of kernel dims other than the output feature ('o') dim. GPU library
+calls, wherever they sit: a cuBLAS(Lt) GEMM (`__cublas$gemm`, `__cublas$lt$matmul[$f8|$mx]`) like a
+dot, from its `gemm_backend_config`; cuDNN fused attention (`__cudnn$fmha*`) by its matmuls over P
+visible (query, key) pairs, B x H query heads (GQA's fewer K/V heads change nothing) and head dim D:
+forward S = Q·Kᵀ and O = P·V, 4·B·H·P·D; backward 10·B·H·P·D, since cuDNN's flash backward keeps only
+softmax statistics and recomputes S besides computing dV, dP, dQ, dK. P = Tq·Tk, or for a causal mask
+(CAUSAL, PADDING_CAUSAL; diagonal top-left) the pairs on and below the diagonal, T(T+1)/2 when
+Tq = Tk = T, and with a sliding window w only each query's w latest keys. Padding and packed documents
+are runtime data, so P is for full rows: an upper bound. Per layer and token, step.model_flops_per_token
+(model.train_flops_per_token) counts attention 12·H·D·T, halved for a causal-skipping kernel such as
+cuDNN, without recomputation; the HLO count for cuDNN is 7·H·D·(T+1), 7/6 x (T+1)/T of that.
 
 Collective traffic, per device, ring cost model with group size n (n = 1 moves nothing):
   all-gather          (n-1)/n  x result bytes
@@ -20,12 +29,14 @@ Collective traffic, per device, ring cost model with group size n (n = 1 moves n
   all-reduce          2(n-1)/n x result bytes   (reduce-scatter + all-gather)
   all-to-all          (n-1)/n  x result bytes
   collective-permute  1        x result bytes   (each device sends its buffer once)
-Async pairs are counted at the `-start` only.
+Async pairs are counted at the `-start` only. Each collective's device groups are kept with its bytes
+(`HloStats.collective_groups`), so that costmodel.py can tell which mesh axes, and links, it crosses.
 
 Operations, for a roofline: every instruction of a scheduled computation (the entry, loop bodies
 and conditions, conditional branches, called computations; not fusion bodies or reducers) with its
-FLOPs (a fusion's: its body's dots) and the bytes it reads and writes (operands + result). Data
-movement without arithmetic (parameter, tuple, bitcast, ...) and control flow are left out.
+FLOPs (a fusion's: its body's) and the bytes it reads and writes (operands + result, less a library
+call's workspace). Data movement without arithmetic (parameter, tuple, bitcast, ...) and control flow
+are left out.
 """
 
 from __future__ import annotations
@@ -37,6 +48,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
+# The devices of each group of a collective (positions in the program's device assignment).
+DeviceGroups = tuple[tuple[int, ...], ...]
 
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
                 "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
@@ -61,11 +74,14 @@ class CollectiveStats:
 
 @dataclass(frozen=True)
 class HloStats:
-    dot_flops: float                         # per step, per device
+    dot_flops: float                         # per step, per device: dots, convolutions, GPU library matmuls
     collectives: dict[str, CollectiveStats]  # all five KINDS, zeros if absent
     unknown_trip_counts: int                 # while loops without known_trip_count (counted once)
     # Per scheduled operation (flops, bytes read + written), each already times its executions per step.
     operations: tuple[tuple[float, float], ...] = ()
+    # Per-device bytes sent per step by (kind, device groups): which devices exchange them, for costmodel.py
+    # to tell which mesh axes and links they cross. The bytes of one kind sum to its moved_bytes.
+    collective_groups: dict[tuple[str, DeviceGroups], float] = field(default_factory=dict)
 
     @property
     def memory_bytes(self) -> float:
@@ -232,39 +248,92 @@ def _operand_dims(comp: _Computation, operand: str) -> list[int]:
 
 
 def _flops(comp: _Computation, instr: _Instr) -> float:
+    if instr.opcode == "custom-call":
+        return _library_call_flops(comp, instr)
     if instr.opcode not in ("dot", "convolution"):
         return 0.0
     out = math.prod(_arrays(instr.shape)[0][1])
     if instr.opcode == "dot":
-        lhs = _operand_dims(comp, instr.operands[0])
         contracting = instr.attrs.get("lhs_contracting_dims", "{}").strip("{}")
-        return 2.0 * out * math.prod(lhs[int(d)] for d in contracting.split(",") if d.strip())
+        return _matmul_flops(comp, instr, [int(d) for d in contracting.split(",") if d.strip()])
     # convolution: dim_labels=b01f_01io->b01f, the kernel's labels are the 2nd group
     kernel_labels = instr.attrs["dim_labels"].split("->")[0].split("_")[1]
     kernel = _operand_dims(comp, instr.operands[1])
     return 2.0 * out * math.prod(d for d, label in zip(kernel, kernel_labels) if label != "o")
 
 
-def _group_size(instr: _Instr, num_devices: int) -> int:
-    groups = instr.attrs.get("replica_groups", "{}")
+def device_groups(attrs: dict[str, str], num_devices: int) -> DeviceGroups:
+    """The devices of each group a collective runs over, as positions in the program's device assignment:
+    for a jit over a Mesh, indices into mesh.devices.flat (SPMD programs number partitions, not device ids).
+    A collective-permute's groups are its (source, target) pairs."""
+    if "source_target_pairs" in attrs:
+        return _int_groups(attrs["source_target_pairs"])
+    groups = attrs.get("replica_groups", "{}")
     if groups in ("{}", "{{}}"):  # empty means one group of all devices
-        return num_devices
-    if groups.startswith("mesh["):  # mesh['a'=8,'b'=1] {'a'}: product of the listed axes
-        axes, _, chosen = groups[len("mesh["):].partition("]")
-        sizes = {k.strip().strip("'\""): int(v) for k, _, v in (a.partition("=") for a in _split_top(axes))}
-        return math.prod(_axis_size(a, sizes) for a in _split_top(chosen.strip().strip("{}")))
-    if groups.startswith("["):  # iota form [groups,size]<=[...]: groups are the last dim
-        return int(groups[1:groups.index("]")].split(",")[-1])
-    return len(_split_top(_split_top(groups[1:-1])[0].strip("{}")))  # explicit {{0,1},{2,3}}
+        return (tuple(range(num_devices)),)
+    if groups.startswith("mesh["):
+        return _mesh_groups(groups, attrs.get("device_ids", ""))
+    if groups.startswith("["):  # iota form [groups,size]<=[dims]T(perm): a group is a row
+        shape, _, order = groups.partition("<=")
+        size, ids = int(shape[1:shape.index("]")].split(",")[-1]), _iota(order)
+        return tuple(tuple(ids[i:i + size]) for i in range(0, len(ids), size))
+    return _int_groups(groups)  # explicit {{0,1},{2,3}}
 
 
-def _axis_size(axis: str, sizes: dict[str, int]) -> int:
-    """One axis of a mesh device group: 'tensor' (the whole axis), or a sub-axis 'tensor':(1)2 (newer XLA,
-    Shardy's notation: the part of size 2 after a part of size 1 when the axis is split)."""
-    name, colon, sub = axis.partition(":")
-    if colon:
-        return int(sub.strip().partition(")")[2])
-    return sizes[name.strip().strip("'\"")]
+def _int_groups(text: str) -> DeviceGroups:
+    return tuple(tuple(int(d) for d in _split_top(g.strip().strip("{}"))) for g in _split_top(text.strip()[1:-1]))
+
+
+def _iota(order: str) -> list[int]:
+    """`[d0,d1,..]T(p0,p1,..)`: 0..N-1 laid out with dims d, transposed by p, read in row-major order."""
+    dims_text, _, perm_text = order.strip().partition("T")
+    dims = [int(d) for d in dims_text.strip().strip("[]").split(",")]
+    perm = [int(p) for p in perm_text.strip().strip("()").split(",")] if perm_text else list(range(len(dims)))
+    ids = []
+    for flat in range(math.prod(dims)):
+        index, rest = [0] * len(dims), flat
+        for axis in reversed(perm):  # the transposed array's last dim varies fastest
+            index[axis], rest = rest % dims[axis], rest // dims[axis]
+        ids.append(sum(i * math.prod(dims[a + 1:]) for a, i in enumerate(index)))
+    return ids
+
+
+def _mesh_groups(text: str, device_ids: str) -> DeviceGroups:
+    """`mesh['a'=4,'b'=2] {'a'}`: devices that differ only along the listed axes form a group. An axis
+    may be a sub-axis, 'b':(1)2 (Shardy's notation: the axis split major to minor into parts of size
+    1 (pre-size), 2 and the rest). The mesh's devices are 0..N-1 in row-major order unless it lists
+    `device_ids=(...)`, which the attribute splitter files under its own key, with the axes after it."""
+    axes_text, _, chosen = text[len("mesh["):].partition("]")
+    names, sizes = [], []
+    for axis in _split_top(axes_text):
+        name, _, size = axis.partition("=")
+        names.append(name.strip().strip("'\""))
+        sizes.append(int(size))
+    order = list(range(math.prod(sizes)))
+    if not chosen.strip() and "{" in device_ids:
+        ids_text, _, chosen = device_ids.rpartition("{")
+        chosen, ids_text = "{" + chosen, ids_text.strip().removeprefix("(").removesuffix(")")
+        listed = _iota(ids_text.partition("<=")[2]) if "<=" in ids_text else \
+            [int(d) for d in "".join(c if c.isdigit() else " " for c in ids_text).split()]
+        order = listed if len(listed) == len(order) else order
+    parts: dict[int, list[tuple[int, int]]] = {}  # mesh axis -> (pre-size, size) of each listed part
+    for axis in _split_top(chosen.strip().strip("{}")):
+        name, colon, sub = axis.partition(":")
+        i = names.index(name.strip().strip("'\""))
+        sub = sub.strip()
+        parts.setdefault(i, []).append((int(sub[1:sub.index(")")]), int(sub.partition(")")[2])) if colon
+                                       else (1, sizes[i]))
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for position, device in enumerate(order):
+        coords, rest = [], position
+        for n in reversed(sizes):
+            coords.insert(0, rest % n)
+            rest //= n
+        # Zero the listed parts of each coordinate: what is left names the group.
+        key = tuple(c - sum((c // (n // (pre * size))) % size * (n // (pre * size)) for pre, size in parts.get(i, ()))
+                    for i, (c, n) in enumerate(zip(coords, sizes)))
+        groups.setdefault(key, []).append(device)
+    return tuple(tuple(g) for g in groups.values())
 
 
 def _output_shape(instr: _Instr) -> str:
@@ -305,6 +374,8 @@ def analyze(hlo_text: str, num_devices: int) -> HloStats:
 
     flops = 0.0
     count, buffer, moved = defaultdict(int), defaultdict(int), defaultdict(float)
+    by_groups: dict[tuple[str, DeviceGroups], float] = defaultdict(float)
+    parsed: dict[tuple, DeviceGroups] = {}  # a program repeats a few replica-group lists many times
     operations = []
     for comp in comps.values():
         if (mult := runs(comp.name)) == 0:
@@ -315,22 +386,28 @@ def analyze(hlo_text: str, num_devices: int) -> HloStats:
             if scheduled and instr.opcode not in _FREE and not instr.opcode.endswith("-done"):
                 own = _flops(comp, instr) + (_body_flops(comps, instr.attrs["calls"].lstrip("%"))
                                              if instr.opcode == "fusion" else 0.0)
-                traffic = shape_bytes(instr.shape) + sum(_operand_bytes(comp, o) for o in instr.operands)
+                traffic = _result_bytes(instr) + sum(_operand_bytes(comp, o) for o in instr.operands)
                 operations.append((mult * own, mult * traffic))
             kind = instr.opcode.removesuffix("-start")
             if kind not in KINDS:
                 continue
-            nbytes, n = shape_bytes(_output_shape(instr)), _group_size(instr, num_devices)
+            nbytes = shape_bytes(_output_shape(instr))
+            key = tuple(instr.attrs.get(a) for a in ("replica_groups", "device_ids", "source_target_pairs"))
+            if key not in parsed:
+                parsed[key] = device_groups(instr.attrs, num_devices)
+            groups = parsed[key]
+            sent = mult * nbytes * (1.0 if kind == "collective-permute" else _RING[kind](len(groups[0])))
             count[kind] += mult
             buffer[kind] += mult * nbytes
-            moved[kind] += mult * nbytes * (1.0 if kind == "collective-permute" else _RING[kind](n))
+            moved[kind] += sent
+            by_groups[kind, groups] += sent
     collectives = {k: CollectiveStats(count[k], buffer[k], moved[k]) for k in KINDS}
     return HloStats(dot_flops=flops, collectives=collectives, unknown_trip_counts=unknown,
-                    operations=tuple(operations))
+                    operations=tuple(operations), collective_groups=dict(by_groups))
 
 
 def _body_flops(comps: dict[str, _Computation], name: str) -> float:
-    """Dot FLOPs inside a fusion body, nested fusions included."""
+    """FLOPs inside a fusion body (dots, library calls), nested fusions included."""
     comp = comps[name]
     return sum(_flops(comp, i) + (_body_flops(comps, i.attrs["calls"].lstrip("%")) if i.opcode == "fusion" else 0.0)
                for i in comp.instrs)
@@ -342,3 +419,85 @@ def _operand_bytes(comp: _Computation, operand: str) -> int:
         return shape_bytes(parts[0])
     shape = comp.shapes.get(operand.lstrip("%"))
     return shape_bytes(shape) if shape else 0  # a literal operand, e.g. in a constant
+
+
+# GPU library calls: XLA:GPU rewrites most dots to cuBLAS(Lt) custom calls and jax's cuDNN attention is one.
+_GEMM_TARGETS = {"__cublas$gemm", "__cublas$lt$matmul", "__cublas$lt$matmul$f8", "__cublas$lt$matmul$mx"}
+
+
+def _result_bytes(instr: _Instr) -> int:
+    """Bytes an operation writes. cuBLAS and cuDNN calls end their result tuple with a workspace, s8[n] or
+    u8[n]: scratch space the library may use, not data it must write."""
+    leaves = _split_top(_strip_comments(instr.shape).strip()[1:-1]) if instr.shape.startswith("(") else []
+    target = instr.attrs.get("custom_call_target", "").strip('"')
+    if len(leaves) > 1 and target.startswith(("__cublas$", "__cudnn$")) and leaves[-1][:3] in ("s8[", "u8["):
+        return sum(shape_bytes(leaf) for leaf in leaves[:-1])
+    return shape_bytes(instr.shape)
+
+
+def _backend_config(instr: _Instr) -> dict:
+    config = json.loads(instr.attrs.get("backend_config", "{}"))
+    return json.loads(config) if isinstance(config, str) else config  # older XLA quotes the JSON
+
+
+def _dimensions(numbers: dict, name: str) -> list[int]:
+    return [int(d) for d in numbers.get(name, [])]  # proto JSON: int64 as strings, empty lists omitted
+
+
+def _matmul_flops(comp: _Computation, instr: _Instr, lhs_contracting: list[int]) -> float:
+    """2 x output elements x contracted size. A library call's output is the first element of its result
+    tuple (then an fp8 amax, then the workspace)."""
+    lhs = _operand_dims(comp, instr.operands[0])
+    return 2.0 * math.prod(_arrays(instr.shape)[0][1]) * math.prod(lhs[d] for d in lhs_contracting)
+
+
+def _library_call_flops(comp: _Computation, instr: _Instr) -> float:
+    target = instr.attrs.get("custom_call_target", "").strip('"')
+    if target in _GEMM_TARGETS:
+        numbers = _backend_config(instr)["gemm_backend_config"]["dot_dimension_numbers"]
+        return _matmul_flops(comp, instr, _dimensions(numbers, "lhs_contracting_dimensions"))
+    if target.startswith("__cudnn$fmha"):
+        return _attention_flops(comp, instr, backward="Backward" in target)
+    return 0.0
+
+
+def _attention_flops(comp: _Computation, instr: _Instr, backward: bool) -> float:
+    """cuDNN fused attention (module docstring). Its operands start with Q, K, V in any layout; which of
+    their dims are batch x heads and which the sequence comes from the dot dimension numbers."""
+    config = _backend_config(instr)["cudnn_fmha_backend_config"]
+    q, k, v = (_operand_dims(comp, o) for o in instr.operands[:3])
+    if backward:  # dK = dPᵀ·Q and dQ = dP·K: Q and K are the rhs, contracted over the sequence
+        (heads, tq), (kv_heads, tk) = (
+            _heads_and_length(q, config["bmm1_grad_gemm1_dot_dimension_numbers"], "rhs", sequence_contracted=True),
+            _heads_and_length(k, config["bmm1_grad_gemm2_dot_dimension_numbers"], "rhs", sequence_contracted=True))
+    else:  # S = Q·Kᵀ contracts the head dims; the rest of each is its sequence
+        bmm1 = config["bmm1_dot_dimension_numbers"]
+        (heads, tq), (kv_heads, tk) = (_heads_and_length(q, bmm1, "lhs", sequence_contracted=False),
+                                       _heads_and_length(k, bmm1, "rhs", sequence_contracted=False))
+    d_qk, d_v = math.prod(q) // (heads * tq), math.prod(v) // (kv_heads * tk)  # V shares K's batch and sequence
+    window = int(config.get("sliding_window_length", 0))  # cuDNN's window is left of a causal diagonal
+    causal = config.get("mask_type", "NO_MASK") in ("CAUSAL", "PADDING_CAUSAL") or window > 0
+    pairs = _visible_pairs(tq, tk, window) if causal else tq * tk
+    if not backward:
+        return 2.0 * heads * pairs * (d_qk + d_v)  # S = Q·Kᵀ, O = P·V
+    recomputes_scores = config.get("is_flash_attention", True)  # flash keeps softmax statistics, not P
+    return 2.0 * heads * pairs * (2 * d_qk + 2 * d_v + (d_qk if recomputes_scores else 0))  # dQ dK, dV dP, S
+
+
+def _heads_and_length(dims: list[int], numbers: dict, side: str, sequence_contracted: bool) -> tuple[int, int]:
+    """(batch x heads, sequence length) of one attention operand, from one of cuDNN's dot dimension numbers."""
+    batch = _dimensions(numbers, f"{side}_batch_dimensions")
+    contracting = _dimensions(numbers, f"{side}_contracting_dimensions")
+    sequence = contracting if sequence_contracted else [i for i in range(len(dims)) if i not in batch + contracting]
+    return math.prod(dims[i] for i in batch), math.prod(dims[i] for i in sequence)
+
+
+def _visible_pairs(tq: int, tk: int, window: int) -> int:
+    """(query, key) pairs a causal mask keeps: query i sees keys j <= i (cuDNN aligns the diagonal top-left)
+    and, with a sliding window, only j > i - window. Queries from tk + window on see no key."""
+    def triangle(n: int) -> int:
+        return n * (n + 1) // 2
+
+    window = window if window > 0 else tq + tk
+    rows = min(tq, tk + window)
+    return triangle(min(rows, tk)) + max(0, rows - tk) * tk - triangle(max(0, rows - window))

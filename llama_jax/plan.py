@@ -3,7 +3,9 @@
 Nothing runs and nothing is allocated: the state and batch are abstract (shapes, dtypes and
 shardings), so a 405B model can be planned on a laptop with simulated devices. Reported per device:
 memory (arguments, temporaries, total), HLO FLOPs with every scanned layer counted, model FLOPs,
-and bytes moved by each collective kind next to the analytic minimum for the mesh.
+bytes moved by each collective kind next to the analytic minimum for the mesh, and the same bytes by
+the mesh axes each collective spans and the link tier it crosses (within a host, or between hosts:
+costmodel.py; `--devices-per-host` plans a cluster's hosts on simulated devices).
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ from dataclasses import dataclass, field
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from llama_jax import hlo, remat
+from llama_jax import costmodel, hlo, remat
 from llama_jax.config import Config
+from llama_jax.costmodel import AxisTraffic
 from llama_jax.vocabulary import REMAT_POLICIES
 from llama_jax.files import format_bytes
 from llama_jax.model import param_count
@@ -45,6 +48,9 @@ class Plan:
     memory_traffic_bytes: float = 0.0  # per device per step: bytes every operation reads and writes
     # Per operation (FLOPs, bytes) per device per step, for roofline estimates (hlo.HloStats); not printed.
     operations: tuple[tuple[float, float], ...] = field(default=(), repr=False)
+    hosts: int = 1  # hosts the devices sit on (the processes, or devices / --devices-per-host)
+    # collective_bytes by the mesh axes each collective spans and the tier it crosses (costmodel.py)
+    collective_by_axis: tuple[AxisTraffic, ...] = ()
 
     @property
     def collective_total(self) -> float:
@@ -53,6 +59,10 @@ class Plan:
     @property
     def minimum_total(self) -> float:
         return sum(self.collective_minimum.values())
+
+    @property
+    def collective_tiers(self) -> dict[str, float]:
+        return costmodel.tier_totals(self.collective_by_axis)
 
 
 def collective_minimum(config: Config, sizes: dict[str, int]) -> dict[str, float]:
@@ -85,7 +95,9 @@ def collective_minimum(config: Config, sizes: dict[str, int]) -> dict[str, float
     }
 
 
-def make_plan(config: Config, mesh: Mesh) -> Plan:
+def make_plan(config: Config, mesh: Mesh, devices_per_host: int = 0) -> Plan:
+    """devices_per_host = 0: the hosts are the processes of this run; else hosts of that many devices."""
+    topology = costmodel.mesh_topology(mesh, devices_per_host)  # a bad host size fails before compiling
     start = time.perf_counter()
     program = TrainProgram.build(config, mesh)  # train.microbatches=auto compiles the counts it tries
     compiled = program.compile_step()
@@ -105,11 +117,12 @@ def make_plan(config: Config, mesh: Mesh) -> Plan:
         collective_minimum=collective_minimum(config, dict(mesh.shape)),
         compile_seconds=compile_seconds, microbatches=program.config.train.microbatches,
         budget_bytes=memory_budget(config.run.device_memory_gb),
-        memory_traffic_bytes=stats.memory_bytes, operations=stats.operations,
+        memory_traffic_bytes=stats.memory_bytes, operations=stats.operations, hosts=topology.host_count,
+        collective_by_axis=costmodel.traffic_by_axis(stats.collective_groups, topology),
     )
 
 
-def compare_remat(config: Config, mesh: Mesh, print_fn=None) -> dict[str, Plan]:
+def compare_remat(config: Config, mesh: Mesh, print_fn=None, devices_per_host: int = 0) -> dict[str, Plan]:
     """A plan for every named remat policy (same config and mesh otherwise). A policy that runs like one
     already planned on these devices (an offload policy where there is no pinned host memory) shares its plan."""
     plans: dict[str, Plan] = {}
@@ -117,7 +130,7 @@ def compare_remat(config: Config, mesh: Mesh, print_fn=None) -> dict[str, Plan]:
     for policy in REMAT_POLICIES:
         variant = dataclasses.replace(config, remat=dataclasses.replace(config.remat, policy=policy))
         twin = planned.setdefault(remat.placement(variant.remat), policy)
-        plans[policy] = plans[twin] if twin != policy else make_plan(variant, mesh)
+        plans[policy] = plans[twin] if twin != policy else make_plan(variant, mesh, devices_per_host)
         if print_fn:
             print_fn(f"remat.policy={policy} runs like {twin} on these devices: same plan" if twin != policy
                      else f"compiled remat.policy={policy} in {plans[policy].compile_seconds:.1f}s")
@@ -139,7 +152,8 @@ def format_remat_comparison(plans: dict[str, Plan]) -> str:
 def format_plan(plan: Plan) -> str:
     ratio = plan.collective_total / plan.minimum_total if plan.minimum_total else math.nan
     lines = [
-        f"mesh {plan.mesh} on {plan.devices} device(s), compiled in {plan.compile_seconds:.1f}s",
+        f"mesh {plan.mesh} on {plan.devices} device(s) in {plan.hosts} host(s), compiled in "
+        f"{plan.compile_seconds:.1f}s",
         "per device memory:",
         f"  arguments    {format_bytes(plan.argument_bytes):>12}   (train state + batch)",
         f"  temporaries  {format_bytes(plan.temporary_bytes):>12}   (activations, gradients, scratch)",
@@ -161,12 +175,21 @@ def format_plan(plan: Plan) -> str:
     minimum = ", ".join(f"{k} {format_bytes(v)}" for k, v in plan.collective_minimum.items() if v)
     lines.append(f"  analytic minimum {format_bytes(plan.minimum_total):>12}   ({minimum or 'no communication'})")
     lines.append(f"  measured / minimum {ratio:10.2f}" if plan.minimum_total else "")
+    if plan.collective_by_axis:
+        lines.append("collectives by the mesh axes their device groups span, per device per step:")
+        lines.append(f"  {'axes':<26}{'kind':<20}{'tier':<12}{'bytes':>12}")
+        lines += [f"  {'×'.join(t.axes) or '-':<26}{t.kind:<20}{t.tier:<12}{format_bytes(t.bytes):>12}"
+                  for t in plan.collective_by_axis]
+        tiers = ", ".join(f"{tier} {format_bytes(b)}" for tier, b in plan.collective_tiers.items())
+        lines.append(f"  {'total':<58}{format_bytes(plan.collective_total):>12}   ({tiers})")
     return "\n".join(line for line in lines if line)
 
 
 def plan_dict(plan: Plan) -> dict:
     fields = {f.name: getattr(plan, f.name) for f in dataclasses.fields(plan) if f.name != "operations"}
-    return {**fields, "collective_total": plan.collective_total, "minimum_total": plan.minimum_total}
+    fields["collective_by_axis"] = [dataclasses.asdict(t) for t in plan.collective_by_axis]
+    return {**fields, "collective_total": plan.collective_total, "minimum_total": plan.minimum_total,
+            "collective_tiers": plan.collective_tiers}
 
 
 def plan_json(plan: Plan) -> str:

@@ -28,12 +28,12 @@ def actions(remat: RematConfig) -> dict[str, str] | None:
 
 
 def host_offload_supported() -> bool:
-    """Whether the default device has a pinned host memory space to offload into.
+    """Whether this process's devices have a pinned host memory space to offload into.
 
     A CPU lists one too, but it is the same RAM as the "device", so offloading would only add
     copies: on CPU offloaded tags are saved instead.
     """
-    device = jax.devices()[0]
+    device = jax.local_devices()[0]  # this process's: jax.devices()[0] belongs to process 0
     return device.platform != "cpu" and any(m.kind == "pinned_host" for m in device.addressable_memories())
 
 
@@ -74,5 +74,5 @@ def describe(remat: RematConfig) -> str:
     if by_action["offload"]:
         line += f"; offload {', '.join(by_action['offload'])}"
         if not host_offload_supported():
-            line += f" (no pinned host memory on {jax.devices()[0].platform}: kept on the device instead)"
+            line += f" (no pinned host memory on {jax.local_devices()[0].platform}: kept on the device instead)"
     return line

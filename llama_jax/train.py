@@ -2,7 +2,12 @@
 
     train(config)   join a multi-process run, build the mesh, open the data, check the rest of the
                     input (Run.setup: nothing in run.dir is written before it passes), run the loop
-    execute(run)    restore -> for each step: batch, step, observe -> maybe evaluate / save / stop -> finish
+    execute(run)    restore -> for each step: dispatch it, load and place the next batch, observe the step
+                    before -> maybe observe this one and evaluate / save / stop -> finish
+
+The host runs one step ahead of the devices: step n's metrics are read only after step n + 1 has been
+dispatched, and that read is the loop's only device-to-host transfer, so the devices never wait for the
+host between steps. A step that is evaluated or saved is observed first (its guard verdict may roll back).
 
 The loop's parts decide for themselves: the checkpointer when a save is due (checkpoint.py), the
 throughput meter its window (metrics.py), goodput its step clock (goodput.py), the guards what a step's
@@ -139,24 +144,40 @@ def execute(run: Run, print_fn: Callable[[str], None] = print, started_at: float
                     summary["initial_eval_loss"] = loop.evaluate(state.params, step)
                 batches = run.data.train.iterate(data_step, data_step + 10**12, program.local_rows(),
                                                  config.data.loader_threads, config.data.prefetch)
-            first_step = step + 1
+            first_step, batch, unread = step + 1, None, None
             while step < t.steps:
-                batch, waited = loop.next_batch(batches, data_step)
-                batch = program.put(batch)
-                dispatched = time.perf_counter()
-                state, metrics = program.train_step(state, batch)
-                metrics = jax.device_get(metrics)  # blocks on the step, and so on the slowest process
-                step, data_step = step + 1, data_step + 1
-                on_device = time.perf_counter() - dispatched
-                if loop.observe(step, metrics, waited, step == first_step, on_device) == "rollback":
-                    state, step = loop.roll_back(state, step, data_step)
+                if batch is None:
+                    batch, waited = loop.next_batch(batches, data_step)
+                state, metrics = loop.dispatch(state, batch)  # returns before the step runs
+                step, data_step, batch = step + 1, data_step + 1, None
+                current = Dispatched(step, metrics, waited, step == first_step)
+                if step < t.steps:  # the next batch is loaded and placed on the devices while this step runs
+                    batch, waited = loop.next_batch(batches, data_step)
+                # The previous step's metrics: reading them waits for that step only, the one just
+                # dispatched is already queued behind it, so the devices never wait for the host.
+                if unread is not None and loop.observe(unread) == "rollback":
+                    state, back_step = loop.roll_back(state, step, data_step)  # this step's state goes too
+                    if back_step != step:
+                        step, unread = back_step, None
+                        continue
+                if unread is not None:
+                    loop.hang_if_injected(unread.step)
+                unread = current
+                stop = loop.preemption.should_stop(step)
+                save = loop.checkpointer.due(step) or step == t.steps or stop
+                if not (save or stop or loop.eval_due(step)):
                     continue
-                with loop.goodput.pause(None):  # evaluation, the preemption check and saves are not step time
+                # This step's state is evaluated or saved: its verdict first (the next step would donate it).
+                unread = None
+                if loop.observe(current) == "rollback":
+                    state, step = loop.roll_back(state, step, data_step)
+                    continue  # (without a checkpoint to go back to, the step stays: not saved or evaluated now)
+                with loop.goodput.pause(None):  # evaluation and saves are not step time
                     if loop.eval_due(step):
                         summary["final_eval_loss"] = loop.evaluate(state.params, step)
-                    stop = loop.preemption.should_stop(step)
-                    if loop.checkpointer.due(step) or step == t.steps or stop:
+                    if save:
                         loop.save(step, state, data_step)
+                loop.hang_if_injected(step)
                 if stop:
                     loop.log.message(f"{loop.preemption.signal_name or 'preemption'} received: saved step {step}, "
                                      f"stopping (exit {EXIT_PREEMPTED}); re-run the same command to continue")
@@ -178,6 +199,17 @@ def execute(run: Run, print_fn: Callable[[str], None] = print, started_at: float
     return summary
 
 
+@dataclass(frozen=True)
+class Dispatched:
+    """A step handed to the devices whose metrics the host has not read yet."""
+
+    step: int
+    metrics: dict  # device arrays: reading them waits for the step
+    waited: float  # seconds the host waited for the step's batch (charged as data wait: an upper bound, the
+    #                devices may still have been busy with the step before)
+    first: bool  # the first step of this process: its time is compilation's
+
+
 @dataclass
 class Loop:
     """The parts of the loop that watch, account and decide, around one run."""
@@ -193,6 +225,7 @@ class Loop:
     watchdog: HangWatchdog
     preemption: PreemptionGuard
     eval_batches: int
+    dispatch_wait_s: float = 0.0  # seconds spent in dispatches since the last observe()
 
     @classmethod
     def open(cls, run: Run, print_fn: Callable[[str], None], started_at: float) -> Loop:
@@ -206,7 +239,7 @@ class Loop:
             run.data.tokenizer.save(run_dir)  # `llama-jax generate` and `eval` find the run's tokenizer here
         peak, peak_source = device_peak_flops(config.model.compute_dtype, cache_root(config.data.cache_dir))
         print_fn(f"{param_count(config.model) / 1e6:.2f}M parameters on {mesh.devices.size} "
-                 f"{jax.devices()[0].platform} device(s), mesh {dict(mesh.shape)}; peak {peak / 1e9:.1f} GFLOP/s "
+                 f"{jax.local_devices()[0].platform} device(s), mesh {dict(mesh.shape)}; peak {peak / 1e9:.1f} GFLOP/s "
                  f"per device ({peak_source})")
         print_fn(remat.describe(config.remat))
         host = socket.gethostname() + (f"-p{jax.process_index()}" if multi else "")
@@ -268,10 +301,9 @@ class Loop:
         return None, 0
 
     def next_batch(self, batches: Iterator[dict], data_step: int) -> tuple[dict, float]:
-        """The next host batch and the seconds spent waiting for it, with fault.* injections applied."""
+        """The next batch, placed on the devices, and the seconds spent waiting for the loader, with fault.*
+        injections applied."""
         fault = self.run.config.fault
-        if data_step == fault.inject_hang_step:
-            _injected_hang()
         if fault.inject_process == jax.process_index():
             time.sleep(fault.inject_step_delay_s)
         start = time.perf_counter()
@@ -279,20 +311,37 @@ class Loop:
         waited = time.perf_counter() - start
         if data_step in fault.inject_nan_steps:
             batch["loss_mask"] = np.full_like(batch["loss_mask"], np.nan)
-        return batch, waited
+        return self.run.program.put(batch), waited  # the transfer starts now, the step need not wait for it
 
-    def observe(self, step: int, metrics: dict, waited: float, compiled: bool, on_device: float = 0.0) -> str:
-        """Account for a finished step and log it when due; the guard's verdict: ok, skipped, spike or rollback.
-        on_device: the seconds from dispatching the step to its result (the rest of the step was the host's)."""
-        t, say = self.run.config.train, self.log.message
-        metrics = {k: float(v) for k, v in metrics.items()}
-        seconds = self.goodput.time_step(step, waited, compiled)
+    def dispatch(self, state: TrainState, batch: dict) -> tuple[TrainState, dict]:
+        """Hand a step to the devices. The call returns at once unless the devices are still busy with
+        earlier work (a full queue; on CPU a cross-process step runs inside the call): that wait is the
+        devices', so observe() does not count it as the host's time."""
+        start = time.perf_counter()
+        result = self.run.program.train_step(state, batch)
+        self.dispatch_wait_s += time.perf_counter() - start
+        return result
+
+    def hang_if_injected(self, step: int) -> None:
+        """fault.inject_hang_step: once step n is read (and saved, when due), the step after it never returns."""
+        if step == self.run.config.fault.inject_hang_step:
+            _injected_hang()
+
+    def observe(self, done: Dispatched) -> str:
+        """Read a dispatched step's metrics (waiting for it), account for it and log it when due; the guard's
+        verdict: ok, skipped, spike or rollback. The only device-to-host transfer of a step."""
+        t, say, step, compiled = self.run.config.train, self.log.message, done.step, done.first
+        reading = time.perf_counter()
+        metrics = {k: float(v) for k, v in jax.device_get(done.metrics).items()}
+        # Waiting for the devices, here and in dispatches since the last read; the rest was the host's own work.
+        blocked, self.dispatch_wait_s = time.perf_counter() - reading + self.dispatch_wait_s, 0.0
+        seconds = self.goodput.time_step(step, done.waited, compiled)
         self.watchdog.step_done(step, None if compiled else seconds)  # compilation says nothing about step time
         if not compiled:
-            self.meter.add(seconds, waited)
+            self.meter.add(seconds, done.waited)
             if warning := self.stragglers.observe(step, seconds, process=jax.process_index()):
                 say(warning)
-            self.hosts.add(seconds, max(0.0, seconds - on_device))
+            self.hosts.add(seconds, max(0.0, seconds - blocked))
             if step % self.hosts.every == 0:
                 self._score_hosts(step)
         verdict = self.guard.observe(step, metrics["loss"], bool(metrics.pop("finite")))
@@ -390,7 +439,7 @@ def run_metadata(config: Config, mesh: Mesh) -> dict:
 
 
 def _injected_hang() -> None:
-    """fault.inject_hang_step: stand-in for a collective that never returns."""
+    """fault.inject_hang_step: stand-in for a collective that never returns (after step n has been read)."""
     while True:
         time.sleep(3600)
 

@@ -5,7 +5,8 @@
    A candidate the config validator or the mesh checks refuse is kept with the reason, and counted.
 2. Score without running: each candidate's train step is compiled ahead of time (`llama-jax plan`).
    A candidate above the memory budget is rejected, and the rest are ranked by the cost model of
-   costmodel.py: a roofline over the compiled step's operations plus exposed communication.
+   costmodel.py: a roofline over the compiled step's operations plus exposed communication, each
+   collective over the links (within a host, or between hosts) that its mesh axes cross.
    Staged, so that minutes suffice: first every mesh with the config's own micro-batching and remat
    policy, then every micro-batch count and policy on the best --meshes meshes and the default mesh.
 3. Measure the best --top-k for a few steps on the devices (on by default, except on simulated CPU
@@ -34,7 +35,7 @@ from tqdm import tqdm
 from llama_jax import __version__, plan, sharding
 from llama_jax import config as config_lib
 from llama_jax.config import Config
-from llama_jax.costmodel import CostModel, default_cost_model
+from llama_jax.costmodel import INTER_HOST, INTRA_HOST, CostModel, check_devices_per_host, default_cost_model
 from llama_jax.errors import ConfigError
 from llama_jax.files import atomic_path, cache_root, format_bytes
 from llama_jax.hardware import memory_budget, simulated_devices
@@ -76,6 +77,7 @@ class Result:
     memory_bytes: float | None = None  # per device, from the compiled step
     hlo_flops: float | None = None  # per step, all devices
     collective_bytes: float | None = None  # per device per step
+    tier_bytes: dict[str, float] | None = None  # the same by link tier (costmodel.TIERS)
     predicted_s: float | None = None
     measured_s: float | None = None
 
@@ -168,14 +170,16 @@ class Cache:
     """One file per candidate (its plan's figures, its measured step time), in a directory named by a
     digest of everything else about the run: the config without the searched keys, devices, versions."""
 
-    def __init__(self, directory: Path, config: Config):
+    def __init__(self, directory: Path, config: Config, devices_per_host: int = 0):
         identity = config_lib.to_dict(config)
         for section, key in (k.split(".") for k in SEARCHED_KEYS):
             identity[section].pop(key, None)
         identity["run"] = {}  # where a run writes does not change its speed
         identity["checkpoint"] = identity["fault"] = {}
-        identity["platform"] = [jax.devices()[0].device_kind, jax.device_count(), jax.__version__, __version__,
-                                os.environ.get("XLA_FLAGS", ""), _source_digest()]
+        # Hosts decide which collectives cross the network: the tier bytes cached depend on them.
+        identity["platform"] = [jax.local_devices()[0].device_kind, jax.device_count(), jax.process_count(),
+                                devices_per_host, jax.__version__, __version__, os.environ.get("XLA_FLAGS", ""),
+                                _source_digest()]
         digest = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:16]
         self.directory = directory / digest
 
@@ -201,22 +205,23 @@ class Cache:
         self.write(candidate.label, fields)
 
 
-def score(result: Result, cache: Cache, model: CostModel, budget: float) -> None:
+def score(result: Result, cache: Cache, model: CostModel, budget: float, devices_per_host: int = 0) -> None:
     """Compile the candidate (or read the cache) and fill in memory, FLOPs, traffic and the prediction."""
     entry = cache.get(result.candidate)
-    if "operations" not in entry:
+    if "tier_bytes" not in entry:
         try:
-            planned = plan.make_plan(result.config, sharding.make_mesh(result.config))
+            planned = plan.make_plan(result.config, sharding.make_mesh(result.config), devices_per_host)
         except Exception as err:  # noqa: BLE001 - a candidate the compiler refuses is a rejection, not a crash
             result.rejected = f"does not compile: {type(err).__name__}: {str(err).splitlines()[0][:160]}"
             return
         entry = {"memory_bytes": planned.total_bytes, "hlo_flops": planned.hlo_flops,
-                 "collective_bytes": planned.collective_total, "devices": planned.devices,
+                 "collective_bytes": planned.collective_total, "tier_bytes": planned.collective_tiers,
+                 "devices": planned.devices,
                  "operations": [[round(f), round(b)] for f, b in planned.operations]}
         cache.put(result.candidate, **entry)
     result.memory_bytes, result.hlo_flops = entry["memory_bytes"], entry["hlo_flops"]
-    result.collective_bytes = entry["collective_bytes"]
-    result.predicted_s = model.predict(entry["operations"], result.collective_bytes)
+    result.collective_bytes, result.tier_bytes = entry["collective_bytes"], entry["tier_bytes"]
+    result.predicted_s = model.predict(entry["operations"], result.tier_bytes)
     if result.memory_bytes > budget:
         result.rejected = f"needs {format_bytes(result.memory_bytes)} per device, over the budget of {format_bytes(budget)}"
 
@@ -268,7 +273,9 @@ class Options:
     microbatches: tuple[int, ...] = (1, 2, 4)
     every_n_layers: tuple[int, ...] = (1, 2)
     efficiency: float = 0.0  # 0: the cost model's default, for the peak FLOP/s reached
-    bandwidth_gbs: float = 0.0  # 0: the cost model's default, GB/s per device for collectives
+    bandwidth_gbs: float = 0.0  # 0: the cost model's default, GB/s per device for collectives within a host
+    nic_gbs: float = 0.0  # 0: hardware.NIC_GBS, GB/s per device for collectives between hosts
+    devices_per_host: int = 0  # 0: the hosts are this run's processes; else plan hosts of this many devices
     overlap: float = -1.0  # -1: the cost model's default, fraction of communication hidden behind compute
     progress: bool = True
 
@@ -285,6 +292,7 @@ class Report:
     tokens: int  # per step
     model_flops: float  # per step
     devices: int
+    hosts: int = 1
 
 
 class TuneError(ConfigError):
@@ -305,12 +313,13 @@ def _cost_model(options: Options, cache: Cache, dtype: str, cache_dir: Path) -> 
     stored.pop("key", None)
     try:
         model = CostModel(**stored)
-    except TypeError:  # none yet, or from an older version
+    except TypeError:  # none yet, or from an older version (e.g. one link bandwidth for every collective)
         model = default_cost_model(dtype, cache_dir)
         cache.write("cost model", dataclasses.asdict(model))
     return dataclasses.replace(
         model, efficiency=options.efficiency or model.efficiency,
         link_bandwidth=options.bandwidth_gbs * 1e9 if options.bandwidth_gbs else model.link_bandwidth,
+        nic_bandwidth=options.nic_gbs * 1e9 if options.nic_gbs else model.nic_bandwidth,
         overlap=options.overlap if options.overlap >= 0 else model.overlap)
 
 
@@ -319,6 +328,7 @@ def enumerate_candidates(source: str | None, overrides: list[str], options: Opti
     """The config, its own (default) candidate, and every candidate validated (step 1; compiles nothing)."""
     base = config_lib.load_config(source, overrides)
     devices = jax.device_count()
+    check_devices_per_host(options.devices_per_host, devices)
     default = default_candidate(base, devices)
     space = candidate_space(devices, overrides, options.policies, options.microbatches, options.every_n_layers)
     if default not in space:
@@ -344,7 +354,7 @@ def tune(source: str | None, overrides: list[str], options: Options = Options())
     valid = [r for r in results if r.config is not None]
     budget = memory_budget(options.memory_gb or base.run.device_memory_gb)
     root = cache_root(base.data.cache_dir)
-    cache = Cache(root / "tune", base)
+    cache = Cache(root / "tune", base, options.devices_per_host)
     model = _cost_model(options, cache, base.model.compute_dtype, root)
     deadline = time.monotonic() + 60 * options.budget_min
 
@@ -354,8 +364,8 @@ def tune(source: str | None, overrides: list[str], options: Options = Options())
         todo = [r for r in batch if r.predicted_s is None and r.rejected is None]
         with tqdm(total=len(todo), desc=stage, unit="candidate", disable=quiet, leave=False) as bar:
             for result in todo:
-                if "operations" in cache.get(result.candidate) or time.monotonic() < deadline:
-                    score(result, cache, model, budget)
+                if "tier_bytes" in cache.get(result.candidate) or time.monotonic() < deadline:
+                    score(result, cache, model, budget, options.devices_per_host)
                 bar.update()
 
     # Stage 1: every mesh once, with the default's micro-batching and recomputation where searched.
@@ -377,7 +387,7 @@ def tune(source: str | None, overrides: list[str], options: Options = Options())
     score_all([r for r in valid if r.candidate.mesh_key in best_meshes], "stage 2: micro-batches x remat")
     default_result = next(r for r in results if r.candidate == default)
     if default_result.config is not None and default_result.predicted_s is None and default_result.rejected is None:
-        score(default_result, cache, model, budget)
+        score(default_result, cache, model, budget, options.devices_per_host)
 
     fits = sorted((r for r in results if r.predicted_s is not None and r.rejected is None),
                   key=lambda r: r.predicted_s)
@@ -406,7 +416,8 @@ def tune(source: str | None, overrides: list[str], options: Options = Options())
     t = base.train
     return Report(results=results, default=default_result, winner=winner, model=model, budget=budget,
                   measured=measuring, correlation=correlation, tokens=t.batch_size * t.seq_len,
-                  model_flops=model_flops_per_token(base) * t.batch_size * t.seq_len, devices=devices)
+                  model_flops=model_flops_per_token(base) * t.batch_size * t.seq_len, devices=devices,
+                  hosts=devices // (options.devices_per_host or jax.local_device_count()))
 
 
 def step_time(result: Result) -> float | None:
@@ -447,8 +458,9 @@ def format_report(report: Report, rows: int = 20) -> str:
     lines += [f"  {n:>4} x {reason}" for reason, n in sorted(reasons.items(), key=lambda kv: -kv[1])]
     m = report.model
     lines.append(f"cost model, per device: sum over operations of max(FLOPs / ({m.peak_flops / 1e12:.3g} TFLOP/s x "
-                 f"{m.efficiency:g}), bytes / {m.memory_bandwidth / 1e9:.3g} GB/s) + {1 - m.overlap:g} x collective "
-                 f"bytes / {m.link_bandwidth / 1e9:.3g} GB/s")
+                 f"{m.efficiency:g}), bytes / {m.memory_bandwidth / 1e9:.3g} GB/s) + {1 - m.overlap:g} x (collective "
+                 f"bytes within a host / {m.bandwidth(INTRA_HOST) / 1e9:.3g} GB/s + between hosts / "
+                 f"{m.bandwidth(INTER_HOST) / 1e9:.3g} GB/s); {report.devices} devices on {report.hosts} host(s)")
     if report.correlation is not None:
         lines.append(f"Spearman correlation of predicted and measured step times: {report.correlation:+.2f}")
     if report.default.rejected:
@@ -474,14 +486,16 @@ def write_winner(report: Report, out: Path) -> None:
 
 
 def jax_device_kind() -> str:
-    return jax.devices()[0].device_kind
+    return jax.local_devices()[0].device_kind  # this process's: jax.devices()[0] belongs to process 0
 
 
 def report_json(report: Report) -> str:
     rows = [{"candidate": dataclasses.asdict(r.candidate), "label": r.candidate.label, "rejected": r.rejected,
              "memory_bytes": r.memory_bytes, "hlo_flops": r.hlo_flops, "collective_bytes": r.collective_bytes,
+             "collective_tiers": r.tier_bytes,
              "predicted_s": r.predicted_s, "measured_s": r.measured_s} for r in report.results]
-    return json.dumps({"devices": report.devices, "budget_bytes": report.budget, "measured": report.measured,
+    return json.dumps({"devices": report.devices, "hosts": report.hosts, "budget_bytes": report.budget,
+                       "measured": report.measured,
                        "cost_model": dataclasses.asdict(report.model), "spearman": report.correlation,
                        "default": report.default.candidate.label, "winner": report.winner.candidate.label,
                        "candidates": rows}, indent=1)

@@ -257,3 +257,260 @@ def test_operations_give_each_scheduled_instruction_its_flops_and_traffic():
     for flops_per_s, bytes_per_s in ((1e9, 1e12), (1e12, 1e9)):
         expected = 3 * max(fusion[0] / flops_per_s, fusion[1] / bytes_per_s) + (3 * gather[1] + copy[1]) / bytes_per_s
         assert roofline_seconds(stats.operations, flops_per_s, bytes_per_s) == pytest.approx(expected)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU library calls, in the form XLA:GPU prints them after compilation (compiled.as_text()): cuBLAS(Lt)
+# GEMMs as in XLA's own compiler tests, cuDNN attention with the backend_config jax 0.10.2 and 0.12 emit
+# for llama_jax/cudnn.py's call (lowered for CUDA: causal, BTNH, 8 query heads over 2 K/V heads).
+
+
+def strings(dims) -> str:
+    return ",".join(f'"{d}"' for d in dims)
+
+
+def dot_numbers(lhs_contracting, rhs_contracting, lhs_batch=(), rhs_batch=()) -> str:
+    return (f'{{"lhs_contracting_dimensions":[{strings(lhs_contracting)}],'
+            f'"rhs_contracting_dimensions":[{strings(rhs_contracting)}],'
+            f'"lhs_batch_dimensions":[{strings(lhs_batch)}],"rhs_batch_dimensions":[{strings(rhs_batch)}]}}')
+
+
+def gemm_config(*numbers, epilogue="DEFAULT", damax=False) -> str:
+    return ('{"operation_queue_id":"0","wait_on_operation_queues":[],"gemm_backend_config":{"alpha_real":1,"beta":0,'
+            f'"dot_dimension_numbers":{dot_numbers(*numbers)},"alpha_imag":0,'
+            '"precision_config":{"operand_precision":["DEFAULT","DEFAULT"],"algorithm":"ALG_UNSET"},'
+            f'"epilogue":"{epilogue}","grad_x":false,"grad_y":false,"damax_output":{str(damax).lower()}}},'
+            '"force_earliest_schedule":false,"reification_cost":[]}')
+
+
+GEMMS = {
+    # XLA's NVPTX compiler test: the lhs contracts its dim 0, the rhs its dim 1
+    "gemm": (["%lhs = bf16[3072,512]{1,0} parameter(2)", "%rhs = bf16[3840,3072]{1,0} parameter(3)",
+              '%gemm = (bf16[512,3840]{0,1}, s8[26738688]{0}) custom-call(%lhs, %rhs), '
+              f'custom_call_target="__cublas$gemm", backend_config={gemm_config([0], [1])}'],
+             2 * 512 * 3840 * 3072, 2 * (3072 * 512 + 3840 * 3072 + 512 * 3840)),
+    # batch dim 0; operands printed with their shapes, as older XLA does
+    "batched": (["%a = f32[4,16,32]{2,1,0} parameter(2)", "%b = f32[4,32,8]{2,1,0} parameter(3)",
+                 "%gemm = (f32[4,16,8]{2,1,0}, s8[4194304]{0}) custom-call(f32[4,16,32]{2,1,0} %a, "
+                 'f32[4,32,8]{2,1,0} %b), custom_call_target="__cublas$gemm", '
+                 f"backend_config={gemm_config([2], [1], [0], [0])}"],
+                2 * 4 * 16 * 8 * 32, 4 * (4 * 16 * 32 + 4 * 32 * 8 + 4 * 16 * 8)),
+    "lt bias+gelu": (["%x = bf16[256,1024]{1,0} parameter(2)", "%w = bf16[1024,4096]{1,0} parameter(3)",
+                      "%bias = bf16[4096]{0} parameter(4)",
+                      "%gemm = (bf16[256,4096]{1,0}, s8[33554432]{0}) custom-call(%x, %w, %bias), "
+                      'custom_call_target="__cublas$lt$matmul", '
+                      f'backend_config={gemm_config([1], [0], epilogue="BIAS_GELU")}'],
+                     2 * 256 * 4096 * 1024, 2 * (256 * 1024 + 1024 * 4096 + 4096 + 256 * 4096)),
+    # fp8: four f32 scales in, (output, amax, workspace) out
+    "lt f8 amax": (["%a = f8e4m3fn[128,512]{1,0} parameter(2)", "%b = f8e4m3fn[256,512]{1,0} parameter(3)",
+                    "%one = f32[] constant(1)",
+                    "%gemm = (f8e4m3fn[128,256]{1,0}, f32[], s8[33554432]{0}) "
+                    "custom-call(%a, %b, %one, %one, %one, %one), "
+                    f'custom_call_target="__cublas$lt$matmul$f8", backend_config={gemm_config([1], [1], damax=True)}'],
+                   2 * 128 * 256 * 512, 128 * 512 + 256 * 512 + 4 * 4 + 128 * 256 + 4),
+}
+
+
+@pytest.mark.parametrize("lines, flops, traffic", GEMMS.values(), ids=GEMMS.keys())
+def test_cublas_gemms_count_as_matmuls_and_their_workspace_is_not_traffic(lines, flops, traffic):
+    stats = analyze(module(entry(*lines)), num_devices=1)
+    assert stats.dot_flops == flops
+    assert (flops, traffic) in stats.operations  # operands + output (+ amax); the s8 workspace is scratch
+
+
+B, T, H, KV, D = 2, 1024, 8, 2, 64
+CAUSAL_PAIRS = T * (T + 1) // 2  # query i sees keys 0..i
+# jax's dot dimension numbers for the BTNH layout (llama_jax/cudnn.py) and for BNTH.
+FORWARD = {"BTNH": {"bmm1": ([3], [3], [0, 2], [0, 2]), "bmm2": ([3], [1], [0, 1], [0, 2])},
+           "BNTH": {"bmm1": ([3], [3], [0, 1], [0, 1]), "bmm2": ([3], [2], [0, 1], [0, 1])}}
+BACKWARD = {"BTNH": {"bmm1_grad_gemm1": ([2], [1], [0, 1], [0, 2]), "bmm1_grad_gemm2": ([3], [1], [0, 1], [0, 2]),
+                     "bmm2_grad_gemm1": ([2], [1], [0, 1], [0, 2]), "bmm2_grad_gemm2": ([3], [3], [0, 2], [0, 2])},
+            "BNTH": {"bmm1_grad_gemm1": ([2], [2], [0, 1], [0, 1]), "bmm1_grad_gemm2": ([3], [2], [0, 1], [0, 1]),
+                     "bmm2_grad_gemm1": ([2], [2], [0, 1], [0, 1]), "bmm2_grad_gemm2": ([3], [3], [0, 1], [0, 1])}}
+SHAPES = {"BTNH": (f"bf16[{B},{T},{H},{D}]{{3,2,1,0}}", f"bf16[{B},{T},{KV},{D}]{{3,2,1,0}}"),
+          "BNTH": (f"bf16[{B},{H},{T},{D}]{{3,2,1,0}}", f"bf16[{B},{KV},{T},{D}]{{3,2,1,0}}")}
+
+
+def fmha_config(numbers: dict, mask: str = "CAUSAL", window: int = 0) -> str:
+    bmms = ",".join(f'"{name}_dot_dimension_numbers":{dot_numbers(*n)}' for name, n in numbers.items())
+    return ('{"operation_queue_id":"0","wait_on_operation_queues":[],"cudnn_fmha_backend_config":{"algorithm":'
+            '{"algo_id":"0","math_type":"TENSOR_OP_MATH","tuning_knobs":{"17":"1","24":"0"},"is_cudnn_frontend":true,'
+            '"workspace_size":"0"},"fmha_scale":0.125,"intermediate_tensor_shape":{"element_type":"BF16",'
+            f'"dimensions":[{strings([B, H, T, T])}],"tuple_shapes":[],"layout":{{"dim_level_types":[],"dim_unique":[],'
+            '"dim_ordered":[],"minor_to_major":["3","2","1","0"],"tiles":[],"element_size_in_bits":"0",'
+            '"memory_space":"0",'
+            '"index_primitive_type":"PRIMITIVE_TYPE_INVALID","pointer_primitive_type":"PRIMITIVE_TYPE_INVALID",'
+            '"dynamic_shape_metadata_prefix_bytes":"0"},"is_dynamic_dimension":[false,false,false,false]},'
+            f'"is_flash_attention":true,"mask_type":"{mask}",{bmms},"dropout_rate":0.0,"seed":42,'
+            f'"sliding_window_length":{window},"max_seg_per_batch":1,"is_paged_attention":false}},'
+            '"force_earliest_schedule":false,"reification_cost":[]}')
+
+
+def fmha_forward(q: str, k: str, v: str, layout: str = "BTNH", mask: str = "CAUSAL", window: int = 0) -> str:
+    qs, ks = SHAPES[layout]
+    return (f"%fwd.{q} = (bf16[{B},{H},{T},{D}]{{3,1,2,0}}, f32[{B},{H},{T}]{{2,1,0}}, u8[0]{{0}}) "
+            f'custom-call(%{q}, %{k}, %{v}), custom_call_target="__cudnn$fmhaSoftmax", '
+            f"operand_layout_constraints={{{qs}, {ks}, {ks}}}, api_version=API_VERSION_STATUS_RETURNING, "
+            'metadata={op_name="jit(loss)/dot_product_attention_fwd" stack_frame_id=7}, '
+            f"backend_config={fmha_config(FORWARD[layout], mask, window)}")
+
+
+def fmha_backward(q: str, k: str, v: str, stats: str, grad: str, out: str, layout: str = "BTNH") -> str:
+    qs, ks = SHAPES[layout]
+    return (f"%bwd.{q} = (bf16[{B},{H},{T},{D}]{{3,1,2,0}}, bf16[{B},{KV},{T},{D}]{{3,1,2,0}}, "
+            f"bf16[{B},{KV},{T},{D}]{{3,1,2,0}}, u8[4194304]{{0}}) "
+            f"custom-call(%{q}, %{k}, %{v}, %{stats}, %{grad}, %{out}), "
+            f'custom_call_target="__cudnn$fmhaSoftmaxBackward", operand_layout_constraints={{{qs}, {ks}, {ks}, '
+            f"f32[{B},{H},{T}]{{2,1,0}}, {qs}, {qs}}}, api_version=API_VERSION_STATUS_RETURNING, "
+            f"backend_config={fmha_config(BACKWARD[layout])}")
+
+
+def attention_operands(layout: str = "BTNH") -> list[str]:
+    qs, ks = SHAPES[layout]
+    return [f"%q = {qs} parameter(2)", f"%k = {ks} parameter(3)", f"%v = {ks} parameter(4)",
+            f"%stats = f32[{B},{H},{T}]{{2,1,0}} parameter(5)", f"%do = {qs} parameter(6)", f"%o = {qs} parameter(7)"]
+
+
+@pytest.mark.parametrize("mask, window, pairs", [
+    ("CAUSAL", 0, CAUSAL_PAIRS), ("PADDING_CAUSAL", 0, CAUSAL_PAIRS), ("NO_MASK", 0, T * T), ("PADDING", 0, T * T),
+    ("CAUSAL", 256, sum(min(i + 1, 256) for i in range(T))),  # each query sees its 256 latest keys
+])
+def test_cudnn_attention_forward_counts_its_two_matmuls_over_the_visible_pairs(mask, window, pairs):
+    text = module(entry(*attention_operands(), fmha_forward("q", "k", "v", mask=mask, window=window)))
+    stats = analyze(text, num_devices=1)
+    flops = 2 * (2 * B * H * pairs * D)  # S = Q·Kᵀ and O = P·V, for all 8 query heads
+    assert stats.dot_flops == flops
+    traffic = 2 * B * T * (H + 2 * KV) * D + 2 * B * H * T * D + 4 * B * H * T  # reads Q, K, V; writes O, stats
+    assert (flops, traffic) in stats.operations
+
+
+@pytest.mark.parametrize("layout", ["BTNH", "BNTH"])
+def test_cudnn_attention_backward_recomputes_scores(layout):
+    operands = attention_operands(layout)
+    fwd = analyze(module(entry(*operands, fmha_forward("q", "k", "v", layout))), num_devices=1)
+    bwd = analyze(module(entry(*operands, fmha_backward("q", "k", "v", "stats", "do", "o", layout))), num_devices=1)
+    assert fwd.dot_flops == 4 * B * H * CAUSAL_PAIRS * D
+    assert bwd.dot_flops == 2 * 5 * B * H * CAUSAL_PAIRS * D  # S again, then dP, dV, dQ, dK
+    # Reads Q, K, V, stats, dO, O; writes dQ, dK, dV; the u8 workspace is scratch.
+    traffic = 2 * B * T * (H + 2 * KV) * D + 4 * B * H * T + 2 * 2 * B * H * T * D + 2 * B * T * (H + 2 * KV) * D
+    assert (bwd.dot_flops, traffic) in bwd.operations
+
+
+LAYER = (f"(s32[], bf16[{B},{T},{H},{D}]{{3,2,1,0}}, bf16[{B},{T},{KV},{D}]{{3,2,1,0}}, bf16[2048,512]{{1,0}}, "
+         "bf16[512,512]{1,0})")
+
+
+def test_scanned_layers_multiply_library_calls():
+    body = f"""%layer (carry: {LAYER}) -> {LAYER} {{
+  %carry = {LAYER} parameter(0)
+  %i = s32[] get-tuple-element(%carry), index=0
+  %q = bf16[{B},{T},{H},{D}]{{3,2,1,0}} get-tuple-element(%carry), index=1
+  %k = bf16[{B},{T},{KV},{D}]{{3,2,1,0}} get-tuple-element(%carry), index=2
+  %x = bf16[2048,512]{{1,0}} get-tuple-element(%carry), index=3
+  %w = bf16[512,512]{{1,0}} get-tuple-element(%carry), index=4
+  %mm = (bf16[2048,512]{{1,0}}, s8[4194304]{{0}}) custom-call(%x, %w), custom_call_target="__cublas$lt$matmul", backend_config={gemm_config([1], [0])}
+  %y = bf16[2048,512]{{1,0}} get-tuple-element(%mm), index=0
+  {fmha_forward("q", "k", "k")}
+  %stats = f32[{B},{H},{T}]{{2,1,0}} get-tuple-element(%fwd.q), index=1
+  {fmha_backward("q", "k", "k", "stats", "q", "q")}
+  ROOT %next = {LAYER} tuple(%i, %q, %k, %y, %w)
+}}
+
+%layer_cond (c: {LAYER}) -> pred[] {{
+  %c = {LAYER} parameter(0)
+  ROOT %go = pred[] constant(true)
+}}
+"""
+    main = f"""ENTRY %main (init: {LAYER}) -> {LAYER} {{
+  %init = {LAYER} parameter(0)
+  ROOT %layers = {LAYER} while(%init), condition=%layer_cond, body=%layer, backend_config={{"known_trip_count":{{"n":"4"}}}}
+}}
+"""
+    stats = analyze(module(body, main), num_devices=1)
+    per_layer = 2 * 2048 * 512 * 512 + (4 + 10) * B * H * CAUSAL_PAIRS * D
+    assert stats.dot_flops == 4 * per_layer
+    assert sum(f for f, _ in stats.operations) == 4 * per_layer
+    assert stats.unknown_trip_counts == 0
+
+
+def test_gemm_inside_a_fusion_counts_once():
+    # XLA:GPU's dynamic-slice fusion runs a cuBLAS call on slices of its operands.
+    fused = f"""%dynamic-slice-fusion (p0: bf16[2,8,8], p1: bf16[2,8,8]) -> (bf16[8,8], s8[256]) {{
+  %p0 = bf16[2,8,8]{{2,1,0}} parameter(0)
+  %p1 = bf16[2,8,8]{{2,1,0}} parameter(1)
+  %slice.13 = bf16[1,8,8]{{2,1,0}} slice(%p0), slice={{[1:2], [0:8], [0:8]}}
+  %bitcast.41 = bf16[8,8]{{1,0}} bitcast(%slice.13)
+  %slice.14 = bf16[1,8,8]{{2,1,0}} slice(%p1), slice={{[1:2], [0:8], [0:8]}}
+  %bitcast.42 = bf16[8,8]{{1,0}} bitcast(%slice.14)
+  ROOT %custom-call.1 = (bf16[8,8]{{1,0}}, s8[256]{{0}}) custom-call(%bitcast.41, %bitcast.42), custom_call_target="__cublas$gemm", backend_config={gemm_config([1], [0])}
+}}
+"""
+    text = module(fused, entry(
+        "%a = bf16[2,8,8]{2,1,0} parameter(2)", "%b = bf16[2,8,8]{2,1,0} parameter(3)",
+        "%address_computation = (bf16[8,8]{1,0}, s8[256]{0}) fusion(%a, %b), kind=kCustom, "
+        "calls=%dynamic-slice-fusion, backend_config={\"operation_queue_id\":\"0\",\"wait_on_operation_queues\":[],"
+        "\"fusion_backend_config\":{\"kind\":\"__custom_fusion\",\"custom_fusion_config\":"
+        "{\"name\":\"dynamic_address_computation\"}},\"force_earliest_schedule\":false}"))
+    stats = analyze(text, num_devices=1)
+    assert stats.dot_flops == 2 * 8 * 8 * 8
+    assert [f for f, _ in stats.operations if f] == [2 * 8 * 8 * 8]
+
+
+# --------------------------------------------------------------------------------------------
+# Device groups: which devices each collective runs over (costmodel.py maps them to mesh axes and hosts)
+
+def _iota_groups(groups: int, size: int, dims: tuple, perm: tuple) -> tuple:
+    return tuple(map(tuple, np.arange(np.prod(dims)).reshape(dims).transpose(perm).reshape(groups, size).tolist()))
+
+
+@pytest.mark.parametrize("groups, expected", [
+    ("{{0,2},{1,3},{4,6},{5,7}}", ((0, 2), (1, 3), (4, 6), (5, 7))),
+    ("{}", (tuple(range(8)),)),
+    ("[2,4]<=[8]", ((0, 1, 2, 3), (4, 5, 6, 7))),
+    ("[4,2]<=[2,4]T(1,0)", _iota_groups(4, 2, (2, 4), (1, 0))),
+    ("[2,4]<=[2,2,2]T(2,0,1)", _iota_groups(2, 4, (2, 2, 2), (2, 0, 1))),
+    # mesh form: devices 0..7 row-major over the mesh; a group varies the listed axes only
+    ("mesh['a'=4,'b'=2] {'a'}", ((0, 2, 4, 6), (1, 3, 5, 7))),
+    ("mesh['a'=4,'b'=2] {'b'}", ((0, 1), (2, 3), (4, 5), (6, 7))),
+    ("mesh['a'=4,'b'=2] {'a','b'}", (tuple(range(8)),)),
+    # sub-axes: 'x':(2)2 is the middle part of x=8 split major to minor as 2 x 2 x 2
+    ("mesh['x'=8] {'x':(2)2}", ((0, 2), (1, 3), (4, 6), (5, 7))),
+    ("mesh['x'=2,'y'=4] {'y':(1)2}", ((0, 2), (1, 3), (4, 6), (5, 7))),
+    # a mesh over a permuted device order (XLA's Mesh::ToString adds device_ids when not iota)
+    ("mesh['a'=2,'b'=4], device_ids=(3,6,0,5,1,7,2,4) {'b'}", ((3, 6, 0, 5), (1, 7, 2, 4))),
+])
+def test_collectives_keep_their_device_groups(groups, expected):
+    line = f"%c = f32[64]{{0}} all-reduce(%p), replica_groups={groups}, to_apply=%add"
+    stats = analyze(module(ADD, entry(line)), num_devices=8)
+    n = len(expected[0])
+    assert stats.collective_groups == {("all-reduce", expected): pytest.approx(2 * (n - 1) / n * 256)}
+    assert stats.collectives["all-reduce"].moved_bytes == pytest.approx(2 * (n - 1) / n * 256)
+
+
+def test_a_permute_groups_its_pairs_and_each_kind_sums_its_groups():
+    text = module(ADD, entry(
+        "%cp = f32[32]{0} collective-permute(%p), channel_id=1, source_target_pairs={{0,1},{1,2},{2,3},{3,0}}",
+        "%a1 = f32[64]{0} all-gather(%p), replica_groups={{0,1},{2,3},{4,5},{6,7}}, dimensions={0}",
+        "%a2 = f32[64]{0} all-gather(%p), replica_groups=[2,4]<=[8], dimensions={0}",
+        "%a3 = f32[64]{0} all-gather(%p), replica_groups={{0,1},{2,3},{4,5},{6,7}}, dimensions={0}"))
+    stats = analyze(text, num_devices=8)
+    pairs = ((0, 1), (1, 2), (2, 3), (3, 0))
+    assert stats.collective_groups == {
+        ("collective-permute", pairs): 128.0,
+        ("all-gather", ((0, 1), (2, 3), (4, 5), (6, 7))): pytest.approx(2 * 256 / 2),  # the same groups add up
+        ("all-gather", ((0, 1, 2, 3), (4, 5, 6, 7))): pytest.approx(256 * 3 / 4)}
+    for kind, c in stats.collectives.items():
+        assert sum(b for (k, _), b in stats.collective_groups.items() if k == kind) == pytest.approx(c.moved_bytes)
+
+
+def test_compiled_groups_are_positions_in_the_mesh_device_order():
+    """XLA numbers an SPMD program's devices by their place in the mesh, not by device id: on a mesh over a
+    permuted device list, a psum over 'b' groups positions 0-3 and 4-7."""
+    devices = np.array(jax.devices())[[3, 6, 0, 5, 1, 7, 2, 4]].reshape(2, 4)
+    mesh = jax.sharding.Mesh(devices, ("a", "b"))
+    psum = jax.shard_map(lambda v: jax.lax.psum(v, "b"), mesh=mesh, in_specs=P("a", "b"), out_specs=P("a"),
+                         check_vma=False)
+    x = jax.device_put(np.ones((8, 16), np.float32), NamedSharding(mesh, P("a", "b")))
+    stats = analyze(jax.jit(psum).lower(x).compile().as_text(), num_devices=8)
+    assert [groups for kind, groups in stats.collective_groups if kind == "all-reduce"] == \
+        [((0, 1, 2, 3), (4, 5, 6, 7))]

@@ -1,5 +1,7 @@
 """launch/ scripts: each is exercised (dry-run output checked, and the local launcher really run)."""
 
+import importlib
+import importlib.util
 import json
 import os
 import shlex
@@ -7,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jaxlib
+import pytest
 from test_readme import readme_commands
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -197,16 +201,67 @@ def test_multihost_script_starts_every_host_with_its_id(tmp_path):
     assert {p["JAX_NUM_PROCESSES"] for p in processes} == {"3"}
 
 
-def test_recommended_gpu_flags_are_known_to_the_installed_xla():
-    """XLA aborts on an unknown flag: every flag gpu_env.sh sets must parse in this jaxlib."""
+def gpu_env_xla_flags() -> str:
     flags = subprocess.run(["bash", str(ROOT / "launch" / "gpu_env.sh")], capture_output=True, text=True,
                            env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}, check=True).stdout
-    settings = dict(line.split("=", 1) for line in flags.splitlines())
-    assert "--xla_gpu_enable_latency_hiding_scheduler=true" in settings["XLA_FLAGS"]
+    return dict(line.split("=", 1) for line in flags.splitlines())["XLA_FLAGS"]
+
+
+def flag_checker():
+    """tests/golden/make_xla_gpu_flags.py, which made the golden flag list: its functions read a plugin too."""
+    spec = importlib.util.spec_from_file_location("make_xla_gpu_flags", ROOT / "tests/golden/make_xla_gpu_flags.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def assert_known_and_current(flag_names: list[str], known: dict, source: str) -> None:
+    unknown = [f for f in flag_names if f not in known["flags"]]
+    assert not unknown, f"{source} does not know {unknown}: XLA would abort"
+    aliases = {f: known["deprecated"][f] for f in flag_names if f in known["deprecated"]}
+    assert not aliases, f"deprecated aliases in gpu_env.sh (flag: its current name): {aliases}"
+
+
+def test_recommended_gpu_flags_are_those_of_the_gpu_jaxlib():
+    """XLA aborts on an unknown flag, and deprecated aliases go away: every flag gpu_env.sh sets is one that
+    the CUDA plugin registers under its current name, MaxText's H100 set among them. Checked against the
+    flag list read from jax-cuda13-pjrt 0.12.0's binary, and against the installed CUDA plugin if any."""
+    flags = gpu_env_xla_flags()
+    names = [f.removeprefix("--").split("=", 1)[0] for f in flags.split()]
+    for maxtext in ("--xla_gpu_enable_triton_gemm=false", "--xla_gpu_enable_command_buffer=",
+                    "--xla_disable_hlo_passes=rematerialization", "--xla_gpu_enable_all_gather_combine_by_dim=false",
+                    "--xla_gpu_enable_reduce_scatter_combine_by_dim=false", "--xla_gpu_pipeline_all_gather=on"):
+        assert maxtext in flags.split()
+    golden = json.loads((ROOT / "tests/golden/xla_gpu_flags.json").read_text())
+    assert golden["deprecated"]["xla_gpu_enable_pipelined_all_gather"] == "xla_gpu_pipeline_all_gather"
+    assert "xla_gpu_graph_level" not in golden["flags"]  # removed from XLA: command buffers are the switch now
+    assert_known_and_current(names, golden, golden["source"])
+    checker = flag_checker()
+    for plugin in ("xla_cuda13", "xla_cuda12"):  # the installed plugin, where there is one
+        try:
+            module = importlib.import_module(f"jax_plugins.{plugin}")
+        except ImportError:
+            continue
+        binary = Path(module.__file__).parent / "xla_cuda_plugin.so"
+        assert_known_and_current(names, checker.known_flags(checker.plugin_binary(binary)), str(binary))
+
+
+@pytest.mark.skipif(tuple(int(p) for p in jaxlib.__version__.split(".")[:3]) < (0, 11, 1),
+                    reason="gpu_env.sh's flags need jaxlib >= 0.11.1 (the gpu extra's floor); checked against the "
+                           "GPU plugin's flag list above")
+def test_recommended_gpu_flags_parse_in_the_installed_jaxlib():
+    """This jaxlib (CPU) registers XLA's GPU flags too: a run with gpu_env.sh's XLA_FLAGS starts and computes."""
     run = subprocess.run([sys.executable, "-c", "import jax.numpy as jnp; print(float((jnp.ones(2) + 1).sum()))"],
-                         capture_output=True, text=True, env={**os.environ, "XLA_FLAGS": settings["XLA_FLAGS"],
+                         capture_output=True, text=True, env={**os.environ, "XLA_FLAGS": gpu_env_xla_flags(),
                                                               "JAX_PLATFORMS": "cpu"})
     assert run.returncode == 0 and run.stdout.strip() == "4.0", run.stderr
+
+
+def test_gpu_flags_can_be_left_out():
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"LLAMA_JAX_GPU_FLAGS": "off"}
+    flags = subprocess.run(["bash", str(ROOT / "launch" / "gpu_env.sh")], capture_output=True, text=True, env=env,
+                           check=True).stdout
+    assert flags.splitlines()[0] == "XLA_FLAGS="  # an older jaxlib on some host: nothing for XLA to abort on
 
 
 def test_readme_cluster_commands_run_as_dry_runs():

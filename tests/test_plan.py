@@ -130,8 +130,8 @@ def test_compare_remat_plans_policies_that_run_alike_on_these_devices_once(monke
     from llama_jax.config import REMAT_POLICIES
 
     compiled, lines = [], []
-    monkeypatch.setattr(plan, "make_plan", lambda config, mesh: compiled.append(config.remat.policy)
-                        or types.SimpleNamespace(compile_seconds=1.0))
+    monkeypatch.setattr(plan, "make_plan", lambda config, mesh, devices_per_host=0: compiled.append(
+                        config.remat.policy) or types.SimpleNamespace(compile_seconds=1.0))
     plans = plan.compare_remat(tiny_config(), mesh=None, print_fn=lines.append)
     assert list(plans) == list(REMAT_POLICIES)
     assert compiled == [p for p in REMAT_POLICIES if p not in ("minimal_offload", "qkv_proj_offload")]
@@ -139,3 +139,58 @@ def test_compare_remat_plans_policies_that_run_alike_on_these_devices_once(monke
     assert "remat.policy=minimal_offload runs like minimal on these devices: same plan" in lines
     offloading = remat.placement(tiny_config(remat=dict(policy="minimal_offload")).remat, offload=True)
     assert offloading[1] and offloading != remat.placement(tiny_config(remat=dict(policy="minimal")).remat, True)
+
+
+# --------------------------------------------------------------------------------------------
+# Collective bytes by mesh axis and link tier
+
+
+@pytest.fixture(scope="module")
+def two_host_plan():
+    """fsdp=4 x tensor=2 on 2 planned hosts of 4 devices: fsdp crosses hosts, tensor stays inside."""
+    cfg = tiny_config(model=MODEL, mesh=dict(data=1, fsdp=4, tensor=2, sequence=1))
+    return make_plan(cfg, sharding.make_mesh(cfg), devices_per_host=4)
+
+
+def test_bytes_by_axis_add_up_to_the_bytes_by_kind(two_host_plan):
+    p = two_host_plan
+    assert p.hosts == 2 and p.collective_by_axis
+    for kind, total in p.collective_bytes.items():
+        assert sum(t.bytes for t in p.collective_by_axis if t.kind == kind) == pytest.approx(total)
+    assert sum(p.collective_tiers.values()) == pytest.approx(p.collective_total)
+    # Weights are gathered over fsdp; the activations' tensor-parallel reductions run over tensor.
+    assert {t.axes for t in p.collective_by_axis if t.kind == "all-gather"} >= {("fsdp",)}
+    assert {t.axes for t in p.collective_by_axis if t.kind == "all-reduce"} >= {("tensor",)}
+    for t in p.collective_by_axis:
+        assert set(t.axes) <= {"fsdp", "tensor"} and t.bytes > 0
+        assert t.tier == ("inter-host" if "fsdp" in t.axes else "intra-host"), t
+
+
+def test_plan_prints_and_writes_bytes_by_axis_and_tier(two_host_plan, capsys):
+    from llama_jax import plan as planning
+
+    text = planning.format_plan(two_host_plan)
+    assert "on 8 device(s) in 2 host(s)" in text
+    rows = text.split("collectives by the mesh axes their device groups span, per device per step:")[1].splitlines()
+    assert rows[1].split() == ["axes", "kind", "tier", "bytes"]
+    assert len(rows) == 2 + len(two_host_plan.collective_by_axis) + 1  # heading, header, rows, total
+    assert any(r.split()[:3] == ["fsdp", "all-gather", "inter-host"] for r in rows)
+    report = json.loads(planning.plan_json(two_host_plan))
+    assert report["hosts"] == 2
+    assert report["collective_by_axis"] == [{"axes": list(t.axes), "kind": t.kind, "tier": t.tier, "bytes": t.bytes}
+                                            for t in two_host_plan.collective_by_axis]
+    assert report["collective_tiers"] == pytest.approx(two_host_plan.collective_tiers)
+
+
+def test_one_process_plans_one_host(capsys):
+    assert cli.main(["plan", "tiny", "model.n_layers=2", "mesh.fsdp=4", "mesh.tensor=2", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["hosts"] == 1 and report["collective_tiers"]["inter-host"] == 0
+    assert sum(row["bytes"] for row in report["collective_by_axis"]) == pytest.approx(report["collective_total"])
+
+
+def test_devices_per_host_that_does_not_divide_the_devices_exits_2(capsys):
+    assert cli.main(["plan", "tiny", "mesh.fsdp=8", "--devices-per-host", "3"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.splitlines() == ["llama-jax: error: --devices-per-host 3 does not divide the 8 devices into hosts; "
+                                "use one of 1, 2, 4, 8"]

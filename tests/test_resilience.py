@@ -412,9 +412,10 @@ def test_a_checkpoint_of_another_function_is_refused_unless_allowed():
         check_model(saved, dict(saved, d_model=128), "runs/x", allowed=["rope_theta"])
 
 
-def test_a_time_based_save_is_announced_one_step_ahead(tmp_path):
-    """checkpoint.every_minutes: process 0's clock decides after step n that step n + 1 is saved, so in a
-    multi-process run every process reads the decision without waiting (distributed.Peers.announce)."""
+def test_a_time_based_save_is_announced_two_steps_ahead(tmp_path):
+    """checkpoint.every_minutes: process 0's clock decides after step n that step n + 2 is saved, so in a
+    multi-process run every process reads the decision without waiting (distributed.Peers.announce), while
+    the host runs one step ahead of the devices."""
     from llama_jax.checkpoint import Checkpointer
     from llama_jax.config import CheckpointConfig
 
@@ -422,8 +423,9 @@ def test_a_time_based_save_is_announced_one_step_ahead(tmp_path):
     try:
         assert not checkpointer.due(5)
         checkpointer.last_save_time -= 61  # a minute has passed since the last save
-        assert not checkpointer.due(6) and checkpointer.due(7)  # decided after step 6, saved at step 7
-        checkpointer.last_save_time = time.monotonic()  # the save at step 7
-        assert not checkpointer.due(8)
+        assert not checkpointer.due(6) and not checkpointer.due(7)  # decided after step 6
+        assert checkpointer.due(8)  # saved at step 8
+        checkpointer.last_save_time = time.monotonic()  # the save at step 8
+        assert not checkpointer.due(9)
     finally:
         checkpointer.close()

@@ -194,3 +194,54 @@ def test_learning_rate_warms_up_linearly_then_decays_to_the_floor():
     assert float(schedule(10)) == pytest.approx(1e-3)
     assert float(schedule(55)) < 1e-3
     assert float(schedule(100)) == pytest.approx(1e-4)
+
+
+def test_the_host_reads_each_step_after_dispatching_the_next(tmp_path, corpus, monkeypatch):
+    """The devices never wait for the host between steps: after dispatching step n the loop places batch n + 1
+    and then reads step n - 1's metrics, the step's only device-to-host transfer. A step that is saved is read
+    before its save (its verdict may roll back); every step is logged."""
+    cfg = tiny_config(tmp_path, train=dict(steps=8), checkpoint=dict(every_steps=4),
+                      data=dict(sources=[str(corpus)], cache_dir=str(tmp_path / "cache")))
+    events, metric_steps, kept = [], {}, []  # id of a metrics array -> the step that made it
+    array_type = type(jnp.zeros(()))
+    value = array_type._value  # every device-to-host read of a jax.Array goes through it (np.asarray, float, ...)
+
+    def counted_value(array):
+        events.append(("read", metric_steps.get(id(array), "other")))
+        return value.fget(array)
+
+    def setup(cls, *args, **kwargs):
+        run = real_setup(cls, *args, **kwargs)
+        step_fn, put = run.program.train_step, run.program.put
+
+        def dispatch(state, batch):
+            state, metrics = step_fn(state, batch)
+            step = sum(e[0] == "dispatch" for e in events) + 1
+            metric_steps.update({id(a): step for a in metrics.values()})
+            kept.append(metrics)  # alive, so no other array reuses their ids
+            events.append(("dispatch", step))
+            return state, metrics
+
+        run.program.train_step = dispatch
+        run.program.put = lambda batch: (events.append(("put", None)), put(batch))[1]
+        return run
+
+    real_setup = Run.setup.__func__
+    monkeypatch.setattr(Run, "setup", classmethod(setup))
+    monkeypatch.setattr(array_type, "_value", property(counted_value))
+    train(cfg, print_fn=lambda _: None, devices=jax.devices()[:1])
+    loop = events[next(i for i, e in enumerate(events) if e[0] == "dispatch"):]
+
+    def after_dispatching(n):  # the events after dispatching step n, up to dispatching step n + 1
+        start = loop.index(("dispatch", n))
+        end = loop.index(("dispatch", n + 1)) if ("dispatch", n + 1) in loop else len(loop)
+        return loop[start + 1:end]
+
+    put, metrics_of = [("put", None)], lambda n: [("read", n)] * 4  # loss, grad_norm, lr, finite
+    for n in (2, 3, 6, 7):  # steady state: place the next batch, then read the step before
+        assert after_dispatching(n) == put + metrics_of(n - 1), n
+    assert after_dispatching(4) == put + metrics_of(3) + metrics_of(4)  # saved: read before the save
+    assert after_dispatching(8)[:8] == metrics_of(7) + metrics_of(8)  # the last step: then saved and evaluated
+    assert ("read", "other") not in loop[:loop.index(("dispatch", 8))]  # no other transfer while training
+    records = [r for r in read_metrics(Path(cfg.run.dir) / "metrics.jsonl") if "loss" in r]
+    assert [r["step"] for r in records] == list(range(1, 9))

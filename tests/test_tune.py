@@ -7,8 +7,9 @@ import re
 import pytest
 from conftest import write_tiny_yaml
 
-from llama_jax import cli, config, plan, tune
-from llama_jax.costmodel import CostModel
+from llama_jax import cli, config, costmodel, plan, tune
+from llama_jax.costmodel import INTER_HOST, INTRA_HOST, CostModel
+from llama_jax.errors import ConfigError
 from llama_jax.step import TrainProgram
 
 # The end-to-end search pins tensor and sequence to 1 to keep compilations few: 4 meshes.
@@ -138,6 +139,8 @@ def test_a_memory_budget_below_the_smallest_candidate_exits_2_saying_by_how_much
     (["--policies", "none,fastest"], "unknown remat policy 'fastest'"),
     (["modle.n_layers=2"], "model.n_layers"),
     (["--top-k", "0"], "--top-k"),
+    (["--devices-per-host", "3"], "--devices-per-host 3 does not divide the 8 devices into hosts; use one of 1, 2, 4, 8"),
+    (["--nic-gbs", "-1"], "--nic-gbs"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, args, message):
     out = tmp_path / "tune.yaml"
@@ -147,10 +150,14 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, args, message):
     assert not out.exists()
 
 
-def test_cost_model_is_a_roofline_plus_exposed_communication():
-    model = CostModel(peak_flops=100.0, memory_bandwidth=10.0, link_bandwidth=5.0, efficiency=0.5, overlap=0.4)
+def test_cost_model_is_a_roofline_plus_exposed_communication_on_each_tier():
+    model = CostModel(peak_flops=100.0, memory_bandwidth=10.0, link_bandwidth=5.0, nic_bandwidth=2.0,
+                      efficiency=0.5, overlap=0.4)
     operations = [(100.0, 10.0), (0.0, 30.0)]  # compute-bound: 2 s; memory-bound: 3 s
-    assert model.predict(operations, collective_bytes=50.0) == pytest.approx(2 + 3 + 0.6 * 10)
+    assert model.predict(operations, {INTRA_HOST: 50.0, INTER_HOST: 8.0}) == pytest.approx(2 + 3 + 0.6 * (10 + 4))
+    # Between hosts the bytes also cross the device's own link: a NIC faster than the link does not help.
+    fast_nic = CostModel(peak_flops=100.0, memory_bandwidth=10.0, link_bandwidth=5.0, nic_bandwidth=50.0)
+    assert fast_nic.bandwidth(INTER_HOST) == 5.0
 
 
 def test_spearman():
@@ -176,6 +183,7 @@ def test_gpus_get_data_sheet_figures_and_their_memory(monkeypatch, tmp_path):
     monkeypatch.setattr(jax, "local_devices", lambda *args: [FakeGpu()] * 8)
     model = costmodel.default_cost_model("bfloat16", tmp_path)
     assert (model.peak_flops, model.memory_bandwidth, model.link_bandwidth) == (989e12, 3350e9, 450e9)
+    assert model.nic_bandwidth == 50e9  # one 400 Gb/s NIC per GPU
     assert (model.efficiency, model.overlap) == (0.7, 0.5)
     assert hardware.default_memory_budget() == hardware.memory_budget(0) == 72 * 2**30
     assert hardware.memory_budget(60) == 60 * 2**30
@@ -184,10 +192,99 @@ def test_gpus_get_data_sheet_figures_and_their_memory(monkeypatch, tmp_path):
 
 def test_the_cli_states_the_defaults_tune_uses():
     """`llama-jax tune --help` must not drift from the code: the policies searched and the cost model's defaults."""
-    from llama_jax import costmodel
+    from llama_jax import hardware
 
     (parser,) = [action.choices["tune"] for action in cli.build_parser()._actions if action.choices]
     options = {action.dest: action for action in parser._actions}
     assert tuple(options["policies"].default.split(",")) == tune.DEFAULT_POLICIES == tune.Options().policies
     assert f"{costmodel.GPU_EFFICIENCY:g} on GPUs, {costmodel.CPU_EFFICIENCY:g} on CPUs" in options["efficiency"].help
     assert f"{costmodel.GPU_OVERLAP:g} GPU, 0 CPU" in options["overlap"].help
+    assert f"default {hardware.NIC_GBS:g}: one 400 Gb/s NIC per GPU" in options["nic_gbs"].help
+    assert hardware.NIC_GBS * 8 == 400  # GB/s x 8 bits = Gb/s
+
+
+# --------------------------------------------------------------------------------------------
+# Link tiers: which collectives cross hosts
+
+MESH_AXES = ("data", "fsdp", "sequence", "tensor")
+# 8 devices as fsdp=4 x tensor=2 (position = 2 x fsdp + tensor) on 2 hosts of 4.
+TWO_HOSTS = costmodel.cluster_topology(MESH_AXES, (1, 4, 1, 2), devices_per_host=4)
+HLO = """HloModule m, is_scheduled=true, num_partitions=8
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+ENTRY %main (p: f32[1024]) -> f32[1024] {
+  %p = f32[1024]{0} parameter(0)
+  %tensor = f32[1024]{0} all-reduce(%p), channel_id=1, replica_groups={{0,1},{2,3},{4,5},{6,7}}, to_apply=%add
+  %fsdp = f32[1024]{0} all-gather(%p), channel_id=2, replica_groups={{0,2,4,6},{1,3,5,7}}, dimensions={0}
+  %fsdp_in_host = f32[1024]{0} all-gather(%p), channel_id=3, replica_groups=[4,2]<=[2,2,2]T(0,2,1), dimensions={0}
+  %all = f32[256]{0} all-reduce(%p), channel_id=4, replica_groups={}, to_apply=%add
+  ROOT %r = f32[1024]{0} copy(%p)
+}
+"""
+
+
+def test_hosts_split_the_outermost_axes_first():
+    assert TWO_HOSTS.hosts == (0, 0, 0, 0, 1, 1, 1, 1)
+    assert [TWO_HOSTS.axis_tier(a) for a in MESH_AXES] == [INTRA_HOST, INTER_HOST, INTRA_HOST, INTRA_HOST]
+    hosts_of_two = costmodel.cluster_topology(MESH_AXES, (2, 1, 1, 4), devices_per_host=2)
+    assert [hosts_of_two.axis_tier(a) for a in MESH_AXES] == [INTER_HOST, INTRA_HOST, INTRA_HOST, INTER_HOST]
+
+
+@pytest.mark.parametrize("shape, hosts", [((1, 4, 1, 2), 2), ((2, 2, 1, 2), 4), ((1, 2, 2, 4), 4), ((2, 8, 1, 4), 8)])
+def test_planned_hosts_are_where_make_mesh_puts_a_multi_host_run(shape, hosts):
+    """--devices-per-host must plan the layout sharding.make_mesh builds from the processes' devices."""
+    from dataclasses import dataclass
+
+    from jax.experimental import mesh_utils
+
+    from llama_jax import sharding
+
+    @dataclass(frozen=True)
+    class Device:
+        id: int
+        process_index: int
+        platform: str = "cpu"
+        device_kind: str = "cpu"
+
+    devices = [Device(i, i * hosts // math.prod(shape)) for i in range(math.prod(shape))]
+    grid = mesh_utils.create_hybrid_device_mesh(*sharding.split_over_hosts(shape, hosts), devices,
+                                                process_is_granule=True)
+    planned = costmodel.cluster_topology(MESH_AXES, shape, math.prod(shape) // hosts)
+    assert planned.hosts == tuple(d.process_index for d in grid.flat)
+
+
+def test_collectives_are_priced_at_the_tier_their_groups_cross():
+    from llama_jax.costmodel import AxisTraffic
+    from llama_jax.hlo import analyze
+
+    traffic = costmodel.traffic_by_axis(analyze(HLO, num_devices=8).collective_groups, TWO_HOSTS)
+    # Ring bytes per device of a 4 KiB result: all-reduce 2(n-1)/n, all-gather (n-1)/n.
+    assert set(traffic) == {
+        AxisTraffic(("tensor",), "all-reduce", INTRA_HOST, 4096.0),  # pairs within a host
+        AxisTraffic(("fsdp",), "all-gather", INTER_HOST, 3072.0),  # the whole fsdp axis spans both hosts
+        AxisTraffic(("fsdp",), "all-gather", INTRA_HOST, 2048.0),  # fsdp pairs {0,2}, {1,3}, ... stay inside
+        AxisTraffic(("fsdp", "tensor"), "all-reduce", INTER_HOST, 2 * 7 / 8 * 1024),  # every device
+    }
+    tiers = costmodel.tier_totals(traffic)
+    assert tiers == {INTRA_HOST: 4096 + 2048, INTER_HOST: 3072 + 1792}
+    h100 = CostModel(peak_flops=989e12, memory_bandwidth=3350e9, link_bandwidth=450e9, nic_bandwidth=50e9)
+    assert h100.communication_seconds(tiers) == pytest.approx((4096 + 2048) / 450e9 + (3072 + 1792) / 50e9)
+    one_host = costmodel.cluster_topology(MESH_AXES, (1, 4, 1, 2), devices_per_host=8)
+    assert costmodel.tier_totals(costmodel.traffic_by_axis(analyze(HLO, 8).collective_groups, one_host)) == \
+        {INTRA_HOST: 4096 + 3072 + 2048 + 1792, INTER_HOST: 0}
+
+
+def test_one_process_is_one_host():
+    import jax
+
+    mesh = jax.make_mesh((1, 4, 1, 2), MESH_AXES)
+    topology = costmodel.mesh_topology(mesh)
+    assert topology.hosts == (0,) * 8 and topology.shape == (1, 4, 1, 2) and topology.axis_names == MESH_AXES
+    assert costmodel.mesh_topology(mesh, devices_per_host=4).hosts == TWO_HOSTS.hosts
+    with pytest.raises(ConfigError, match="--devices-per-host 16 does not divide the 8 devices"):
+        costmodel.mesh_topology(mesh, devices_per_host=16)

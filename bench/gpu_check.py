@@ -1,0 +1,462 @@
+"""GPU acceptance in one command: attention parity, an 8B-shaped train step and the settings in force, as one table.
+
+    make gpu-check [ARGS="--json PATH --steps 20 key=value ..."]     # sources launch/gpu_env.sh first
+    .venv/bin/python bench/gpu_check.py [--cpu-smoke] [--json PATH] [--steps N] [--warmup N] [--preset P]
+                                        [key=value ...]
+
+On an NVIDIA GPU it checks, on one device:
+1. attention parity: each path of llama_jax.attention (cuDNN plain causal, cuDNN's packed layout, the exact
+   fallback for rows with more documents than model.attention_max_segments, the blocked kernel, XLA's kernel) on
+   packed documents with GQA in bf16, output and gradients against an fp32 XLA reference, each within
+   BF16_TOLERANCE of the reference's largest magnitude. tests/test_gpu.py runs the same cases from this file.
+2. the train step of Llama 3 8B's shape (its widths, vocabulary and 8,192-token rows) with 4 of its 32 layers and
+   4 rows: the fp32 weights and AdamW moments of its 1.92B parameters take 21.5 GiB, and the whole step fits the
+   ~72 GiB that launch/gpu_env.sh lets XLA allocate on an 80 GB GPU (docs/performance.md measured this size on
+   one H100: 69.99 GiB; `llama-jax plan` on one CPU device predicts 66.16 GiB with 2 micro-batches). `plan`
+   picks the micro-batches (the preset's microbatches=auto), then --steps timed steps after --warmup: tokens/s,
+   MFU, peak device memory next to plan's prediction, and plan's HLO FLOPs next to the model FLOPs.
+3. the environment: XLA_FLAGS, whether launch/gpu_env.sh was applied, versions, device, CUDA and cuDNN.
+
+Without an NVIDIA GPU it prints one line and exits 0. --cpu-smoke runs the same code on the CPU with small shapes
+(the tiny preset; rows that need cuDNN say they were skipped). Exit status 1 when any row failed. The figures are
+also written as JSON (--json, default runs/gpu_check.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import importlib.metadata
+import json
+import math
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import jaxlib
+import numpy as np
+
+from llama_jax import cudnn, sharding
+from llama_jax.attention import attention, document_mask, select_implementation
+from llama_jax.config import Config, load_config
+from llama_jax.errors import EXIT_BAD_INPUT, ConfigError
+from llama_jax.files import cache_root, format_bytes
+from llama_jax.hardware import device_peak_flops
+from llama_jax.model import param_count
+from llama_jax.plan import make_plan
+from llama_jax.step import TrainProgram, random_batch, time_train_steps
+from llama_jax.train import enable_compilation_cache
+
+ROOT = Path(__file__).resolve().parents[1]
+GPU_ENV = ROOT / "launch" / "gpu_env.sh"
+DEFAULT_JSON = Path("runs") / "gpu_check.json"
+NO_GPU = "gpu-check: no NVIDIA GPU here ({reason}); nothing to check"
+
+GPU_PRESET, GPU_OVERRIDES = "llama3_8b", ["model.n_layers=4", "train.batch_size=4"]
+SMOKE_PRESET, SMOKE_OVERRIDES = "tiny", ["train.batch_size=4"]
+MFU_GOAL = 0.5  # the goal for an 8B-shaped bf16 step on one H100 (989 TFLOP/s data sheet); reported, not enforced
+
+# ---------------------------------------------------------------------------------------------
+# Attention parity (shared with tests/test_gpu.py)
+
+BF16_TOLERANCE = 2e-2  # max error relative to the largest magnitude, bf16 inputs vs an fp32 reference
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    batch: int
+    seq: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    padding: int  # trailing padding tokens (segment 0) of the last row
+
+
+# Grouped-query attention: 4 query heads per kv head.
+GPU_SHAPE = AttentionShape(batch=2, seq=2048, heads=16, kv_heads=4, head_dim=128, padding=300)
+# Small enough for a CPU, long enough for the blocked kernel (at least two 128-token blocks).
+SMOKE_SHAPE = AttentionShape(batch=2, seq=512, heads=4, kv_heads=2, head_dim=32, padding=64)
+
+
+@dataclass(frozen=True)
+class ParityCase:
+    implementation: str  # model.attention: cudnn | blocked | xla
+    documents: int  # per row
+    max_segments: int  # model.attention_max_segments
+    label: str
+
+
+PARITY_CASES = (
+    ParityCase("cudnn", 1, 16, "cuDNN causal, 1 document/row"),
+    ParityCase("cudnn", 6, 16, "cuDNN packed layout, 6 documents/row"),
+    ParityCase("cudnn", 24, 16, "cuDNN's exact fallback, 24 documents/row > 16"),
+    ParityCase("blocked", 6, 16, "blocked kernel, 6 documents/row"),
+    ParityCase("xla", 6, 16, "XLA kernel, 6 documents/row"),
+)
+
+
+def packed_segments(documents: int, shape: AttentionShape) -> np.ndarray:
+    """Rows of `documents` documents of uneven lengths, the last row ending in padding (segment 0)."""
+    rng = np.random.default_rng(documents)
+    ids = np.zeros((shape.batch, shape.seq), np.int32)
+    for row in range(shape.batch):
+        used = shape.seq - (shape.padding if row == shape.batch - 1 else 0)
+        cuts = np.sort(rng.choice(np.arange(1, used), documents - 1, replace=False)) if documents > 1 else []
+        for doc, (start, end) in enumerate(zip([0, *cuts], [*cuts, used]), start=1):
+            ids[row, start:end] = doc
+    return ids
+
+
+def attention_inputs(shape: AttentionShape) -> tuple[jax.Array, ...]:
+    """q, k, v in bf16 and the fp32 weights of the loss sum(out * weights) whose gradients are compared."""
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.standard_normal((shape.batch, shape.seq, shape.heads, shape.head_dim)), jnp.bfloat16)
+    k = jnp.asarray(rng.standard_normal((shape.batch, shape.seq, shape.kv_heads, shape.head_dim)), jnp.bfloat16)
+    v = jnp.asarray(rng.standard_normal((shape.batch, shape.seq, shape.kv_heads, shape.head_dim)), jnp.bfloat16)
+    weights = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
+    return q, k, v, weights
+
+
+def reference(q, k, v, segments):
+    """XLA's attention in fp32 at full matmul precision (no TF32): what every kernel is compared with."""
+    q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
+    with jax.default_matmul_precision("highest"):
+        return jax.nn.dot_product_attention(q, k, v, mask=document_mask(segments, segments), is_causal=True,
+                                            implementation="xla")
+
+
+def relative_error(got, want) -> float:
+    """Largest absolute difference over the reference's largest magnitude."""
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    return float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+
+
+def outputs_and_gradients(fn, q, k, v, segments, weights):
+    """fn(q, k, v, segments) and the gradients of sum(output * weights) by q, k and v: one compiled program."""
+    def run(q, k, v, segments, weights):
+        out, pullback = jax.vjp(lambda q, k, v: fn(q, k, v, segments), q, k, v)
+        return out, pullback(weights.astype(out.dtype))
+
+    return jax.jit(run)(q, k, v, segments, weights)
+
+
+def attention_errors(case: ParityCase, shape: AttentionShape, references: dict | None = None) -> tuple[float, float]:
+    """(output error, worst gradient error) of one case against the fp32 reference. `references` keeps the
+    reference's results by document count, so cases on the same documents compute it once."""
+    q, k, v, weights = attention_inputs(shape)
+    segments = jnp.asarray(packed_segments(case.documents, shape))
+    ours = lambda q, k, v, s: attention(q, k, v, s, None, case.implementation, case.max_segments)  # noqa: E731
+    got, got_grads = outputs_and_gradients(ours, q, k, v, segments, weights)
+    references = {} if references is None else references
+    if case.documents not in references:
+        references[case.documents] = outputs_and_gradients(reference, q, k, v, segments, weights)
+    want, want_grads = references[case.documents]
+    return relative_error(got, want), max(relative_error(g, w) for g, w in zip(got_grads, want_grads))
+
+
+def kernel_ran(case: ParityCase) -> str:
+    """What a cuDNN case runs on this GPU: without the packed layout (before Hopper or cuDNN 9.6), packed rows
+    take the blocked kernel instead, and the row says so."""
+    if case.implementation == "cudnn" and case.documents > 1 and not cudnn.packed_layout_supported():
+        return "no packed layout on this GPU/cuDNN: the blocked kernel ran"
+    return ""
+
+
+# ---------------------------------------------------------------------------------------------
+# The table
+
+
+@dataclass(frozen=True)
+class Row:
+    area: str
+    check: str
+    status: str  # pass | FAIL | info | skipped: why
+    value: str = ""
+    detail: str = ""
+
+
+HEADER = Row("area", "check", "status", "value", "detail")
+
+
+def format_table(rows: list[Row]) -> str:
+    cells = [dataclasses.astuple(row) for row in [HEADER, *rows]]
+    widths = [max(len(line[i]) for line in cells) for i in range(len(dataclasses.fields(Row)) - 1)]
+    return "\n".join("  ".join([*(c.ljust(w) for c, w in zip(line, widths)), line[-1]]).rstrip() for line in cells)
+
+
+def first_line(error: BaseException) -> str:
+    return f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:200]}"
+
+
+def format_flops(flops_per_s: float) -> str:
+    return f"{flops_per_s / 1e12:.1f} TFLOP/s" if flops_per_s >= 1e12 else f"{flops_per_s / 1e9:.2f} GFLOP/s"
+
+
+def attention_section(shape: AttentionShape, cudnn_available: bool) -> tuple[list[Row], list[dict]]:
+    rows, figures, references = [], [], {}
+    tolerance = f"max |error| / max |fp32 reference|, pass < {BF16_TOLERANCE:g}"
+    for case in PARITY_CASES:
+        entry = {**dataclasses.asdict(case), "tolerance": BF16_TOLERANCE}
+        if case.implementation == "cudnn" and not cudnn_available:
+            rows.append(Row("attention", case.label, "skipped: needs cuDNN", "",
+                            "no NVIDIA GPU: this path did not run"))
+            figures.append({**entry, "status": "skipped"})
+            continue
+        note = kernel_ran(case) if cudnn_available else ""
+        try:
+            output_error, gradient_error = attention_errors(case, shape, references)
+        except Exception as error:  # a kernel that fails to compile or run is a failed row; the other rows still run
+            rows.append(Row("attention", case.label, "FAIL", "error", first_line(error)))
+            figures.append({**entry, "status": "FAIL", "error": first_line(error)})
+            continue
+        status = "pass" if max(output_error, gradient_error) < BF16_TOLERANCE else "FAIL"
+        rows.append(Row("attention", case.label, status, f"out {output_error:.4f}, grad {gradient_error:.4f}",
+                        f"{tolerance}{'; ' + note if note else ''}"))
+        figures.append({**entry, "status": status, "output_error": output_error, "gradient_error": gradient_error,
+                        "kernel_note": note})
+    return rows, figures
+
+
+# ---------------------------------------------------------------------------------------------
+# The train step
+
+
+def measure_train_step(config: Config, steps: int, warmup: int) -> dict:
+    """Plan the step on one device, then time it: plan's figures next to the measured ones."""
+    devices = jax.devices()[:1]
+    planned = make_plan(config, sharding.make_mesh(config, devices=devices))  # resolves microbatches=auto
+    m, t = config.model, config.train
+    figures = {"batch_size": t.batch_size, "seq_len": t.seq_len, "layers": m.n_layers, "parameters": param_count(m),
+               "remat": config.remat.policy, "microbatches": planned.microbatches,
+               "attention": select_implementation(m.attention, jax.default_backend(), m.compute_dtype,
+                                                  m.resolved_head_dim, t.seq_len),
+               "planned_total_bytes": planned.total_bytes, "budget_bytes": planned.budget_bytes,
+               "hlo_flops": planned.hlo_flops, "model_flops": planned.model_flops,
+               "fits": planned.total_bytes <= planned.budget_bytes}
+    if not figures["fits"]:
+        return figures
+    # The same program plan compiled: the persistent compilation cache hands its executable back, so the step
+    # compiles once however many programs are built.
+    config = dataclasses.replace(config, train=dataclasses.replace(t, microbatches=planned.microbatches))
+    program = TrainProgram.for_config(config, devices=devices)
+    with program.activate():
+        state = program.init_state(jax.random.key(0))
+        batch = program.put(random_batch(config))
+        times, metrics = time_train_steps(program, state, batch, steps, warmup)
+    # The whole process's high-water mark, read before anything else allocates: the train step runs first.
+    peak_bytes = (devices[0].memory_stats() or {}).get("peak_bytes_in_use")
+    step_s = statistics.median(times)
+    peak, peak_source = device_peak_flops(m.compute_dtype, cache_root(config.data.cache_dir))
+    achieved = planned.model_flops / step_s
+    return {**figures, "steps": steps, "warmup": warmup, "step_s": times, "step_s_median": step_s,
+            "tokens_per_s": t.batch_size * t.seq_len / step_s, "achieved_flops_per_s": achieved,
+            "hlo_flops_per_s": planned.hlo_flops / step_s, "peak_flops_per_device": peak, "peak_source": peak_source,
+            "mfu": achieved / peak, "loss": float(metrics["loss"]), "finite": bool(metrics["finite"]),
+            "peak_bytes_in_use": peak_bytes}
+
+
+def train_rows(f: dict, preset: str, overrides: list[str]) -> list[Row]:
+    parameters = f"{f['parameters'] / 1e9:.2f}B" if f["parameters"] >= 1e9 else f"{f['parameters'] / 1e6:.1f}M"
+    shape = (f"{' '.join(overrides)}: {parameters} parameters, {f['batch_size']} x {f['seq_len']} tokens, "
+             f"{f['microbatches']} micro-batch(es), remat {f['remat']}, attention {f['attention']}")
+    rows = [Row("train step", "model", "info", preset, shape)]
+    if not f["fits"]:
+        return rows + [Row("train step", "fits one device", "FAIL", format_bytes(f["planned_total_bytes"]),
+                           f"plan's step is over this device's budget of {format_bytes(f['budget_bytes'])}; "
+                           "pass smaller sizes, e.g. model.n_layers=2")]
+    ratio_hlo = f["hlo_flops"] / f["model_flops"]
+    rows += [
+        Row("train step", "loss", "pass" if f["finite"] and math.isfinite(f["loss"]) else "FAIL", f"{f['loss']:.4f}",
+            f"finite after {f['warmup'] + f['steps']} steps on random tokens"),
+        Row("train step", "tokens/s", "info", f"{f['tokens_per_s']:,.0f}",
+            f"median of {f['steps']} steps after {f['warmup']} warm-up: {f['step_s_median']:.3f} s/step"),
+        Row("train step", "MFU", "info", f"{100 * f['mfu']:.1f}%",
+            f"model FLOP/s over {format_flops(f['peak_flops_per_device'])} ({f['peak_source']}); "
+            f"goal on an H100: >= {100 * MFU_GOAL:.0f}%"),
+        Row("train step", "achieved FLOP/s", "info", format_flops(f["achieved_flops_per_s"]),
+            f"model FLOPs {f['model_flops']:.4g}/step; HLO FLOPs {f['hlo_flops']:.4g}/step = "
+            f"{format_flops(f['hlo_flops_per_s'])}"),
+        Row("train step", "HLO / model FLOPs", "info", f"{ratio_hlo:.3f}", "plan's compiled matmuls over "
+            "6 x params + attention per token (above 1: recomputation)"),
+    ]
+    peak = f["peak_bytes_in_use"]
+    planned = f"plan {format_bytes(f['planned_total_bytes'])}, budget {format_bytes(f['budget_bytes'])}"
+    rows.append(Row("train step", "peak device memory", "info", format_bytes(peak),
+                    f"{planned}; measured / plan {peak / f['planned_total_bytes']:.3f}") if peak else
+                Row("train step", "peak device memory", "skipped: no stats", "",
+                    f"the {jax.default_backend()} backend reports no device memory in use; {planned}"))
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# The environment
+
+
+def recommended_settings() -> dict[str, str]:
+    """What launch/gpu_env.sh sets from a clean environment (executed rather than sourced, it prints KEY=VALUE
+    lines), so this check follows the script as it changes; {} where bash or the script is missing."""
+    try:
+        out = subprocess.run(["bash", str(GPU_ENV)], env={"PATH": os.environ.get("PATH", "")}, capture_output=True,
+                             text=True, check=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
+
+
+def gpu_env_applied(settings: dict[str, str]) -> tuple[bool, str]:
+    """Whether every flag launch/gpu_env.sh adds is in XLA_FLAGS and its other variables are set (to any value:
+    the script keeps a value already set), and what is missing."""
+    if not settings:
+        return False, f"could not run {GPU_ENV.relative_to(ROOT)}"
+    flags = set(os.environ.get("XLA_FLAGS", "").split())
+    missing = [f for f in settings.get("XLA_FLAGS", "").split() if f not in flags]
+    unset = [key for key in settings if key != "XLA_FLAGS" and key not in os.environ]
+    if not missing and not unset:
+        return True, ", ".join(f"{key}={os.environ[key]}" for key in settings if key != "XLA_FLAGS")
+    switched_off = "; LLAMA_JAX_GPU_FLAGS=off" if os.environ.get("LLAMA_JAX_GPU_FLAGS") == "off" else ""
+    return False, f"missing {len(missing)} of its flags{', unset: ' + ', '.join(unset) if unset else ''}" \
+                  f"{switched_off}; `make gpu-check` sources it"
+
+
+def cuda_versions() -> dict[str, str]:
+    """CUDA runtime, driver and cuDNN versions as jax loaded them; {} without a CUDA plugin."""
+    try:
+        from jax._src.lib import cuda_versions as versions  # private: jax exposes these nowhere else
+    except ImportError:
+        versions = None
+    found = {}
+    for name, decode in (("cuda_runtime_get_version", _cuda), ("cuda_driver_get_version", _cuda),
+                         ("cudnn_get_version", _cudnn)):
+        try:
+            found[name.removesuffix("_get_version")] = decode(int(getattr(versions, name)()))
+        except Exception:  # an older plugin without this function, or no driver: report the others
+            continue
+    return found
+
+
+def _cuda(version: int) -> str:  # 12080 -> 12.8
+    return f"{version // 1000}.{version % 1000 // 10}"
+
+
+def _cudnn(version: int) -> str:  # 91900 -> 9.19.0 (cuDNN 9 and later), 8907 -> 8.9.7
+    return f"{version // 10000}.{version % 10000 // 100}.{version % 100}" if version >= 90000 else \
+        f"{version // 1000}.{version % 1000 // 100}.{version % 100}"
+
+
+def environment_section() -> tuple[list[Row], dict]:
+    xla_flags = os.environ.get("XLA_FLAGS", "")
+    applied, applied_detail = gpu_env_applied(recommended_settings())
+    plugins = cuda_plugins()
+    device = jax.devices()[0]
+    capability = getattr(device, "compute_capability", None)
+    cuda = cuda_versions()
+    figures = {"xla_flags": xla_flags.split(), "gpu_env_applied": applied, "gpu_env_detail": applied_detail,
+               "jax": jax.__version__, "jaxlib": jaxlib.__version__, "plugins": plugins,
+               "python": platform.python_version(), "device_kind": device.device_kind,
+               "device_count": jax.device_count(), "platform_version": device.client.platform_version,
+               "compute_capability": capability, **cuda}
+    cuda_text = ", ".join(f"{name.replace('_', ' ')} {v}" for name, v in cuda.items())
+    rows = [
+        Row("environment", "XLA_FLAGS", "info", f"{len(xla_flags.split())} flags" if xla_flags else "(unset)",
+            xla_flags),
+        Row("environment", "launch/gpu_env.sh", "info", "applied" if applied else "not applied", applied_detail),
+        Row("environment", "versions", "info", f"jax {jax.__version__}, jaxlib {jaxlib.__version__}",
+            f"{', '.join(plugins) or 'no CUDA plugin'}; python {platform.python_version()}"),
+        Row("environment", "device", "info", device.device_kind,
+            f"{jax.device_count()} device(s), {device.client.platform_version}"
+            + (f", compute capability {capability}" if capability else "")),
+        Row("environment", "CUDA / cuDNN", "info", cuda_text or "n/a",
+            "as loaded by jax" if cuda else "jax loaded no CUDA plugin"),
+    ]
+    return rows, figures
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def cuda_plugins() -> list[str]:
+    """The installed jax CUDA plugins (jax-cuda13-plugin, jax-cuda12-pjrt, ...) with their versions."""
+    return sorted(f"{d.metadata['Name']} {d.version}" for d in importlib.metadata.distributions()
+                  if re.fullmatch(r"jax[-_]cuda\d+[-_](plugin|pjrt)", d.metadata["Name"] or "", re.IGNORECASE))
+
+
+def nvidia_gpu() -> bool:
+    """jax's default backend is CUDA (jax's own test for cuDNN's availability reads the same platform version)."""
+    return jax.default_backend() == "gpu" and "cuda" in jax.devices()[0].client.platform_version.lower()
+
+
+def no_gpu_reason() -> str | None:
+    """Why there is no NVIDIA GPU to check, or None. Without a CUDA plugin the answer comes before jax starts a
+    backend: starting one parses XLA_FLAGS, and an older jaxlib aborts on launch/gpu_env.sh's GPU flags even on a
+    machine without a GPU, where this must print one line and succeed."""
+    if not cuda_plugins():
+        return "jax has no CUDA plugin installed: pip install -e '.[gpu]'"
+    return None if nvidia_gpu() else f"jax backend: {jax.default_backend()}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cpu-smoke", action="store_true",
+                        help="run every check on the CPU with small shapes (a test of this script, not of a GPU)")
+    parser.add_argument("--json", type=Path, default=DEFAULT_JSON, help=f"write the figures here ({DEFAULT_JSON})")
+    parser.add_argument("--steps", type=int, help="timed train steps (default 20; 3 with --cpu-smoke)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed train steps first (compilation, autotuning)")
+    parser.add_argument("--preset", help=f"the train step's preset ({GPU_PRESET}; {SMOKE_PRESET} with --cpu-smoke)")
+    defaults = f"{' '.join(GPU_OVERRIDES)}; {' '.join(SMOKE_OVERRIDES)} with --cpu-smoke"
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help=f"after the defaults ({defaults})")
+    args = parser.parse_args(argv)
+    if args.cpu_smoke:
+        jax.config.update("jax_platforms", "cpu")  # before jax picks a backend
+    elif reason := no_gpu_reason():
+        print(NO_GPU.format(reason=reason))
+        return 0
+    preset = args.preset or (SMOKE_PRESET if args.cpu_smoke else GPU_PRESET)
+    overrides = [*(SMOKE_OVERRIDES if args.cpu_smoke else GPU_OVERRIDES), *args.overrides]
+    steps = args.steps or (3 if args.cpu_smoke else 20)
+    try:
+        config = load_config(preset, overrides)
+    except ConfigError as error:
+        print(f"gpu-check: error: {error}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    enable_compilation_cache(config)  # before the first compilation, so that every one can use it
+    described = f"{preset} {' '.join(overrides)}"
+    log = lambda message: print(f"gpu-check: {message}", file=sys.stderr, flush=True)  # noqa: E731
+
+    environment_rows, environment = environment_section()
+    # The train step first, so the device's peak memory in use is the step's and not the parity checks'.
+    log(f"planning and timing the train step of {described} ({args.warmup} + {steps} steps)")
+    try:
+        train = measure_train_step(config, steps, args.warmup)
+        step_rows = train_rows(train, preset, overrides)
+    except Exception as error:  # an out-of-memory or compiler error is a failed row; the attention rows still run
+        train = {"error": first_line(error)}
+        step_rows = [Row("train step", "model", "FAIL", preset, f"{' '.join(overrides)}: {first_line(error)}")]
+    log("attention parity against the fp32 reference")
+    # Past no_gpu_reason(), only --cpu-smoke runs without cuDNN.
+    attention_rows, parity = attention_section(SMOKE_SHAPE if args.cpu_smoke else GPU_SHAPE, not args.cpu_smoke)
+
+    rows = [*attention_rows, *step_rows, *environment_rows]
+    counts = {s: sum(r.status.startswith(s) for r in rows) for s in ("pass", "FAIL", "skipped")}
+    print(f"gpu-check{' --cpu-smoke' if args.cpu_smoke else ''} on {jax.devices()[0].device_kind}: "
+          f"{counts['pass']} passed, {counts['FAIL']} failed, {counts['skipped']} skipped")
+    print(format_table(rows))
+    report = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
+              "mode": "cpu-smoke" if args.cpu_smoke else "gpu", "passed": counts["pass"], "failed": counts["FAIL"],
+              "skipped": counts["skipped"], "rows": [dataclasses.asdict(r) for r in rows], "attention": parity,
+              "train_step": {"preset": preset, "overrides": overrides, **train}, "environment": environment}
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"figures: {args.json}")
+    return 1 if counts["FAIL"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

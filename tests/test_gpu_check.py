@@ -1,0 +1,153 @@
+"""bench/gpu_check.py (`make gpu-check`) on the CPU: the one-line answer without a GPU, the make target, and the
+whole table and its JSON with --cpu-smoke (the same code as on a GPU, small shapes, cuDNN rows skipped)."""
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "bench" / "gpu_check.py"
+sys.path.insert(0, str(SCRIPT.parent))
+import gpu_check  # noqa: E402
+
+NO_GPU_LINE = re.compile(r"gpu-check: no NVIDIA GPU here \((jax has no CUDA plugin installed: "
+                         r"pip install -e '\.\[gpu\]'|jax backend: \w+)\); nothing to check")
+TRAIN_CHECKS = ["model", "loss", "tokens/s", "MFU", "achieved FLOP/s", "HLO / model FLOPs", "peak device memory"]
+ENVIRONMENT_CHECKS = ["XLA_FLAGS", "launch/gpu_env.sh", "versions", "device", "CUDA / cuDNN"]
+
+
+def one_cpu_device_env() -> dict[str, str]:
+    """This environment on the CPU with one device: the check plans and times the step on one device."""
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
+    return {**os.environ, "XLA_FLAGS": " ".join(flags), "JAX_PLATFORMS": "cpu"}
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    """One --cpu-smoke run: (its stdout, the JSON it wrote)."""
+    out = tmp_path_factory.mktemp("gpu_check")
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--cpu-smoke", "--json", str(out / "figures.json"),
+                           f"data.cache_dir={out / 'cache'}", f"run.compilation_cache={out / 'jax_cache'}"],
+                          env=one_cpu_device_env(), cwd=out, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout, json.loads((out / "figures.json").read_text())
+
+
+def table_rows(stdout: str) -> list[dict[str, str]]:
+    """The table's rows as {column: cell}, cut at the header's column starts (the last column runs to the end)."""
+    lines = stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("area "))
+    header = lines[start]
+    names = header.split()
+    starts = [header.index(name) for name in names]
+    rows = []
+    for line in lines[start + 1:]:
+        if line.startswith("figures: "):
+            break
+        cells = [line[a:b].strip() for a, b in zip(starts, [*starts[1:], None])]
+        rows.append(dict(zip(names, cells)))
+    return rows
+
+
+def test_without_a_gpu_it_prints_one_line_and_succeeds(tmp_path):
+    proc = subprocess.run([sys.executable, str(SCRIPT)], env=one_cpu_device_env(), cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    (line,) = proc.stdout.splitlines()
+    assert NO_GPU_LINE.fullmatch(line)
+    assert not (tmp_path / "runs").exists()  # nothing measured, nothing written
+
+
+def test_readme_make_gpu_check_sources_the_gpu_settings_and_answers_in_one_line():
+    """The README's command as shown, under make with this interpreter's environment (never reinstalled)."""
+    readme = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"```bash\n(.*?)```", readme, flags=re.DOTALL)
+    (command,) = [line.strip() for block in blocks for line in block.splitlines() if line.startswith("make gpu-check")]
+    venv = Path(sys.prefix)
+    make = ["make", "-o", f"{venv}/.installed", f"VENV={venv}"]
+    proc = subprocess.run([*make, *command.split()[1:]], cwd=ROOT, env=one_cpu_device_env(), capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    # make echoes the recipe (the CUDA install only where nvidia-smi finds a GPU), then the check's one line.
+    install, run, answer = proc.stdout.splitlines()
+    assert install.startswith("if nvidia-smi -L") and "'.[gpu]'" in install
+    assert "source launch/gpu_env.sh" in run and "bench/gpu_check.py" in run
+    assert NO_GPU_LINE.fullmatch(answer)
+    dry_run = subprocess.run([*make, "-n", "gpu-check", "ARGS=--json out.json model.n_layers=2"], cwd=ROOT,
+                             capture_output=True, text=True, check=True).stdout
+    assert "bench/gpu_check.py --json out.json model.n_layers=2" in dry_run
+
+
+def test_cpu_smoke_prints_one_table_of_every_check(smoke):
+    stdout, _ = smoke
+    summary = stdout.splitlines()[0]
+    assert re.fullmatch(r"gpu-check --cpu-smoke on cpu: \d+ passed, 0 failed, \d+ skipped", summary)
+    rows = table_rows(stdout)
+    assert all(list(row) == ["area", "check", "status", "value", "detail"] for row in rows)
+    attention = {row["check"]: row for row in rows if row["area"] == "attention"}
+    assert list(attention) == [case.label for case in gpu_check.PARITY_CASES]
+    for case in gpu_check.PARITY_CASES:
+        row = attention[case.label]
+        if case.implementation == "cudnn":  # never a pass for a path that did not run
+            assert row["status"] == "skipped: needs cuDNN" and row["value"] == ""
+        else:
+            assert row["status"] == "pass"
+            assert re.fullmatch(r"out \d\.\d{4}, grad \d\.\d{4}", row["value"])
+    assert [row["check"] for row in rows if row["area"] == "train step"] == TRAIN_CHECKS
+    assert [row["check"] for row in rows if row["area"] == "environment"] == ENVIRONMENT_CHECKS
+    train = {row["check"]: row for row in rows if row["area"] == "train step"}
+    assert train["loss"]["status"] == "pass"
+    assert train["MFU"]["value"].endswith("%") and "measured" in train["MFU"]["detail"]  # no data sheet for a CPU
+    assert train["peak device memory"]["status"].startswith("skipped")  # the CPU reports no device memory
+    assert stdout.splitlines()[-1].startswith("figures: ")
+
+
+def test_cpu_smoke_json_holds_the_table_and_its_figures(smoke):
+    stdout, report = smoke
+    assert report["mode"] == "cpu-smoke" and report["failed"] == 0
+    assert [(r["area"], r["check"], r["status"]) for r in report["rows"]] == \
+        [(r["area"], r["check"], r["status"]) for r in table_rows(stdout)]
+    for entry in report["attention"]:
+        if entry["status"] == "pass":
+            assert 0 <= entry["output_error"] < entry["tolerance"] and 0 <= entry["gradient_error"] < entry["tolerance"]
+        else:
+            assert entry["implementation"] == "cudnn" and "output_error" not in entry
+    step = report["train_step"]
+    assert step["preset"] == "tiny" and step["fits"]
+    assert len(step["step_s"]) == step["steps"] == 3
+    for key in ("tokens_per_s", "achieved_flops_per_s", "hlo_flops_per_s", "peak_flops_per_device", "mfu",
+                "model_flops", "hlo_flops", "planned_total_bytes", "budget_bytes"):
+        assert step[key] > 0, key
+    assert step["achieved_flops_per_s"] == pytest.approx(step["model_flops"] / step["step_s_median"])
+    assert step["mfu"] == pytest.approx(step["achieved_flops_per_s"] / step["peak_flops_per_device"])
+    assert math.isfinite(step["loss"]) and step["finite"] and step["peak_bytes_in_use"] is None
+    environment = report["environment"]
+    assert environment["jax"] == jax.__version__ and environment["device_kind"] == "cpu"
+    assert isinstance(environment["xla_flags"], list) and isinstance(environment["gpu_env_applied"], bool)
+
+
+def test_gpu_env_counts_as_applied_only_with_all_its_settings(monkeypatch):
+    settings = gpu_check.recommended_settings()
+    assert settings["XLA_FLAGS"] and "XLA_PYTHON_CLIENT_MEM_FRACTION" in settings
+    for key, value in settings.items():
+        monkeypatch.setenv(key, value)
+    assert gpu_check.gpu_env_applied(settings)[0]
+    first, *rest = settings["XLA_FLAGS"].split()
+    monkeypatch.setenv("XLA_FLAGS", " ".join(rest))
+    applied, detail = gpu_check.gpu_env_applied(settings)
+    assert not applied and detail.startswith("missing 1 of its flags")
+
+
+def test_packed_segments_give_each_row_its_documents_and_the_last_row_padding():
+    shape = gpu_check.SMOKE_SHAPE
+    segments = gpu_check.packed_segments(6, shape)
+    assert segments.shape == (shape.batch, shape.seq)
+    assert sorted(set(segments[0])) == [1, 2, 3, 4, 5, 6]
+    assert (segments[-1, -shape.padding:] == 0).all() and sorted(set(segments[-1])) == [0, 1, 2, 3, 4, 5, 6]
