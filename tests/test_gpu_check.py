@@ -71,7 +71,7 @@ def test_readme_make_gpu_check_sources_the_gpu_settings_and_answers_in_one_line(
     blocks = re.findall(r"```bash\n(.*?)```", readme, flags=re.DOTALL)
     (command,) = [line.strip() for block in blocks for line in block.splitlines() if line.startswith("make gpu-check")]
     venv = Path(sys.prefix)
-    make = ["make", "-o", f"{venv}/.installed", f"VENV={venv}"]
+    make = ["make", "--no-print-directory", "-o", f"{venv}/.installed", f"VENV={venv}"]
     proc = subprocess.run([*make, *command.split()[1:]], cwd=ROOT, env=one_cpu_device_env(), capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
