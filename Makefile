@@ -35,7 +35,7 @@ test: $(VENV)/.installed
 
 # Under launch/gpu_env.sh's settings (a bash script), so the check measures what the launch scripts run.
 # Where nvidia-smi finds a GPU, the venv gets the CUDA build of jax first (the gpu extra: Python >= 3.12,
-# e.g. make gpu-check PYTHON=python3.12); elsewhere the check says there is no GPU, in one line.
+# e.g. make gpu-check PYTHON=python3.12 VENV=.venv-gpu); elsewhere the check says there is no GPU, in one line.
 gpu-check: $(VENV)/.installed
 	if nvidia-smi -L >/dev/null 2>&1; then $(BIN)/python -m pip install --quiet -e '.[gpu]'; fi
 	bash -c 'source launch/gpu_env.sh && exec $(BIN)/python bench/gpu_check.py $(ARGS)'

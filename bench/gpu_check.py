@@ -413,6 +413,9 @@ def main(argv: list[str] | None = None) -> int:
     defaults = f"{' '.join(GPU_OVERRIDES)}; {' '.join(SMOKE_OVERRIDES)} with --cpu-smoke"
     parser.add_argument("overrides", nargs="*", metavar="key=value", help=f"after the defaults ({defaults})")
     args = parser.parse_args(argv)
+    if (args.steps is not None and args.steps < 1) or args.warmup < 0:
+        print("gpu-check: error: --steps must be at least 1 and --warmup at least 0", file=sys.stderr)
+        return EXIT_BAD_INPUT
     if args.cpu_smoke:
         jax.config.update("jax_platforms", "cpu")  # before jax picks a backend
     elif reason := no_gpu_reason():
@@ -420,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     preset = args.preset or (SMOKE_PRESET if args.cpu_smoke else GPU_PRESET)
     overrides = [*(SMOKE_OVERRIDES if args.cpu_smoke else GPU_OVERRIDES), *args.overrides]
-    steps = args.steps or (3 if args.cpu_smoke else 20)
+    steps = args.steps if args.steps is not None else (3 if args.cpu_smoke else 20)
     try:
         config = load_config(preset, overrides)
     except ConfigError as error:

@@ -349,6 +349,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def check_xla_flags() -> None:
+    """launch/gpu_env.sh's collective pipelining flags exist from jaxlib 0.11.1 on; an older XLA aborts on them
+    with a fatal log when it starts, on any host. One line instead, before anything starts."""
+    import jaxlib
+
+    version = tuple(int(part) for part in jaxlib.__version__.split(".")[:3] if part.isdigit())
+    if "--xla_gpu_pipeline_" in os.environ.get("XLA_FLAGS", "") and version < (0, 11, 1):
+        raise InputError(f"XLA_FLAGS has launch/gpu_env.sh's --xla_gpu_pipeline_* flags, which jaxlib "
+                         f"{jaxlib.__version__} does not know (they need 0.11.1 or newer): install the gpu extra on "
+                         "Python >= 3.12, or set LLAMA_JAX_GPU_FLAGS=off for the launch script")
+
+
 def main(argv: list[str] | None = None) -> int:
     started_at = time.time()  # goodput counts the start-up (imports, compilation) as restart overhead
     parser = build_parser()
@@ -359,6 +371,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.parse_args(argv)  # argparse's own error for what it does not know
     ns.started_at = started_at
     try:
+        check_xla_flags()
         return ns.func(ns)
     except LlamaJaxError as err:
         _error(str(err))

@@ -15,7 +15,7 @@ or JAX_LOCAL_DEVICE_IDS, or Slurm's local task id). The coordinator must answer 
 `run.heartbeat_timeout_s` and the others stop instead of waiting forever in a collective.
 
 Once joined, `Peers` makes every decision the processes must share outside the jitted step (barriers,
-broadcasts, reductions, announcements a step ahead) through JAX's coordination service, each wait
+broadcasts, reductions, announcements two steps ahead) through JAX's coordination service, each wait
 bounded by fault.barrier_timeout_s and naming the processes that did not come; `HostWindow` posts this
 process's step timing for the per-host straggler scores.
 """

@@ -147,12 +147,12 @@ def execute(run: Run, print_fn: Callable[[str], None] = print, started_at: float
             first_step, batch, unread = step + 1, None, None
             while step < t.steps:
                 if batch is None:
-                    batch, waited = loop.next_batch(batches, data_step)
+                    batch = loop.next_batch(batches, data_step)
                 state, metrics = loop.dispatch(state, batch)  # returns before the step runs
                 step, data_step, batch = step + 1, data_step + 1, None
-                current = Dispatched(step, metrics, waited, step == first_step)
+                current = Dispatched(step, metrics, step == first_step)
                 if step < t.steps:  # the next batch is loaded and placed on the devices while this step runs
-                    batch, waited = loop.next_batch(batches, data_step)
+                    batch = loop.next_batch(batches, data_step)
                 # The previous step's metrics: reading them waits for that step only, the one just
                 # dispatched is already queued behind it, so the devices never wait for the host.
                 if unread is not None and loop.observe(unread) == "rollback":
@@ -170,8 +170,11 @@ def execute(run: Run, print_fn: Callable[[str], None] = print, started_at: float
                 # This step's state is evaluated or saved: its verdict first (the next step would donate it).
                 unread = None
                 if loop.observe(current) == "rollback":
-                    state, step = loop.roll_back(state, step, data_step)
-                    continue  # (without a checkpoint to go back to, the step stays: not saved or evaluated now)
+                    state, back_step = loop.roll_back(state, step, data_step)
+                    if back_step != step:
+                        step = back_step
+                        continue
+                    # Without a checkpoint to go back to the step stays, and is evaluated and saved as due.
                 with loop.goodput.pause(None):  # evaluation and saves are not step time
                     if loop.eval_due(step):
                         summary["final_eval_loss"] = loop.evaluate(state.params, step)
@@ -205,8 +208,6 @@ class Dispatched:
 
     step: int
     metrics: dict  # device arrays: reading them waits for the step
-    waited: float  # seconds the host waited for the step's batch (charged as data wait: an upper bound, the
-    #                devices may still have been busy with the step before)
     first: bool  # the first step of this process: its time is compilation's
 
 
@@ -226,6 +227,9 @@ class Loop:
     preemption: PreemptionGuard
     eval_batches: int
     dispatch_wait_s: float = 0.0  # seconds spent in dispatches since the last observe()
+    # Seconds waiting for the loader since the last observe(): charged to the step read next, whose time
+    # they fall in (an upper bound of the devices' wait: they may have been busy with the step before).
+    data_wait_s: float = 0.0
 
     @classmethod
     def open(cls, run: Run, print_fn: Callable[[str], None], started_at: float) -> Loop:
@@ -300,18 +304,17 @@ class Loop:
             return run.program.init_state(jax.random.key(run.config.seed)).replace(params=params), 0
         return None, 0
 
-    def next_batch(self, batches: Iterator[dict], data_step: int) -> tuple[dict, float]:
-        """The next batch, placed on the devices, and the seconds spent waiting for the loader, with fault.*
-        injections applied."""
+    def next_batch(self, batches: Iterator[dict], data_step: int) -> dict:
+        """The next batch, placed on the devices, with fault.* injections applied (data_wait_s: the wait)."""
         fault = self.run.config.fault
         if fault.inject_process == jax.process_index():
             time.sleep(fault.inject_step_delay_s)
         start = time.perf_counter()
         batch = next(batches)
-        waited = time.perf_counter() - start
+        self.data_wait_s += time.perf_counter() - start
         if data_step in fault.inject_nan_steps:
             batch["loss_mask"] = np.full_like(batch["loss_mask"], np.nan)
-        return self.run.program.put(batch), waited  # the transfer starts now, the step need not wait for it
+        return self.run.program.put(batch)  # the transfer starts now, the step need not wait for it
 
     def dispatch(self, state: TrainState, batch: dict) -> tuple[TrainState, dict]:
         """Hand a step to the devices. The call returns at once unless the devices are still busy with
@@ -335,10 +338,11 @@ class Loop:
         metrics = {k: float(v) for k, v in jax.device_get(done.metrics).items()}
         # Waiting for the devices, here and in dispatches since the last read; the rest was the host's own work.
         blocked, self.dispatch_wait_s = time.perf_counter() - reading + self.dispatch_wait_s, 0.0
-        seconds = self.goodput.time_step(step, done.waited, compiled)
+        waited, self.data_wait_s = self.data_wait_s, 0.0
+        seconds = self.goodput.time_step(step, waited, compiled)
         self.watchdog.step_done(step, None if compiled else seconds)  # compilation says nothing about step time
         if not compiled:
-            self.meter.add(seconds, done.waited)
+            self.meter.add(seconds, waited)
             if warning := self.stragglers.observe(step, seconds, process=jax.process_index()):
                 say(warning)
             self.hosts.add(seconds, max(0.0, seconds - blocked))

@@ -6,6 +6,7 @@ costs a few seconds of start-up; the in-process runs use the 8 simulated devices
 
 import dataclasses
 import json
+import math
 import os
 import shutil
 import signal
@@ -253,15 +254,21 @@ def test_injected_nan_is_skipped_and_never_saved(tmp_path, corpus):
     assert int(states[3].step) == 3
 
 
-def test_consecutive_bad_steps_roll_back_to_the_last_checkpoint(tmp_path, corpus):
-    cfg = config_for(tmp_path, corpus, train=dict(steps=8), checkpoint=dict(every_steps=3),
-                     fault=dict(inject_nan_steps=[3, 4, 5], max_bad_steps=3))
+@pytest.mark.parametrize("every_steps, bad, rolled_back", [
+    (3, [3, 4, 5], "rolled back from step 6 to 3"),  # the third bad step is saved: read before its save
+    (4, [4, 5, 6], "rolled back from step 8 to 4"),  # step 7 is read after step 8 is dispatched: 8 is dropped too
+])
+def test_consecutive_bad_steps_roll_back_to_the_last_checkpoint(tmp_path, corpus, every_steps, bad, rolled_back):
+    cfg = config_for(tmp_path, corpus, train=dict(steps=10), checkpoint=dict(every_steps=every_steps),
+                     fault=dict(inject_nan_steps=bad, max_bad_steps=3))
     messages = []
     summary = train_quietly(cfg, messages=messages)
-    assert any("rolled back from step 6 to 3" in m for m in messages), messages
+    assert any(rolled_back in m for m in messages), messages
     assert summary["skipped_steps"] == 3
-    assert latest_checkpoint_step(Path(cfg.run.dir)) == 8
+    assert latest_checkpoint_step(Path(cfg.run.dir)) == 10
     assert summary["goodput"]["lost"] > 0
+    losses = [r for r in read_metrics(Path(cfg.run.dir) / "metrics.jsonl") if "loss" in r]
+    assert losses[-1]["step"] == 10 and all(math.isfinite(r["loss"]) for r in losses[-3:])
 
 
 def test_auto_checkpoint_interval_follows_young_daly(tmp_path, corpus):

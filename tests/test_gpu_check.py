@@ -151,3 +151,9 @@ def test_packed_segments_give_each_row_its_documents_and_the_last_row_padding():
     assert segments.shape == (shape.batch, shape.seq)
     assert sorted(set(segments[0])) == [1, 2, 3, 4, 5, 6]
     assert (segments[-1, -shape.padding:] == 0).all() and sorted(set(segments[-1])) == [0, 1, 2, 3, 4, 5, 6]
+
+
+@pytest.mark.parametrize("args", [["--steps", "0"], ["--warmup", "-1"]])
+def test_bad_step_counts_are_one_line_and_exit_2(args, capsys):
+    assert gpu_check.main(["--cpu-smoke", *args]) == 2
+    assert capsys.readouterr().err.strip().count("\n") == 0

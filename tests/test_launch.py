@@ -223,9 +223,11 @@ def assert_known_and_current(flag_names: list[str], known: dict, source: str) ->
 
 
 def test_recommended_gpu_flags_are_those_of_the_gpu_jaxlib():
-    """XLA aborts on an unknown flag, and deprecated aliases go away: every flag gpu_env.sh sets is one that
-    the CUDA plugin registers under its current name, MaxText's H100 set among them. Checked against the
-    flag list read from jax-cuda13-pjrt 0.12.0's binary, and against the installed CUDA plugin if any."""
+    """XLA aborts on an unknown flag, and deprecated aliases go away: every flag gpu_env.sh sets is a name the
+    CUDA plugin's binary holds (its xla_* strings: the flags and a few other identifiers, so a superset) and
+    none is one of the aliases its help marks deprecated (the xla_gpu_enable_pipelined_* trio, which
+    gpu_env.sh used before), MaxText's H100 set among them. Checked against the list read from
+    jax-cuda13-pjrt 0.12.0's binary, and against the installed CUDA plugin if any."""
     flags = gpu_env_xla_flags()
     names = [f.removeprefix("--").split("=", 1)[0] for f in flags.split()]
     for maxtext in ("--xla_gpu_enable_triton_gemm=false", "--xla_gpu_enable_command_buffer=",
@@ -234,7 +236,7 @@ def test_recommended_gpu_flags_are_those_of_the_gpu_jaxlib():
         assert maxtext in flags.split()
     golden = json.loads((ROOT / "tests/golden/xla_gpu_flags.json").read_text())
     assert golden["deprecated"]["xla_gpu_enable_pipelined_all_gather"] == "xla_gpu_pipeline_all_gather"
-    assert "xla_gpu_graph_level" not in golden["flags"]  # removed from XLA: command buffers are the switch now
+    assert "xla_gpu_graph_level" not in golden["flags"]  # removed from XLA (the golden is not a blind list)
     assert_known_and_current(names, golden, golden["source"])
     checker = flag_checker()
     for plugin in ("xla_cuda13", "xla_cuda12"):  # the installed plugin, where there is one
@@ -255,6 +257,18 @@ def test_recommended_gpu_flags_parse_in_the_installed_jaxlib():
                          capture_output=True, text=True, env={**os.environ, "XLA_FLAGS": gpu_env_xla_flags(),
                                                               "JAX_PLATFORMS": "cpu"})
     assert run.returncode == 0 and run.stdout.strip() == "4.0", run.stderr
+
+
+def test_gpu_flags_on_an_older_jaxlib_are_one_line_and_exit_2(tmp_path):
+    """Before jaxlib 0.11.1 XLA aborts on gpu_env.sh's pipelining flags with a fatal log: the CLI says so in one
+    line first. On a newer jaxlib the same flags pass this check (the run then fails on its bad override)."""
+    env = {**os.environ, "XLA_FLAGS": "--xla_gpu_pipeline_all_gather=on", "JAX_PLATFORMS": "cpu"}
+    run = subprocess.run([sys.executable, "-m", "llama_jax", "train", "tiny", f"run.dir={tmp_path / 'run'}",
+                          "train.no_such_key=1"], capture_output=True, text=True, env=env)
+    assert run.returncode == 2 and len(run.stderr.strip().splitlines()) == 1, run.stderr
+    old = tuple(int(p) for p in jaxlib.__version__.split(".")[:3]) < (0, 11, 1)
+    assert ("LLAMA_JAX_GPU_FLAGS=off" in run.stderr) == old, run.stderr
+    assert not (tmp_path / "run").exists()
 
 
 def test_gpu_flags_can_be_left_out():
