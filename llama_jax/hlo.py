@@ -222,13 +222,14 @@ def _parse_module(text: str) -> tuple[dict[str, _Computation], str]:
     return comps, entry
 
 
+def _backend_config(instr: _Instr) -> dict:
+    config = json.loads(instr.attrs.get("backend_config", "{}"))
+    return json.loads(config) if isinstance(config, str) else config  # older XLA quotes the JSON
+
+
 def _trip_count(instr: _Instr) -> int | None:
-    raw = instr.attrs.get("backend_config", "")
     try:
-        config = json.loads(raw)
-        if isinstance(config, str):  # older XLA prints backend_config as a quoted JSON string
-            config = json.loads(config)
-        return int(config["known_trip_count"]["n"])
+        return int(_backend_config(instr)["known_trip_count"]["n"])
     except (ValueError, KeyError, TypeError):
         return None
 
@@ -433,11 +434,6 @@ def _result_bytes(instr: _Instr) -> int:
     if len(leaves) > 1 and target.startswith(("__cublas$", "__cudnn$")) and leaves[-1][:3] in ("s8[", "u8["):
         return sum(shape_bytes(leaf) for leaf in leaves[:-1])
     return shape_bytes(instr.shape)
-
-
-def _backend_config(instr: _Instr) -> dict:
-    config = json.loads(instr.attrs.get("backend_config", "{}"))
-    return json.loads(config) if isinstance(config, str) else config  # older XLA quotes the JSON
 
 
 def _dimensions(numbers: dict, name: str) -> list[int]:
