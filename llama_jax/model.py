@@ -186,6 +186,7 @@ class Linear(nn.Module):
 class Attention(nn.Module):
     cfg: ModelConfig
     decode: bool = False  # generation: keys/values of earlier tokens come from a cache
+    load_balanced: bool = True  # see Llama
 
     @nn.compact
     def __call__(self, x, cos, sin, segment_ids, positions):
@@ -208,8 +209,8 @@ class Attention(nn.Module):
         else:
             implementation = select_implementation(cfg.attention, jax.default_backend(), q.dtype, h, q.shape[1],
                                                    strict=False)
-            context = attention(q, k, v, segment_ids, positions, implementation,  # [batch, seq, heads, head_dim]
-                                cfg.attention_max_segments)
+            context = attention(q, k, v, segment_ids, implementation,  # [batch, seq, heads, head_dim]
+                                cfg.attention_max_segments, self.load_balanced)
         context = nn.with_logical_constraint(checkpoint_name(context, "attention_context"), HEADS)
 
         out = linear("btnh,nhd->btd", (n, h, d), ("heads", "head_dim", "embed"), out_std, name="o_proj")(context)
@@ -254,6 +255,7 @@ class Block(nn.Module):
 
     cfg: ModelConfig
     decode: bool = False
+    load_balanced: bool = True  # see Llama
 
     @nn.compact
     def __call__(self, x, cos, sin, segment_ids, positions):
@@ -261,7 +263,7 @@ class Block(nn.Module):
         norm = partial(RMSNorm, eps=cfg.norm_eps, **dtypes(cfg))
         h = checkpoint_name(norm(name="attn_norm")(x), "attn_norm")
         h = nn.with_logical_constraint(h, HIDDEN)
-        x = x + Attention(cfg, self.decode, name="attn")(h, cos, sin, segment_ids, positions)
+        x = x + Attention(cfg, self.decode, self.load_balanced, name="attn")(h, cos, sin, segment_ids, positions)
         x = nn.with_logical_constraint(x, RESIDUAL)
         h = checkpoint_name(norm(name="mlp_norm")(x), "mlp_norm")
         h = nn.with_logical_constraint(h, HIDDEN)
@@ -274,6 +276,10 @@ class Llama(nn.Module):
     cfg: ModelConfig
     remat_config: RematConfig = RematConfig()
     decode: bool = False  # generation with a key/value cache (the "cache" collection), see generate.py
+    # How a sequence split over the mesh's `sequence` axis is laid out (mesh.load_balance): early and
+    # late chunks paired per device (sharding.balance_sequence) or in order. Causal attention needs to
+    # know which keys come before which queries; positions restart per document and cannot tell.
+    load_balanced: bool = True
 
     @nn.compact
     def __call__(self, tokens, positions=None, segment_ids=None, targets=None, loss_mask=None):
@@ -303,10 +309,11 @@ class Llama(nn.Module):
         # every layer weight gets a leading `layers` axis.
         layers = nn.scan(block, variable_axes={"params": 0, "cache": 0}, split_rngs={"params": True},
                          in_axes=(nn.broadcast,) * 4, length=cfg.n_layers,
-                         metadata_params={nn.PARTITION_NAME: "layers"})(cfg, self.decode, name="layers")
+                         metadata_params={nn.PARTITION_NAME: "layers"})(cfg, self.decode, self.load_balanced,
+                                                                        name="layers")
         if policy is not None and every_n > 1 and not self.is_initializing():
             x = every_nth_layer_remat(cfg, policy, every_n, self.variables["params"]["layers"],
-                                      x, cos, sin, segment_ids, positions)
+                                      x, cos, sin, segment_ids, positions, load_balanced=self.load_balanced)
         else:
             x, _ = layers(x, cos, sin, segment_ids, positions)
 
@@ -325,7 +332,7 @@ class Llama(nn.Module):
         return nn.with_logical_constraint(logits, LOGITS)
 
 
-def every_nth_layer_remat(cfg: ModelConfig, policy, every_n: int, layer_params, x, *broadcast):
+def every_nth_layer_remat(cfg: ModelConfig, policy, every_n: int, layer_params, x, *broadcast, load_balanced=True):
     """Run the layer stack with only layers 0, n, 2n, ... recomputing in the backward pass.
 
     The weights keep the [layers, ...] layout that nn.scan created; they are viewed as
@@ -333,7 +340,7 @@ def every_nth_layer_remat(cfg: ModelConfig, policy, every_n: int, layer_params, 
     keep all their activations.
     """
     def layer(params, x):
-        return Block(cfg).apply({"params": params}, x, *broadcast)[0]
+        return Block(cfg, load_balanced=load_balanced).apply({"params": params}, x, *broadcast)[0]
 
     recomputed_layer = jax.checkpoint(layer, policy=policy, prevent_cse=False)
     groups = jax.tree.map(lambda w: w.reshape(cfg.n_layers // every_n, every_n, *w.shape[1:]), layer_params)
