@@ -2,14 +2,19 @@
 (Hugging Face transformers + PyTorch, bench/peer.py), measured in this one invocation.
 
     .venv/bin/python bench/step.py [--preset bench] [--steps 5] [--peer] [--peer-python PY] [--ablation]
-                                   [--json out.json] [key=value ...]
+                                   [--versus "key=value ..."]... [--json out.json] [key=value ...]
 
 Ours: the jitted train step (AdamW, clipping, the preset's remat policy and attention kernel) on random
 tokens, 2 warm-up steps, then the median of --steps. MFU = model FLOPs (llama_jax.model.train_flops_per_token,
 attention halved when the kernel skips the masked half) / (peak x devices); the peak is the data-sheet
 figure of a known accelerator, or on CPU the best fp32 matmul measured here, now. Peak memory is the
 compiled step's footprint (XLA's memory analysis) and, on accelerators, the device's peak in use.
---peer runs bench/peer.py (with --peer-python, default this interpreter) and prints the ratio.
+--peer runs bench/peer.py (with --peer-python, default this interpreter) and prints the ratio. Each
+--versus measures the same preset and overrides with those key=value settings on top, in this run, e.g. a
+4-stage pipeline against fsdp on the same devices and global batch:
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=4 .venv/bin/python bench/step.py mesh.pipeline=4 \
+        mesh.fsdp=1 train.microbatches=8 --versus "mesh.pipeline=1 mesh.fsdp=4"
 """
 
 from __future__ import annotations
@@ -104,6 +109,8 @@ def main() -> None:
     parser.add_argument("--peer", action="store_true", help="also time the Hugging Face + PyTorch peer")
     parser.add_argument("--peer-python", default=sys.executable, help="interpreter with torch + transformers")
     parser.add_argument("--ablation", action="store_true", help="also time the CPU fast path one change at a time")
+    parser.add_argument("--versus", action="append", default=[], metavar="'key=value ...'",
+                        help="also measure with these settings on top of the overrides (repeatable)")
     parser.add_argument("--json", help="also write the figures here")
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     args = parser.parse_args()
@@ -114,6 +121,10 @@ def main() -> None:
         peak = (ours["peak_flops_per_device"], ours["peak_source"])
         results["ablation"] = [{"change": name, **measure_ours(args.preset, [*overrides, *args.overrides], args.steps,
                                                                peak)} for name, overrides in ABLATION]
+    if args.versus:
+        peak = (ours["peak_flops_per_device"], ours["peak_source"])
+        results["versus"] = [measure_ours(args.preset, [*args.overrides, *settings.split()], args.steps, peak)
+                             for settings in args.versus]
     if args.peer:
         results["peer"] = run_peer(args.peer_python, args.preset, args.steps)
 
@@ -126,6 +137,10 @@ def main() -> None:
     print(f"        compiled step {ours['compiled_bytes'] / gib:.2f} GiB, process peak RSS "
           f"{ours['process_max_rss_bytes'] / gib:.2f} GiB" +
           (f", device peak {ours['device_peak_bytes'] / gib:.2f} GiB" if ours["device_peak_bytes"] else ""))
+    for row, settings in zip(results.get("versus", []), args.versus):
+        print(f"  with {settings}: {row['tokens_per_s']:9.1f} tokens/s  {row['step_s']:.3f} s/step  MFU "
+              f"{100 * row['mfu']:.1f}%, compiled step {row['compiled_bytes'] / gib:.2f} GiB, mesh {row['mesh']} -> "
+              f"ours / this = {ours['tokens_per_s'] / row['tokens_per_s']:.2f}x")
     previous = None
     for row in results.get("ablation", []):
         gain = f"  {row['tokens_per_s'] / previous - 1:+.0%}" if previous else ""

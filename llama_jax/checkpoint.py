@@ -39,6 +39,7 @@ from llama_jax.config import CheckpointConfig
 from llama_jax.distributed import Peers
 from llama_jax.errors import ConfigError
 from llama_jax.goodput import observed_mtbf_s
+from llama_jax.pipeline import relayout
 from llama_jax.vocabulary import ARCHITECTURE_FIELDS, FUNCTION_FIELDS
 
 DEFAULT_MTBF_S = 3 * 3600.0  # Llama 3 405B: one interruption every ~3 h on 16k GPUs (a big-run figure)
@@ -65,6 +66,13 @@ def read_meta(step_dir: Path) -> dict | None:
         return json.loads((step_dir / "meta" / "metadata").read_text())
     except (OSError, ValueError):
         return None
+
+
+def pipeline_layout(meta: dict | None) -> tuple[int, int]:
+    """(stages, repeats) of the pipeline a step was saved with: the order of its layers (pipeline.py)."""
+    meta = meta or {}
+    return (int(meta.get("mesh", {}).get("pipeline", 1)),
+            int(meta.get("config", {}).get("mesh", {}).get("pipeline_repeats", 1)))
 
 
 def model_differences(saved: dict, model: dict) -> list[str]:
@@ -140,8 +148,9 @@ class Checkpointer:
 
     def __init__(self, run_dir: Path, config: CheckpointConfig, meta: dict | None = None,
                  directory: Path | None = None, log: Callable[[str], None] = print, peers: Peers | None = None,
-                 save_delay_s: float = 0.0):
+                 save_delay_s: float = 0.0, layout: tuple[int, int] = (1, 1)):
         self.config, self.meta, self.log = config, meta or {}, log
+        self.layout = layout  # (pipeline stages, repeats) of this run: restored layers are put in its order
         self.peers = peers or Peers(timeout_s=600.0)
         self.save_delay_s = save_delay_s  # fault injection: this process's saves take longer
         self.directory = Path(directory or Path(run_dir) / "checkpoints").absolute()
@@ -220,7 +229,7 @@ class Checkpointer:
         Read by Orbax's handler, not its manager: the manager ends a restore in a device barrier without a
         timeout, which a process whose read failed never reaches, so the others would wait there forever.
         The processes agree on the outcome afterwards instead (restore_newest)."""
-        return _read_step(self.directory / str(step), abstract_state)
+        return _read_step(self.directory / str(step), abstract_state, self.layout)
 
     def steps(self) -> list[int]:
         """The finished steps, newest first, as process 0 sees them (one list for all processes)."""
@@ -276,25 +285,27 @@ class Checkpointer:
         self.manager.close()
 
 
-def _read_step(step_dir: Path, abstract_state: Any) -> tuple[Any, dict]:
+def _read_step(step_dir: Path, abstract_state: Any, layout: tuple[int, int]) -> tuple[Any, dict]:
     handler = ocp.CompositeCheckpointHandler()
     try:
         restored = handler.restore(step_dir, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
     finally:
         handler.close()
-    return restored["state"], dict(restored["data"])
+    return relayout(restored["state"], pipeline_layout(read_meta(step_dir)), layout), dict(restored["data"])
 
 
-def restore_step(step_dir: Path, abstract_state: Any) -> tuple[Any, dict]:
+def restore_step(step_dir: Path, abstract_state: Any, layout: tuple[int, int] = (1, 1)) -> tuple[Any, dict]:
     """(train state, loader state) of a step directory of another run (resume_from / init_from),
-    read without opening a manager on that run, so nothing there can be touched."""
-    return _read_step(Path(step_dir).absolute(), abstract_state)
+    read without opening a manager on that run, so nothing there can be touched. `layout`: the pipeline
+    (stages, repeats) whose layer order the state is wanted in."""
+    return _read_step(Path(step_dir).absolute(), abstract_state, layout)
 
 
-def restore_params(step_dir: Path, abstract_params: Any) -> Any:
+def restore_params(step_dir: Path, abstract_params: Any, layout: tuple[int, int] = (1, 1)) -> Any:
     """The parameters of a step directory: a converted checkpoint's `params` item, or the `params`
-    of a training checkpoint's state (only they are read, not the optimizer moments)."""
+    of a training checkpoint's state (only they are read, not the optimizer moments), with the layers
+    in the order of pipeline `layout` (default: the natural order)."""
     has_params_item = (Path(step_dir) / "params").is_dir()
     item = "params" if has_params_item else "state"
     target = abstract_params if has_params_item else {"params": abstract_params}
@@ -306,7 +317,8 @@ def restore_params(step_dir: Path, abstract_params: Any) -> Any:
             item=target, restore_args=restore_args, partial_restore=not has_params_item)}))
     finally:
         checkpointer.close()
-    return restored[item] if has_params_item else restored[item]["params"]
+    params = restored[item] if has_params_item else restored[item]["params"]
+    return relayout({"params": params}, pipeline_layout(read_meta(step_dir)), layout)["params"]
 
 
 def save_params(directory: Path, params: Any, meta: dict) -> Path:

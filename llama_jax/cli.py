@@ -105,6 +105,7 @@ def cmd_tune(ns: argparse.Namespace) -> int:
     options = tune.Options(
         memory_gb=ns.memory_gb, budget_min=ns.budget_min, top_k=ns.top_k, measure=ns.measure, steps=ns.steps,
         meshes=ns.meshes, policies=policies, microbatches=ns.microbatches, every_n_layers=ns.every_n_layers,
+        pipeline_repeats=ns.pipeline_repeats,
         efficiency=ns.efficiency, bandwidth_gbs=ns.bandwidth_gbs, overlap=ns.overlap, nic_gbs=ns.nic_gbs,
         devices_per_host=ns.devices_per_host, progress=not ns.json)
     if ns.dry_run:
@@ -255,7 +256,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="the best N meshes of stage 1 get every micro-batch count and policy (default 3)")
     tune.add_argument("--policies", default="none,save_dot_except_mlp,selective,full",
                       help="remat policies to try, comma-separated (default none,save_dot_except_mlp,selective,full)")
-    tune.add_argument("--microbatches", type=_int_list, default=(1, 2, 4), help="micro-batch counts (default 1,2,4)")
+    tune.add_argument("--microbatches", type=_int_list, default=(1, 2, 4),
+                      help="micro-batch counts (default 1,2,4; with P pipeline stages, these times P)")
+    tune.add_argument("--pipeline-repeats", type=_int_list, default=(1, 2),
+                      help="mesh.pipeline_repeats tried with a pipeline (default 1,2)")
     tune.add_argument("--every-n-layers", type=_int_list, default=(1, 2),
                       help="remat.every_n_layers values for recomputing policies (default 1,2)")
     tune.add_argument("--efficiency", type=float, default=0.0, help="cost model: fraction of peak FLOP/s reached "

@@ -107,6 +107,11 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class MeshConfig:
+    # Pipeline stages (pipeline.py), the outermost axis: it crosses hosts. train.microbatches are the
+    # pipeline's micro-batches (a multiple of the stages); pipeline_repeats > 1 gives each stage that many
+    # non-adjacent groups of layers (the circular schedule: a smaller bubble, more point-to-point traffic).
+    pipeline: int = 1
+    pipeline_repeats: int = 1
     # Device counts per mesh axis; -1 fills the devices left over (at most one -1).
     data: int = 1
     fsdp: int = -1
@@ -435,6 +440,9 @@ def validate(config: Config) -> None:
                  "mesh.tensor": config.mesh.tensor, "mesh.sequence": config.mesh.sequence}
     for key, value in mesh_axes.items():
         _require(value == -1 or value > 0, f"{key} must be a positive device count or -1, got {value}")
+    _require(config.mesh.pipeline > 0 and config.mesh.pipeline_repeats > 0,
+             f"mesh.pipeline and mesh.pipeline_repeats must be positive counts, got {config.mesh.pipeline} and "
+             f"{config.mesh.pipeline_repeats}")
     _require(
         sum(v == -1 for v in mesh_axes.values()) <= 1,
         "at most one mesh axis may be -1 (fill the remaining devices)",

@@ -407,6 +407,19 @@ def analyze(hlo_text: str, num_devices: int) -> HloStats:
                     operations=tuple(operations), collective_groups=dict(by_groups))
 
 
+def pipeline_loop_trips(hlo_text: str) -> list[int]:
+    """Trip counts of the while loops whose body hands data on with a collective permute: the iterations
+    of a pipeline schedule (pipeline.py; its forward and backward loops), as compiled."""
+    comps, _ = _parse_module(hlo_text)
+    trips = []
+    for comp in comps.values():
+        for instr in comp.instrs:
+            body = comps.get(instr.attrs.get("body", "").lstrip("%")) if instr.opcode == "while" else None
+            if body and any(i.opcode.removesuffix("-start") == "collective-permute" for i in body.instrs):
+                trips.append(_trip_count(instr) or 1)
+    return trips
+
+
 def _body_flops(comps: dict[str, _Computation], name: str) -> float:
     """FLOPs inside a fusion body (dots, library calls), nested fusions included."""
     comp = comps[name]

@@ -29,6 +29,7 @@ from llama_jax import remat
 from llama_jax.attention import attention, cached_attention, select_implementation
 from llama_jax.config import ModelConfig, RematConfig
 from llama_jax.loss import LOGITS, fused_cross_entropy_sum
+from llama_jax.pipeline import PipelineLayout, run_stages
 from llama_jax.projection import project
 
 # Logical names of activation axes. Parameters use `embed`, `heads`, ...; activations get their own
@@ -280,6 +281,8 @@ class Llama(nn.Module):
     # late chunks paired per device (sharding.balance_sequence) or in order. Causal attention needs to
     # know which keys come before which queries; positions restart per document and cannot tell.
     load_balanced: bool = True
+    # Training under pipeline parallelism (mesh.pipeline > 1): the layers run as stages over micro-batches.
+    pipeline: PipelineLayout | None = None
 
     @nn.compact
     def __call__(self, tokens, positions=None, segment_ids=None, targets=None, loss_mask=None):
@@ -295,9 +298,6 @@ class Llama(nn.Module):
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
         embed = nn.Embed(cfg.vocab_size, cfg.d_model, embedding_init=init_normal(cfg.init_std, ("vocab", "embed")),
                          **dtypes(cfg), name="embed")
-        x = nn.with_logical_constraint(embed(tokens), RESIDUAL)
-        cos, sin = rope_angles(positions, cfg)
-
         policy = remat.checkpoint_policy(self.remat_config)
         every_n = self.remat_config.every_n_layers
         block = Block
@@ -311,11 +311,22 @@ class Llama(nn.Module):
                          in_axes=(nn.broadcast,) * 4, length=cfg.n_layers,
                          metadata_params={nn.PARTITION_NAME: "layers"})(cfg, self.decode, self.load_balanced,
                                                                         name="layers")
-        if policy is not None and every_n > 1 and not self.is_initializing():
-            x = every_nth_layer_remat(cfg, policy, every_n, self.variables["params"]["layers"],
-                                      x, cos, sin, segment_ids, positions, load_balanced=self.load_balanced)
+        x = nn.with_logical_constraint(embed(tokens), RESIDUAL)
+        layer_params = None if self.is_initializing() else self.variables["params"]["layers"]
+        if self.pipeline is not None and layer_params is not None:
+            # pipeline.py: every stage runs its groups of layers, recomputing as the policy says.
+            def stage(params, x, segment_ids, positions):
+                return run_layers(cfg, policy, every_n, params, x, *rope_angles(positions, cfg), segment_ids,
+                                  positions, load_balanced=self.load_balanced)
+
+            if segment_ids is None:
+                segment_ids = jnp.ones(tokens.shape, jnp.int32)
+            x = run_stages(self.pipeline, stage, layer_params, x, segment_ids, positions, RESIDUAL)
+        elif policy is not None and every_n > 1 and layer_params is not None:
+            x = run_layers(cfg, policy, every_n, layer_params, x, *rope_angles(positions, cfg), segment_ids, positions,
+                           load_balanced=self.load_balanced)
         else:
-            x, _ = layers(x, cos, sin, segment_ids, positions)
+            x, _ = layers(x, *rope_angles(positions, cfg), segment_ids, positions)
 
         x = RMSNorm(cfg.norm_eps, **dtypes(cfg), name="final_norm")(x)
         if cfg.tie_embeddings:
@@ -332,18 +343,23 @@ class Llama(nn.Module):
         return nn.with_logical_constraint(logits, LOGITS)
 
 
-def every_nth_layer_remat(cfg: ModelConfig, policy, every_n: int, layer_params, x, *broadcast, load_balanced=True):
-    """Run the layer stack with only layers 0, n, 2n, ... recomputing in the backward pass.
+def run_layers(cfg: ModelConfig, policy, every_n: int, layer_params, x, *broadcast, load_balanced: bool = True):
+    """Run a stack of layers (weights [n, ...], the [layers, ...] layout nn.scan creates) in order.
 
-    The weights keep the [layers, ...] layout that nn.scan created; they are viewed as
-    [layers / n, n, ...] groups whose first layer runs under the remat policy and whose others
-    keep all their activations.
+    Under a remat policy each layer recomputes in the backward pass, or with every_n > 1 only layers
+    0, n, 2n, ...: the weights are viewed as [n / every_n, every_n, ...] groups whose first layer runs
+    under the policy and whose others keep all their activations.
     """
     def layer(params, x):
         return Block(cfg, load_balanced=load_balanced).apply({"params": params}, x, *broadcast)[0]
 
+    if policy is None:
+        return jax.lax.scan(lambda x, p: (layer(p, x), None), x, layer_params)[0]
     recomputed_layer = jax.checkpoint(layer, policy=policy, prevent_cse=False)
-    groups = jax.tree.map(lambda w: w.reshape(cfg.n_layers // every_n, every_n, *w.shape[1:]), layer_params)
+    if every_n == 1:
+        return jax.lax.scan(lambda x, p: (recomputed_layer(p, x), None), x, layer_params)[0]
+    n_layers = jax.tree.leaves(layer_params)[0].shape[0]
+    groups = jax.tree.map(lambda w: w.reshape(n_layers // every_n, every_n, *w.shape[1:]), layer_params)
 
     def group(x, params):
         x = recomputed_layer(jax.tree.map(lambda w: w[0], params), x)

@@ -5,7 +5,9 @@ shardings), so a 405B model can be planned on a laptop with simulated devices. R
 memory (arguments, temporaries, total), HLO FLOPs with every scanned layer counted, model FLOPs,
 bytes moved by each collective kind next to the analytic minimum for the mesh, and the same bytes by
 the mesh axes each collective spans and the link tier it crosses (within a host, or between hosts:
-costmodel.py; `--devices-per-host` plans a cluster's hosts on simulated devices).
+costmodel.py; `--devices-per-host` plans a cluster's hosts on simulated devices). With pipeline
+parallelism a device is one stage, and the plan adds the bubble: the schedule's (P-1)/(M·R+P-1) next to
+what the compiled loop does, and the point-to-point (collective permute) bytes.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from llama_jax.vocabulary import REMAT_POLICIES
 from llama_jax.files import format_bytes
 from llama_jax.model import param_count
 from llama_jax.hardware import memory_budget
+from llama_jax.pipeline import bubble_fraction
 from llama_jax.step import TrainProgram, model_flops_per_token, step_memory_bytes
 
 
@@ -51,6 +54,11 @@ class Plan:
     hosts: int = 1  # hosts the devices sit on (the processes, or devices / --devices-per-host)
     # collective_bytes by the mesh axes each collective spans and the tier it crosses (costmodel.py)
     collective_by_axis: tuple[AxisTraffic, ...] = ()
+    pipeline_repeats: int = 1  # mesh.pipeline_repeats (the stages are mesh["pipeline"])
+    bubble: float = 0.0  # the schedule's idle share of the step: (P-1)/(M·R+P-1)
+    # The same from the compiled program: 1 - M·R / the iterations of its pipeline loop (None: no pipeline)
+    compiled_bubble: float | None = None
+    pipeline_iterations: int | None = None  # of the compiled pipeline loop
 
     @property
     def collective_total(self) -> float:
@@ -79,19 +87,24 @@ def collective_minimum(config: Config, sizes: dict[str, int]) -> dict[str, float
              reduce-scattered (backward): 2 (s-1)/s x the full-sequence K and V bytes.
     """
     m, t = config.model, config.train
-    f, d, tp, s = sizes["fsdp"], sizes["data"], sizes["tensor"], sizes["sequence"]
-    param_bytes = param_count(m) * jnp.dtype(m.param_dtype).itemsize
+    f, d, tp, s, p = sizes["fsdp"], sizes["data"], sizes["tensor"], sizes["sequence"], sizes.get("pipeline", 1)
+    # A stage holds 1/p of the layers and the embedding and output projection whole.
+    embedding_params = m.vocab_size * m.d_model * (1 if m.tie_embeddings else 2)
+    param_bytes = ((param_count(m) - embedding_params) / p + embedding_params) * jnp.dtype(m.param_dtype).itemsize
     compute_bytes = jnp.dtype(m.compute_dtype).itemsize
     local_batch = t.batch_size / (d * f)
     activation = local_batch * t.seq_len / s * m.d_model * compute_bytes
+    repeats = config.mesh.pipeline_repeats if p > 1 else 1
     kv_shards = tp if m.n_kv_heads % tp == 0 else 1  # fewer kv heads than tensor shards: replicated
     kv_full = local_batch * t.seq_len * 2 * m.n_kv_heads / kv_shards * m.resolved_head_dim * compute_bytes
     replicas = d * s  # devices that share weights but see different tokens
     return {
         "fsdp": 3 * (f - 1) / f * param_bytes / tp,
         "data": 2 * (replicas - 1) / replicas * param_bytes / (tp * f),
-        "tensor": (4 * m.n_layers + 2) * 2 * (tp - 1) / tp * activation,
-        "sequence": 2 * (s - 1) / s * kv_full * m.n_layers,
+        "tensor": (4 * m.n_layers / p + 2) * 2 * (tp - 1) / tp * activation,
+        "sequence": 2 * (s - 1) / s * kv_full * m.n_layers / p,
+        # every micro-batch's activations handed on once per repeat, forward and backward
+        "pipeline": 2 * repeats * activation / tp if p > 1 else 0.0,
     }
 
 
@@ -104,8 +117,12 @@ def make_plan(config: Config, mesh: Mesh, devices_per_host: int = 0) -> Plan:
     compile_seconds = time.perf_counter() - start
     memory = compiled.memory_analysis()
     devices = mesh.devices.size
-    stats = hlo.analyze(compiled.as_text(), devices)
+    text = compiled.as_text()
+    stats = hlo.analyze(text, devices)
     outputs = memory.output_size_in_bytes - memory.alias_size_in_bytes
+    stages, repeats = mesh.shape.get("pipeline", 1), config.mesh.pipeline_repeats
+    microbatches = program.config.train.microbatches
+    iterations = max(hlo.pipeline_loop_trips(text), default=None) if stages > 1 else None
     return Plan(
         mesh=dict(mesh.shape), devices=devices,
         argument_bytes=memory.argument_size_in_bytes, temporary_bytes=memory.temp_size_in_bytes,
@@ -119,6 +136,9 @@ def make_plan(config: Config, mesh: Mesh, devices_per_host: int = 0) -> Plan:
         budget_bytes=memory_budget(config.run.device_memory_gb),
         memory_traffic_bytes=stats.memory_bytes, operations=stats.operations, hosts=topology.host_count,
         collective_by_axis=costmodel.traffic_by_axis(stats.collective_groups, topology),
+        pipeline_repeats=repeats, bubble=bubble_fraction(stages, microbatches, repeats) if stages > 1 else 0.0,
+        compiled_bubble=1 - microbatches * repeats / iterations if iterations else None,
+        pipeline_iterations=iterations,
     )
 
 
@@ -151,10 +171,11 @@ def format_remat_comparison(plans: dict[str, Plan]) -> str:
 
 def format_plan(plan: Plan) -> str:
     ratio = plan.collective_total / plan.minimum_total if plan.minimum_total else math.nan
+    stages = plan.mesh.get("pipeline", 1)
     lines = [
         f"mesh {plan.mesh} on {plan.devices} device(s) in {plan.hosts} host(s), compiled in "
         f"{plan.compile_seconds:.1f}s",
-        "per device memory:",
+        "per device memory:" if stages == 1 else "per device memory (one pipeline stage):",
         f"  arguments    {format_bytes(plan.argument_bytes):>12}   (train state + batch)",
         f"  temporaries  {format_bytes(plan.temporary_bytes):>12}   (activations, gradients, scratch)",
         f"  outputs      {format_bytes(plan.output_bytes):>12}   (not aliased to donated arguments)",
@@ -170,7 +191,9 @@ def format_plan(plan: Plan) -> str:
         f"memory traffic {format_bytes(plan.memory_traffic_bytes):>11}   (per device: bytes operations read and write)",
         "collectives per device per step (ring cost model):",
     ]
-    lines += [f"  {kind:<19}{format_bytes(b):>12}" for kind, b in plan.collective_bytes.items()]
+    lines += [f"  {kind:<19}{format_bytes(b):>12}" + ("   (point to point: the pipeline)" if kind == "collective-permute"
+                                                       and stages > 1 else "")
+              for kind, b in plan.collective_bytes.items()]
     lines.append(f"  {'total':<19}{format_bytes(plan.collective_total):>12}")
     minimum = ", ".join(f"{k} {format_bytes(v)}" for k, v in plan.collective_minimum.items() if v)
     lines.append(f"  analytic minimum {format_bytes(plan.minimum_total):>12}   ({minimum or 'no communication'})")
@@ -182,6 +205,13 @@ def format_plan(plan: Plan) -> str:
                   for t in plan.collective_by_axis]
         tiers = ", ".join(f"{tier} {format_bytes(b)}" for tier, b in plan.collective_tiers.items())
         lines.append(f"  {'total':<58}{format_bytes(plan.collective_total):>12}   ({tiers})")
+    if stages > 1:
+        lines.append(f"pipeline: {stages} stages x {plan.pipeline_repeats} repeat(s) over {plan.microbatches} "
+                     f"micro-batches: bubble {plan.bubble:.1%} of the step ((P-1)/(M·R+P-1))")
+        if plan.compiled_bubble is not None:
+            lines.append(f"  compiled: the stage loop runs {plan.pipeline_iterations} iterations for "
+                         f"{plan.microbatches * plan.pipeline_repeats} micro-batch passes per stage: bubble "
+                         f"{plan.compiled_bubble:.1%}")
     return "\n".join(line for line in lines if line)
 
 

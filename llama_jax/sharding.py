@@ -5,6 +5,7 @@ is the only place that says which mesh axis each name is split over; parameters,
 batches and activation constraints all derive their shardings from it.
 
 Mesh axes, outermost (slowest links) to innermost (fastest):
+    pipeline  pipeline stages (pipeline.py): the layers split, micro-batches handed from stage to stage
     data      plain data parallelism: params replicated, batch split
     fsdp      data parallelism with params, grads and optimizer state split (gathered per layer)
     sequence  context parallelism: the sequence split across devices
@@ -31,7 +32,7 @@ from llama_jax.model import abstract_params
 # logical axis (config.LOGICAL_AXES) -> mesh axis (or axes, or None = replicated).
 LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     # parameters
-    ("layers", None),
+    ("layers", "pipeline"),  # each stage holds its layers (pipeline.py: in storage order)
     ("vocab", "tensor"),
     ("embed", "fsdp"),
     ("heads", "tensor"),
@@ -40,7 +41,8 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("mlp", "tensor"),
     ("norm", None),
     # activations
-    ("batch", ("data", "fsdp")),
+    # Pipelining splits the batch over the stages too, for the loss (inside a stage the axis is manual).
+    ("batch", ("data", "fsdp", "pipeline")),
     ("seq", "sequence"),
     ("residual_seq", "sequence"),
     ("act_embed", None),
@@ -69,7 +71,8 @@ def axis_rules(config: Config) -> tuple:
 
 def mesh_shape(mesh: MeshConfig, n_devices: int) -> dict[str, int]:
     """Resolve -1 and check the product against the device count."""
-    sizes = {"data": mesh.data, "fsdp": mesh.fsdp, "sequence": mesh.sequence, "tensor": mesh.tensor}
+    sizes = {"pipeline": mesh.pipeline, "data": mesh.data, "fsdp": mesh.fsdp, "sequence": mesh.sequence,
+             "tensor": mesh.tensor}
     fixed = math.prod(v for v in sizes.values() if v != -1)
     fill = [k for k, v in sizes.items() if v == -1]
     if fill:
@@ -82,7 +85,7 @@ def mesh_shape(mesh: MeshConfig, n_devices: int) -> dict[str, int]:
     if math.prod(sizes.values()) != n_devices:
         raise ConfigError(
             f"mesh {_describe(sizes)} needs {math.prod(sizes.values())} devices but {n_devices} are available; "
-            "make the product of mesh.data, mesh.fsdp, mesh.sequence and mesh.tensor equal the device count "
+            "make the product of mesh.pipeline, mesh.data, mesh.fsdp, mesh.sequence and mesh.tensor equal the device count "
             "(or set one of them to -1)"
         )
     return sizes
@@ -96,12 +99,25 @@ def check_divisibility(config: Config, sizes: dict[str, int]) -> None:
     """Errors that depend on both the model/batch and the mesh."""
     m, t = config.model, config.train
     batch_shards = sizes["data"] * sizes["fsdp"]
-    microbatches = 1 if t.microbatches == "auto" else t.microbatches  # auto picks a count that divides
+    stages, repeats = sizes["pipeline"], config.mesh.pipeline_repeats
+    # auto picks a count that divides (a multiple of the stages when pipelining)
+    microbatches = (stages if stages > 1 else 1) if t.microbatches == "auto" else t.microbatches
     if t.batch_size % (batch_shards * microbatches):
         raise ConfigError(
             f"train.batch_size ({t.batch_size}) must be divisible by data×fsdp×microbatches "
             f"({sizes['data']}×{sizes['fsdp']}×{microbatches} = {batch_shards * microbatches})"
         )
+    if m.n_layers % (stages * repeats):
+        raise ConfigError(f"model.n_layers ({m.n_layers}) must be divisible by mesh.pipeline × mesh.pipeline_repeats "
+                          f"({stages} × {repeats}): every stage runs the same number of layers per repeat")
+    if stages > 1 and microbatches % stages:
+        raise ConfigError(f"mesh.pipeline={stages} needs train.microbatches to be a multiple of {stages} (at least one "
+                          f"micro-batch per stage; got {microbatches}); try train.microbatches={2 * stages} (the "
+                          f"bubble is (P-1)/(M·R+P-1) of the step: more micro-batches, smaller bubble)")
+    layers_per_group = m.n_layers // (stages * repeats)
+    if stages > 1 and layers_per_group % config.remat.every_n_layers:
+        raise ConfigError(f"remat.every_n_layers ({config.remat.every_n_layers}) must divide the {layers_per_group} "
+                          "layers of each pipeline stage's group (model.n_layers / (mesh.pipeline × mesh.pipeline_repeats))")
     tensor = sizes["tensor"]
     # Query heads split evenly over `tensor`; kv heads either split too or, when there are fewer
     # of them than shards, are replicated (which needs tensor to be a multiple of kv heads).
@@ -190,7 +206,8 @@ def param_shardings(config: Config, mesh: Mesh):
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
-    """Token batches [batch, seq]: batch over data×fsdp, sequence over the context-parallel axis."""
+    """Token batches [batch, seq]: batch over data×fsdp, sequence over the context-parallel axis; every
+    pipeline stage holds the rows (stage 0 embeds them, every stage computes a share of their loss)."""
     return NamedSharding(mesh, PartitionSpec(("data", "fsdp"), "sequence"))
 
 

@@ -30,6 +30,7 @@ from llama_jax.files import format_bytes
 from llama_jax.hardware import memory_budget
 from llama_jax.model import Llama, train_flops_per_token
 from llama_jax.optim import learning_rate, make_optimizer
+from llama_jax.pipeline import PipelineLayout, to_storage_order
 
 # The fields of a batch, each [batch, seq]: what the loader yields and the train step takes.
 BATCH_FIELDS = {"tokens": jnp.int32, "targets": jnp.int32, "segment_ids": jnp.int32, "positions": jnp.int32,
@@ -127,7 +128,10 @@ class TrainProgram:
         in turn and keeps the first that fits the memory budget."""
         if config.train.microbatches == "auto":
             return cls._fewest_microbatches_that_fit(config, mesh)
-        model = Llama(config.model, remat_config=config.remat, load_balanced=config.mesh.load_balance)
+        layout = pipeline_layout(config, mesh)
+        model = Llama(config.model, remat_config=config.remat, load_balanced=config.mesh.load_balance, pipeline=layout)
+        # With pipelining the micro-batches are the pipeline's (inside the model), not accumulated by the step.
+        accumulate = 1 if layout else config.train.microbatches
         optimizer = make_optimizer(config.train)
         schedule = learning_rate(config.train)
         rules = sharding.axis_rules(config)
@@ -138,8 +142,10 @@ class TrainProgram:
         def init_state(rng: jax.Array) -> TrainState:
             # The dummy batch only fixes shapes (XLA drops the unused forward pass); one row per
             # batch shard keeps it divisible by the mesh inside the context-parallel shard_map.
-            tokens = jnp.zeros((mesh.shape["data"] * mesh.shape["fsdp"], config.train.seq_len), jnp.int32)
-            params = model.init(rng, tokens)["params"]
+            rows = mesh.shape["data"] * mesh.shape["fsdp"] * mesh.shape["pipeline"]
+            params = model.init(rng, jnp.zeros((rows, config.train.seq_len), jnp.int32))["params"]
+            # Each pipeline stage's layers in one block (pipeline.py); the natural order without repeats.
+            params = to_storage_order(params, mesh.shape["pipeline"], config.mesh.pipeline_repeats)
             return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params))
 
         # Shapes and logical axis names of the whole state, computed without allocating it; the
@@ -159,7 +165,7 @@ class TrainProgram:
                 boxed_shapes, is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned)),
             # The state is created directly in its shards: never materialised whole on one device.
             init_state=jax.jit(lambda rng: nn.meta.unbox(init_state(rng)), out_shardings=state_shardings),
-            train_step=jax.jit(make_train_step(model, optimizer, schedule, config.train.microbatches),
+            train_step=jax.jit(make_train_step(model, optimizer, schedule, accumulate),
                                in_shardings=(state_shardings, batch_sharding),
                                out_shardings=(state_shardings, sharding.replicated(mesh)), donate_argnums=(0,)),
             eval_step=jax.jit(eval_step, in_shardings=(state_shardings.params, batch_sharding)),
@@ -171,7 +177,8 @@ class TrainProgram:
         (one sequence per device at a time), which check_fits then refuses."""
         rows = config.train.batch_size // (mesh.shape["data"] * mesh.shape["fsdp"])  # per batch shard
         budget = memory_budget(config.run.device_memory_gb)
-        for count in (n for n in range(1, rows + 1) if rows % n == 0):
+        stages = mesh.shape["pipeline"]  # pipelining needs a multiple of the stages
+        for count in (n for n in range(stages, rows + 1) if rows % n == 0 and n % stages == 0):
             program = cls.build(dataclasses.replace(config, train=dataclasses.replace(config.train, microbatches=count)),
                                 mesh)
             if step_memory_bytes(program.compile_step()) <= budget:
@@ -227,6 +234,14 @@ class TrainProgram:
             loss_sum, n = self.eval_step(params, self.put(batches.batch(i, rows)))
             total, count = total + float(loss_sum), count + float(n)
         return total / max(count, 1.0)
+
+
+def pipeline_layout(config: Config, mesh: Mesh) -> PipelineLayout | None:
+    """The pipeline's stages, repeats and micro-batches on `mesh`; None without pipelining."""
+    stages = mesh.shape["pipeline"]
+    if stages == 1:
+        return None
+    return PipelineLayout(stages, config.mesh.pipeline_repeats, config.train.microbatches)
 
 
 def step_memory_bytes(compiled) -> int:

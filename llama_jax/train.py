@@ -252,7 +252,8 @@ class Loop:
         injected = f.inject_process == jax.process_index()
         try:
             checkpointer = Checkpointer(run_dir, config.checkpoint, meta=run_metadata(config, mesh), log=log.message,
-                                        peers=run.peers, save_delay_s=f.inject_save_delay_s if injected else 0.0)
+                                        peers=run.peers, save_delay_s=f.inject_save_delay_s if injected else 0.0,
+                                        layout=pipeline_layout(config, mesh))
             return cls(
                 run=run, log=log, checkpointer=checkpointer, goodput=Goodput(run_dir, started_at, write=primary),
                 meter=ThroughputMeter(t.batch_size * t.seq_len, model_flops_per_token(config), peak,
@@ -295,11 +296,11 @@ class Loop:
                 return state, int(data_state["next_step"])
             say("warning: no checkpoint in run.dir restores; starting from scratch")
         if run.source is not None and run.config.checkpoint.resume_from:
-            state, data_state = restore_step(run.source.step_dir, abstract)
+            state, data_state = restore_step(run.source.step_dir, abstract, self.checkpointer.layout)
             say(f"resumed from {run.source.text}")
             return state, int(data_state["next_step"])
         if run.source is not None:
-            params = weights.load_params(run.source, target=abstract.params)
+            params = weights.load_params(run.source, target=abstract.params, layout=self.checkpointer.layout)
             say(f"initialised the params from {run.source.text}")
             return run.program.init_state(jax.random.key(run.config.seed)).replace(params=params), 0
         return None, 0
@@ -437,6 +438,11 @@ def enable_compilation_cache(config: Config) -> None:
     jax.config.update("jax_compilation_cache_dir", str(directory))
 
 
+def pipeline_layout(config: Config, mesh: Mesh) -> tuple[int, int]:
+    """(stages, repeats): the order of the layers in this run's state (pipeline.py)."""
+    return mesh.shape["pipeline"], config.mesh.pipeline_repeats
+
+
 def run_metadata(config: Config, mesh: Mesh) -> dict:
     return {"config": config_lib.to_dict(config), "llama_jax": __version__, "jax": jax.__version__,
             "mesh": dict(mesh.shape), "processes": jax.process_count(), "devices": mesh.devices.size}
@@ -452,7 +458,7 @@ def load_checkpoint(config: Config, step: int, devices=None) -> tuple[TrainState
     """(train state, loader state) saved at `step` in config.run.dir, restored onto `devices` (default:
     all) in config's mesh: to inspect a run's parameters or compare two runs."""
     program = TrainProgram.for_config(config, devices)
-    checkpointer = Checkpointer(Path(config.run.dir), config.checkpoint)
+    checkpointer = Checkpointer(Path(config.run.dir), config.checkpoint, layout=pipeline_layout(config, program.mesh))
     try:
         with program.activate():
             return checkpointer.restore(step, program.abstract_state())

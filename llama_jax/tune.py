@@ -1,12 +1,15 @@
 """`llama-jax tune`: the fastest mesh x sequence parallelism x micro-batching x recomputation that fits.
 
-1. Enumerate: every way to split the devices over (data, fsdp, tensor, sequence), sequence
-   parallelism on and off (when tensor > 1), micro-batch counts, remat policies and every-n-layers.
+1. Enumerate: every way to split the devices over (pipeline, data, fsdp, tensor, sequence), pipeline
+   repeats (when pipeline > 1), sequence parallelism on and off (when tensor > 1), micro-batch counts
+   (with a pipeline: its micro-batches, multiples of the stages), remat policies and every-n-layers.
    A candidate the config validator or the mesh checks refuse is kept with the reason, and counted.
 2. Score without running: each candidate's train step is compiled ahead of time (`llama-jax plan`).
    A candidate above the memory budget is rejected, and the rest are ranked by the cost model of
    costmodel.py: a roofline over the compiled step's operations plus exposed communication, each
-   collective over the links (within a host, or between hosts) that its mesh axes cross.
+   collective over the links (within a host, or between hosts) that its mesh axes cross. A pipeline's
+   bubble is in the compiled loop's iterations (every stage computes in each), and its point-to-point
+   traffic crosses hosts like any collective on the outermost axis.
    Staged, so that minutes suffice: first every mesh with the config's own micro-batching and remat
    policy, then every micro-batch count and policy on the best --meshes meshes and the default mesh.
 3. Measure the best --top-k for a few steps on the devices (on by default, except on simulated CPU
@@ -41,8 +44,8 @@ from llama_jax.files import atomic_path, cache_root, format_bytes
 from llama_jax.hardware import memory_budget, simulated_devices
 from llama_jax.step import TrainProgram, model_flops_per_token, random_batch, time_train_steps
 
-SEARCHED_KEYS = ("mesh.data", "mesh.fsdp", "mesh.tensor", "mesh.sequence", "mesh.sequence_parallel",
-                 "train.microbatches", "remat.policy", "remat.every_n_layers")
+SEARCHED_KEYS = ("mesh.pipeline", "mesh.pipeline_repeats", "mesh.data", "mesh.fsdp", "mesh.tensor", "mesh.sequence",
+                 "mesh.sequence_parallel", "train.microbatches", "remat.policy", "remat.every_n_layers")
 DEFAULT_POLICIES = ("none", "save_dot_except_mlp", "selective", "full")
 
 
@@ -56,16 +59,19 @@ class Candidate:
     microbatches: int
     policy: str
     every_n_layers: int = 1
+    pipeline: int = 1
+    repeats: int = 1  # mesh.pipeline_repeats
 
     @property
     def mesh_key(self) -> tuple:
-        return self.data, self.fsdp, self.tensor, self.sequence, self.sequence_parallel
+        return self.pipeline, self.repeats, self.data, self.fsdp, self.tensor, self.sequence, self.sequence_parallel
 
     @property
     def label(self) -> str:
         sp = "+sp" if self.tensor > 1 and self.sequence_parallel else ""
         every = f"/{self.every_n_layers}" if self.every_n_layers > 1 else ""
-        return (f"d{self.data} f{self.fsdp} t{self.tensor}{sp} s{self.sequence} "
+        stages = f"p{self.pipeline}{f'x{self.repeats}' if self.repeats > 1 else ''} " if self.pipeline > 1 else ""
+        return (f"{stages}d{self.data} f{self.fsdp} t{self.tensor}{sp} s{self.sequence} "
                 f"mb{self.microbatches} {self.policy}{every}")
 
 
@@ -82,7 +88,7 @@ class Result:
     measured_s: float | None = None
 
 
-def factorizations(n: int, parts: int = 4) -> list[tuple[int, ...]]:
+def factorizations(n: int, parts: int = 5) -> list[tuple[int, ...]]:
     """Every ordered way to write n as a product of `parts` positive factors."""
     if parts == 1:
         return [(n,)]
@@ -96,24 +102,30 @@ def pinned(overrides: list[str]) -> dict[str, str]:
 
 
 def candidate_space(devices: int, overrides: list[str], policies: tuple[str, ...],
-                    microbatches: tuple[int, ...], every_n_layers: tuple[int, ...] = (1,)) -> list[Candidate]:
-    """Every combination of the searched values; key=value overrides pin a searched key."""
+                    microbatches: tuple[int, ...], every_n_layers: tuple[int, ...] = (1,),
+                    pipeline_repeats: tuple[int, ...] = (1, 2)) -> list[Candidate]:
+    """Every combination of the searched values; key=value overrides pin a searched key. With a pipeline,
+    the micro-batch counts are multiples of its stages: each count times the stages."""
     fixed = pinned(overrides)
     out = []
-    for data, fsdp, tensor, sequence in factorizations(devices):
-        sizes = {"mesh.data": data, "mesh.fsdp": fsdp, "mesh.tensor": tensor, "mesh.sequence": sequence}
+    for pipeline, data, fsdp, tensor, sequence in factorizations(devices):
+        sizes = {"mesh.pipeline": pipeline, "mesh.data": data, "mesh.fsdp": fsdp, "mesh.tensor": tensor,
+                 "mesh.sequence": sequence}
         if any(k in fixed and int(fixed[k]) not in (v, -1) for k, v in sizes.items()):
             continue
         sp_values = [True, False] if tensor > 1 else [True]
         if "mesh.sequence_parallel" in fixed:
             sp_values = [fixed["mesh.sequence_parallel"].lower() == "true"]
-        mbs = [int(fixed["train.microbatches"])] if "train.microbatches" in fixed else list(microbatches)
+        mbs = [int(fixed["train.microbatches"])] if "train.microbatches" in fixed else \
+            [pipeline * n for n in microbatches]
         pols = [fixed["remat.policy"]] if "remat.policy" in fixed else list(policies)
         everys = [int(fixed["remat.every_n_layers"])] if "remat.every_n_layers" in fixed else list(every_n_layers)
-        for sp, mb, policy in itertools.product(sp_values, mbs, pols):
+        repeats = [1] if pipeline == 1 else \
+            [int(fixed["mesh.pipeline_repeats"])] if "mesh.pipeline_repeats" in fixed else list(pipeline_repeats)
+        for sp, mb, policy, repeat in itertools.product(sp_values, mbs, pols, repeats):
             # Without recomputation there is nothing to spread over every n-th layer.
             for every in ([1] if policy == "none" else everys):
-                out.append(Candidate(data, fsdp, tensor, sequence, sp, mb, policy, every))
+                out.append(Candidate(data, fsdp, tensor, sequence, sp, mb, policy, every, pipeline, repeat))
     return out
 
 
@@ -122,8 +134,8 @@ def candidate_config(base: Config, candidate: Candidate) -> Config:
     c = candidate
     config = dataclasses.replace(
         base,
-        mesh=dataclasses.replace(base.mesh, data=c.data, fsdp=c.fsdp, tensor=c.tensor, sequence=c.sequence,
-                                 sequence_parallel=c.sequence_parallel),
+        mesh=dataclasses.replace(base.mesh, pipeline=c.pipeline, pipeline_repeats=c.repeats, data=c.data, fsdp=c.fsdp,
+                                 tensor=c.tensor, sequence=c.sequence, sequence_parallel=c.sequence_parallel),
         train=dataclasses.replace(base.train, microbatches=c.microbatches),
         remat=dataclasses.replace(base.remat, policy=c.policy, every_n_layers=c.every_n_layers))
     config_lib.validate(config)
@@ -138,8 +150,8 @@ def validate_candidates(base: Config, candidates: list[Candidate]) -> list[Resul
         result = Result(candidate)
         try:
             config = candidate_config(base, candidate)
-            sizes = {"data": candidate.data, "fsdp": candidate.fsdp, "tensor": candidate.tensor,
-                     "sequence": candidate.sequence}
+            sizes = {"pipeline": candidate.pipeline, "data": candidate.data, "fsdp": candidate.fsdp,
+                     "tensor": candidate.tensor, "sequence": candidate.sequence}
             sharding.check_divisibility(config, sizes)
             key = tuple(sizes.values())
             if key not in shape_checks:
@@ -270,8 +282,9 @@ class Options:
     steps: int = 3  # timed steps per measured candidate, after one warm-up step
     meshes: int = 3  # stage 2 explores this many of the best meshes
     policies: tuple[str, ...] = DEFAULT_POLICIES
-    microbatches: tuple[int, ...] = (1, 2, 4)
+    microbatches: tuple[int, ...] = (1, 2, 4)  # with a pipeline of P stages: P, 2P, 4P
     every_n_layers: tuple[int, ...] = (1, 2)
+    pipeline_repeats: tuple[int, ...] = (1, 2)
     efficiency: float = 0.0  # 0: the cost model's default, for the peak FLOP/s reached
     bandwidth_gbs: float = 0.0  # 0: the cost model's default, GB/s per device for collectives within a host
     nic_gbs: float = 0.0  # 0: hardware.NIC_GBS, GB/s per device for collectives between hosts
@@ -301,10 +314,12 @@ class TuneError(ConfigError):
 
 def default_candidate(config: Config, devices: int) -> Candidate:
     sizes = sharding.mesh_shape(config.mesh, devices)
+    stages = sizes["pipeline"]
     return Candidate(sizes["data"], sizes["fsdp"], sizes["tensor"], sizes["sequence"],
                      config.mesh.sequence_parallel or sizes["tensor"] == 1,
-                     config.train.microbatches if config.train.microbatches != "auto" else 1,
-                     config.remat.policy, config.remat.every_n_layers)
+                     config.train.microbatches if config.train.microbatches != "auto" else stages,
+                     config.remat.policy, config.remat.every_n_layers, stages,
+                     config.mesh.pipeline_repeats if stages > 1 else 1)
 
 
 def _cost_model(options: Options, cache: Cache, dtype: str, cache_dir: Path) -> CostModel:
@@ -330,7 +345,8 @@ def enumerate_candidates(source: str | None, overrides: list[str], options: Opti
     devices = jax.device_count()
     check_devices_per_host(options.devices_per_host, devices)
     default = default_candidate(base, devices)
-    space = candidate_space(devices, overrides, options.policies, options.microbatches, options.every_n_layers)
+    space = candidate_space(devices, overrides, options.policies, options.microbatches, options.every_n_layers,
+                            options.pipeline_repeats)
     if default not in space:
         space.insert(0, default)  # the baseline every speed-up is measured against
     results = validate_candidates(base, space)
@@ -448,9 +464,9 @@ def format_report(report: Report, rows: int = 20) -> str:
     for r in invalid:  # counted by kind: the figures in parentheses differ from candidate to candidate
         kind = re.sub(r"\([^)]*\)", "(..)", r.rejected.split(";")[0])
         reasons[kind] = reasons.get(kind, 0) + 1
-    lines += [("candidate: d/f/t/s mesh sizes (data, fsdp, tensor, sequence; +sp: sequence parallelism), mb "
-               "micro-batches, remat policy (/n: on every n-th layer); tokens/s and MFU from the measured step "
-               "time where there is one, else the predicted"), "",
+    lines += [("candidate: pP(xR) pipeline stages (x repeats), d/f/t/s mesh sizes (data, fsdp, tensor, sequence; +sp: "
+               "sequence parallelism), mb micro-batches, remat policy (/n: on every n-th layer); tokens/s and MFU from "
+               "the measured step time where there is one, else the predicted"), "",
               f"{len(results)} candidates: {len(invalid)} invalid, {len(over)} over the memory budget of "
               f"{format_bytes(report.budget)}, {len(failed)} failed to compile or run, {len(unscored)} not compiled "
               f"(staged search or time budget), {len(fits)} ranked"

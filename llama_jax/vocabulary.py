@@ -27,7 +27,7 @@ FUNCTION_FIELDS = ("norm_eps", "rope_theta", "rope_scaling_factor", "rope_low_fr
 ARCHITECTURE_FIELDS = SHAPE_FIELDS + FUNCTION_FIELDS
 
 # Mesh axes, outermost (slowest links) to innermost (fastest); sharding.py builds the mesh.
-MESH_AXES = ("data", "fsdp", "sequence", "tensor")
+MESH_AXES = ("pipeline", "data", "fsdp", "sequence", "tensor")
 
 # Logical axis names the model gives its parameters and activations; sharding.LOGICAL_AXIS_RULES maps
 # each onto mesh axes, and `mesh.rules.<name>=<axes>` overrides one entry.

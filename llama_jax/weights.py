@@ -33,6 +33,7 @@ from llama_jax.config import SHAPE_FIELDS, Config, ModelConfig, load_config, val
 from llama_jax.data.tokenizer import Tokenizer, load_tokenizer as load_tokenizer_file
 from llama_jax.errors import ConfigError
 from llama_jax.model import abstract_params
+from llama_jax.pipeline import relayout
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "spm.model")
 
@@ -79,18 +80,19 @@ def resolve(text: str | ModelSpec) -> ModelSpec:
     return ModelSpec(text, model, step_dir=step_dir)
 
 
-def load_params(spec: ModelSpec, target: Any = None, rotary: str = "half") -> Any:
+def load_params(spec: ModelSpec, target: Any = None, rotary: str = "half", layout: tuple[int, int] = (1, 1)) -> Any:
     """The model's parameters, taking the shapes, dtypes and shardings of `target` (a ShapeDtypeStruct
     tree, e.g. TrainProgram.abstract_state().params or param_target(), or shardings alone) or, without
     one, the model's param_dtype on the default device. A training checkpoint's optimizer moments are
-    not read; `rotary` is the q/k layout of a Hugging Face model's weights (hf.ROTARY_LAYOUTS)."""
+    not read; `rotary` is the q/k layout of a Hugging Face model's weights (hf.ROTARY_LAYOUTS); `layout`
+    the pipeline (stages, repeats) whose layer order the params are wanted in (pipeline.py)."""
     if target is None:
         target = hf.single_device_target(spec.model)
     elif isinstance(jax.tree.leaves(target)[0], jax.sharding.Sharding):
         target = _placed(spec.model, target)
     if spec.hf_dir is not None:
-        return hf.read_params(spec.hf_dir, spec.model, target, rotary)
-    return restore_params(spec.step_dir, target)
+        return relayout({"params": hf.read_params(spec.hf_dir, spec.model, target, rotary)}, (1, 1), layout)["params"]
+    return restore_params(spec.step_dir, target, layout)
 
 
 def names_a_mesh(overrides: list[str]) -> bool:
@@ -102,6 +104,9 @@ def inference_mesh(config: Config, devices=None) -> Mesh:
     """The mesh of config's mesh.* keys over `devices` (default: all), for inference and conversion: the
     checks of training batches against it (batch size, sequence length) do not apply."""
     devices = jax.devices() if devices is None else devices
+    if config.mesh.pipeline > 1:
+        raise ConfigError(f"mesh.pipeline={config.mesh.pipeline}: pipeline parallelism is for training; place a model "
+                          "for inference or conversion with mesh.fsdp, mesh.tensor and mesh.data")
     sizes = sharding.mesh_shape(config.mesh, len(devices))
     train = dataclasses.replace(config.train, batch_size=sizes["data"] * sizes["fsdp"], microbatches=1,
                                 seq_len=2 * sizes["sequence"] * sizes["tensor"])

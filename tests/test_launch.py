@@ -300,7 +300,8 @@ def test_readme_cluster_commands_run_as_dry_runs():
         if script.name == "k8s.sh":
             assert [d["kind"] for d in yaml.safe_load_all(result.stdout)] == ["Service", "Job"]
         elif script.name == "slurm.sbatch":
-            assert result.stdout.startswith("# 4 node(s) x 8 process(es) = 32 processes")
+            nodes = int(args[args.index("--nodes") + 1]) if "--nodes" in args else int(run_env["SLURM_JOB_NUM_NODES"])
+            assert result.stdout.startswith(f"# {nodes} node(s) x 8 process(es) = {8 * nodes} processes")
         else:
             remote = " ".join(shlex.split(result.stdout.splitlines()[-1]))  # ssh's command, or the one to type
             assert "JAX_PROCESS_ID=1" in remote and "train llama3_8b run.dir=/shared/runs/8b" in remote

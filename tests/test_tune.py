@@ -13,7 +13,7 @@ from llama_jax.errors import ConfigError
 from llama_jax.step import TrainProgram
 
 # The end-to-end search pins tensor and sequence to 1 to keep compilations few: 4 meshes.
-PINNED = ["mesh.tensor=1", "mesh.sequence=1", "train.batch_size=16"]  # 16: 2 micro-batches on 8 shards
+PINNED = ["mesh.pipeline=1", "mesh.tensor=1", "mesh.sequence=1", "train.batch_size=16"]  # 16: 2 micro-batches on 8 shards
 SEARCH = ["--policies", "none,full", "--microbatches", "1,2", "--every-n-layers", "1", "--meshes", "1"]
 UNITS = {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
 OPTIONS = tune.Options(policies=("none", "full"), microbatches=(1, 2), every_n_layers=(1,), meshes=1, top_k=2,
@@ -23,13 +23,16 @@ OPTIONS = tune.Options(policies=("none", "full"), microbatches=(1, 2), every_n_l
 def test_candidate_space_is_complete_and_every_rejection_has_a_reason(tmp_path):
     source = str(write_tiny_yaml(tmp_path))
     space = tune.candidate_space(8, [], ("none", "full"), (1, 2), (1, 2))
-    # An independent enumeration: every 4-tuple of sizes whose product is 8, sequence parallelism
-    # both ways when tensor > 1, every micro-batch count, every policy, every-n only when recomputing.
-    expected = {tune.Candidate(d, f, t, s, sp, mb, policy, every)
-                for d, f, t, s in itertools.product(range(1, 9), repeat=4) if d * f * t * s == 8
+    # An independent enumeration: every 5-tuple of sizes whose product is 8, pipeline repeats 1 and 2 with a
+    # pipeline, sequence parallelism both ways when tensor > 1, every micro-batch count (times the stages),
+    # every policy, every-n only when recomputing.
+    expected = {tune.Candidate(d, f, t, s, sp, p * mb, policy, every, p, r)
+                for p, d, f, t, s in itertools.product(range(1, 9), repeat=5) if p * d * f * t * s == 8
+                for r in ((1, 2) if p > 1 else (1,))
                 for sp in ((True, False) if t > 1 else (True,))
                 for mb in (1, 2) for policy in ("none", "full") for every in ((1,) if policy == "none" else (1, 2))}
-    assert len(space) == len(set(space)) == len(expected) == 30 * 2 * 3
+    assert len([c for c in space if c.pipeline == 1]) == 30 * 2 * 3  # the meshes without a pipeline
+    assert len(space) == len(set(space)) == len(expected)
     assert set(space) == expected
 
     results = tune.validate_candidates(config.load_config(source), space)
@@ -40,17 +43,20 @@ def test_candidate_space_is_complete_and_every_rejection_has_a_reason(tmp_path):
     assert all(r.rejected and r.config is None for r in rejected)  # a reason for each one
     for r in valid:  # each valid candidate's config is the candidate
         c, cfg = r.candidate, r.config
-        assert (cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, cfg.mesh.sequence) == (c.data, c.fsdp, c.tensor,
-                                                                                       c.sequence)
+        assert (cfg.mesh.pipeline, cfg.mesh.pipeline_repeats, cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor,
+                cfg.mesh.sequence) == (c.pipeline, c.repeats, c.data, c.fsdp, c.tensor, c.sequence)
         assert (cfg.train.microbatches, cfg.remat.policy, cfg.remat.every_n_layers) == (c.microbatches, c.policy,
                                                                                           c.every_n_layers)
-    # The tiny model has 4 query / 2 kv heads and a batch of 8: tensor=8 and data x fsdp x micro-batches
-    # above 8 are refused with the mesh checks' own words.
+    # The tiny model has 2 layers, 4 query / 2 kv heads and a batch of 8: tensor=8, data x fsdp x micro-batches
+    # above 8 and more pipeline stages x repeats than layers are refused with the mesh checks' own words.
     reasons = {r.candidate: r.rejected for r in rejected}
     assert all("mesh.tensor (8)" in reasons[c] for c in space if c.tensor == 8)
-    assert all("data×fsdp×microbatches" in reasons[c] for c in space
-               if c.tensor != 8 and c.data * c.fsdp * c.microbatches > 8)
-    assert {c for c in space if c.tensor != 8 and c.data * c.fsdp * c.microbatches <= 8
+    assert all("data×fsdp×microbatches" in reasons[c] or "not divisible by train.microbatches" in reasons[c]
+               for c in space if c.tensor != 8 and c.data * c.fsdp * c.microbatches > 8)
+    assert all("mesh.pipeline × mesh.pipeline_repeats" in reasons[c] for c in space
+               if c.tensor != 8 and c.data * c.fsdp * c.microbatches <= 8 and c.pipeline * c.repeats > 2)
+    assert {c for c in space if c.tensor != 8 and c.data * c.fsdp * c.microbatches <= 8 and c.pipeline * c.repeats <= 2
+            and (c.pipeline == 1 or 2 // (c.pipeline * c.repeats) % c.every_n_layers == 0)  # every-n within a stage
             and 32 % (c.sequence * (c.tensor if c.sequence_parallel else 1) * (2 if c.sequence > 1 else 1)) == 0} \
         == {r.candidate for r in valid}
 
@@ -86,7 +92,7 @@ def test_the_winner_is_the_fastest_measured_candidate(searched):
 def test_search_scores_every_mesh_then_the_best_with_every_setting(searched):
     _, _, report, _ = searched
     scored = [r for r in report.results if r.predicted_s is not None]
-    assert {r.candidate.mesh_key for r in scored} == {(d, 8 // d, 1, 1, True) for d in (1, 2, 4, 8)}
+    assert {r.candidate.mesh_key for r in scored} == {(1, 1, d, 8 // d, 1, 1, True) for d in (1, 2, 4, 8)}
     best = min((r for r in scored if r.candidate.microbatches == 1 and r.candidate.policy == "none"),
                key=lambda r: r.predicted_s).candidate.mesh_key
     for mesh in {best, report.default.candidate.mesh_key}:
