@@ -16,7 +16,7 @@ the device's own link to reach its NIC. The whole collective is priced at the sl
 of its groups crosses. That is what NCCL's ring achieves across hosts (every device sends its bytes
 through the ring, whose slowest hops are the NICs); its hierarchical variants, which move part of
 the bytes over NVLink first, are not modelled. Which axes cross hosts follows sharding.make_mesh:
-the outermost mesh axes (data, then fsdp, sequence, tensor) are split over hosts first.
+the outermost mesh axes (pipeline, data, then fsdp, sequence, tensor) are split over hosts first.
 """
 
 from __future__ import annotations

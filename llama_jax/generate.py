@@ -29,7 +29,7 @@ from llama_jax import sharding
 from llama_jax.config import Config, MeshConfig, ModelConfig
 from llama_jax.errors import ConfigError
 from llama_jax.model import KV_HEADS, Llama
-from llama_jax.pipeline import relayout
+from llama_jax.pipeline import relayout, without_stage_axis
 from llama_jax.vocabulary import MESH_AXES
 
 # The cache's logical axes: one [batch, cache_len, kv_heads, head_dim] block of keys or values per layer.
@@ -85,8 +85,9 @@ def default_rules(cfg: ModelConfig, mesh: Mesh) -> tuple:
 
 def decoding_rules(rules: tuple, mesh: Mesh, batch: int) -> tuple:
     """The table for decoding `batch` rows: the batch over those of its mesh axes whose product divides
-    it (outermost first; none: replicated), and no split along the sequence (a decode step has one token)."""
-    table = dict(rules)
+    it (outermost first; none: replicated), and no split along the sequence (a decode step has one token).
+    Decoding runs no pipeline: its axis is dropped (the cache's layers and batch could not both use it)."""
+    table = dict(without_stage_axis(rules))
     axes = table.get("batch") or ()
     axes = (axes,) if isinstance(axes, str) else tuple(axes)
     while axes and batch % math.prod(mesh.shape[a] for a in axes):

@@ -142,17 +142,18 @@ def run_stages(layout: PipelineLayout, stage: Callable, layer_params, x, segment
     rows = x.shape[0] // microbatches
     take = lambda a, i: jax.lax.dynamic_index_in_dim(a, i, keepdims=False)  # noqa: E731
     split = lambda a: a.reshape(rows, microbatches, *a.shape[1:]).swapaxes(0, 1)  # noqa: E731 - [M, rows, T]
-    rules = nn.get_logical_axis_rules()
+    inner_rules = without_stage_axis(nn.get_logical_axis_rules())
+
+    def pin(a):
+        """Every micro-batch's activations sharded alike within a stage, whichever buffer holds them."""
+        return nn.with_logical_constraint(a, (None,) * (a.ndim - len(names)) + names, rules=inner_rules)
 
     def local(layer_params, inputs, segment_ids, positions):
         index = jax.lax.axis_index(STAGE_AXIS)
-        # Every micro-batch's activations are sharded alike within the stage, whichever buffer holds them.
-        inner_rules = without_stage_axis(rules)
-        pin = lambda a: nn.with_logical_constraint(a, (None,) * (a.ndim - len(names)) + names, rules=inner_rules)  # noqa: E731
         groups = jax.tree.map(lambda w: w.reshape(repeats, w.shape[0] // repeats, *w.shape[1:]), layer_params)
 
         def iteration(carry, t):
-            x, kept = map(pin, carry)  # x: this stage's input [rows, T, D]; kept: stage 0's micro-batches [M, rows, T, D]
+            x, kept = carry  # x: this stage's input [rows, T, D]; kept: stage 0's micro-batches [M, rows, T, D]
             # What reached stage 0 from the last stage: micro-batch (t - P) mod M, kept for its next repeat.
             arrived = (t - stages) % microbatches
             keep = (index == 0) & (t >= stages)
@@ -163,13 +164,13 @@ def run_stages(layout: PipelineLayout, stage: Callable, layer_params, x, segment
             mine = (t - index) % microbatches
             repeat = jnp.clip((t - index) // microbatches, 0, repeats - 1)
             weights = jax.tree.map(lambda w: take(w, repeat), groups)
-            with nn.logical_axis_rules(without_stage_axis(rules)):
+            with nn.logical_axis_rules(inner_rules):
                 x = stage(weights, x, take(segment_ids, mine), take(positions, mine))
             x = jax.lax.ppermute(x, STAGE_AXIS, [(i, (i + 1) % stages) for i in range(stages)])
             return (pin(x), pin(kept)), None
 
         inputs = pin(inputs)
-        start = (jnp.zeros_like(inputs[0]), jnp.zeros_like(inputs))
+        start = (pin(jnp.zeros_like(inputs[0])), pin(jnp.zeros_like(inputs)))
         (x, kept), _ = jax.lax.scan(iteration, start, jnp.arange(layout.iterations))
         last = (layout.iterations - stages) % microbatches  # the final micro-batch, arriving after the loop
         kept = jax.lax.dynamic_update_index_in_dim(kept, jnp.where(index == 0, x, take(kept, last)), last, 0)
@@ -177,7 +178,7 @@ def run_stages(layout: PipelineLayout, stage: Callable, layer_params, x, segment
         return jax.lax.psum_scatter(jnp.where(index == 0, kept, 0), STAGE_AXIS, scatter_dimension=0, tiled=True)
 
     # Embeddings enter every stage whole (only stage 0 reads them): gathered over the stages here.
-    x = nn.with_logical_constraint(x, names, rules=without_stage_axis(rules))
+    x = pin(x)
     stage_specs = PartitionSpec(STAGE_AXIS)
     out = jax.shard_map(local, in_specs=(stage_specs, PartitionSpec(), PartitionSpec(), PartitionSpec()),
                         out_specs=stage_specs, axis_names={STAGE_AXIS}, check_vma=False)(

@@ -161,7 +161,7 @@ def check_parameter_shapes(config: Config, sizes: dict[str, int]) -> None:
 def split_over_hosts(shape: tuple[int, ...], n_hosts: int) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
     """Split a mesh shape into (within-host, across-host) factors, outermost axes crossing hosts first.
 
-    The outer axes (data, then fsdp) carry the least traffic per step, so they take the slow
+    The outer axes (pipeline, data, then fsdp) carry the least traffic per step, so they take the slow
     links between hosts. None if the host count does not factor into the axes.
     """
     inner, outer, left = list(shape), [1] * len(shape), n_hosts

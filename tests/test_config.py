@@ -128,7 +128,7 @@ def test_each_interface_key_can_be_overridden(key):
 def test_mesh_shape_fills_one_axis():
     """mesh.*=-1 takes the devices the other axes leave; the product must equal the device count."""
     config = load_config("tiny", ["mesh.data=2", "mesh.tensor=2"])
-    assert sharding.mesh_shape(config.mesh, 8) == {"data": 2, "fsdp": 2, "sequence": 1, "tensor": 2}
+    assert sharding.mesh_shape(config.mesh, 8) == {"pipeline": 1, "data": 2, "fsdp": 2, "sequence": 1, "tensor": 2}
     with pytest.raises(ConfigError, match="mesh.fsdp=-1"):
         sharding.mesh_shape(load_config("tiny", ["mesh.data=3"]).mesh, 8)
 

@@ -71,7 +71,8 @@ def test_a_sharded_model_and_cache_generate_the_tokens_of_one_device(mesh, one_d
     cfg, params = api.load(f"hf:{MODEL}", overrides=overrides)
     sizes = dict(params_mesh(params).shape)
     given = dict(o.removeprefix("mesh.").split("=") for o in overrides)
-    assert sizes == {"data": 1, "fsdp": 1, "sequence": 1, "tensor": 1, **{k: int(v) for k, v in given.items()}}
+    assert sizes == {"pipeline": 1, "data": 1, "fsdp": 1, "sequence": 1, "tensor": 1,
+                     **{k: int(v) for k, v in given.items()}}
     q = params["layers"]["attn"]["q_proj"]["kernel"]  # [layers, embed, heads, head_dim]
     assert len(q.devices()) == 8
     assert q.addressable_shards[0].data.shape == (cfg.n_layers, cfg.d_model // sizes["fsdp"],

@@ -14,7 +14,7 @@ LAYERS = [
     ["llama_jax", "errors", "files", "hlo", "supervise", "vocabulary"],  # no JAX model code; shared helpers and the exit codes
     ["config", "hardware", "goodput", "resilience", "distributed"],  # the schema and vocabularies; host-side parts
     ["data.corpus", "data.tokenizer", "data.prepare", "data.loader", "data.pipeline", "data", "metrics", "report"],
-    ["projection", "flash", "cudnn", "attention", "loss", "remat", "optim", "model"],  # the model, which knows only logical axes
+    ["projection", "flash", "context_parallel", "cudnn", "attention", "loss", "remat", "optim", "pipeline", "model"],  # the model, which knows only logical axes (and the shard_maps' mesh axes)
     ["sharding", "hf", "generate", "checkpoint"],  # meshes, formats on disk, decoding
     ["step", "costmodel"],  # the compiled programs of one config on one mesh
     ["plan", "weights"],

@@ -89,10 +89,11 @@ def test_parameter_shardings_follow_the_table():
     spec = lambda s: s.spec  # noqa: E731
     assert spec(params["embed"]["embedding"]) == P("tensor", "fsdp")          # [vocab, embed]
     assert spec(params["lm_head"]["kernel"]) == P("fsdp", "tensor")           # [embed, vocab]
-    assert spec(params["layers"]["attn"]["q_proj"]["kernel"]) == P(None, "fsdp", "tensor", None)
-    assert spec(params["layers"]["attn"]["o_proj"]["kernel"]) == P(None, "tensor", None, "fsdp")
-    assert spec(params["layers"]["mlp"]["down_proj"]["kernel"]) == P(None, "tensor", "fsdp")
-    assert spec(params["layers"]["attn_norm"]["scale"]) == P(None, None)
+    # the layers axis goes to the pipeline stages (here one)
+    assert spec(params["layers"]["attn"]["q_proj"]["kernel"]) == P("pipeline", "fsdp", "tensor", None)
+    assert spec(params["layers"]["attn"]["o_proj"]["kernel"]) == P("pipeline", "tensor", None, "fsdp")
+    assert spec(params["layers"]["mlp"]["down_proj"]["kernel"]) == P("pipeline", "tensor", "fsdp")
+    assert spec(params["layers"]["attn_norm"]["scale"]) == P("pipeline", None)
 
 
 def test_expert_rule_override_moves_the_sharding():

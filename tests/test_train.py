@@ -128,7 +128,7 @@ def test_fsdp_shards_parameters_and_optimizer_state():
     program = TrainProgram.build(cfg, sharding.make_mesh(cfg))
     kernel = program.state_shardings.params["layers"]["mlp"]["up_proj"]["kernel"]
     adam_mu = program.state_shardings.opt_state[1][0].mu["layers"]["mlp"]["up_proj"]["kernel"]
-    assert kernel.spec == adam_mu.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor")
+    assert kernel.spec == adam_mu.spec == jax.sharding.PartitionSpec("pipeline", "fsdp", "tensor")
 
 
 def test_resumed_run_is_bitwise_identical_to_straight_run(tmp_path, corpus):
