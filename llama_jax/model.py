@@ -333,16 +333,16 @@ class PromptEncoder(nn.Module):
         named = nn.with_logical_partitioning
         x = self.param("embedding", init_normal(cfg.init_std, ("virtual_tokens", "embed")),
                        (peft.prompt_tokens, cfg.d_model), param_dtype)
-        features = "embed"  # the logical name of x's last axis
+        features: str | None = "embed"  # the logical name of x's last axis
         if peft.prompt_encoder == "lstm":
             def lstm(direction: str):
                 return nn.RNN(nn.OptimizedLSTMCell(
                     hidden, param_dtype=param_dtype, name=f"{direction}_lstm",
                     kernel_init=named(nn.initializers.lecun_normal(), ("embed", "prompt_hidden")),
-                    recurrent_kernel_init=named(nn.initializers.orthogonal(), ("prompt_hidden", "prompt_hidden")),
+                    recurrent_kernel_init=named(nn.initializers.orthogonal(), ("prompt_hidden", None)),
                     bias_init=named(nn.initializers.zeros, ("prompt_hidden",))))
             x = nn.Bidirectional(lstm("forward"), lstm("backward"))(x[None])[0]  # [prompt_tokens, 2 x hidden]
-            features = "prompt_hidden"
+            features = None  # both directions' hidden states: not named again (a name appears once per array)
 
         def dense(width: int, names: tuple[str, str], name: str) -> nn.Dense:
             return nn.Dense(width, param_dtype=param_dtype, kernel_init=named(nn.initializers.lecun_normal(), names),
