@@ -454,10 +454,10 @@ def every_nth_layer_remat(cfg: ModelConfig, peft: PeftConfig, policy, every_n: i
 # Sizes and FLOPs
 
 
-def abstract_params(cfg: ModelConfig):
-    """Shapes (with logical axis names) of the params, without allocating them."""
+def abstract_params(cfg: ModelConfig, peft: PeftConfig = PeftConfig()):
+    """Shapes (with logical axis names) of the params (with `peft`'s adapters), without allocating them."""
     tokens = jax.ShapeDtypeStruct((1, 8), jnp.int32)
-    return jax.eval_shape(Llama(cfg).init, jax.random.key(0), tokens)["params"]
+    return jax.eval_shape(Llama(cfg, peft=peft).init, jax.random.key(0), tokens)["params"]
 
 
 def param_count(cfg: ModelConfig) -> int:
