@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from typing import Any
 
 import jax
 import jax.numpy as jnp

@@ -89,13 +89,13 @@ class Run:
         enable_compilation_cache(config)
         compiling = time.perf_counter()
         program = TrainProgram.build(config, mesh)  # train.microbatches=auto: the fewest that fit
-        program.check_fits()  # the step compiled now, its memory against run.device_memory_gb
-        run = cls(program.config, program, data, start, peers, source, time.perf_counter() - compiling)
-        if config.peft.method != "none":
-            with program.activate():
-                run.base = weights.load_params(source, target=program.abstract_state().frozen)
+        run = cls(program.config, program, data, start, peers, source)
+        if config.peft.method != "none":  # the base, loaded into its shards and checked before compiling
+            run.base = weights.load_params(source, target=program.abstract_state().frozen)
             run.base_reference = peft.base_reference(source.text, source.location, run.base)
             run.check_meta(meta)
+        program.check_fits()  # the step compiled now, its memory against run.device_memory_gb
+        run.compile_seconds = time.perf_counter() - compiling
         return run
 
     def check_meta(self, meta: dict | None) -> None:
