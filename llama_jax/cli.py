@@ -286,7 +286,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "(config.json + safetensors; written as a parameters-only checkpoint in OUT) or a llama-jax "
                     "run / checkpoint (written as a Hugging Face directory, in safetensors files of at most "
                     "5 GiB; a run with adapters as a PEFT adapter directory, or with --merge its base with the "
-                    "LoRA adapters folded in). Either way the model is loaded sharded over the mesh of the mesh.* keys (default: "
+                    "LoRA adapters folded in). Either way the model is loaded sharded over the mesh of the mesh.* "
+                    "keys (default: "
                     "all devices on fsdp) and streamed through the host a block at a time. Tokenizer files "
                     "go along.")
     convert.add_argument("source", metavar="SOURCE")

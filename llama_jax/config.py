@@ -1,6 +1,7 @@
 """The configuration schema: frozen dataclasses, YAML presets and dotted ``key=value`` overrides.
 
-The dataclasses below *are* the schema (with peft_config.py's PeftConfig); vocabulary.py holds every other vocabulary a user can type
+The dataclasses below *are* the schema (with peft_config.py's PeftConfig); vocabulary.py holds every other
+vocabulary a user can type
 (mesh axes, logical axis names, remat tags, actions and policies). OmegaConf merges a preset
 (or a user YAML file) and the command-line overrides onto the schema, checking key names and types;
 ``validate`` then checks the values that depend on each other. Every failure becomes one

@@ -420,8 +420,9 @@ class Llama(nn.Module):
         if peft.method == "ptuning":
             prompt = PromptEncoder(cfg, peft, name="prompt_encoder")()
         else:
+            init = init_normal(cfg.init_std, ("virtual_tokens", "embed"))
             prompt = nn.Embed(peft.prompt_tokens, cfg.d_model, param_dtype=jnp.dtype(cfg.param_dtype),
-                              embedding_init=init_normal(cfg.init_std, ("virtual_tokens", "embed")), name="prompt").embedding
+                              embedding_init=init, name="prompt").embedding
         return jnp.take(prompt, jnp.clip(-tokens - 1, 0, peft.prompt_tokens - 1), axis=0)
 
 

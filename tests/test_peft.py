@@ -143,7 +143,7 @@ def test_lora_rank_8_on_bench_keeps_under_5_percent_of_full_fine_tunings_optimiz
 
 def test_prompt_tuning_gives_each_packed_document_its_logits_alone(base_params):
     """Three documents packed by the loader, each behind its own prompt slots: the same logits as alone."""
-    settings = PeftConfig(method="ptuning", prompt_tokens=3)
+    settings = PeftConfig(method="ptuning", prompt_tokens=3, prompt_encoder="lstm")
     params, model = grafted(TINY_MODEL, settings, base_params), Llama(TINY_MODEL, peft=settings)
     lengths = np.array([9, 13, 6])
     tokens = np.random.default_rng(1).integers(3, TINY_MODEL.vocab_size, lengths.sum()).astype(np.int32)
@@ -155,7 +155,8 @@ def test_prompt_tuning_gives_each_packed_document_its_logits_alone(base_params):
     together = np.asarray(forward(model_inputs([row])))
     for segment in (1, 2, 3):
         where = np.flatnonzero(row["segment_ids"] == segment)
-        assert list(row["tokens"][where[:3]]) == [-1, -2, -3] and list(row["positions"][where]) == list(range(len(where)))
+        assert list(row["tokens"][where[:3]]) == [-1, -2, -3]
+        assert list(row["positions"][where]) == list(range(len(where)))
         # The document alone, at the start of a row of the same length (padding after it: segment 0).
         alone = {k: np.zeros_like(v) for k, v in row.items()}
         for k in alone:
@@ -184,16 +185,16 @@ def adapter_config(root, corpus, name, settings, **sections):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, corpus):
     """Two runs adapting the Hugging Face golden model: LoRA on every projection with dropout, on a mesh of
-    data, fsdp and tensor with every second layer recomputing, saving every step; P-tuning with an LSTM
-    encoder, with a NaN injected at its third step and fault.max_bad_steps=1, so it rolls back to step 2."""
+    data, fsdp and tensor with every second layer recomputing, saving every step; P-tuning (MLP encoder)
+    with a NaN injected at its third step and fault.max_bad_steps=1, so it rolls back to step 2."""
     root = tmp_path_factory.mktemp("peft")
-    configs = {"lora": adapter_config(root, corpus, "lora", dict(method="lora", rank=4, targets=ALL_TARGETS, dropout=0.1),
+    lora = dict(method="lora", rank=4, targets=ALL_TARGETS, dropout=0.1)
+    configs = {"lora": adapter_config(root, corpus, "lora", lora,
                                       checkpoint=dict(init_from=f"hf:{HF_BASE}", every_steps=1, keep=10),
                                       mesh=dict(data=2, fsdp=2, tensor=2),
                                       remat=dict(policy="full", every_n_layers=2)),
-               "ptuning": adapter_config(root, corpus, "ptuning", dict(method="ptuning", prompt_tokens=4,
-                                                                      prompt_encoder="lstm"),
-                                         train=dict(sample_tokens=4), fault=dict(inject_nan_steps=[2], max_bad_steps=1))}
+               "ptuning": adapter_config(root, corpus, "ptuning", dict(method="ptuning", prompt_tokens=4),
+                                         fault=dict(inject_nan_steps=[2], max_bad_steps=1))}
     messages = {name: [] for name in configs}
     summaries = {name: train(cfg, print_fn=messages[name].append) for name, cfg in configs.items()}
     return root, configs, messages, summaries
@@ -212,11 +213,11 @@ def test_a_run_adapts_its_base_and_checkpoints_hold_the_adapters_and_a_reference
     assert meta["base"]["digest"] == peft.digest(weights.load_params(weights.resolve(f"hf:{HF_BASE}")))
 
 
-def test_p_tuning_rolls_back_past_a_bad_step_and_samples_behind_its_prompt(runs):
+def test_p_tuning_rolls_back_past_a_bad_step(runs):
     _, _, messages, summaries = runs
     assert any("bad steps in a row: rolled back from step" in m and " to 2;" in m for m in messages["ptuning"]), \
         messages["ptuning"]
-    assert np.isfinite(summaries["ptuning"]["final_eval_loss"]) and summaries["ptuning"]["sample"].startswith("ROMEO:")
+    assert np.isfinite(summaries["ptuning"]["final_eval_loss"]) and summaries["ptuning"]["skipped_steps"] == 1
 
 
 def test_resume_after_a_damaged_checkpoint_is_bitwise_the_straight_run(runs, tmp_path):
@@ -248,19 +249,32 @@ def test_merged_export_gives_the_adapter_models_logits(runs, tmp_path):
     assert np.abs(api.logits(merged_cfg, base, tokens) - adapted).max() > 100 * MERGE_TOLERANCE  # LoRA did change it
 
 
-def test_eval_generate_and_convert_take_a_run_with_a_learned_prompt(runs, tmp_path, corpus, capsys):
-    root, configs, _, _ = runs
-    assert cli.main(["eval", str(root / "ptuning"), str(corpus), "train.batch_size=8", "train.seq_len=32",
-                     "--batches", "1"]) == 0
-    assert "perplexity" in capsys.readouterr().out
-    assert cli.main(["generate", str(root / "ptuning"), "--prompt", "to be", "--max-new-tokens", "3",
-                     "--temperature", "0"]) == 0
-    assert capsys.readouterr().out.startswith("to be")
-    assert cli.main(["convert", str(root / "ptuning"), str(tmp_path / "adapter")]) == 0
-    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+def test_readme_adapter_guide_commands_on_lora_and_p_tuning_runs(runs, tmp_path, corpus, monkeypatch, capsys):
+    """The guide's convert / generate / eval commands as shown, on runs/lora and runs/prompt (here P-tuning,
+    which inference runs as prompt tuning)."""
+    from test_readme import llama_jax_args, readme_commands
+
+    root, _, _, _ = runs
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "lora").symlink_to(root / "lora")
+    (tmp_path / "runs" / "prompt").symlink_to(root / "ptuning")
+    commands = [c for verb in ("convert", "generate", "eval") for c in readme_commands(f"llama-jax {verb}")
+                if any(f" runs/{adapted} " in c for adapted in ("lora", "prompt"))]
+    assert len(commands) == 4
+    for command in commands:
+        args = [a.replace("path/to/texts/", str(corpus)) for a in llama_jax_args(command)]
+        assert cli.main(args) == 0, (command, capsys.readouterr().err)
+    out = capsys.readouterr().out
+    assert "HAMLET:" in out and "perplexity" in out
+    assert json.loads((tmp_path / "exported" / "lora-adapter" / "adapter_config.json").read_text())["r"] == 4
+    assert (tmp_path / "exported" / "lora-merged" / "model.safetensors").is_file()
+    # P-tuning's adapter: the prompt its encoder makes, as prompt tuning.
+    assert cli.main(["convert", "runs/prompt", "exported/prompt-adapter"]) == 0
+    config = json.loads((tmp_path / "exported" / "prompt-adapter" / "adapter_config.json").read_text())
     assert config["peft_type"] == "PROMPT_TUNING" and config["num_virtual_tokens"] == 4
-    cfg, params = api.load(str(root / "ptuning"))  # P-tuning's encoder, run once: the prompt it made
-    exported = load_file(tmp_path / "adapter" / "adapter_model.safetensors")["prompt_embeddings"]
+    _, params = api.load("runs/prompt")
+    exported = load_file(tmp_path / "exported" / "prompt-adapter" / "adapter_model.safetensors")["prompt_embeddings"]
     np.testing.assert_array_equal(exported, np.asarray(params["prompt"]["embedding"]))
 
 

@@ -27,7 +27,8 @@ def saved_residuals(remat_config: RematConfig, peft: PeftConfig = PeftConfig()
     segments = jnp.ones((2, 16), jnp.int32)
     cos, sin = rope_angles(positions, cfg)
     policy = remat.checkpoint_policy(remat_config)
-    block = Block(cfg, peft=peft) if policy is None else nn.remat(Block, policy=policy, prevent_cse=False)(cfg, peft=peft)
+    block = Block(cfg, peft=peft) if policy is None else \
+        nn.remat(Block, policy=policy, prevent_cse=False)(cfg, peft=peft)
     params = block.init(jax.random.key(0), x, cos, sin, segments, positions)
 
     def loss(params, x):
