@@ -74,7 +74,7 @@ def main() -> None:
     for name, implementation, segments in rows:
         if implementation == "cudnn" and not on_gpu:
             continue
-        seconds, temporary = measure(lambda q, k, v, s, i=implementation: attention(q, k, v, s, None, i), q, k, v,
+        seconds, temporary = measure(lambda q, k, v, s, i=implementation: attention(q, k, v, s, i), q, k, v,
                                      segments, args.steps)
         print(f"{name:<52} {seconds * 1e3:9.2f} ms {flops(segments) / seconds / 1e12:8.1f} TFLOP/s "
               f"{temporary / 2**30:7.2f} GiB temporary")

@@ -6,7 +6,8 @@
 
 On an NVIDIA GPU it checks, on one device:
 1. attention parity: each path of llama_jax.attention (cuDNN plain causal, cuDNN's packed layout, the exact
-   fallback for rows with more documents than model.attention_max_segments, the blocked kernel, XLA's kernel) on
+   fallback for rows with more documents than model.attention_max_segments, the blocked kernel, XLA's kernel,
+   and context parallelism over 4 devices simulated on this one: cuDNN's padded calls combined by log-sum-exp) on
    packed documents with GQA in bf16, output and gradients against an fp32 XLA reference, each within
    BF16_TOLERANCE of the reference's largest magnitude. tests/test_gpu.py runs the same cases from this file.
 2. the train step of Llama 3 8B's shape (its widths, vocabulary and 8,192-token rows) with 4 of its 32 layers and
@@ -45,7 +46,8 @@ import jaxlib
 import numpy as np
 
 from llama_jax import cudnn, sharding
-from llama_jax.attention import attention, document_mask, select_implementation
+from llama_jax.attention import attention, context_parallel_kernels, document_mask, select_implementation
+from llama_jax.context_parallel import chunk_order, device_attention
 from llama_jax.config import Config, load_config
 from llama_jax.errors import EXIT_BAD_INPUT, ConfigError
 from llama_jax.files import cache_root, format_bytes
@@ -92,6 +94,7 @@ class ParityCase:
     documents: int  # per row
     max_segments: int  # model.attention_max_segments
     label: str
+    sequence_shards: int = 1  # context parallelism over this many devices, simulated on one (load-balanced)
 
 
 PARITY_CASES = (
@@ -100,6 +103,9 @@ PARITY_CASES = (
     ParityCase("cudnn", 24, 16, "cuDNN's exact fallback, 24 documents/row > 16"),
     ParityCase("blocked", 6, 16, "blocked kernel, 6 documents/row"),
     ParityCase("xla", 6, 16, "XLA kernel, 6 documents/row"),
+    ParityCase("cudnn", 6, 16, "context parallel on cuDNN, 4 devices, 6 documents/row", sequence_shards=4),
+    ParityCase("cudnn", 1, 16, "context parallel on cuDNN, 4 devices, 1 document/row", sequence_shards=4),
+    ParityCase("blocked", 6, 16, "context parallel on XLA, 4 devices, 6 documents/row", sequence_shards=4),
 )
 
 
@@ -123,6 +129,22 @@ def attention_inputs(shape: AttentionShape) -> tuple[jax.Array, ...]:
     v = jnp.asarray(rng.standard_normal((shape.batch, shape.seq, shape.kv_heads, shape.head_dim)), jnp.bfloat16)
     weights = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
     return q, k, v, weights
+
+
+def context_parallel_on_one_device(q, k, v, segments, implementation: str, max_segments: int, shards: int):
+    """The context-parallel path of `shards` load-balanced devices run on this one: each device's share in
+    turn, given its slice of the queries and the whole sequence's keys (what its all-gathers would bring)."""
+    order = chunk_order(shards, balanced=True)
+    size = q.shape[1] // len(order)
+    chunk = lambda x, c: x[:, c * size:(c + 1) * size]  # noqa: E731
+    in_chunk, kernel = context_parallel_kernels(implementation, max_segments, size)
+    outs = {}
+    for device in range(shards):
+        mine = order[2 * device:2 * device + 2]
+        local = [jnp.concatenate([chunk(x, c) for c in mine], axis=1) for x in (q, k, v, segments)]
+        out = device_attention(*local, k, v, segments, device, shards, True, in_chunk, kernel)
+        outs.update({c: chunk(out, i) for i, c in enumerate(mine)})
+    return jnp.concatenate([outs[c] for c in range(len(order))], axis=1)
 
 
 def reference(q, k, v, segments):
@@ -153,7 +175,11 @@ def attention_errors(case: ParityCase, shape: AttentionShape, references: dict |
     reference's results by document count, so cases on the same documents compute it once."""
     q, k, v, weights = attention_inputs(shape)
     segments = jnp.asarray(packed_segments(case.documents, shape))
-    ours = lambda q, k, v, s: attention(q, k, v, s, None, case.implementation, case.max_segments)  # noqa: E731
+    if case.sequence_shards > 1:
+        ours = lambda q, k, v, s: context_parallel_on_one_device(  # noqa: E731
+            q, k, v, s, case.implementation, case.max_segments, case.sequence_shards)
+    else:
+        ours = lambda q, k, v, s: attention(q, k, v, s, case.implementation, case.max_segments)  # noqa: E731
     got, got_grads = outputs_and_gradients(ours, q, k, v, segments, weights)
     references = {} if references is None else references
     if case.documents not in references:

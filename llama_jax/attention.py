@@ -10,9 +10,10 @@ as they are; only XLA's kernel gets a dense document mask.
 
 Context parallelism: when the active mesh splits the sequence over its `sequence` axis, each device
 holds a slice of the queries and all-gathers the keys and values of the whole sequence (the scheme
-Llama 3 used for its 128K context). Masks are built from segment ids and positions rather than
-token indices, so they stay exact for packed documents and for any order of the sequence slices —
-including the load-balanced layout of sharding.balance_sequence.
+Llama 3 used for its 128K context); context_parallel.py computes, per chunk of queries, the causal
+block on its own keys and the visible prefix of earlier chunks, skipping later ones, with cuDNN on GPUs
+(no mask tensor) and XLA elsewhere. It needs to know how the sequence is laid out over the devices
+(`balanced`: sharding.balance_sequence's pairing of early and late chunks, mesh.load_balance).
 
 More tensor shards than kv heads (Llama 3 70B/405B at tensor=16 have 8 kv heads): the kv heads are
 replicated while the query heads are split, and attention runs inside a shard_map in which each
@@ -28,12 +29,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from llama_jax.cudnn import cudnn_attention
+from llama_jax.context_parallel import SEQUENCE_AXIS, XLA_KERNEL, sequence_sharded_attention
+from llama_jax.cudnn import PADDED_KERNEL, cudnn_attention
 from llama_jax.errors import ConfigError
 from llama_jax.flash import MIN_BLOCK, block_size, blocked_attention
 
 CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
-SEQUENCE_AXIS = "sequence"
 
 
 def select_implementation(requested: str, platform: str, dtype, head_dim: int, seq_len: int | None = None,
@@ -74,16 +75,6 @@ def document_mask(q_segments: jax.Array, k_segments: jax.Array) -> jax.Array:
     return q_segments[:, None, :, None] == k_segments[:, None, None, :]
 
 
-def causal_document_mask(q_segments, q_positions, k_segments, k_positions) -> jax.Array:
-    """[batch, 1, q, k] mask: a query sees earlier-or-equal positions of its own document.
-
-    Within one document positions grow by one per token, so comparing positions is the causal
-    mask, whatever order the tokens are laid out in.
-    """
-    not_future = q_positions[:, None, :, None] >= k_positions[:, None, None, :]
-    return document_mask(q_segments, k_segments) & not_future
-
-
 def sequence_shards() -> int:
     """How many devices the active mesh splits the sequence over (1 outside a mesh)."""
     return _mesh_size(SEQUENCE_AXIS)
@@ -103,11 +94,13 @@ def _query_heads_split_from_kv_heads() -> bool:
     return q_axes != kv_axes and _mesh_size(q_axes) > 1
 
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None,
-              positions: jax.Array | None, implementation: str, max_segments: int = 16) -> jax.Array:
-    """Causal attention with document masking. q [b,t,n,h], k/v [b,t,kv,h] -> [b,t,n,h]."""
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None, implementation: str,
+              max_segments: int = 16, balanced: bool = True) -> jax.Array:
+    """Causal attention with document masking. q [b,t,n,h], k/v [b,t,kv,h] -> [b,t,n,h].
+
+    balanced: under context parallelism, whether the sequence is laid out by sharding.balance_sequence."""
     if sequence_shards() > 1 or _query_heads_split_from_kv_heads():
-        return _per_device(q, k, v, segment_ids, positions, implementation, max_segments)
+        return _per_device(q, k, v, segment_ids, implementation, max_segments, balanced)
     return _tokens_in_order(q, k, v, segment_ids, implementation, max_segments)
 
 
@@ -152,34 +145,41 @@ def cached_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, posit
     return jax.nn.dot_product_attention(q, k_cache, v_cache, mask=mask, implementation=None)
 
 
-def _per_device(q, k, v, segment_ids, positions, implementation, max_segments):
+def _per_device(q, k, v, segment_ids, implementation, max_segments, balanced):
     """Attention inside a shard_map: for context parallelism, or for more tensor shards than kv heads."""
-    batch, seq = q.shape[:2]
-    if positions is None:
-        positions = jnp.broadcast_to(jnp.arange(seq), (batch, seq))
     if segment_ids is None:
-        segment_ids = jnp.ones((batch, seq), jnp.int32)
+        segment_ids = jnp.ones(q.shape[:2], jnp.int32)
     # The partition specs follow the logical-axis rules in force, so an expert's table override
     # moves this shard_map along with everything else.
     heads = nn.logical_to_mesh_axes(("batch", "seq", "act_heads", "head_dim"))
     kv_heads = nn.logical_to_mesh_axes(("batch", "seq", "act_kv_heads", "head_dim"))
     tokens = nn.logical_to_mesh_axes(("batch", "seq"))
-    context_parallel = sequence_shards() > 1
+    shards = sequence_shards()
 
-    def local(q, k, v, segments, positions):
+    def local(q, k, v, segments):
         k, v = _own_kv_heads(q, k, v, heads[2], kv_heads[2])
-        if not context_parallel:
+        if shards == 1:
             return _tokens_in_order(q, k, v, segments, implementation, max_segments)
-        # Every device keeps its query slice and gathers the keys/values of the whole sequence;
-        # autodiff turns the all-gathers into reduce-scatters for the key/value gradients. The
-        # tokens are not in order here, so the blocked kernel does not apply.
-        gather = lambda x: jax.lax.all_gather(x, SEQUENCE_AXIS, axis=1, tiled=True)  # noqa: E731
-        mask = causal_document_mask(segments, positions, gather(segments), gather(positions))
-        return jax.nn.dot_product_attention(q, gather(k), gather(v), mask=mask,
-                                            implementation="xla" if implementation == "blocked" else implementation)
+        return context_parallel_attention(q, k, v, segments, implementation, max_segments, shards, balanced)
 
-    return jax.shard_map(local, in_specs=(heads, kv_heads, kv_heads, tokens, tokens), out_specs=heads)(
-        q, k, v, segment_ids, positions)
+    return jax.shard_map(local, in_specs=(heads, kv_heads, kv_heads, tokens), out_specs=heads)(
+        q, k, v, segment_ids)
+
+
+def context_parallel_attention(q, k, v, segments, implementation: str, max_segments: int, shards: int,
+                               balanced: bool) -> jax.Array:
+    """One device's share of context-parallel attention, inside a shard_map over the `sequence` axis of
+    `shards` devices: q [b, t, n, h], k/v [b, t, kv, h], segments [b, t] -> [b, t, n, h]."""
+    in_chunk, kernel = context_parallel_kernels(implementation, max_segments, q.shape[1] // (2 if balanced else 1))
+    return sequence_sharded_attention(q, k, v, segments, shards, balanced, in_chunk, kernel)
+
+
+def context_parallel_kernels(implementation: str, max_segments: int, chunk: int):
+    """(the in-order kernel for a chunk's own block, the padded kernel for partial attentions)."""
+    # The blocked kernel runs a chunk's own block only where the chunk splits into blocks.
+    in_chunk_kernel = "xla" if implementation == "blocked" and block_size(chunk) is None else implementation
+    in_chunk = lambda q, k, v, s: _tokens_in_order(q, k, v, s, in_chunk_kernel, max_segments)  # noqa: E731
+    return in_chunk, PADDED_KERNEL if implementation == "cudnn" else XLA_KERNEL
 
 
 def _own_kv_heads(q, k, v, q_axes, kv_axes):

@@ -17,10 +17,13 @@ batch of one document per row runs plain causal cuDNN.
 
 from __future__ import annotations
 
+import inspect
+
 import jax
 import jax.numpy as jnp
 from jax._src.cudnn import fused_attention_stablehlo as cudnn  # private: the only way to the packed layout
 
+from llama_jax.context_parallel import XLA_KERNEL, PaddedKernel
 from llama_jax.flash import block_size, blocked_attention
 
 
@@ -97,3 +100,56 @@ def packed_layout_supported() -> bool:
         return cudnn.check_compute_capability("9.0") and cudnn.check_cudnn_version() >= 90600
     except RuntimeError:  # no cuDNN
         return False
+
+
+# ---------------------------------------------------------------------------------------------
+# Padded attention with the softmax statistics, for context parallelism (context_parallel.py)
+#
+# Combining partial attentions needs two things jax's public cuDNN call does not give: each part's
+# log-sum-exp (the private call returns cuDNN's softmax statistics with return_residual=True: [b, n, t]
+# fp32, the natural log of the sum of exp(scale * q.k)) and a backward pass that starts from the
+# *combined* output and log-sum-exp instead of the part's own (FlashAttention's backward of a split
+# softmax; the private call's own backward ignores any gradient of the statistics). The backward is
+# the private primitive jax's own backward binds; its operands are the same from jax 0.10.2 to 0.12,
+# where it gained a `score_mod` parameter (None: plain attention).
+
+
+def _padded_options(q, causal):
+    mask_type = cudnn.MaskType.PADDING_CAUSAL if causal else cudnn.MaskType.PADDING
+    return mask_type, q.shape[-1] ** -0.5
+
+
+def _padded_forward(q, k, v, q_len, kv_len, causal):
+    mask_type, scale = _padded_options(q, causal)
+    out, lse = cudnn.dot_product_attention(q, k, v, q_seqlen=q_len.astype(jnp.int32),
+                                           kv_seqlen=kv_len.astype(jnp.int32), mask_type=mask_type, scale=scale,
+                                           qkv_layout="BTNH", return_residual=True)
+    return out, lse
+
+
+def _padded_backward(q, k, v, q_len, kv_len, causal, out, lse, d_out):
+    mask_type, scale = _padded_options(q, causal)
+    unused = jnp.zeros(0, q.dtype)  # bias, offsets and page tables, as jax passes them
+    params = dict(scale=scale, seed=42, dropout_rate=0.0, variadic_args=(False, False), mask_type=mask_type,
+                  layout=cudnn.AttentionLayout.BTNH.value, sliding_window_length=None)
+    if _BACKWARD_TAKES_SCORE_MOD:
+        params["score_mod"] = None
+    grads = cudnn._dot_product_attention_bwd_p_wrapper.bind(
+        q, k, v, unused, q_len.astype(jnp.int32), kv_len.astype(jnp.int32), unused, unused, unused, unused,
+        lse, out.astype(q.dtype), d_out.astype(q.dtype), **params)
+    return tuple(grads[:3])
+
+
+def _private_backward_known() -> tuple[bool, bool]:
+    """(the private backward is there as this file calls it, it takes score_mod)."""
+    rule = getattr(cudnn, "_dot_product_attention_bwd_rule", None)
+    if rule is None or not hasattr(cudnn, "_dot_product_attention_bwd_p_wrapper"):
+        return False, False
+    names = inspect.signature(rule).parameters
+    return "return_residual" in names, "score_mod" in names
+
+
+_BACKWARD_KNOWN, _BACKWARD_TAKES_SCORE_MOD = _private_backward_known()
+
+# On a jax whose private cuDNN module no longer matches, the XLA kernel keeps context parallelism exact.
+PADDED_KERNEL = PaddedKernel(_padded_forward, _padded_backward) if _BACKWARD_KNOWN else XLA_KERNEL

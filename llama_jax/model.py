@@ -230,6 +230,7 @@ def adapted_linear(cfg: ModelConfig, peft: PeftConfig):
 class Attention(nn.Module):
     cfg: ModelConfig
     decode: bool = False  # generation: keys/values of earlier tokens come from a cache
+    load_balanced: bool = True  # see Llama
     peft: PeftConfig = PeftConfig()
 
     @nn.compact
@@ -253,8 +254,8 @@ class Attention(nn.Module):
         else:
             implementation = select_implementation(cfg.attention, jax.default_backend(), q.dtype, h, q.shape[1],
                                                    strict=False)
-            context = attention(q, k, v, segment_ids, positions, implementation,  # [batch, seq, heads, head_dim]
-                                cfg.attention_max_segments)
+            context = attention(q, k, v, segment_ids, implementation,  # [batch, seq, heads, head_dim]
+                                cfg.attention_max_segments, self.load_balanced)
         context = nn.with_logical_constraint(checkpoint_name(context, "attention_context"), HEADS)
 
         out = linear("btnh,nhd->btd", (n, h, d), ("heads", "head_dim", "embed"), out_std, target="o",
@@ -301,6 +302,7 @@ class Block(nn.Module):
 
     cfg: ModelConfig
     decode: bool = False
+    load_balanced: bool = True  # see Llama
     peft: PeftConfig = PeftConfig()
 
     @nn.compact
@@ -309,7 +311,8 @@ class Block(nn.Module):
         norm = partial(RMSNorm, eps=cfg.norm_eps, **dtypes(cfg))
         h = checkpoint_name(norm(name="attn_norm")(x), "attn_norm")
         h = nn.with_logical_constraint(h, HIDDEN)
-        x = x + Attention(cfg, self.decode, self.peft, name="attn")(h, cos, sin, segment_ids, positions)
+        attention = Attention(cfg, self.decode, self.load_balanced, self.peft, name="attn")
+        x = x + attention(h, cos, sin, segment_ids, positions)
         x = nn.with_logical_constraint(x, RESIDUAL)
         h = checkpoint_name(norm(name="mlp_norm")(x), "mlp_norm")
         h = nn.with_logical_constraint(h, HIDDEN)
@@ -355,6 +358,10 @@ class Llama(nn.Module):
     cfg: ModelConfig
     remat_config: RematConfig = RematConfig()
     decode: bool = False  # generation with a key/value cache (the "cache" collection), see generate.py
+    # How a sequence split over the mesh's `sequence` axis is laid out (mesh.load_balance): early and
+    # late chunks paired per device (sharding.balance_sequence) or in order. Causal attention needs to
+    # know which keys come before which queries; positions restart per document and cannot tell.
+    load_balanced: bool = True
     peft: PeftConfig = PeftConfig()  # adapters: LoRA in the projections, or a learned prompt
 
     @nn.compact
@@ -388,11 +395,13 @@ class Llama(nn.Module):
         # every layer weight gets a leading `layers` axis.
         layers = nn.scan(block, variable_axes={"params": 0, "cache": 0}, split_rngs={"params": True, "dropout": True},
                          in_axes=(nn.broadcast,) * 4, length=cfg.n_layers,
-                         metadata_params={nn.PARTITION_NAME: "layers"})(cfg, self.decode, self.peft, name="layers")
+                         metadata_params={nn.PARTITION_NAME: "layers"})(cfg, self.decode, self.load_balanced,
+                                                                        self.peft, name="layers")
         if policy is not None and every_n > 1 and not self.is_initializing():
             dropout_key = self.make_rng("dropout") if self.peft.dropout and self.has_rng("dropout") else None
             x = every_nth_layer_remat(cfg, self.peft, policy, every_n, self.variables["params"]["layers"],
-                                      dropout_key, x, cos, sin, segment_ids, positions)
+                                      dropout_key, x, cos, sin, segment_ids, positions,
+                                      load_balanced=self.load_balanced)
         else:
             x, _ = layers(x, cos, sin, segment_ids, positions)
 
@@ -427,7 +436,7 @@ class Llama(nn.Module):
 
 
 def every_nth_layer_remat(cfg: ModelConfig, peft: PeftConfig, policy, every_n: int, layer_params, dropout_key,
-                          x, *broadcast):
+                          x, *broadcast, load_balanced=True):
     """Run the layer stack with only layers 0, n, 2n, ... recomputing in the backward pass.
 
     The weights keep the [layers, ...] layout that nn.scan created; they are viewed as
@@ -436,7 +445,8 @@ def every_nth_layer_remat(cfg: ModelConfig, peft: PeftConfig, policy, every_n: i
     """
     def layer(params, key, x):
         rngs = {} if key is None else {"dropout": key}
-        return Block(cfg, peft=peft).apply({"params": params}, x, *broadcast, rngs=rngs)[0]
+        block = Block(cfg, load_balanced=load_balanced, peft=peft)
+        return block.apply({"params": params}, x, *broadcast, rngs=rngs)[0]
 
     recomputed_layer = jax.checkpoint(layer, policy=policy, prevent_cse=False)
     keys = None if dropout_key is None else jax.random.split(dropout_key, cfg.n_layers)

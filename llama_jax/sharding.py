@@ -23,6 +23,7 @@ from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from llama_jax.config import Config, MeshConfig, parse_axes
+from llama_jax.context_parallel import chunk_order
 from llama_jax.vocabulary import MESH_AXES
 from llama_jax.errors import ConfigError
 from llama_jax.model import abstract_params
@@ -210,7 +211,7 @@ def balance_sequence(x: np.ndarray, shards: int) -> np.ndarray:
     to the order (positions and segment ids travel with the tokens) and the loss is a sum over tokens.
     """
     chunks = np.split(x, 2 * shards, axis=1)
-    return np.concatenate([c for i in range(shards) for c in (chunks[i], chunks[2 * shards - 1 - i])], axis=1)
+    return np.concatenate([chunks[c] for c in chunk_order(shards, balanced=True)], axis=1)
 
 
 def process_rows(mesh: Mesh, batch_size: int, seq_len: int) -> list[int]:

@@ -170,7 +170,8 @@ class TrainProgram:
         in turn and keeps the first that fits the memory budget."""
         if config.train.microbatches == "auto":
             return cls._fewest_microbatches_that_fit(config, mesh)
-        model = Llama(config.model, remat_config=config.remat, peft=config.peft)
+        model = Llama(config.model, remat_config=config.remat, load_balanced=config.mesh.load_balance,
+                      peft=config.peft)
         adapting = config.peft.method != "none"
         optimizer = make_optimizer(config.train)
         schedule = learning_rate(config.train)
@@ -315,11 +316,13 @@ def step_memory_bytes(compiled) -> int:
 
 
 def model_flops_per_token(config: Config) -> float:
-    """train_flops_per_token for the attention kernel this config runs (context parallelism uses XLA's)."""
+    """train_flops_per_token for the attention kernel this config runs. Under context parallelism only
+    cuDNN's padded calls skip the masked keys; the XLA kernel in their place computes them all."""
     m = config.model
     kernel = select_implementation(m.attention, jax.default_backend(), m.compute_dtype, m.resolved_head_dim,
                                    config.train.seq_len)
-    return train_flops_per_token(m, config.train.seq_len, skips_masked_blocks(kernel) and config.mesh.sequence == 1)
+    skips = skips_masked_blocks(kernel) and (config.mesh.sequence == 1 or kernel == "cudnn")
+    return train_flops_per_token(m, config.train.seq_len, skips)
 
 
 # ---------------------------------------------------------------------------------------------

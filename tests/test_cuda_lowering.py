@@ -7,6 +7,8 @@ the shard_map for more tensor shards than kv heads, the rest of the train step) 
 """
 
 import re
+import sys
+from pathlib import Path
 from unittest import mock
 
 import jax
@@ -16,6 +18,7 @@ import pytest
 
 from llama_jax import cudnn
 from llama_jax.attention import attention, document_mask
+from llama_jax.context_parallel import XLA_KERNEL
 from llama_jax.config import load_config
 from llama_jax.step import TrainProgram
 
@@ -57,7 +60,7 @@ def test_packed_documents_lower_to_cudnn_without_any_t_by_t_tensor(hopper):
     segments = jax.ShapeDtypeStruct((2, SEQ), jnp.int32)
 
     def loss(q, k, v, segments):
-        return attention(q, k, v, segments, None, "cudnn", max_segments=16).astype(jnp.float32).sum()
+        return attention(q, k, v, segments, "cudnn", max_segments=16).astype(jnp.float32).sum()
 
     text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, kv, kv, segments).lower(
         lowering_platforms=("cuda",)).as_text()
@@ -86,3 +89,45 @@ def test_train_step_with_more_tensor_shards_than_kv_heads_lowers_with_attention_
     assert "__cudnn$fmhaSoftmax" in custom_calls(text)
     assert "sdy.manual_computation" in text or "SPMDFullToShardShape" in custom_calls(text)
     assert square_tensors(text) == []
+
+
+def test_context_parallel_train_step_lowers_to_cudnn_calls_without_any_quadratic_tensor(hopper):
+    """sequence=2, load-balanced: each device holds two chunks of T/4 tokens. Each chunk runs cuDNN on its own
+    block (causal, or the packed layout) and cuDNN's padded call on the visible prefix of earlier chunks
+    (PADDING: no mask tensor, the padding skipped), combined by log-sum-exp with cuDNN's backward from the
+    combined statistics. No tensor anywhere has two dimensions among T, T/2 and T/4 (a mask, bias or scores
+    of a chunk against the sequence); tensor=4 > 2 kv heads runs it all in the shard_map."""
+    seq = 2048
+    config = load_config("tiny", ["model.d_model=256", "model.n_heads=8", "model.n_kv_heads=2", "model.n_layers=1",
+                                  "model.compute_dtype=bfloat16", f"model.max_seq_len={seq}", f"train.seq_len={seq}",
+                                  "train.batch_size=2", "mesh.sequence=2", "mesh.tensor=4", "mesh.fsdp=1"])
+    assert cudnn.PADDED_KERNEL is not XLA_KERNEL
+    with mock.patch("llama_jax.model.select_implementation", lambda *args, **kwargs: "cudnn"):
+        program = TrainProgram.for_config(config)
+        with program.activate():
+            text = program.train_step.trace(program.abstract_state(), program.abstract_batch()).lower(
+                lowering_platforms=("cuda",)).as_text()
+    assert {"__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward"} <= custom_calls(text)
+    masks = set(re.findall(r"mask_type[^A-Z]{1,12}([A-Z_]+)", text))
+    assert {"PADDING", "PADDING_CAUSAL", "CAUSAL"} <= masks
+    lengths = {str(seq), str(seq // 2), str(seq // 4)}
+    shapes = set(re.findall(r"tensor<([0-9x]+)x(?:[a-z]+[0-9]*)>", text))
+    assert [s for s in shapes if sum(d in lengths for d in s.split("x")) >= 2] == []
+    assert "sdy.manual_computation" in text or "SPMDFullToShardShape" in custom_calls(text)
+
+
+def test_gpu_checks_context_parallel_rows_lower_to_cudnn_on_one_device(hopper):
+    """make gpu-check runs every device's share of context parallelism in turn on one GPU: it lowers to cuDNN."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import gpu_check
+
+    q, k, v, _ = (jax.ShapeDtypeStruct(x.shape, x.dtype) for x in gpu_check.attention_inputs(gpu_check.SMOKE_SHAPE))
+    segments = jax.ShapeDtypeStruct(q.shape[:2], jnp.int32)
+
+    def loss(q, k, v, segments):
+        out = gpu_check.context_parallel_on_one_device(q, k, v, segments, "cudnn", 16, shards=4)
+        return out.astype(jnp.float32).sum()
+
+    text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, k, v, segments).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert {"__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward"} <= custom_calls(text)
