@@ -31,7 +31,7 @@ from llama_jax.data.loader import Batches
 from llama_jax.errors import ConfigError
 from llama_jax.files import format_bytes
 from llama_jax.hardware import memory_budget
-from llama_jax.model import Llama, train_flops_per_token
+from llama_jax.model import Llama, matmul_param_count, train_flops_per_token
 from llama_jax.optim import learning_rate, make_optimizer
 
 # The fields of a batch, each [batch, seq]: what the loader yields and the train step takes.
@@ -317,12 +317,15 @@ def step_memory_bytes(compiled) -> int:
 
 def model_flops_per_token(config: Config) -> float:
     """train_flops_per_token for the attention kernel this config runs. Under context parallelism only
-    cuDNN's padded calls skip the masked keys; the XLA kernel in their place computes them all."""
+    cuDNN's padded calls skip the masked keys; the XLA kernel in their place computes them all. A peft
+    run's frozen weights take part in the forward pass and the input gradients (4 FLOPs per parameter)
+    but have no weight gradient (the other 2 of the 6); the adapters' own FLOPs are left out."""
     m = config.model
     kernel = select_implementation(m.attention, jax.default_backend(), m.compute_dtype, m.resolved_head_dim,
                                    config.train.seq_len)
     skips = skips_masked_blocks(kernel) and (config.mesh.sequence == 1 or kernel == "cudnn")
-    return train_flops_per_token(m, config.train.seq_len, skips)
+    frozen = 2 * matmul_param_count(m) if config.peft.method != "none" else 0
+    return train_flops_per_token(m, config.train.seq_len, skips) - frozen
 
 
 # ---------------------------------------------------------------------------------------------
