@@ -32,8 +32,10 @@ from llama_jax.peft_config import PeftConfig
 
 LORA = ("lora_a", "lora_b")
 PROMPTS = ("prompt", "prompt_encoder")  # the top-level entries of prompt tuning and P-tuning
-# peft.* fields that change the adapters' shapes or function: a checkpoint must agree on them.
-ADAPTER_FIELDS = ("method", "rank", "alpha", "targets", "prompt_tokens", "prompt_encoder", "encoder_hidden")
+# The peft.* fields that change a method's adapters (their shapes or what they compute): a checkpoint
+# must agree on them. peft.dropout may change.
+ADAPTER_FIELDS = {"lora": ("rank", "alpha", "targets"), "prompt": ("prompt_tokens",),
+                  "ptuning": ("prompt_tokens", "prompt_encoder", "encoder_hidden")}
 
 
 def is_adapter(path: tuple[str, ...]) -> bool:
@@ -104,9 +106,10 @@ def check_base(saved: dict | None, current: dict, where: str) -> None:
 def check_adapters(saved: dict, peft: PeftConfig, where: str) -> None:
     """A checkpoint's peft section must describe the adapters of `peft`: the same method, shapes, scale."""
     current = dataclasses.asdict(peft)
-    differ = [k for k in ADAPTER_FIELDS if saved.get(k, current[k]) != current[k]]
+    same = lambda k: sorted(saved[k]) == sorted(current[k]) if k == "targets" else saved[k] == current[k]  # noqa: E731
+    differ = [k for k in ADAPTER_FIELDS.get(peft.method, ()) if k in saved and not same(k)]
     if saved.get("method", "none") != peft.method or differ:
-        fields = "; ".join(f"peft.{k} {saved.get(k)} (saved) vs {current[k]}" for k in differ or ["method"])
+        fields = "; ".join(f"peft.{k} {saved.get(k, 'none')} (saved) vs {current[k]}" for k in differ or ["method"])
         raise ConfigError(f"{where} holds checkpoints of other adapters ({fields}); use another run.dir or the "
                           "saved peft settings")
 

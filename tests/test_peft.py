@@ -14,7 +14,6 @@ from pathlib import Path
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import TINY_MODEL, tiny_config
@@ -70,13 +69,31 @@ def grafted(cfg, settings, base, seed=1, zero_lora_b=False):
 # The model with adapters
 
 
-def test_lora_at_step_zero_is_the_base_model_bitwise(base_params):
-    tokens = jnp.asarray(np.random.default_rng(0).integers(0, TINY_MODEL.vocab_size, (2, 16)), jnp.int32)
-    adapted, plain = Llama(TINY_MODEL, peft=LORA), Llama(TINY_MODEL)
-    params = grafted(TINY_MODEL, LORA, base_params, zero_lora_b=True)
-    logits = jax.jit(lambda params: adapted.apply({"params": params}, tokens))(params)
-    expected = jax.jit(lambda params: plain.apply({"params": params}, tokens))(base_params)
+def test_lora_starts_as_the_base_model_bitwise_and_recomputing_layers_changes_no_gradient(base_params):
+    """Step 0 (B zero) gives the base model's logits bit for bit; the adapters' gradients (at B away from
+    zero) are the same with every second layer recomputing (remat.every_n_layers, its own path through the
+    layers) as with every activation kept."""
+    batch = random_batch(tiny_config(), seq=16)
+    adapters, base = peft.split(grafted(TINY_MODEL, LORA, base_params, zero_lora_b=True))
+    plain = Llama(TINY_MODEL)
+    expected = jax.jit(lambda params: plain.apply({"params": params}, batch["tokens"]))(base_params)
+
+    def logits_and_gradients(remat):
+        model = Llama(TINY_MODEL, remat_config=remat, peft=LORA)
+
+        def loss(a):
+            return model.apply({"params": peft.merge(a, base)}, batch["tokens"], batch["positions"], batch["segment_ids"],
+                               targets=batch["targets"], loss_mask=batch["loss_mask"])[0]
+
+        def run(a):
+            moved = jax.tree.map(lambda x: x + 0.01, a)  # every gradient informative
+            return model.apply({"params": peft.merge(a, base)}, batch["tokens"]), jax.grad(loss)(moved)
+        return jax.jit(run)(adapters)
+
+    logits, kept = logits_and_gradients(RematConfig())
     np.testing.assert_array_equal(np.asarray(logits), np.asarray(expected))
+    # fp32: the same sums in another order (the bound test_train.py puts on micro-batch accumulation)
+    assert relative_difference(logits_and_gradients(RematConfig(policy="full", every_n_layers=2))[1], kept) < 1e-5
 
 
 @pytest.mark.parametrize("policy", [p for p in REMAT_POLICIES if p != "none"])
@@ -102,32 +119,18 @@ def test_the_adapters_carry_logical_names_and_shard_with_the_projection_they_ada
     assert "kernel" not in shardings.params["layers"]["attn"]["q_proj"]  # the base is frozen: no moments
 
 
-def test_lora_gradients_are_the_same_when_layers_recompute(base_params):
-    """The adapters' gradients with every second layer recomputing (remat.every_n_layers, its own path
-    through the layers) equal those of keeping every activation."""
-    adapters, base = peft.split(grafted(TINY_MODEL, LORA, base_params))
-    batch = random_batch(tiny_config(), seq=16)
-
-    def gradients(remat):
-        model = Llama(TINY_MODEL, remat_config=remat, peft=LORA)
-        loss = lambda a: model.apply({"params": peft.merge(a, base)}, batch["tokens"], batch["positions"],  # noqa: E731
-                                     batch["segment_ids"], targets=batch["targets"], loss_mask=batch["loss_mask"])[0]
-        return jax.jit(jax.grad(loss))(adapters)
-
-    # fp32: the same sums in another order (the bound test_train.py puts on micro-batch accumulation)
-    assert relative_difference(gradients(RematConfig(policy="full", every_n_layers=2)), gradients(RematConfig())) < 1e-5
-
-
 def test_a_lora_step_computes_no_weight_gradient_of_the_base():
-    """Backward through the frozen projections yields input gradients only: a third less work than full training."""
+    """Backward through the frozen projections yields input gradients only: a third less work than full
+    training (the lowered step's FLOPs; compiled, XLA keeps the same ratio: 68.4M / 101.7M here)."""
     flops = {}
     for method in ("none", "lora"):
         cfg = tiny_config(peft=dict(method=method, rank=1, targets=["q"]), checkpoint=dict(init_from="x"),
-                          mesh=dict(fsdp=1), model=dict(dataclasses.asdict(TINY_MODEL), cpu_projection=False))
+                          mesh=dict(fsdp=1))
         program = TrainProgram.build(cfg, sharding.make_mesh(cfg, devices=jax.devices()[:1]))
         with program.activate():
-            flops[method] = program.compile_step().cost_analysis()["flops"]
-    assert flops["lora"] < 0.8 * flops["none"]
+            flops[method] = program.train_step.lower(program.abstract_state(), program.abstract_batch()) \
+                .cost_analysis()["flops"]
+    assert flops["lora"] < 0.75 * flops["none"]
 
 
 def test_lora_rank_8_on_bench_keeps_under_5_percent_of_full_fine_tunings_optimizer_state():
@@ -170,6 +173,7 @@ def test_prompt_tuning_gives_each_packed_document_its_logits_alone(base_params):
 
 
 STEPS = 4
+DEVICES = {"lora": jax.devices()[:4], "ptuning": jax.devices()[:1]}
 HF_BASE = Path(__file__).parent / "golden" / "hf" / "gqa_llama3_untied"  # vocab 300: room for the corpus's BPE
 
 
@@ -185,18 +189,18 @@ def adapter_config(root, corpus, name, settings, **sections):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, corpus):
     """Two runs adapting the Hugging Face golden model: LoRA on every projection with dropout, on a mesh of
-    data, fsdp and tensor with every second layer recomputing, saving every step; P-tuning (MLP encoder)
+    fsdp and tensor (4 devices), saving every step; P-tuning (MLP encoder, one device)
     with a NaN injected at its third step and fault.max_bad_steps=1, so it rolls back to step 2."""
     root = tmp_path_factory.mktemp("peft")
     lora = dict(method="lora", rank=4, targets=ALL_TARGETS, dropout=0.1)
     configs = {"lora": adapter_config(root, corpus, "lora", lora,
                                       checkpoint=dict(init_from=f"hf:{HF_BASE}", every_steps=1, keep=10),
-                                      mesh=dict(data=2, fsdp=2, tensor=2),
-                                      remat=dict(policy="full", every_n_layers=2)),
+                                      mesh=dict(fsdp=2, tensor=2)),
                "ptuning": adapter_config(root, corpus, "ptuning", dict(method="ptuning", prompt_tokens=4),
                                          fault=dict(inject_nan_steps=[2], max_bad_steps=1))}
     messages = {name: [] for name in configs}
-    summaries = {name: train(cfg, print_fn=messages[name].append) for name, cfg in configs.items()}
+    summaries = {name: train(cfg, print_fn=messages[name].append, devices=DEVICES[name])
+                 for name, cfg in configs.items()}
     return root, configs, messages, summaries
 
 
@@ -204,7 +208,7 @@ def test_a_run_adapts_its_base_and_checkpoints_hold_the_adapters_and_a_reference
     root, configs, messages, summaries = runs
     assert f"adapting hf:{HF_BASE} (peft.method=lora); its params stay frozen" in messages["lora"]
     assert summaries["lora"]["final_eval_loss"] < summaries["lora"]["initial_eval_loss"]
-    state, _ = load_checkpoint(configs["lora"], STEPS)
+    state, _ = load_checkpoint(configs["lora"], STEPS, devices=DEVICES["lora"])
     names = {path[-1] for path in jax.tree_util.tree_flatten_with_path(state.params)[0] for path in [
         [getattr(k, "key", "") for k in path[0]]]}
     assert names == {"lora_a", "lora_b"}  # no base weight, and no optimizer moment of one
@@ -229,29 +233,16 @@ def test_resume_after_a_damaged_checkpoint_is_bitwise_the_straight_run(runs, tmp
     corrupt(tmp_path / "lora" / "checkpoints" / str(STEPS - 1), "truncated-array")
     cfg = dataclasses.replace(configs["lora"], run=dataclasses.replace(configs["lora"].run, dir=str(tmp_path / "lora")))
     messages = []
-    train(cfg, print_fn=messages.append)
+    train(cfg, print_fn=messages.append, devices=DEVICES["lora"])
     assert f"resumed from {tmp_path / 'lora' / 'checkpoints' / '2'}" in messages
-    resumed, straight = load_checkpoint(cfg, STEPS)[0], load_checkpoint(configs["lora"], STEPS)[0]
+    resumed, straight = (load_checkpoint(c, STEPS, devices=DEVICES["lora"])[0] for c in (cfg, configs["lora"]))
     for a, b in zip(jax.tree.leaves(resumed), jax.tree.leaves(straight)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_merged_export_gives_the_adapter_models_logits(runs, tmp_path):
-    root, configs, _, _ = runs
-    spec = weights.resolve(str(root / "lora"))
-    adapters, base = weights.load_adapters(spec), weights.load_params(weights.resolve(f"hf:{HF_BASE}"))
-    tokens = np.random.default_rng(0).integers(0, spec.model.vocab_size, (2, 24))
-    model = Llama(spec.model, peft=spec.adapters)
-    adapted = np.asarray(jax.jit(lambda p: model.apply({"params": p}, tokens))(peft.merge(adapters, base)))
-    assert cli.main(["convert", str(root / "lora"), str(tmp_path / "merged"), "--merge"]) == 0
-    merged_cfg, merged = api.load(f"hf:{tmp_path / 'merged'}")
-    assert np.abs(api.logits(merged_cfg, merged, tokens) - adapted).max() <= MERGE_TOLERANCE
-    assert np.abs(api.logits(merged_cfg, base, tokens) - adapted).max() > 100 * MERGE_TOLERANCE  # LoRA did change it
-
-
 def test_readme_adapter_guide_commands_on_lora_and_p_tuning_runs(runs, tmp_path, corpus, monkeypatch, capsys):
     """The guide's convert / generate / eval commands as shown, on runs/lora and runs/prompt (here P-tuning,
-    which inference runs as prompt tuning)."""
+    which inference runs as prompt tuning); the merged export's logits are the adapted model's."""
     from test_readme import llama_jax_args, readme_commands
 
     root, _, _, _ = runs
@@ -268,7 +259,15 @@ def test_readme_adapter_guide_commands_on_lora_and_p_tuning_runs(runs, tmp_path,
     out = capsys.readouterr().out
     assert "HAMLET:" in out and "perplexity" in out
     assert json.loads((tmp_path / "exported" / "lora-adapter" / "adapter_config.json").read_text())["r"] == 4
-    assert (tmp_path / "exported" / "lora-merged" / "model.safetensors").is_file()
+    # The merged export (--merge) computes the adapted model's logits.
+    spec = weights.resolve("runs/lora")
+    adapters, base = weights.load_adapters(spec), weights.load_params(weights.resolve(f"hf:{HF_BASE}"))
+    tokens = np.random.default_rng(0).integers(0, spec.model.vocab_size, (2, 24))
+    model = Llama(spec.model, peft=spec.adapters)
+    adapted = np.asarray(jax.jit(lambda p: model.apply({"params": p}, tokens))(peft.merge(adapters, base)))
+    merged_cfg, merged = api.load(f"hf:{tmp_path / 'exported' / 'lora-merged'}")
+    assert np.abs(api.logits(merged_cfg, merged, tokens) - adapted).max() <= MERGE_TOLERANCE
+    assert np.abs(api.logits(merged_cfg, base, tokens) - adapted).max() > 100 * MERGE_TOLERANCE  # LoRA did change it
     # P-tuning's adapter: the prompt its encoder makes, as prompt tuning.
     assert cli.main(["convert", "runs/prompt", "exported/prompt-adapter"]) == 0
     config = json.loads((tmp_path / "exported" / "prompt-adapter" / "adapter_config.json").read_text())
@@ -282,6 +281,7 @@ def test_readme_adapter_guide_commands_on_lora_and_p_tuning_runs(runs, tmp_path,
 # Hugging Face PEFT
 
 
+@functools.cache
 def golden_maker():
     spec = importlib.util.spec_from_file_location("make_peft_golden", GOLDEN.parent / "make_peft_golden.py")
     maker = importlib.util.module_from_spec(spec)
@@ -289,6 +289,7 @@ def golden_maker():
     return maker
 
 
+@functools.cache
 def our_logits(maker, name):
     """Our logits for the golden tokens with the adapters of `name`: [batch, (prompt +) seq, vocab]."""
     cfg, settings, adapters = maker.adapters(name)
@@ -366,7 +367,8 @@ def test_resuming_on_another_base_or_other_adapters_exits_2_touching_nothing(cha
         tensors["model.norm.weight"][0] += 1.0
         save_file(tensors, tmp_path / "other" / "model.safetensors", metadata={"format": "pt"})
         override = f"checkpoint.init_from=hf:{tmp_path / 'other'}"
-    assert cli.main(["train", str(tmp_path / "config.yaml"), f"run.dir={tmp_path / 'lora'}", override]) == 2
+    args = ["train", str(tmp_path / "config.yaml"), f"run.dir={tmp_path / 'lora'}", "mesh.fsdp=-1", override]
+    assert cli.main(args) == 2  # on all 8 devices: a checkpoint restores onto any mesh
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and message in err, err
     assert sorted((p.relative_to(tmp_path), p.stat().st_mtime_ns) for p in (tmp_path / "lora").rglob("*")) == before
