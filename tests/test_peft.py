@@ -119,18 +119,31 @@ def test_the_adapters_carry_logical_names_and_shard_with_the_projection_they_ada
     assert "kernel" not in shardings.params["layers"]["attn"]["q_proj"]  # the base is frozen: no moments
 
 
-def test_a_lora_step_computes_no_weight_gradient_of_the_base():
+def test_a_lora_step_computes_no_weight_gradient_of_the_base_and_leaves_it_bitwise_unchanged():
     """Backward through the frozen projections yields input gradients only: a third less work than full
-    training (the lowered step's FLOPs; compiled, XLA keeps the same ratio: 68.4M / 101.7M here)."""
+    training (the lowered step's FLOPs; compiled, XLA keeps the same ratio: 68.4M / 101.7M here). Steps,
+    a skipped non-finite one among them, change the adapters and leave the base's bits alone."""
     flops = {}
     for method in ("none", "lora"):
         cfg = tiny_config(peft=dict(method=method, rank=1, targets=["q"]), checkpoint=dict(init_from="x"),
-                          mesh=dict(fsdp=1))
+                          mesh=dict(fsdp=1), train=dict(lr=1e-2))
         program = TrainProgram.build(cfg, sharding.make_mesh(cfg, devices=jax.devices()[:1]))
         with program.activate():
             flops[method] = program.train_step.lower(program.abstract_state(), program.abstract_batch()) \
                 .cost_analysis()["flops"]
     assert flops["lora"] < 0.75 * flops["none"]
+    with program.activate():  # the LoRA program
+        state = program.init_state(jax.random.key(0))
+        base, adapters = (jax.tree.map(np.asarray, tree) for tree in (state.frozen, state.params))
+        for step in range(3):
+            batch = {k: np.array(v) for k, v in random_batch(cfg, seed=step).items()}
+            batch["loss_mask"][:] = np.nan if step == 1 else batch["loss_mask"]
+            state, metrics = program.train_step(state, program.put(batch))
+            assert bool(metrics["finite"]) == (step != 1)
+    for before, after in zip(jax.tree.leaves(base), jax.tree.leaves(state.frozen)):
+        np.testing.assert_array_equal(np.asarray(after), before)
+    assert not np.array_equal(np.asarray(state.params["layers"]["attn"]["q_proj"]["lora_b"]),
+                              adapters["layers"]["attn"]["q_proj"]["lora_b"])
 
 
 def test_lora_rank_8_on_bench_keeps_under_5_percent_of_full_fine_tunings_optimizer_state():
