@@ -13,6 +13,9 @@
 A model is named by a spec string (weights.py) or by the ModelSpec `api.resolve` makes of one, which
 saves reading it again. Without mesh.* keys `load` puts a model on one device; with them it is sharded
 over that mesh, and `logits`, `generate_text` (KV cache included) run on the mesh the params are on.
+A run with adapters (peft.method=lora, prompt, ptuning) loads like any run: `load` returns its base with
+LoRA folded into the weights, or, for a learned prompt, the prompt's embeddings in params["prompt"], which
+`logits` and `generate_text` put in front of the tokens (its logits are not returned).
 Every function raises ConfigError or DataError (one line) on bad input.
 """
 
@@ -26,13 +29,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from llama_jax import distributed, weights
+from llama_jax import distributed, peft, weights
 from llama_jax import train as training
 from llama_jax.config import ModelConfig, load_config
 from llama_jax.data.pipeline import evaluation_batches
 from llama_jax.data.tokenizer import Tokenizer
-from llama_jax.generate import Sampling, generate
+from llama_jax.generate import Sampling, generate, inference_adapters
 from llama_jax.model import Llama
+from llama_jax.peft_config import PeftConfig
 from llama_jax.step import TrainProgram
 from llama_jax.weights import ModelSpec, resolve
 
@@ -67,17 +71,20 @@ def load_tokenizer(model: str | ModelSpec) -> Tokenizer:
 
 def logits(cfg: ModelConfig, params, tokens) -> np.ndarray:
     """tokens [batch, seq] -> logits [batch, seq, vocab] (numpy, in the compute dtype)."""
-    return np.asarray(_forward(cfg)(params, jnp.asarray(tokens, jnp.int32)))
+    adapters = inference_adapters(params)
+    tokens = np.asarray(peft.with_prompt_slots(np.asarray(tokens).tolist(), adapters.virtual_tokens), np.int32)
+    return np.asarray(_forward(cfg, adapters)(params, jnp.asarray(tokens)))[:, adapters.virtual_tokens:]
 
 
-_forwards: dict[ModelConfig, Callable] = {}
+_forwards: dict[tuple[ModelConfig, int], Callable] = {}  # by model and prompt length
 
 
-def _forward(cfg: ModelConfig) -> Callable:
-    if cfg not in _forwards:
-        model = Llama(cfg)
-        _forwards[cfg] = jax.jit(lambda params, tokens: model.apply({"params": params}, tokens))
-    return _forwards[cfg]
+def _forward(cfg: ModelConfig, adapters: PeftConfig) -> Callable:
+    key = (cfg, adapters.virtual_tokens)
+    if key not in _forwards:
+        model = Llama(cfg, peft=adapters)
+        _forwards[key] = jax.jit(lambda params, tokens: model.apply({"params": params}, tokens))
+    return _forwards[key]
 
 
 def generate_text(cfg: ModelConfig, params, tokenizer: Tokenizer, prompts: list[str], max_new_tokens: int = 64,
@@ -98,9 +105,10 @@ def train(source: str | None = None, overrides: list[str] = (), print_fn: Callab
 
 
 def convert(source: str, out: str, overrides: list[str] = (), dtype: str = "float32", rotary: str = "half",
-            print_fn: Callable[[str], None] = print, devices=None) -> Path:
-    """Hugging Face directory <-> llama-jax checkpoint, sharded over the mesh of `overrides`; see weights.convert."""
-    return weights.convert(source, out, overrides, dtype, rotary, print_fn, devices)
+            print_fn: Callable[[str], None] = print, devices=None, merge: bool = False) -> Path:
+    """Hugging Face directory <-> llama-jax checkpoint, sharded over the mesh of `overrides`; a run with
+    adapters -> a PEFT adapter directory, or with `merge` (LoRA) a Hugging Face model; see weights.convert."""
+    return weights.convert(source, out, overrides, dtype, rotary, print_fn, devices, merge)
 
 
 def evaluate(model: str | ModelSpec, data: str, overrides: list[str] = (), max_batches: int = 0, split: str = "val",
@@ -110,11 +118,14 @@ def evaluate(model: str | ModelSpec, data: str, overrides: list[str] = (), max_b
     and mesh.* come from `overrides`, over `devices` (default: all); max_batches 0 = one pass."""
     spec = resolve(model)
     config = weights.inference_config(spec.model, overrides)
+    if spec.adapters is not None:  # a learned prompt is part of the model (peft.inference_peft)
+        config = dataclasses.replace(config, peft=peft.inference_peft(spec.adapters))
     distributed.initialize(config.run)
     t = config.train
-    stream = evaluation_batches(data, weights.load_tokenizer(spec), t.batch_size, t.seq_len, split, spec.text)
+    stream = evaluation_batches(data, weights.load_tokenizer(spec), t.batch_size, t.seq_len, split, spec.text,
+                                config.peft.virtual_tokens)
     program = TrainProgram.for_config(config, devices)
-    params = weights.load_params(spec, target=program.abstract_state().params)
+    params = weights.load_params(spec, target=program.abstract_params())
     with program.activate():
         n = min(max_batches or stream.batches_per_epoch(), stream.batches_per_epoch())
         loss = program.evaluate(params, stream, n)

@@ -236,13 +236,17 @@ class Checkpointer:
         return self.peers.broadcast("checkpoint steps", sorted(self.manager.all_steps(), reverse=True))
 
     def restore_newest(self, abstract_state: Any, model: dict, warn: Callable[[str], None],
-                       allowed: tuple[str, ...] | list[str] = ()) -> tuple[int, Any, dict] | None:
+                       allowed: tuple[str, ...] | list[str] = (), check: Callable[[dict], None] | None = None
+                       ) -> tuple[int, Any, dict] | None:
         """The newest step that restores on every process, setting aside every newer one that does not
-        restore on some process (its damage may be in one process's shards only); None if none."""
+        restore on some process (its damage may be in one process's shards only); None if none. `check`
+        (e.g. a peft run's: the same adapters and base) sees each step's meta and raises ConfigError."""
         for step in self.steps():
             meta = read_meta(self.directory / str(step))
             if meta is not None:
                 check_model(meta.get("config", {}).get("model", {}), model, self.directory, allowed)
+                if check is not None:
+                    check(meta)
             failure, restored = None, None
             try:
                 if meta is None:

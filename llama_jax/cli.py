@@ -155,7 +155,7 @@ def cmd_supervise(ns: argparse.Namespace) -> int:
 def cmd_convert(ns: argparse.Namespace) -> int:
     from llama_jax import api
 
-    api.convert(ns.source, ns.out, ns.overrides, ns.dtype, ns.rotary)
+    api.convert(ns.source, ns.out, ns.overrides, ns.dtype, ns.rotary, merge=ns.merge)
     return 0
 
 
@@ -286,10 +286,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     convert = commands.add_parser(
         "convert", help="Hugging Face Llama directory <-> llama-jax checkpoint",
-        description="llama-jax convert SOURCE OUT [key=value ...]. SOURCE is a Hugging Face directory "
+        description="llama-jax convert SOURCE OUT [key=value ...] [--merge]. SOURCE is a Hugging Face directory "
                     "(config.json + safetensors; written as a parameters-only checkpoint in OUT) or a llama-jax "
                     "run / checkpoint (written as a Hugging Face directory, in safetensors files of at most "
-                    "5 GiB). Either way the model is loaded sharded over the mesh of the mesh.* keys (default: "
+                    "5 GiB; a run with adapters as a PEFT adapter directory, or with --merge its base with the "
+                    "LoRA adapters folded in). Either way the model is loaded sharded over the mesh of the mesh.* "
+                    "keys (default: "
                     "all devices on fsdp) and streamed through the host a block at a time. Tokenizer files "
                     "go along.")
     convert.add_argument("source", metavar="SOURCE")
@@ -299,6 +301,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                             "float32 (default), bfloat16 or float16")
     convert.add_argument("--rotary", default="half", help="q/k layout of the Hugging Face side: half (transformers' "
                                                           "rotate_half, default) or interleaved (Meta's original)")
+    convert.add_argument("--merge", action="store_true", help="a run with LoRA adapters: write its base with the "
+                                                              "adapters folded into the weights, as a Hugging Face "
+                                                              "model (default: a PEFT adapter directory)")
     convert.set_defaults(func=cmd_convert)
 
     generate = commands.add_parser(

@@ -1,12 +1,13 @@
 """The configuration schema: frozen dataclasses, YAML presets and dotted ``key=value`` overrides.
 
-The dataclasses below *are* the schema; vocabulary.py holds every other vocabulary a user can type
+The dataclasses below *are* the schema (with peft_config.py's PeftConfig); vocabulary.py holds every other
+vocabulary a user can type
 (mesh axes, logical axis names, remat tags, actions and policies). OmegaConf merges a preset
 (or a user YAML file) and the command-line overrides onto the schema, checking key names and types;
 ``validate`` then checks the values that depend on each other. Every failure becomes one
 :class:`ConfigError` line, which the CLI prints and turns into exit status 2 before anything is written.
 
-Near the bottom of the package: it imports nothing of llama_jax but errors.py and vocabulary.py.
+Near the bottom of the package: it imports nothing of llama_jax but errors.py, vocabulary.py and peft_config.py.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from llama_jax.errors import ConfigError
+from llama_jax.peft_config import PeftConfig, check_peft
 from llama_jax.vocabulary import (  # noqa: F401 - the schema's vocabularies, importable from here too
     ARCHITECTURE_FIELDS, ATTENTION_IMPLEMENTATIONS, BAD_RECORD_ACTIONS, DTYPES, FUNCTION_FIELDS, LOGICAL_AXES,
     MESH_AXES, PACKINGS, REMAT_ACTIONS, REMAT_POLICIES, REMAT_TAGS, SHAPE_FIELDS, TEXT_UNITS)
@@ -217,6 +219,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    peft: PeftConfig = field(default_factory=PeftConfig)
 
 
 # --------------------------------------------------------------------------------------------
@@ -474,6 +477,10 @@ def validate(config: Config) -> None:
              "run.init_timeout_s and run.heartbeat_timeout_s must be at least 1 second")
     _require(config.run.device_memory_gb >= 0, "run.device_memory_gb must be >= 0 (0: the device's memory less 10%)")
     _check_remat(config.remat, m.n_layers)
+    check_peft(config.peft, t.seq_len, c.init_from, c.resume_from)
+    _require(config.peft.method == "none" or config.mesh.pipeline == 1,
+             f"peft.method={config.peft.method} with mesh.pipeline={config.mesh.pipeline}: adapters train without "
+             "pipeline stages; shard the frozen model with mesh.fsdp and mesh.tensor")
 
 
 def _check_data(d: DataConfig) -> None:

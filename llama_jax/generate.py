@@ -9,6 +9,9 @@ Nothing is split along the sequence: a decode step has one token. Prompts of dif
 one batch: each row is right-padded, and row r's token at position p goes to cache slot p, so padding
 is overwritten before any query can see it.
 
+A prompt-tuned model (peft: a learned prompt, params["prompt"]) gets its prompt's slots in front of every
+prompt, as the loader puts them in front of every document in training.
+
 `generate_without_cache` is the reference: it re-runs the whole window for every token (O(length²)),
 and tests check that both produce the same greedy tokens.
 """
@@ -25,10 +28,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from llama_jax import sharding
+from llama_jax import peft, sharding
 from llama_jax.config import Config, MeshConfig, ModelConfig
 from llama_jax.errors import ConfigError
 from llama_jax.model import KV_HEADS, Llama
+from llama_jax.peft_config import PeftConfig
 from llama_jax.pipeline import relayout, without_stage_axis
 from llama_jax.vocabulary import MESH_AXES
 
@@ -98,18 +102,18 @@ def decoding_rules(rules: tuple, mesh: Mesh, batch: int) -> tuple:
 
 
 class Generator:
-    """Compiled prefill and decode steps for one model, batch size and cache length, on one device or on
-    `mesh` (where the params must be) under the logical-axis table `rules` (default: the standard table
-    for the mesh, as decoding_rules adapts it to the batch)."""
+    """Compiled prefill and decode steps for one model (with `adapters`, see peft_config.py), batch size and
+    cache length, on one device or on `mesh` (where the params must be) under the logical-axis table `rules`
+    (default: the standard table for the mesh, as decoding_rules adapts it to the batch)."""
 
     def __init__(self, cfg: ModelConfig, batch: int, cache_len: int, sampling: Sampling = GREEDY,
-                 mesh: Mesh | None = None, rules: tuple | None = None):
+                 mesh: Mesh | None = None, rules: tuple | None = None, adapters: PeftConfig = PeftConfig()):
         if cache_len > cfg.max_seq_len:
             raise ConfigError(f"prompt + new tokens = {cache_len} exceed model.max_seq_len {cfg.max_seq_len}; "
                               "generate fewer tokens or shorten the prompt")
         sampling.check()
         self.cfg, self.batch, self.cache_len, self.sampling, self.mesh = cfg, batch, cache_len, sampling, mesh
-        self.model = Llama(cfg, decode=True)
+        self.model = Llama(cfg, decode=True, peft=adapters)
         self.rules = None if mesh is None else decoding_rules(rules or default_rules(cfg, mesh), mesh, batch)
         # Cache shapes from an abstract init; the cache starts as zeros, made in its shards.
         shapes = jax.eval_shape(self.model.init, jax.random.key(0), jnp.zeros((batch, cache_len), jnp.int32))
@@ -179,13 +183,22 @@ def _until(tokens: list[int], stop_token: int | None) -> list[int]:
     return tokens[:tokens.index(stop_token)] if stop_token in tokens else tokens
 
 
+def inference_adapters(params) -> PeftConfig:
+    """The adapters inference params hold (peft.inference_params): a learned prompt, or none."""
+    prompt_tokens = peft.prompt_tokens_of(params)
+    return PeftConfig(method="prompt", prompt_tokens=prompt_tokens) if prompt_tokens else PeftConfig()
+
+
 def generate(cfg: ModelConfig, params, prompts: list[list[int]], max_new_tokens: int, rng: jax.Array,
-             sampling: Sampling = GREEDY, stop_token: int | None = None, rules: tuple | None = None
-             ) -> list[list[int]]:
+             sampling: Sampling = GREEDY, stop_token: int | None = None, rules: tuple | None = None,
+             adapters: PeftConfig | None = None) -> list[list[int]]:
     """KV-cache generation for a batch of prompts (compiles a Generator for this shape), on the mesh the
-    params are sharded over, if any, under `rules` (default: the standard table for that mesh)."""
+    params are sharded over, if any, under `rules` (default: the standard table for that mesh). `adapters`
+    (default: what the params hold, inference_adapters) with a learned prompt put its slots in front."""
+    adapters = inference_adapters(params) if adapters is None else adapters
+    prompts = peft.with_prompt_slots(prompts, adapters.virtual_tokens)
     cache_len = max(map(len, prompts)) + max_new_tokens
-    generator = Generator(cfg, len(prompts), cache_len, sampling, params_mesh(params), rules)
+    generator = Generator(cfg, len(prompts), cache_len, sampling, params_mesh(params), rules, adapters)
     return generator(params, prompts, max_new_tokens, rng, stop_token)
 
 
@@ -193,7 +206,9 @@ def generate_without_cache(cfg: ModelConfig, params, prompt: list[int], max_new_
                            sampling: Sampling = GREEDY, stop_token: int | None = None) -> list[int]:
     """The reference: every new token re-runs the model over the whole sequence so far (one compiled
     shape of prompt + max_new_tokens; the causal mask keeps the padding after it unseen)."""
-    model, window = Llama(cfg), len(prompt) + max_new_tokens
+    adapters = inference_adapters(params)
+    (prompt,) = peft.with_prompt_slots([prompt], adapters.virtual_tokens)
+    model, window = Llama(cfg, peft=adapters), len(prompt) + max_new_tokens
 
     @jax.jit
     def next_token(params, tokens, length, rng):
@@ -220,7 +235,8 @@ def sample_text(config: Config, params, tokenizer) -> str:
     bos = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
     new_tokens = min(config.train.sample_tokens, config.model.max_seq_len - 1)
     prompt = [*bos, *tokenizer.encode(config.train.sample_prompt)][-(config.model.max_seq_len - new_tokens):]
+    new_tokens = min(new_tokens, config.model.max_seq_len - len(prompt) - config.peft.virtual_tokens)
     (new,) = generate(config.model, params, [prompt], new_tokens, jax.random.key(config.seed),
                       Sampling(temperature=0.8, top_k=40), stop_token=tokenizer.eos_id,
-                      rules=sharding.axis_rules(config))
+                      rules=sharding.axis_rules(config), adapters=config.peft)
     return config.train.sample_prompt + tokenizer.decode(new)

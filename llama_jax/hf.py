@@ -153,8 +153,9 @@ class Tensor:
 
     @property
     def rotary(self) -> bool:
-        """Whether the rows are rotated by RoPE (q and k), so their order depends on the rotary layout."""
-        return self.hf_name.endswith(("q_proj.weight", "k_proj.weight"))
+        """Whether the rows are rotated by RoPE (q and k, and the B of their LoRA adapters), so their order
+        depends on the rotary layout."""
+        return self.hf_name.endswith(("q_proj.weight", "k_proj.weight", "q_proj.lora_B.weight", "k_proj.lora_B.weight"))
 
     def hf_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         """The Hugging Face tensor's shape for one layer of ours of `shape`."""
@@ -381,12 +382,13 @@ def _set(tree: dict, path, value) -> None:
 Item = tuple[str, tuple[int, ...], Callable[[], Iterator[np.ndarray | None]]]
 
 
-def hf_tensors(params: dict, cfg: ModelConfig, dtype, rotary: str = "half", block_bytes: int = BLOCK_BYTES
-               ) -> Iterator[Item]:
-    """(name, shape, blocks) per Hugging Face tensor, in transformers' order. blocks() pulls the tensor (one
-    layer of a stacked parameter) off the devices and yields its rows as numpy in `dtype`, in blocks of at
-    most block_bytes, on process 0; the other processes of a multi-process run take part and get None."""
-    for tensor in tensor_map(cfg):
+def hf_tensors(params: dict, cfg: ModelConfig, dtype, rotary: str = "half", block_bytes: int = BLOCK_BYTES,
+               tensors: list[Tensor] | None = None) -> Iterator[Item]:
+    """(name, shape, blocks) per Hugging Face tensor of `tensors` (default: the model's, tensor_map), in
+    their order. blocks() pulls the tensor (one layer of a stacked parameter) off the devices and yields its
+    rows as numpy in `dtype`, in blocks of at most block_bytes, on process 0; the other processes of a
+    multi-process run take part and get None."""
+    for tensor in tensor_map(cfg) if tensors is None else tensors:
         value = _get(params, tensor.path)
         layer_shape = value.shape[1:] if tensor.per_layer else value.shape
         for i in range(cfg.n_layers) if tensor.per_layer else [None]:
@@ -432,10 +434,11 @@ def _copy(value: jax.Array) -> jax.Array:
     return value * 1
 
 
-def write_safetensors(directory: Path, items: list[Item], dtype, shard_bytes: int = SHARD_BYTES) -> list[str]:
-    """Write tensors as safetensors files of at most shard_bytes (one file if it fits), streaming each
-    tensor's blocks; with several files, also model.safetensors.index.json. Only process 0 writes (the
-    others pull with it). Returns the file names."""
+def write_safetensors(directory: Path, items: list[Item], dtype, shard_bytes: int = SHARD_BYTES,
+                      stem: str = "model") -> list[str]:
+    """Write tensors as safetensors files of at most shard_bytes (one file if it fits: <stem>.safetensors),
+    streaming each tensor's blocks; with several files, also <stem>.safetensors.index.json. Only process
+    0 writes (the others pull with it). Returns the file names."""
     dtype = np.dtype(dtype)
     code = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16"}.get(dtype, "BF16")
     sizes = [math.prod(shape) * dtype.itemsize for _, shape, _ in items]
@@ -447,8 +450,8 @@ def write_safetensors(directory: Path, items: list[Item], dtype, shard_bytes: in
         current.append((item, size))
         used += size
     groups.append(current)
-    names = ["model.safetensors"] if len(groups) == 1 else \
-        [f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors" for k in range(len(groups))]
+    names = [f"{stem}.safetensors"] if len(groups) == 1 else \
+        [f"{stem}-{k + 1:05d}-of-{len(groups):05d}.safetensors" for k in range(len(groups))]
     primary = jax.process_index() == 0
     weight_map = {}
     for name, group in zip(names, groups):
@@ -473,7 +476,7 @@ def write_safetensors(directory: Path, items: list[Item], dtype, shard_bytes: in
                 if f is not None and written != size:
                     raise RuntimeError(f"{tensor_name}: wrote {written} bytes, its header says {size}")
     if len(names) > 1 and primary:
-        (directory / "model.safetensors.index.json").write_text(json.dumps(
+        (directory / f"{stem}.safetensors.index.json").write_text(json.dumps(
             {"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}, indent=2) + "\n")
     return names
 

@@ -2,6 +2,7 @@
 
     tokens [batch, seq]
       -> embed                                   [batch, seq, embed]
+         (prompt tuning / P-tuning: learned virtual tokens fill the slots left in front of each document)
       -> n_layers x Block (under nn.scan):
            x + Attention(RMSNorm(x))             grouped-query attention with rotary positions
            x + MLP(RMSNorm(x))                   SwiGLU
@@ -12,6 +13,10 @@ The model is functional: ``Llama(cfg).init`` returns a params pytree and ``apply
 nothing about devices: every parameter and main activation carries *logical* axis names (``embed``,
 ``heads``, ``batch``, ...) that sharding.py maps onto a device mesh, and the activations a backward
 pass may keep carry ``checkpoint_name`` tags that remat.py turns into recomputation policies.
+
+Parameter-efficient tuning (peft_config.py) adds its adapters here, as parameters like any other: LoRA's
+A and B inside the projections it adapts, the prompt's embeddings (or P-tuning's prompt encoder) at the
+top. Which of them learn, and which stay frozen, is the train step's business (step.py, peft.py).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from llama_jax import remat
 from llama_jax.attention import attention, cached_attention, select_implementation
 from llama_jax.config import ModelConfig, RematConfig
 from llama_jax.loss import LOGITS, fused_cross_entropy_sum
+from llama_jax.peft_config import PeftConfig
 from llama_jax.pipeline import PipelineLayout, run_stages
 from llama_jax.projection import project
 
@@ -167,7 +173,11 @@ class Weight(nn.Module):
 
 
 class Linear(nn.Module):
-    """y = einsum(spec, x, W): a bias-free projection whose weight carries logical axis names."""
+    """y = einsum(spec, x, W): a bias-free projection whose weight carries logical axis names.
+
+    With lora_rank > 0 (peft.method=lora) it adds LoRA's low-rank update, (alpha / rank) · (x A) B, with
+    A [in..., rank] and B [rank, out...] named like W's input and output axes, so they shard like W.
+    """
 
     spec: str
     shape: tuple[int, ...]
@@ -176,29 +186,64 @@ class Linear(nn.Module):
     dtype: jnp.dtype
     param_dtype: jnp.dtype
     cpu_backward: bool = True  # see projection.py
+    lora_rank: int = 0
+    lora_alpha: float = 0.0
+    lora_dropout: float = 0.0
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         kernel = self.param("kernel", init_normal(self.std, self.names), self.shape, self.param_dtype)
         # = jnp.einsum(spec, x, kernel), with a faster backward pass on CPU
-        return project(self.spec, x.astype(self.dtype), kernel.astype(self.dtype), self.cpu_backward)
+        y = project(self.spec, x.astype(self.dtype), kernel.astype(self.dtype), self.cpu_backward)
+        return y + self.low_rank_update(x) if self.lora_rank else y
+
+    def low_rank_update(self, x: jax.Array) -> jax.Array:
+        inputs, kernel_axes = self.spec.split("->")[0].split(",")
+        outputs = self.spec.split("->")[1]
+        n_in = len(set(inputs) & set(kernel_axes))  # the kernel's leading axes are contracted with x
+        rank = next(c for c in "rzyxw" if c not in self.spec)  # an einsum letter for the rank axis
+        tokens = "".join(c for c in inputs if c not in kernel_axes)
+        # A as PEFT initialises it (uniform, bound 1 / sqrt(fan_in)); B zero, so the update starts at
+        # exactly 0 and step 0 computes the base model's outputs bit for bit.
+        a_init = nn.initializers.variance_scaling(1 / 3, "fan_in", "uniform", in_axis=tuple(range(n_in)),
+                                                  out_axis=-1)
+        a = self.param("lora_a", nn.with_logical_partitioning(a_init, (*self.names[:n_in], "lora_rank")),
+                       (*self.shape[:n_in], self.lora_rank), self.param_dtype)
+        b = self.param("lora_b", nn.with_logical_partitioning(nn.initializers.zeros, ("lora_rank", *self.names[n_in:])),
+                       (self.lora_rank, *self.shape[n_in:]), self.param_dtype)
+        if self.lora_dropout and self.has_rng("dropout"):  # training only: evaluation passes no dropout key
+            x = nn.Dropout(self.lora_dropout, deterministic=False)(x)
+        down = project(f"{inputs},{kernel_axes[:n_in]}{rank}->{tokens}{rank}", x.astype(self.dtype),
+                       a.astype(self.dtype), self.cpu_backward)
+        down = down * jnp.asarray(self.lora_alpha / self.lora_rank, self.dtype)  # scaled on the narrow side
+        return project(f"{tokens}{rank},{rank}{kernel_axes[n_in:]}->{outputs}", down, b.astype(self.dtype),
+                       self.cpu_backward)
+
+
+def adapted_linear(cfg: ModelConfig, peft: PeftConfig):
+    """Linear with the model's dtypes; called with `target` (q, k, ... down) it gets that projection's LoRA."""
+    def make(*args, target: str, **kwargs):
+        return Linear(*args, **dtypes(cfg), cpu_backward=cfg.cpu_projection, lora_rank=peft.lora_rank(target),
+                      lora_alpha=peft.alpha, lora_dropout=peft.dropout, **kwargs)
+    return make
 
 
 class Attention(nn.Module):
     cfg: ModelConfig
     decode: bool = False  # generation: keys/values of earlier tokens come from a cache
     load_balanced: bool = True  # see Llama
+    peft: PeftConfig = PeftConfig()
 
     @nn.compact
     def __call__(self, x, cos, sin, segment_ids, positions):
         cfg = self.cfg
         d, n, kv, h = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.resolved_head_dim
-        linear = partial(Linear, **dtypes(cfg), cpu_backward=cfg.cpu_projection)
+        linear = adapted_linear(cfg, self.peft)
         std, out_std = cfg.init_std, output_init_std(cfg)
 
-        q = linear("btd,dnh->btnh", (d, n, h), ("embed", "heads", "head_dim"), std, name="q_proj")(x)
-        k = linear("btd,dkh->btkh", (d, kv, h), ("embed", "kv_heads", "head_dim"), std, name="k_proj")(x)
-        v = linear("btd,dkh->btkh", (d, kv, h), ("embed", "kv_heads", "head_dim"), std, name="v_proj")(x)
+        q = linear("btd,dnh->btnh", (d, n, h), ("embed", "heads", "head_dim"), std, target="q", name="q_proj")(x)
+        k = linear("btd,dkh->btkh", (d, kv, h), ("embed", "kv_heads", "head_dim"), std, target="k", name="k_proj")(x)
+        v = linear("btd,dkh->btkh", (d, kv, h), ("embed", "kv_heads", "head_dim"), std, target="v", name="v_proj")(x)
         q = nn.with_logical_constraint(checkpoint_name(q, "query_proj"), HEADS)
         k = nn.with_logical_constraint(checkpoint_name(k, "key_proj"), KV_HEADS)
         v = nn.with_logical_constraint(checkpoint_name(v, "value_proj"), KV_HEADS)
@@ -214,7 +259,8 @@ class Attention(nn.Module):
                                 cfg.attention_max_segments, self.load_balanced)
         context = nn.with_logical_constraint(checkpoint_name(context, "attention_context"), HEADS)
 
-        out = linear("btnh,nhd->btd", (n, h, d), ("heads", "head_dim", "embed"), out_std, name="o_proj")(context)
+        out = linear("btnh,nhd->btd", (n, h, d), ("heads", "head_dim", "embed"), out_std, target="o",
+                     name="o_proj")(context)
         return checkpoint_name(out, "attention_out")
 
     def cached(self, k, v, positions):
@@ -235,19 +281,20 @@ class Attention(nn.Module):
 
 class MLP(nn.Module):
     cfg: ModelConfig
+    peft: PeftConfig = PeftConfig()
 
     @nn.compact
     def __call__(self, x):
         cfg = self.cfg
         d, f = cfg.d_model, cfg.ffn_dim
-        linear = partial(Linear, **dtypes(cfg), cpu_backward=cfg.cpu_projection)
+        linear = adapted_linear(cfg, self.peft)
         std, out_std = cfg.init_std, output_init_std(cfg)
-        gate = linear("btd,df->btf", (d, f), ("embed", "mlp"), std, name="gate_proj")(x)
-        up = linear("btd,df->btf", (d, f), ("embed", "mlp"), std, name="up_proj")(x)
+        gate = linear("btd,df->btf", (d, f), ("embed", "mlp"), std, target="gate", name="gate_proj")(x)
+        up = linear("btd,df->btf", (d, f), ("embed", "mlp"), std, target="up", name="up_proj")(x)
         gate = nn.with_logical_constraint(checkpoint_name(gate, "mlp_gate"), MLP_HIDDEN)
         up = nn.with_logical_constraint(checkpoint_name(up, "mlp_up"), MLP_HIDDEN)
         hidden = checkpoint_name(nn.silu(gate) * up, "mlp_hidden")  # SwiGLU
-        out = linear("btf,fd->btd", (f, d), ("mlp", "embed"), out_std, name="down_proj")(hidden)
+        out = linear("btf,fd->btd", (f, d), ("mlp", "embed"), out_std, target="down", name="down_proj")(hidden)
         return checkpoint_name(out, "mlp_out")
 
 
@@ -257,6 +304,7 @@ class Block(nn.Module):
     cfg: ModelConfig
     decode: bool = False
     load_balanced: bool = True  # see Llama
+    peft: PeftConfig = PeftConfig()
 
     @nn.compact
     def __call__(self, x, cos, sin, segment_ids, positions):
@@ -264,13 +312,47 @@ class Block(nn.Module):
         norm = partial(RMSNorm, eps=cfg.norm_eps, **dtypes(cfg))
         h = checkpoint_name(norm(name="attn_norm")(x), "attn_norm")
         h = nn.with_logical_constraint(h, HIDDEN)
-        x = x + Attention(cfg, self.decode, self.load_balanced, name="attn")(h, cos, sin, segment_ids, positions)
+        attention = Attention(cfg, self.decode, self.load_balanced, self.peft, name="attn")
+        x = x + attention(h, cos, sin, segment_ids, positions)
         x = nn.with_logical_constraint(x, RESIDUAL)
         h = checkpoint_name(norm(name="mlp_norm")(x), "mlp_norm")
         h = nn.with_logical_constraint(h, HIDDEN)
-        x = x + MLP(cfg, name="mlp")(h)
+        x = x + MLP(cfg, self.peft, name="mlp")(h)
         x = nn.with_logical_constraint(x, RESIDUAL)
         return x, None
+
+
+class PromptEncoder(nn.Module):
+    """P-tuning's virtual tokens [prompt_tokens, embed]: learned inputs passed through an MLP, or through a
+    bidirectional LSTM and then the MLP (Liu et al. 2021), so that the tokens of a prompt are trained
+    together rather than each on its own. After training only the output is kept (peft.inference_params)."""
+
+    cfg: ModelConfig
+    peft: PeftConfig
+
+    @nn.compact
+    def __call__(self) -> jax.Array:
+        cfg, peft = self.cfg, self.peft
+        hidden, param_dtype = peft.encoder_hidden or cfg.d_model, jnp.dtype(cfg.param_dtype)
+        named = nn.with_logical_partitioning
+        x = self.param("embedding", init_normal(cfg.init_std, ("virtual_tokens", "embed")),
+                       (peft.prompt_tokens, cfg.d_model), param_dtype)
+        features: str | None = "embed"  # the logical name of x's last axis
+        if peft.prompt_encoder == "lstm":
+            def lstm(direction: str):
+                return nn.RNN(nn.OptimizedLSTMCell(
+                    hidden, param_dtype=param_dtype, name=f"{direction}_lstm",
+                    kernel_init=named(nn.initializers.lecun_normal(), ("embed", "prompt_hidden")),
+                    recurrent_kernel_init=named(nn.initializers.orthogonal(), ("prompt_hidden", None)),
+                    bias_init=named(nn.initializers.zeros, ("prompt_hidden",))))
+            x = nn.Bidirectional(lstm("forward"), lstm("backward"))(x[None])[0]  # [prompt_tokens, 2 x hidden]
+            features = None  # both directions' hidden states: not named again (a name appears once per array)
+
+        def dense(width: int, names: tuple[str, str], name: str) -> nn.Dense:
+            return nn.Dense(width, param_dtype=param_dtype, kernel_init=named(nn.initializers.lecun_normal(), names),
+                            bias_init=named(nn.initializers.zeros, names[1:]), name=name)
+        x = nn.relu(dense(hidden, (features, "prompt_hidden"), "hidden")(x))
+        return dense(cfg.d_model, ("prompt_hidden", "embed"), "output")(x)
 
 
 class Llama(nn.Module):
@@ -281,6 +363,7 @@ class Llama(nn.Module):
     # late chunks paired per device (sharding.balance_sequence) or in order. Causal attention needs to
     # know which keys come before which queries; positions restart per document and cannot tell.
     load_balanced: bool = True
+    peft: PeftConfig = PeftConfig()  # adapters: LoRA in the projections, or a learned prompt
     # Training under pipeline parallelism (mesh.pipeline > 1): the layers run as stages over micro-batches.
     pipeline: PipelineLayout | None = None
 
@@ -298,6 +381,10 @@ class Llama(nn.Module):
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
         embed = nn.Embed(cfg.vocab_size, cfg.d_model, embedding_init=init_normal(cfg.init_std, ("vocab", "embed")),
                          **dtypes(cfg), name="embed")
+        x = embed(jnp.maximum(tokens, 0))
+        if self.peft.virtual_tokens:
+            x = jnp.where(tokens[..., None] < 0, self.virtual_embeddings(tokens).astype(x.dtype), x)
+        x = nn.with_logical_constraint(x, RESIDUAL)
         policy = remat.checkpoint_policy(self.remat_config)
         every_n = self.remat_config.every_n_layers
         block = Block
@@ -307,24 +394,25 @@ class Llama(nn.Module):
             block = nn.remat(Block, policy=policy, prevent_cse=False)
         # One compiled layer body, run n_layers times: compile time does not grow with depth, and
         # every layer weight gets a leading `layers` axis.
-        layers = nn.scan(block, variable_axes={"params": 0, "cache": 0}, split_rngs={"params": True},
+        layers = nn.scan(block, variable_axes={"params": 0, "cache": 0}, split_rngs={"params": True, "dropout": True},
                          in_axes=(nn.broadcast,) * 4, length=cfg.n_layers,
                          metadata_params={nn.PARTITION_NAME: "layers"})(cfg, self.decode, self.load_balanced,
-                                                                        name="layers")
-        x = nn.with_logical_constraint(embed(tokens), RESIDUAL)
+                                                                        self.peft, name="layers")
         layer_params = None if self.is_initializing() else self.variables["params"]["layers"]
         if self.pipeline is not None and layer_params is not None:
             # pipeline.py: every stage runs its groups of layers, recomputing as the policy says.
+            # (Adapters are not pipelined: config validation keeps peft and pipelines apart.)
             def stage(params, x, segment_ids, positions):
-                return run_layers(cfg, policy, every_n, params, x, *rope_angles(positions, cfg), segment_ids,
-                                  positions, load_balanced=self.load_balanced)
+                return run_layers(cfg, self.peft, policy, every_n, params, None, x, *rope_angles(positions, cfg),
+                                  segment_ids, positions, load_balanced=self.load_balanced)
 
             if segment_ids is None:
                 segment_ids = jnp.ones(tokens.shape, jnp.int32)
             x = run_stages(self.pipeline, stage, layer_params, x, segment_ids, positions, RESIDUAL)
         elif policy is not None and every_n > 1 and layer_params is not None:
-            x = run_layers(cfg, policy, every_n, layer_params, x, *rope_angles(positions, cfg), segment_ids, positions,
-                           load_balanced=self.load_balanced)
+            dropout_key = self.make_rng("dropout") if self.peft.dropout and self.has_rng("dropout") else None
+            x = run_layers(cfg, self.peft, policy, every_n, layer_params, dropout_key, x, *rope_angles(positions, cfg),
+                           segment_ids, positions, load_balanced=self.load_balanced)
         else:
             x, _ = layers(x, *rope_angles(positions, cfg), segment_ids, positions)
 
@@ -342,28 +430,49 @@ class Llama(nn.Module):
         logits = project("btd,dv->btv", x, head, cfg.cpu_projection)
         return nn.with_logical_constraint(logits, LOGITS)
 
+    def virtual_embeddings(self, tokens: jax.Array) -> jax.Array:
+        """[batch, seq, embed]: at every prompt slot its learned embedding (elsewhere: to be ignored).
 
-def run_layers(cfg: ModelConfig, policy, every_n: int, layer_params, x, *broadcast, load_balanced: bool = True):
+        The loader leaves peft.prompt_tokens slots in front of every document (data/loader.py), holding
+        token ids -1, -2, ...: slot k takes row k of the prompt, at the positions 0..k of its document.
+        """
+        cfg, peft = self.cfg, self.peft
+        if peft.method == "ptuning":
+            prompt = PromptEncoder(cfg, peft, name="prompt_encoder")()
+        else:
+            init = init_normal(cfg.init_std, ("virtual_tokens", "embed"))
+            prompt = nn.Embed(peft.prompt_tokens, cfg.d_model, param_dtype=jnp.dtype(cfg.param_dtype),
+                              embedding_init=init, name="prompt").embedding
+        return jnp.take(prompt, jnp.clip(-tokens - 1, 0, peft.prompt_tokens - 1), axis=0)
+
+
+def run_layers(cfg: ModelConfig, peft: PeftConfig, policy, every_n: int, layer_params, dropout_key, x, *broadcast,
+               load_balanced: bool = True):
     """Run a stack of layers (weights [n, ...], the [layers, ...] layout nn.scan creates) in order.
 
     Under a remat policy each layer recomputes in the backward pass, or with every_n > 1 only layers
     0, n, 2n, ...: the weights are viewed as [n / every_n, every_n, ...] groups whose first layer runs
-    under the policy and whose others keep all their activations.
+    under the policy and whose others keep all their activations. LoRA's dropout (training only) gets a
+    key per layer.
     """
-    def layer(params, x):
-        return Block(cfg, load_balanced=load_balanced).apply({"params": params}, x, *broadcast)[0]
+    def layer(params, key, x):
+        rngs = {} if key is None else {"dropout": key}
+        block = Block(cfg, load_balanced=load_balanced, peft=peft)
+        return block.apply({"params": params}, x, *broadcast, rngs=rngs)[0]
 
+    n_layers = jax.tree.leaves(layer_params)[0].shape[0]
+    keys = None if dropout_key is None else jax.random.split(dropout_key, n_layers)
     if policy is None:
-        return jax.lax.scan(lambda x, p: (layer(p, x), None), x, layer_params)[0]
+        return jax.lax.scan(lambda x, p: (layer(*p, x), None), x, (layer_params, keys))[0]
     recomputed_layer = jax.checkpoint(layer, policy=policy, prevent_cse=False)
     if every_n == 1:
-        return jax.lax.scan(lambda x, p: (recomputed_layer(p, x), None), x, layer_params)[0]
-    n_layers = jax.tree.leaves(layer_params)[0].shape[0]
-    groups = jax.tree.map(lambda w: w.reshape(n_layers // every_n, every_n, *w.shape[1:]), layer_params)
+        return jax.lax.scan(lambda x, p: (recomputed_layer(*p, x), None), x, (layer_params, keys))[0]
+    groups = jax.tree.map(lambda w: w.reshape(n_layers // every_n, every_n, *w.shape[1:]), (layer_params, keys))
 
-    def group(x, params):
-        x = recomputed_layer(jax.tree.map(lambda w: w[0], params), x)
-        x, _ = jax.lax.scan(lambda x, p: (layer(p, x), None), x, jax.tree.map(lambda w: w[1:], params))
+    def group(x, params_and_keys):
+        first, rest = jax.tree.map(lambda w: w[0], params_and_keys), jax.tree.map(lambda w: w[1:], params_and_keys)
+        x = recomputed_layer(*first, x)
+        x, _ = jax.lax.scan(lambda x, p: (layer(*p, x), None), x, rest)
         return x, None
 
     return jax.lax.scan(group, x, groups)[0]
@@ -373,10 +482,10 @@ def run_layers(cfg: ModelConfig, policy, every_n: int, layer_params, x, *broadca
 # Sizes and FLOPs
 
 
-def abstract_params(cfg: ModelConfig):
-    """Shapes (with logical axis names) of the params, without allocating them."""
+def abstract_params(cfg: ModelConfig, peft: PeftConfig = PeftConfig()):
+    """Shapes (with logical axis names) of the params (with `peft`'s adapters), without allocating them."""
     tokens = jax.ShapeDtypeStruct((1, 8), jnp.int32)
-    return jax.eval_shape(Llama(cfg).init, jax.random.key(0), tokens)["params"]
+    return jax.eval_shape(Llama(cfg, peft=peft).init, jax.random.key(0), tokens)["params"]
 
 
 def param_count(cfg: ModelConfig) -> int:

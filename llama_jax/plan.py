@@ -186,7 +186,7 @@ def format_plan(plan: Plan) -> str:
         if plan.host_temporary_bytes else "",
         "FLOPs per step (all devices):",
         f"  HLO          {plan.hlo_flops:12.4g}   (matmuls of the compiled program, every layer counted)",
-        f"  model        {plan.model_flops:12.4g}   (6 x matmul params + attention, per token x tokens)",
+        f"  model        {plan.model_flops:12.4g}   (6 x matmul params (4 x frozen ones) + attention, per token x tokens)",
         f"  HLO / model  {plan.hlo_flops / plan.model_flops:12.3f}   (above 1: recomputation or replicated work)",
         f"memory traffic {format_bytes(plan.memory_traffic_bytes):>11}   (per device: bytes operations read and write)",
         "collectives per device per step (ring cost model):",

@@ -40,6 +40,11 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("head_dim", None),
     ("mlp", "tensor"),
     ("norm", None),
+    # adapters (peft.*): small, so their own axes are never split; their model axes (embed, heads, ...)
+    # follow the rows above, so each adapter is sharded like the projection it adapts
+    ("lora_rank", None),
+    ("virtual_tokens", None),
+    ("prompt_hidden", None),
     # activations
     # Pipelining splits the batch over the stages too, for the loss (inside a stage the axis is manual).
     ("batch", ("data", "fsdp", "pipeline")),

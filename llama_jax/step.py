@@ -4,6 +4,9 @@ A TrainProgram is what training, evaluation, `plan`, `tune` and the benchmarks a
 `TrainProgram.for_config(config)`, or `build(config, mesh)` on a mesh they already have): the model, the
 state's shardings, and three jitted functions (init, train step, eval step) whose inputs and outputs are
 placed by the logical-axis table of sharding.py.
+
+A peft run (peft.method != none) trains adapters on a frozen base model: its state is a PeftState, whose
+params and optimizer state are the adapters' only, with the base's params beside them, frozen.
 """
 
 from __future__ import annotations
@@ -21,14 +24,14 @@ import optax
 from flax import struct
 from jax.sharding import Mesh
 
-from llama_jax import sharding
+from llama_jax import peft, sharding
 from llama_jax.attention import select_implementation, skips_masked_blocks
 from llama_jax.config import Config
 from llama_jax.data.loader import Batches
 from llama_jax.errors import ConfigError
 from llama_jax.files import format_bytes
 from llama_jax.hardware import memory_budget
-from llama_jax.model import Llama, train_flops_per_token
+from llama_jax.model import Llama, matmul_param_count, train_flops_per_token
 from llama_jax.optim import learning_rate, make_optimizer
 from llama_jax.pipeline import PipelineLayout, to_storage_order
 
@@ -39,40 +42,75 @@ BATCH_FIELDS = {"tokens": jnp.int32, "targets": jnp.int32, "segment_ids": jnp.in
 
 class TrainState(struct.PyTreeNode):
     step: jax.Array
-    params: Any
+    params: Any  # what learns
     opt_state: Any
+
+    def checkpointed(self) -> TrainState:
+        """What a checkpoint of this state holds."""
+        return self
+
+    @property
+    def model_params(self) -> Any:
+        """The params the model runs with."""
+        return self.params
+
+
+class PeftState(TrainState):
+    """A peft run's state: params and optimizer state of the adapters only, and the base model's params,
+    frozen. The base goes into every step with the rest of the state (donated and returned as it came, so
+    XLA aliases its buffers and nothing is copied), but it gets no gradient and no optimizer state, and
+    checkpoints leave it out: they reference it (train.py)."""
+
+    frozen: Any = None
+
+    def checkpointed(self) -> TrainState:
+        return TrainState(step=self.step, params=self.params, opt_state=self.opt_state)
+
+    @property
+    def model_params(self) -> Any:
+        return peft.merge(self.params, self.frozen)
 
 
 # ---------------------------------------------------------------------------------------------
 # Loss and steps (pure functions of their inputs; jitted by TrainProgram)
 
 
-def loss_terms(params, model: Llama, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
-    """(summed next-token loss, unmasked token count) of one batch, in fp32."""
+def loss_terms(params, model: Llama, batch: dict[str, jax.Array], dropout_key: jax.Array | None = None
+               ) -> tuple[jax.Array, jax.Array]:
+    """(summed next-token loss, unmasked token count) of one batch, in fp32. A dropout key (training a
+    peft run with peft.dropout) turns LoRA's dropout on."""
     return model.apply({"params": params}, batch["tokens"], batch["positions"], batch["segment_ids"],
-                       targets=batch["targets"], loss_mask=batch["loss_mask"])
+                       targets=batch["targets"], loss_mask=batch["loss_mask"],
+                       rngs=None if dropout_key is None else {"dropout": dropout_key})
 
 
 def make_grad_fn(model: Llama, microbatches: int) -> Callable:
-    """(params, batch) -> (mean loss, gradient of the mean loss, token count), accumulating the
-    gradient over `microbatches` slices of the batch with a scan."""
-    grad_fn = jax.value_and_grad(lambda p, b: loss_terms(p, model, b), has_aux=True)
+    """(params, batch, frozen, dropout key) -> (mean loss, gradient of the mean loss, token count),
+    accumulating the gradient over `microbatches` slices of the batch with a scan. With `frozen` (a peft
+    run's base model) the model runs on both, and only `params` (the adapters) are differentiated: no
+    weight gradient of the base is ever computed."""
+    def loss(params, batch, frozen, key):
+        return loss_terms(params if frozen is None else peft.merge(params, frozen), model, batch, key)
 
-    def loss_and_grads(params, batch: dict[str, jax.Array]):
+    grad_fn = jax.value_and_grad(loss, has_aux=True)
+
+    def loss_and_grads(params, batch: dict[str, jax.Array], frozen=None, key: jax.Array | None = None):
         if microbatches == 1:
-            (loss_sum, count), grad_sum = grad_fn(params, batch)
+            (loss_sum, count), grad_sum = grad_fn(params, batch, frozen, key)
         else:
             # Microbatch m takes rows m, m + M, m + 2M, ...: every device's slice of the batch
             # contributes to every microbatch, so no device idles while the others accumulate.
             split = jax.tree.map(lambda x: x.reshape(x.shape[0] // microbatches, microbatches, *x.shape[1:])
                                  .swapaxes(0, 1), batch)
 
-            def accumulate(carry, microbatch):
-                (loss_sum, count), grads = grad_fn(params, microbatch)
+            def accumulate(carry, microbatch_and_index):
+                microbatch, index = microbatch_and_index
+                microbatch_key = None if key is None else jax.random.fold_in(key, index)
+                (loss_sum, count), grads = grad_fn(params, microbatch, frozen, microbatch_key)
                 return jax.tree.map(jnp.add, carry, (loss_sum, count, grads)), None
 
             zeros = (jnp.zeros(()), jnp.zeros(()), jax.tree.map(jnp.zeros_like, params))
-            (loss_sum, count, grad_sum), _ = jax.lax.scan(accumulate, zeros, split)
+            (loss_sum, count, grad_sum), _ = jax.lax.scan(accumulate, zeros, (split, jnp.arange(microbatches)))
         # Sums divided by the token count of the whole batch: the same gradient whatever the
         # number of microbatches, even when they hold different numbers of unmasked tokens.
         count = jnp.maximum(count, 1.0)
@@ -82,11 +120,15 @@ def make_grad_fn(model: Llama, microbatches: int) -> Callable:
 
 
 def make_train_step(model: Llama, optimizer: optax.GradientTransformation, schedule: optax.Schedule,
-                    microbatches: int) -> Callable:
+                    microbatches: int, dropout_seed: int | None = None) -> Callable:
+    """The jitted step's function. With dropout_seed, step n's dropout key is (seed, n): a resumed run
+    draws the masks a straight run would."""
     loss_and_grads = make_grad_fn(model, microbatches)
 
     def train_step(state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainState, dict[str, jax.Array]]:
-        loss, grads, _ = loss_and_grads(state.params, batch)
+        key = None if dropout_seed is None else jax.random.fold_in(jax.random.key(dropout_seed), state.step)
+        frozen = state.frozen if isinstance(state, PeftState) else None
+        loss, grads, _ = loss_and_grads(state.params, batch, frozen, key)
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
@@ -112,9 +154,10 @@ class TrainProgram:
     model: Llama
     state_shardings: Any
     state_shapes: Any  # ShapeDtypeStructs of the (unboxed) state, traced once in build()
-    init_state: Callable
+    init_state: Callable  # rng -> a new state (a peft run's base too: random, for benchmarks and tests)
+    init_trained: Callable  # rng -> a new state's checkpointed() part (a peft run: the adapters and their moments)
     train_step: Callable
-    eval_step: Callable
+    eval_step: Callable  # (model params, batch) -> (summed loss, token count)
     compiled_step: Any = None  # the train step compiled ahead of time (compile_step); calls of train_step reuse it
 
     @classmethod
@@ -129,9 +172,11 @@ class TrainProgram:
         if config.train.microbatches == "auto":
             return cls._fewest_microbatches_that_fit(config, mesh)
         layout = pipeline_layout(config, mesh)
-        model = Llama(config.model, remat_config=config.remat, load_balanced=config.mesh.load_balance, pipeline=layout)
+        model = Llama(config.model, remat_config=config.remat, load_balanced=config.mesh.load_balance,
+                      peft=config.peft, pipeline=layout)
         # With pipelining the micro-batches are the pipeline's (inside the model), not accumulated by the step.
         accumulate = 1 if layout else config.train.microbatches
+        adapting = config.peft.method != "none"
         optimizer = make_optimizer(config.train)
         schedule = learning_rate(config.train)
         rules = sharding.axis_rules(config)
@@ -144,9 +189,13 @@ class TrainProgram:
             # batch shard keeps it divisible by the mesh inside the context-parallel shard_map.
             rows = mesh.shape["data"] * mesh.shape["fsdp"] * mesh.shape["pipeline"]
             params = model.init(rng, jnp.zeros((rows, config.train.seq_len), jnp.int32))["params"]
-            # Each pipeline stage's layers in one block (pipeline.py); the natural order without repeats.
-            params = to_storage_order(params, mesh.shape["pipeline"], config.mesh.pipeline_repeats)
-            return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params))
+            if not adapting:
+                # Each pipeline stage's layers in one block (pipeline.py); the natural order without repeats.
+                params = to_storage_order(params, mesh.shape["pipeline"], config.mesh.pipeline_repeats)
+                return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params))
+            adapters, base = peft.split(params)  # the optimizer sees the adapters only: no state for the base
+            return PeftState(step=jnp.zeros((), jnp.int32), params=adapters, opt_state=optimizer.init(adapters),
+                             frozen=base)
 
         # Shapes and logical axis names of the whole state, computed without allocating it; the
         # optimizer moments inherit their parameter's names, so they are sharded alike.
@@ -157,6 +206,9 @@ class TrainProgram:
         def eval_step(params, batch):
             return loss_terms(params, model, batch)
 
+        unboxed = lambda rng: nn.meta.unbox(init_state(rng))  # noqa: E731
+        dropout_seed = config.seed if adapting and config.peft.dropout > 0 else None
+
         return cls(
             config=config, mesh=mesh, model=model, state_shardings=state_shardings,
             # Unboxed without a sharding constraint: these are shapes, and build() may run in a mesh context.
@@ -164,11 +216,14 @@ class TrainProgram:
                 lambda x: x.unbox(apply_constraint=False) if isinstance(x, nn.LogicallyPartitioned) else x,
                 boxed_shapes, is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned)),
             # The state is created directly in its shards: never materialised whole on one device.
-            init_state=jax.jit(lambda rng: nn.meta.unbox(init_state(rng)), out_shardings=state_shardings),
-            train_step=jax.jit(make_train_step(model, optimizer, schedule, accumulate),
+            init_state=jax.jit(unboxed, out_shardings=state_shardings),
+            # Only what it returns is computed: a peft run's base is never initialised here.
+            init_trained=jax.jit(lambda rng: unboxed(rng).checkpointed(),
+                                 out_shardings=state_shardings.checkpointed()),
+            train_step=jax.jit(make_train_step(model, optimizer, schedule, accumulate, dropout_seed),
                                in_shardings=(state_shardings, batch_sharding),
                                out_shardings=(state_shardings, sharding.replicated(mesh)), donate_argnums=(0,)),
-            eval_step=jax.jit(eval_step, in_shardings=(state_shardings.params, batch_sharding)),
+            eval_step=jax.jit(eval_step, in_shardings=(state_shardings.model_params, batch_sharding)),
         )
 
     @classmethod
@@ -213,6 +268,29 @@ class TrainProgram:
         return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), self.state_shapes,
                             self.state_shardings)
 
+    def abstract_checkpoint(self) -> TrainState:
+        """abstract_state() of what a checkpoint holds (a peft run: without the base), to restore one into."""
+        return self.abstract_state().checkpointed()
+
+    def abstract_params(self) -> Any:
+        """Shapes, dtypes and shardings of the params the model runs with (a peft run: adapters and base)."""
+        return self.abstract_state().model_params
+
+    def with_frozen(self, state: TrainState, frozen: Any) -> TrainState:
+        """A checkpointed() state made whole again: a peft run's base `frozen` put back beside the adapters."""
+        if frozen is None:
+            return state
+        return PeftState(step=state.step, params=state.params, opt_state=state.opt_state, frozen=frozen)
+
+    def fresh_state(self, rng: jax.Array, frozen: Any = None) -> TrainState:
+        """A new state; a peft run takes its base `frozen` as loaded, initialising the adapters only
+        (peft.start_adapters)."""
+        if frozen is None:
+            return self.init_state(rng)
+        state = self.init_trained(rng)
+        return self.with_frozen(state.replace(params=peft.start_adapters(state.params, frozen, self.config.seed)),
+                                frozen)
+
     def abstract_batch(self) -> dict[str, jax.ShapeDtypeStruct]:
         """Shapes, dtypes and sharding of one global batch: with abstract_state(), what the train step is
         compiled for ahead of time (`llama-jax plan`)."""
@@ -228,7 +306,8 @@ class TrainProgram:
         return sharding.put_batch(batch, self.mesh, self.config.train.batch_size, self.config.mesh.load_balance)
 
     def evaluate(self, params, batches: Batches, n_batches: int) -> float:
-        """Mean next-token loss over the first n_batches of `batches` (inside activate())."""
+        """Mean next-token loss of the model params `params` (a state's model_params) over the first
+        n_batches of `batches` (inside activate())."""
         total, count, rows = 0.0, 0.0, self.local_rows()
         for i in range(n_batches):
             loss_sum, n = self.eval_step(params, self.put(batches.batch(i, rows)))
@@ -253,12 +332,15 @@ def step_memory_bytes(compiled) -> int:
 
 def model_flops_per_token(config: Config) -> float:
     """train_flops_per_token for the attention kernel this config runs. Under context parallelism only
-    cuDNN's padded calls skip the masked keys; the XLA kernel in their place computes them all."""
+    cuDNN's padded calls skip the masked keys; the XLA kernel in their place computes them all. A peft
+    run's frozen weights take part in the forward pass and the input gradients (4 FLOPs per parameter)
+    but have no weight gradient (the other 2 of the 6); the adapters' own FLOPs are left out."""
     m = config.model
     kernel = select_implementation(m.attention, jax.default_backend(), m.compute_dtype, m.resolved_head_dim,
                                    config.train.seq_len)
     skips = skips_masked_blocks(kernel) and (config.mesh.sequence == 1 or kernel == "cudnn")
-    return train_flops_per_token(m, config.train.seq_len, skips)
+    frozen = 2 * matmul_param_count(m) if config.peft.method != "none" else 0
+    return train_flops_per_token(m, config.train.seq_len, skips) - frozen
 
 
 # ---------------------------------------------------------------------------------------------
@@ -268,11 +350,12 @@ def model_flops_per_token(config: Config) -> float:
 def random_batch(config: Config) -> dict[str, np.ndarray]:
     """One global batch of random tokens, one document per row: what timing a step needs."""
     b, t, v = config.train.batch_size, config.train.seq_len, config.model.vocab_size
-    rng = np.random.default_rng(0)
-    return {"tokens": rng.integers(0, v, (b, t), dtype=np.int32),
-            "targets": rng.integers(0, v, (b, t), dtype=np.int32),
+    rng, prompt = np.random.default_rng(0), config.peft.virtual_tokens
+    tokens, loss_mask = rng.integers(0, v, (b, t), dtype=np.int32), np.ones((b, t), np.float32)
+    tokens[:, :prompt], loss_mask[:, :prompt] = -1 - np.arange(prompt), 0.0  # a learned prompt's slots (loader.py)
+    return {"tokens": tokens, "targets": rng.integers(0, v, (b, t), dtype=np.int32),
             "segment_ids": np.ones((b, t), np.int32), "positions": np.tile(np.arange(t, dtype=np.int32), (b, 1)),
-            "loss_mask": np.ones((b, t), np.float32)}
+            "loss_mask": loss_mask}
 
 
 def time_train_steps(program: TrainProgram, state, batch, steps: int, warmup: int) -> tuple[list[float], dict]:

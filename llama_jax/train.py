@@ -28,7 +28,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from llama_jax import __version__, distributed, remat, sharding, weights
+from llama_jax import __version__, distributed, peft, remat, sharding, weights
 from llama_jax import config as config_lib
 from llama_jax.checkpoint import Checkpointer, check_model, latest_checkpoint_step, read_meta, restore_step
 from llama_jax.config import Config
@@ -57,8 +57,10 @@ class Run:
     data: TrainData
     start: int  # the newest checkpoint step in run.dir (0: none)
     peers: Peers  # the other processes, for every decision outside the jitted step
-    source: ModelSpec | None = None  # checkpoint.resume_from / init_from, for a new run.dir
+    source: ModelSpec | None = None  # checkpoint.resume_from / init_from, for a new run.dir (peft: the base)
     compile_seconds: float = 0.0  # compiling the train step ahead of time, to check its memory
+    base: Any = None  # a peft run: the base model's params, loaded and checked by setup (frozen in the state)
+    base_reference: dict | None = None  # ... and what checkpoints record of it (peft.base_reference)
 
     @classmethod
     def setup(cls, config: Config, mesh: Mesh, data: TrainData, peers: Peers | None = None) -> Run:
@@ -68,11 +70,17 @@ class Run:
         run_dir, model = Path(config.run.dir), dataclasses.asdict(config.model)
         start, source, allowed = latest_checkpoint_step(run_dir), None, config.checkpoint.allow_model_changes
         check_wandb(config.run)
-        if start:
-            meta = read_meta(run_dir / "checkpoints" / str(start))
-            if meta is not None:  # an unreadable one is set aside at restore time
-                check_model(meta["config"]["model"], model, run_dir, allowed)
-        elif config.checkpoint.resume_from or config.checkpoint.init_from:
+        meta = read_meta(run_dir / "checkpoints" / str(start)) if start else None
+        if meta is not None:  # an unreadable one is set aside at restore time
+            check_model(meta["config"]["model"], model, run_dir, allowed)
+            peft.check_adapters(meta["config"].get("peft", {}), config.peft, run_dir)
+        if config.peft.method != "none":  # the base model, also when resuming: checkpoints hold adapters only
+            source = weights.resolve(config.checkpoint.init_from)
+            check_model(dataclasses.asdict(source.model), model, source.text, allowed)
+            if source.adapters is not None and source.adapters.virtual_tokens:
+                raise ConfigError(f"{source.text} is a prompt-tuned run, not a model to adapt; set "
+                                  f"checkpoint.init_from to its base, {source.base['spec']}")
+        elif not start and (config.checkpoint.resume_from or config.checkpoint.init_from):
             source = weights.resolve(config.checkpoint.resume_from or config.checkpoint.init_from)
             if config.checkpoint.resume_from and source.params_only:
                 raise ConfigError(f"{source.text} holds parameters only (no optimizer state or data position) and "
@@ -81,8 +89,23 @@ class Run:
         enable_compilation_cache(config)
         compiling = time.perf_counter()
         program = TrainProgram.build(config, mesh)  # train.microbatches=auto: the fewest that fit
+        run = cls(program.config, program, data, start, peers, source)
+        if config.peft.method != "none":  # the base, loaded into its shards and checked before compiling
+            run.base = weights.load_params(source, target=program.abstract_state().frozen)
+            run.base_reference = peft.base_reference(source.text, source.location, run.base)
+            run.check_meta(meta)
         program.check_fits()  # the step compiled now, its memory against run.device_memory_gb
-        return cls(program.config, program, data, start, peers, source, time.perf_counter() - compiling)
+        run.compile_seconds = time.perf_counter() - compiling
+        return run
+
+    def check_meta(self, meta: dict | None) -> None:
+        """A checkpoint's meta must describe this run's adapters and base (ConfigError, one line)."""
+        if meta is None:
+            return
+        where = Path(self.config.run.dir)
+        peft.check_adapters(meta.get("config", {}).get("peft", {}), self.config.peft, where)
+        if self.base_reference is not None:
+            peft.check_base(meta.get("base"), self.base_reference, where)
 
 
 def train(config: Config, print_fn: Callable[[str], None] = print, *, devices=None,
@@ -141,7 +164,7 @@ def execute(run: Run, print_fn: Callable[[str], None] = print, started_at: float
             loop.goodput.begin(step)
             with loop.goodput.pause(None):  # not part of the first step's time
                 if step == 0:
-                    summary["initial_eval_loss"] = loop.evaluate(state.params, step)
+                    summary["initial_eval_loss"] = loop.evaluate(state.model_params, step)
                 batches = run.data.train.iterate(data_step, data_step + 10**12, program.local_rows(),
                                                  config.data.loader_threads, config.data.prefetch)
             first_step, batch, unread = step + 1, None, None
@@ -177,7 +200,7 @@ def execute(run: Run, print_fn: Callable[[str], None] = print, started_at: float
                     # Without a checkpoint to go back to the step stays, and is evaluated and saved as due.
                 with loop.goodput.pause(None):  # evaluation and saves are not step time
                     if loop.eval_due(step):
-                        summary["final_eval_loss"] = loop.evaluate(state.params, step)
+                        summary["final_eval_loss"] = loop.evaluate(state.model_params, step)
                     if save:
                         loop.save(step, state, data_step)
                 loop.hang_if_injected(step)
@@ -192,7 +215,7 @@ def execute(run: Run, print_fn: Callable[[str], None] = print, started_at: float
     primary = jax.process_index() == 0
     if t.sample_tokens and summary["exit_code"] == EXIT_OK and step > run.start:
         # Outside the mesh context: the prompt's length need not divide the sequence shards.
-        summary["sample"] = sample_text(config, state.params, run.data.tokenizer)
+        summary["sample"] = sample_text(config, state.model_params, run.data.tokenizer)
         print_fn(f"sample after {t.steps} steps:\n{summary['sample']}")
         if primary:
             (run_dir / "sample.txt").write_text(summary["sample"] + "\n")
@@ -251,7 +274,8 @@ class Loop:
                          print_fn=print_fn, enabled=primary, wandb=WandbSettings.from_config(config))
         injected = f.inject_process == jax.process_index()
         try:
-            checkpointer = Checkpointer(run_dir, config.checkpoint, meta=run_metadata(config, mesh), log=log.message,
+            meta = run_metadata(config, mesh) | ({"base": run.base_reference} if run.base_reference else {})
+            checkpointer = Checkpointer(run_dir, config.checkpoint, meta=meta, log=log.message,
                                         peers=run.peers, save_delay_s=f.inject_save_delay_s if injected else 0.0,
                                         layout=pipeline_layout(config, mesh))
             return cls(
@@ -276,7 +300,7 @@ class Loop:
         run, start = self.run, time.perf_counter()
         run.peers.barrier("restore")  # a process that never gets here is named, instead of a silent wait in Orbax
         with self.watchdog.paused("restore", run.config.checkpoint.timeout_s):
-            state, data_step = self._restored(run.program.abstract_state())
+            state, data_step = self._restored(run.program.abstract_checkpoint())
         if state is None:
             return run.program.init_state(jax.random.key(run.config.seed)), 0
         self.goodput.add("checkpoint_restore", time.perf_counter() - start)
@@ -286,9 +310,10 @@ class Loop:
         run, say = self.run, self.log.message
         if run.start:
             found = self.checkpointer.restore_newest(abstract, dataclasses.asdict(run.config.model), say,
-                                                     run.config.checkpoint.allow_model_changes)
+                                                     run.config.checkpoint.allow_model_changes, run.check_meta)
             if found:
                 step, state, data_state = found
+                state = run.program.with_frozen(state, run.base)
                 say(f"resumed from {self.checkpointer.directory / str(step)}")
                 if data_state.get("fingerprint") != run.data.fingerprint:
                     say(f"warning: the data settings or sources changed since step {step} was saved; "
@@ -299,6 +324,9 @@ class Loop:
             state, data_state = restore_step(run.source.step_dir, abstract, self.checkpointer.layout)
             say(f"resumed from {run.source.text}")
             return state, int(data_state["next_step"])
+        if run.base is not None:
+            say(f"adapting {run.source.text} (peft.method={run.config.peft.method}); its params stay frozen")
+            return run.program.fresh_state(jax.random.key(run.config.seed), frozen=run.base), 0
         if run.source is not None:
             params = weights.load_params(run.source, target=abstract.params, layout=self.checkpointer.layout)
             say(f"initialised the params from {run.source.text}")
@@ -387,7 +415,8 @@ class Loop:
     def save(self, step: int, state: TrainState, data_step: int) -> None:
         bound = self.run.config.checkpoint.timeout_s
         with self.watchdog.paused(f"checkpoint save of step {step}", bound), self.goodput.pause("checkpoint_save"):
-            self.checkpointer.save(step, state, {"next_step": data_step, "fingerprint": self.run.data.fingerprint},
+            self.checkpointer.save(step, state.checkpointed(), {"next_step": data_step,
+                                                                "fingerprint": self.run.data.fingerprint},
                                    step_s=self.meter.median_step_s)
 
     def roll_back(self, state: TrainState, step: int, data_step: int) -> tuple[TrainState, int]:
@@ -396,15 +425,16 @@ class Loop:
         with self.watchdog.paused("rollback", config.checkpoint.timeout_s), self.goodput.pause(None):
             self.checkpointer.wait()
             # As at start-up: the newest step that restores on every process, one decision for all.
-            found = self.checkpointer.restore_newest(self.run.program.abstract_state(),
+            found = self.checkpointer.restore_newest(self.run.program.abstract_checkpoint(),
                                                      dataclasses.asdict(config.model), say,
-                                                     config.checkpoint.allow_model_changes)
+                                                     config.checkpoint.allow_model_changes, self.run.check_meta)
             if found is None:
                 say(f"warning: {guard.consecutive} bad steps in a row at step {step} and no checkpoint to roll "
                     "back to")
                 guard.reset()
                 return state, step
             back_step, back, _ = found
+            back = self.run.program.with_frozen(back, getattr(state, "frozen", None))  # the base stays as it is
         self.goodput.discard(back_step, step)
         say(f"warning: {guard.consecutive} bad steps in a row: rolled back from step {step} to {back_step}; "
             f"the data continues at batch {data_step}, skipping the {step - back_step} batches since")
@@ -456,11 +486,11 @@ def _injected_hang() -> None:
 
 def load_checkpoint(config: Config, step: int, devices=None) -> tuple[TrainState, dict]:
     """(train state, loader state) saved at `step` in config.run.dir, restored onto `devices` (default:
-    all) in config's mesh: to inspect a run's parameters or compare two runs."""
+    all) in config's mesh: to inspect a run's parameters or compare two runs (a peft run's: its adapters)."""
     program = TrainProgram.for_config(config, devices)
     checkpointer = Checkpointer(Path(config.run.dir), config.checkpoint, layout=pipeline_layout(config, program.mesh))
     try:
         with program.activate():
-            return checkpointer.restore(step, program.abstract_state())
+            return checkpointer.restore(step, program.abstract_checkpoint())
     finally:
         checkpointer.close()

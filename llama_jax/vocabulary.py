@@ -14,6 +14,12 @@ PACKINGS = ("concat", "first_fit")
 TEXT_UNITS = ("file", "paragraph", "line")
 BAD_RECORD_ACTIONS = ("fail", "skip")
 
+# Parameter-efficient tuning (peft.*): the methods, the projections LoRA can adapt (a layer's q_proj ...
+# down_proj) and P-tuning's prompt encoders.
+PEFT_METHODS = ("none", "lora", "prompt", "ptuning")
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+PROMPT_ENCODERS = ("mlp", "lstm")
+
 # Model fields that change the shape or type of a saved array: a checkpoint must agree on every one.
 SHAPE_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim",
                 "tie_embeddings", "param_dtype")
@@ -32,6 +38,7 @@ MESH_AXES = ("pipeline", "data", "fsdp", "sequence", "tensor")
 # Logical axis names the model gives its parameters and activations; sharding.LOGICAL_AXIS_RULES maps
 # each onto mesh axes, and `mesh.rules.<name>=<axes>` overrides one entry.
 LOGICAL_AXES = ("layers", "vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "norm",  # parameters
+                "lora_rank", "virtual_tokens", "prompt_hidden",  # adapters' parameters (peft.*)
                 "batch", "seq", "residual_seq", "act_embed", "act_heads", "act_kv_heads", "act_mlp", "act_vocab")
 
 # Every activation the model tags for recomputation policies (remat.py), in the order a layer computes them.

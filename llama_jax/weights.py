@@ -7,6 +7,10 @@ generate/eval/convert MODEL`, `api.load`):
     a run directory, its checkpoints/ directory    the newest finished step in it
     a step directory (<run.dir>/checkpoints/<N>)   that step: a training checkpoint or a converted one
 
+A run with adapters (peft.method != none) is a model too: its base (found where its checkpoints say,
+and checked against their digest) with its adapters, as inference runs them (peft.inference_params:
+LoRA folded into the weights, a prompt-tuned model's prompt in params["prompt"]).
+
 `resolve` reads it once into a ModelSpec: its directory and its architecture, read without loading any
 weights. Everything else here takes the ModelSpec.
 
@@ -27,12 +31,13 @@ import flax.linen as nn
 import jax
 from jax.sharding import Mesh
 
-from llama_jax import __version__, distributed, hf, sharding
+from llama_jax import __version__, distributed, hf, peft, peft_format, sharding
 from llama_jax.checkpoint import read_meta, resolve_step_dir, restore_params, save_params
 from llama_jax.config import SHAPE_FIELDS, Config, ModelConfig, load_config, validate
 from llama_jax.data.tokenizer import Tokenizer, load_tokenizer as load_tokenizer_file
 from llama_jax.errors import ConfigError
 from llama_jax.model import abstract_params
+from llama_jax.peft_config import PeftConfig
 from llama_jax.pipeline import relayout
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "spm.model")
@@ -44,6 +49,13 @@ class ModelSpec:
     model: ModelConfig
     hf_dir: Path | None = None  # a Hugging Face directory, or
     step_dir: Path | None = None  # a llama-jax checkpoint step (absolute: Orbax requires it)
+    adapters: PeftConfig | None = None  # a peft run: its adapters (in step_dir) ...
+    base: dict | None = None  # ... and the base they adapt, as its checkpoints record it (peft.base_reference)
+
+    @property
+    def location(self) -> str:
+        """Where the weights are, as a spec that does not depend on the working directory."""
+        return f"hf:{self.hf_dir.absolute()}" if self.hf_dir is not None else str(self.step_dir)
 
     @property
     def params_only(self) -> bool:
@@ -77,7 +89,12 @@ def resolve(text: str | ModelSpec) -> ModelSpec:
         raise ConfigError(f"{step_dir} has no readable meta item: it is not a llama-jax checkpoint or it is damaged")
     names = {f.name for f in dataclasses.fields(ModelConfig)}
     model = ModelConfig(**{k: v for k, v in meta["config"]["model"].items() if k in names})
-    return ModelSpec(text, model, step_dir=step_dir)
+    settings = meta["config"].get("peft", {})
+    if settings.get("method", "none") == "none":
+        return ModelSpec(text, model, step_dir=step_dir)
+    fields = {f.name for f in dataclasses.fields(PeftConfig)}
+    return ModelSpec(text, model, step_dir=step_dir, adapters=PeftConfig(**{k: v for k, v in settings.items()
+                                                                            if k in fields}), base=meta.get("base"))
 
 
 def load_params(spec: ModelSpec, target: Any = None, rotary: str = "half", layout: tuple[int, int] = (1, 1)) -> Any:
@@ -90,9 +107,40 @@ def load_params(spec: ModelSpec, target: Any = None, rotary: str = "half", layou
         target = hf.single_device_target(spec.model)
     elif isinstance(jax.tree.leaves(target)[0], jax.sharding.Sharding):
         target = _placed(spec.model, target)
+    if spec.adapters is not None:
+        return _adapted(spec, target)
     if spec.hf_dir is not None:
         return relayout({"params": hf.read_params(spec.hf_dir, spec.model, target, rotary)}, (1, 1), layout)["params"]
     return restore_params(spec.step_dir, target, layout)
+
+
+def load_adapters(spec: ModelSpec, placement: jax.sharding.Sharding | None = None) -> dict:
+    """The adapters of a peft run as trained (peft.split's first half), replicated on `placement`'s devices
+    (default: this process's first device): they are small."""
+    placement = placement or jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    if isinstance(placement, jax.sharding.NamedSharding):
+        placement = jax.sharding.NamedSharding(placement.mesh, jax.sharding.PartitionSpec())
+    shapes = peft.split(nn.meta.unbox(abstract_params(spec.model, spec.adapters)))[0]
+    return restore_params(spec.step_dir, jax.tree.map(
+        lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=placement), shapes))
+
+
+def _adapted(spec: ModelSpec, target: Any) -> Any:
+    """A peft run's inference params: its base (which must still be the one it was trained on) with its
+    adapters, as peft.inference_params leaves them, in the shapes and shardings of `target`."""
+    try:
+        base_spec = resolve(spec.base["path"])
+    except (ConfigError, KeyError, TypeError) as err:
+        raise ConfigError(f"{spec.text} adapts a base model that cannot be read ({err}); its checkpoints name "
+                          f"{(spec.base or {}).get('path')}") from None
+    base_target = {k: v for k, v in target.items() if k not in peft.PROMPTS}
+    base = load_params(base_spec, base_target)
+    peft.check_base(spec.base, peft.base_reference(base_spec.text, base_spec.location, base), spec.text)
+    adapters = load_adapters(spec, jax.tree.leaves(base)[0].sharding)
+    params = peft.inference_params(peft.merge(adapters, base), spec.model, spec.adapters)
+    placed = {k: params[k] for k in target if k in peft.PROMPTS}  # the prompt, where the target wants it
+    return params | jax.tree.map(lambda value, spec: jax.device_put(value, spec.sharding), placed,
+                                 {k: target[k] for k in placed})
 
 
 def names_a_mesh(overrides: list[str]) -> bool:
@@ -149,13 +197,15 @@ def inference_config(model: ModelConfig, overrides: list[str] = (), batches: boo
 
 
 def convert(source: str, out: str, overrides: list[str] = (), dtype: str = "float32", rotary: str = "half",
-            print_fn: Callable[[str], None] = print, devices=None) -> Path:
+            print_fn: Callable[[str], None] = print, devices=None, merge: bool = False) -> Path:
     """Hugging Face directory -> llama-jax checkpoint (params only), or a llama-jax checkpoint -> Hugging
-    Face directory (safetensors in `dtype`). Either way the model is loaded sharded over the mesh of
-    `overrides` over `devices` (default: all; mesh.fsdp=-1 unless mesh.* keys say otherwise), and only a
-    block of one tensor at a time passes through the host. The tokenizer files go along. `out` must not
-    exist yet (or be empty): nothing is overwritten. Every process of a multi-process run (run.* keys or
-    the environment) runs it; process 0 writes the Hugging Face files."""
+    Face directory (safetensors in `dtype`). A run with adapters (peft) becomes a PEFT adapter directory
+    (peft_format.py), or with `merge` (LoRA) its base with the adapters folded in, as a Hugging Face
+    model. Either way the model is loaded sharded over the mesh of `overrides` over `devices` (default:
+    all; mesh.fsdp=-1 unless mesh.* keys say otherwise), and only a block of one tensor at a time passes
+    through the host. The tokenizer files go along. `out` must not exist yet (or be empty): nothing is
+    overwritten. Every process of a multi-process run (run.* keys or the environment) runs it; process 0
+    writes the Hugging Face files."""
     target = Path(out).expanduser()
     if target.exists() and any(target.iterdir()):
         raise ConfigError(f"{target} exists and is not empty; choose a new output directory")
@@ -164,22 +214,29 @@ def convert(source: str, out: str, overrides: list[str] = (), dtype: str = "floa
     spec = resolve(source)
     if spec.hf_dir is None and dtype not in ("float32", "bfloat16", "float16"):
         raise ConfigError(f"--dtype must be float32, bfloat16 or float16, got '{dtype}'")
+    if merge and (spec.adapters is None or spec.adapters.method != "lora"):
+        kind = "has no adapters" if spec.adapters is None else f"adds a learned prompt (peft.method=" \
+            f"{spec.adapters.method}), which a Llama checkpoint cannot hold; convert it without --merge"
+        raise ConfigError(f"--merge folds a run's LoRA adapters into its base model, and {source} {kind}")
     config = inference_config(spec.model, overrides, batches=False)
     distributed.initialize(config.run)
     # Every process has checked `out` before any writes to it; a process that never comes is named.
     distributed.Peers(config.fault.barrier_timeout_s).barrier("llama-jax convert")
-    params = load_params(spec, param_target(config, inference_mesh(config, devices)), rotary)
-    primary = jax.process_index() == 0
-    if spec.hf_dir is not None:  # Hugging Face -> llama-jax
+    mesh, primary = inference_mesh(config, devices), jax.process_index() == 0
+    if spec.adapters is not None and not merge:  # the adapters alone: the base is not even read
+        adapters = load_adapters(spec, sharding.replicated(mesh))
+        base_model = (spec.base or {}).get("path", "").removeprefix("hf:")
+        peft_format.write_adapter(target, adapters, spec.model, spec.adapters, base_model, dtype, rotary)
+        done = f"{target} (PEFT adapter, peft.method={spec.adapters.method}, {dtype})"
+    elif spec.hf_dir is not None:  # Hugging Face -> llama-jax
         meta = {"config": {"model": dataclasses.asdict(spec.model)}, "source": str(spec.hf_dir),
                 "llama_jax": __version__, "jax": jax.__version__}
-        saved = save_params(target, params, meta)
-        if primary:
-            print_fn(f"converted {spec.hf_dir} -> {saved}")
-    else:  # llama-jax -> Hugging Face
-        hf.write_hf(target, params, spec.model, dtype, rotary)
-        if primary:
-            print_fn(f"converted {source} -> {target} ({dtype})")
+        done = str(save_params(target, load_params(spec, param_target(config, mesh), rotary), meta))
+    else:  # llama-jax -> Hugging Face (a LoRA run: its base with the adapters folded in)
+        hf.write_hf(target, load_params(spec, param_target(config, mesh)), spec.model, dtype, rotary)
+        done = f"{target} ({dtype}{', LoRA merged' if merge else ''})"
+    if primary:
+        print_fn(f"converted {spec.hf_dir or source} -> {done}")
     for name in TOKENIZER_FILES:
         if primary and (spec.home / name).is_file():
             shutil.copy2(spec.home / name, target / name)

@@ -12,10 +12,12 @@ PACKAGE = Path(__file__).resolve().parents[1] / "llama_jax"
 # Bottom to top: a module imports modules of its own layer or below, never above.
 LAYERS = [
     ["llama_jax", "errors", "files", "hlo", "supervise", "vocabulary"],  # no JAX model code; shared helpers and the exit codes
-    ["config", "hardware", "goodput", "resilience", "distributed"],  # the schema and vocabularies; host-side parts
+    # the schema and vocabularies; host-side parts
+    ["peft_config", "config", "hardware", "goodput", "resilience", "distributed"],
     ["data.corpus", "data.tokenizer", "data.prepare", "data.loader", "data.pipeline", "data", "metrics", "report"],
-    ["projection", "flash", "context_parallel", "cudnn", "attention", "loss", "remat", "optim", "pipeline", "model"],  # the model, which knows only logical axes (and the shard_maps' mesh axes)
-    ["sharding", "hf", "generate", "checkpoint"],  # meshes, formats on disk, decoding
+    ["projection", "flash", "context_parallel", "cudnn", "attention", "loss", "remat", "optim", "pipeline",
+     "model"],  # the model, which knows only logical axes (and the mesh axes of its shard_maps)
+    ["sharding", "hf", "peft", "peft_format", "generate", "checkpoint"],  # meshes, formats on disk, adapters, decoding
     ["step", "costmodel"],  # the compiled programs of one config on one mesh
     ["plan", "weights"],
     ["train", "tune"],

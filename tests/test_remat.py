@@ -14,19 +14,24 @@ from llama_jax import remat
 from llama_jax.config import REMAT_POLICIES, REMAT_TAGS, RematConfig, load_config
 from llama_jax.errors import ConfigError
 from llama_jax.model import Block, rope_angles
+from llama_jax.peft_config import PeftConfig
 
 
-def saved_residuals(remat_config: RematConfig) -> tuple[dict[str, str], list[str], list[str]]:
-    """What one layer keeps for its backward: {tag: shape} on the device, shapes offloaded to the
-    host, and descriptions of any unnamed intermediate kept on the device."""
+def saved_residuals(remat_config: RematConfig, peft: PeftConfig = PeftConfig()
+                    ) -> tuple[dict[str, str], list[str], list[str]]:
+    """What one layer (with `peft`'s adapters) keeps for its backward: {tag: shape} on the device, shapes
+    offloaded to the host, and descriptions of any unnamed intermediate kept on the device."""
     cfg = TINY_MODEL
     x = jnp.ones((2, 16, cfg.d_model))
     positions = jnp.broadcast_to(jnp.arange(16), (2, 16))
     segments = jnp.ones((2, 16), jnp.int32)
     cos, sin = rope_angles(positions, cfg)
     policy = remat.checkpoint_policy(remat_config)
-    block = Block(cfg) if policy is None else nn.remat(Block, policy=policy, prevent_cse=False)(cfg)
-    params = block.init(jax.random.key(0), x, cos, sin, segments, positions)
+    block = Block(cfg, peft=peft) if policy is None else \
+        nn.remat(Block, policy=policy, prevent_cse=False)(cfg, peft=peft)
+    # Shapes are all the printer needs: an eager init of a remat layer would compile op by op (seconds).
+    params = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
+                          jax.eval_shape(block.init, jax.random.key(0), x, cos, sin, segments, positions))
 
     def loss(params, x):
         return block.apply(params, x, cos, sin, segments, positions)[0].sum()

@@ -18,6 +18,15 @@ while the accelerator works.
 
 The plan and packing are our own code: Grain's packers are iterators whose output depends on the
 iteration history of each process, which is exactly what exact resume across process counts rules out.
+
+Prompt tuning and P-tuning (peft.prompt_tokens = P) put P learned virtual tokens in front of every
+document. The loader leaves the room for them: every piece of a row is P slots (token ids -1 ... -P,
+at positions 0 ... P-1 of the piece's segment) and then the piece's tokens (positions P, P+1, ...), as
+if the prompt were part of the document, and the model fills the slots with the learned embeddings
+(model.py). The plan counts the slots, so the batch keeps its static [batch, seq_len] shape, segment
+ids and positions stay exact for packed documents with any attention kernel or sequence sharding, and
+batches remain a pure function of (seed, step); inserting the slots inside the model instead would
+need room for a prompt per document in every row, whatever the number of documents it holds.
 """
 
 from __future__ import annotations
@@ -112,8 +121,10 @@ class Plan:
         return len(self.row_ptr) - 1
 
 
-def concat_plan(lengths: np.ndarray, order: np.ndarray, row_len: int) -> Plan:
+def concat_plan(lengths: np.ndarray, order: np.ndarray, row_len: int, prompt_tokens: int = 0) -> Plan:
     """Documents in `order`, concatenated, cut every row_len tokens (vectorised: O(documents))."""
+    if prompt_tokens:
+        return prompted_concat_plan(lengths, order, row_len, prompt_tokens)
     ends = np.cumsum(lengths[order])
     starts = ends - lengths[order]
     total = int(ends[-1])
@@ -125,29 +136,51 @@ def concat_plan(lengths: np.ndarray, order: np.ndarray, row_len: int) -> Plan:
     return Plan(row_ptr, order[index].astype(np.int64), points - starts[index], piece_length)
 
 
+def prompted_concat_plan(lengths: np.ndarray, order: np.ndarray, row_len: int, prompt_tokens: int) -> Plan:
+    """concat with prompt_tokens slots in front of every piece: documents run on from row to row, each
+    piece with its own slots; a row without room for the slots and two tokens (one predicted) ends in
+    padding."""
+    row_ptr, pieces, free = [0], [], row_len
+    for doc in order:
+        done, total = 0, int(lengths[doc])
+        while done < total:
+            if free < prompt_tokens + 2:
+                row_ptr.append(len(pieces))
+                free = row_len
+            take = min(total - done, free - prompt_tokens)
+            pieces.append((int(doc), done, take))
+            done, free = done + take, free - prompt_tokens - take
+    if row_ptr[-1] != len(pieces):
+        row_ptr.append(len(pieces))
+    doc, offset, length = (np.array([p[i] for p in pieces], np.int64) for i in range(3))
+    return Plan(np.array(row_ptr, np.int64), doc, offset, length)
+
+
 def first_fit_plan(lengths: np.ndarray, order: np.ndarray, row_len: int, window: int,
-                   rng: np.random.Generator) -> Plan:
-    """First-fit decreasing within windows of documents; longer documents are cut into full rows first."""
+                   rng: np.random.Generator, prompt_tokens: int = 0) -> Plan:
+    """First-fit decreasing within windows of documents; longer documents are cut into full rows first.
+    Every piece takes prompt_tokens slots more than its tokens."""
     rows: list[list[tuple[int, int, int]]] = []
+    capacity = row_len - prompt_tokens  # the tokens of a piece alone in a row
     for w in range(0, len(order), window):
         window_rows: list[list[tuple[int, int, int]]] = []
         rest: list[tuple[int, int, int]] = []
         for doc in order[w:w + window]:
-            full, tail = divmod(int(lengths[doc]), row_len)
-            window_rows += [[(int(doc), k * row_len, row_len)] for k in range(full)]
+            full, tail = divmod(int(lengths[doc]), capacity)
+            window_rows += [[(int(doc), k * capacity, capacity)] for k in range(full)]
             if tail:
-                rest.append((int(doc), full * row_len, tail))
+                rest.append((int(doc), full * capacity, tail))
         rest.sort(key=lambda piece: -piece[2])  # stable: ties keep the shuffled order
         space = np.zeros(len(rest), np.int64)
         bins: list[list[tuple[int, int, int]]] = []
         for piece in rest:
-            fits = np.flatnonzero(space[:len(bins)] >= piece[2])
+            fits = np.flatnonzero(space[:len(bins)] >= piece[2] + prompt_tokens)
             if len(fits):
                 bins[fits[0]].append(piece)
-                space[fits[0]] -= piece[2]
+                space[fits[0]] -= piece[2] + prompt_tokens
             else:
                 bins.append([piece])
-                space[len(bins) - 1] = row_len - piece[2]
+                space[len(bins) - 1] = capacity - piece[2]
         window_rows += bins
         rows += [window_rows[i] for i in rng.permutation(len(window_rows))]  # long docs not all first
     pieces = [p for row in rows for p in row]
@@ -163,11 +196,12 @@ class PackedRows:
     this safe under Grain's reader threads.
     """
 
-    def __init__(self, documents: Documents, row_len: int, seed: int, salt: int, packing: str, window: int):
+    def __init__(self, documents: Documents, row_len: int, seed: int, salt: int, packing: str, window: int,
+                 prompt_tokens: int = 0):
         if packing not in PACKINGS:
             raise DataError(f"data.packing '{packing}' is unknown; use concat or first_fit")
         self.documents, self.row_len, self.seed, self.salt = documents, row_len, seed, salt
-        self.packing, self.window = packing, window
+        self.packing, self.window, self.prompt_tokens = packing, window, prompt_tokens
         self._first_row = [0]  # _first_row[e] = global index of epoch e's first row
         self._plans: dict[int, Plan] = {}
         self._lock = threading.Lock()
@@ -188,8 +222,9 @@ class PackedRows:
             lengths = self.documents.length
             order = rng.permutation(len(lengths))
             self._plans = {e: p for e, p in self._plans.items() if e >= epoch - 1}
-            self._plans[epoch] = (concat_plan(lengths, order, self.row_len) if self.packing == "concat" else
-                                  first_fit_plan(lengths, order, self.row_len, self.window, rng))
+            self._plans[epoch] = (
+                concat_plan(lengths, order, self.row_len, self.prompt_tokens) if self.packing == "concat" else
+                first_fit_plan(lengths, order, self.row_len, self.window, rng, self.prompt_tokens))
         return self._plans[epoch]
 
     def rows_in_epoch(self, epoch: int) -> int:
@@ -208,13 +243,15 @@ class PackedRows:
         plan, r = self._locate(k)
         tokens = np.zeros(self.row_len, np.int32)  # padding: token 0, segment 0, never a target
         segments, positions = np.zeros_like(tokens), np.zeros_like(tokens)
-        at = 0
+        at, prompt = 0, -1 - np.arange(self.prompt_tokens, dtype=np.int32)  # the prompt's slots: -1, -2, ...
         for segment, p in enumerate(range(plan.row_ptr[r], plan.row_ptr[r + 1]), start=1):
-            n = int(plan.length[p])
+            n, start = int(plan.length[p]), at
+            tokens[at:at + len(prompt)] = prompt
+            at += len(prompt)
             tokens[at:at + n] = self.documents.read(int(plan.doc[p]), int(plan.offset[p]), n)
-            segments[at:at + n] = segment
-            positions[at:at + n] = np.arange(n)
             at += n
+            segments[start:at] = segment
+            positions[start:at] = np.arange(at - start)
         return {"tokens": tokens, "segment_ids": segments, "positions": positions}
 
 
@@ -222,11 +259,14 @@ def model_inputs(rows: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
     """Rows of seq_len + 1 -> inputs and next-token targets of seq_len.
 
     The loss skips padding and the one target per segment boundary that would ask the model to
-    predict the next document from the previous one.
+    predict the next document from the previous one; and prompt slots, as inputs and as targets: a
+    piece's first token is not predicted from its prompt alone, so a prompt-tuned model is scored on
+    the tokens the base model is scored on.
     """
     tokens, segments, positions = (np.stack([r[k] for r in rows]) for k in ("tokens", "segment_ids", "positions"))
-    same = (segments[:, :-1] == segments[:, 1:]) & (segments[:, 1:] > 0)
-    return {"tokens": tokens[:, :-1], "targets": tokens[:, 1:], "segment_ids": segments[:, :-1],
+    text = tokens >= 0  # prompt slots hold negative ids
+    same = (segments[:, :-1] == segments[:, 1:]) & (segments[:, 1:] > 0) & text[:, :-1] & text[:, 1:]
+    return {"tokens": tokens[:, :-1], "targets": np.maximum(tokens[:, 1:], 0), "segment_ids": segments[:, :-1],
             "positions": positions[:, :-1], "loss_mask": same.astype(np.float32)}
 
 
@@ -292,13 +332,13 @@ def components(stores: list[TokenStore], weights: list[float]) -> list[Component
 
 
 def batches(parts: list[Component], split: str, batch_size: int, seq_len: int, seed: int, packing: str,
-            window: int) -> Batches:
+            window: int, prompt_tokens: int = 0) -> Batches:
     rows = []
     for salt, part in enumerate(parts):
         documents = part.store.documents(split, part.source)
         if not len(documents.length):
             raise DataError(f"{part.name} has no {split} documents; prepare it with more documents")
-        rows.append(PackedRows(documents, seq_len + 1, seed, salt, packing, window))
+        rows.append(PackedRows(documents, seq_len + 1, seed, salt, packing, window, prompt_tokens))
     tokens = sum(r.documents.tokens for r in rows)
     # Validation may be smaller than a batch (its rows repeat); training on repeats would mislead.
     if split == "train" and tokens < batch_size * (seq_len + 1):
@@ -307,7 +347,7 @@ def batches(parts: list[Component], split: str, batch_size: int, seq_len: int, s
     return Batches(mixture(rows, [p.weight for p in parts]), batch_size, seq_len, rows)
 
 
-def document_batches(documents: list[np.ndarray], batch_size: int, seq_len: int) -> Batches:
+def document_batches(documents: list[np.ndarray], batch_size: int, seq_len: int, prompt_tokens: int = 0) -> Batches:
     """Batches of in-memory token documents (e.g. a text file to score), concatenated and split."""
     lengths = np.array([len(d) for d in documents], np.int64)
     if lengths.sum() < seq_len + 1:
@@ -315,7 +355,7 @@ def document_batches(documents: list[np.ndarray], batch_size: int, seq_len: int)
                         "lower --seq-len or give more text")
     docs = Documents(shards=(np.concatenate(documents).astype(np.int32),), shard=np.zeros(len(lengths), np.int64),
                      start=np.cumsum(lengths) - lengths, length=lengths)
-    rows = PackedRows(docs, seq_len + 1, seed=0, salt=0, packing="concat", window=1)
+    rows = PackedRows(docs, seq_len + 1, seed=0, salt=0, packing="concat", window=1, prompt_tokens=prompt_tokens)
     return Batches(grain.MapDataset.source(rows), batch_size, seq_len, [rows])
 
 

@@ -84,6 +84,8 @@ def open_data(config: Config, log: Callable[[str], None] = print) -> TrainData:
     parts = components(stores, list(data.weights))
     log_components(parts, log)
     settings = dict(packing=data.packing, window=data.packing_window)
+    if config.peft.virtual_tokens:  # room for the prompt in front of every document (loader.py)
+        settings["prompt_tokens"] = config.peft.virtual_tokens
     train = batches(parts, "train", t.batch_size, t.seq_len, config.seed, **settings)
     # Validation uses a fixed seed so every evaluation scores the same tokens.
     val = batches(parts, "val", t.batch_size, t.seq_len, 0, **settings)
@@ -92,16 +94,17 @@ def open_data(config: Config, log: Callable[[str], None] = print) -> TrainData:
 
 
 def evaluation_batches(data: str, tokenizer: Tokenizer, batch_size: int, seq_len: int, split: str = "val",
-                       model: str = "the model") -> Batches:
+                       model: str = "the model", prompt_tokens: int = 0) -> Batches:
     """What `llama-jax eval` scores: a token store's `split` (made with `tokenizer`, the tokenizer of
-    `model`), or text/jsonl files tokenized here, every document whole."""
+    `model`), or text/jsonl files tokenized here, every document whole; with room for a learned prompt of
+    prompt_tokens in front of every document."""
     if is_store(data):
         store = TokenStore(Path(data).expanduser())
         if store.tokenizer_sha256 != tokenizer.fingerprint()["sha256"]:
             raise DataError(f"{data} was prepared with another tokenizer than {model}'s; prepare it with "
                             f"`llama-jax prepare ... --tokenizer` and that model's tokenizer")
-        return batches(components([store], []), split, batch_size, seq_len, 0, "concat", 1)
+        return batches(components([store], []), split, batch_size, seq_len, 0, "concat", 1, prompt_tokens)
     options, bad = ReadOptions(), BadRecords()
     documents = [np.asarray(tokenizer.encode_document(text), np.int32)
                  for unit in plan_units(data, options) for text in read_unit(unit, options, bad)]
-    return document_batches(documents, batch_size, seq_len)
+    return document_batches(documents, batch_size, seq_len, prompt_tokens)
