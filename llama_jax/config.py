@@ -114,6 +114,10 @@ class MeshConfig:
     # non-adjacent groups of layers (the circular schedule: a smaller bubble, more point-to-point traffic).
     pipeline: int = 1
     pipeline_repeats: int = 1
+    # Micro-batches per pass through the pipeline (0: all of train.microbatches at once). A pass keeps every
+    # one of its micro-batches' stage inputs until its backward (GPipe); more, smaller passes, with the
+    # gradient accumulated over them, bound that memory at the price of a bubble per pass.
+    pipeline_microbatches: int = 0
     # Device counts per mesh axis; -1 fills the devices left over (at most one -1).
     data: int = 1
     fsdp: int = -1
@@ -443,9 +447,9 @@ def validate(config: Config) -> None:
                  "mesh.tensor": config.mesh.tensor, "mesh.sequence": config.mesh.sequence}
     for key, value in mesh_axes.items():
         _require(value == -1 or value > 0, f"{key} must be a positive device count or -1, got {value}")
-    _require(config.mesh.pipeline > 0 and config.mesh.pipeline_repeats > 0,
-             f"mesh.pipeline and mesh.pipeline_repeats must be positive counts, got {config.mesh.pipeline} and "
-             f"{config.mesh.pipeline_repeats}")
+    _require(config.mesh.pipeline > 0 and config.mesh.pipeline_repeats > 0 and config.mesh.pipeline_microbatches >= 0,
+             f"mesh.pipeline and mesh.pipeline_repeats must be positive counts and mesh.pipeline_microbatches >= 0, got "
+             f"{config.mesh.pipeline}, {config.mesh.pipeline_repeats} and {config.mesh.pipeline_microbatches}")
     _require(
         sum(v == -1 for v in mesh_axes.values()) <= 1,
         "at most one mesh axis may be -1 (fill the remaining devices)",

@@ -44,7 +44,7 @@ from __future__ import annotations
 import json
 import math
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
@@ -407,15 +407,17 @@ def analyze(hlo_text: str, num_devices: int) -> HloStats:
                     operations=tuple(operations), collective_groups=dict(by_groups))
 
 
-def pipeline_loop_trips(hlo_text: str) -> list[int]:
-    """Trip counts of the while loops whose body hands data on with a collective permute: the iterations
-    of a pipeline schedule (pipeline.py; its forward and backward loops), as compiled."""
+def permute_loop_trips(hlo_text: str, num_devices: int, wanted: Callable[[DeviceGroups], bool]) -> list[int]:
+    """Trip counts of the while loops whose body hands data on with a collective permute between the
+    (source, target) pairs that `wanted` accepts: e.g. the iterations of a pipeline schedule (pipeline.py;
+    its forward and backward loops, permuting along the pipeline axis), as compiled."""
     comps, _ = _parse_module(hlo_text)
     trips = []
     for comp in comps.values():
         for instr in comp.instrs:
             body = comps.get(instr.attrs.get("body", "").lstrip("%")) if instr.opcode == "while" else None
-            if body and any(i.opcode.removesuffix("-start") == "collective-permute" for i in body.instrs):
+            if body and any(i.opcode.removesuffix("-start") == "collective-permute"
+                            and wanted(device_groups(i.attrs, num_devices)) for i in body.instrs):
                 trips.append(_trip_count(instr) or 1)
     return trips
 

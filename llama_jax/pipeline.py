@@ -148,8 +148,11 @@ def run_stages(layout: PipelineLayout, stage: Callable, layer_params, x, segment
         """Every micro-batch's activations sharded alike within a stage, whichever buffer holds them."""
         return nn.with_logical_constraint(a, (None,) * (a.ndim - len(names)) + names, rules=inner_rules)
 
+    dtype = x.dtype
+
     def local(layer_params, inputs, segment_ids, positions):
         index = jax.lax.axis_index(STAGE_AXIS)
+        inputs = inputs.astype(dtype)
         groups = jax.tree.map(lambda w: w.reshape(repeats, w.shape[0] // repeats, *w.shape[1:]), layer_params)
 
         def iteration(carry, t):
@@ -175,12 +178,17 @@ def run_stages(layout: PipelineLayout, stage: Callable, layer_params, x, segment
         last = (layout.iterations - stages) % microbatches  # the final micro-batch, arriving after the loop
         kept = jax.lax.dynamic_update_index_in_dim(kept, jnp.where(index == 0, x, take(kept, last)), last, 0)
         # Stage 0 holds every micro-batch's output; each stage takes M/P of them for the loss.
-        return jax.lax.psum_scatter(jnp.where(index == 0, kept, 0), STAGE_AXIS, scatter_dimension=0, tiled=True)
+        outputs = jnp.where(index == 0, kept, 0).astype(summed)
+        return jax.lax.psum_scatter(outputs, STAGE_AXIS, scatter_dimension=0, tiled=True).astype(dtype)
 
-    # Embeddings enter every stage whole (only stage 0 reads them): gathered over the stages here.
-    x = pin(x)
+    # Embeddings enter every stage whole (only stage 0 reads them): gathered over the stages here; their
+    # gradient is summed over the stages in the backward pass. XLA:CPU cannot compile a sum over a manual
+    # axis in bf16 (its all-reduce promotion pass aborts on the reducer jax emits), so on CPUs the stages'
+    # sums run in fp32.
+    summed = jnp.float32 if jax.default_backend() == "cpu" and dtype == jnp.bfloat16 else dtype
+    x = pin(x).astype(summed)
     stage_specs = PartitionSpec(STAGE_AXIS)
     out = jax.shard_map(local, in_specs=(stage_specs, PartitionSpec(), PartitionSpec(), PartitionSpec()),
                         out_specs=stage_specs, axis_names={STAGE_AXIS}, check_vma=False)(
         layer_params, split(x), split(segment_ids), split(positions))
-    return out.swapaxes(0, 1).reshape(x.shape)
+    return out.swapaxes(0, 1).reshape(x.shape).astype(dtype)

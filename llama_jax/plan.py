@@ -59,6 +59,7 @@ class Plan:
     # The same from the compiled program: 1 - M·R / the iterations of its pipeline loop (None: no pipeline)
     compiled_bubble: float | None = None
     pipeline_iterations: int | None = None  # of the compiled pipeline loop
+    pass_microbatches: int = 0  # micro-batches per pass through the pipeline (mesh.pipeline_microbatches or all)
 
     @property
     def collective_total(self) -> float:
@@ -108,6 +109,17 @@ def collective_minimum(config: Config, sizes: dict[str, int]) -> dict[str, float
     }
 
 
+def _along(topology: costmodel.Topology, axis: str):
+    """Whether every (source, target) pair of a collective permute differs along `axis` only."""
+    index = topology.axis_names.index(axis)
+
+    def wanted(pairs) -> bool:
+        moves = [[topology.coordinates(d) for d in pair] for pair in pairs]
+        return bool(moves) and all(a[i] == b[i] for a, b in moves for i in range(len(a)) if i != index) and \
+            any(a[index] != b[index] for a, b in moves)
+    return wanted
+
+
 def make_plan(config: Config, mesh: Mesh, devices_per_host: int = 0) -> Plan:
     """devices_per_host = 0: the hosts are the processes of this run; else hosts of that many devices."""
     topology = costmodel.mesh_topology(mesh, devices_per_host)  # a bad host size fails before compiling
@@ -121,8 +133,9 @@ def make_plan(config: Config, mesh: Mesh, devices_per_host: int = 0) -> Plan:
     stats = hlo.analyze(text, devices)
     outputs = memory.output_size_in_bytes - memory.alias_size_in_bytes
     stages, repeats = mesh.shape.get("pipeline", 1), config.mesh.pipeline_repeats
-    microbatches = program.config.train.microbatches
-    iterations = max(hlo.pipeline_loop_trips(text), default=None) if stages > 1 else None
+    microbatches = config.mesh.pipeline_microbatches or program.config.train.microbatches  # of one pass
+    iterations = max(hlo.permute_loop_trips(text, devices, _along(topology, "pipeline")), default=None) \
+        if stages > 1 else None
     return Plan(
         mesh=dict(mesh.shape), devices=devices,
         argument_bytes=memory.argument_size_in_bytes, temporary_bytes=memory.temp_size_in_bytes,
@@ -138,7 +151,7 @@ def make_plan(config: Config, mesh: Mesh, devices_per_host: int = 0) -> Plan:
         collective_by_axis=costmodel.traffic_by_axis(stats.collective_groups, topology),
         pipeline_repeats=repeats, bubble=bubble_fraction(stages, microbatches, repeats) if stages > 1 else 0.0,
         compiled_bubble=1 - microbatches * repeats / iterations if iterations else None,
-        pipeline_iterations=iterations,
+        pipeline_iterations=iterations, pass_microbatches=microbatches if stages > 1 else 0,
     )
 
 
@@ -206,11 +219,13 @@ def format_plan(plan: Plan) -> str:
         tiers = ", ".join(f"{tier} {format_bytes(b)}" for tier, b in plan.collective_tiers.items())
         lines.append(f"  {'total':<58}{format_bytes(plan.collective_total):>12}   ({tiers})")
     if stages > 1:
-        lines.append(f"pipeline: {stages} stages x {plan.pipeline_repeats} repeat(s) over {plan.microbatches} "
-                     f"micro-batches: bubble {plan.bubble:.1%} of the step ((P-1)/(M·R+P-1))")
+        passes = plan.microbatches // plan.pass_microbatches
+        lines.append(f"pipeline: {stages} stages x {plan.pipeline_repeats} repeat(s) over {plan.pass_microbatches} "
+                     f"micro-batches per pass{f', {passes} passes' if passes > 1 else ''}: bubble {plan.bubble:.1%} of "
+                     "the step ((P-1)/(M·R+P-1))")
         if plan.compiled_bubble is not None:
             lines.append(f"  compiled: the stage loop runs {plan.pipeline_iterations} iterations for "
-                         f"{plan.microbatches * plan.pipeline_repeats} micro-batch passes per stage: bubble "
+                         f"{plan.pass_microbatches * plan.pipeline_repeats} micro-batch turns per stage: bubble "
                          f"{plan.compiled_bubble:.1%}")
     return "\n".join(line for line in lines if line)
 

@@ -106,7 +106,8 @@ def check_divisibility(config: Config, sizes: dict[str, int]) -> None:
     batch_shards = sizes["data"] * sizes["fsdp"]
     stages, repeats = sizes["pipeline"], config.mesh.pipeline_repeats
     # auto picks a count that divides (a multiple of the stages when pipelining)
-    microbatches = (stages if stages > 1 else 1) if t.microbatches == "auto" else t.microbatches
+    fewest = max(stages, config.mesh.pipeline_microbatches) if stages > 1 else 1
+    microbatches = fewest if t.microbatches == "auto" else t.microbatches
     if t.batch_size % (batch_shards * microbatches):
         raise ConfigError(
             f"train.batch_size ({t.batch_size}) must be divisible by data×fsdp×microbatches "
@@ -115,10 +116,15 @@ def check_divisibility(config: Config, sizes: dict[str, int]) -> None:
     if m.n_layers % (stages * repeats):
         raise ConfigError(f"model.n_layers ({m.n_layers}) must be divisible by mesh.pipeline × mesh.pipeline_repeats "
                           f"({stages} × {repeats}): every stage runs the same number of layers per repeat")
-    if stages > 1 and microbatches % stages:
-        raise ConfigError(f"mesh.pipeline={stages} needs train.microbatches to be a multiple of {stages} (at least one "
-                          f"micro-batch per stage; got {microbatches}); try train.microbatches={2 * stages} (the "
+    per_pass = config.mesh.pipeline_microbatches or microbatches
+    if stages > 1 and per_pass % stages:
+        key = "mesh.pipeline_microbatches" if config.mesh.pipeline_microbatches else "train.microbatches"
+        raise ConfigError(f"mesh.pipeline={stages} needs {key} to be a multiple of {stages} (at least one "
+                          f"micro-batch per stage; got {per_pass}); try {key}={2 * stages} (the "
                           f"bubble is (P-1)/(M·R+P-1) of the step: more micro-batches, smaller bubble)")
+    if stages > 1 and microbatches % per_pass:
+        raise ConfigError(f"train.microbatches ({microbatches}) must be a multiple of mesh.pipeline_microbatches "
+                          f"({per_pass}): the step accumulates the gradient over whole passes through the pipeline")
     layers_per_group = m.n_layers // (stages * repeats)
     if stages > 1 and layers_per_group % config.remat.every_n_layers:
         raise ConfigError(f"remat.every_n_layers ({config.remat.every_n_layers}) must divide the {layers_per_group} "

@@ -12,6 +12,7 @@ params and optimizer state are the adapters' only, with the base's params beside
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -174,8 +175,9 @@ class TrainProgram:
         layout = pipeline_layout(config, mesh)
         model = Llama(config.model, remat_config=config.remat, load_balanced=config.mesh.load_balance,
                       peft=config.peft, pipeline=layout)
-        # With pipelining the micro-batches are the pipeline's (inside the model), not accumulated by the step.
-        accumulate = 1 if layout else config.train.microbatches
+        # With pipelining the micro-batches are the pipeline's (inside the model); the step accumulates the
+        # gradient over the passes through it, if there are several.
+        accumulate = config.train.microbatches // layout.microbatches if layout else config.train.microbatches
         adapting = config.peft.method != "none"
         optimizer = make_optimizer(config.train)
         schedule = learning_rate(config.train)
@@ -232,8 +234,9 @@ class TrainProgram:
         (one sequence per device at a time), which check_fits then refuses."""
         rows = config.train.batch_size // (mesh.shape["data"] * mesh.shape["fsdp"])  # per batch shard
         budget = memory_budget(config.run.device_memory_gb)
-        stages = mesh.shape["pipeline"]  # pipelining needs a multiple of the stages
-        for count in (n for n in range(stages, rows + 1) if rows % n == 0 and n % stages == 0):
+        # pipelining needs a multiple of the stages, and of the micro-batches of one pass
+        step = math.lcm(mesh.shape["pipeline"], config.mesh.pipeline_microbatches or 1)
+        for count in (n for n in range(step, rows + 1) if rows % n == 0 and n % step == 0):
             program = cls.build(dataclasses.replace(config, train=dataclasses.replace(config.train, microbatches=count)),
                                 mesh)
             if step_memory_bytes(program.compile_step()) <= budget:
@@ -320,7 +323,8 @@ def pipeline_layout(config: Config, mesh: Mesh) -> PipelineLayout | None:
     stages = mesh.shape["pipeline"]
     if stages == 1:
         return None
-    return PipelineLayout(stages, config.mesh.pipeline_repeats, config.train.microbatches)
+    return PipelineLayout(stages, config.mesh.pipeline_repeats,
+                          config.mesh.pipeline_microbatches or config.train.microbatches)
 
 
 def step_memory_bytes(compiled) -> int:
