@@ -68,7 +68,7 @@ def read_meta(step_dir: Path) -> dict | None:
         return None
 
 
-def pipeline_layout(meta: dict | None) -> tuple[int, int]:
+def saved_layer_order(meta: dict | None) -> tuple[int, int]:
     """(stages, repeats) of the pipeline a step was saved with: the order of its layers (pipeline.py)."""
     meta = meta or {}
     return (int(meta.get("mesh", {}).get("pipeline", 1)),
@@ -296,7 +296,7 @@ def _read_step(step_dir: Path, abstract_state: Any, layout: tuple[int, int]) -> 
             state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
     finally:
         handler.close()
-    return relayout(restored["state"], pipeline_layout(read_meta(step_dir)), layout), dict(restored["data"])
+    return relayout(restored["state"], saved_layer_order(read_meta(step_dir)), layout), dict(restored["data"])
 
 
 def restore_step(step_dir: Path, abstract_state: Any, layout: tuple[int, int] = (1, 1)) -> tuple[Any, dict]:
@@ -322,7 +322,7 @@ def restore_params(step_dir: Path, abstract_params: Any, layout: tuple[int, int]
     finally:
         checkpointer.close()
     params = restored[item] if has_params_item else restored[item]["params"]
-    return relayout({"params": params}, pipeline_layout(read_meta(step_dir)), layout)["params"]
+    return relayout({"params": params}, saved_layer_order(read_meta(step_dir)), layout)["params"]
 
 
 def save_params(directory: Path, params: Any, meta: dict) -> Path:

@@ -2,8 +2,9 @@
 
 With mesh.pipeline = P stages and mesh.pipeline_repeats = R, the L layers form P·R groups of K = L/(P·R)
 consecutive layers, and group g runs on stage g mod P: each device holds R groups that are P groups apart
-(the circular, or interleaved, schedule; R = 1 is plain GPipe). The batch is split into M =
-train.microbatches micro-batches, which flow through the stages inside the one jitted step:
+(the circular, or interleaved, schedule; R = 1 is plain GPipe). A pass through the pipeline carries M
+micro-batches (mesh.pipeline_microbatches, or all of train.microbatches; the step accumulates the gradient
+over the passes), which flow through the stages inside the one jitted step:
 
     iteration t:  stage p runs micro-batch (t - p) mod M through its group of repeat (t - p) // M,
                   then every stage hands its output to the next (a collective permute); the last
@@ -12,10 +13,11 @@ train.microbatches micro-batches, which flow through the stages inside the one j
 
 Stage 0 takes micro-batch t's embeddings for t < M; they are looked up before the loop with the batch split
 over all the devices, as without pipelining, and gathered over the stages (XLA's partitioner cannot split
-the lookup's gather inside a stage, where the pipeline axis is manual, in every layout). The loop runs M·R + P - 1 iterations, of which each stage works M·R: the bubble is
-(P - 1) / (M·R + P - 1) of the step. Gradients flow back through the same loop by autodiff (GPipe: every
-micro-batch's stage inputs are kept for the backward pass, M/P micro-batches' worth per device, less
-with recomputation), so clipping and the non-finite-step guard see the whole batch's gradient as before.
+the lookup's gather inside a stage, where the pipeline axis is manual, in every layout). The loop runs
+M·R + P - 1 iterations, of which each stage works M·R: the bubble is (P - 1) / (M·R + P - 1) of the pass.
+Gradients flow back through the same loop by autodiff (GPipe: every stage keeps its inputs of all M
+micro-batches for the backward pass, fewer of them with recomputation), so clipping and the
+non-finite-step guard see the whole batch's gradient as before.
 
 After the loop stage 0 holds every micro-batch's final activations; a reduce-scatter hands each stage
 M/P of them, so the output projection and the loss are computed once, spread over the stages: the
@@ -53,10 +55,6 @@ class PipelineLayout:
     @property
     def iterations(self) -> int:
         return self.microbatches * self.repeats + self.stages - 1
-
-    @property
-    def bubble(self) -> float:
-        return bubble_fraction(self.stages, self.microbatches, self.repeats)
 
 
 def bubble_fraction(stages: int, microbatches: int, repeats: int = 1) -> float:

@@ -277,7 +277,7 @@ class Loop:
             meta = run_metadata(config, mesh) | ({"base": run.base_reference} if run.base_reference else {})
             checkpointer = Checkpointer(run_dir, config.checkpoint, meta=meta, log=log.message,
                                         peers=run.peers, save_delay_s=f.inject_save_delay_s if injected else 0.0,
-                                        layout=pipeline_layout(config, mesh))
+                                        layout=layer_order(config, mesh))
             return cls(
                 run=run, log=log, checkpointer=checkpointer, goodput=Goodput(run_dir, started_at, write=primary),
                 meter=ThroughputMeter(t.batch_size * t.seq_len, model_flops_per_token(config), peak,
@@ -468,7 +468,7 @@ def enable_compilation_cache(config: Config) -> None:
     jax.config.update("jax_compilation_cache_dir", str(directory))
 
 
-def pipeline_layout(config: Config, mesh: Mesh) -> tuple[int, int]:
+def layer_order(config: Config, mesh: Mesh) -> tuple[int, int]:
     """(stages, repeats): the order of the layers in this run's state (pipeline.py)."""
     return mesh.shape["pipeline"], config.mesh.pipeline_repeats
 
@@ -488,7 +488,7 @@ def load_checkpoint(config: Config, step: int, devices=None) -> tuple[TrainState
     """(train state, loader state) saved at `step` in config.run.dir, restored onto `devices` (default:
     all) in config's mesh: to inspect a run's parameters or compare two runs (a peft run's: its adapters)."""
     program = TrainProgram.for_config(config, devices)
-    checkpointer = Checkpointer(Path(config.run.dir), config.checkpoint, layout=pipeline_layout(config, program.mesh))
+    checkpointer = Checkpointer(Path(config.run.dir), config.checkpoint, layout=layer_order(config, program.mesh))
     try:
         with program.activate():
             return checkpointer.restore(step, program.abstract_checkpoint())
