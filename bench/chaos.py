@@ -1,7 +1,9 @@
 """Chaos drill: train a preset under `llama-jax supervise` while SIGKILLs hit the trainer at random
-times, next to the same run left alone, both in this one invocation.
+times, next to the same run left alone, all in this one invocation; with --local-every N, the drill runs
+twice with the same kill schedule: durable checkpoints only, then with the node-local tier as well.
 
-    .venv/bin/python bench/chaos.py [--preset tiny] [--steps 300] [--kills 10] [--seed 0] [--json out.json] [key=value ...]
+    .venv/bin/python bench/chaos.py [--preset tiny] [--steps 300] [--kills 10] [--seed 0] [--local-every N]
+        [--host-loss-every K] [--json out.json] [key=value ...]
 
 Prints, for both runs, the wall time and the goodput with its breakdown (compile, checkpoint save and
 restore, data wait, lost = steps computed twice, restart = process start-up and supervisor backoff), and
@@ -12,6 +14,8 @@ so neither pays a cold compilation the other does not.
 Kills: after each (re)start of the trainer, wait a uniformly random time in [--min-gap, --max-gap]
 seconds, then SIGKILL the trainer process (not the supervisor), until --kills have been sent. A kill
 can land anywhere: during start-up, compilation, restore, a step, an asynchronous save or the eval.
+Host losses (--host-loss-every K): every K-th kill also deletes the trainer's node-local checkpoint
+directory, as losing the whole host would; the restart must then be served by another tier.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -46,8 +51,9 @@ def trainer_pid(supervisor: subprocess.Popen) -> int | None:
 
 
 def chaos(supervisor: subprocess.Popen, kills: int, min_gap: float, max_gap: float, rng: random.Random,
-          sent: list[dict]) -> None:
-    """SIGKILL each new trainer process after a random delay, `kills` times in all."""
+          sent: list[dict], host_loss_every: int = 0, local_dir: Path | None = None) -> None:
+    """SIGKILL each new trainer process after a random delay, `kills` times in all; every host_loss_every-th
+    kill also deletes local_dir once the process is gone (a lost host takes its local storage along)."""
     killed: set[int] = set()
     while len(sent) < kills and supervisor.poll() is None:
         pid = trainer_pid(supervisor)
@@ -65,7 +71,12 @@ def chaos(supervisor: subprocess.Popen, kills: int, min_gap: float, max_gap: flo
         except ProcessLookupError:
             continue
         killed.add(pid)
-        sent.append({"pid": pid, "after_s": round(delay, 2)})
+        host_lost = bool(host_loss_every) and len(sent) % host_loss_every == host_loss_every - 1
+        if host_lost and local_dir is not None:
+            while Path(f"/proc/{pid}").exists() and trainer_pid(supervisor) == pid:
+                time.sleep(0.01)
+            shutil.rmtree(local_dir, ignore_errors=True)
+        sent.append({"pid": pid, "after_s": round(delay, 2), "host_lost": host_lost})
 
 
 def final_state(run_dir: Path, config_args: list[str], step: int):
@@ -88,6 +99,38 @@ def losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r}
 
 
+def supervised(train: list[str], run_dir: Path, args, local_dir: Path) -> tuple[float, list[dict]]:
+    """The run under the supervisor, killed on the drill's schedule (the seed fixes the delays)."""
+    supervise = [*LLAMA_JAX, "supervise", "--backoff", str(args.backoff), "--max-backoff", str(4 * args.backoff),
+                 "--max-restarts", str(args.kills + 5), "--"]
+    sent: list[dict] = []
+    start = time.perf_counter()
+    supervisor = subprocess.Popen([*supervise, *train, f"run.dir={run_dir}"], env=environment(),
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    killer = threading.Thread(target=chaos, args=(supervisor, args.kills, args.min_gap, args.max_gap,
+                                                  random.Random(args.seed), sent, args.host_loss_every, local_dir),
+                              daemon=True)
+    killer.start()
+    _, supervisor_log = supervisor.communicate()
+    wall = time.perf_counter() - start
+    killer.join(timeout=1)
+    if supervisor.returncode != 0:
+        sys.exit(f"the supervised run failed (exit {supervisor.returncode}):\n{supervisor_log}")
+    return wall, sent
+
+
+def compare(straight_dir: Path, chaos_dir: Path, config_args: list[str], steps: int) -> tuple[bool, bool]:
+    """(final params bitwise equal, the same loss at every step the straight run logged)."""
+    import numpy as np
+
+    expected, got = final_state(straight_dir, config_args, steps), final_state(chaos_dir, config_args, steps)
+    bitwise = len(expected) == len(got) and all(np.array_equal(a, b) for a, b in zip(expected, got))
+    # The interrupted run also logs the first step of every attempt: compare the steps both logged,
+    # and it must have logged every step the straight run did.
+    straight_losses, chaos_losses = losses(straight_dir), losses(chaos_dir)
+    return bitwise, all(chaos_losses.get(step) == loss for step, loss in straight_losses.items())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="tiny")
@@ -99,6 +142,10 @@ def main() -> None:
     parser.add_argument("--backoff", type=float, default=1.0, help="the supervisor's first restart delay")
     parser.add_argument("--seed", type=int, default=0, help="seeds the kill times")
     parser.add_argument("--work", help="keep the run directories here (default: a temporary directory)")
+    parser.add_argument("--local-every", type=int, default=0,
+                        help="also run the drill with the node-local tier saving every N steps (0: durable only)")
+    parser.add_argument("--host-loss-every", type=int, default=0,
+                        help="every K-th kill also deletes the trainer's local checkpoint directory (0: never)")
     parser.add_argument("--json", help="also write the figures here")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides for both runs")
     args = parser.parse_args()
@@ -127,49 +174,44 @@ def main() -> None:
         if straight.returncode != 0:
             sys.exit(f"the uninterrupted run failed:\n{straight.stderr}")
 
-        print(f"under the supervisor with {args.kills} SIGKILLs ...", flush=True)
-        chaos_dir = work / "chaos"
-        supervise = [*LLAMA_JAX, "supervise", "--backoff", str(args.backoff), "--max-backoff", str(4 * args.backoff),
-                     "--max-restarts", str(args.kills + 5), "--"]
-        sent: list[dict] = []
-        start = time.perf_counter()
-        supervisor = subprocess.Popen([*supervise, *train, f"run.dir={chaos_dir}"], env=environment(),
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        killer = threading.Thread(target=chaos, args=(supervisor, args.kills, args.min_gap, args.max_gap,
-                                                      random.Random(args.seed), sent), daemon=True)
-        killer.start()
-        _, supervisor_log = supervisor.communicate()
-        chaos_wall = time.perf_counter() - start
-        killer.join(timeout=1)
-        if supervisor.returncode != 0:
-            sys.exit(f"the supervised run failed (exit {supervisor.returncode}):\n{supervisor_log}")
+        from llama_jax.local_checkpoint import process_directory
 
-        import numpy as np
-
-        expected, got = final_state(straight_dir, config_args, args.steps), final_state(chaos_dir, config_args,
-                                                                                          args.steps)
-        bitwise = len(expected) == len(got) and all(np.array_equal(a, b) for a, b in zip(expected, got))
-        # The interrupted run also logs the first step of every attempt: compare the steps both logged,
-        # and it must have logged every step the straight run did.
-        straight_losses, chaos_losses = losses(straight_dir), losses(chaos_dir)
-        same_losses = all(chaos_losses.get(step) == loss for step, loss in straight_losses.items())
-        runs = {"uninterrupted": (straight_wall, read_goodput(straight_dir)),
-                "10 kills" if args.kills == 10 else f"{args.kills} kills": (chaos_wall, read_goodput(chaos_dir))}
+        drills = {"durable only": []}
+        if args.local_every:
+            drills[f"+ local every {args.local_every}"] = [f"checkpoint.local_dir={work / 'local'}",
+                                                           f"checkpoint.local_every_steps={args.local_every}"]
+        runs = {"uninterrupted": (straight_wall, read_goodput(straight_dir))}
+        bitwise, same_losses = True, True
+        for name, tier in drills.items():
+            chaos_dir = work / name.replace(" ", "-").replace("+", "with")
+            print(f"under the supervisor with {args.kills} SIGKILLs, {name} ...", flush=True)
+            wall, sent = supervised(train + tier, chaos_dir, args, process_directory(str(work / "local"), chaos_dir, 0))
+            equal, same = compare(straight_dir, chaos_dir, config_args, args.steps)
+            bitwise, same_losses = bitwise and equal, same_losses and same
+            runs[f"{args.kills} kills, {name}"] = (wall, read_goodput(chaos_dir))
 
     print(f"\n{args.preset}, {args.steps} steps, checkpoint every {args.every_steps} steps, {os.cpu_count()} cores")
-    print(f"kills sent: {len(sent)} (seconds after each start: {', '.join(str(k['after_s']) for k in sent)})")
+    print(f"kills sent: {len(sent)} (seconds after each start: "
+          f"{', '.join(str(k['after_s']) + ' (host lost)' * k['host_lost'] for k in sent)})")
     columns = ["wall_s", "goodput", *BUCKETS, "attempts"]
-    print(f"{'run':<14}" + "".join(f"{c:>19}" if c == "checkpoint_restore" else f"{c:>16}" for c in columns))
+    print(f"{'run':<30}" + "".join(f"{c:>19}" if c == "checkpoint_restore" else f"{c:>16}" for c in columns))
     results = {"preset": args.preset, "steps": args.steps, "kills": sent, "bitwise_equal_params": bitwise,
                "same_losses": same_losses}
     for name, (wall, goodput) in runs.items():
         row = {**goodput, "accounted_s": goodput["wall_s"], "wall_s": wall}
         cells = [f"{100 * row[c]:.1f}%" if c == "goodput" else (f"{row[c]}" if c == "attempts" else f"{row[c]:.1f}")
                  for c in columns]
-        print(f"{name:<14}" + "".join(f"{v:>19}" if c == "checkpoint_restore" else f"{v:>16}"
+        print(f"{name:<30}" + "".join(f"{v:>19}" if c == "checkpoint_restore" else f"{v:>16}"
                                       for c, v in zip(columns, cells)))
         results[name] = row
-        print(f"{'':<14}{format_goodput(goodput)}")
+        print(f"{'':<30}{format_goodput(goodput)}")
+        if "kills" in name:
+            failures = max(1, goodput["attempts"] - 1)
+            per_failure = {k: goodput[k] / failures for k in ("lost", "restart", "checkpoint_restore")}
+            row["per_failure_s"] = per_failure
+            print(f"{'':<30}per failure: lost {per_failure['lost']:.2f}s, restart {per_failure['restart']:.2f}s, "
+                  f"restore {per_failure['checkpoint_restore']:.2f}s, total "
+                  f"{sum(per_failure.values()):.2f}s over {failures} failures")
     print(f"final params bitwise equal: {bitwise}; identical loss at every step: {same_losses}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n")

@@ -1,12 +1,14 @@
 """What a failure costs besides the lost steps: how long a checkpoint save blocks training
-(asynchronous vs synchronous Orbax saves of the same state) and how long a restarted run takes to
-its first step (JAX's persistent compilation cache cold vs warm). All measured in this invocation.
+(asynchronous vs synchronous Orbax saves of the same state, and the node-local tier's save), how long a
+restore takes from each tier, and how long a restarted run takes to its first step (JAX's persistent
+compilation cache cold vs warm). All measured in this invocation.
 
     .venv/bin/python bench/restart.py [--presets tiny bench] [--saves 5] [--restarts 3] [--json out.json]
 
 Saves: the preset's full train state (params + AdamW moments) on one CPU device, saved --saves times
-each way into a local directory; "blocking" is the time the training loop waits in save(), "total"
-includes waiting for the write to finish.
+each way: durable saves (Orbax, into the run's checkpoints/) and local-tier saves (local_checkpoint.py,
+into --local-dir, /dev/shm by default); "blocking" is the time the training loop waits in save(), "total"
+includes waiting for the write to finish; "restore" reads the newest saved step back onto the device.
 Restarts: a run of the first preset is trained to a checkpoint, then resumed in a new process (copied
 run directory, same command) with an empty compilation cache and with the cache the first run filled;
 the time from process start to the first resumed step's metrics record is the restart-to-first-step time.
@@ -33,11 +35,13 @@ def environment() -> dict:
     return dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
 
 
-def bench_saves(preset: str, saves: int, work: Path) -> dict:
+def bench_saves(preset: str, saves: int, work: Path, local_dir: Path) -> dict:
     import jax
 
     from llama_jax.checkpoint import Checkpointer
     from llama_jax.config import load_config
+    from llama_jax.distributed import Peers
+    from llama_jax.local_checkpoint import LocalTier
     from llama_jax.model import param_count
     from llama_jax.step import TrainProgram
 
@@ -63,7 +67,29 @@ def bench_saves(preset: str, saves: int, work: Path) -> dict:
                 checkpointer.close()
             results[f"{mode}_blocking_s"] = statistics.median(blocking)
             results[f"{mode}_total_s"] = statistics.median(total)
+            if mode == "async":
+                results["durable_restore_s"] = timed(lambda: checkpointer.restore(saves, program.abstract_checkpoint()))
+        local = LocalTier(str(local_dir), work / f"{preset}-local", program.mesh, Peers(60.0), keep=2, replicas=0)
+        blocking, total = [], []
+        for step in range(1, saves + 1):
+            start = time.perf_counter()
+            blocking.append(local.save(step, state, {"next_step": step}, {}))
+            local.wait()
+            total.append(time.perf_counter() - start)
+        results["local_blocking_s"], results["local_total_s"] = statistics.median(blocking), statistics.median(total)
+        results["local_restore_s"] = timed(lambda: local.restore(saves, program.abstract_checkpoint()))
+        shutil.rmtree(local.directory.parent, ignore_errors=True)
     return results
+
+
+def timed(restore) -> float:
+    """Seconds to restore a state and have it on the device."""
+    import jax
+
+    start = time.perf_counter()
+    restored = restore()
+    jax.block_until_ready(restored[0])
+    return time.perf_counter() - start
 
 
 def first_step_seconds(command: list[str], run_dir: Path, step: int, timeout: float = 600) -> float:
@@ -117,6 +143,8 @@ def main() -> None:
     parser.add_argument("--presets", nargs="+", default=["tiny", "bench"])
     parser.add_argument("--saves", type=int, default=5)
     parser.add_argument("--restarts", type=int, default=3)
+    parser.add_argument("--local-dir", default="/dev/shm" if Path("/dev/shm").is_dir() else None,
+                        help="node-local storage for the local tier's saves (default /dev/shm; else the work dir)")
     parser.add_argument("--json", help="also write the figures here")
     args = parser.parse_args()
 
@@ -126,16 +154,19 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         for preset in args.presets:
-            results["saves"].append(bench_saves(preset, args.saves, work))
+            local_dir = Path(args.local_dir) / f"llama-jax-bench-{os.getpid()}" if args.local_dir else work / "local"
+            results["saves"].append(bench_saves(preset, args.saves, work, local_dir))
         results["restart"] = {"preset": args.presets[0], **bench_restarts(args.presets[0], args.restarts, work)}
 
     print(f"checkpoint saves (median of {args.saves}, one CPU device, jax {jax.__version__}):")
     print(f"{'preset':<8}{'params':>12}{'state MB':>10}{'async blocks':>14}{'async total':>13}"
-          f"{'sync blocks':>13}{'blocking ratio':>16}")
+          f"{'sync blocks':>13}{'blocking ratio':>16}{'local blocks':>14}{'local total':>13}"
+          f"{'durable restore':>17}{'local restore':>15}")
     for r in results["saves"]:
         print(f"{r['preset']:<8}{r['params']:>12,}{r['state_mb']:>10.1f}{r['async_blocking_s']:>13.3f}s"
               f"{r['async_total_s']:>12.3f}s{r['sync_blocking_s']:>12.3f}s"
-              f"{r['sync_blocking_s'] / r['async_blocking_s']:>15.1f}x")
+              f"{r['sync_blocking_s'] / r['async_blocking_s']:>15.1f}x{r['local_blocking_s']:>13.3f}s"
+              f"{r['local_total_s']:>12.3f}s{r['durable_restore_s']:>16.3f}s{r['local_restore_s']:>14.3f}s")
     r = results["restart"]
     print(f"\nrestart to first step, {r['preset']} (median of {args.restarts}): "
           f"cold compilation cache {r['restart_to_first_step_cold_s']:.2f}s, "

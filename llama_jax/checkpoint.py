@@ -39,6 +39,7 @@ from llama_jax.config import CheckpointConfig
 from llama_jax.distributed import Peers
 from llama_jax.errors import ConfigError
 from llama_jax.goodput import observed_mtbf_s
+from llama_jax.local_checkpoint import LocalTier
 from llama_jax.pipeline import relayout
 from llama_jax.vocabulary import ARCHITECTURE_FIELDS, FUNCTION_FIELDS
 
@@ -127,14 +128,15 @@ def auto_checkpoint_steps(save_s: float, mtbf_s: float, step_s: float) -> int:
     return max(1, round(young_daly_interval_s(save_s, mtbf_s) / step_s))
 
 
-def interval_advice(save_s: float, mtbf_s: float, step_s: float, every_steps: int, auto: bool = False) -> str:
+def interval_advice(save_s: float, mtbf_s: float, step_s: float, every_steps: int, auto: bool = False,
+                    key: str = "checkpoint.every_steps") -> str:
     """The log line: the Young/Daly interval for the measured save time next to the one in use."""
     derivation = f"sqrt(2 x save {save_s:.2f}s x MTBF {mtbf_s / 3600:.2g} h) = {young_daly_interval_s(save_s, mtbf_s):.0f}s"
     steps = auto_checkpoint_steps(save_s, mtbf_s, step_s)
     if auto:
-        return f"checkpoint.every_steps=auto: {derivation} at {step_s:.3f}s a step -> saving every {steps} steps"
+        return f"{key}=auto: {derivation} at {step_s:.3f}s a step -> saving every {steps} steps"
     return (f"checkpoint interval advice (Young/Daly): {derivation} = {steps} steps; "
-            f"checkpoint.every_steps is {every_steps or 'only at the end'}")
+            f"{key} is {every_steps or 'only at the end'}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -148,8 +150,8 @@ class Checkpointer:
 
     def __init__(self, run_dir: Path, config: CheckpointConfig, meta: dict | None = None,
                  directory: Path | None = None, log: Callable[[str], None] = print, peers: Peers | None = None,
-                 save_delay_s: float = 0.0, layout: tuple[int, int] = (1, 1)):
-        self.config, self.meta, self.log = config, meta or {}, log
+                 save_delay_s: float = 0.0, layout: tuple[int, int] = (1, 1), local: LocalTier | None = None):
+        self.config, self.meta, self.log, self.local = config, meta or {}, log, local
         self.layout = layout  # (pipeline stages, repeats) of this run: restored layers are put in its order
         self.peers = peers or Peers(timeout_s=600.0)
         self.save_delay_s = save_delay_s  # fault injection: this process's saves take longer
@@ -161,6 +163,9 @@ class Checkpointer:
         self.last_save_time = time.monotonic()
         self.announced_save: int | None = None  # process 0: the step of the save it announced last
         self.save_seconds: list[float] = []  # how long each save blocked the loop
+        self.local_every_steps = config.local_every_steps if isinstance(config.local_every_steps, int) else 0
+        self.restored_from = ""  # the tier the last restore came from: "local" or "durable"
+        self.restore_seconds: dict[str, float] = {}  # seconds spent restoring (or trying to) from each tier
         self.manager = self._open()
 
     def _open(self) -> ocp.CheckpointManager:
@@ -219,8 +224,36 @@ class Checkpointer:
         return self.save_seconds[-1]
 
     def advice(self, step_s: float) -> str:
-        """The Young/Daly interval for the median save time so far, next to the interval in use."""
-        return interval_advice(statistics.median(self.save_seconds), self.mtbf_s, step_s, self.every_steps)
+        """The Young/Daly interval for the median save time so far, next to the interval in use (per tier)."""
+        lines = [interval_advice(statistics.median(self.save_seconds), self.mtbf_s, step_s, self.every_steps)]
+        if self.local is not None and self.local.save_seconds:
+            cost = statistics.median(self.local.save_seconds)
+            lines.append(interval_advice(cost, self.mtbf_s, step_s, self.local_every_steps,
+                                         key="checkpoint.local_every_steps"))
+        return "\n".join(lines)
+
+    # The local tier (local_checkpoint.py): its own interval, decided by step number alone so that every
+    # process saves the same steps (its saves are collectives when partners keep copies).
+
+    def local_due(self, step: int) -> bool:
+        if self.local is None:
+            return False
+        if self.config.local_every_steps == "auto" and not self.local.save_seconds:
+            return True  # the first local save is measured to choose the interval
+        return self.local_every_steps > 0 and step % self.local_every_steps == 0
+
+    def save_local(self, step: int, state: Any, data_state: dict, step_s: float | None = None) -> float:
+        """A local save of `step`; returns the seconds it blocked the loop (the background write not
+        included). With local_every_steps=auto the first one is waited for in full and sets the interval."""
+        meta = {**self.meta, "step": step, "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat()}
+        blocked = self.local.save(step, state, data_state, meta)
+        if self.config.local_every_steps == "auto" and len(self.local.save_seconds) == 1:
+            mine = [blocked + self.local.wait(), step_s or 1.0]
+            save_s, step_s = self.peers.reduce("local interval", mine, lambda all_: list(map(max, zip(*all_))))
+            self.local_every_steps = auto_checkpoint_steps(save_s, self.mtbf_s, step_s)
+            self.log(interval_advice(save_s, self.mtbf_s, step_s, self.local_every_steps, auto=True,
+                                     key="checkpoint.local_every_steps"))
+        return blocked
 
     def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict]:
         """(train state, loader state) of `step`; the state takes the shapes, dtypes and shardings of
@@ -238,32 +271,78 @@ class Checkpointer:
     def restore_newest(self, abstract_state: Any, model: dict, warn: Callable[[str], None],
                        allowed: tuple[str, ...] | list[str] = (), check: Callable[[dict], None] | None = None
                        ) -> tuple[int, Any, dict] | None:
-        """The newest step that restores on every process, setting aside every newer one that does not
-        restore on some process (its damage may be in one process's shards only); None if none. `check`
-        (e.g. a peft run's: the same adapters and base) sees each step's meta and raises ConfigError."""
-        for step in self.steps():
-            meta = read_meta(self.directory / str(step))
-            if meta is not None:
-                check_model(meta.get("config", {}).get("model", {}), model, self.directory, allowed)
-                if check is not None:
-                    check(meta)
-            failure, restored = None, None
-            try:
-                if meta is None:
-                    raise ValueError("its meta item is missing or unreadable")
-                restored = self.restore(step, abstract_state)
-            except (ConfigError, KeyboardInterrupt):
-                raise
-            except Exception as err:  # Orbax/TensorStore raise many types for damaged files
-                reason = str(err).splitlines()[0][:200] if str(err) else type(err).__name__
-                failure = f"process {self.peers.index}: {type(err).__name__}: {reason}"
-            failures = self.peers.reduce(f"restore of step {step}", failure, lambda all_: [f for f in all_ if f])
-            if not failures:
-                return (step, *restored)
-            moved = self.set_aside(step)
-            more = f" and {len(failures) - 1} more" if len(failures) > 1 else ""
-            warn(f"warning: checkpoint step {step} does not restore ({failures[0]}{more}); moved it to {moved} "
-                 "and trying the previous one")
+        """The newest step that restores on every process, from the fastest tier holding it whole (the local
+        tier, then checkpoints/); None if none. A copy that does not restore is set aside in its tier (a
+        durable step's damage may be in one process's shards only) and the next copy or step is tried.
+        `check` (e.g. a peft run's: the same adapters and base) sees each step's meta and raises ConfigError.
+        restored_from and restore_seconds say which tier served and what each cost."""
+        local = self._local_steps(model, allowed, check)
+        durable = self.steps()
+        for step in sorted(set(local) | set(durable), reverse=True):
+            for tier in ("local", "durable"):
+                if step not in (local if tier == "local" else durable):
+                    continue
+                start = time.perf_counter()
+                found = (self._restore_local if tier == "local" else self._restore_durable)(
+                    step, abstract_state, model, warn, allowed, check)
+                self.restore_seconds[tier] = self.restore_seconds.get(tier, 0.0) + time.perf_counter() - start
+                if found is not None:
+                    self.restored_from = tier
+                    return found
+        return None
+
+    def _local_steps(self, model: dict, allowed, check) -> list[int]:
+        """The local steps every process can be served, if their meta says they fit this run: the same
+        model, process count and layer order (the local tier keeps shards as they lie on this mesh; another
+        layout restores from checkpoints/, which any mesh can read)."""
+        if self.local is None:
+            return []
+        steps = self.local.agreed_steps()
+        if not steps:
+            return []
+        meta = self.local.meta(steps[0]) or {}
+        saved = (meta.get("processes"), saved_layer_order(meta), meta.get("mesh"))
+        if saved != (self.meta.get("processes"), self.layout, self.meta.get("mesh")):
+            self.log(f"the local tier's steps were saved on another mesh or process count ({meta.get('mesh')}); "
+                     "restoring from checkpoints/")
+            return []
+        check_model(meta.get("config", {}).get("model", {}), model, self.local.directory, allowed)
+        if check is not None:
+            check(meta)
+        return steps
+
+    def _restore_local(self, step, abstract_state, model, warn, allowed, check) -> tuple[int, Any, dict] | None:
+        restored = self.local.restore(step, abstract_state)
+        if isinstance(restored, str):
+            warn(f"warning: {restored}; trying the next copy")
+            return None
+        state, data_state, served = restored
+        self.log(f"restored step {step} from the local tier ({served})")
+        return step, state, data_state
+
+    def _restore_durable(self, step, abstract_state, model, warn, allowed, check) -> tuple[int, Any, dict] | None:
+        meta = read_meta(self.directory / str(step))
+        if meta is not None:
+            check_model(meta.get("config", {}).get("model", {}), model, self.directory, allowed)
+            if check is not None:
+                check(meta)
+        failure, restored = None, None
+        try:
+            if meta is None:
+                raise ValueError("its meta item is missing or unreadable")
+            restored = self.restore(step, abstract_state)
+        except (ConfigError, KeyboardInterrupt):
+            raise
+        except Exception as err:  # Orbax/TensorStore raise many types for damaged files
+            reason = str(err).splitlines()[0][:200] if str(err) else type(err).__name__
+            failure = f"process {self.peers.index}: {type(err).__name__}: {reason}"
+        failures = self.peers.reduce(f"restore of step {step}", failure, lambda all_: [f for f in all_ if f])
+        if not failures:
+            return (step, *restored)
+        moved = self.set_aside(step)
+        more = f" and {len(failures) - 1} more" if len(failures) > 1 else ""
+        warn(f"warning: checkpoint step {step} does not restore ({failures[0]}{more}); moved it to {moved} "
+             "and trying the previous one")
         return None
 
     def set_aside(self, step: int) -> Path:
@@ -278,14 +357,16 @@ class Checkpointer:
         return target
 
     def wait(self) -> float:
-        """Block until pending writes are done; returns the seconds waited."""
+        """Block until pending writes (of both tiers) are done; returns the seconds waited."""
         start = time.perf_counter()
         self.manager.wait_until_finished()
+        if self.local is not None:
+            self.local.wait()
         return time.perf_counter() - start
 
     def close(self) -> None:
         """Wait for pending writes, then release Orbax's threads."""
-        self.manager.wait_until_finished()
+        self.wait()
         self.manager.close()
 
 

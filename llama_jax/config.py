@@ -156,6 +156,15 @@ class CheckpointConfig:
     # from, e.g. [rope_scaling_factor, rope_original_max_len] to extend the context; shapes never may.
     allow_model_changes: list[str] = field(default_factory=list)
     timeout_s: float = 1800.0  # a save or restore not finished in this time stops the run, naming it (exit 124)
+    # The node-local tier (local_checkpoint.py): each process saves its shards to this path on its own host
+    # (e.g. /dev/shm/llama-jax or a local NVMe; "" = off) every local_every_steps (or "auto": Young/Daly on
+    # the local save's time), keeping the newest local_keep; with local_replicas=1 a partner process on
+    # another host keeps a copy too, so losing a host loses no local step. A restart restores the newest
+    # step of the fastest tier that holds it whole (own copy, partner's copy, then checkpoints/).
+    local_dir: str = ""
+    local_every_steps: Union[int, str] = 0
+    local_keep: int = 2
+    local_replicas: int = 1
 
 
 @dataclass(frozen=True)
@@ -461,6 +470,14 @@ def validate(config: Config) -> None:
     _require(c.keep_every >= 0 and c.every_minutes >= 0 and c.mtbf_hours >= 0,
              "checkpoint.keep_every, checkpoint.every_minutes and checkpoint.mtbf_hours must be >= 0")
     _require(not (c.resume_from and c.init_from), "set checkpoint.resume_from or checkpoint.init_from, not both")
+    _require(c.local_every_steps == "auto" or (isinstance(c.local_every_steps, int) and c.local_every_steps >= 0),
+             f"checkpoint.local_every_steps must be a step count >= 0 or auto, got '{c.local_every_steps}'")
+    _require(bool(c.local_dir.strip()) == (c.local_every_steps != 0),
+             "checkpoint.local_dir and checkpoint.local_every_steps go together: set both (e.g. "
+             "checkpoint.local_dir=/dev/shm/llama-jax checkpoint.local_every_steps=50) or neither")
+    _require(c.local_keep > 0 and c.local_replicas in (0, 1),
+             f"checkpoint.local_keep must be positive and checkpoint.local_replicas 0 or 1, got {c.local_keep} "
+             f"and {c.local_replicas}")
     _require(f.hang_factor > 0 and f.hang_min_timeout_s > 0 and f.hang_startup_timeout_s > 0,
              "fault.hang_factor, fault.hang_min_timeout_s and fault.hang_startup_timeout_s must be positive")
     _require(f.max_bad_steps > 0, f"fault.max_bad_steps must be positive, got {f.max_bad_steps}")

@@ -90,6 +90,15 @@ class Goodput:
         self.add("straggler", moved)
         self.current["hosts"] = scores
 
+    def tier(self, kind: str, seconds: float, nbytes: int = 0, count: int = 1) -> None:
+        """Checkpoint cost by tier, kept with the attempt beside the buckets (process 0's view): save_local
+        and save_durable (seconds the loop was blocked), write_local (the background writes' seconds and the
+        bytes this host wrote), restore_local and restore_durable (seconds spent restoring, or trying to)."""
+        entry = self.current.setdefault("tiers", {}).setdefault(kind, {"count": 0, "seconds": 0.0, "bytes": 0})
+        entry["count"] += count
+        entry["seconds"] += max(0.0, seconds)
+        entry["bytes"] += nbytes
+
     def flush(self) -> None:
         """Persist; also the attempt's sign of life (last_alive) should it be killed without a word."""
         self.current["last_alive"] = self.now()
@@ -147,8 +156,14 @@ def summarize(attempts: list[dict[str, Any]], now: float) -> dict[str, Any]:
     totals["productive"] -= totals["lost"]
     wall = now - attempts[0]["started_at"] - _idle_s(attempts)
     totals["other"] += max(0.0, wall - sum(totals.values()))  # the unaccounted rest (logging, loop overhead)
+    tiers: dict[str, dict[str, float]] = {}
+    for attempt in attempts:
+        for kind, entry in attempt.get("tiers", {}).items():
+            total = tiers.setdefault(kind, {"count": 0, "seconds": 0.0, "bytes": 0})
+            for field in total:
+                total[field] += entry.get(field, 0)
     return {"goodput": totals["productive"] / wall if wall > 0 else 0.0, "wall_s": wall,
-            "attempts": len(attempts), **totals}
+            "attempts": len(attempts), **totals, "tiers": tiers}
 
 
 def format_goodput(s: dict[str, Any]) -> str:

@@ -31,6 +31,7 @@ from jax.sharding import Mesh
 from llama_jax import __version__, distributed, peft, remat, sharding, weights
 from llama_jax import config as config_lib
 from llama_jax.checkpoint import Checkpointer, check_model, latest_checkpoint_step, read_meta, restore_step
+from llama_jax.local_checkpoint import LocalTier, finished_steps, process_directory, read_manifest
 from llama_jax.config import Config
 from llama_jax.distributed import HostWindow, Peers
 from llama_jax.data.pipeline import TrainData, open_data
@@ -71,6 +72,11 @@ class Run:
         start, source, allowed = latest_checkpoint_step(run_dir), None, config.checkpoint.allow_model_changes
         check_wandb(config.run)
         meta = read_meta(run_dir / "checkpoints" / str(start)) if start else None
+        if config.checkpoint.local_dir:  # the local tier may hold newer steps (each process sees its own)
+            local = process_directory(config.checkpoint.local_dir, run_dir, peers.index)
+            local_start = peers.reduce("newest local step", max(finished_steps(local), default=0), max)
+            if local_start > start:
+                start, meta = local_start, (read_manifest(local / str(local_start)) or {}).get("meta")
         if meta is not None:  # an unreadable one is set aside at restore time
             check_model(meta["config"]["model"], model, run_dir, allowed)
             peft.check_adapters(meta["config"].get("peft", {}), config.peft, run_dir)
@@ -188,7 +194,8 @@ def execute(run: Run, print_fn: Callable[[str], None] = print, started_at: float
                 unread = current
                 stop = loop.preemption.should_stop(step)
                 save = loop.checkpointer.due(step) or step == t.steps or stop
-                if not (save or stop or loop.eval_due(step)):
+                local = loop.checkpointer.local_due(step)
+                if not (save or local or stop or loop.eval_due(step)):
                     continue
                 # This step's state is evaluated or saved: its verdict first (the next step would donate it).
                 unread = None
@@ -201,6 +208,8 @@ def execute(run: Run, print_fn: Callable[[str], None] = print, started_at: float
                 with loop.goodput.pause(None):  # evaluation and saves are not step time
                     if loop.eval_due(step):
                         summary["final_eval_loss"] = loop.evaluate(state.model_params, step)
+                    if local:
+                        loop.save(step, state, data_step, tier="local")
                     if save:
                         loop.save(step, state, data_step)
                 loop.hang_if_injected(step)
@@ -275,9 +284,12 @@ class Loop:
         injected = f.inject_process == jax.process_index()
         try:
             meta = run_metadata(config, mesh) | ({"base": run.base_reference} if run.base_reference else {})
-            checkpointer = Checkpointer(run_dir, config.checkpoint, meta=meta, log=log.message,
+            c = config.checkpoint
+            local = LocalTier(c.local_dir, run_dir, mesh, run.peers, c.local_keep, c.local_replicas,
+                              log=log.message) if c.local_dir else None
+            checkpointer = Checkpointer(run_dir, c, meta=meta, log=log.message,
                                         peers=run.peers, save_delay_s=f.inject_save_delay_s if injected else 0.0,
-                                        layout=layer_order(config, mesh))
+                                        layout=layer_order(config, mesh), local=local)
             return cls(
                 run=run, log=log, checkpointer=checkpointer, goodput=Goodput(run_dir, started_at, write=primary),
                 meter=ThroughputMeter(t.batch_size * t.seq_len, model_flops_per_token(config), peak,
@@ -301,6 +313,8 @@ class Loop:
         run.peers.barrier("restore")  # a process that never gets here is named, instead of a silent wait in Orbax
         with self.watchdog.paused("restore", run.config.checkpoint.timeout_s):
             state, data_step = self._restored(run.program.abstract_checkpoint())
+        for tier, seconds in self.checkpointer.restore_seconds.items():
+            self.goodput.tier(f"restore_{tier}", seconds)
         if state is None:
             return run.program.init_state(jax.random.key(run.config.seed)), 0
         self.goodput.add("checkpoint_restore", time.perf_counter() - start)
@@ -314,7 +328,9 @@ class Loop:
             if found:
                 step, state, data_state = found
                 state = run.program.with_frozen(state, run.base)
-                say(f"resumed from {self.checkpointer.directory / str(step)}")
+                where = self.checkpointer.local.directory if self.checkpointer.restored_from == "local" else \
+                    self.checkpointer.directory
+                say(f"resumed from {where / str(step)}")
                 if data_state.get("fingerprint") != run.data.fingerprint:
                     say(f"warning: the data settings or sources changed since step {step} was saved; "
                         "the batches from here on differ from the original run's")
@@ -412,12 +428,15 @@ class Loop:
         self.log.log({"step": step, "eval_loss": loss})
         return loss
 
-    def save(self, step: int, state: TrainState, data_step: int) -> None:
+    def save(self, step: int, state: TrainState, data_step: int, tier: str = "durable") -> None:
+        """Save `step` to the durable tier (checkpoints/) or the local one; the blocked time is goodput's."""
         bound = self.run.config.checkpoint.timeout_s
-        with self.watchdog.paused(f"checkpoint save of step {step}", bound), self.goodput.pause("checkpoint_save"):
-            self.checkpointer.save(step, state.checkpointed(), {"next_step": data_step,
-                                                                "fingerprint": self.run.data.fingerprint},
-                                   step_s=self.meter.median_step_s)
+        where = "local checkpoint" if tier == "local" else "checkpoint"
+        with self.watchdog.paused(f"{where} save of step {step}", bound), self.goodput.pause("checkpoint_save"):
+            data_state = {"next_step": data_step, "fingerprint": self.run.data.fingerprint}
+            save = self.checkpointer.save_local if tier == "local" else self.checkpointer.save
+            blocked = save(step, state.checkpointed(), data_state, step_s=self.meter.median_step_s)
+        self.goodput.tier(f"save_{tier}", blocked)
 
     def roll_back(self, state: TrainState, step: int, data_step: int) -> tuple[TrainState, int]:
         """After max_bad_steps bad steps in a row: back to the newest checkpoint, skipping the batches since."""
@@ -449,9 +468,12 @@ class Loop:
             summary["mfu"] = self.meter.mfu(summary["tokens_per_s"])
         with self.watchdog.paused("final save", self.run.config.checkpoint.timeout_s):
             self.goodput.add("checkpoint_save", self.checkpointer.wait())
+        local = self.checkpointer.local
+        if local is not None:  # the background writes: their time and this host's bytes
+            self.goodput.tier("write_local", sum(local.write_seconds), local.bytes_written, len(local.write_seconds))
         summary["goodput"] = self.goodput.summary()
         summary["skipped_steps"] = self.guard.bad_steps_total
-        self.log.log({"step": step, **{f"goodput_{k}": v for k, v in summary["goodput"].items()}})
+        self.log.log({"step": step, **{f"goodput_{k}": v for k, v in summary["goodput"].items() if k != "tiers"}})
         self.goodput.finish(preempted=preempted)
         self.log.message(format_goodput(summary["goodput"]))
         if self.checkpointer.save_seconds and self.meter.throughputs:

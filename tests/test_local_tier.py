@@ -1,0 +1,150 @@
+"""The node-local checkpoint tier with real processes (issue 21): 2 processes x 2 simulated devices over
+127.0.0.1, each process with its own local directory, a local save every 2 steps, a durable one every 10.
+
+One run is killed at step 15 (SIGKILL to process 1, after both processes finished their local step 14);
+each test restarts a copy of it after some damage, and the final parameters must be bitwise those of a
+run that was never interrupted.
+"""
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+import yaml
+from conftest import tiny_config, write_tiny_yaml
+
+from llama_jax.goodput import read_goodput
+from llama_jax.local_checkpoint import finished_steps, process_directory
+from llama_jax.train import load_checkpoint
+
+ROOT = Path(__file__).resolve().parents[1]
+LAUNCHER = ROOT / "launch" / "multiprocess.py"
+pytestmark = pytest.mark.xdist_group("local-tier")
+STEPS, KILL_AT = 20, 15
+TIERS = ("checkpoint.every_steps=10", "checkpoint.local_every_steps=2", "checkpoint.local_keep=2")
+
+
+@pytest.fixture(scope="module")
+def config_path(tmp_path_factory):
+    return write_tiny_yaml(tmp_path_factory.mktemp("local-tier"), train={"steps": STEPS})
+
+
+def command(config_path, run_dir, local_dir, *overrides):
+    return [sys.executable, str(LAUNCHER), "--processes", "2", "--devices", "2", "--grace", "2", "--", "train",
+            str(config_path), f"run.dir={run_dir}", f"checkpoint.local_dir={local_dir}", *TIERS, *overrides]
+
+
+def environment():
+    return dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu", LLAMA_JAX=str(Path(sys.executable).parent / "llama-jax"))
+
+
+def run(config_path, run_dir, local_dir, *overrides):
+    proc = subprocess.run(command(config_path, run_dir, local_dir, *overrides), env=environment(),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def final_state(run_dir, config_path):
+    """The train state saved at the last step, read on one device."""
+    model = yaml.safe_load(Path(config_path).read_text())["model"]
+    cfg = tiny_config(model=model, train=dict(batch_size=8, seq_len=32), mesh=dict(fsdp=1), run=dict(dir=str(run_dir)))
+    state, data = load_checkpoint(cfg, STEPS, devices=jax.devices()[:1])
+    return [np.asarray(x) for x in jax.tree.leaves(state)], data
+
+
+def assert_bitwise(a, b):
+    (leaves_a, data_a), (leaves_b, data_b) = a, b
+    assert data_a == data_b
+    assert len(leaves_a) == len(leaves_b)
+    for x, y in zip(leaves_a, leaves_b):
+        np.testing.assert_array_equal(x, y)
+
+
+@pytest.fixture(scope="module")
+def straight(config_path, tmp_path_factory):
+    root = tmp_path_factory.mktemp("straight")
+    run(config_path, root / "run", root / "local")
+    return final_state(root / "run", config_path)
+
+
+@pytest.fixture(scope="module")
+def killed(config_path, tmp_path_factory):
+    """A run held at step 15 (an injected hang) once both processes finished local step 14, then SIGKILLed in
+    process 1; the launcher stops process 0 after its grace. Its durable tier holds step 10 only."""
+    root = tmp_path_factory.mktemp("killed")
+    run_dir, local_dir = root / "run", root / "local"
+    launcher = subprocess.Popen(command(config_path, run_dir, local_dir, f"fault.inject_hang_step={KILL_AT}"),
+                                env=environment(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    pids: dict[int, int] = {}
+    while len(pids) < 2:
+        line = launcher.stderr.readline()
+        assert line or launcher.poll() is None, launcher.communicate()
+        if match := re.match(r"multiprocess: process (\d) started \(pid (\d+)\)", line):
+            pids[int(match.group(1))] = int(match.group(2))
+    deadline = time.time() + 240
+    dirs = [process_directory(str(local_dir), run_dir, i) for i in range(2)]
+    while time.time() < deadline and not all(KILL_AT - 1 in finished_steps(d) for d in dirs):
+        assert launcher.poll() is None, launcher.communicate()
+        time.sleep(0.1)
+    os.kill(pids[1], signal.SIGKILL)
+    launcher.communicate(timeout=120)
+    assert launcher.returncode != 0
+    assert [finished_steps(d) for d in dirs] == [[12, 14], [12, 14]]
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit()) == ["10"]
+    return run_dir, local_dir
+
+
+def copy_of(killed, tmp_path):
+    """The killed run at a new path, its local directories with it (they are keyed by the run's path)."""
+    run_dir, local_dir = tmp_path / "run", tmp_path / "local"
+    shutil.copytree(killed[0], run_dir)
+    for i in range(2):
+        shutil.copytree(process_directory(str(killed[1]), killed[0], i), process_directory(str(local_dir), run_dir, i))
+    return run_dir, local_dir
+
+
+def test_a_killed_process_restarts_from_its_local_step_and_ends_bitwise_equal(killed, straight, config_path, tmp_path):
+    run_dir, local_dir = copy_of(killed, tmp_path)
+    proc = run(config_path, run_dir, local_dir)
+    assert "restored step 14 from the local tier (own copies)" in proc.stdout, proc.stdout
+    assert f"resumed from {process_directory(str(local_dir), run_dir, 0) / '14'}" in proc.stdout
+    assert_bitwise(final_state(run_dir, config_path), straight)
+    tiers = read_goodput(run_dir)["tiers"]
+    assert tiers["restore_local"]["count"] == 1 and "restore_durable" not in tiers
+    assert tiers["save_local"]["count"] >= 7 and tiers["write_local"]["bytes"] > 0
+
+
+def test_a_lost_host_restores_from_its_partners_copy(killed, straight, config_path, tmp_path):
+    """Process 1's host is gone with its local directory: process 0 holds its shards of step 14."""
+    run_dir, local_dir = copy_of(killed, tmp_path)
+    shutil.rmtree(process_directory(str(local_dir), run_dir, 1))
+    proc = run(config_path, run_dir, local_dir)
+    assert "restored step 14 from the local tier (own copies, and the partner's copy for process 1)" in proc.stdout
+    assert_bitwise(final_state(run_dir, config_path), straight)
+
+
+def test_a_corrupt_local_step_makes_every_process_fall_back_together(killed, straight, config_path, tmp_path):
+    """Process 1's shards of step 14 are damaged in both copies (its own, and process 0's copy of them):
+    step 14 cannot be served, and both processes restore step 12, setting 14 aside."""
+    run_dir, local_dir = copy_of(killed, tmp_path)
+    dirs = [process_directory(str(local_dir), run_dir, i) for i in range(2)]
+    for damaged in (dirs[1] / "14" / "own.safetensors", dirs[0] / "14" / "partner-1.safetensors"):
+        data = bytearray(damaged.read_bytes())
+        data[-100] ^= 0xFF  # one flipped byte in the last tensor: the file still parses, its CRC-32 does not match
+        damaged.write_bytes(bytes(data))
+    proc = run(config_path, run_dir, local_dir)
+    assert re.search(r"warning: local step 14 cannot be served to every process \(process 0: partner-1.safetensors "
+                     r"of step 14 fails its CRC-32 check; process 1: own.safetensors", proc.stdout), proc.stdout
+    assert "restored step 12 from the local tier (own copies)" in proc.stdout
+    assert [p.name.split("-")[:2] for d in dirs for p in d.iterdir() if p.name.startswith("corrupt")] == \
+        [["corrupt", "14"], ["corrupt", "14"]]
+    assert_bitwise(final_state(run_dir, config_path), straight)
