@@ -11,6 +11,12 @@
 # In each pod `llama-jax supervise` restarts a failed trainer; when one process dies the others stop
 # (JAX's heartbeat), their supervisors restart them too and all resume from the newest checkpoint. A
 # pod that exits 2 (bad input) fails the Job at once; any other pod failure gets a replacement pod.
+# Exit 71 (fault.preflight=true named an unhealthy device; every pod exits 71) counts as a failure and the
+# pods are replaced, but the scheduler may put one on the same node again: label the node the log and
+# run.dir/unhealthy.json name (LLAMA_JAX_NODE_NAME below makes the check report the node, not the pod),
+#   kubectl label node NODE llama-jax.io/unhealthy=true
+# and the pods' node affinity keeps them off it (a taint keeps every workload off it:
+# kubectl taint nodes NODE llama-jax.io/unhealthy=true:NoSchedule; node-problem-detector can do either).
 set -euo pipefail
 
 name=llama-jax
@@ -29,7 +35,7 @@ while [[ $# -gt 0 ]]; do
     --port) port="${2:?}"; shift 2 ;;
     --claim) claim="${2:?}"; shift 2 ;;
     --dry-run) dry_run=1; shift ;;
-    -h|--help) sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     --) shift; break ;;
     *) break ;;
   esac
@@ -80,6 +86,11 @@ spec:
         containerName: trainer
         operator: In
         values: [2]
+    - action: Count  # exit 71, an unhealthy device: the pod fails and is replaced (off a labelled node)
+      onExitCodes:
+        containerName: trainer
+        operator: In
+        values: [71]
   template:
     metadata:
       labels:
@@ -87,6 +98,13 @@ spec:
     spec:
       subdomain: $name
       restartPolicy: Never
+      affinity:  # not on a node labelled unhealthy after a pre-flight check named it (see the top of launch/k8s.sh)
+        nodeAffinity:
+          requiredDuringSchedulingIgnoredDuringExecution:
+            nodeSelectorTerms:
+            - matchExpressions:
+              - key: llama-jax.io/unhealthy
+                operator: DoesNotExist
       containers:
       - name: trainer
         image: $(json "$image")
@@ -99,7 +117,11 @@ spec:
         - name: JAX_PROCESS_ID
           valueFrom:
             fieldRef:
-              fieldPath: metadata.annotations['batch.kubernetes.io/job-completion-index']$gpu_env
+              fieldPath: metadata.annotations['batch.kubernetes.io/job-completion-index']
+        - name: LLAMA_JAX_NODE_NAME  # the pre-flight check names the node, which can be labelled, not the pod
+          valueFrom:
+            fieldRef:
+              fieldPath: spec.nodeName$gpu_env
         ports:
         - containerPort: $port
         resources:

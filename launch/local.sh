@@ -2,7 +2,7 @@
 # Run llama-jax on this machine with N simulated CPU devices, to try a device mesh without GPUs,
 # and with --processes P as a multi-host run: P processes of N devices each (launch/multiprocess.py).
 #
-#   launch/local.sh [--devices N] [--processes P] [--dry-run] [--] [train|plan] [PRESET|CONFIG] [key=value ...]
+#   launch/local.sh [--devices N] [--processes P] [--dry-run] [--] [train|plan|doctor] [PRESET|CONFIG] [key=value ...]
 #
 # The devices share this machine's cores (XLA's --xla_force_host_platform_device_count), so the
 # numbers are the real sharded program's, not a speed-up. An existing XLA_FLAGS value is kept.
@@ -31,7 +31,7 @@ for option in devices processes; do
   fi
 done
 case "${1:-}" in
-  train|plan) ;;
+  train|plan|doctor) ;;
   *) set -- train "$@" ;;
 esac
 

@@ -3,7 +3,7 @@
 by jax.distributed over 127.0.0.1 with CPU collectives -- a multi-host run on a laptop.
 
     launch/multiprocess.py [--processes N] [--devices D] [--port P] [--grace S] [--dry-run] [--] \\
-        [train|plan] [PRESET|CONFIG] [key=value ...]
+        [train|plan|doctor] [PRESET|CONFIG] [key=value ...]
 
 Every process runs the same llama-jax command with JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and
 JAX_PROCESS_ID set, as launch/slurm.sbatch, launch/k8s.sh and launch/multihost.sh set them on a
@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.processes < 1 or args.devices < 1:
         print("multiprocess: error: --processes and --devices must be positive", file=sys.stderr)
         return 2
-    if not command or command[0] not in ("train", "plan"):
+    if not command or command[0] not in ("train", "plan", "doctor"):
         command = ["train", *command]
     port = args.port or free_port()
     full = [*llama_jax_command(), *command]

@@ -1,4 +1,4 @@
-"""`llama-jax` command line: train, prepare, plan, tune, report, convert, generate, eval, supervise.
+"""`llama-jax` command line: train, prepare, plan, tune, doctor, report, convert, generate, eval, supervise.
 
 Every error a user can act on (errors.py) is reported as one line on stderr with its exit status: 2
 for bad input (config, mesh, data, checkpoint). `train` checks its input before anything in run.dir is
@@ -71,6 +71,24 @@ def cmd_plan(ns: argparse.Namespace) -> int:
         return 0
     plan = planning.make_plan(config, mesh, ns.devices_per_host)
     print(planning.plan_json(plan) if ns.json else planning.format_plan(plan))
+    return 0
+
+
+def cmd_doctor(ns: argparse.Namespace) -> int:
+    import jax
+
+    from llama_jax import distributed, preflight, sharding
+    from llama_jax.config import load_config
+
+    config = load_config(*_split_source(ns.args))
+    distributed.initialize(config.run)
+    mesh = sharding.make_mesh(config)
+    peers = distributed.Peers(config.fault.barrier_timeout_s)
+    report = preflight.check(config, mesh, peers)
+    if jax.process_index() == 0:
+        print(preflight.report_json(report) if ns.json else preflight.format_report(report))
+    # Unhealthy: exit 71, and the verdict goes into run.dir only if that exists (doctor starts no run).
+    preflight.enforce(report, Path(config.run.dir), create=False, peers=peers)
     return 0
 
 
@@ -237,6 +255,16 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--devices-per-host", type=int, default=0, help=DEVICES_PER_HOST_HELP)
     plan.set_defaults(func=cmd_plan)
 
+    doctor = commands.add_parser(
+        "doctor", help="check every device (matmul rate, memory bandwidth, a known product) and the mesh's collectives",
+        description="llama-jax doctor [PRESET|CONFIG.yaml] [key=value ...] [--json]. The pre-flight check that "
+                    "fault.preflight=true runs before training, on the config's mesh, run by every process of a "
+                    "multi-process run: a device below fault.preflight_min_ratio (default 0.8) x the fleet median, or "
+                    "with a wrong product, is named; exit 0 when healthy, 71 when not, 2 on bad input.")
+    doctor.add_argument("args", nargs="*", metavar="PRESET|CONFIG|key=value")
+    doctor.add_argument("--json", action="store_true", help="print every figure and the verdict as JSON")
+    doctor.set_defaults(func=cmd_doctor)
+
     tune = commands.add_parser(
         "tune", help="search mesh x micro-batches x remat for the fastest configuration that fits in memory",
         description="llama-jax tune [PRESET|CONFIG.yaml] [key=value ...]. Compiles candidates ahead of time, ranks "
@@ -339,8 +367,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     supervise = commands.add_parser(
         "supervise", help="run a command, restarting it after failures (a train command resumes its run.dir)",
-        description="llama-jax supervise [options] -- COMMAND ... Restarts COMMAND unless it exits 0 or 2 (bad "
-                    "input), with exponential backoff; SIGTERM/SIGINT are forwarded as SIGTERM and stop it.")
+        description="llama-jax supervise [options] -- COMMAND ... Restarts COMMAND unless it exits 0, 2 (bad "
+                    "input) or 71 (an unhealthy device), with exponential backoff; SIGTERM/SIGINT are forwarded "
+                    "as SIGTERM and stop it.")
     supervise.add_argument("--max-restarts", type=int, default=10, metavar="N",
                            help="give up after N restarts in a row (default 10)")
     supervise.add_argument("--backoff", type=float, default=10.0, metavar="S",

@@ -185,6 +185,10 @@ class FaultConfig:
     # Barriers and agreements outside the jitted step (start-up, data preparation, checkpoint decisions):
     # a process missing for this long stops the others, which name it (exit 76).
     barrier_timeout_s: float = 600.0
+    # Pre-flight check before the step compiles (preflight.py, `llama-jax doctor`): a device below preflight_min_ratio
+    # x the fleet median matmul rate or memory bandwidth, or with a wrong known product, is named; exit 71.
+    preflight: bool = False
+    preflight_min_ratio: float = 0.8
     # Fault injection, for tests and chaos drills: poison these steps' batches with NaN; hang at a step;
     # slow down one process's steps or saves, or stall it before the barrier named inject_stall_at.
     inject_nan_steps: list[int] = field(default_factory=list)
@@ -193,6 +197,8 @@ class FaultConfig:
     inject_step_delay_s: float = 0.0
     inject_save_delay_s: float = 0.0
     inject_stall_at: str = ""
+    inject_slow_device: int = -1  # pre-flight: this device id's timed work runs 10 times over (-1: none)
+    inject_wrong_device: int = -1  # pre-flight: this device id's known product comes back one element off
 
 
 @dataclass(frozen=True)
@@ -490,6 +496,8 @@ def validate(config: Config) -> None:
     _require(f.barrier_timeout_s >= 1 and c.timeout_s >= 1,
              "fault.barrier_timeout_s and checkpoint.timeout_s must be at least 1 second")
     _require(f.inject_step_delay_s >= 0 and f.inject_save_delay_s >= 0, "fault.inject_*_delay_s must be >= 0")
+    _require(0 < f.preflight_min_ratio <= 1,
+             f"fault.preflight_min_ratio must be in (0, 1], got {f.preflight_min_ratio}")
     bad = sorted(set(c.allow_model_changes) - set(FUNCTION_FIELDS))
     _require(not bad, f"checkpoint.allow_model_changes: {', '.join(bad)} cannot change under a checkpoint; "
              f"allowed: {', '.join(FUNCTION_FIELDS)}")

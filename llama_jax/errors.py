@@ -6,6 +6,8 @@ logic) decides from it whether a restart can help:
     EXIT_OK           0    finished
     EXIT_BAD_INPUT    2    bad config, mesh, data, tokenizer or checkpoint: a restart cannot fix it
     EXIT_UNAVAILABLE  69   the coordinator of a multi-process run did not answer (EX_UNAVAILABLE)
+    EXIT_UNHEALTHY    71   the pre-flight check found a slow or wrong device (EX_OSERR): exclude its host, then
+                           restart; a restart on the same hosts cannot fix it
     EXIT_PREEMPTED    75   saved the current step after SIGTERM/SIGINT: restart to continue (EX_TEMPFAIL)
     EXIT_PEER_TIMEOUT 76   a process of a multi-process run did not reach a barrier in time (EX_PROTOCOL)
     EXIT_HANG         124  the hang watchdog fired (what coreutils `timeout` returns)
@@ -19,6 +21,8 @@ from __future__ import annotations
 EXIT_OK = 0
 EXIT_BAD_INPUT = 2
 EXIT_UNAVAILABLE = 69
+EXIT_UNHEALTHY = 71
+UNHEALTHY_FILE = "unhealthy.json"  # in run.dir: exit 71's verdict (preflight.py), for supervise and launch/
 EXIT_PREEMPTED = 75
 EXIT_PEER_TIMEOUT = 76
 EXIT_HANG = 124
@@ -55,3 +59,11 @@ class PeerTimeout(LlamaJaxError, RuntimeError):
     names them. Not bad input: a restart of every process (the supervisor's) may help."""
 
     exit_code = EXIT_PEER_TIMEOUT
+
+
+class UnhealthyDevice(LlamaJaxError, RuntimeError):
+    """The pre-flight check (preflight.py) found a device far slower than the fleet, or one that computes wrong
+    results; the message names each one (host, process, device id). Not bad input: the run can go on without
+    that host, but restarting it on the same hosts cannot help."""
+
+    exit_code = EXIT_UNHEALTHY

@@ -6,6 +6,8 @@ needs nothing but restarting the command, which is all this does, deciding by th
 
     EXIT_OK (0)          finished                      -> exit 0
     EXIT_BAD_INPUT (2)   bad config or data            -> exit 2, never restarted (it will not fix itself)
+    EXIT_UNHEALTHY (71)  a device failed pre-flight    -> exit 71, never restarted (the same hosts meet the
+                                                          same device: exclude its host first)
     EXIT_PREEMPTED (75)  saved after SIGTERM/SIGINT    -> restarted (exit 75 if *we* were told to stop)
     EXIT_PEER_TIMEOUT (76) a peer missed a barrier     -> restarted (every process rejoins)
     EXIT_HANG (124)      the hang watchdog fired       -> restarted
@@ -21,6 +23,10 @@ supervisor exits with the child's status without restarting.
 Multi-host: each host runs its own supervisor around its own process. When one process dies, the others
 fail their collectives or lose the JAX coordination service and exit non-zero too, so every supervisor
 restarts its process and they rendezvous again, resuming from the same newest checkpoint.
+
+A pre-flight verdict counts even when the status does not show it: `srun --kill-on-bad-exit` may report a
+task it killed (128 + 9) rather than the 71 of the task that failed first, so an attempt that wrote
+<run.dir>/unhealthy.json (preflight.py) after it started is treated as exit 71.
 
 Events go to stderr as `llama-jax supervise: ...` lines; if the command has a `run.dir=DIR` argument and
 DIR exists (the trainer creates it), each attempt is also appended as one JSON line to
@@ -39,7 +45,8 @@ import sys
 import time
 from pathlib import Path
 
-from llama_jax.errors import EXIT_BAD_INPUT, EXIT_HANG, EXIT_OK, EXIT_PEER_TIMEOUT, EXIT_PREEMPTED
+from llama_jax.errors import (EXIT_BAD_INPUT, EXIT_HANG, EXIT_OK, EXIT_PEER_TIMEOUT, EXIT_PREEMPTED, EXIT_UNHEALTHY,
+                              UNHEALTHY_FILE)
 
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 _POLL_S = 0.05  # how quickly a received signal is forwarded to the child
@@ -64,7 +71,8 @@ def meaning(returncode: int) -> str:
         except ValueError:
             return f"killed by signal {-returncode}"
     return {EXIT_OK: "finished", EXIT_BAD_INPUT: "bad input", EXIT_PREEMPTED: "preempted, checkpoint saved",
-            EXIT_HANG: "hang watchdog fired", EXIT_PEER_TIMEOUT: "a peer missed a barrier"}.get(returncode, "failed")
+            EXIT_HANG: "hang watchdog fired", EXIT_PEER_TIMEOUT: "a peer missed a barrier",
+            EXIT_UNHEALTHY: "unhealthy device"}.get(returncode, "failed")
 
 
 def exit_status(returncode: int) -> int:
@@ -119,6 +127,7 @@ class Supervisor:
                 log(f"cannot start the command: {err}")
                 return EXIT_BAD_INPUT
             ran = time.monotonic() - t0
+            returncode = self._unhealthy_verdict(returncode, started)
             log(f"#{attempt} {meaning(returncode)} (exit {returncode}) after {ran:.1f}s")
             action, wait = self._decide(returncode, ran)
             self._record(attempt=attempt, start=started, end=time.time(), exit_code=returncode,
@@ -135,6 +144,10 @@ class Supervisor:
         if returncode == EXIT_BAD_INPUT:
             log(f"exit {EXIT_BAD_INPUT} means bad config or data, which a restart will not fix: not restarting")
             return "stop", None
+        if returncode == EXIT_UNHEALTHY:
+            log(f"exit {EXIT_UNHEALTHY} means the pre-flight check named an unhealthy device, which a restart on the "
+                "same hosts meets again: not restarting; exclude its host (named above and in run.dir/unhealthy.json)")
+            return "stop", None
         if self.stop_signal is not None:
             log(f"stopping as asked by {signal.Signals(self.stop_signal).name}: not restarting")
             return "stop", None
@@ -149,6 +162,16 @@ class Supervisor:
         wait = min(self.policy.backoff * 2.0 ** min(self.failures - 1, 64), self.policy.max_backoff)
         log(f"restart {self.failures} of {self.policy.max_restarts} in {wait:g}s")
         return "restart", wait
+
+    def _unhealthy_verdict(self, returncode: int, started: float) -> int:
+        """EXIT_UNHEALTHY for a failed attempt that wrote run.dir/unhealthy.json after it started, else returncode."""
+        verdict = self.run_dir / UNHEALTHY_FILE if self.run_dir is not None else None
+        if returncode in (EXIT_OK, EXIT_UNHEALTHY) or verdict is None or not verdict.is_file():
+            return returncode
+        if verdict.stat().st_mtime < started - 1.0:  # a second's slack for filesystems with coarse times
+            return returncode
+        log(f"exit {returncode}, but this attempt's pre-flight check wrote {verdict}: taken as exit {EXIT_UNHEALTHY}")
+        return EXIT_UNHEALTHY
 
     def _run_child(self) -> int:
         # Own process group: the trainer's helper processes get our forwarded SIGTERM too, and a Ctrl-C

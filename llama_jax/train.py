@@ -28,7 +28,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from llama_jax import __version__, distributed, peft, remat, sharding, weights
+from llama_jax import __version__, distributed, peft, preflight, remat, sharding, weights
 from llama_jax import config as config_lib
 from llama_jax.checkpoint import Checkpointer, check_model, latest_checkpoint_step, read_meta, restore_step
 from llama_jax.local_checkpoint import LocalTier, finished_steps, process_directory, read_manifest
@@ -134,6 +134,10 @@ def train(config: Config, print_fn: Callable[[str], None] = print, *, devices=No
     mesh = sharding.make_mesh(config, devices=devices)
     # Process 0 prepares raw sources into the cache first, so processes sharing it never race.
     data = distributed.primary_first(lambda: open_data(config, log=say), (InputError,), peers)
+    if f.preflight:  # a slow or faulty device is named before the step compiles or a checkpoint restores (exit 71)
+        report = preflight.check(config, mesh, peers)
+        say(preflight.summary(report))
+        preflight.enforce(report, Path(config.run.dir), create=True, peers=peers)  # a starting run: may make run.dir
     run = Run.setup(config, mesh, data, peers)
     if config.train.microbatches == "auto":
         say(f"train.microbatches=auto: {run.config.train.microbatches}, the fewest whose step fits run.device_memory_gb")

@@ -54,7 +54,7 @@ def test_readme_local_commands_dry_run():
     for command in commands:
         args = shlex.split(command)[1:]
         result = local("--dry-run", *args)
-        assert result.returncode == 0 and "llama-jax train" in result.stdout
+        assert result.returncode == 0 and ("llama-jax train" in result.stdout or "llama-jax doctor" in result.stdout)
 
 
 # --------------------------------------------------------------------------------------------
@@ -147,6 +147,47 @@ def test_slurm_script_gives_each_task_its_place(tmp_path):
     assert all("--xla_gpu_enable_latency_hiding_scheduler=true" in t["XLA_FLAGS"] for t in tasks)
 
 
+# The trainer as the pre-flight check ends it on every process: the verdict in run.dir, exit 71.
+UNHEALTHY_LLAMA_JAX = """#!/usr/bin/env python3
+import json, os, sys
+from pathlib import Path
+args = sys.argv[1:]
+if args[0] == "supervise":
+    command = args[args.index("--") + 1:]
+    os.execvp(command[0], command)
+run_dir = Path([a for a in args if a.startswith("run.dir=")][-1].split("=", 1)[1])
+run_dir.mkdir(parents=True, exist_ok=True)
+(run_dir / "unhealthy.json").write_text(json.dumps({"exit_code": 71, "hosts": ["gpu18"], "devices": []}))
+sys.exit(71)
+"""
+
+
+def test_slurm_script_resubmits_without_the_unhealthy_node(tmp_path):
+    """Exit 71 (the pre-flight check named a device on gpu18): the script is submitted again with gpu18 excluded,
+    beside the node the job already excluded, on as many nodes, with the same arguments."""
+    env = fakes(tmp_path) | {"SLURM_JOB_ID": "4242", "SLURM_JOB_NUM_NODES": "2", "SLURM_NTASKS_PER_NODE": "2(x2)",
+                             "SLURM_NTASKS": "4", "SLURM_JOB_NODELIST": "gpu[17-18]", "SLURM_SUBMIT_DIR": str(ROOT),
+                             "SLURM_JOB_PARTITION": "gpu"}
+    bin_dir, calls = tmp_path / "bin", tmp_path / "calls"
+    (bin_dir / "llama-jax").write_text(UNHEALTHY_LLAMA_JAX)
+    (bin_dir / "scontrol").write_text('#!/usr/bin/env bash\necho "scontrol $*" >> ' + str(calls) + '\n'
+                                      '[[ "$1 $2" == "show hostnames" ]] && printf "gpu17\\ngpu18\\n"\n'
+                                      '[[ "$1 $2" == "show job" ]] && echo "   ReqNodeList=(null) ExcNodeList=gpu3"\n'
+                                      'exit 0\n')
+    (bin_dir / "sbatch").write_text('#!/usr/bin/env bash\necho "sbatch $*" >> ' + str(calls) + '\n')
+    (bin_dir / "sbatch").chmod(0o755)
+    run_dir = tmp_path / "run"
+    script = ROOT / "launch" / "slurm.sbatch"
+    result = subprocess.run(["bash", str(script), "tiny", f"run.dir={run_dir}", "fault.preflight=true"],
+                            capture_output=True, text=True, env=env, timeout=60)
+    assert result.returncode == 71, result.stderr
+    assert "unhealthy node(s) gpu3,gpu18" in result.stderr
+    submitted = [line for line in calls.read_text().splitlines() if line.startswith("sbatch")]
+    assert submitted == [f"sbatch --nodes 2 --exclude gpu3,gpu18 --partition gpu {script} tiny run.dir={run_dir} "
+                         "fault.preflight=true"]
+    assert "requeue" not in calls.read_text()
+
+
 def test_kubernetes_manifest_is_an_indexed_job_with_a_headless_service():
     import yaml
 
@@ -171,8 +212,13 @@ def test_kubernetes_manifest_is_an_indexed_job_with_a_headless_service():
     assert container["command"] == ["llama-jax", "supervise", "--", "llama-jax", "train", "llama3_8b",
                                     "run.dir=/runs/8b", 'train.sample_prompt=say "hi"']
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 8
-    rule = spec["podFailurePolicy"]["rules"][0]
-    assert rule["action"] == "FailJob" and rule["onExitCodes"]["values"] == [2]
+    bad_input, unhealthy = spec["podFailurePolicy"]["rules"]
+    assert bad_input["action"] == "FailJob" and bad_input["onExitCodes"]["values"] == [2]
+    # An unhealthy device (exit 71): the pod counts as failed and is replaced, off a node labelled unhealthy.
+    assert unhealthy["action"] == "Count" and unhealthy["onExitCodes"]["values"] == [71]
+    assert env["LLAMA_JAX_NODE_NAME"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
+    (term,) = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    assert term["matchExpressions"] == [{"key": "llama-jax.io/unhealthy", "operator": "DoesNotExist"}]
 
 
 def test_kubernetes_without_an_image_exits_2():

@@ -19,7 +19,7 @@ LAYERS = [
      "model"],  # the model, which knows only logical axes (and the mesh axes of its shard_maps)
     ["sharding", "hf", "peft", "peft_format", "generate", "checkpoint"],  # meshes, formats on disk, adapters, decoding
     ["step", "costmodel"],  # the compiled programs of one config on one mesh
-    ["plan", "weights"],
+    ["plan", "weights", "preflight"],
     ["train", "tune"],
     ["api"],  # the Python API, thin
     ["cli", "__main__"],

@@ -89,6 +89,20 @@ def test_readme_plan_commands_compile_and_report(command, capsys):
     assert all(plan["hlo_flops"] > 0 for plan in plans)
 
 
+@pytest.mark.parametrize("command", readme_commands("llama-jax doctor"))
+def test_readme_doctor_commands_check_the_devices(command, capsys):
+    """Each README doctor command on this process's 8 simulated devices: healthy, or exit 71 naming the injected
+    devices. The ratio is relaxed: these devices share the cores with the other tests (test_preflight.py)."""
+    assert "--xla_force_host_platform_device_count=8" in command
+    args = llama_jax_args(command)
+    status = cli.main(args + ["fault.preflight_min_ratio=0.5"])
+    out, err = capsys.readouterr()
+    injected = sorted(int(a.split("=")[1]) for a in args if a.startswith("fault.inject_"))
+    assert status == (71 if injected else 0), err
+    assert sorted(int(d) for d in re.findall(r"device (\d+) \(process 0 on ", err)) == injected
+    assert "median" in out
+
+
 @pytest.mark.parametrize("command", readme_commands("llama-jax tune"))
 def test_readme_tune_commands_enumerate_their_candidates(command):
     """Each README tune command, as a --dry-run on its XLA_FLAGS devices (the search itself: test_tune.py)."""

@@ -1,6 +1,7 @@
 """`llama-jax supervise` with real child processes and real signals (tiny scripts, not the trainer)."""
 
 import json
+import os
 import re
 import signal
 import subprocess
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from llama_jax import cli
-from llama_jax.errors import EXIT_BAD_INPUT, EXIT_HANG, EXIT_OK, EXIT_PREEMPTED
+from llama_jax.errors import EXIT_BAD_INPUT, EXIT_HANG, EXIT_OK, EXIT_PREEMPTED, EXIT_UNHEALTHY
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -80,6 +81,49 @@ def test_bad_input_is_never_restarted(scripted, capsys):
     status, starts, err = scripted(capsys, "2,0")
     assert (status, starts) == (EXIT_BAD_INPUT, 1), err
     assert "not restarting" in err.splitlines()[-1]
+
+
+def test_an_unhealthy_device_is_never_restarted(scripted, capsys):
+    status, starts, err = scripted(capsys, f"{EXIT_UNHEALTHY},0")
+    assert (status, starts) == (EXIT_UNHEALTHY, 1), err
+    assert f"#1 unhealthy device (exit {EXIT_UNHEALTHY})" in err
+    assert "pre-flight check named an unhealthy device" in err and "not restarting" in err.splitlines()[-1]
+
+
+# argv: run.dir=DIR CODE. Writes DIR/unhealthy.json as the pre-flight check does, then exits CODE, or is
+# SIGKILLed with "kill" (as srun --kill-on-bad-exit may report the tasks it stopped).
+VERDICT_CHILD = """
+import os, signal, sys
+from pathlib import Path
+(Path(sys.argv[1].split("=", 1)[1]) / "unhealthy.json").write_text('{"hosts": ["node-7"]}')
+if sys.argv[2] == "kill":
+    os.kill(os.getpid(), signal.SIGKILL)
+sys.exit(int(sys.argv[2]))
+"""
+
+
+@pytest.mark.parametrize("code", ["kill", "1"])
+def test_an_attempt_that_wrote_a_pre_flight_verdict_is_not_restarted_whatever_its_status(tmp_path, capsys, code):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (tmp_path / "child.py").write_text(VERDICT_CHILD)
+    status = cli.main(["supervise", "--backoff", "0.05", "--", sys.executable, str(tmp_path / "child.py"),
+                       f"run.dir={run_dir}", code])
+    err = capsys.readouterr().err
+    assert status == EXIT_UNHEALTHY, err
+    assert "this attempt's pre-flight check wrote" in err and "not restarting" in err.splitlines()[-1]
+    (record,) = [json.loads(line) for line in (run_dir / "supervisor.jsonl").read_text().splitlines()]
+    assert record["exit_code"] == EXIT_UNHEALTHY and record["action"] == "stop"
+
+
+def test_an_older_pre_flight_verdict_does_not_stop_a_restart(scripted, capsys, tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    verdict = run_dir / "unhealthy.json"
+    verdict.write_text('{"hosts": ["node-7"]}')
+    os.utime(verdict, (time.time() - 3600, time.time() - 3600))  # a previous job's, before this attempt
+    status, starts, err = scripted(capsys, "1,0", extra=(f"run.dir={run_dir}",))
+    assert (status, starts) == (EXIT_OK, 2), err
 
 
 @pytest.mark.parametrize("plan, last_status", [("3", 3), ("kill", 1)])

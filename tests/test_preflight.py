@@ -1,0 +1,131 @@
+"""The pre-flight health check (preflight.py): `llama-jax doctor`, `train fault.preflight=true`, in one process on
+the 8 simulated devices and in 2 real processes x 2 devices.
+
+The simulated devices share this machine's cores with whatever else runs, so the tests judge with
+fault.preflight_min_ratio=0.5 (0.35 across processes, which contend for the cores too) instead of the default 0.8
+meant for real accelerators: a healthy device is never named for noise, and an injected slow one (SLOW_FACTOR = 10
+times the work, about 0.1x the median) always is. Nothing here asserts a time.
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import pytest
+from conftest import tiny_config, write_tiny_yaml
+
+from llama_jax import cli, preflight, sharding
+from llama_jax.config import load_config
+from llama_jax.distributed import Peers
+from llama_jax.errors import EXIT_BAD_INPUT, EXIT_UNHEALTHY, ConfigError, UnhealthyDevice
+from llama_jax.train import train
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.xdist_group("preflight")  # the 2-process test shares the cores: one worker runs them all
+RATIO = "fault.preflight_min_ratio=0.5"
+
+
+def named(stderr: str) -> list[int]:
+    """The device ids an UnhealthyDevice line names."""
+    return [int(d) for d in re.findall(r"device (\d+) \(process \d+ on ", stderr)]
+
+
+def test_a_healthy_check_of_the_tiny_preset_names_nobody(tmp_path):
+    config = load_config("tiny", [RATIO, f"run.dir={tmp_path / 'run'}"])
+    mesh = sharding.make_mesh(config)
+    peers = Peers(config.fault.barrier_timeout_s)
+    report = preflight.check(config, mesh, peers)
+    assert report.healthy and report.unhealthy == [] and report.hosts == []
+    assert [d["device"] for d in report.devices] == [d.id for d in jax.devices()]
+    assert all(d["matmul_flops"] > 0 and d["memory_bytes_s"] > 0 and d["arithmetic_ok"] for d in report.devices)
+    assert set(report.collectives) == {a for a, n in mesh.shape.items() if n > 1} == {"fsdp"}
+    assert report.collectives["fsdp"] > 0
+    preflight.enforce(report, Path(config.run.dir), create=True, peers=peers)  # healthy: no error, nothing written
+    assert not (tmp_path / "run").exists()
+    print(f"\nhealthy pre-flight check of the tiny preset on 8 simulated devices: {report.seconds:.2f} s")
+
+
+def test_doctor_names_an_injected_slow_device_and_exits_71(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    assert cli.main(["doctor", "tiny", RATIO, "fault.inject_slow_device=3", f"run.dir={run_dir}"]) == EXIT_UNHEALTHY
+    out, err = capsys.readouterr()
+    (line,) = err.strip().splitlines()
+    assert line.startswith("llama-jax: error: pre-flight check: device 3 (process 0 on ") and named(line) == [3]
+    assert re.search(r"matmul [\d.]+ [GMT]?FLOP/s, 0\.\d\dx the median", line) and "exclude host" in line
+    assert re.search(r"^\S+ +0 +3 .*<- unhealthy$", out, flags=re.MULTILINE)  # the table marks it
+    assert not run_dir.exists()  # doctor starts no run: it writes the verdict only into a run.dir that exists
+
+
+def test_doctor_names_an_injected_wrong_device_and_writes_the_verdict_into_an_existing_run_dir(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    args = ["doctor", "tiny", RATIO, "fault.inject_wrong_device=5", f"run.dir={run_dir}", "--json"]
+    assert cli.main(args) == EXIT_UNHEALTHY
+    out, err = capsys.readouterr()
+    assert named(err) == [5] and "wrong matmul result (1 of 65536 elements differ" in err
+    report = json.loads(out)
+    assert [d["device"] for d in report["devices"] if not d["arithmetic_ok"]] == [5]
+    verdict = json.loads((run_dir / "unhealthy.json").read_text())
+    assert verdict["exit_code"] == EXIT_UNHEALTHY and verdict["hosts"] == [preflight.node_name()]
+    assert [d["device"] for d in verdict["devices"]] == [5]
+
+
+def test_train_with_preflight_stops_before_writing_anything_but_the_verdict(tmp_path, corpus):
+    config = tiny_config(tmp_path, data=dict(sources=[str(corpus)], cache_dir=str(tmp_path / "cache")),
+                         fault=dict(preflight=True, preflight_min_ratio=0.5, inject_wrong_device=2))
+    with pytest.raises(UnhealthyDevice, match=r"device 2 \(process 0 on .*wrong matmul result") as caught:
+        train(config, print_fn=lambda line: None)
+    assert caught.value.exit_code == EXIT_UNHEALTHY
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["unhealthy.json"]  # no config, no checkpoint
+
+
+@pytest.mark.parametrize("override, message", [
+    ("fault.preflight_min_ratio=1.5", "fault.preflight_min_ratio must be in (0, 1]"),
+    ("fault.preflight_min_ratio=0", "fault.preflight_min_ratio must be in (0, 1]"),
+    ("fault.inject_slow_device=-2", "fault.inject_slow_device=-2 is not a device of this run's mesh (ids 0-7)"),
+    ("fault.inject_wrong_device=8", "fault.inject_wrong_device=8 is not a device of this run's mesh (ids 0-7)"),
+])
+def test_bad_settings_are_one_line_and_exit_2(tmp_path, capsys, override, message):
+    run_dir = tmp_path / "run"
+    assert cli.main(["doctor", "tiny", override, f"run.dir={run_dir}"]) == EXIT_BAD_INPUT
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("llama-jax: error: ") and message in line
+    assert not run_dir.exists()
+
+
+def test_load_config_refuses_a_ratio_above_one():
+    with pytest.raises(ConfigError, match=r"fault.preflight_min_ratio must be in \(0, 1\]"):
+        load_config("tiny", ["fault.preflight_min_ratio=1.01"])
+
+
+def test_two_processes_name_a_slow_device_on_every_process(tmp_path, corpus):
+    """2 processes x 2 devices: a healthy `doctor` first (which gives the devices' ids), then `train
+    fault.preflight=true` with process 1's first device slowed: both processes name it and exit 71, and the
+    verdict is in run.dir."""
+    env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu", LLAMA_JAX=str(Path(sys.executable).parent / "llama-jax"))
+    config = write_tiny_yaml(tmp_path, data={"sources": [str(corpus)]})
+
+    def launch(*args):
+        return subprocess.run([sys.executable, str(ROOT / "launch" / "multiprocess.py"), "--processes", "2",
+                               "--devices", "2", "--grace", "30", "--", *map(str, args)],
+                              env=env, capture_output=True, text=True, timeout=240)
+
+    healthy = launch("doctor", config, "fault.preflight_min_ratio=0.35", "--json")
+    assert healthy.returncode == 0, healthy.stderr
+    report = json.loads(healthy.stdout[healthy.stdout.index('{\n  "devices"'):])  # after gloo's notes on stdout
+    assert report["healthy"] and len(report["devices"]) == 4 and set(report["collectives"]) == {"fsdp"}
+    slow = min(d["device"] for d in report["devices"] if d["process"] == 1)
+
+    run_dir = tmp_path / "run"
+    result = launch("train", config, f"run.dir={run_dir}", "fault.preflight=true", "fault.preflight_min_ratio=0.35",
+                    f"fault.inject_slow_device={slow}")
+    assert result.returncode == EXIT_UNHEALTHY, result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("llama-jax: error: pre-flight check")]
+    assert len(errors) == 2 and all(named(line) == [slow] and f"(process 1 on " in line for line in errors)
+    assert re.findall(r"process \d exited with status (\d+)", result.stderr) == ["71", "71"]
+    assert [d["device"] for d in json.loads((run_dir / "unhealthy.json").read_text())["devices"]] == [slow]
+    assert not (run_dir / "checkpoints").exists()
