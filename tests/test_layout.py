@@ -13,8 +13,9 @@ PACKAGE = Path(__file__).resolve().parents[1] / "llama_jax"
 LAYERS = [
     ["llama_jax", "errors", "files", "hlo", "supervise", "vocabulary"],  # no JAX model code; shared helpers and the exit codes
     # the schema and vocabularies; host-side parts
-    ["peft_config", "config", "hardware", "goodput", "resilience", "distributed"],
-    ["data.corpus", "data.tokenizer", "data.prepare", "data.loader", "data.pipeline", "data", "metrics", "report"],
+    ["peft_config", "resilience_config", "config", "hardware", "goodput", "resilience", "distributed"],
+    ["data.corpus", "data.tokenizer", "data.prepare", "data.loader", "data.pipeline", "data", "metrics", "report",
+     "local_checkpoint"],  # local_checkpoint: host-side files and one collective, below checkpoint.py
     ["projection", "flash", "context_parallel", "cudnn", "attention", "loss", "remat", "optim", "pipeline",
      "model"],  # the model, which knows only logical axes (and the mesh axes of its shard_maps)
     ["sharding", "hf", "peft", "peft_format", "generate", "checkpoint"],  # meshes, formats on disk, adapters, decoding
