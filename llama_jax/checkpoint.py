@@ -165,6 +165,7 @@ class Checkpointer:
         self.save_seconds: list[float] = []  # how long each save blocked the loop
         self.local_every_steps = config.local_every_steps if isinstance(config.local_every_steps, int) else 0
         self.restored_from = ""  # the tier the last restore came from: "local" or "durable"
+        self.restored_copies = ""  # with the local tier: whose copies served ("own copies", or a partner's too)
         self.restore_seconds: dict[str, float] = {}  # seconds spent restoring (or trying to) from each tier
         self.manager = self._open()
 
@@ -316,8 +317,8 @@ class Checkpointer:
         if isinstance(restored, str):
             warn(f"warning: {restored}; trying the next copy")
             return None
-        state, data_state, served = restored
-        self.log(f"restored step {step} from the local tier ({served})")
+        state, data_state, self.restored_copies = restored
+        self.log(f"restored step {step} from the local tier ({self.restored_copies})")
         return step, state, data_state
 
     def _restore_durable(self, step, abstract_state, model, warn, allowed, check) -> tuple[int, Any, dict] | None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -29,7 +30,7 @@ class Goodput:
 
     One record per attempt (process start). `lost` is time first counted as productive and then thrown
     away (steps recomputed after a restart or a rollback), so the productive total is the sum of
-    productive minus lost. A killed attempt never writes a last record: what it did after its last
+    productive minus lost; `redone_steps` counts the steps a restart recomputed. A killed attempt never writes a last record: what it did after its last
     flush() falls into the gap between its last_alive and the next start, charged to `restart`.
     An attempt ended with finish() (the run reached its step target) is followed by idle time of the
     user's choosing: that gap is neither charged nor part of the wall time.
@@ -56,6 +57,7 @@ class Goodput:
             last = self.previous[-1]
             # Only the newest attempt: steps an older one computed beyond this point were charged by its successor.
             redone = last["highest_step"] - resumed_step
+            current["redone_steps"] = max(0, redone)
             if redone > 0 and last["timed_steps"]:
                 self.add("lost", redone * last["step_seconds"] / last["timed_steps"])
             if last["outcome"] != "finished":
@@ -98,6 +100,10 @@ class Goodput:
         entry["count"] += count
         entry["seconds"] += max(0.0, seconds)
         entry["bytes"] += nbytes
+
+    def restored(self, tier: str, copies: str = "") -> None:
+        """Which tier served this attempt's restore ("local" or "durable"), and whose copies (local tier)."""
+        self.current["restored_from"] = f"{tier} ({copies})" if copies else tier
 
     def flush(self) -> None:
         """Persist; also the attempt's sign of life (last_alive) should it be killed without a word."""
@@ -163,7 +169,9 @@ def summarize(attempts: list[dict[str, Any]], now: float) -> dict[str, Any]:
             for field in total:
                 total[field] += entry.get(field, 0)
     return {"goodput": totals["productive"] / wall if wall > 0 else 0.0, "wall_s": wall,
-            "attempts": len(attempts), **totals, "tiers": tiers}
+            "attempts": len(attempts), **totals, "tiers": tiers,
+            "redone_steps": sum(a.get("redone_steps", 0) for a in attempts),
+            "restores": dict(Counter(a["restored_from"] for a in attempts if a.get("restored_from")))}
 
 
 def format_goodput(s: dict[str, Any]) -> str:

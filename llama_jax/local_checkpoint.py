@@ -11,10 +11,10 @@ reads (/dev/shm, a local NVMe). A finished step is a directory ``<step>/`` holdi
 written under a temporary name and renamed when complete, so a step directory that exists is finished.
 
 Why a collective for the partner's copy, not a file copy: a host's /dev/shm or NVMe is not reachable
-from another host, and any path that is (NFS) is the slow tier this one avoids. The copy is one
-device_put of each state leaf onto the same mesh with every process's devices replaced by its
-partner's: the shards travel over the interconnect the training collectives use (NCCL, or gloo on
-CPUs), and the partner writes them to its own local directory. A partner is the next process on
+from another host, and any path that is (NFS) is the slow tier this one avoids. Each state leaf's
+shards become rows on a line of the run's devices, and a compiled ppermute sends every row to the
+partner's device: the shards travel over the interconnect the training collectives use (NCCL, or gloo
+on CPUs), and the partner writes them to its own local directory. A partner is the next process on
 another host, so losing a whole host (its processes and its local storage) loses no local step.
 
 Restoring, every process reports which steps it holds (its own shards, and its partner's), and all
@@ -30,12 +30,14 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import math
 import os
 import shutil
 import socket
 import threading
 import time
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,6 +51,7 @@ from jax.sharding import PartitionSpec as P
 from llama_jax.distributed import Peers
 
 OWN = "own.safetensors"
+EXCHANGE_BYTES = 1 << 30  # per device and batch of leaves sent to partners: the exchange's memory bound
 MANIFEST = "manifest.json"
 
 
@@ -88,18 +91,30 @@ def _index_key(index: tuple[slice, ...], shape: tuple[int, ...]) -> str:
     return ",".join(f"{s.start or 0}:{shape[d] if s.stop is None else s.stop}" for d, s in enumerate(index))
 
 
-def _shards(array: jax.Array) -> dict[str, np.ndarray]:
-    """This process's distinct shards of `array`, on the host, by place (replicas once)."""
-    out: dict[str, np.ndarray] = {}
+def _to_host(arrays: dict[str, jax.Array]) -> dict[str, np.ndarray]:
+    """The arrays on the host, their device-to-host copies all started before the first is waited for (as
+    Orbax does). On a CPU device np.asarray is a view of the device buffer, not a copy: while the writer
+    holds it, jax declines to donate that buffer to the next step (measured on jax 0.10.2 and 0.12), so the
+    step cannot overwrite what is being written."""
+    for array in arrays.values():
+        array.copy_to_host_async()
+    return {name: np.asarray(array) for name, array in arrays.items()}
+
+
+def _shards(array: jax.Array) -> dict[str, jax.Array]:
+    """This process's distinct shards of `array` by place (replicas once), still on their devices."""
+    out: dict[str, jax.Array] = {}
     for shard in array.addressable_shards:
-        key = _index_key(shard.index, array.shape)
-        if key not in out:
-            out[key] = np.array(shard.data)  # a copy: the next step may donate (reuse) the device buffer
+        out.setdefault(_index_key(shard.index, array.shape), shard.data)
     return out
 
 
 def _checksums(tensors: dict[str, np.ndarray]) -> dict[str, int]:
-    return {name: zlib.crc32(np.ascontiguousarray(t).view(np.uint8).reshape(-1)) for name, t in tensors.items()}
+    """CRC-32 of each tensor's bytes, on a thread per core: zlib releases the GIL on large buffers."""
+    def crc(t: np.ndarray) -> int:
+        return zlib.crc32(np.ascontiguousarray(t).view(np.uint8).reshape(-1))
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        return dict(zip(tensors, pool.map(crc, tensors.values())))
 
 
 def _outside_the_mesh(method):
@@ -137,17 +152,20 @@ class LocalTier:
         self.held = self.partner.index(self.index) if self.replicas else None  # whose copy is kept here
         if self.replicas and len(set(hosts)) == 1 and self.index == 0:
             log("note: every process runs on one host, so a partner's copy survives a process's loss, not the host's")
-        # The partners' copies travel as rows, one per device: the run's devices in one line (`rows`), and
-        # the same line with each device replaced by its partner's device at the same local position
-        # (`partner_rows`). Putting an array of rows from one onto the other moves every row to the partner.
-        # Rows, not the state's own shardings: a replicated shard would not move (jax takes replicas to be
-        # equal and keeps each device's own), so a process that lost its copy would get its placeholder back.
+        # The partners' copies travel as rows, one per device, on the run's devices in one line (`rows`):
+        # a compiled ppermute sends each device's row to the partner's device at the same local position.
+        # Rows, not the state's own shardings: every shard moves, replicas included, with one program for
+        # many leaves, and no reshard between device orders (which jax 0.12 logs a warning for per leaf).
         devices = list(mesh.devices.flat)
         local = {p: sorted((d for d in devices if d.process_index == p), key=lambda d: d.id) for p in range(self.count)}
         to_partner = {d: local[self.partner[d.process_index]][local[d.process_index].index(d)] for d in devices}
         self.owner_of = {moved: d for d, moved in to_partner.items()}  # a device -> the device whose rows it keeps
-        self.rows = NamedSharding(Mesh(np.array(devices), ("devices",)), P("devices"))
-        self.partner_rows = NamedSharding(Mesh(np.array([to_partner[d] for d in devices]), ("devices",)), P("devices"))
+        line = Mesh(np.array(devices), ("devices",))
+        self.rows = NamedSharding(line, P("devices"))
+        position = {d: i for i, d in enumerate(devices)}
+        pairs = [(position[d], position[to_partner[d]]) for d in devices]
+        self._send = _permutation(line, pairs)  # each row to the partner's device
+        self._send_back = _permutation(line, [(b, a) for a, b in pairs])  # and back to its owner
         self._writer: threading.Thread | None = None
         self._error: BaseException | None = None
         self.save_seconds: list[float] = []  # how long each save blocked the loop
@@ -161,10 +179,11 @@ class LocalTier:
     def save(self, step: int, state: Any, data_state: dict, meta: dict) -> float:
         """Copy this process's shards (and its partner's, received now) to the host, then write them in
         the background; returns the seconds the loop was blocked. Waits for the previous write first."""
-        self.wait()
         start = time.perf_counter()
+        self.wait()
         leaves = [(jax.tree_util.keystr(path), leaf) for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]]
-        files = {OWN: {f"{path}@{place}": data for path, leaf in leaves for place, data in _shards(leaf).items()}}
+        own = {f"{path}@{place}": data for path, leaf in leaves for place, data in _shards(leaf).items()}
+        files = {OWN: _to_host(own)}
         if self.replicas:
             files[f"partner-{self.held}.safetensors"] = self._partner_tensors(leaves)
         manifest = {"step": step, "process": self.index, "processes": self.count, "holds": self.held,
@@ -176,15 +195,24 @@ class LocalTier:
         return self.save_seconds[-1]
 
     def _partner_tensors(self, leaves: list[tuple[str, jax.Array]]) -> dict[str, np.ndarray]:
-        """The shards of the process whose copy this one keeps, received now, by place (replicas once)."""
+        """The shards of the process whose copy this one keeps, received now, on the host by place (replicas
+        once). The leaves go in batches of EXCHANGE_BYTES per device, each batch on the host before the next
+        is sent, which bounds the device memory the exchange takes."""
         out: dict[str, np.ndarray] = {}
-        for path, leaf in leaves:
-            shards = {shard.device: shard.data for shard in leaf.addressable_shards}
-            rows = _rows(self.rows, lambda device: shards[device][None])
-            places = leaf.sharding.devices_indices_map(leaf.shape)
-            for row in _moved(rows, self.partner_rows).addressable_shards:
-                out.setdefault(f"{path}@{_index_key(places[self.owner_of[row.device]], leaf.shape)}",
-                               np.array(row.data)[0, ...])
+        def shard_bytes(item) -> int:
+            return math.prod(item[1].sharding.shard_shape(item[1].shape)) * item[1].dtype.itemsize
+        for batch in _batches(leaves, shard_bytes, EXCHANGE_BYTES):
+            rows = []
+            for _, leaf in batch:
+                shards = {shard.device: shard.data for shard in leaf.addressable_shards}
+                rows.append(_rows(self.rows, lambda device, shards=shards: shards[device][None]))
+            received: dict[str, jax.Array] = {}
+            for (path, leaf), moved in zip(batch, self._send(*rows)):
+                places = leaf.sharding.devices_indices_map(leaf.shape)
+                for row in moved.addressable_shards:
+                    place = _index_key(places[self.owner_of[row.device]], leaf.shape)
+                    received.setdefault(f"{path}@{place}", row.data)
+            out.update({key: data[0, ...] for key, data in _to_host(received).items()})  # 0-d stays an array
         return out
 
     def _write(self, step: int, files: dict[str, dict[str, np.ndarray]], manifest: dict) -> None:
@@ -279,21 +307,23 @@ class LocalTier:
             return f"local step {step} cannot be served to every process ({'; '.join(damaged) or 'copies missing'})"
         missing = sorted(set(range(self.count)) - owners)
         if missing:  # every process joins the collectives that send the kept copies back to their owners
+            if held is None:  # nothing kept here: zeros stand in, and what comes back to this process is unused
+                held = [self._place_held(leaf, lambda _, shape, leaf=leaf: np.zeros(shape, leaf.dtype))
+                        for _, leaf in leaves]
             back = []
-            for i, (_, leaf) in enumerate(leaves):
-                rows = held[i] if held is not None else self._place_held(leaf, lambda _, shape: np.zeros(shape, leaf.dtype))
-                returned = _moved(rows, self.rows).addressable_shards
-                back.append(jax.make_array_from_single_device_arrays(leaf.shape, leaf.sharding,
-                                                                     [row.data[0] for row in returned]))
+            for batch in _batches(list(zip(leaves, held)), lambda item: item[1].nbytes // len(item[1]), EXCHANGE_BYTES):
+                for ((_, leaf), _), returned in zip(batch, self._send_back(*(rows for _, rows in batch))):
+                    back.append(jax.make_array_from_single_device_arrays(
+                        leaf.shape, leaf.sharding, [row.data[0] for row in returned.addressable_shards]))
             own = own if own is not None else back
         source = "own copies" if not missing else (
             f"own copies, and the partner's copy for process{'es' * (len(missing) > 1)} {', '.join(map(str, missing))}")
         return jax.tree_util.tree_unflatten(treedef, own), dict(data), source
 
     def _place_held(self, leaf, data_at) -> jax.Array:
-        """The rows of the process whose copy this one keeps, on the partners' line of devices."""
+        """The rows of the process whose copy this one keeps, each on the device that received it."""
         places, shape = leaf.sharding.devices_indices_map(leaf.shape), leaf.sharding.shard_shape(leaf.shape)
-        return _rows(self.partner_rows,
+        return _rows(self.rows,
                      lambda device: data_at(_index_key(places[self.owner_of[device]], leaf.shape), shape)[None])
 
     def _read(self, step_dir: Path, name: str, manifest: dict, leaves: list, place
@@ -344,7 +374,24 @@ def _rows(sharding: NamedSharding, row_on) -> jax.Array:
                                                     pieces)
 
 
-def _moved(array: jax.Array, sharding: NamedSharding) -> jax.Array:
-    """`array` on the same devices in another order (onto or back from the partners' line): jax moves the
-    rows with a compiled reshard."""
-    return jax.device_put(array, sharding)
+def _permutation(line: Mesh, pairs: list[tuple[int, int]]):
+    """A compiled function sending each row of its arguments (arrays of rows on `line`) from device
+    position a to position b for each (a, b) in pairs: one ppermute per argument, in one program."""
+    def send(*rows):
+        return [jax.lax.ppermute(row, "devices", pairs) for row in rows]
+    return jax.jit(jax.shard_map(send, mesh=line, in_specs=P("devices"), out_specs=P("devices")))
+
+
+def _batches(items: list, bytes_of, budget: int) -> list[list]:
+    """items in order, in batches whose bytes per device (bytes_of(item)) total at most `budget`, or one
+    item when it alone is bigger."""
+    batches: list[list] = [[]]
+    used = 0
+    for item in items:
+        size = bytes_of(item)
+        if batches[-1] and used + size > budget:
+            batches.append([])
+            used = 0
+        batches[-1].append(item)
+        used += size
+    return [batch for batch in batches if batch]

@@ -319,6 +319,8 @@ class Loop:
             state, data_step = self._restored(run.program.abstract_checkpoint())
         for tier, seconds in self.checkpointer.restore_seconds.items():
             self.goodput.tier(f"restore_{tier}", seconds)
+        if self.checkpointer.restored_from:
+            self.goodput.restored(self.checkpointer.restored_from, self.checkpointer.restored_copies)
         if state is None:
             return run.program.init_state(jax.random.key(run.config.seed)), 0
         self.goodput.add("checkpoint_restore", time.perf_counter() - start)

@@ -120,6 +120,7 @@ def test_a_killed_process_restarts_from_its_local_step_and_ends_bitwise_equal(ki
     assert_bitwise(final_state(run_dir, config_path), straight)
     tiers = read_goodput(run_dir)["tiers"]
     assert tiers["restore_local"]["count"] == 1 and "restore_durable" not in tiers
+    assert read_goodput(run_dir)["restores"] == {"local (own copies)": 1}
     assert tiers["save_local"]["count"] >= 7 and tiers["write_local"]["bytes"] > 0
 
 
@@ -130,6 +131,7 @@ def test_a_lost_host_restores_from_its_partners_copy(killed, straight, config_pa
     proc = run(config_path, run_dir, local_dir)
     assert "restored step 14 from the local tier (own copies, and the partner's copy for process 1)" in proc.stdout
     assert_bitwise(final_state(run_dir, config_path), straight)
+    assert read_goodput(run_dir)["restores"] == {"local (own copies, and the partner's copy for process 1)": 1}
 
 
 def test_a_corrupt_local_step_makes_every_process_fall_back_together(killed, straight, config_path, tmp_path):
@@ -148,3 +150,10 @@ def test_a_corrupt_local_step_makes_every_process_fall_back_together(killed, str
     assert [p.name.split("-")[:2] for d in dirs for p in d.iterdir() if p.name.startswith("corrupt")] == \
         [["corrupt", "14"], ["corrupt", "14"]]
     assert_bitwise(final_state(run_dir, config_path), straight)
+
+
+def test_the_partner_exchange_goes_in_batches_bounded_in_bytes_per_device():
+    from llama_jax.local_checkpoint import _batches
+
+    assert _batches([300, 500, 300, 2000, 100], lambda size: size, 800) == [[300, 500], [300], [2000], [100]]
+    assert _batches([], lambda size: size, 800) == []

@@ -1,5 +1,6 @@
 """Every command the README shows is checked here, so the README cannot drift from the code."""
 
+import importlib.util
 import json
 import os
 import re
@@ -54,6 +55,18 @@ def test_readme_error_example_is_what_users_see(tmp_path, capsys):
     shown = re.search(r"\$ llama-jax (train train\.step=5)\n(llama-jax: error: .*)\n", README)
     assert cli.main(shown.group(1).split() + [f"run.dir={tmp_path}/run"]) == 2
     assert capsys.readouterr().err.strip() == shown.group(2)
+
+
+def test_readme_chaos_drill_commands_parse():
+    spec = importlib.util.spec_from_file_location("chaos", ROOT / "bench" / "chaos.py")
+    chaos = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(chaos)
+    commands = readme_commands(".venv/bin/python bench/chaos.py")
+    assert len(commands) >= 3
+    for command in commands:
+        args = chaos.arguments(shlex.split(command)[2:])
+        assert args.steps > 0 and args.kills > 0
+    assert any(chaos.arguments(shlex.split(c)[2:]).processes == 2 for c in commands)
 
 
 def test_readme_report_command_plots_a_run(tmp_path):

@@ -233,7 +233,7 @@ def test_goodput_across_a_death_and_a_resume(tmp_path):
     assert s["lost"] == 4.0  # steps 6 and 7 again, at attempt 1's mean of 2 s
     assert s["restart"] == 10.0 + 60.0 + 1.0  # start-up 1, gap 1040 -> 1100, start-up 2 less the restore
     assert s["productive"] == 12.0 + 4.0 - 4.0
-    assert s["wall_s"] == 120.0 and s["attempts"] == 2
+    assert s["wall_s"] == 120.0 and s["attempts"] == 2 and s["redone_steps"] == 2
     assert s["goodput"] == 12.0 / 120.0
     assert sum(s[b] for b in ("productive", "compile", "checkpoint_restore", "lost", "restart", "other")) == 120.0
     assert format_goodput(second.summary()).startswith("goodput 10.0% of 120 s over 2 attempts: productive 12 s, compile 5.0 s")
@@ -250,7 +250,7 @@ def test_goodput_of_a_kill_9_counts_from_its_last_flush(tmp_path):
     second = Goodput(tmp_path, started_at=1100.0, now=clock)
     second.begin(resumed_step=5)
     s = second.summary()
-    assert s["lost"] == 0.0  # as far as anyone knows, nothing beyond step 5 was done...
+    assert s["lost"] == 0.0 and s["redone_steps"] == 0  # as far as anyone knows, nothing beyond step 5 was done...
     assert s["restart"] == 10.0 + 60.0  # ...the unrecorded work is inside the gap
     assert s["productive"] == 8.0 and s["wall_s"] == 100.0 and s["goodput"] == 0.08
 
