@@ -86,7 +86,6 @@ def straight(shared, tmp_path_factory):
     return run_dir
 
 
-@pytest.mark.xdist_group("fault-straight")
 def test_kill_9_at_a_random_step_then_resume_is_bitwise_identical(shared, straight, tmp_path):
     run_dir = tmp_path / "run"
     kill_at = int(np.random.default_rng().integers(3, STEPS - 2))
@@ -111,7 +110,6 @@ def test_kill_9_at_a_random_step_then_resume_is_bitwise_identical(shared, straig
     assert len(goodput["attempts"]) == 2
 
 
-@pytest.mark.xdist_group("fault-straight")
 def test_sigterm_saves_the_current_step_and_exits_75(shared, straight, tmp_path):
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(command(shared, run_dir, "checkpoint.every_steps=0", "train.steps=400"),
@@ -127,7 +125,6 @@ def test_sigterm_saves_the_current_step_and_exits_75(shared, straight, tmp_path)
     assert resumed.returncode == 0 and f"resumed from {run_dir / 'checkpoints' / str(saved)}" in resumed.stdout
 
 
-@pytest.mark.xdist_group("fault-straight")
 def test_hang_watchdog_dumps_stacks_and_exits_124(shared, tmp_path):
     run_dir = tmp_path / "run"
     proc = run_to_end(shared, run_dir, "fault.inject_hang_step=6", "fault.hang_min_timeout_s=3",
@@ -187,7 +184,6 @@ def six_steps(tmp_path_factory, corpus):
 
 @pytest.mark.parametrize("mode", ["truncated-array", "deleted-array", "missing-manifest", "empty-step-dir",
                                   "interrupted-save"])
-@pytest.mark.xdist_group("fault-six-steps")
 def test_a_damaged_newest_checkpoint_falls_back_and_is_kept_aside(mode, tmp_path, six_steps):
     cfg = dataclasses.replace(six_steps, run=dataclasses.replace(six_steps.run, dir=str(tmp_path / "run")))
     shutil.copytree(six_steps.run.dir, cfg.run.dir)
@@ -225,7 +221,6 @@ def saved_on_fsdp8(tmp_path_factory, corpus):
 
 @pytest.mark.parametrize("mesh", [dict(data=2, fsdp=1, tensor=4), dict(fsdp=2, sequence=4), "one-device"],
                          ids=["data2xtensor4", "fsdp2xsequence4", "one-device"])
-@pytest.mark.xdist_group("fault-moved")
 def test_restore_onto_another_mesh_continues_with_the_same_losses(mesh, tmp_path, saved_on_fsdp8):
     expected, half = saved_on_fsdp8
     run_dir = tmp_path / "run"

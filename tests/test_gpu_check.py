@@ -17,8 +17,6 @@ SCRIPT = ROOT / "bench" / "gpu_check.py"
 sys.path.insert(0, str(SCRIPT.parent))
 import gpu_check  # noqa: E402
 
-# Its module fixtures are built once: all its tests run on one xdist worker (make test: --dist loadgroup).
-pytestmark = pytest.mark.xdist_group("gpu-check")
 
 NO_GPU_LINE = re.compile(r"gpu-check: no NVIDIA GPU here \((jax has no CUDA plugin installed: "
                          r"pip install -e '\.\[gpu\]'|jax backend: \w+)\); nothing to check")

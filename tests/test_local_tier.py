@@ -27,7 +27,6 @@ from llama_jax.train import load_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCHER = ROOT / "launch" / "multiprocess.py"
-pytestmark = pytest.mark.xdist_group("local-tier")
 STEPS, KILL_AT = 20, 15
 TIERS = ("checkpoint.every_steps=10", "checkpoint.local_every_steps=2", "checkpoint.local_keep=2")
 

@@ -15,9 +15,6 @@ from llama_jax.sharding import make_mesh
 from llama_jax.step import TrainProgram, step_memory_bytes
 from llama_jax.train import train
 
-# Its module fixtures are built once: all its tests run on one xdist worker (make test: --dist loadgroup).
-pytestmark = pytest.mark.xdist_group("memory")
-
 
 def with_budget(config, microbatches, gib):
     return dataclasses.replace(config, train=dataclasses.replace(config.train, microbatches=microbatches),

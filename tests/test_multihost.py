@@ -23,8 +23,6 @@ from llama_jax.checkpoint import latest_checkpoint_step
 from llama_jax.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
-# One worker runs them all (make test: --dist loadgroup), so the module fixtures below run once, not per worker.
-pytestmark = pytest.mark.xdist_group("multihost")
 LAUNCHER = ROOT / "launch" / "multiprocess.py"
 STEPS = 14
 

@@ -30,8 +30,6 @@ from llama_jax.step import TrainProgram
 from llama_jax.train import load_checkpoint, train
 from llama_jax.vocabulary import REMAT_POLICIES
 
-# Its module fixtures are built once: all its tests run on one xdist worker (make test: --dist loadgroup).
-pytestmark = pytest.mark.xdist_group("peft")
 
 GOLDEN = Path(__file__).parent / "golden" / "peft"
 ALL_TARGETS = ["q", "k", "v", "o", "gate", "up", "down"]

@@ -16,8 +16,6 @@ from llama_jax import cli, pipeline, sharding
 from llama_jax import config as config_lib
 from llama_jax.plan import make_plan
 
-# Its module fixtures are built once: all its tests run on one xdist worker (make test: --dist loadgroup).
-pytestmark = pytest.mark.xdist_group("pipeline")
 
 # Four layers: four stages of one, or two stages of two (or of one, twice, with repeats).
 MODEL = dataclasses.replace(TINY_MODEL, n_heads=8, n_kv_heads=2, n_layers=4)

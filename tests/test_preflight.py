@@ -10,6 +10,7 @@ times the work, about 0.1x the median) always is. Nothing here asserts a time.
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -25,7 +26,6 @@ from llama_jax.errors import EXIT_BAD_INPUT, EXIT_UNHEALTHY, ConfigError, Unheal
 from llama_jax.train import train
 
 ROOT = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.xdist_group("preflight")  # the 2-process test shares the cores: one worker runs them all
 RATIO = "fault.preflight_min_ratio=0.5"
 
 
@@ -100,6 +100,37 @@ def test_bad_settings_are_one_line_and_exit_2(tmp_path, capsys, override, messag
 def test_load_config_refuses_a_ratio_above_one():
     with pytest.raises(ConfigError, match=r"fault.preflight_min_ratio must be in \(0, 1\]"):
         load_config("tiny", ["fault.preflight_min_ratio=1.01"])
+
+
+class LoadedHost:
+    """A fake clock for preflight.best_times: 8 equal devices (1 s per call) and one 10x slow device, on a host
+    whose load from elsewhere makes calls `load(call number)` times slower."""
+
+    def __init__(self, load, slow=None):
+        self.load, self.slow, self.calls = load, slow, 0
+
+    def time_once(self, device):
+        self.calls += 1
+        seconds = (10.0 if device == self.slow else 1.0) * self.load(self.calls)
+        return seconds, seconds
+
+
+def test_a_burst_of_load_on_one_device_is_cleared_by_the_second_look():
+    """The burst lasts through device 6's three timed calls and on through the second look: every call after
+    call 21 is 2.2x slower. Timed next to a reference device in the same burst, device 6 is as fast as it."""
+    host = LoadedHost(lambda call: 2.2 if call == 7 or call == 15 or call >= 23 else 1.0)
+    best = preflight.best_times(list(range(8)), host.time_once, min_ratio=0.5)
+    assert all(best[d] == [1.0, 1.0] for d in range(8))
+    assert host.calls == 24 + 2 * preflight.SECOND_LOOK_ROUNDS  # bounded: three rounds, then the pairs
+
+
+def test_a_slow_device_stays_slow_through_the_second_look_under_changing_load():
+    """Load that changes from call to call (1x, 1.5x, 2x): a 10x slow device comes out at least 10 / 2 = 5x slow."""
+    host = LoadedHost(lambda call: 1.0 + (call % 3) / 2, slow=3)
+    best = preflight.best_times(list(range(8)), host.time_once, min_ratio=0.5)
+    for k in (0, 1):
+        assert best[3][k] >= 5 * statistics.median(b[k] for b in best.values())
+    assert host.calls == 24 + 2 * preflight.SECOND_LOOK_ROUNDS
 
 
 def test_two_processes_name_a_slow_device_on_every_process(tmp_path, corpus):

@@ -12,8 +12,6 @@ from llama_jax.costmodel import INTER_HOST, INTRA_HOST, CostModel
 from llama_jax.errors import ConfigError
 from llama_jax.step import TrainProgram
 
-# Its module fixtures are built once: all its tests run on one xdist worker (make test: --dist loadgroup).
-pytestmark = pytest.mark.xdist_group("tune")
 
 # The end-to-end search pins tensor and sequence to 1 to keep compilations few: 4 meshes.
 PINNED = ["mesh.pipeline=1", "mesh.tensor=1", "mesh.sequence=1", "train.batch_size=16"]  # 16: 2 micro-batches on 8 shards
