@@ -8,7 +8,8 @@ compilation cache cold vs warm). All measured in this invocation.
 Saves: the preset's full train state (params + AdamW moments) on one CPU device, saved --saves times
 each way: durable saves (Orbax, into the run's checkpoints/) and local-tier saves (local_checkpoint.py,
 into --local-dir, /dev/shm by default); "blocking" is the time the training loop waits in save(), "total"
-includes waiting for the write to finish; "restore" reads the newest saved step back onto the device.
+includes waiting for the write to finish; "restore" reads the newest saved step back onto the device
+(the median of --saves restores).
 Restarts: a run of the first preset is trained to a checkpoint, then resumed in a new process (copied
 run directory, same command) with an empty compilation cache and with the cache the first run filled;
 the time from process start to the first resumed step's metrics record is the restart-to-first-step time.
@@ -68,7 +69,7 @@ def bench_saves(preset: str, saves: int, work: Path, local_dir: Path) -> dict:
             results[f"{mode}_blocking_s"] = statistics.median(blocking)
             results[f"{mode}_total_s"] = statistics.median(total)
             if mode == "async":
-                results["durable_restore_s"] = timed(lambda: checkpointer.restore(saves, program.abstract_checkpoint()))
+                results["durable_restore_s"] = timed(lambda: checkpointer.restore(saves, program.abstract_checkpoint()), saves)
         local = LocalTier(str(local_dir), work / f"{preset}-local", program.mesh, Peers(60.0), keep=2, replicas=0)
         blocking, total = [], []
         for step in range(1, saves + 1):
@@ -77,19 +78,23 @@ def bench_saves(preset: str, saves: int, work: Path, local_dir: Path) -> dict:
             local.wait()
             total.append(time.perf_counter() - start)
         results["local_blocking_s"], results["local_total_s"] = statistics.median(blocking), statistics.median(total)
-        results["local_restore_s"] = timed(lambda: local.restore(saves, program.abstract_checkpoint()))
+        results["local_restore_s"] = timed(lambda: local.restore(saves, program.abstract_checkpoint()), saves)
         shutil.rmtree(local.directory.parent, ignore_errors=True)
     return results
 
 
-def timed(restore) -> float:
-    """Seconds to restore a state and have it on the device."""
+def timed(restore, repeats: int) -> float:
+    """Seconds to restore a state and have it on the device: the median of `repeats` restores (one alone
+    varies by 2x and more here, with the host's page cache and allocator)."""
     import jax
 
-    start = time.perf_counter()
-    restored = restore()
-    jax.block_until_ready(restored[0])
-    return time.perf_counter() - start
+    def once() -> float:
+        start = time.perf_counter()
+        restored = restore()
+        jax.block_until_ready(restored[0])
+        return time.perf_counter() - start
+
+    return statistics.median(once() for _ in range(repeats))
 
 
 def first_step_seconds(command: list[str], run_dir: Path, step: int, timeout: float = 600) -> float:
