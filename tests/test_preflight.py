@@ -116,8 +116,8 @@ class LoadedHost:
 
 
 def test_a_burst_of_load_on_one_device_is_cleared_by_the_second_look():
-    """The burst lasts through device 6's three timed calls and on through the second look: every call after
-    call 21 is 2.2x slower. Timed next to a reference device in the same burst, device 6 is as fast as it."""
+    """The load hits device 6's three timed calls (calls 7, 15 and 23) and lasts through the second look: every
+    call from 23 on is 2.2x slower. Timed next to a reference device in the same load, device 6 is as fast as it."""
     host = LoadedHost(lambda call: 2.2 if call == 7 or call == 15 or call >= 23 else 1.0)
     best = preflight.best_times(list(range(8)), host.time_once, min_ratio=0.5)
     assert all(best[d] == [1.0, 1.0] for d in range(8))
