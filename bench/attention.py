@@ -2,7 +2,7 @@
 
     python bench/attention.py [--seq 8192] [--batch 1] [--documents 8] [--steps 10]
 
-Rows: our kernels (llama_jax.attention.attention: cuDNN's packed layout / plain causal cuDNN / the
+Rows: our kernels (llama_jax.model.attention.attention: cuDNN's packed layout / plain causal cuDNN / the
 blocked kernel; cuDNN's exact fallback for rows with too many documents) and, for comparison, jax.nn.dot_product_attention with the dense [B, 1, T, T] document
 mask that packed documents needed before (on a GPU with cuDNN). Each row: median milliseconds of
 --steps jitted fwd+bwd calls after 2 warm-ups, the attention TFLOP/s of the work the mask leaves
@@ -20,8 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from llama_jax.attention import attention, document_mask
-from llama_jax.cudnn import query_chunked_attention
+from llama_jax.model.attention import attention, document_mask
+from llama_jax.model.cudnn import query_chunked_attention
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128  # Llama 3 8B
 

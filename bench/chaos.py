@@ -115,7 +115,7 @@ def final_state(run_dir: Path, config_args: list[str], step: int):
     import numpy as np
 
     from llama_jax.config import load_config
-    from llama_jax.train import load_checkpoint
+    from llama_jax.training.loop import load_checkpoint
 
     config = load_config(config_args[0], [*config_args[1:], f"run.dir={run_dir}", "mesh.fsdp=1"])
     state, _ = load_checkpoint(config, step, devices=jax.devices()[:1])
@@ -124,7 +124,7 @@ def final_state(run_dir: Path, config_args: list[str], step: int):
 
 def losses(run_dir: Path) -> dict[int, float]:
     """step -> loss of the newest record of that step (a resumed run re-logs the steps it recomputes)."""
-    from llama_jax.metrics import read_metrics
+    from llama_jax.training.metrics import read_metrics
 
     return {r["step"]: r["loss"] for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r}
 
@@ -192,7 +192,7 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
 def main() -> None:
     args = arguments()
 
-    from llama_jax.goodput import BUCKETS, format_goodput, read_goodput
+    from llama_jax.resilience.goodput import BUCKETS, format_goodput, read_goodput
 
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(args.work or tmp)
@@ -217,7 +217,7 @@ def main() -> None:
         if straight.returncode != 0:
             sys.exit(f"the uninterrupted run failed:\n{straight.stderr}")
 
-        from llama_jax.local_checkpoint import process_directory
+        from llama_jax.checkpoint.local import process_directory
 
         drills = {"durable only": []}
         if args.local_every:

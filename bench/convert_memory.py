@@ -48,7 +48,7 @@ def write_random_model(directory: Path, args) -> tuple[int, int]:
     """A random float32 Hugging Face Llama in `directory`; (total bytes, largest tensor's bytes)."""
     import numpy as np
 
-    from llama_jax import hf
+    from llama_jax.interop import hf
 
     cfg = model_config(args)
     shapes, target = {}, hf.single_device_target(cfg)
@@ -81,7 +81,8 @@ def child(step: str, directory: Path, args) -> None:
     import jax
     import jax.numpy as jnp
 
-    from llama_jax import hf, weights
+    from llama_jax.checkpoint import specs
+    from llama_jax.interop import hf
 
     def rss() -> int:
         with open("/proc/self/statm") as f:
@@ -91,9 +92,9 @@ def child(step: str, directory: Path, args) -> None:
         return {"start": time.perf_counter(), "rss_at_start_bytes": rss(),
                 "peak_before_start_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
-    spec = weights.resolve(f"hf:{directory / 'hf'}")
-    config = weights.inference_config(spec.model, args.mesh, batches=False)
-    target = weights.param_target(config, weights.inference_mesh(config))
+    spec = specs.resolve(f"hf:{directory / 'hf'}")
+    config = specs.inference_config(spec.model, args.mesh, batches=False)
+    target = specs.param_target(config, specs.inference_mesh(config))
     figures = started()
     if step == "import":
         jax.block_until_ready(hf.read_params(spec.hf_dir, spec.model, target, block_bytes=args.block_mb * 2**20))

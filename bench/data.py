@@ -59,7 +59,7 @@ def bench_prepare(source: Path, text_bytes: int, vocab: int, work: Path) -> dict
 
 
 def bench_loader(config, batches: int) -> dict:
-    from llama_jax.data.pipeline import open_data
+    from llama_jax.data.streams import open_data
 
     data = open_data(config, log=lambda _: None)
     tokens = config.train.batch_size * config.train.seq_len
@@ -81,7 +81,7 @@ def bench_loader(config, batches: int) -> dict:
 def bench_step(config, data, steps: int) -> dict:
     import jax
 
-    from llama_jax.step import TrainProgram
+    from llama_jax.training.step import TrainProgram
 
     program = TrainProgram.for_config(config)
     with program.activate():

@@ -29,8 +29,8 @@ def main() -> None:
     import numpy as np
 
     from llama_jax.config import load_config
-    from llama_jax.generate import GREEDY, Generator, generate_without_cache
-    from llama_jax.model import Llama
+    from llama_jax.inference.generate import GREEDY, Generator, generate_without_cache
+    from llama_jax.model.llama import Llama
 
     cfg = load_config(args.preset).model
     cfg = cfg.__class__(**{**cfg.__dict__, "max_seq_len": max(cfg.max_seq_len, args.prompt + args.new)})

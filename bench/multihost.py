@@ -28,7 +28,7 @@ def environment() -> dict:
 
 
 def losses(run_dir: Path) -> dict[int, float]:
-    from llama_jax.metrics import read_metrics
+    from llama_jax.training.metrics import read_metrics
 
     return {r["step"]: r["loss"] for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r}
 
@@ -40,7 +40,7 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     args = parser.parse_args()
 
-    from llama_jax.checkpoint import latest_checkpoint_step
+    from llama_jax.checkpoint.durable import latest_checkpoint_step
 
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)

@@ -65,9 +65,9 @@ def state_sizes(preset: str, overrides: list[str]) -> tuple[int, int]:
     """(trainable parameters, optimizer-state bytes) of a config's train state, from its shapes."""
     import jax
 
-    from llama_jax import sharding
+    from llama_jax.distributed import sharding
     from llama_jax.config import load_config
-    from llama_jax.step import TrainProgram
+    from llama_jax.training.step import TrainProgram
 
     config = load_config(preset, overrides)
     shapes = TrainProgram.build(config, sharding.make_mesh(config)).state_shapes

@@ -6,7 +6,7 @@ compilation cache cold vs warm). All measured in this invocation.
     .venv/bin/python bench/restart.py [--presets tiny bench] [--saves 5] [--restarts 3] [--json out.json]
 
 Saves: the preset's full train state (params + AdamW moments) on one CPU device, saved --saves times
-each way: durable saves (Orbax, into the run's checkpoints/) and local-tier saves (local_checkpoint.py,
+each way: durable saves (Orbax, into the run's checkpoints/) and local-tier saves (llama_jax/checkpoint/local.py,
 into --local-dir, /dev/shm by default); "blocking" is the time the training loop waits in save(), "total"
 includes waiting for the write to finish; "restore" reads the newest saved step back onto the device
 (the median of --saves restores).
@@ -39,12 +39,12 @@ def environment() -> dict:
 def bench_saves(preset: str, saves: int, work: Path, local_dir: Path) -> dict:
     import jax
 
-    from llama_jax.checkpoint import Checkpointer
+    from llama_jax.checkpoint.checkpointer import Checkpointer
     from llama_jax.config import load_config
-    from llama_jax.distributed import Peers
-    from llama_jax.local_checkpoint import LocalTier
-    from llama_jax.model import param_count
-    from llama_jax.step import TrainProgram
+    from llama_jax.distributed.peers import Peers
+    from llama_jax.checkpoint.local import LocalTier
+    from llama_jax.model.llama import param_count
+    from llama_jax.training.step import TrainProgram
 
     config = load_config(preset, ["mesh.fsdp=1"])
     program = TrainProgram.for_config(config, devices=jax.devices()[:1])
@@ -100,7 +100,7 @@ def timed(restore, repeats: int) -> float:
 
 def first_step_seconds(command: list[str], run_dir: Path, step: int, timeout: float = 600) -> float:
     """Start the command; seconds until metrics.jsonl has a loss record for `step`; then stop it."""
-    from llama_jax.metrics import read_metrics
+    from llama_jax.training.metrics import read_metrics
 
     start = time.perf_counter()
     proc = subprocess.Popen(command, env=environment(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)

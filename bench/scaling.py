@@ -38,8 +38,8 @@ GPUS_PER_HOST = 8
 
 def h100_cost_model():
     """The data-sheet figures `llama-jax tune` uses on an H100 SXM (the MFU is applied by the caller)."""
-    from llama_jax import hardware
-    from llama_jax.costmodel import CostModel
+    from llama_jax.perf import hardware
+    from llama_jax.perf.costmodel import CostModel
 
     memory, link = hardware.table_bandwidth("H100")
     return CostModel(hardware.table_peak_flops("H100", "bfloat16"), memory, link, hardware.NIC_GBS * 1e9)
@@ -55,10 +55,10 @@ def activation_bytes(preset: str) -> float:
     temporaries of plans compiled with 2 and 4 layers (a 1-layer scan compiles differently)."""
     import jax
 
-    from llama_jax import sharding
+    from llama_jax.distributed import sharding
     from llama_jax.config import load_config
-    from llama_jax.model import param_count
-    from llama_jax.plan import make_plan
+    from llama_jax.model.llama import param_count
+    from llama_jax.training.plan import make_plan
 
     activations, layers = [], (2, 4)
     full = load_config(preset)
@@ -87,10 +87,10 @@ def analytic_activation_bytes(preset: str, mesh: dict[str, int]) -> float:
 
 def row(preset: str, devices: int, activations: float, mfu: float) -> dict:
     from llama_jax.config import load_config
-    from llama_jax.costmodel import cluster_topology
-    from llama_jax.model import param_count, train_flops_per_token
-    from llama_jax.plan import collective_minimum
-    from llama_jax.vocabulary import MESH_AXES
+    from llama_jax.perf.costmodel import cluster_topology
+    from llama_jax.model.llama import param_count, train_flops_per_token
+    from llama_jax.training.plan import collective_minimum
+    from llama_jax.config.choices import MESH_AXES
 
     mesh = mesh_for(preset, devices)
     gpu = h100_cost_model()
@@ -128,7 +128,7 @@ def main() -> None:
     for preset in ("llama3_8b", "llama3_70b", "llama3_405b"):
         activations = activation_bytes(preset)
         rows += [row(preset, d, activations, args.mfu) for d in (8, 64, 512)]
-    from llama_jax.costmodel import INTER_HOST, INTRA_HOST
+    from llama_jax.perf.costmodel import INTER_HOST, INTRA_HOST
 
     gpu = h100_cost_model()
     print(f"H100 SXM, bf16, seq {SEQ}, one sequence per data shard, remat full, assumed MFU {args.mfu:.0%} "

@@ -10,7 +10,7 @@
     print(api.generate_text(cfg, params, tokenizer, ["To be, or not"], max_new_tokens=40)[0])
     summary = api.train("tiny", ["train.steps=100", "run.dir=runs/notebook"])
 
-A model is named by a spec string (weights.py) or by the ModelSpec `api.resolve` makes of one, which
+A model is named by a spec string (checkpoint/specs.py) or by the ModelSpec `api.resolve` makes of one, which
 saves reading it again. Without mesh.* keys `load` puts a model on one device; with them it is sharded
 over that mesh, and `logits`, `generate_text` (KV cache included) run on the mesh the params are on.
 A run with adapters (peft.method=lora, prompt, ptuning) loads like any run: `load` returns its base with
@@ -29,16 +29,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from llama_jax import distributed, peft, weights
-from llama_jax import train as training
+from llama_jax.checkpoint import convert as conversion
+from llama_jax.checkpoint import specs
+from llama_jax.distributed import processes
+from llama_jax.model import peft
+from llama_jax.training import loop as training
 from llama_jax.config import ModelConfig, load_config
-from llama_jax.data.pipeline import evaluation_batches
+from llama_jax.data.streams import evaluation_batches
 from llama_jax.data.tokenizer import Tokenizer
-from llama_jax.generate import Sampling, generate, inference_adapters
-from llama_jax.model import Llama
-from llama_jax.peft_config import PeftConfig
-from llama_jax.step import TrainProgram
-from llama_jax.weights import ModelSpec, resolve
+from llama_jax.inference.generate import Sampling, generate, inference_adapters
+from llama_jax.model.llama import Llama
+from llama_jax.config import PeftConfig
+from llama_jax.training.step import TrainProgram
+from llama_jax.checkpoint.specs import ModelSpec, resolve
 
 __all__ = ["ModelSpec", "convert", "evaluate", "generate_text", "load", "load_tokenizer", "logits", "resolve",
            "train"]
@@ -53,20 +56,20 @@ def load(model: str | ModelSpec, compute_dtype: str | None = "float32", target=N
     compute_dtype (None: the model's own) is the dtype the forward pass computes in, unless `overrides`
     set model.compute_dtype; model.attention can change too."""
     spec = resolve(model)
-    config = weights.inference_config(spec.model, overrides, batches=False)
+    config = specs.inference_config(spec.model, overrides, batches=False)
     cfg = config.model
     if compute_dtype and not any(o.strip().startswith("model.compute_dtype=") for o in overrides):
         cfg = dataclasses.replace(cfg, compute_dtype=compute_dtype)
-    distributed.initialize(config.run)
-    if target is None and (devices is not None or weights.names_a_mesh(overrides)):
-        target = weights.param_target(config, weights.inference_mesh(config, devices))
-    return cfg, weights.load_params(spec, target)
+    processes.initialize(config.run)
+    if target is None and (devices is not None or specs.names_a_mesh(overrides)):
+        target = specs.param_target(config, specs.inference_mesh(config, devices))
+    return cfg, specs.load_params(spec, target)
 
 
 def load_tokenizer(model: str | ModelSpec) -> Tokenizer:
     """The tokenizer that belongs to a model: the Hugging Face directory's, or the one a llama-jax run
     keeps in its run directory."""
-    return weights.load_tokenizer(resolve(model))
+    return specs.load_tokenizer(resolve(model))
 
 
 def logits(cfg: ModelConfig, params, tokens) -> np.ndarray:
@@ -107,8 +110,8 @@ def train(source: str | None = None, overrides: list[str] = (), print_fn: Callab
 def convert(source: str, out: str, overrides: list[str] = (), dtype: str = "float32", rotary: str = "half",
             print_fn: Callable[[str], None] = print, devices=None, merge: bool = False) -> Path:
     """Hugging Face directory <-> llama-jax checkpoint, sharded over the mesh of `overrides`; a run with
-    adapters -> a PEFT adapter directory, or with `merge` (LoRA) a Hugging Face model; see weights.convert."""
-    return weights.convert(source, out, overrides, dtype, rotary, print_fn, devices, merge)
+    adapters -> a PEFT adapter directory, or with `merge` (LoRA) a Hugging Face model; see checkpoint/convert.py."""
+    return conversion.convert(source, out, overrides, dtype, rotary, print_fn, devices, merge)
 
 
 def evaluate(model: str | ModelSpec, data: str, overrides: list[str] = (), max_batches: int = 0, split: str = "val",
@@ -117,15 +120,15 @@ def evaluate(model: str | ModelSpec, data: str, overrides: list[str] = (), max_b
     model's tokenizer), or text files (.txt/.md/.jsonl, scored whole). train.batch_size, train.seq_len
     and mesh.* come from `overrides`, over `devices` (default: all); max_batches 0 = one pass."""
     spec = resolve(model)
-    config = weights.inference_config(spec.model, overrides)
+    config = specs.inference_config(spec.model, overrides)
     if spec.adapters is not None:  # a learned prompt is part of the model (peft.inference_peft)
         config = dataclasses.replace(config, peft=peft.inference_peft(spec.adapters))
-    distributed.initialize(config.run)
+    processes.initialize(config.run)
     t = config.train
-    stream = evaluation_batches(data, weights.load_tokenizer(spec), t.batch_size, t.seq_len, split, spec.text,
+    stream = evaluation_batches(data, specs.load_tokenizer(spec), t.batch_size, t.seq_len, split, spec.text,
                                 config.peft.virtual_tokens)
     program = TrainProgram.for_config(config, devices)
-    params = weights.load_params(spec, target=program.abstract_params())
+    params = specs.load_params(spec, target=program.abstract_params())
     with program.activate():
         n = min(max_batches or stream.batches_per_epoch(), stream.batches_per_epoch())
         loss = program.evaluate(params, stream, n)

@@ -40,7 +40,7 @@ def cmd_train(ns: argparse.Namespace) -> int:
         return 0
     import jax
 
-    from llama_jax.train import train
+    from llama_jax.training.loop import train
 
     result = train(config, print_fn=print, started_at=ns.started_at)
     if jax.process_index() != 0:
@@ -57,8 +57,8 @@ def cmd_train(ns: argparse.Namespace) -> int:
 
 
 def cmd_plan(ns: argparse.Namespace) -> int:
-    from llama_jax import plan as planning
-    from llama_jax import sharding
+    from llama_jax.training import plan as planning
+    from llama_jax.distributed import sharding
     from llama_jax.config import load_config
 
     config = load_config(*_split_source(ns.args))
@@ -77,13 +77,15 @@ def cmd_plan(ns: argparse.Namespace) -> int:
 def cmd_doctor(ns: argparse.Namespace) -> int:
     import jax
 
-    from llama_jax import distributed, preflight, sharding
+    from llama_jax.distributed import processes, sharding
+    from llama_jax.distributed.peers import Peers
+    from llama_jax.resilience import preflight
     from llama_jax.config import load_config
 
     config = load_config(*_split_source(ns.args))
-    distributed.initialize(config.run)
+    processes.initialize(config.run)
     mesh = sharding.make_mesh(config)
-    peers = distributed.Peers(config.fault.barrier_timeout_s)
+    peers = Peers(config.fault.barrier_timeout_s)
     report = preflight.check(config, mesh, peers)
     if jax.process_index() == 0:
         print(preflight.report_json(report) if ns.json else preflight.format_report(report))
@@ -103,7 +105,7 @@ def _int_list(text: str) -> tuple[int, ...]:
 
 
 def cmd_tune(ns: argparse.Namespace) -> int:
-    from llama_jax.vocabulary import REMAT_POLICIES
+    from llama_jax.config.choices import REMAT_POLICIES
 
     source, overrides = _split_source(ns.args)
     policies = tuple(ns.policies.split(","))
@@ -118,7 +120,7 @@ def cmd_tune(ns: argparse.Namespace) -> int:
     out = Path(ns.out)
     if out.is_dir():
         raise InputError(f"--out {out} is a directory; name the YAML file to write, e.g. {out / 'tune.yaml'}")
-    from llama_jax import tune
+    from llama_jax.training import tune
 
     options = tune.Options(
         memory_gb=ns.memory_gb, budget_min=ns.budget_min, top_k=ns.top_k, measure=ns.measure, steps=ns.steps,
@@ -149,7 +151,7 @@ def cmd_prepare(ns: argparse.Namespace) -> int:
 
 
 def cmd_report(ns: argparse.Namespace) -> int:
-    from llama_jax.report import write_report
+    from llama_jax.training.report import write_report
 
     try:
         print(write_report(Path(ns.run_dir)))
@@ -159,7 +161,7 @@ def cmd_report(ns: argparse.Namespace) -> int:
 
 
 def cmd_supervise(ns: argparse.Namespace) -> int:
-    from llama_jax.supervise import Policy, supervise
+    from llama_jax.resilience.supervise import Policy, supervise
 
     command = ns.command[1:] if ns.command[:1] == ["--"] else ns.command
     if not command:
@@ -182,7 +184,7 @@ def cmd_generate(ns: argparse.Namespace) -> int:
 
     from llama_jax import api
     from llama_jax.data.tokenizer import load_tokenizer
-    from llama_jax.generate import Sampling
+    from llama_jax.inference.generate import Sampling
 
     sampling = Sampling(ns.temperature, ns.top_k, ns.top_p)
     sampling.check()

@@ -1,4 +1,5 @@
-"""Small helpers every layer shares: atomic writes, the user cache directory, human-readable sizes and times."""
+"""Small helpers every layer shares: atomic writes, the user cache directory, and sizes, times and id ranges
+as the commands print them."""
 
 from __future__ import annotations
 
@@ -53,3 +54,15 @@ def format_seconds(seconds: float) -> str:
     if seconds >= 3600:
         return f"{seconds / 3600:.1f} h"
     return f"{seconds:.0f} s" if seconds >= 10 else f"{seconds:.1f} s"
+
+
+def format_ranges(indices: list[int]) -> str:
+    """[0, 1, 2, 3, 7] -> '0-3, 7': a host of 8 GPUs, or the absent processes of 16,000, on one line."""
+    parts, run = [], []
+    for i in [*indices, None]:
+        if run and (i is None or i != run[-1] + 1):
+            parts.append(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}")
+            run = []
+        if i is not None:
+            run.append(i)
+    return ", ".join(parts)

@@ -8,9 +8,11 @@ from pathlib import Path
 
 import pytest
 
-import llama_jax.train
-from llama_jax import cli, sharding
-from llama_jax.config import Config, ConfigError, all_keys, load_config, preset_names, to_yaml
+import llama_jax.training.loop
+from llama_jax import cli
+from llama_jax.distributed import sharding
+from llama_jax.errors import ConfigError
+from llama_jax.config import Config, all_keys, load_config, preset_names, to_yaml
 
 REPO = Path(__file__).resolve().parent.parent
 PRESET_FILES = sorted((REPO / "configs").glob("*.yaml"))
@@ -189,7 +191,7 @@ def no_training(monkeypatch):
     """Fail fast instead of training for minutes if a bad input slips through validation."""
     def refuse(*args, **kwargs):
         raise AssertionError("bad input was accepted: training started")
-    monkeypatch.setattr(llama_jax.train, "execute", refuse)
+    monkeypatch.setattr(llama_jax.training.loop, "execute", refuse)
 
 
 def snapshot(directory: Path):

@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType
 
-from llama_jax import cudnn, sharding
-from llama_jax.attention import attention, document_mask
-from llama_jax.context_parallel import XLA_KERNEL, chunk_order, combined_attention
+from llama_jax.distributed import sharding
+from llama_jax.model import cudnn
+from llama_jax.model.attention import attention, document_mask
+from llama_jax.model.context_parallel import XLA_KERNEL, chunk_order, combined_attention
 
 TOLERANCE = 1e-5  # fp32 against XLA's attention over the whole sequence, relative to the largest magnitude
 

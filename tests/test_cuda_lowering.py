@@ -16,11 +16,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from llama_jax import cudnn
-from llama_jax.attention import attention, document_mask
-from llama_jax.context_parallel import XLA_KERNEL
+from llama_jax.model import cudnn
+from llama_jax.model.attention import attention, document_mask
+from llama_jax.model.context_parallel import XLA_KERNEL
 from llama_jax.config import load_config
-from llama_jax.step import TrainProgram
+from llama_jax.training.step import TrainProgram
 
 SEQ = 1024
 
@@ -81,7 +81,7 @@ def test_train_step_with_more_tensor_shards_than_kv_heads_lowers_with_attention_
     config = load_config("tiny", ["model.d_model=256", "model.n_heads=8", "model.n_kv_heads=4", "model.n_layers=1",
                                   "model.compute_dtype=bfloat16",
                                   f"train.seq_len={SEQ}", "train.batch_size=2", "mesh.tensor=8", "mesh.fsdp=1"])
-    with mock.patch("llama_jax.model.select_implementation", lambda *args, **kwargs: "cudnn"):
+    with mock.patch("llama_jax.model.llama.select_implementation", lambda *args, **kwargs: "cudnn"):
         program = TrainProgram.for_config(config)
         with program.activate():
             text = program.train_step.trace(program.abstract_state(), program.abstract_batch()).lower(
@@ -102,7 +102,7 @@ def test_context_parallel_train_step_lowers_to_cudnn_calls_without_any_quadratic
                                   "model.compute_dtype=bfloat16", f"model.max_seq_len={seq}", f"train.seq_len={seq}",
                                   "train.batch_size=2", "mesh.sequence=2", "mesh.tensor=4", "mesh.fsdp=1"])
     assert cudnn.PADDED_KERNEL is not XLA_KERNEL
-    with mock.patch("llama_jax.model.select_implementation", lambda *args, **kwargs: "cudnn"):
+    with mock.patch("llama_jax.model.llama.select_implementation", lambda *args, **kwargs: "cudnn"):
         program = TrainProgram.for_config(config)
         with program.activate():
             text = program.train_step.trace(program.abstract_state(), program.abstract_batch()).lower(

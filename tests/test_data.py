@@ -18,7 +18,7 @@ from llama_jax.data import corpus
 from llama_jax.data import prepare as prepare_module
 from llama_jax.data.corpus import BadRecords, DataError, ReadOptions, parse_input, plan_units, read_unit
 from llama_jax.data.loader import PackedRows, TokenStore, batches, components, model_inputs
-from llama_jax.data.pipeline import open_data
+from llama_jax.data.streams import open_data
 from llama_jax.data.prepare import PrepareOptions, prepare
 from llama_jax.data.tokenizer import load_tokenizer, train_bpe
 

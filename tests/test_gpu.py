@@ -10,7 +10,7 @@ from pathlib import Path
 import jax
 import pytest
 
-from llama_jax import cudnn
+from llama_jax.model import cudnn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 from gpu_check import BF16_TOLERANCE, GPU_SHAPE, PARITY_CASES, attention_errors  # noqa: E402

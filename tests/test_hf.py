@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from llama_jax import api, cli, hf
-from llama_jax.generate import GREEDY, Sampling, generate, generate_without_cache
+from llama_jax import api, cli
+from llama_jax.interop import hf
+from llama_jax.inference.generate import GREEDY, Sampling, generate, generate_without_cache
 
 GOLDEN = Path(__file__).parent / "golden" / "hf"
 MODELS = sorted(p.name for p in GOLDEN.iterdir() if (p / "golden.npz").is_file())
@@ -201,7 +202,7 @@ def test_generate_and_eval_commands_on_a_converted_model(tmp_path, capsys):
 
 
 def test_a_checkpoint_trained_with_sharding_converts_and_evaluates_on_one_device(tmp_path, corpus, tiny):
-    from llama_jax.train import train
+    from llama_jax.training.loop import train
 
     cfg = tiny(tmp_path, train=dict(steps=3), mesh=dict(fsdp=8), data=dict(sources=[str(corpus)]),
                checkpoint=dict(every_steps=0))
@@ -221,7 +222,7 @@ def test_a_checkpoint_trained_with_sharding_converts_and_evaluates_on_one_device
 
 
 def test_init_from_hf_trains_from_those_weights(tmp_path, corpus, tiny):
-    from llama_jax.train import train
+    from llama_jax.training.loop import train
 
     source = GOLDEN / "gqa_llama3_untied"  # its vocabulary (300) holds a byte-level BPE (>= 258)
     model = dataclasses.replace(hf.read_config(source), compute_dtype="float32", max_seq_len=128)
@@ -258,7 +259,7 @@ def test_readme_hugging_face_guide_commands(tmp_path, monkeypatch, corpus, tiny,
     """The guide's convert / generate / eval commands as shown, on a golden model and a short tiny run."""
     from test_readme import llama_jax_args, readme_commands
 
-    from llama_jax.train import train
+    from llama_jax.training.loop import train
 
     monkeypatch.chdir(tmp_path)
     cfg = tiny(tmp_path, train=dict(steps=2), data=dict(sources=[str(corpus)]), run=dict(dir="runs/tiny"))

@@ -1,4 +1,4 @@
-"""Tests for llama_jax.hlo: hand-written HLO snippets plus a few real compiled programs."""
+"""Tests for llama_jax.perf.hlo: hand-written HLO snippets plus a few real compiled programs."""
 
 import jax
 import jax.numpy as jnp
@@ -7,7 +7,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from llama_jax.hlo import KINDS, analyze, roofline_seconds, shape_bytes
+from llama_jax.perf.hlo import KINDS, analyze, roofline_seconds, shape_bytes
 
 ADD = """%add (a: f32[], b: f32[]) -> f32[] {
   %a = f32[] parameter(0)

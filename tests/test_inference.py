@@ -14,8 +14,10 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from llama_jax import api, cli, hf, weights
-from llama_jax.generate import GREEDY, Generator, generate, params_mesh
+from llama_jax import api, cli
+from llama_jax.checkpoint import specs
+from llama_jax.interop import hf
+from llama_jax.inference.generate import GREEDY, Generator, generate, params_mesh
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = ROOT / "tests" / "golden" / "hf" / "gqa_llama3_untied"  # 4 query heads, 2 kv heads, untied head
@@ -117,9 +119,9 @@ def test_generate_command_on_a_mesh_prints_what_one_device_prints(with_tokenizer
 def test_import_reads_only_blocks_of_each_devices_shards(monkeypatch):
     """With 256-byte blocks, every read from the safetensors files is at most one block, or one layer's
     (or one row's) slice of a device's shard where that is bigger, and the params are those of one read."""
-    spec = weights.resolve(f"hf:{MODEL}")
-    config = weights.inference_config(spec.model, LAYOUT, batches=False)
-    target = weights.param_target(config, weights.inference_mesh(config))
+    spec = specs.resolve(f"hf:{MODEL}")
+    config = specs.inference_config(spec.model, LAYOUT, batches=False)
+    target = specs.param_target(config, specs.inference_mesh(config))
     whole = hf.read_params(MODEL, spec.model, target)
     reads, read = [], hf.SafetensorsReader.read
     monkeypatch.setattr(hf.SafetensorsReader, "read", lambda self, name, index: reads.append(
@@ -207,7 +209,7 @@ def test_a_tensor_of_another_shape_than_config_json_says_exits_2_with_one_line(t
 SCRIPT = """import json, os, sys
 import jax
 from llama_jax import api
-from llama_jax.generate import generate
+from llama_jax.inference.generate import generate
 _, source, out, back, *overrides = sys.argv[1:]  # argv[1] is the launcher's command name
 api.convert(source, out, overrides, print_fn=lambda _: None)
 api.convert(out, back, overrides, dtype="bfloat16", print_fn=lambda _: None)

@@ -1,29 +1,34 @@
-"""The package's shape: layers that import only below themselves, no import cycles (imports inside
-functions counted), imports inside functions only where they keep `llama-jax --help` fast or load an
-optional dependency, and no module too long to read in one sitting. Read from the source with ast."""
+"""The package's shape: one subpackage per concern, each importing only the subpackages below it; no import
+cycles between modules (imports inside functions counted); imports inside functions only where they keep
+`llama-jax --help` fast or load an optional dependency; every subpackage says what it owns; and no module too
+long to read in one sitting. Read from the source with ast."""
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "llama_jax"
 
-# Bottom to top: a module imports modules of its own layer or below, never above.
+# Bottom to top: a module imports modules of its own subpackage, or of a subpackage (or top-level module) on a
+# lower row, never of one above. The rows are the architecture; subpackages on one row do not import each other.
 LAYERS = [
-    ["llama_jax", "errors", "files", "hlo", "supervise", "vocabulary"],  # no JAX model code; shared helpers and the exit codes
-    # the schema and vocabularies; host-side parts
-    ["peft_config", "resilience_config", "config", "hardware", "goodput", "resilience", "distributed"],
-    ["data.corpus", "data.tokenizer", "data.prepare", "data.loader", "data.pipeline", "data", "metrics", "report",
-     "local_checkpoint"],  # local_checkpoint: host-side files and one collective, below checkpoint.py
-    ["projection", "flash", "context_parallel", "cudnn", "attention", "loss", "remat", "optim", "pipeline",
-     "model"],  # the model, which knows only logical axes (and the mesh axes of its shard_maps)
-    ["sharding", "hf", "peft", "peft_format", "generate", "checkpoint"],  # meshes, formats on disk, adapters, decoding
-    ["step", "costmodel"],  # the compiled programs of one config on one mesh
-    ["plan", "weights", "preflight"],
-    ["train", "tune"],
+    ["llama_jax", "errors", "files"],  # the exit statuses and small helpers every layer shares
+    ["config"],  # the one schema, its choices, loading and checks
+    ["data"],  # text -> token stores -> batches (host side, no model)
+    ["model"],  # Llama 3 and what its forward pass runs; knows only logical axis names
+    ["distributed"],  # the mesh and THE logical-axis table; joining processes; agreements between them
+    ["interop"],  # foreign formats: Hugging Face weights, PEFT adapters
+    ["perf"],  # what the hardware can do and what a compiled step costs
+    ["resilience"],  # guards, watchdog, stragglers, goodput, pre-flight, the supervisor
+    ["checkpoint"],  # durable and local tiers, model specs, conversion, where a run starts
+    ["inference"],  # decoding with a KV cache
+    ["training"],  # the step, the loop, metrics, plan and tune
     ["api"],  # the Python API, thin
-    ["cli", "__main__"],
+    ["cli"],  # the command line
+    ["__main__"],  # python -m llama_jax
 ]
 LAZY_IMPORTS_ALLOWED = {"cli"}  # `llama-jax --help` must not import JAX
 OPTIONAL_DEPENDENCIES = {"pyarrow", "datasets", "importlib", "wandb"}  # importlib: data/corpus.py's optional loader
@@ -37,6 +42,11 @@ def modules() -> dict[str, Path]:
         name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts) or "llama_jax"
         found[name] = path
     return found
+
+
+def unit(module: str) -> str:
+    """The subpackage a module belongs to ('config.schema' -> 'config'), or the top-level module itself."""
+    return module.split(".")[0]
 
 
 def imports(name: str, path: Path) -> list[tuple[str, bool]]:
@@ -69,16 +79,19 @@ def graph() -> dict[str, set[str]]:
     return {name: {m for m, _ in imports(name, path) if m in known and m != name} for name, path in known.items()}
 
 
-def test_every_module_has_a_layer():
-    layered = [m for layer in LAYERS for m in layer]
-    assert sorted(layered) == sorted(modules())
+def test_every_module_belongs_to_a_row():
+    layered = [u for layer in LAYERS for u in layer]
     assert len(layered) == len(set(layered))
+    assert sorted({unit(m) for m in modules()}) == sorted(layered)
 
 
-def test_modules_import_only_their_layer_or_below():
-    layer_of = {m: i for i, layer in enumerate(LAYERS) for m in layer}
-    upward = [f"{a} -> {b}" for a, targets in graph().items() for b in targets if layer_of[b] > layer_of[a]]
+def test_subpackages_import_only_their_row_or_below():
+    row_of = {u: i for i, layer in enumerate(LAYERS) for u in layer}
+    upward = [f"{a} -> {b}" for a, targets in graph().items() for b in targets if row_of[unit(b)] > row_of[unit(a)]]
+    sideways = [f"{a} -> {b}" for a, targets in graph().items() for b in targets
+                if unit(a) != unit(b) and row_of[unit(b)] == row_of[unit(a)] and row_of[unit(a)] > 0]
     assert not upward
+    assert not sideways
 
 
 def test_no_import_cycles_counting_imports_inside_functions():
@@ -105,6 +118,12 @@ def test_imports_inside_functions_only_where_they_keep_the_cli_fast_or_are_optio
     assert not lazy
 
 
+@pytest.mark.parametrize("name", sorted(u for layer in LAYERS for u in layer if (PACKAGE / u).is_dir()))
+def test_every_subpackage_says_what_it_owns(name):
+    docstring = ast.get_docstring(ast.parse((PACKAGE / name / "__init__.py").read_text()))
+    assert docstring and len(docstring.splitlines()) >= 2, f"llama_jax/{name}/__init__.py needs a docstring"
+
+
 @pytest.mark.parametrize("name", sorted(modules()))
 def test_modules_are_short_enough_to_read(name):
     lines = len(modules()[name].read_text().splitlines())
@@ -112,9 +131,6 @@ def test_modules_are_short_enough_to_read(name):
 
 
 def test_llama_jax_help_does_not_import_jax():
-    import subprocess
-    import sys
-
     probe = "import sys; from llama_jax import cli; cli.build_parser(); print('jax' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False"

@@ -21,9 +21,9 @@ import pytest
 import yaml
 from conftest import tiny_config, write_tiny_yaml
 
-from llama_jax.goodput import read_goodput
-from llama_jax.local_checkpoint import finished_steps, process_directory
-from llama_jax.train import load_checkpoint
+from llama_jax.resilience.goodput import read_goodput
+from llama_jax.checkpoint.local import finished_steps, process_directory
+from llama_jax.training.loop import load_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCHER = ROOT / "launch" / "multiprocess.py"
@@ -152,7 +152,7 @@ def test_a_corrupt_local_step_makes_every_process_fall_back_together(killed, str
 
 
 def test_the_partner_exchange_goes_in_batches_bounded_in_bytes_per_device():
-    from llama_jax.local_checkpoint import _batches
+    from llama_jax.checkpoint.local import _batches
 
     assert _batches([300, 500, 300, 2000, 100], lambda size: size, 800) == [[300, 500], [300], [2000], [100]]
     assert _batches([], lambda size: size, 800) == []

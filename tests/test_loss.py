@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from conftest import TINY_MODEL
 
-from llama_jax import loss
-from llama_jax.model import Llama, rms_norm
+from llama_jax.model import loss
+from llama_jax.model.llama import Llama, rms_norm
 
 RELATIVE = 1e-6  # fp32
 

@@ -1,4 +1,4 @@
-"""Tests for llama_jax.metrics and llama_jax.report (CPU, fast, no timing assertions)."""
+"""Tests for llama_jax.training.metrics and llama_jax.training.report (CPU, fast, no timing assertions)."""
 
 from __future__ import annotations
 
@@ -11,13 +11,13 @@ import numpy as np
 import jax
 import pytest
 
-from llama_jax import hardware
+from llama_jax.perf import hardware
 from llama_jax.config import Config, RunConfig
 from llama_jax.errors import ConfigError
-from llama_jax.hardware import device_peak_flops, table_peak_flops
-from llama_jax.metrics import (MetricsLog, ThroughputMeter, WandbSettings, check_wandb, mfu, read_metrics,
-                               wandb_run_id)
-from llama_jax.report import write_report
+from llama_jax.perf.hardware import device_peak_flops, table_peak_flops
+from llama_jax.training.metrics import (MetricsLog, ThroughputMeter, WandbSettings, check_wandb, mfu, read_metrics,
+                                        wandb_run_id)
+from llama_jax.training.report import write_report
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

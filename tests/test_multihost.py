@@ -19,8 +19,8 @@ import pytest
 import yaml
 from conftest import write_tiny_yaml
 
-from llama_jax.checkpoint import latest_checkpoint_step
-from llama_jax.metrics import read_metrics
+from llama_jax.checkpoint.durable import latest_checkpoint_step
+from llama_jax.training.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCHER = ROOT / "launch" / "multiprocess.py"

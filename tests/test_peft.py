@@ -21,14 +21,18 @@ from safetensors.numpy import load_file, save_file
 from test_fault import corrupt
 from test_train import random_batch, relative_difference
 
-from llama_jax import api, cli, hf, peft, sharding, weights
+from llama_jax import api, cli
+from llama_jax.checkpoint import specs
+from llama_jax.distributed import sharding
+from llama_jax.interop import hf
+from llama_jax.model import peft
 from llama_jax.config import RematConfig, load_config, to_yaml
 from llama_jax.data.loader import Documents, PackedRows, model_inputs
-from llama_jax.model import Llama, abstract_params
-from llama_jax.peft_config import PeftConfig
-from llama_jax.step import TrainProgram
-from llama_jax.train import load_checkpoint, train
-from llama_jax.vocabulary import REMAT_POLICIES
+from llama_jax.model.llama import Llama, abstract_params
+from llama_jax.config import PeftConfig
+from llama_jax.training.step import TrainProgram
+from llama_jax.training.loop import load_checkpoint, train
+from llama_jax.config.choices import REMAT_POLICIES
 
 
 GOLDEN = Path(__file__).parent / "golden" / "peft"
@@ -103,7 +107,7 @@ def test_every_remat_policy_keeps_its_tags_and_nothing_of_the_adapters(policy, m
     (x A) carry no tag and are recomputed. (Numbers under remat: the mesh test below.)"""
     from test_remat import saved_residuals
 
-    from llama_jax import remat
+    from llama_jax.model import remat
     monkeypatch.setattr(remat, "host_offload_supported", lambda: True)
     assert saved_residuals(RematConfig(policy=policy), LORA) == saved_residuals(RematConfig(policy=policy))
 
@@ -229,7 +233,7 @@ def test_a_run_adapts_its_base_and_checkpoints_hold_the_adapters_and_a_reference
     assert names == {"lora_a", "lora_b"}  # no base weight, and no optimizer moment of one
     meta = json.loads((root / "lora" / "checkpoints" / str(STEPS) / "meta" / "metadata").read_text())
     assert meta["base"]["path"] == f"hf:{HF_BASE.absolute()}"
-    assert meta["base"]["digest"] == peft.digest(weights.load_params(weights.resolve(f"hf:{HF_BASE}")))
+    assert meta["base"]["digest"] == peft.digest(specs.load_params(specs.resolve(f"hf:{HF_BASE}")))
 
 
 def test_p_tuning_rolls_back_past_a_bad_step(runs):
@@ -275,8 +279,8 @@ def test_readme_adapter_guide_commands_on_lora_and_p_tuning_runs(runs, tmp_path,
     assert "HAMLET:" in out and "perplexity" in out
     assert json.loads((tmp_path / "exported" / "lora-adapter" / "adapter_config.json").read_text())["r"] == 4
     # The merged export (--merge) computes the adapted model's logits.
-    spec = weights.resolve("runs/lora")
-    adapters, base = weights.load_adapters(spec), weights.load_params(weights.resolve(f"hf:{HF_BASE}"))
+    spec = specs.resolve("runs/lora")
+    adapters, base = specs.load_adapters(spec), specs.load_params(specs.resolve(f"hf:{HF_BASE}"))
     tokens = np.random.default_rng(0).integers(0, spec.model.vocab_size, (2, 24))
     model = Llama(spec.model, peft=spec.adapters)
     adapted = np.asarray(jax.jit(lambda p: model.apply({"params": p}, tokens))(peft.merge(adapters, base)))

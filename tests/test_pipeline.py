@@ -12,9 +12,11 @@ from conftest import TINY_MODEL, tiny_config
 from test_fault import config_for, losses as logged_losses, train_quietly
 from test_sharding import losses
 
-from llama_jax import cli, pipeline, sharding
+from llama_jax import cli
+from llama_jax.distributed import sharding
+from llama_jax.model import pipeline
 from llama_jax import config as config_lib
-from llama_jax.plan import make_plan
+from llama_jax.training.plan import make_plan
 
 
 # Four layers: four stages of one, or two stages of two (or of one, twice, with repeats).

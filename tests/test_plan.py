@@ -6,8 +6,9 @@ import json
 import pytest
 from conftest import TINY_MODEL, tiny_config
 
-from llama_jax import cli, sharding
-from llama_jax.plan import collective_minimum, make_plan
+from llama_jax import cli
+from llama_jax.distributed import sharding
+from llama_jax.training.plan import collective_minimum, make_plan
 
 MODEL = dataclasses.asdict(dataclasses.replace(TINY_MODEL, n_heads=8, n_kv_heads=2))
 
@@ -68,7 +69,7 @@ def test_analytic_minimum_formulas():
     nothing = collective_minimum(cfg, {"data": 1, "fsdp": 1, "tensor": 1, "sequence": 1})
     assert all(v == 0 for v in nothing.values())
     data = collective_minimum(cfg, {"data": 8, "fsdp": 1, "tensor": 1, "sequence": 1})
-    from llama_jax.model import param_count
+    from llama_jax.model.llama import param_count
     assert data["data"] == pytest.approx(2 * 7 / 8 * param_count(cfg.model) * 4)
 
 
@@ -91,7 +92,7 @@ def test_vocab_parallel_loss_never_gathers_the_full_vocabulary():
     """With the vocab split over tensor, no collective carries a tensor whose last axis is the whole vocab."""
     import jax
 
-    from llama_jax.step import TrainProgram
+    from llama_jax.training.step import TrainProgram
 
     cfg = tiny_config(model=MODEL, mesh=dict(data=1, fsdp=4, tensor=2, sequence=1))
     program = TrainProgram.for_config(cfg)
@@ -126,8 +127,9 @@ def test_compare_remat_plans_policies_that_run_alike_on_these_devices_once(monke
     """Without pinned host memory (a CPU) an offload policy saves on the device: it shares its twin's plan."""
     import types
 
-    from llama_jax import plan, remat
-    from llama_jax.config import REMAT_POLICIES
+    from llama_jax.model import remat
+    from llama_jax.training import plan
+    from llama_jax.config.choices import REMAT_POLICIES
 
     compiled, lines = [], []
     monkeypatch.setattr(plan, "make_plan", lambda config, mesh, devices_per_host=0: compiled.append(
@@ -167,7 +169,7 @@ def test_bytes_by_axis_add_up_to_the_bytes_by_kind(two_host_plan):
 
 
 def test_plan_prints_and_writes_bytes_by_axis_and_tier(two_host_plan, capsys):
-    from llama_jax import plan as planning
+    from llama_jax.training import plan as planning
 
     text = planning.format_plan(two_host_plan)
     assert "on 8 device(s) in 2 host(s)" in text

@@ -12,11 +12,16 @@ from pathlib import Path
 
 import pytest
 
-from llama_jax.checkpoint import auto_checkpoint_steps, check_model, model_differences, young_daly_interval_s
+from llama_jax.checkpoint.durable import check_model, model_differences
+from llama_jax.checkpoint.interval import auto_checkpoint_steps, young_daly_interval_s
 from llama_jax.errors import ConfigError
 from llama_jax.errors import EXIT_HANG, EXIT_PREEMPTED
-from llama_jax.goodput import Goodput, format_goodput, observed_mtbf_s
-from llama_jax.resilience import HangWatchdog, HostScores, PreemptionGuard, SpikeGuard, StragglerDetector, ranges
+from llama_jax.resilience.goodput import Goodput, format_goodput, observed_mtbf_s
+from llama_jax.files import format_ranges
+from llama_jax.resilience.guards import SpikeGuard
+from llama_jax.resilience.preemption import PreemptionGuard
+from llama_jax.resilience.stragglers import HostScores, StragglerDetector
+from llama_jax.resilience.watchdog import HangWatchdog
 
 # ---------------------------------------------------------------------------------------------
 # HangWatchdog
@@ -129,7 +134,7 @@ def test_a_stuck_process_exits_124_and_leaves_the_dump(tmp_path):
     child = textwrap.dedent(f"""
         import threading
         from pathlib import Path
-        from llama_jax.resilience import HangWatchdog
+        from llama_jax.resilience.watchdog import HangWatchdog
 
         def blocked_forever():
             threading.Event().wait()
@@ -394,7 +399,7 @@ def test_host_scores_name_a_host_slow_two_windows_running_with_its_devices():
 
 
 def test_ranges_keep_a_list_of_processes_or_devices_short():
-    assert ranges([0, 1, 2, 3, 7, 9, 10]) == "0-3, 7, 9-10" and ranges([5]) == "5" and ranges([]) == ""
+    assert format_ranges([0, 1, 2, 3, 7, 9, 10]) == "0-3, 7, 9-10" and format_ranges([5]) == "5" and format_ranges([]) == ""
 
 
 def test_a_checkpoint_of_another_function_is_refused_unless_allowed():
@@ -414,9 +419,9 @@ def test_a_checkpoint_of_another_function_is_refused_unless_allowed():
 
 def test_a_time_based_save_is_announced_two_steps_ahead(tmp_path):
     """checkpoint.every_minutes: process 0's clock decides after step n that step n + 2 is saved, so in a
-    multi-process run every process reads the decision without waiting (distributed.Peers.announce), while
+    multi-process run every process reads the decision without waiting (Peers.announce), while
     the host runs one step ahead of the devices."""
-    from llama_jax.checkpoint import Checkpointer
+    from llama_jax.checkpoint.checkpointer import Checkpointer
     from llama_jax.config import CheckpointConfig
 
     checkpointer = Checkpointer(tmp_path, CheckpointConfig(every_minutes=1.0))

@@ -10,9 +10,10 @@ from conftest import TINY_MODEL, tiny_config
 from jax.sharding import PartitionSpec as P
 from test_train import random_batch
 
-from llama_jax import sharding
-from llama_jax.config import ConfigError, load_config
-from llama_jax.step import TrainProgram
+from llama_jax.distributed import sharding
+from llama_jax.config import load_config
+from llama_jax.errors import ConfigError
+from llama_jax.training.step import TrainProgram
 
 # Eight query heads so that tensor=8 divides them; two kv heads (GQA), which tensor=8 replicates.
 MESH_MODEL = dataclasses.replace(TINY_MODEL, n_heads=8, n_kv_heads=2)
@@ -77,8 +78,8 @@ def test_microbatches_on_a_mesh_match_single_device():
 
 
 def test_the_table_maps_exactly_the_logical_axis_names_users_may_override():
-    """config.LOGICAL_AXES (what mesh.rules.<name> accepts) and the table name the same axes, in order."""
-    from llama_jax.config import LOGICAL_AXES
+    """choices.LOGICAL_AXES (what mesh.rules.<name> accepts) and the table name the same axes, in order."""
+    from llama_jax.config.choices import LOGICAL_AXES
 
     assert tuple(name for name, _ in sharding.LOGICAL_AXIS_RULES) == LOGICAL_AXES
 

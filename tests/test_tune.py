@@ -7,10 +7,12 @@ import re
 import pytest
 from conftest import write_tiny_yaml
 
-from llama_jax import cli, config, costmodel, plan, tune
-from llama_jax.costmodel import INTER_HOST, INTRA_HOST, CostModel
+from llama_jax import cli, config
+from llama_jax.perf import costmodel
+from llama_jax.training import plan, tune
+from llama_jax.perf.costmodel import CostModel, INTER_HOST, INTRA_HOST
 from llama_jax.errors import ConfigError
-from llama_jax.step import TrainProgram
+from llama_jax.training.step import TrainProgram
 
 
 # The end-to-end search pins tensor and sequence to 1 to keep compilations few: 4 meshes.
@@ -184,7 +186,7 @@ class FakeGpu:
 def test_gpus_get_data_sheet_figures_and_their_memory(monkeypatch, tmp_path):
     import jax
 
-    from llama_jax import costmodel, hardware
+    from llama_jax.perf import costmodel, hardware
 
     monkeypatch.setattr(jax, "devices", lambda *args: [FakeGpu()] * 8)
     monkeypatch.setattr(jax, "local_devices", lambda *args: [FakeGpu()] * 8)
@@ -199,7 +201,7 @@ def test_gpus_get_data_sheet_figures_and_their_memory(monkeypatch, tmp_path):
 
 def test_the_cli_states_the_defaults_tune_uses():
     """`llama-jax tune --help` must not drift from the code: the policies searched and the cost model's defaults."""
-    from llama_jax import hardware
+    from llama_jax.perf import hardware
 
     (parser,) = [action.choices["tune"] for action in cli.build_parser()._actions if action.choices]
     options = {action.dest: action for action in parser._actions}
@@ -249,7 +251,7 @@ def test_planned_hosts_are_where_make_mesh_puts_a_multi_host_run(shape, hosts):
 
     from jax.experimental import mesh_utils
 
-    from llama_jax import sharding
+    from llama_jax.distributed import sharding
 
     @dataclass(frozen=True)
     class Device:
@@ -266,8 +268,8 @@ def test_planned_hosts_are_where_make_mesh_puts_a_multi_host_run(shape, hosts):
 
 
 def test_collectives_are_priced_at_the_tier_their_groups_cross():
-    from llama_jax.costmodel import AxisTraffic
-    from llama_jax.hlo import analyze
+    from llama_jax.perf.costmodel import AxisTraffic
+    from llama_jax.perf.hlo import analyze
 
     traffic = costmodel.traffic_by_axis(analyze(HLO, num_devices=8).collective_groups, TWO_HOSTS)
     # Ring bytes per device of a 4 KiB result: all-reduce 2(n-1)/n, all-gather (n-1)/n.

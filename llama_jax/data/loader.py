@@ -23,7 +23,7 @@ Prompt tuning and P-tuning (peft.prompt_tokens = P) put P learned virtual tokens
 document. The loader leaves the room for them: every piece of a row is P slots (token ids -1 ... -P,
 at positions 0 ... P-1 of the piece's segment) and then the piece's tokens (positions P, P+1, ...), as
 if the prompt were part of the document, and the model fills the slots with the learned embeddings
-(model.py). The plan counts the slots, so the batch keeps its static [batch, seq_len] shape, segment
+(model/llama.py). The plan counts the slots, so the batch keeps its static [batch, seq_len] shape, segment
 ids and positions stay exact for packed documents with any attention kernel or sequence sharding, and
 batches remain a pure function of (seed, step); inserting the slots inside the model instead would
 need room for a prompt per document in every row, whatever the number of documents it holds.

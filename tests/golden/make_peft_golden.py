@@ -32,9 +32,10 @@ def adapters(name: str) -> tuple[object, object, dict]:
     import flax.linen as nn
     import jax
 
-    from llama_jax import hf, peft
-    from llama_jax.model import abstract_params
-    from llama_jax.peft_config import PeftConfig
+    from llama_jax.interop import hf
+    from llama_jax.model import peft
+    from llama_jax.model.llama import abstract_params
+    from llama_jax.config import PeftConfig
 
     cfg, settings = hf.read_config(BASE), PeftConfig(**ADAPTERS[name])
     shapes = peft.split(nn.meta.unbox(abstract_params(cfg, settings)))[0]
@@ -46,7 +47,7 @@ def adapters(name: str) -> tuple[object, object, dict]:
 
 def write(name: str, directory: Path) -> None:
     """The adapters of `name`, as llama-jax's exporter writes them."""
-    from llama_jax import peft_format
+    from llama_jax.interop import peft_format
 
     cfg, settings, values = adapters(name)
     peft_format.write_adapter(directory, values, cfg, settings, BASE.name)

@@ -1,0 +1,14 @@
+"""A run's state on disk: the durable tier (Orbax, shared storage), the node-local tier (each host's own
+storage, with partner copies), the models a user names (a run, a step, a Hugging Face directory), conversion
+between formats, and the one place that decides where a run starts.
+
+    durable.py       Orbax step directories: listing, meta, the model check, reading onto any mesh
+    local.py         the node-local tier: each process's shards on its host, a partner's copy, CRC-32s
+    interval.py      Young/Daly: how often to save
+    checkpointer.py  a run's Checkpointer: when a save is due, saving and restoring across tiers
+    specs.py         model specs: hf:DIR, a run, a step -> architecture, params, tokenizer
+    convert.py       `llama-jax convert`: Hugging Face <-> llama-jax, PEFT adapters
+
+Imports resilience/ (goodput's observed failures), interop/, distributed/, model/, data/ (tokenizers),
+config/, files.py and errors.py.
+"""

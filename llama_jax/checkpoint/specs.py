@@ -1,0 +1,185 @@
+"""Model specs: where a model's weights are, resolved once; loading its params and tokenizer.
+
+A model spec is what a user types for a model (`checkpoint.init_from`, `resume_from`, `llama-jax
+generate/eval/convert MODEL`, `api.load`):
+
+    hf:DIR, or a directory holding config.json     a Hugging Face model
+    a run directory, its checkpoints/ directory    the newest finished step in it
+    a step directory (<run.dir>/checkpoints/<N>)   that step: a training checkpoint or a converted one
+
+A run with adapters (peft.method != none) is a model too: its base (found where its checkpoints say,
+and checked against their digest) with its adapters, as inference runs them (peft.inference_params:
+LoRA folded into the weights, a prompt-tuned model's prompt in params["prompt"]).
+
+`resolve` reads it once into a ModelSpec: its directory and its architecture, read without loading any
+weights. Everything else here takes the ModelSpec.
+
+Placement: a model goes to one device, or, for models that do not fit one, is sharded over the mesh of
+the `mesh.*` keys (inference_mesh) by the logical-axis table of sharding.py, as in training: each
+device reads only its shards of the weights (hf.read_params, or Orbax for a checkpoint).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import flax.linen as nn
+import jax
+from jax.sharding import Mesh
+
+from llama_jax.checkpoint.durable import read_meta, resolve_step_dir, restore_params
+from llama_jax.config import Config, ModelConfig, PeftConfig, load_config, validate
+from llama_jax.config.choices import SHAPE_FIELDS
+from llama_jax.data.tokenizer import Tokenizer, load_tokenizer as load_tokenizer_file
+from llama_jax.distributed import sharding
+from llama_jax.errors import ConfigError
+from llama_jax.interop import hf
+from llama_jax.model import peft
+from llama_jax.model.llama import abstract_params
+from llama_jax.model.pipeline import relayout
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "spm.model")
+
+@dataclass(frozen=True)
+class ModelSpec:
+    text: str  # as the user wrote it, for messages
+    model: ModelConfig
+    hf_dir: Path | None = None  # a Hugging Face directory, or
+    step_dir: Path | None = None  # a llama-jax checkpoint step (absolute: Orbax requires it)
+    adapters: PeftConfig | None = None  # a peft run: its adapters (in step_dir) ...
+    base: dict | None = None  # ... and the base they adapt, as its checkpoints record it (peft.base_reference)
+
+    @property
+    def location(self) -> str:
+        """Where the weights are, as a spec that does not depend on the working directory."""
+        return f"hf:{self.hf_dir.absolute()}" if self.hf_dir is not None else str(self.step_dir)
+
+    @property
+    def params_only(self) -> bool:
+        """Parameters without optimizer state or data position: a Hugging Face model or a converted checkpoint."""
+        return self.hf_dir is not None or (self.step_dir / "params").is_dir()
+
+    @property
+    def home(self) -> Path:
+        """The directory that holds the model's tokenizer: the Hugging Face directory, or the run directory."""
+        return self.hf_dir if self.hf_dir is not None else self.step_dir.parent.parent  # <run.dir>/checkpoints/<N>
+
+def hf_directory(text: str) -> Path | None:
+    """The directory of a Hugging Face model spec ("hf:DIR", or a directory holding config.json)."""
+    directory = Path(text.removeprefix("hf:")).expanduser()
+    if text.startswith("hf:") or (directory / "config.json").is_file():
+        return directory
+    return None
+
+def resolve(text: str | ModelSpec) -> ModelSpec:
+    """The spec a user typed, resolved (a ModelSpec passes through). Raises ConfigError, one line."""
+    if isinstance(text, ModelSpec):
+        return text
+    directory = hf_directory(text)
+    if directory is not None:
+        return ModelSpec(text, hf.read_config(directory), hf_dir=directory)
+    step_dir = resolve_step_dir(text)
+    meta = read_meta(step_dir)
+    if meta is None:
+        raise ConfigError(f"{step_dir} has no readable meta item: it is not a llama-jax checkpoint or it is damaged")
+    names = {f.name for f in dataclasses.fields(ModelConfig)}
+    model = ModelConfig(**{k: v for k, v in meta["config"]["model"].items() if k in names})
+    settings = meta["config"].get("peft", {})
+    if settings.get("method", "none") == "none":
+        return ModelSpec(text, model, step_dir=step_dir)
+    fields = {f.name for f in dataclasses.fields(PeftConfig)}
+    return ModelSpec(text, model, step_dir=step_dir, adapters=PeftConfig(**{k: v for k, v in settings.items()
+                                                                            if k in fields}), base=meta.get("base"))
+
+def load_params(spec: ModelSpec, target: Any = None, rotary: str = "half", layout: tuple[int, int] = (1, 1)) -> Any:
+    """The model's parameters, taking the shapes, dtypes and shardings of `target` (a ShapeDtypeStruct
+    tree, e.g. TrainProgram.abstract_state().params or param_target(), or shardings alone) or, without
+    one, the model's param_dtype on the default device. A training checkpoint's optimizer moments are
+    not read; `rotary` is the q/k layout of a Hugging Face model's weights (hf.ROTARY_LAYOUTS); `layout`
+    the pipeline (stages, repeats) whose layer order the params are wanted in (pipeline.py)."""
+    if target is None:
+        target = hf.single_device_target(spec.model)
+    elif isinstance(jax.tree.leaves(target)[0], jax.sharding.Sharding):
+        target = _placed(spec.model, target)
+    if spec.adapters is not None:
+        return _adapted(spec, target)
+    if spec.hf_dir is not None:
+        return relayout({"params": hf.read_params(spec.hf_dir, spec.model, target, rotary)}, (1, 1), layout)["params"]
+    return restore_params(spec.step_dir, target, layout)
+
+def load_adapters(spec: ModelSpec, placement: jax.sharding.Sharding | None = None) -> dict:
+    """The adapters of a peft run as trained (peft.split's first half), replicated on `placement`'s devices
+    (default: this process's first device): they are small."""
+    placement = placement or jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    if isinstance(placement, jax.sharding.NamedSharding):
+        placement = jax.sharding.NamedSharding(placement.mesh, jax.sharding.PartitionSpec())
+    shapes = peft.split(nn.meta.unbox(abstract_params(spec.model, spec.adapters)))[0]
+    return restore_params(spec.step_dir, jax.tree.map(
+        lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=placement), shapes))
+
+def _adapted(spec: ModelSpec, target: Any) -> Any:
+    """A peft run's inference params: its base (which must still be the one it was trained on) with its
+    adapters, as peft.inference_params leaves them, in the shapes and shardings of `target`."""
+    try:
+        base_spec = resolve(spec.base["path"])
+    except (ConfigError, KeyError, TypeError) as err:
+        raise ConfigError(f"{spec.text} adapts a base model that cannot be read ({err}); its checkpoints name "
+                          f"{(spec.base or {}).get('path')}") from None
+    base_target = {k: v for k, v in target.items() if k not in peft.PROMPTS}
+    base = load_params(base_spec, base_target)
+    peft.check_base(spec.base, peft.base_reference(base_spec.text, base_spec.location, base), spec.text)
+    adapters = load_adapters(spec, jax.tree.leaves(base)[0].sharding)
+    params = peft.inference_params(peft.merge(adapters, base), spec.model, spec.adapters)
+    placed = {k: params[k] for k in target if k in peft.PROMPTS}  # the prompt, where the target wants it
+    return params | jax.tree.map(lambda value, spec: jax.device_put(value, spec.sharding), placed,
+                                 {k: target[k] for k in placed})
+
+def names_a_mesh(overrides: list[str]) -> bool:
+    """Whether `overrides` set any mesh.* key: what places a model on a mesh instead of one device."""
+    return any(o.split("=", 1)[0].strip().startswith("mesh.") for o in overrides)
+
+def inference_mesh(config: Config, devices=None) -> Mesh:
+    """The mesh of config's mesh.* keys over `devices` (default: all), for inference and conversion: the
+    checks of training batches against it (batch size, sequence length) do not apply."""
+    devices = jax.devices() if devices is None else devices
+    if config.mesh.pipeline > 1:
+        raise ConfigError(f"mesh.pipeline={config.mesh.pipeline}: pipeline parallelism is for training; place a model "
+                          "for inference or conversion with mesh.fsdp, mesh.tensor and mesh.data")
+    sizes = sharding.mesh_shape(config.mesh, len(devices))
+    train = dataclasses.replace(config.train, batch_size=sizes["data"] * sizes["fsdp"], microbatches=1,
+                                seq_len=2 * sizes["sequence"] * sizes["tensor"])
+    return sharding.make_mesh(dataclasses.replace(config, train=train), devices)
+
+def param_target(config: Config, mesh: Mesh) -> Any:
+    """Shapes, dtypes and shardings of the model's parameters on `mesh`: a target for load_params."""
+    return _placed(config.model, sharding.param_shardings(config, mesh))
+
+def _placed(model: ModelConfig, shardings: Any) -> Any:
+    """The model's abstract parameters, each with its sharding from `shardings`."""
+    return jax.tree.map(lambda s, placement: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=placement),
+                        nn.meta.unbox(abstract_params(model)), shardings)
+
+def load_tokenizer(spec: ModelSpec) -> Tokenizer:
+    """The tokenizer that belongs to the model: the Hugging Face directory's, or the one a llama-jax run
+    keeps in its run directory."""
+    return load_tokenizer_file(spec.home)
+
+def inference_config(model: ModelConfig, overrides: list[str] = (), batches: bool = True) -> Config:
+    """A full Config around a loaded model: the mesh, batch and sequence settings of `overrides`, and
+    the model settings that do not change its weights (model.compute_dtype, model.attention, ...).
+    batches=False (generation, conversion): no training batches are made, so train.seq_len is not
+    checked against the model."""
+    base = load_config(None, list(overrides))
+    changed = {o.split("=", 1)[0].strip().removeprefix("model.") for o in overrides if o.startswith("model.")}
+    if changed & set(SHAPE_FIELDS):
+        raise ConfigError(f"model.{sorted(changed & set(SHAPE_FIELDS))[0]} is fixed by the loaded weights; "
+                          "only settings such as model.compute_dtype or model.attention can change")
+    config = dataclasses.replace(base, model=dataclasses.replace(model, **{k: getattr(base.model, k) for k in changed}))
+    if not batches:
+        config = dataclasses.replace(config, train=dataclasses.replace(
+            config.train, seq_len=min(config.train.seq_len, config.model.max_seq_len)))
+    validate(config)
+    return config

@@ -1,0 +1,18 @@
+"""Llama 3 and what its forward pass runs. The model knows only logical axis names (distributed/ maps them
+onto a mesh) and the mesh axes of its own shard_maps.
+
+    llama.py             the model, top to bottom: embedding, layers under nn.scan, norm, output projection;
+                         LoRA in the projections, a learned prompt or P-tuning's prompt encoder
+    attention.py         which attention kernel runs, document masks, the shard_maps of context parallelism
+                         and of more tensor shards than kv heads
+    flash.py             blocked (flash) causal attention in plain JAX with its own backward pass
+    cudnn.py             cuDNN flash attention for packed documents, and its exact fallback
+    context_parallel.py  per chunk of queries: its own block and the visible prefix of earlier chunks
+    loss.py              the next-token loss fused with the output projection, over chunks of tokens
+    projection.py        the projections' matmul, with a faster backward pass on CPU
+    remat.py             recomputation policies -> jax.checkpoint policies
+    pipeline.py          the layer stack cut into pipeline stages; the layers' storage order
+    peft.py              adapters apart from the frozen base, the base's digest, LoRA folded into weights
+
+Imports config/ and errors.py only.
+"""

@@ -1,0 +1,517 @@
+"""Llama 3 in Flax Linen, top to bottom.
+
+    tokens [batch, seq]
+      -> embed                                   [batch, seq, embed]
+         (prompt tuning / P-tuning: learned virtual tokens fill the slots left in front of each document)
+      -> n_layers x Block (under nn.scan):
+           x + Attention(RMSNorm(x))             grouped-query attention with rotary positions
+           x + MLP(RMSNorm(x))                   SwiGLU
+      -> RMSNorm -> output projection            [batch, seq, vocab] logits
+                    (or, given targets, fused with the loss: loss.py)
+
+The model is functional: ``Llama(cfg).init`` returns a params pytree and ``apply`` is pure. It knows
+nothing about devices: every parameter and main activation carries *logical* axis names (``embed``,
+``heads``, ``batch``, ...) that sharding.py maps onto a device mesh, and the activations a backward
+pass may keep carry ``checkpoint_name`` tags that remat.py turns into recomputation policies.
+
+Parameter-efficient tuning (the peft.* section) adds its adapters here, as parameters like any other: LoRA's
+A and B inside the projections it adapts, the prompt's embeddings (or P-tuning's prompt encoder) at the
+top. Which of them learn, and which stay frozen, is the train step's business (step.py, peft.py).
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.ad_checkpoint import checkpoint_name
+
+from llama_jax.model import remat
+from llama_jax.model.attention import attention, cached_attention, select_implementation
+from llama_jax.config import ModelConfig, RematConfig
+from llama_jax.model.loss import LOGITS, fused_cross_entropy_sum
+from llama_jax.config import PeftConfig
+from llama_jax.model.pipeline import PipelineLayout, run_stages
+from llama_jax.model.projection import project
+
+# Logical names of activation axes. Parameters use `embed`, `heads`, ...; activations get their own
+# names because they shard differently (an FSDP run shards weights along `embed` but activations
+# along `batch`). `residual_seq` is the sequence axis of the residual stream between the attention
+# and MLP blocks, which Megatron-style sequence parallelism shards.
+RESIDUAL = ("batch", "residual_seq", "act_embed")
+HIDDEN = ("batch", "seq", "act_embed")
+HEADS = ("batch", "seq", "act_heads", "head_dim")
+KV_HEADS = ("batch", "seq", "act_kv_heads", "head_dim")
+MLP_HIDDEN = ("batch", "seq", "act_mlp")
+# LOGITS = ("batch", "seq", "act_vocab"), in loss.py
+
+
+def dtypes(cfg: ModelConfig) -> dict[str, jnp.dtype]:
+    """The compute and parameter dtypes, as the keyword arguments every layer below takes."""
+    return {"dtype": jnp.dtype(cfg.compute_dtype), "param_dtype": jnp.dtype(cfg.param_dtype)}
+
+
+def output_init_std(cfg: ModelConfig) -> float:
+    """Init scale of the projections that write into the residual stream (attention out, MLP down).
+
+    Scaled by 1/sqrt(2 x layers), GPT-2 style, so the residual stream's variance does not grow
+    with depth.
+    """
+    return cfg.init_std / math.sqrt(2 * cfg.n_layers)
+
+
+def init_normal(std: float, names: tuple[str, ...]):
+    """A normal initialiser whose parameter carries logical axis names."""
+    return nn.with_logical_partitioning(nn.initializers.normal(std), names)
+
+
+# ---------------------------------------------------------------------------------------------
+# Rotary position embeddings with Llama 3's frequency scaling
+
+
+def rope_inverse_frequencies(cfg: ModelConfig) -> np.ndarray:
+    """[head_dim / 2] rotation speeds, rescaled the way Llama 3 extends its context.
+
+    Llama 3 leaves the fast-rotating (short-wavelength) dimensions alone, divides the slow ones by
+    `factor`, and interpolates smoothly in between, with the boundaries set by how many wavelengths
+    fit into the original training context.
+    """
+    head_dim = cfg.resolved_head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    factor = cfg.rope_scaling_factor
+    if factor == 1.0:
+        return inv_freq.astype(np.float32)
+    wavelength = 2 * math.pi / inv_freq
+    # How many times each wavelength fits into the original context, mapped to [0, 1] between the
+    # low- and high-frequency boundaries: 0 = scale fully, 1 = leave unchanged.
+    periods_in_context = cfg.rope_original_max_len / wavelength
+    blend = np.clip(
+        (periods_in_context - cfg.rope_low_freq_factor) / (cfg.rope_high_freq_factor - cfg.rope_low_freq_factor),
+        0.0, 1.0,
+    )
+    scaled = (1 - blend) * inv_freq / factor + blend * inv_freq
+    return scaled.astype(np.float32)
+
+
+def rope_angles(positions: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
+    """positions [batch, seq] -> (cos, sin), each [batch, seq, 1, head_dim / 2], in fp32."""
+    angles = positions.astype(jnp.float32)[..., None] * rope_inverse_frequencies(cfg)
+    return jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate pairs (x[i], x[i + head_dim/2]) — the Hugging Face "rotate_half" layout."""
+    first, second = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    rotated = jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
+    return rotated.astype(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Layers
+
+
+class RMSNorm(nn.Module):
+    eps: float
+    dtype: jnp.dtype
+    param_dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, ("norm",)),
+                           (x.shape[-1],), self.param_dtype)
+        return rms_norm(x, scale, self.eps, jnp.dtype(self.dtype))
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float, dtype: jnp.dtype) -> jax.Array:
+    """x / rms(x) * scale, in fp32 (the mean of squares overflows/underflows in 16-bit), cast to dtype.
+
+    A custom backward pass: autodiff of the formula would keep fp32 copies of the activation; this
+    keeps only the input x (bf16 on GPU) and recomputes the cheap normalisation from it.
+    """
+    return _rms_norm_forward(x, scale, eps, dtype)[0]
+
+
+def _normalized(x, eps):
+    x32 = x.astype(jnp.float32)
+    inverse_rms = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return x32 * inverse_rms, inverse_rms
+
+
+def _rms_norm_forward(x, scale, eps, dtype):
+    return (_normalized(x, eps)[0] * scale.astype(jnp.float32)).astype(dtype), (x, scale)
+
+
+def _rms_norm_backward(eps, dtype, residuals, d_out):
+    x, scale = residuals
+    normed, inverse_rms = _normalized(x, eps)  # recomputed: cheaper than keeping fp32 copies
+    d_normed = d_out.astype(jnp.float32) * scale.astype(jnp.float32)
+    # d/dx of x * r(x), r = 1/rms: r * (g - normed * mean(g * normed))
+    d_x = inverse_rms * (d_normed - normed * jnp.mean(d_normed * normed, axis=-1, keepdims=True))
+    d_scale = jnp.sum(d_out.astype(jnp.float32) * normed, axis=tuple(range(x.ndim - 1)))
+    return d_x.astype(x.dtype), d_scale.astype(scale.dtype)
+
+
+rms_norm.defvjp(_rms_norm_forward, _rms_norm_backward)
+
+
+class Weight(nn.Module):
+    """A weight on its own, for code that uses it in more than one einsum (the fused loss)."""
+
+    shape: tuple[int, ...]
+    names: tuple[str, ...]
+    std: float
+    param_dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self) -> jax.Array:
+        return self.param("kernel", init_normal(self.std, self.names), self.shape, self.param_dtype)
+
+
+class Linear(nn.Module):
+    """y = einsum(spec, x, W): a bias-free projection whose weight carries logical axis names.
+
+    With lora_rank > 0 (peft.method=lora) it adds LoRA's low-rank update, (alpha / rank) · (x A) B, with
+    A [in..., rank] and B [rank, out...] named like W's input and output axes, so they shard like W.
+    """
+
+    spec: str
+    shape: tuple[int, ...]
+    names: tuple[str, ...]
+    std: float
+    dtype: jnp.dtype
+    param_dtype: jnp.dtype
+    cpu_backward: bool = True  # see projection.py
+    lora_rank: int = 0
+    lora_alpha: float = 0.0
+    lora_dropout: float = 0.0
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        kernel = self.param("kernel", init_normal(self.std, self.names), self.shape, self.param_dtype)
+        # = jnp.einsum(spec, x, kernel), with a faster backward pass on CPU
+        y = project(self.spec, x.astype(self.dtype), kernel.astype(self.dtype), self.cpu_backward)
+        return y + self.low_rank_update(x) if self.lora_rank else y
+
+    def low_rank_update(self, x: jax.Array) -> jax.Array:
+        inputs, kernel_axes = self.spec.split("->")[0].split(",")
+        outputs = self.spec.split("->")[1]
+        n_in = len(set(inputs) & set(kernel_axes))  # the kernel's leading axes are contracted with x
+        rank = next(c for c in "rzyxw" if c not in self.spec)  # an einsum letter for the rank axis
+        tokens = "".join(c for c in inputs if c not in kernel_axes)
+        # A as PEFT initialises it (uniform, bound 1 / sqrt(fan_in)); B zero, so the update starts at
+        # exactly 0 and step 0 computes the base model's outputs bit for bit.
+        a_init = nn.initializers.variance_scaling(1 / 3, "fan_in", "uniform", in_axis=tuple(range(n_in)),
+                                                  out_axis=-1)
+        a = self.param("lora_a", nn.with_logical_partitioning(a_init, (*self.names[:n_in], "lora_rank")),
+                       (*self.shape[:n_in], self.lora_rank), self.param_dtype)
+        b = self.param("lora_b", nn.with_logical_partitioning(nn.initializers.zeros, ("lora_rank", *self.names[n_in:])),
+                       (self.lora_rank, *self.shape[n_in:]), self.param_dtype)
+        if self.lora_dropout and self.has_rng("dropout"):  # training only: evaluation passes no dropout key
+            x = nn.Dropout(self.lora_dropout, deterministic=False)(x)
+        down = project(f"{inputs},{kernel_axes[:n_in]}{rank}->{tokens}{rank}", x.astype(self.dtype),
+                       a.astype(self.dtype), self.cpu_backward)
+        down = down * jnp.asarray(self.lora_alpha / self.lora_rank, self.dtype)  # scaled on the narrow side
+        return project(f"{tokens}{rank},{rank}{kernel_axes[n_in:]}->{outputs}", down, b.astype(self.dtype),
+                       self.cpu_backward)
+
+
+def adapted_linear(cfg: ModelConfig, peft: PeftConfig):
+    """Linear with the model's dtypes; called with `target` (q, k, ... down) it gets that projection's LoRA."""
+    def make(*args, target: str, **kwargs):
+        return Linear(*args, **dtypes(cfg), cpu_backward=cfg.cpu_projection, lora_rank=peft.lora_rank(target),
+                      lora_alpha=peft.alpha, lora_dropout=peft.dropout, **kwargs)
+    return make
+
+
+class Attention(nn.Module):
+    cfg: ModelConfig
+    decode: bool = False  # generation: keys/values of earlier tokens come from a cache
+    load_balanced: bool = True  # see Llama
+    peft: PeftConfig = PeftConfig()
+
+    @nn.compact
+    def __call__(self, x, cos, sin, segment_ids, positions):
+        cfg = self.cfg
+        d, n, kv, h = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.resolved_head_dim
+        linear = adapted_linear(cfg, self.peft)
+        std, out_std = cfg.init_std, output_init_std(cfg)
+
+        q = linear("btd,dnh->btnh", (d, n, h), ("embed", "heads", "head_dim"), std, target="q", name="q_proj")(x)
+        k = linear("btd,dkh->btkh", (d, kv, h), ("embed", "kv_heads", "head_dim"), std, target="k", name="k_proj")(x)
+        v = linear("btd,dkh->btkh", (d, kv, h), ("embed", "kv_heads", "head_dim"), std, target="v", name="v_proj")(x)
+        q = nn.with_logical_constraint(checkpoint_name(q, "query_proj"), HEADS)
+        k = nn.with_logical_constraint(checkpoint_name(k, "key_proj"), KV_HEADS)
+        v = nn.with_logical_constraint(checkpoint_name(v, "value_proj"), KV_HEADS)
+
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.decode:
+            k, v = self.cached(k, v, positions)  # [batch, cache_len, kv_heads, head_dim]
+            context = cached_attention(q, k, v, positions)
+        else:
+            implementation = select_implementation(cfg.attention, jax.default_backend(), q.dtype, h, q.shape[1],
+                                                   strict=False)
+            context = attention(q, k, v, segment_ids, implementation,  # [batch, seq, heads, head_dim]
+                                cfg.attention_max_segments, self.load_balanced)
+        context = nn.with_logical_constraint(checkpoint_name(context, "attention_context"), HEADS)
+
+        out = linear("btnh,nhd->btd", (n, h, d), ("heads", "head_dim", "embed"), out_std, target="o",
+                     name="o_proj")(context)
+        return checkpoint_name(out, "attention_out")
+
+    def cached(self, k, v, positions):
+        """Write this call's keys/values into the cache, at slots = their positions; return the cache.
+
+        The cache is made by `init` with the shape of its input ([batch, cache_len]); a prefill then
+        writes a prompt at once and each decode step one token per row, at that row's position.
+        """
+        creating = not self.has_variable("cache", "key")
+        cache_k = self.variable("cache", "key", jnp.zeros, k.shape, k.dtype)
+        cache_v = self.variable("cache", "value", jnp.zeros, v.shape, v.dtype)
+        if not creating:
+            write = jax.vmap(lambda cache, new, start: jax.lax.dynamic_update_slice_in_dim(cache, new, start, 0))
+            cache_k.value = nn.with_logical_constraint(write(cache_k.value, k, positions[:, 0]), KV_HEADS)
+            cache_v.value = nn.with_logical_constraint(write(cache_v.value, v, positions[:, 0]), KV_HEADS)
+        return cache_k.value, cache_v.value
+
+
+class MLP(nn.Module):
+    cfg: ModelConfig
+    peft: PeftConfig = PeftConfig()
+
+    @nn.compact
+    def __call__(self, x):
+        cfg = self.cfg
+        d, f = cfg.d_model, cfg.ffn_dim
+        linear = adapted_linear(cfg, self.peft)
+        std, out_std = cfg.init_std, output_init_std(cfg)
+        gate = linear("btd,df->btf", (d, f), ("embed", "mlp"), std, target="gate", name="gate_proj")(x)
+        up = linear("btd,df->btf", (d, f), ("embed", "mlp"), std, target="up", name="up_proj")(x)
+        gate = nn.with_logical_constraint(checkpoint_name(gate, "mlp_gate"), MLP_HIDDEN)
+        up = nn.with_logical_constraint(checkpoint_name(up, "mlp_up"), MLP_HIDDEN)
+        hidden = checkpoint_name(nn.silu(gate) * up, "mlp_hidden")  # SwiGLU
+        out = linear("btf,fd->btd", (f, d), ("mlp", "embed"), out_std, target="down", name="down_proj")(hidden)
+        return checkpoint_name(out, "mlp_out")
+
+
+class Block(nn.Module):
+    """One pre-norm transformer layer. Signature fits nn.scan: (carry, *broadcast) -> (carry, None)."""
+
+    cfg: ModelConfig
+    decode: bool = False
+    load_balanced: bool = True  # see Llama
+    peft: PeftConfig = PeftConfig()
+
+    @nn.compact
+    def __call__(self, x, cos, sin, segment_ids, positions):
+        cfg = self.cfg
+        norm = partial(RMSNorm, eps=cfg.norm_eps, **dtypes(cfg))
+        h = checkpoint_name(norm(name="attn_norm")(x), "attn_norm")
+        h = nn.with_logical_constraint(h, HIDDEN)
+        attention = Attention(cfg, self.decode, self.load_balanced, self.peft, name="attn")
+        x = x + attention(h, cos, sin, segment_ids, positions)
+        x = nn.with_logical_constraint(x, RESIDUAL)
+        h = checkpoint_name(norm(name="mlp_norm")(x), "mlp_norm")
+        h = nn.with_logical_constraint(h, HIDDEN)
+        x = x + MLP(cfg, self.peft, name="mlp")(h)
+        x = nn.with_logical_constraint(x, RESIDUAL)
+        return x, None
+
+
+class PromptEncoder(nn.Module):
+    """P-tuning's virtual tokens [prompt_tokens, embed]: learned inputs passed through an MLP, or through a
+    bidirectional LSTM and then the MLP (Liu et al. 2021), so that the tokens of a prompt are trained
+    together rather than each on its own. After training only the output is kept (peft.inference_params)."""
+
+    cfg: ModelConfig
+    peft: PeftConfig
+
+    @nn.compact
+    def __call__(self) -> jax.Array:
+        cfg, peft = self.cfg, self.peft
+        hidden, param_dtype = peft.encoder_hidden or cfg.d_model, jnp.dtype(cfg.param_dtype)
+        named = nn.with_logical_partitioning
+        x = self.param("embedding", init_normal(cfg.init_std, ("virtual_tokens", "embed")),
+                       (peft.prompt_tokens, cfg.d_model), param_dtype)
+        features: str | None = "embed"  # the logical name of x's last axis
+        if peft.prompt_encoder == "lstm":
+            def lstm(direction: str):
+                return nn.RNN(nn.OptimizedLSTMCell(
+                    hidden, param_dtype=param_dtype, name=f"{direction}_lstm",
+                    kernel_init=named(nn.initializers.lecun_normal(), ("embed", "prompt_hidden")),
+                    recurrent_kernel_init=named(nn.initializers.orthogonal(), ("prompt_hidden", None)),
+                    bias_init=named(nn.initializers.zeros, ("prompt_hidden",))))
+            x = nn.Bidirectional(lstm("forward"), lstm("backward"))(x[None])[0]  # [prompt_tokens, 2 x hidden]
+            features = None  # both directions' hidden states: not named again (a name appears once per array)
+
+        def dense(width: int, names: tuple[str, str], name: str) -> nn.Dense:
+            return nn.Dense(width, param_dtype=param_dtype, kernel_init=named(nn.initializers.lecun_normal(), names),
+                            bias_init=named(nn.initializers.zeros, names[1:]), name=name)
+        x = nn.relu(dense(hidden, (features, "prompt_hidden"), "hidden")(x))
+        return dense(cfg.d_model, ("prompt_hidden", "embed"), "output")(x)
+
+
+class Llama(nn.Module):
+    cfg: ModelConfig
+    remat_config: RematConfig = RematConfig()
+    decode: bool = False  # generation with a key/value cache (the "cache" collection), see generate.py
+    # How a sequence split over the mesh's `sequence` axis is laid out (mesh.load_balance): early and
+    # late chunks paired per device (sharding.balance_sequence) or in order. Causal attention needs to
+    # know which keys come before which queries; positions restart per document and cannot tell.
+    load_balanced: bool = True
+    peft: PeftConfig = PeftConfig()  # adapters: LoRA in the projections, or a learned prompt
+    # Training under pipeline parallelism (mesh.pipeline > 1): the layers run as stages over micro-batches.
+    pipeline: PipelineLayout | None = None
+
+    @nn.compact
+    def __call__(self, tokens, positions=None, segment_ids=None, targets=None, loss_mask=None):
+        """tokens [batch, seq] int -> logits [batch, seq, vocab] in the compute dtype; or, given
+        targets [batch, seq] (and loss_mask), the summed next-token loss and its token count (fp32).
+
+        positions restart at 0 for every packed document and segment_ids (>= 1 per document) keep
+        documents from attending to each other; without them the row is one document. With
+        decode=True, tokens at `positions` attend to every cached token at earlier positions.
+        """
+        cfg = self.cfg
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+        embed = nn.Embed(cfg.vocab_size, cfg.d_model, embedding_init=init_normal(cfg.init_std, ("vocab", "embed")),
+                         **dtypes(cfg), name="embed")
+        x = embed(jnp.maximum(tokens, 0))
+        if self.peft.virtual_tokens:
+            x = jnp.where(tokens[..., None] < 0, self.virtual_embeddings(tokens).astype(x.dtype), x)
+        x = nn.with_logical_constraint(x, RESIDUAL)
+        policy = remat.checkpoint_policy(self.remat_config)
+        every_n = self.remat_config.every_n_layers
+        block = Block
+        if policy is not None and every_n == 1:
+            # prevent_cse=False is safe (and faster) because scan already stops XLA from merging
+            # the recomputation back into the forward pass.
+            block = nn.remat(Block, policy=policy, prevent_cse=False)
+        # One compiled layer body, run n_layers times: compile time does not grow with depth, and
+        # every layer weight gets a leading `layers` axis.
+        layers = nn.scan(block, variable_axes={"params": 0, "cache": 0}, split_rngs={"params": True, "dropout": True},
+                         in_axes=(nn.broadcast,) * 4, length=cfg.n_layers,
+                         metadata_params={nn.PARTITION_NAME: "layers"})(cfg, self.decode, self.load_balanced,
+                                                                        self.peft, name="layers")
+        layer_params = None if self.is_initializing() else self.variables["params"]["layers"]
+        if self.pipeline is not None and layer_params is not None:
+            # pipeline.py: every stage runs its groups of layers, recomputing as the policy says.
+            # (Adapters are not pipelined: config validation keeps peft and pipelines apart.)
+            def stage(params, x, segment_ids, positions):
+                return run_layers(cfg, self.peft, policy, every_n, params, None, x, *rope_angles(positions, cfg),
+                                  segment_ids, positions, load_balanced=self.load_balanced)
+
+            if segment_ids is None:
+                segment_ids = jnp.ones(tokens.shape, jnp.int32)
+            x = run_stages(self.pipeline, stage, layer_params, x, segment_ids, positions, RESIDUAL)
+        elif policy is not None and every_n > 1 and layer_params is not None:
+            dropout_key = self.make_rng("dropout") if self.peft.dropout and self.has_rng("dropout") else None
+            x = run_layers(cfg, self.peft, policy, every_n, layer_params, dropout_key, x, *rope_angles(positions, cfg),
+                           segment_ids, positions, load_balanced=self.load_balanced)
+        else:
+            x, _ = layers(x, *rope_angles(positions, cfg), segment_ids, positions)
+
+        x = RMSNorm(cfg.norm_eps, **dtypes(cfg), name="final_norm")(x)
+        if cfg.tie_embeddings:
+            head = embed.embedding.T  # [embed, vocab]
+        else:
+            head = Weight((cfg.d_model, cfg.vocab_size), ("embed", "vocab"), cfg.init_std, cfg.param_dtype,
+                          name="lm_head")()
+        head = head.astype(cfg.compute_dtype)
+        if targets is not None:  # training and evaluation: the logits never exist as a whole
+            if loss_mask is None:
+                loss_mask = jnp.ones(targets.shape, jnp.float32)
+            return fused_cross_entropy_sum(x, head, targets, loss_mask)
+        logits = project("btd,dv->btv", x, head, cfg.cpu_projection)
+        return nn.with_logical_constraint(logits, LOGITS)
+
+    def virtual_embeddings(self, tokens: jax.Array) -> jax.Array:
+        """[batch, seq, embed]: at every prompt slot its learned embedding (elsewhere: to be ignored).
+
+        The loader leaves peft.prompt_tokens slots in front of every document (data/loader.py), holding
+        token ids -1, -2, ...: slot k takes row k of the prompt, at the positions 0..k of its document.
+        """
+        cfg, peft = self.cfg, self.peft
+        if peft.method == "ptuning":
+            prompt = PromptEncoder(cfg, peft, name="prompt_encoder")()
+        else:
+            init = init_normal(cfg.init_std, ("virtual_tokens", "embed"))
+            prompt = nn.Embed(peft.prompt_tokens, cfg.d_model, param_dtype=jnp.dtype(cfg.param_dtype),
+                              embedding_init=init, name="prompt").embedding
+        return jnp.take(prompt, jnp.clip(-tokens - 1, 0, peft.prompt_tokens - 1), axis=0)
+
+
+def run_layers(cfg: ModelConfig, peft: PeftConfig, policy, every_n: int, layer_params, dropout_key, x, *broadcast,
+               load_balanced: bool = True):
+    """Run a stack of layers (weights [n, ...], the [layers, ...] layout nn.scan creates) in order.
+
+    Under a remat policy each layer recomputes in the backward pass, or with every_n > 1 only layers
+    0, n, 2n, ...: the weights are viewed as [n / every_n, every_n, ...] groups whose first layer runs
+    under the policy and whose others keep all their activations. LoRA's dropout (training only) gets a
+    key per layer.
+    """
+    def layer(params, key, x):
+        rngs = {} if key is None else {"dropout": key}
+        block = Block(cfg, load_balanced=load_balanced, peft=peft)
+        return block.apply({"params": params}, x, *broadcast, rngs=rngs)[0]
+
+    n_layers = jax.tree.leaves(layer_params)[0].shape[0]
+    keys = None if dropout_key is None else jax.random.split(dropout_key, n_layers)
+    if policy is None:
+        return jax.lax.scan(lambda x, p: (layer(*p, x), None), x, (layer_params, keys))[0]
+    recomputed_layer = jax.checkpoint(layer, policy=policy, prevent_cse=False)
+    if every_n == 1:
+        return jax.lax.scan(lambda x, p: (recomputed_layer(*p, x), None), x, (layer_params, keys))[0]
+    groups = jax.tree.map(lambda w: w.reshape(n_layers // every_n, every_n, *w.shape[1:]), (layer_params, keys))
+
+    def group(x, params_and_keys):
+        first, rest = jax.tree.map(lambda w: w[0], params_and_keys), jax.tree.map(lambda w: w[1:], params_and_keys)
+        x = recomputed_layer(*first, x)
+        x, _ = jax.lax.scan(lambda x, p: (layer(*p, x), None), x, rest)
+        return x, None
+
+    return jax.lax.scan(group, x, groups)[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# Sizes and FLOPs
+
+
+def abstract_params(cfg: ModelConfig, peft: PeftConfig = PeftConfig()):
+    """Shapes (with logical axis names) of the params (with `peft`'s adapters), without allocating them."""
+    tokens = jax.ShapeDtypeStruct((1, 8), jnp.int32)
+    return jax.eval_shape(Llama(cfg, peft=peft).init, jax.random.key(0), tokens)["params"]
+
+
+def param_count(cfg: ModelConfig) -> int:
+    leaves = jax.tree.leaves(nn.meta.unbox(abstract_params(cfg)))
+    return sum(int(np.prod(leaf.shape)) for leaf in leaves)
+
+
+def matmul_param_count(cfg: ModelConfig) -> int:
+    """Parameters that take part in a matmul per token: everything but the embedding lookup and norms.
+
+    The output projection is a matmul (it is the embedding table itself when tied).
+    """
+    head_dim = cfg.resolved_head_dim
+    attention = cfg.d_model * head_dim * (2 * cfg.n_heads + 2 * cfg.n_kv_heads)
+    mlp = 3 * cfg.d_model * cfg.ffn_dim
+    return cfg.n_layers * (attention + mlp) + cfg.d_model * cfg.vocab_size
+
+
+def train_flops_per_token(cfg: ModelConfig, seq_len: int, causal_skip: bool = False) -> float:
+    """Model FLOPs to train on one token (forward + backward), PaLM's definition.
+
+    6 x (parameters used in matmuls, including the output projection) plus the attention scores and
+    weighted sum, 12 x layers x heads x head_dim x seq. That is the full seq x seq attention (as PaLM
+    and MaxText's default count it), computed by XLA's kernel; a kernel that skips the causal mask's
+    future half (blocked or cuDNN flash attention: causal_skip) is credited with half of it.
+    Recomputation is not counted: it is overhead, not model work.
+    """
+    attention = 12 * cfg.n_layers * cfg.n_heads * cfg.resolved_head_dim * seq_len
+    return 6 * matmul_param_count(cfg) + (attention / 2 if causal_skip else attention)

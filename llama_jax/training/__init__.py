@@ -1,0 +1,13 @@
+"""Training: the compiled step, the optimizer, the loop and what it reports, and the commands that plan a run
+before it starts.
+
+    step.py       the train state; TrainProgram: the compiled init, train and eval steps of one config on one mesh
+    optimizer.py  AdamW, warmup + cosine schedule, clipping, the weight-decay mask
+    loop.py       train(config): join, mesh, data, input checks; the training loop
+    metrics.py    the progress line, metrics.jsonl, TensorBoard, W&B, the throughput meter and MFU
+    report.py     report.png
+    plan.py       `llama-jax plan`: memory, FLOPs and collectives of the compiled step
+    tune.py       `llama-jax tune`: search meshes, micro-batches and remat with the cost model
+
+Imports every subpackage below it.
+"""

@@ -1,0 +1,242 @@
+"""`llama-jax plan`: compile the train step ahead of time and report what one step will cost.
+
+Nothing runs and nothing is allocated: the state and batch are abstract (shapes, dtypes and
+shardings), so a 405B model can be planned on a laptop with simulated devices. Reported per device:
+memory (arguments, temporaries, total), HLO FLOPs with every scanned layer counted, model FLOPs,
+bytes moved by each collective kind next to the analytic minimum for the mesh, and the same bytes by
+the mesh axes each collective spans and the link tier it crosses (within a host, or between hosts:
+costmodel.py; `--devices-per-host` plans a cluster's hosts on simulated devices). With pipeline
+parallelism a device is one stage, and the plan adds the bubble: the schedule's (P-1)/(M·R+P-1) next to
+what the compiled loop does, and the point-to-point (collective permute) bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from dataclasses import dataclass, field
+
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from llama_jax.model import remat
+from llama_jax.perf import costmodel, hlo
+from llama_jax.config import Config
+from llama_jax.perf.costmodel import AxisTraffic
+from llama_jax.config.choices import REMAT_POLICIES
+from llama_jax.files import format_bytes
+from llama_jax.model.llama import param_count
+from llama_jax.perf.hardware import memory_budget
+from llama_jax.model.pipeline import bubble_fraction
+from llama_jax.training.step import TrainProgram, model_flops_per_token, step_memory_bytes
+
+
+@dataclass(frozen=True)
+class Plan:
+    mesh: dict[str, int]
+    devices: int
+    argument_bytes: int      # per device: state + batch
+    temporary_bytes: int     # per device: activations and other scratch
+    output_bytes: int        # per device, not counting outputs that reuse (alias) donated arguments
+    total_bytes: int         # per device peak estimate: arguments + temporaries + unaliased outputs
+    host_temporary_bytes: int  # per device, in pinned host memory (activations offloaded by remat)
+    hlo_flops: float         # per step, all devices, from the compiled program (layers counted)
+    model_flops: float       # per step: train_flops_per_token x tokens
+    collective_bytes: dict[str, float]   # per device per step, by kind (ring cost model)
+    collective_minimum: dict[str, float]  # analytic minimum per device per step, by parallelism
+    compile_seconds: float
+    microbatches: int = 1    # train.microbatches (auto resolved)
+    budget_bytes: float = 0.0  # per device: run.device_memory_gb or the default budget
+    memory_traffic_bytes: float = 0.0  # per device per step: bytes every operation reads and writes
+    # Per operation (FLOPs, bytes) per device per step, for roofline estimates (hlo.HloStats); not printed.
+    operations: tuple[tuple[float, float], ...] = field(default=(), repr=False)
+    hosts: int = 1  # hosts the devices sit on (the processes, or devices / --devices-per-host)
+    # collective_bytes by the mesh axes each collective spans and the tier it crosses (costmodel.py)
+    collective_by_axis: tuple[AxisTraffic, ...] = ()
+    pipeline_repeats: int = 1  # mesh.pipeline_repeats (the stages are mesh["pipeline"])
+    bubble: float = 0.0  # the schedule's idle share of the step: (P-1)/(M·R+P-1)
+    # The same from the compiled program: 1 - M·R / the iterations of its pipeline loop (None: no pipeline)
+    compiled_bubble: float | None = None
+    pipeline_iterations: int | None = None  # of the compiled pipeline loop
+    pass_microbatches: int = 0  # micro-batches per pass through the pipeline (mesh.pipeline_microbatches or all)
+
+    @property
+    def collective_total(self) -> float:
+        return sum(self.collective_bytes.values())
+
+    @property
+    def minimum_total(self) -> float:
+        return sum(self.collective_minimum.values())
+
+    @property
+    def collective_tiers(self) -> dict[str, float]:
+        return costmodel.tier_totals(self.collective_by_axis)
+
+
+def collective_minimum(config: Config, sizes: dict[str, int]) -> dict[str, float]:
+    """The least each device must send per step for this mesh, in the ring cost model of hlo.py.
+
+    fsdp     weights all-gathered for the forward and again for the backward, gradients
+             reduce-scattered: 3 (f-1)/f x the weight bytes a tensor shard holds.
+    data     gradients all-reduced over the devices holding the same weights but other tokens
+             (data and sequence): 2 (g-1)/g x one device's gradient bytes.
+    tensor   per layer two all-reduces in the forward and two in the backward of the
+             [batch, seq, embed] activations (sequence parallelism turns each into an all-gather
+             plus a reduce-scatter of the same total), plus one each for embedding and logits.
+    sequence per layer keys and values all-gathered (forward) and their gradients
+             reduce-scattered (backward): 2 (s-1)/s x the full-sequence K and V bytes.
+    """
+    m, t = config.model, config.train
+    f, d, tp, s, p = sizes["fsdp"], sizes["data"], sizes["tensor"], sizes["sequence"], sizes.get("pipeline", 1)
+    # A stage holds 1/p of the layers and the embedding and output projection whole.
+    embedding_params = m.vocab_size * m.d_model * (1 if m.tie_embeddings else 2)
+    param_bytes = ((param_count(m) - embedding_params) / p + embedding_params) * jnp.dtype(m.param_dtype).itemsize
+    compute_bytes = jnp.dtype(m.compute_dtype).itemsize
+    local_batch = t.batch_size / (d * f)
+    activation = local_batch * t.seq_len / s * m.d_model * compute_bytes
+    repeats = config.mesh.pipeline_repeats if p > 1 else 1
+    kv_shards = tp if m.n_kv_heads % tp == 0 else 1  # fewer kv heads than tensor shards: replicated
+    kv_full = local_batch * t.seq_len * 2 * m.n_kv_heads / kv_shards * m.resolved_head_dim * compute_bytes
+    replicas = d * s  # devices that share weights but see different tokens
+    return {
+        "fsdp": 3 * (f - 1) / f * param_bytes / tp,
+        "data": 2 * (replicas - 1) / replicas * param_bytes / (tp * f),
+        "tensor": (4 * m.n_layers / p + 2) * 2 * (tp - 1) / tp * activation,
+        "sequence": 2 * (s - 1) / s * kv_full * m.n_layers / p,
+        # every micro-batch's activations handed on once per repeat, forward and backward
+        "pipeline": 2 * repeats * activation / tp if p > 1 else 0.0,
+    }
+
+
+def _along(topology: costmodel.Topology, axis: str):
+    """Whether every (source, target) pair of a collective permute differs along `axis` only."""
+    index = topology.axis_names.index(axis)
+
+    def wanted(pairs) -> bool:
+        moves = [[topology.coordinates(d) for d in pair] for pair in pairs]
+        return bool(moves) and all(a[i] == b[i] for a, b in moves for i in range(len(a)) if i != index) and \
+            any(a[index] != b[index] for a, b in moves)
+    return wanted
+
+
+def make_plan(config: Config, mesh: Mesh, devices_per_host: int = 0) -> Plan:
+    """devices_per_host = 0: the hosts are the processes of this run; else hosts of that many devices."""
+    topology = costmodel.mesh_topology(mesh, devices_per_host)  # a bad host size fails before compiling
+    start = time.perf_counter()
+    program = TrainProgram.build(config, mesh)  # train.microbatches=auto compiles the counts it tries
+    compiled = program.compile_step()
+    compile_seconds = time.perf_counter() - start
+    memory = compiled.memory_analysis()
+    devices = mesh.devices.size
+    text = compiled.as_text()
+    stats = hlo.analyze(text, devices)
+    outputs = memory.output_size_in_bytes - memory.alias_size_in_bytes
+    stages, repeats = mesh.shape.get("pipeline", 1), config.mesh.pipeline_repeats
+    microbatches = config.mesh.pipeline_microbatches or program.config.train.microbatches  # of one pass
+    iterations = max(hlo.permute_loop_trips(text, devices, _along(topology, "pipeline")), default=None) \
+        if stages > 1 else None
+    return Plan(
+        mesh=dict(mesh.shape), devices=devices,
+        argument_bytes=memory.argument_size_in_bytes, temporary_bytes=memory.temp_size_in_bytes,
+        output_bytes=outputs, total_bytes=step_memory_bytes(compiled),
+        host_temporary_bytes=memory.host_temp_size_in_bytes,
+        hlo_flops=stats.dot_flops * devices,
+        model_flops=model_flops_per_token(config) * config.train.batch_size * config.train.seq_len,
+        collective_bytes={kind: c.moved_bytes for kind, c in stats.collectives.items()},
+        collective_minimum=collective_minimum(config, dict(mesh.shape)),
+        compile_seconds=compile_seconds, microbatches=program.config.train.microbatches,
+        budget_bytes=memory_budget(config.run.device_memory_gb),
+        memory_traffic_bytes=stats.memory_bytes, operations=stats.operations, hosts=topology.host_count,
+        collective_by_axis=costmodel.traffic_by_axis(stats.collective_groups, topology),
+        pipeline_repeats=repeats, bubble=bubble_fraction(stages, microbatches, repeats) if stages > 1 else 0.0,
+        compiled_bubble=1 - microbatches * repeats / iterations if iterations else None,
+        pipeline_iterations=iterations, pass_microbatches=microbatches if stages > 1 else 0,
+    )
+
+
+def compare_remat(config: Config, mesh: Mesh, print_fn=None, devices_per_host: int = 0) -> dict[str, Plan]:
+    """A plan for every named remat policy (same config and mesh otherwise). A policy that runs like one
+    already planned on these devices (an offload policy where there is no pinned host memory) shares its plan."""
+    plans: dict[str, Plan] = {}
+    planned: dict[tuple | None, str] = {}  # remat.placement -> the first policy planned with it
+    for policy in REMAT_POLICIES:
+        variant = dataclasses.replace(config, remat=dataclasses.replace(config.remat, policy=policy))
+        twin = planned.setdefault(remat.placement(variant.remat), policy)
+        plans[policy] = plans[twin] if twin != policy else make_plan(variant, mesh, devices_per_host)
+        if print_fn:
+            print_fn(f"remat.policy={policy} runs like {twin} on these devices: same plan" if twin != policy
+                     else f"compiled remat.policy={policy} in {plans[policy].compile_seconds:.1f}s")
+    return plans
+
+
+def format_remat_comparison(plans: dict[str, Plan]) -> str:
+    """Per-device temporaries and total memory, and HLO FLOPs, each also relative to `none`."""
+    base = plans["none"]
+    lines = [(f"{'policy':<22}{'temporaries':>13}{'vs none':>9}{'total':>13}{'host':>12}{'HLO FLOPs':>12}"
+              f"{'vs none':>9}{'vs model':>10}")]
+    for name, p in plans.items():
+        lines.append(f"{name:<22}{format_bytes(p.temporary_bytes):>13}{p.temporary_bytes / base.temporary_bytes:>9.3f}"
+                     f"{format_bytes(p.total_bytes):>13}{format_bytes(p.host_temporary_bytes):>12}{p.hlo_flops:>12.4g}"
+                     f"{p.hlo_flops / base.hlo_flops:>9.3f}{p.hlo_flops / p.model_flops:>10.3f}")
+    return "\n".join(lines)
+
+
+def format_plan(plan: Plan) -> str:
+    ratio = plan.collective_total / plan.minimum_total if plan.minimum_total else math.nan
+    stages = plan.mesh.get("pipeline", 1)
+    lines = [
+        f"mesh {plan.mesh} on {plan.devices} device(s) in {plan.hosts} host(s), compiled in "
+        f"{plan.compile_seconds:.1f}s",
+        "per device memory:" if stages == 1 else "per device memory (one pipeline stage):",
+        f"  arguments    {format_bytes(plan.argument_bytes):>12}   (train state + batch)",
+        f"  temporaries  {format_bytes(plan.temporary_bytes):>12}   (activations, gradients, scratch)",
+        f"  outputs      {format_bytes(plan.output_bytes):>12}   (not aliased to donated arguments)",
+        f"  total        {format_bytes(plan.total_bytes):>12}   "
+        f"({'fits' if plan.total_bytes <= plan.budget_bytes else 'OVER'} the budget of {format_bytes(plan.budget_bytes)}, "
+        f"run.device_memory_gb; {plan.microbatches} micro-batch{'es' if plan.microbatches > 1 else ''})",
+        f"  host         {format_bytes(plan.host_temporary_bytes):>12}   (offloaded to pinned host memory)"
+        if plan.host_temporary_bytes else "",
+        "FLOPs per step (all devices):",
+        f"  HLO          {plan.hlo_flops:12.4g}   (matmuls of the compiled program, every layer counted)",
+        f"  model        {plan.model_flops:12.4g}   (6 x matmul params (4 x frozen ones) + attention, per token x tokens)",
+        f"  HLO / model  {plan.hlo_flops / plan.model_flops:12.3f}   (above 1: recomputation or replicated work)",
+        f"memory traffic {format_bytes(plan.memory_traffic_bytes):>11}   (per device: bytes operations read and write)",
+        "collectives per device per step (ring cost model):",
+    ]
+    lines += [f"  {kind:<19}{format_bytes(b):>12}" + ("   (point to point: the pipeline)" if kind == "collective-permute"
+                                                       and stages > 1 else "")
+              for kind, b in plan.collective_bytes.items()]
+    lines.append(f"  {'total':<19}{format_bytes(plan.collective_total):>12}")
+    minimum = ", ".join(f"{k} {format_bytes(v)}" for k, v in plan.collective_minimum.items() if v)
+    lines.append(f"  analytic minimum {format_bytes(plan.minimum_total):>12}   ({minimum or 'no communication'})")
+    lines.append(f"  measured / minimum {ratio:10.2f}" if plan.minimum_total else "")
+    if plan.collective_by_axis:
+        lines.append("collectives by the mesh axes their device groups span, per device per step:")
+        lines.append(f"  {'axes':<26}{'kind':<20}{'tier':<12}{'bytes':>12}")
+        lines += [f"  {'×'.join(t.axes) or '-':<26}{t.kind:<20}{t.tier:<12}{format_bytes(t.bytes):>12}"
+                  for t in plan.collective_by_axis]
+        tiers = ", ".join(f"{tier} {format_bytes(b)}" for tier, b in plan.collective_tiers.items())
+        lines.append(f"  {'total':<58}{format_bytes(plan.collective_total):>12}   ({tiers})")
+    if stages > 1:
+        passes = plan.microbatches // plan.pass_microbatches
+        lines.append(f"pipeline: {stages} stages x {plan.pipeline_repeats} repeat(s) over {plan.pass_microbatches} "
+                     f"micro-batches per pass{f', {passes} passes' if passes > 1 else ''}: bubble {plan.bubble:.1%} of "
+                     "the step ((P-1)/(M·R+P-1))")
+        if plan.compiled_bubble is not None:
+            lines.append(f"  compiled: the stage loop runs {plan.pipeline_iterations} iterations for "
+                         f"{plan.pass_microbatches * plan.pipeline_repeats} micro-batch turns per stage: bubble "
+                         f"{plan.compiled_bubble:.1%}")
+    return "\n".join(line for line in lines if line)
+
+
+def plan_dict(plan: Plan) -> dict:
+    fields = {f.name: getattr(plan, f.name) for f in dataclasses.fields(plan) if f.name != "operations"}
+    fields["collective_by_axis"] = [dataclasses.asdict(t) for t in plan.collective_by_axis]
+    return {**fields, "collective_total": plan.collective_total, "minimum_total": plan.minimum_total,
+            "collective_tiers": plan.collective_tiers}
+
+
+def plan_json(plan: Plan) -> str:
+    return json.dumps(plan_dict(plan), indent=2)

@@ -1,0 +1,376 @@
+"""The train state, the loss, and the compiled programs of one config on one mesh.
+
+A TrainProgram is what training, evaluation, `plan`, `tune` and the benchmarks all build (with
+`TrainProgram.for_config(config)`, or `build(config, mesh)` on a mesh they already have): the model, the
+state's shardings, and three jitted functions (init, train step, eval step) whose inputs and outputs are
+placed by the logical-axis table of sharding.py.
+
+A peft run (peft.method != none) trains adapters on a frozen base model: its state is a PeftState, whose
+params and optimizer state are the adapters' only, with the base's params beside them, frozen.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import struct
+from jax.sharding import Mesh
+
+from llama_jax.distributed import sharding
+from llama_jax.model import peft
+from llama_jax.model.attention import select_implementation, skips_masked_blocks
+from llama_jax.config import Config
+from llama_jax.data.loader import Batches
+from llama_jax.errors import ConfigError
+from llama_jax.files import format_bytes
+from llama_jax.perf.hardware import memory_budget
+from llama_jax.model.llama import Llama, matmul_param_count, train_flops_per_token
+from llama_jax.training.optimizer import learning_rate, make_optimizer
+from llama_jax.model.pipeline import PipelineLayout, to_storage_order
+
+# The fields of a batch, each [batch, seq]: what the loader yields and the train step takes.
+BATCH_FIELDS = {"tokens": jnp.int32, "targets": jnp.int32, "segment_ids": jnp.int32, "positions": jnp.int32,
+                "loss_mask": jnp.float32}
+
+
+class TrainState(struct.PyTreeNode):
+    step: jax.Array
+    params: Any  # what learns
+    opt_state: Any
+
+    def checkpointed(self) -> TrainState:
+        """What a checkpoint of this state holds."""
+        return self
+
+    @property
+    def model_params(self) -> Any:
+        """The params the model runs with."""
+        return self.params
+
+
+class PeftState(TrainState):
+    """A peft run's state: params and optimizer state of the adapters only, and the base model's params,
+    frozen. The base goes into every step with the rest of the state (donated and returned as it came, so
+    XLA aliases its buffers and nothing is copied), but it gets no gradient and no optimizer state, and
+    checkpoints leave it out: they reference it (loop.py)."""
+
+    frozen: Any = None
+
+    def checkpointed(self) -> TrainState:
+        return TrainState(step=self.step, params=self.params, opt_state=self.opt_state)
+
+    @property
+    def model_params(self) -> Any:
+        return peft.merge(self.params, self.frozen)
+
+
+# ---------------------------------------------------------------------------------------------
+# Loss and steps (pure functions of their inputs; jitted by TrainProgram)
+
+
+def loss_terms(params, model: Llama, batch: dict[str, jax.Array], dropout_key: jax.Array | None = None
+               ) -> tuple[jax.Array, jax.Array]:
+    """(summed next-token loss, unmasked token count) of one batch, in fp32. A dropout key (training a
+    peft run with peft.dropout) turns LoRA's dropout on."""
+    return model.apply({"params": params}, batch["tokens"], batch["positions"], batch["segment_ids"],
+                       targets=batch["targets"], loss_mask=batch["loss_mask"],
+                       rngs=None if dropout_key is None else {"dropout": dropout_key})
+
+
+def make_grad_fn(model: Llama, microbatches: int) -> Callable:
+    """(params, batch, frozen, dropout key) -> (mean loss, gradient of the mean loss, token count),
+    accumulating the gradient over `microbatches` slices of the batch with a scan. With `frozen` (a peft
+    run's base model) the model runs on both, and only `params` (the adapters) are differentiated: no
+    weight gradient of the base is ever computed."""
+    def loss(params, batch, frozen, key):
+        return loss_terms(params if frozen is None else peft.merge(params, frozen), model, batch, key)
+
+    grad_fn = jax.value_and_grad(loss, has_aux=True)
+
+    def loss_and_grads(params, batch: dict[str, jax.Array], frozen=None, key: jax.Array | None = None):
+        if microbatches == 1:
+            (loss_sum, count), grad_sum = grad_fn(params, batch, frozen, key)
+        else:
+            # Microbatch m takes rows m, m + M, m + 2M, ...: every device's slice of the batch
+            # contributes to every microbatch, so no device idles while the others accumulate.
+            split = jax.tree.map(lambda x: x.reshape(x.shape[0] // microbatches, microbatches, *x.shape[1:])
+                                 .swapaxes(0, 1), batch)
+
+            def accumulate(carry, microbatch_and_index):
+                microbatch, index = microbatch_and_index
+                microbatch_key = None if key is None else jax.random.fold_in(key, index)
+                (loss_sum, count), grads = grad_fn(params, microbatch, frozen, microbatch_key)
+                return jax.tree.map(jnp.add, carry, (loss_sum, count, grads)), None
+
+            zeros = (jnp.zeros(()), jnp.zeros(()), jax.tree.map(jnp.zeros_like, params))
+            (loss_sum, count, grad_sum), _ = jax.lax.scan(accumulate, zeros, (split, jnp.arange(microbatches)))
+        # Sums divided by the token count of the whole batch: the same gradient whatever the
+        # number of microbatches, even when they hold different numbers of unmasked tokens.
+        count = jnp.maximum(count, 1.0)
+        return loss_sum / count, jax.tree.map(lambda g: g / count, grad_sum), count
+
+    return loss_and_grads
+
+
+def make_train_step(model: Llama, optimizer: optax.GradientTransformation, schedule: optax.Schedule,
+                    microbatches: int, dropout_seed: int | None = None) -> Callable:
+    """The jitted step's function. With dropout_seed, step n's dropout key is (seed, n): a resumed run
+    draws the masks a straight run would."""
+    loss_and_grads = make_grad_fn(model, microbatches)
+
+    def train_step(state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainState, dict[str, jax.Array]]:
+        key = None if dropout_seed is None else jax.random.fold_in(jax.random.key(dropout_seed), state.step)
+        frozen = state.frozen if isinstance(state, PeftState) else None
+        loss, grads, _ = loss_and_grads(state.params, batch, frozen, key)
+        grad_norm = optax.tree.norm(grads)
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        # A non-finite loss or gradient skips the update: params and optimizer moments stay as they
+        # were (so a NaN never reaches a checkpoint); the step still counts, the data moves on.
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        params, opt_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
+                                         (params, opt_state), (state.params, state.opt_state))
+        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state.step), "finite": finite}
+        return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+    return train_step
+
+
+# ---------------------------------------------------------------------------------------------
+# The compiled programs of one config on one mesh
+
+
+@dataclass
+class TrainProgram:
+    config: Config
+    mesh: Mesh
+    model: Llama
+    state_shardings: Any
+    state_shapes: Any  # ShapeDtypeStructs of the (unboxed) state, traced once in build()
+    init_state: Callable  # rng -> a new state (a peft run's base too: random, for benchmarks and tests)
+    init_trained: Callable  # rng -> a new state's checkpointed() part (a peft run: the adapters and their moments)
+    train_step: Callable
+    eval_step: Callable  # (model params, batch) -> (summed loss, token count)
+    compiled_step: Any = None  # the train step compiled ahead of time (compile_step); calls of train_step reuse it
+
+    @classmethod
+    def for_config(cls, config: Config, devices=None) -> TrainProgram:
+        """On config's mesh over `devices` (default: all). Raises ConfigError for a mesh that cannot work."""
+        return cls.build(config, sharding.make_mesh(config, devices=devices))
+
+    @classmethod
+    def build(cls, config: Config, mesh: Mesh) -> TrainProgram:
+        """The programs of `config` on `mesh`; train.microbatches=auto compiles the step for each count
+        in turn and keeps the first that fits the memory budget."""
+        if config.train.microbatches == "auto":
+            return cls._fewest_microbatches_that_fit(config, mesh)
+        layout = pipeline_layout(config, mesh)
+        model = Llama(config.model, remat_config=config.remat, load_balanced=config.mesh.load_balance,
+                      peft=config.peft, pipeline=layout)
+        # With pipelining the micro-batches are the pipeline's (inside the model); the step accumulates the
+        # gradient over the passes through it, if there are several.
+        accumulate = config.train.microbatches // layout.microbatches if layout else config.train.microbatches
+        adapting = config.peft.method != "none"
+        optimizer = make_optimizer(config.train)
+        schedule = learning_rate(config.train)
+        rules = sharding.axis_rules(config)
+        # Fail on an impossible attention kernel now, not in the middle of tracing the first step.
+        select_implementation(config.model.attention, jax.default_backend(), config.model.compute_dtype,
+                              config.model.resolved_head_dim, config.train.seq_len)
+
+        def init_state(rng: jax.Array) -> TrainState:
+            # The dummy batch only fixes shapes (XLA drops the unused forward pass); one row per
+            # batch shard keeps it divisible by the mesh inside the context-parallel shard_map.
+            rows = mesh.shape["data"] * mesh.shape["fsdp"] * mesh.shape["pipeline"]
+            params = model.init(rng, jnp.zeros((rows, config.train.seq_len), jnp.int32))["params"]
+            if not adapting:
+                # Each pipeline stage's layers in one block (pipeline.py); the natural order without repeats.
+                params = to_storage_order(params, mesh.shape["pipeline"], config.mesh.pipeline_repeats)
+                return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params))
+            adapters, base = peft.split(params)  # the optimizer sees the adapters only: no state for the base
+            return PeftState(step=jnp.zeros((), jnp.int32), params=adapters, opt_state=optimizer.init(adapters),
+                             frozen=base)
+
+        # Shapes and logical axis names of the whole state, computed without allocating it; the
+        # optimizer moments inherit their parameter's names, so they are sharded alike.
+        boxed_shapes = jax.eval_shape(init_state, jax.random.key(0))
+        state_shardings = sharding.logical_to_sharding(boxed_shapes, mesh, rules)
+        batch_sharding = sharding.batch_sharding(mesh)
+
+        def eval_step(params, batch):
+            return loss_terms(params, model, batch)
+
+        unboxed = lambda rng: nn.meta.unbox(init_state(rng))  # noqa: E731
+        dropout_seed = config.seed if adapting and config.peft.dropout > 0 else None
+
+        return cls(
+            config=config, mesh=mesh, model=model, state_shardings=state_shardings,
+            # Unboxed without a sharding constraint: these are shapes, and build() may run in a mesh context.
+            state_shapes=jax.tree.map(
+                lambda x: x.unbox(apply_constraint=False) if isinstance(x, nn.LogicallyPartitioned) else x,
+                boxed_shapes, is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned)),
+            # The state is created directly in its shards: never materialised whole on one device.
+            init_state=jax.jit(unboxed, out_shardings=state_shardings),
+            # Only what it returns is computed: a peft run's base is never initialised here.
+            init_trained=jax.jit(lambda rng: unboxed(rng).checkpointed(),
+                                 out_shardings=state_shardings.checkpointed()),
+            train_step=jax.jit(make_train_step(model, optimizer, schedule, accumulate, dropout_seed),
+                               in_shardings=(state_shardings, batch_sharding),
+                               out_shardings=(state_shardings, sharding.replicated(mesh)), donate_argnums=(0,)),
+            eval_step=jax.jit(eval_step, in_shardings=(state_shardings.model_params, batch_sharding)),
+        )
+
+    @classmethod
+    def _fewest_microbatches_that_fit(cls, config: Config, mesh: Mesh) -> TrainProgram:
+        """The program with the fewest micro-batches whose compiled step fits the budget; else the most
+        (one sequence per device at a time), which check_fits then refuses."""
+        rows = config.train.batch_size // (mesh.shape["data"] * mesh.shape["fsdp"])  # per batch shard
+        budget = memory_budget(config.run.device_memory_gb)
+        # pipelining needs a multiple of the stages, and of the micro-batches of one pass
+        step = math.lcm(mesh.shape["pipeline"], config.mesh.pipeline_microbatches or 1)
+        for count in (n for n in range(step, rows + 1) if rows % n == 0 and n % step == 0):
+            program = cls.build(dataclasses.replace(config, train=dataclasses.replace(config.train, microbatches=count)),
+                                mesh)
+            if step_memory_bytes(program.compile_step()) <= budget:
+                break
+        return program
+
+    def compile_step(self):
+        """The train step compiled for the abstract state and batch (once; later calls of train_step reuse it)."""
+        if self.compiled_step is None:
+            with self.activate():
+                self.compiled_step = self.train_step.lower(self.abstract_state(), self.abstract_batch()).compile()
+        return self.compiled_step
+
+    def check_fits(self) -> None:
+        """Raise ConfigError (one line: what the step needs, the budget, the keys to change) when the compiled
+        step needs more memory per device than run.device_memory_gb allows."""
+        need, budget = step_memory_bytes(self.compile_step()), memory_budget(self.config.run.device_memory_gb)
+        if need > budget:
+            t, remat_policy = self.config.train, self.config.remat.policy
+            raise ConfigError(
+                f"the train step ({t.microbatches} micro-batch(es), remat.policy={remat_policy}) needs {format_bytes(need)} "
+                f"per device, over the budget of {format_bytes(budget)} (run.device_memory_gb); use train.microbatches="
+                "auto (or more), recompute more (remat.policy=full), shard over more devices (mesh.fsdp, mesh.tensor), "
+                "or let `llama-jax tune` choose")
+
+    def activate(self):
+        """Context in which the steps may be traced: the mesh and logical rules are visible."""
+        return sharding.activate(self.mesh, sharding.axis_rules(self.config))
+
+    def abstract_state(self) -> TrainState:
+        """Shapes, dtypes and shardings of the state, e.g. as a target to restore a checkpoint into."""
+        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), self.state_shapes,
+                            self.state_shardings)
+
+    def abstract_checkpoint(self) -> TrainState:
+        """abstract_state() of what a checkpoint holds (a peft run: without the base), to restore one into."""
+        return self.abstract_state().checkpointed()
+
+    def abstract_params(self) -> Any:
+        """Shapes, dtypes and shardings of the params the model runs with (a peft run: adapters and base)."""
+        return self.abstract_state().model_params
+
+    def with_frozen(self, state: TrainState, frozen: Any) -> TrainState:
+        """A checkpointed() state made whole again: a peft run's base `frozen` put back beside the adapters."""
+        if frozen is None:
+            return state
+        return PeftState(step=state.step, params=state.params, opt_state=state.opt_state, frozen=frozen)
+
+    def fresh_state(self, rng: jax.Array, frozen: Any = None) -> TrainState:
+        """A new state; a peft run takes its base `frozen` as loaded, initialising the adapters only
+        (peft.start_adapters)."""
+        if frozen is None:
+            return self.init_state(rng)
+        state = self.init_trained(rng)
+        return self.with_frozen(state.replace(params=peft.start_adapters(state.params, frozen, self.config.seed)),
+                                frozen)
+
+    def abstract_batch(self) -> dict[str, jax.ShapeDtypeStruct]:
+        """Shapes, dtypes and sharding of one global batch: with abstract_state(), what the train step is
+        compiled for ahead of time (`llama-jax plan`)."""
+        shape = (self.config.train.batch_size, self.config.train.seq_len)
+        return {k: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding.batch_sharding(self.mesh))
+                for k, dtype in BATCH_FIELDS.items()}
+
+    def local_rows(self) -> list[int]:
+        """The rows of every global batch that this process loads."""
+        return sharding.process_rows(self.mesh, self.config.train.batch_size, self.config.train.seq_len)
+
+    def put(self, batch):
+        return sharding.put_batch(batch, self.mesh, self.config.train.batch_size, self.config.mesh.load_balance)
+
+    def evaluate(self, params, batches: Batches, n_batches: int) -> float:
+        """Mean next-token loss of the model params `params` (a state's model_params) over the first
+        n_batches of `batches` (inside activate())."""
+        total, count, rows = 0.0, 0.0, self.local_rows()
+        for i in range(n_batches):
+            loss_sum, n = self.eval_step(params, self.put(batches.batch(i, rows)))
+            total, count = total + float(loss_sum), count + float(n)
+        return total / max(count, 1.0)
+
+
+def pipeline_layout(config: Config, mesh: Mesh) -> PipelineLayout | None:
+    """The pipeline's stages, repeats and micro-batches on `mesh`; None without pipelining."""
+    stages = mesh.shape["pipeline"]
+    if stages == 1:
+        return None
+    return PipelineLayout(stages, config.mesh.pipeline_repeats,
+                          config.mesh.pipeline_microbatches or config.train.microbatches)
+
+
+def step_memory_bytes(compiled) -> int:
+    """Per device: arguments + temporaries + outputs that do not reuse (alias) donated arguments."""
+    memory = compiled.memory_analysis()
+    return (memory.argument_size_in_bytes + memory.temp_size_in_bytes + memory.output_size_in_bytes
+            - memory.alias_size_in_bytes)
+
+
+def model_flops_per_token(config: Config) -> float:
+    """train_flops_per_token for the attention kernel this config runs. Under context parallelism only
+    cuDNN's padded calls skip the masked keys; the XLA kernel in their place computes them all. A peft
+    run's frozen weights take part in the forward pass and the input gradients (4 FLOPs per parameter)
+    but have no weight gradient (the other 2 of the 6); the adapters' own FLOPs are left out."""
+    m = config.model
+    kernel = select_implementation(m.attention, jax.default_backend(), m.compute_dtype, m.resolved_head_dim,
+                                   config.train.seq_len)
+    skips = skips_masked_blocks(kernel) and (config.mesh.sequence == 1 or kernel == "cudnn")
+    frozen = 2 * matmul_param_count(m) if config.peft.method != "none" else 0
+    return train_flops_per_token(m, config.train.seq_len, skips) - frozen
+
+
+# ---------------------------------------------------------------------------------------------
+# Timing steps (`llama-jax tune` and bench/step.py)
+
+
+def random_batch(config: Config) -> dict[str, np.ndarray]:
+    """One global batch of random tokens, one document per row: what timing a step needs."""
+    b, t, v = config.train.batch_size, config.train.seq_len, config.model.vocab_size
+    rng, prompt = np.random.default_rng(0), config.peft.virtual_tokens
+    tokens, loss_mask = rng.integers(0, v, (b, t), dtype=np.int32), np.ones((b, t), np.float32)
+    tokens[:, :prompt], loss_mask[:, :prompt] = -1 - np.arange(prompt), 0.0  # a learned prompt's slots (loader.py)
+    return {"tokens": tokens, "targets": rng.integers(0, v, (b, t), dtype=np.int32),
+            "segment_ids": np.ones((b, t), np.int32), "positions": np.tile(np.arange(t, dtype=np.int32), (b, 1)),
+            "loss_mask": loss_mask}
+
+
+def time_train_steps(program: TrainProgram, state, batch, steps: int, warmup: int) -> tuple[list[float], dict]:
+    """Seconds of each of `steps` train steps on a placed batch, after `warmup` untimed ones, and the
+    last step's metrics (within program.activate(); the state is donated step to step)."""
+    times = []
+    for i in range(warmup + steps):
+        start = time.perf_counter()
+        state, metrics = program.train_step(state, batch)
+        jax.block_until_ready(metrics)
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    return times, metrics
