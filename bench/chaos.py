@@ -29,8 +29,8 @@ import argparse
 import json
 import os
 import random
-import shutil
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -115,7 +115,7 @@ def final_state(run_dir: Path, config_args: list[str], step: int):
     import numpy as np
 
     from llama_jax.config import load_config
-    from llama_jax.training.loop import load_checkpoint
+    from llama_jax.training.run import load_checkpoint
 
     config = load_config(config_args[0], [*config_args[1:], f"run.dir={run_dir}", "mesh.fsdp=1"])
     state, _ = load_checkpoint(config, step, devices=jax.devices()[:1])

@@ -45,18 +45,18 @@ import jax.numpy as jnp
 import jaxlib
 import numpy as np
 
+from llama_jax.config import Config, load_config
 from llama_jax.distributed import sharding
+from llama_jax.errors import EXIT_BAD_INPUT, ConfigError
+from llama_jax.files import cache_root, format_bytes
 from llama_jax.model import cudnn
 from llama_jax.model.attention import attention, context_parallel_kernels, document_mask, select_implementation
 from llama_jax.model.context_parallel import chunk_order, device_attention
-from llama_jax.config import Config, load_config
-from llama_jax.errors import ConfigError, EXIT_BAD_INPUT
-from llama_jax.files import cache_root, format_bytes
-from llama_jax.perf.hardware import device_peak_flops
 from llama_jax.model.llama import param_count
+from llama_jax.perf.hardware import device_peak_flops
 from llama_jax.training.plan import make_plan
+from llama_jax.training.run import enable_compilation_cache
 from llama_jax.training.step import TrainProgram, random_batch, time_train_steps
-from llama_jax.training.loop import enable_compilation_cache
 
 ROOT = Path(__file__).resolve().parents[1]
 GPU_ENV = ROOT / "launch" / "gpu_env.sh"

@@ -65,8 +65,8 @@ def state_sizes(preset: str, overrides: list[str]) -> tuple[int, int]:
     """(trainable parameters, optimizer-state bytes) of a config's train state, from its shapes."""
     import jax
 
-    from llama_jax.distributed import sharding
     from llama_jax.config import load_config
+    from llama_jax.distributed import sharding
     from llama_jax.training.step import TrainProgram
 
     config = load_config(preset, overrides)

@@ -40,9 +40,9 @@ def bench_saves(preset: str, saves: int, work: Path, local_dir: Path) -> dict:
     import jax
 
     from llama_jax.checkpoint.checkpointer import Checkpointer
+    from llama_jax.checkpoint.local import LocalTier
     from llama_jax.config import load_config
     from llama_jax.distributed.peers import Peers
-    from llama_jax.checkpoint.local import LocalTier
     from llama_jax.model.llama import param_count
     from llama_jax.training.step import TrainProgram
 

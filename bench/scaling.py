@@ -55,8 +55,8 @@ def activation_bytes(preset: str) -> float:
     temporaries of plans compiled with 2 and 4 layers (a 1-layer scan compiles differently)."""
     import jax
 
-    from llama_jax.distributed import sharding
     from llama_jax.config import load_config
+    from llama_jax.distributed import sharding
     from llama_jax.model.llama import param_count
     from llama_jax.training.plan import make_plan
 
@@ -87,10 +87,10 @@ def analytic_activation_bytes(preset: str, mesh: dict[str, int]) -> float:
 
 def row(preset: str, devices: int, activations: float, mfu: float) -> dict:
     from llama_jax.config import load_config
-    from llama_jax.perf.costmodel import cluster_topology
-    from llama_jax.model.llama import param_count, train_flops_per_token
-    from llama_jax.training.plan import collective_minimum
     from llama_jax.config.choices import MESH_AXES
+    from llama_jax.model.llama import param_count, train_flops_per_token
+    from llama_jax.perf.costmodel import cluster_topology
+    from llama_jax.training.plan import collective_minimum
 
     mesh = mesh_for(preset, devices)
     gpu = h100_cost_model()

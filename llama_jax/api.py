@@ -31,17 +31,16 @@ import numpy as np
 
 from llama_jax.checkpoint import convert as conversion
 from llama_jax.checkpoint import specs
-from llama_jax.distributed import processes
-from llama_jax.model import peft
-from llama_jax.training import loop as training
-from llama_jax.config import ModelConfig, load_config
+from llama_jax.checkpoint.specs import ModelSpec, resolve
+from llama_jax.config import ModelConfig, PeftConfig, load_config
 from llama_jax.data.streams import evaluation_batches
 from llama_jax.data.tokenizer import Tokenizer
+from llama_jax.distributed import processes
 from llama_jax.inference.generate import Sampling, generate, inference_adapters
+from llama_jax.model import peft
 from llama_jax.model.llama import Llama
-from llama_jax.config import PeftConfig
+from llama_jax.training.loop import train as train_config
 from llama_jax.training.step import TrainProgram
-from llama_jax.checkpoint.specs import ModelSpec, resolve
 
 __all__ = ["ModelSpec", "convert", "evaluate", "generate_text", "load", "load_tokenizer", "logits", "resolve",
            "train"]
@@ -104,7 +103,7 @@ def train(source: str | None = None, overrides: list[str] = (), print_fn: Callab
     """Train like `llama-jax train SOURCE KEY=VALUE ...`, printing what it prints through print_fn (also
     as one process of a multi-process run, joined from run.* keys or the environment); returns the summary
     (eval losses, tokens/s, MFU, goodput, sample)."""
-    return training.train(load_config(source, list(overrides)), print_fn=print_fn)
+    return train_config(load_config(source, list(overrides)), print_fn=print_fn)
 
 
 def convert(source: str, out: str, overrides: list[str] = (), dtype: str = "float32", rotary: str = "half",

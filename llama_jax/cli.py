@@ -18,6 +18,11 @@ from pathlib import Path
 from llama_jax.errors import EXIT_PEER_TIMEOUT, InputError, LlamaJaxError
 
 
+DEVICES_PER_HOST_HELP = ("devices per host, to tell which collectives cross the network between hosts; must divide "
+                         "the device count (default: the processes the devices belong to, one per host as launch/ "
+                         "starts them; e.g. 8 plans a cluster of 8-GPU hosts on simulated devices)")
+
+
 def _error(message: str) -> None:
     # One write: the lines of several processes sharing a terminal must not interleave mid-line.
     sys.stderr.write(f"llama-jax: error: {message}\n")
@@ -56,10 +61,20 @@ def cmd_train(ns: argparse.Namespace) -> int:
     return result["exit_code"]  # 0, or EXIT_PREEMPTED after a signal made the run save and stop
 
 
+def _add_train(commands) -> None:
+    parser = commands.add_parser(
+        "train", help="train a model (no arguments: the tiny preset on the bundled Shakespeare corpus)",
+        description="llama-jax train [PRESET|CONFIG.yaml] [key=value ...]. Dotted keys override the preset, "
+                    "e.g. train.steps=100 model.n_layers=2 run.dir=runs/mine.")
+    parser.add_argument("args", nargs="*", metavar="PRESET|CONFIG|key=value")
+    parser.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
+    parser.set_defaults(func=cmd_train)
+
+
 def cmd_plan(ns: argparse.Namespace) -> int:
-    from llama_jax.training import plan as planning
-    from llama_jax.distributed import sharding
     from llama_jax.config import load_config
+    from llama_jax.distributed import sharding
+    from llama_jax.training import plan as planning
 
     config = load_config(*_split_source(ns.args))
     mesh = sharding.make_mesh(config)
@@ -74,13 +89,26 @@ def cmd_plan(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _add_plan(commands) -> None:
+    parser = commands.add_parser(
+        "plan", help="compile the train step ahead of time and report memory, FLOPs and communication",
+        description="llama-jax plan [PRESET|CONFIG.yaml] [key=value ...] [--json]. Runs nothing and allocates "
+                    "nothing; simulate devices with XLA_FLAGS=--xla_force_host_platform_device_count=N.")
+    parser.add_argument("args", nargs="*", metavar="PRESET|CONFIG|key=value")
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    parser.add_argument("--compare-remat", action="store_true",
+                      help="plan every remat policy side by side (memory and HLO FLOPs relative to none)")
+    parser.add_argument("--devices-per-host", type=int, default=0, help=DEVICES_PER_HOST_HELP)
+    parser.set_defaults(func=cmd_plan)
+
+
 def cmd_doctor(ns: argparse.Namespace) -> int:
     import jax
 
+    from llama_jax.config import load_config
     from llama_jax.distributed import processes, sharding
     from llama_jax.distributed.peers import Peers
     from llama_jax.resilience import preflight
-    from llama_jax.config import load_config
 
     config = load_config(*_split_source(ns.args))
     processes.initialize(config.run)
@@ -92,6 +120,18 @@ def cmd_doctor(ns: argparse.Namespace) -> int:
     # Unhealthy: exit 71, and the verdict goes into run.dir only if that exists (doctor starts no run).
     preflight.enforce(report, Path(config.run.dir), create=False, peers=peers)
     return 0
+
+
+def _add_doctor(commands) -> None:
+    parser = commands.add_parser(
+        "doctor", help="check every device (matmul rate, memory bandwidth, a known product) and the mesh's collectives",
+        description="llama-jax doctor [PRESET|CONFIG.yaml] [key=value ...] [--json]. The pre-flight check that "
+                    "fault.preflight=true runs before training, on the config's mesh, run by every process of a "
+                    "multi-process run: a device below fault.preflight_min_ratio (default 0.8) x the fleet median, or "
+                    "with a wrong product, is named; exit 0 when healthy, 71 when not, 2 on bad input.")
+    parser.add_argument("args", nargs="*", metavar="PRESET|CONFIG|key=value")
+    parser.add_argument("--json", action="store_true", help="print every figure and the verdict as JSON")
+    parser.set_defaults(func=cmd_doctor)
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -139,6 +179,51 @@ def cmd_tune(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _add_tune(commands) -> None:
+    parser = commands.add_parser(
+        "tune", help="search mesh x micro-batches x remat for the fastest configuration that fits in memory",
+        description="llama-jax tune [PRESET|CONFIG.yaml] [key=value ...]. Compiles candidates ahead of time, ranks "
+                    "them with a cost model, measures the best few on real devices and writes the winner's "
+                    "config. A key=value on a searched key (mesh.*, train.microbatches, remat.policy, "
+                    "remat.every_n_layers) pins it. Cached: a re-run is instant.")
+    parser.add_argument("args", nargs="*", metavar="PRESET|CONFIG|key=value")
+    parser.add_argument("--memory-gb", type=float, default=0.0,
+                      help="per-device memory budget in GiB (default: run.device_memory_gb, else the device's "
+                           "memory minus 10%%)")
+    parser.add_argument("--budget-min", type=float, default=10.0, help="minutes of compiling, at most (default 10)")
+    parser.add_argument("--top-k", type=int, default=3, help="candidates to measure (default 3)")
+    parser.add_argument("--measure", action=argparse.BooleanOptionalAction, default=None,
+                      help="time the top-k for a few steps (default: on, except on simulated CPU devices)")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per measured candidate (default 3)")
+    parser.add_argument("--meshes", type=int, default=3,
+                      help="the best N meshes of stage 1 get every micro-batch count and policy (default 3)")
+    parser.add_argument("--policies", default="none,save_dot_except_mlp,selective,full",
+                      help="remat policies to try, comma-separated (default none,save_dot_except_mlp,selective,full)")
+    parser.add_argument("--microbatches", type=_int_list, default=(1, 2, 4),
+                      help="micro-batch counts (default 1,2,4; with P pipeline stages, these times P)")
+    parser.add_argument("--pipeline-repeats", type=_int_list, default=(1, 2),
+                      help="mesh.pipeline_repeats tried with a pipeline (default 1,2)")
+    parser.add_argument("--every-n-layers", type=_int_list, default=(1, 2),
+                      help="remat.every_n_layers values for recomputing policies (default 1,2)")
+    parser.add_argument("--efficiency", type=float, default=0.0, help="cost model: fraction of peak FLOP/s reached "
+                                                                    "(default 0.7 on GPUs, 0.8 on CPUs)")
+    parser.add_argument("--bandwidth-gbs", type=float, default=0.0,
+                      help="cost model: collective GB/s per device within a host (default: the data sheet's NVLink "
+                           "or PCIe figure on known GPUs, e.g. 450 on an H100 SXM; measured on CPUs)")
+    parser.add_argument("--nic-gbs", type=float, default=0.0,
+                      help="cost model: collective GB/s per device between hosts (default 50: one 400 Gb/s NIC per "
+                           "GPU; at most the link within a host)")
+    parser.add_argument("--devices-per-host", type=int, default=0, help=DEVICES_PER_HOST_HELP)
+    parser.add_argument("--overlap", type=float, default=-1.0,
+                      help="cost model: fraction of communication hidden by compute (default 0.5 GPU, 0 CPU)")
+    parser.add_argument("--rows", type=int, default=20, help="table rows to print (default 20)")
+    parser.add_argument("--out", default="tune.yaml", help="the winner's config file (default tune.yaml)")
+    parser.add_argument("--json", action="store_true", help="print every candidate as JSON")
+    parser.add_argument("--dry-run", action="store_true",
+                      help="list the candidates and why the invalid ones are refused; compile nothing")
+    parser.set_defaults(func=cmd_tune)
+
+
 def cmd_prepare(ns: argparse.Namespace) -> int:
     from llama_jax.data.corpus import ReadOptions
     from llama_jax.data.prepare import PrepareOptions, prepare
@@ -150,6 +235,31 @@ def cmd_prepare(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _add_prepare(commands) -> None:
+    parser = commands.add_parser(
+        "prepare", help="tokenize text/jsonl/parquet/HF-dataset inputs into a token store for data.sources",
+        description="llama-jax prepare INPUT [INPUT ...] --out DIR (--tokenizer PATH | --train-tokenizer VOCAB). "
+                    "An INPUT is a file, a directory, a glob, hf:DIR or shakespeare, optionally with a mixture "
+                    "weight: web/*.jsonl@0.7. Re-running is a no-op; an interrupted run resumes.")
+    parser.add_argument("inputs", nargs="+", metavar="INPUT")
+    parser.add_argument("--out", required=True, help="the token store directory to create")
+    parser.add_argument("--tokenizer", help="tokenizer.json, a Llama 3 tokenizer.model, a sentencepiece .model, "
+                                             "or a directory holding one")
+    parser.add_argument("--train-tokenizer", type=int, metavar="VOCAB",
+                         help="train a byte-level BPE with VOCAB tokens on the training documents")
+    parser.add_argument("--text-field", default="text", help="jsonl field / parquet or dataset column (default text)")
+    parser.add_argument("--text-unit", default="file", choices=("file", "paragraph", "line"),
+                         help=".txt/.md inputs: one document per file (default), paragraph or line")
+    parser.add_argument("--val-every", type=int, default=20, metavar="N",
+                         help="hold out every N-th document for validation (default 20)")
+    parser.add_argument("--on-bad-record", default="fail", choices=("fail", "skip"),
+                         help="a jsonl line that is not JSON or lacks the field: fail (default) or skip and count")
+    parser.add_argument("--workers", type=int, default=0, help="tokenizing processes (default: one per core)")
+    parser.add_argument("--tokenizer-sample-mb", type=int, default=256,
+                         help="text the BPE is trained on, at most (default 256)")
+    parser.set_defaults(func=cmd_prepare)
+
+
 def cmd_report(ns: argparse.Namespace) -> int:
     from llama_jax.training.report import write_report
 
@@ -158,6 +268,12 @@ def cmd_report(ns: argparse.Namespace) -> int:
     except (FileNotFoundError, ValueError) as err:  # no metrics yet, or a corrupt metrics line
         raise InputError(str(err)) from None
     return 0
+
+
+def _add_report(commands) -> None:
+    parser = commands.add_parser("report", help="plot loss, eval loss and throughput of a run to RUN_DIR/report.png")
+    parser.add_argument("run_dir", metavar="RUN_DIR")
+    parser.set_defaults(func=cmd_report)
 
 
 def cmd_supervise(ns: argparse.Namespace) -> int:
@@ -172,11 +288,57 @@ def cmd_supervise(ns: argparse.Namespace) -> int:
                                      reset_after=ns.reset_after, grace=ns.grace))
 
 
+def _add_supervise(commands) -> None:
+    parser = commands.add_parser(
+        "supervise", help="run a command, restarting it after failures (a train command resumes its run.dir)",
+        description="llama-jax supervise [options] -- COMMAND ... Restarts COMMAND unless it exits 0, 2 (bad "
+                    "input) or 71 (an unhealthy device), with exponential backoff; SIGTERM/SIGINT are forwarded "
+                    "as SIGTERM and stop it.")
+    parser.add_argument("--max-restarts", type=int, default=10, metavar="N",
+                           help="give up after N restarts in a row (default 10)")
+    parser.add_argument("--backoff", type=float, default=10.0, metavar="S",
+                           help="seconds before the first restart, doubled for each further one (default 10)")
+    parser.add_argument("--max-backoff", type=float, default=300.0, metavar="S",
+                           help="longest wait between restarts (default 300)")
+    parser.add_argument("--reset-after", type=float, default=600.0, metavar="S",
+                           help="a command that ran longer than S seconds before failing starts a new streak: "
+                                "the restart count and backoff reset (default 600)")
+    parser.add_argument("--grace", type=float, default=120.0, metavar="S",
+                           help="seconds the command has to exit after a forwarded SIGTERM before SIGKILL "
+                                "(default 120)")
+    parser.add_argument("command", nargs=argparse.REMAINDER, metavar="-- COMMAND ...")
+    parser.set_defaults(func=cmd_supervise)
+
+
 def cmd_convert(ns: argparse.Namespace) -> int:
     from llama_jax import api
 
     api.convert(ns.source, ns.out, ns.overrides, ns.dtype, ns.rotary, merge=ns.merge)
     return 0
+
+
+def _add_convert(commands) -> None:
+    parser = commands.add_parser(
+        "convert", help="Hugging Face Llama directory <-> llama-jax checkpoint",
+        description="llama-jax convert SOURCE OUT [key=value ...] [--merge]. SOURCE is a Hugging Face directory "
+                    "(config.json + safetensors; written as a parameters-only checkpoint in OUT) or a llama-jax "
+                    "run / checkpoint (written as a Hugging Face directory, in safetensors files of at most "
+                    "5 GiB; a run with adapters as a PEFT adapter directory, or with --merge its base with the "
+                    "LoRA adapters folded in). Either way the model is loaded sharded over the mesh of the mesh.* "
+                    "keys (default: "
+                    "all devices on fsdp) and streamed through the host a block at a time. Tokenizer files "
+                    "go along.")
+    parser.add_argument("source", metavar="SOURCE")
+    parser.add_argument("out", metavar="OUT")
+    parser.add_argument("overrides", nargs="*", metavar="key=value")
+    parser.add_argument("--dtype", default="float32", help="safetensors dtype when writing Hugging Face: "
+                                                            "float32 (default), bfloat16 or float16")
+    parser.add_argument("--rotary", default="half", help="q/k layout of the Hugging Face side: half (transformers' "
+                                                          "rotate_half, default) or interleaved (Meta's original)")
+    parser.add_argument("--merge", action="store_true", help="a run with LoRA adapters: write its base with the "
+                                                              "adapters folded into the weights, as a Hugging Face "
+                                                              "model (default: a PEFT adapter directory)")
+    parser.set_defaults(func=cmd_convert)
 
 
 def cmd_generate(ns: argparse.Namespace) -> int:
@@ -199,6 +361,27 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _add_generate(commands) -> None:
+    parser = commands.add_parser(
+        "generate", help="continue prompts with a trained or converted model (KV cache)",
+        description="llama-jax generate MODEL [key=value ...] --prompt TEXT [--prompt TEXT ...]. MODEL is a run "
+                    "dir, a checkpoint, or a Hugging Face directory (hf:DIR). Without mesh.* keys the model goes "
+                    "on one device; with them (e.g. mesh.tensor=8) it is sharded over that mesh of all devices, "
+                    "and so is the key/value cache.")
+    parser.add_argument("model", metavar="MODEL")
+    parser.add_argument("overrides", nargs="*", metavar="key=value",
+                          help="mesh.* keys; model.compute_dtype, model.attention")
+    parser.add_argument("--prompt", action="append", required=True, help="a prompt; repeat for a batch")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
+    parser.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0: all)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (1: off)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tokenizer", help="tokenizer file (default: the model's)")
+    parser.add_argument("--dtype", help="compute dtype: float32 (default) or bfloat16; model.compute_dtype=... too")
+    parser.set_defaults(func=cmd_generate)
+
+
 def cmd_eval(ns: argparse.Namespace) -> int:
     from llama_jax import api
 
@@ -206,186 +389,26 @@ def cmd_eval(ns: argparse.Namespace) -> int:
     return 0
 
 
-DEVICES_PER_HOST_HELP = ("devices per host, to tell which collectives cross the network between hosts; must divide "
-                         "the device count (default: the processes the devices belong to, one per host as launch/ "
-                         "starts them; e.g. 8 plans a cluster of 8-GPU hosts on simulated devices)")
+def _add_eval(commands) -> None:
+    parser = commands.add_parser(
+        "eval", help="perplexity of a model on a token store or text files",
+        description="llama-jax eval MODEL DATA [key=value ...]. DATA is a token store made with the model's "
+                    "tokenizer (its validation split is scored) or text/jsonl files (scored whole); "
+                    "train.batch_size, train.seq_len and mesh.* keys apply.")
+    parser.add_argument("model", metavar="MODEL")
+    parser.add_argument("data", metavar="DATA")
+    parser.add_argument("overrides", nargs="*", metavar="key=value")
+    parser.add_argument("--batches", type=int, default=0, help="at most this many batches (0: one pass)")
+    parser.add_argument("--split", default="val", choices=("val", "train"), help="token store split (default val)")
+    parser.set_defaults(func=cmd_eval)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="llama-jax", description="Pre-train Llama 3 models with JAX.")
     commands = parser.add_subparsers(dest="command", required=True)
-
-    train = commands.add_parser(
-        "train", help="train a model (no arguments: the tiny preset on the bundled Shakespeare corpus)",
-        description="llama-jax train [PRESET|CONFIG.yaml] [key=value ...]. Dotted keys override the preset, "
-                    "e.g. train.steps=100 model.n_layers=2 run.dir=runs/mine.")
-    train.add_argument("args", nargs="*", metavar="PRESET|CONFIG|key=value")
-    train.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
-    train.set_defaults(func=cmd_train)
-
-    prepare = commands.add_parser(
-        "prepare", help="tokenize text/jsonl/parquet/HF-dataset inputs into a token store for data.sources",
-        description="llama-jax prepare INPUT [INPUT ...] --out DIR (--tokenizer PATH | --train-tokenizer VOCAB). "
-                    "An INPUT is a file, a directory, a glob, hf:DIR or shakespeare, optionally with a mixture "
-                    "weight: web/*.jsonl@0.7. Re-running is a no-op; an interrupted run resumes.")
-    prepare.add_argument("inputs", nargs="+", metavar="INPUT")
-    prepare.add_argument("--out", required=True, help="the token store directory to create")
-    prepare.add_argument("--tokenizer", help="tokenizer.json, a Llama 3 tokenizer.model, a sentencepiece .model, "
-                                             "or a directory holding one")
-    prepare.add_argument("--train-tokenizer", type=int, metavar="VOCAB",
-                         help="train a byte-level BPE with VOCAB tokens on the training documents")
-    prepare.add_argument("--text-field", default="text", help="jsonl field / parquet or dataset column (default text)")
-    prepare.add_argument("--text-unit", default="file", choices=("file", "paragraph", "line"),
-                         help=".txt/.md inputs: one document per file (default), paragraph or line")
-    prepare.add_argument("--val-every", type=int, default=20, metavar="N",
-                         help="hold out every N-th document for validation (default 20)")
-    prepare.add_argument("--on-bad-record", default="fail", choices=("fail", "skip"),
-                         help="a jsonl line that is not JSON or lacks the field: fail (default) or skip and count")
-    prepare.add_argument("--workers", type=int, default=0, help="tokenizing processes (default: one per core)")
-    prepare.add_argument("--tokenizer-sample-mb", type=int, default=256,
-                         help="text the BPE is trained on, at most (default 256)")
-    prepare.set_defaults(func=cmd_prepare)
-
-    plan = commands.add_parser(
-        "plan", help="compile the train step ahead of time and report memory, FLOPs and communication",
-        description="llama-jax plan [PRESET|CONFIG.yaml] [key=value ...] [--json]. Runs nothing and allocates "
-                    "nothing; simulate devices with XLA_FLAGS=--xla_force_host_platform_device_count=N.")
-    plan.add_argument("args", nargs="*", metavar="PRESET|CONFIG|key=value")
-    plan.add_argument("--json", action="store_true", help="print the plan as JSON")
-    plan.add_argument("--compare-remat", action="store_true",
-                      help="plan every remat policy side by side (memory and HLO FLOPs relative to none)")
-    plan.add_argument("--devices-per-host", type=int, default=0, help=DEVICES_PER_HOST_HELP)
-    plan.set_defaults(func=cmd_plan)
-
-    doctor = commands.add_parser(
-        "doctor", help="check every device (matmul rate, memory bandwidth, a known product) and the mesh's collectives",
-        description="llama-jax doctor [PRESET|CONFIG.yaml] [key=value ...] [--json]. The pre-flight check that "
-                    "fault.preflight=true runs before training, on the config's mesh, run by every process of a "
-                    "multi-process run: a device below fault.preflight_min_ratio (default 0.8) x the fleet median, or "
-                    "with a wrong product, is named; exit 0 when healthy, 71 when not, 2 on bad input.")
-    doctor.add_argument("args", nargs="*", metavar="PRESET|CONFIG|key=value")
-    doctor.add_argument("--json", action="store_true", help="print every figure and the verdict as JSON")
-    doctor.set_defaults(func=cmd_doctor)
-
-    tune = commands.add_parser(
-        "tune", help="search mesh x micro-batches x remat for the fastest configuration that fits in memory",
-        description="llama-jax tune [PRESET|CONFIG.yaml] [key=value ...]. Compiles candidates ahead of time, ranks "
-                    "them with a cost model, measures the best few on real devices and writes the winner's "
-                    "config. A key=value on a searched key (mesh.*, train.microbatches, remat.policy, "
-                    "remat.every_n_layers) pins it. Cached: a re-run is instant.")
-    tune.add_argument("args", nargs="*", metavar="PRESET|CONFIG|key=value")
-    tune.add_argument("--memory-gb", type=float, default=0.0,
-                      help="per-device memory budget in GiB (default: run.device_memory_gb, else the device's "
-                           "memory minus 10%%)")
-    tune.add_argument("--budget-min", type=float, default=10.0, help="minutes of compiling, at most (default 10)")
-    tune.add_argument("--top-k", type=int, default=3, help="candidates to measure (default 3)")
-    tune.add_argument("--measure", action=argparse.BooleanOptionalAction, default=None,
-                      help="time the top-k for a few steps (default: on, except on simulated CPU devices)")
-    tune.add_argument("--steps", type=int, default=3, help="timed steps per measured candidate (default 3)")
-    tune.add_argument("--meshes", type=int, default=3,
-                      help="the best N meshes of stage 1 get every micro-batch count and policy (default 3)")
-    tune.add_argument("--policies", default="none,save_dot_except_mlp,selective,full",
-                      help="remat policies to try, comma-separated (default none,save_dot_except_mlp,selective,full)")
-    tune.add_argument("--microbatches", type=_int_list, default=(1, 2, 4),
-                      help="micro-batch counts (default 1,2,4; with P pipeline stages, these times P)")
-    tune.add_argument("--pipeline-repeats", type=_int_list, default=(1, 2),
-                      help="mesh.pipeline_repeats tried with a pipeline (default 1,2)")
-    tune.add_argument("--every-n-layers", type=_int_list, default=(1, 2),
-                      help="remat.every_n_layers values for recomputing policies (default 1,2)")
-    tune.add_argument("--efficiency", type=float, default=0.0, help="cost model: fraction of peak FLOP/s reached "
-                                                                    "(default 0.7 on GPUs, 0.8 on CPUs)")
-    tune.add_argument("--bandwidth-gbs", type=float, default=0.0,
-                      help="cost model: collective GB/s per device within a host (default: the data sheet's NVLink "
-                           "or PCIe figure on known GPUs, e.g. 450 on an H100 SXM; measured on CPUs)")
-    tune.add_argument("--nic-gbs", type=float, default=0.0,
-                      help="cost model: collective GB/s per device between hosts (default 50: one 400 Gb/s NIC per "
-                           "GPU; at most the link within a host)")
-    tune.add_argument("--devices-per-host", type=int, default=0, help=DEVICES_PER_HOST_HELP)
-    tune.add_argument("--overlap", type=float, default=-1.0,
-                      help="cost model: fraction of communication hidden by compute (default 0.5 GPU, 0 CPU)")
-    tune.add_argument("--rows", type=int, default=20, help="table rows to print (default 20)")
-    tune.add_argument("--out", default="tune.yaml", help="the winner's config file (default tune.yaml)")
-    tune.add_argument("--json", action="store_true", help="print every candidate as JSON")
-    tune.add_argument("--dry-run", action="store_true",
-                      help="list the candidates and why the invalid ones are refused; compile nothing")
-    tune.set_defaults(func=cmd_tune)
-
-    report = commands.add_parser("report", help="plot loss, eval loss and throughput of a run to RUN_DIR/report.png")
-    report.add_argument("run_dir", metavar="RUN_DIR")
-    report.set_defaults(func=cmd_report)
-
-    convert = commands.add_parser(
-        "convert", help="Hugging Face Llama directory <-> llama-jax checkpoint",
-        description="llama-jax convert SOURCE OUT [key=value ...] [--merge]. SOURCE is a Hugging Face directory "
-                    "(config.json + safetensors; written as a parameters-only checkpoint in OUT) or a llama-jax "
-                    "run / checkpoint (written as a Hugging Face directory, in safetensors files of at most "
-                    "5 GiB; a run with adapters as a PEFT adapter directory, or with --merge its base with the "
-                    "LoRA adapters folded in). Either way the model is loaded sharded over the mesh of the mesh.* "
-                    "keys (default: "
-                    "all devices on fsdp) and streamed through the host a block at a time. Tokenizer files "
-                    "go along.")
-    convert.add_argument("source", metavar="SOURCE")
-    convert.add_argument("out", metavar="OUT")
-    convert.add_argument("overrides", nargs="*", metavar="key=value")
-    convert.add_argument("--dtype", default="float32", help="safetensors dtype when writing Hugging Face: "
-                                                            "float32 (default), bfloat16 or float16")
-    convert.add_argument("--rotary", default="half", help="q/k layout of the Hugging Face side: half (transformers' "
-                                                          "rotate_half, default) or interleaved (Meta's original)")
-    convert.add_argument("--merge", action="store_true", help="a run with LoRA adapters: write its base with the "
-                                                              "adapters folded into the weights, as a Hugging Face "
-                                                              "model (default: a PEFT adapter directory)")
-    convert.set_defaults(func=cmd_convert)
-
-    generate = commands.add_parser(
-        "generate", help="continue prompts with a trained or converted model (KV cache)",
-        description="llama-jax generate MODEL [key=value ...] --prompt TEXT [--prompt TEXT ...]. MODEL is a run "
-                    "dir, a checkpoint, or a Hugging Face directory (hf:DIR). Without mesh.* keys the model goes "
-                    "on one device; with them (e.g. mesh.tensor=8) it is sharded over that mesh of all devices, "
-                    "and so is the key/value cache.")
-    generate.add_argument("model", metavar="MODEL")
-    generate.add_argument("overrides", nargs="*", metavar="key=value",
-                          help="mesh.* keys; model.compute_dtype, model.attention")
-    generate.add_argument("--prompt", action="append", required=True, help="a prompt; repeat for a batch")
-    generate.add_argument("--max-new-tokens", type=int, default=64)
-    generate.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
-    generate.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0: all)")
-    generate.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (1: off)")
-    generate.add_argument("--seed", type=int, default=0)
-    generate.add_argument("--tokenizer", help="tokenizer file (default: the model's)")
-    generate.add_argument("--dtype", help="compute dtype: float32 (default) or bfloat16; model.compute_dtype=... too")
-    generate.set_defaults(func=cmd_generate)
-
-    evaluate = commands.add_parser(
-        "eval", help="perplexity of a model on a token store or text files",
-        description="llama-jax eval MODEL DATA [key=value ...]. DATA is a token store made with the model's "
-                    "tokenizer (its validation split is scored) or text/jsonl files (scored whole); "
-                    "train.batch_size, train.seq_len and mesh.* keys apply.")
-    evaluate.add_argument("model", metavar="MODEL")
-    evaluate.add_argument("data", metavar="DATA")
-    evaluate.add_argument("overrides", nargs="*", metavar="key=value")
-    evaluate.add_argument("--batches", type=int, default=0, help="at most this many batches (0: one pass)")
-    evaluate.add_argument("--split", default="val", choices=("val", "train"), help="token store split (default val)")
-    evaluate.set_defaults(func=cmd_eval)
-
-    supervise = commands.add_parser(
-        "supervise", help="run a command, restarting it after failures (a train command resumes its run.dir)",
-        description="llama-jax supervise [options] -- COMMAND ... Restarts COMMAND unless it exits 0, 2 (bad "
-                    "input) or 71 (an unhealthy device), with exponential backoff; SIGTERM/SIGINT are forwarded "
-                    "as SIGTERM and stop it.")
-    supervise.add_argument("--max-restarts", type=int, default=10, metavar="N",
-                           help="give up after N restarts in a row (default 10)")
-    supervise.add_argument("--backoff", type=float, default=10.0, metavar="S",
-                           help="seconds before the first restart, doubled for each further one (default 10)")
-    supervise.add_argument("--max-backoff", type=float, default=300.0, metavar="S",
-                           help="longest wait between restarts (default 300)")
-    supervise.add_argument("--reset-after", type=float, default=600.0, metavar="S",
-                           help="a command that ran longer than S seconds before failing starts a new streak: "
-                                "the restart count and backoff reset (default 600)")
-    supervise.add_argument("--grace", type=float, default=120.0, metavar="S",
-                           help="seconds the command has to exit after a forwarded SIGTERM before SIGKILL "
-                                "(default 120)")
-    supervise.add_argument("command", nargs=argparse.REMAINDER, metavar="-- COMMAND ...")
-    supervise.set_defaults(func=cmd_supervise)
+    for add in (_add_train, _add_prepare, _add_plan, _add_doctor, _add_tune, _add_report, _add_convert, _add_generate,
+                _add_eval, _add_supervise):
+        add(commands)
     return parser
 
 

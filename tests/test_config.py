@@ -10,9 +10,9 @@ import pytest
 
 import llama_jax.training.loop
 from llama_jax import cli
+from llama_jax.config import Config, all_keys, load_config, preset_names, to_yaml
 from llama_jax.distributed import sharding
 from llama_jax.errors import ConfigError
-from llama_jax.config import Config, all_keys, load_config, preset_names, to_yaml
 
 REPO = Path(__file__).resolve().parent.parent
 PRESET_FILES = sorted((REPO / "configs").glob("*.yaml"))

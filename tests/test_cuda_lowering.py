@@ -16,10 +16,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from llama_jax.config import load_config
 from llama_jax.model import cudnn
 from llama_jax.model.attention import attention, document_mask
 from llama_jax.model.context_parallel import XLA_KERNEL
-from llama_jax.config import load_config
 from llama_jax.training.step import TrainProgram
 
 SEQ = 1024

@@ -12,14 +12,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from conftest import tiny_config
+
 from llama_jax.data import corpus
 from llama_jax.data import prepare as prepare_module
 from llama_jax.data.corpus import BadRecords, DataError, ReadOptions, parse_input, plan_units, read_unit
 from llama_jax.data.loader import PackedRows, TokenStore, batches, components, model_inputs
-from llama_jax.data.streams import open_data
 from llama_jax.data.prepare import PrepareOptions, prepare
+from llama_jax.data.streams import open_data
 from llama_jax.data.tokenizer import load_tokenizer, train_bpe
 
 WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly hex jolly bards".split()

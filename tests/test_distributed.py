@@ -9,7 +9,7 @@ import pytest
 
 from llama_jax.config import RunConfig
 from llama_jax.distributed.processes import Membership, membership
-from llama_jax.errors import ConfigError, EXIT_UNAVAILABLE
+from llama_jax.errors import EXIT_UNAVAILABLE, ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 CLUSTER_VARIABLES = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "SLURM_JOB_ID", "SLURM_NTASKS",

@@ -23,10 +23,11 @@ from conftest import tiny_config, write_tiny_yaml
 
 from llama_jax.checkpoint.checkpointer import Checkpointer
 from llama_jax.checkpoint.durable import latest_checkpoint_step
-from llama_jax.training.metrics import read_metrics
 from llama_jax.errors import EXIT_HANG, EXIT_PREEMPTED
+from llama_jax.training.loop import train
+from llama_jax.training.metrics import read_metrics
+from llama_jax.training.run import load_checkpoint
 from llama_jax.training.step import TrainProgram
-from llama_jax.training.loop import load_checkpoint, train
 
 STEPS = 12
 

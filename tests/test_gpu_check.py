@@ -17,7 +17,6 @@ SCRIPT = ROOT / "bench" / "gpu_check.py"
 sys.path.insert(0, str(SCRIPT.parent))
 import gpu_check  # noqa: E402
 
-
 NO_GPU_LINE = re.compile(r"gpu-check: no NVIDIA GPU here \((jax has no CUDA plugin installed: "
                          r"pip install -e '\.\[gpu\]'|jax backend: \w+)\); nothing to check")
 TRAIN_CHECKS = ["model", "loss", "tokens/s", "MFU", "achieved FLOP/s", "HLO / model FLOPs", "peak device memory"]
@@ -67,10 +66,10 @@ def test_without_a_gpu_it_prints_one_line_and_succeeds(tmp_path):
 
 
 def test_readme_make_gpu_check_sources_the_gpu_settings_and_answers_in_one_line():
-    """The README's command as shown, under make with this interpreter's environment (never reinstalled)."""
-    readme = (ROOT / "README.md").read_text()
-    blocks = re.findall(r"```bash\n(.*?)```", readme, flags=re.DOTALL)
-    (command,) = [line.strip() for block in blocks for line in block.splitlines() if line.startswith("make gpu-check")]
+    """The GPU guide's command as shown, under make with this interpreter's environment (never reinstalled)."""
+    from test_readme import readme_commands
+
+    (command,) = readme_commands("make gpu-check")  # docs/gpus.md
     venv = Path(sys.prefix)
     make = ["make", "--no-print-directory", "-o", f"{venv}/.installed", f"VENV={venv}"]
     proc = subprocess.run([*make, *command.split()[1:]], cwd=ROOT, env=one_cpu_device_env(), capture_output=True,

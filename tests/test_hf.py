@@ -15,8 +15,8 @@ import pytest
 from safetensors.numpy import load_file
 
 from llama_jax import api, cli
-from llama_jax.interop import hf
 from llama_jax.inference.generate import GREEDY, Sampling, generate, generate_without_cache
+from llama_jax.interop import hf
 
 GOLDEN = Path(__file__).parent / "golden" / "hf"
 MODELS = sorted(p.name for p in GOLDEN.iterdir() if (p / "golden.npz").is_file())

@@ -16,8 +16,8 @@ from safetensors.numpy import load_file
 
 from llama_jax import api, cli
 from llama_jax.checkpoint import specs
-from llama_jax.interop import hf
 from llama_jax.inference.generate import GREEDY, Generator, generate, params_mesh
+from llama_jax.interop import hf
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = ROOT / "tests" / "golden" / "hf" / "gqa_llama3_untied"  # 4 query heads, 2 kv heads, untied head

@@ -21,9 +21,9 @@ import pytest
 import yaml
 from conftest import tiny_config, write_tiny_yaml
 
-from llama_jax.resilience.goodput import read_goodput
 from llama_jax.checkpoint.local import finished_steps, process_directory
-from llama_jax.training.loop import load_checkpoint
+from llama_jax.resilience.goodput import read_goodput
+from llama_jax.training.run import load_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCHER = ROOT / "launch" / "multiprocess.py"

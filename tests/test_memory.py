@@ -8,12 +8,12 @@ import jax
 import pytest
 from conftest import tiny_config
 
-from llama_jax.training import plan
 from llama_jax.config import load_config
-from llama_jax.errors import ConfigError
 from llama_jax.distributed.sharding import make_mesh
-from llama_jax.training.step import TrainProgram, step_memory_bytes
+from llama_jax.errors import ConfigError
+from llama_jax.training import plan
 from llama_jax.training.loop import train
+from llama_jax.training.step import TrainProgram, step_memory_bytes
 
 
 def with_budget(config, microbatches, gib):

@@ -7,13 +7,13 @@ import pathlib
 import subprocess
 import sys
 
-import numpy as np
 import jax
+import numpy as np
 import pytest
 
-from llama_jax.perf import hardware
 from llama_jax.config import Config, RunConfig
 from llama_jax.errors import ConfigError
+from llama_jax.perf import hardware
 from llama_jax.perf.hardware import device_peak_flops, table_peak_flops
 from llama_jax.training.metrics import (MetricsLog, ThroughputMeter, WandbSettings, check_wandb, mfu, read_metrics,
                                         wandb_run_id)

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from conftest import TINY_MODEL
 
-from llama_jax.model.attention import select_implementation
 from llama_jax.config import load_config
 from llama_jax.data.loader import model_inputs
+from llama_jax.model.attention import select_implementation
 from llama_jax.model.llama import (Llama, apply_rope, param_count, rope_angles, rope_inverse_frequencies,
                                    train_flops_per_token)
 

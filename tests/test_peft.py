@@ -23,17 +23,16 @@ from test_train import random_batch, relative_difference
 
 from llama_jax import api, cli
 from llama_jax.checkpoint import specs
+from llama_jax.config import PeftConfig, RematConfig, load_config, to_yaml
+from llama_jax.config.choices import REMAT_POLICIES
+from llama_jax.data.loader import Documents, PackedRows, model_inputs
 from llama_jax.distributed import sharding
 from llama_jax.interop import hf
 from llama_jax.model import peft
-from llama_jax.config import RematConfig, load_config, to_yaml
-from llama_jax.data.loader import Documents, PackedRows, model_inputs
 from llama_jax.model.llama import Llama, abstract_params
-from llama_jax.config import PeftConfig
+from llama_jax.training.loop import train
+from llama_jax.training.run import load_checkpoint
 from llama_jax.training.step import TrainProgram
-from llama_jax.training.loop import load_checkpoint, train
-from llama_jax.config.choices import REMAT_POLICIES
-
 
 GOLDEN = Path(__file__).parent / "golden" / "peft"
 ALL_TARGETS = ["q", "k", "v", "o", "gate", "up", "down"]

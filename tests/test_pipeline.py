@@ -9,15 +9,16 @@ import jax
 import numpy as np
 import pytest
 from conftest import TINY_MODEL, tiny_config
-from test_fault import config_for, losses as logged_losses, train_quietly
+from test_fault import config_for
+from test_fault import losses as logged_losses
+from test_fault import train_quietly
 from test_sharding import losses
 
 from llama_jax import cli
+from llama_jax import config as config_lib
 from llama_jax.distributed import sharding
 from llama_jax.model import pipeline
-from llama_jax import config as config_lib
 from llama_jax.training.plan import make_plan
-
 
 # Four layers: four stages of one, or two stages of two (or of one, twice, with repeats).
 MODEL = dataclasses.replace(TINY_MODEL, n_heads=8, n_kv_heads=2, n_layers=4)

@@ -127,9 +127,9 @@ def test_compare_remat_plans_policies_that_run_alike_on_these_devices_once(monke
     """Without pinned host memory (a CPU) an offload policy saves on the device: it shares its twin's plan."""
     import types
 
+    from llama_jax.config.choices import REMAT_POLICIES
     from llama_jax.model import remat
     from llama_jax.training import plan
-    from llama_jax.config.choices import REMAT_POLICIES
 
     compiled, lines = [], []
     monkeypatch.setattr(plan, "make_plan", lambda config, mesh, devices_per_host=0: compiled.append(

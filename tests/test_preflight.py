@@ -20,11 +20,11 @@ import pytest
 from conftest import tiny_config, write_tiny_yaml
 
 from llama_jax import cli
-from llama_jax.distributed import sharding
-from llama_jax.resilience import preflight
 from llama_jax.config import load_config
+from llama_jax.distributed import sharding
 from llama_jax.distributed.peers import Peers
-from llama_jax.errors import ConfigError, EXIT_BAD_INPUT, EXIT_UNHEALTHY, UnhealthyDevice
+from llama_jax.errors import EXIT_BAD_INPUT, EXIT_UNHEALTHY, ConfigError, UnhealthyDevice
+from llama_jax.resilience import preflight
 from llama_jax.training.loop import train
 
 ROOT = Path(__file__).resolve().parents[1]

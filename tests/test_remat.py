@@ -10,12 +10,11 @@ import jax.numpy as jnp
 import pytest
 from conftest import TINY_MODEL
 
-from llama_jax.model import remat
-from llama_jax.config import RematConfig, load_config
+from llama_jax.config import PeftConfig, RematConfig, load_config
 from llama_jax.config.choices import REMAT_POLICIES, REMAT_TAGS
 from llama_jax.errors import ConfigError
+from llama_jax.model import remat
 from llama_jax.model.llama import Block, rope_angles
-from llama_jax.config import PeftConfig
 
 
 def saved_residuals(remat_config: RematConfig, peft: PeftConfig = PeftConfig()

@@ -14,10 +14,9 @@ import pytest
 
 from llama_jax.checkpoint.durable import check_model, model_differences
 from llama_jax.checkpoint.interval import auto_checkpoint_steps, young_daly_interval_s
-from llama_jax.errors import ConfigError
-from llama_jax.errors import EXIT_HANG, EXIT_PREEMPTED
-from llama_jax.resilience.goodput import Goodput, format_goodput, observed_mtbf_s
+from llama_jax.errors import EXIT_HANG, EXIT_PREEMPTED, ConfigError
 from llama_jax.files import format_ranges
+from llama_jax.resilience.goodput import Goodput, format_goodput, observed_mtbf_s
 from llama_jax.resilience.guards import SpikeGuard
 from llama_jax.resilience.preemption import PreemptionGuard
 from llama_jax.resilience.stragglers import HostScores, StragglerDetector

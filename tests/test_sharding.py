@@ -10,8 +10,8 @@ from conftest import TINY_MODEL, tiny_config
 from jax.sharding import PartitionSpec as P
 from test_train import random_batch
 
-from llama_jax.distributed import sharding
 from llama_jax.config import load_config
+from llama_jax.distributed import sharding
 from llama_jax.errors import ConfigError
 from llama_jax.training.step import TrainProgram
 

@@ -11,19 +11,20 @@ import optax
 import pytest
 from conftest import tiny_config
 
-from llama_jax.distributed import sharding
-from llama_jax.model import remat
 from llama_jax.checkpoint.checkpointer import Checkpointer
 from llama_jax.config import RematConfig
 from llama_jax.config.choices import REMAT_POLICIES
-from llama_jax.errors import ConfigError
 from llama_jax.data.loader import model_inputs
 from llama_jax.data.streams import open_data
-from llama_jax.training.metrics import read_metrics
+from llama_jax.distributed import sharding
+from llama_jax.errors import ConfigError
+from llama_jax.model import remat
 from llama_jax.model.llama import Llama
+from llama_jax.training.loop import train
+from llama_jax.training.metrics import read_metrics
 from llama_jax.training.optimizer import learning_rate, make_optimizer, weight_decay_mask
+from llama_jax.training.run import Run
 from llama_jax.training.step import TrainProgram, make_grad_fn
-from llama_jax.training.loop import Run, train
 
 
 def random_batch(cfg, seed=0, batch=8, seq=32, documents_per_row=3):

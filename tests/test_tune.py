@@ -8,12 +8,11 @@ import pytest
 from conftest import write_tiny_yaml
 
 from llama_jax import cli, config
-from llama_jax.perf import costmodel
-from llama_jax.training import plan, tune
-from llama_jax.perf.costmodel import CostModel, INTER_HOST, INTRA_HOST
 from llama_jax.errors import ConfigError
+from llama_jax.perf import costmodel
+from llama_jax.perf.costmodel import INTER_HOST, INTRA_HOST, CostModel
+from llama_jax.training import plan, tune
 from llama_jax.training.step import TrainProgram
-
 
 # The end-to-end search pins tensor and sequence to 1 to keep compilations few: 4 meshes.
 PINNED = ["mesh.pipeline=1", "mesh.tensor=1", "mesh.sequence=1", "train.batch_size=16"]  # 16: 2 micro-batches on 8 shards

@@ -35,6 +35,7 @@ from llama_jax.distributed.peers import Peers
 from llama_jax.errors import ConfigError
 from llama_jax.resilience.goodput import observed_mtbf_s
 
+
 class Checkpointer:
     """The checkpoints of one run. Every decision all processes must share is made once, through `peers`
     (Peers, bounded waits): when to save, the auto interval, which steps exist, and whether
@@ -42,8 +43,13 @@ class Checkpointer:
 
     def __init__(self, run_dir: Path, config: CheckpointConfig, meta: dict | None = None,
                  directory: Path | None = None, log: Callable[[str], None] = print, peers: Peers | None = None,
-                 save_delay_s: float = 0.0, layout: tuple[int, int] = (1, 1), local: LocalTier | None = None):
+                 save_delay_s: float = 0.0, layout: tuple[int, int] = (1, 1), local: LocalTier | None = None,
+                 model: dict | None = None, check: Callable[[dict | None], None] | None = None):
+        """`model` (the run's model config as a dict) and `check` (start.meta_check: a peft run's adapters and
+        base) are what every step restore_newest considers must hold; config.allow_model_changes lets function
+        fields differ."""
         self.config, self.meta, self.log, self.local = config, meta or {}, log, local
+        self.model, self.check = model, check or (lambda meta: None)
         self.layout = layout  # (pipeline stages, repeats) of this run: restored layers are put in its order
         self.peers = peers or Peers(timeout_s=600.0)
         self.save_delay_s = save_delay_s  # fault injection: this process's saves take longer
@@ -161,15 +167,13 @@ class Checkpointer:
         """The finished steps, newest first, as process 0 sees them (one list for all processes)."""
         return self.peers.broadcast("checkpoint steps", sorted(self.manager.all_steps(), reverse=True))
 
-    def restore_newest(self, abstract_state: Any, model: dict, warn: Callable[[str], None],
-                       allowed: tuple[str, ...] | list[str] = (), check: Callable[[dict], None] | None = None
-                       ) -> tuple[int, Any, dict] | None:
+    def restore_newest(self, abstract_state: Any, warn: Callable[[str], None]) -> tuple[int, Any, dict] | None:
         """The newest step that restores on every process, from the fastest tier holding it whole (the local
         tier, then checkpoints/); None if none. A copy that does not restore is set aside in its tier (a
         durable step's damage may be in one process's shards only) and the next copy or step is tried.
-        `check` (e.g. a peft run's: the same adapters and base) sees each step's meta and raises ConfigError.
+        A step of another model, or one the run's `check` refuses, stops the run (ConfigError).
         restored_from and restore_seconds say which tier served and what each cost."""
-        local = self._local_steps(model, allowed, check)
+        local = self._local_steps()
         durable = self.steps()
         for step in sorted(set(local) | set(durable), reverse=True):
             for tier in ("local", "durable"):
@@ -177,14 +181,14 @@ class Checkpointer:
                     continue
                 start = time.perf_counter()
                 found = (self._restore_local if tier == "local" else self._restore_durable)(
-                    step, abstract_state, model, warn, allowed, check)
+                    step, abstract_state, warn)
                 self.restore_seconds[tier] = self.restore_seconds.get(tier, 0.0) + time.perf_counter() - start
                 if found is not None:
                     self.restored_from = tier
                     return found
         return None
 
-    def _local_steps(self, model: dict, allowed, check) -> list[int]:
+    def _local_steps(self) -> list[int]:
         """The local steps every process can be served, if their meta says they fit this run: the same
         model, process count and layer order (the local tier keeps shards as they lie on this mesh; another
         layout restores from checkpoints/, which any mesh can read)."""
@@ -199,12 +203,10 @@ class Checkpointer:
             self.log(f"the local tier's steps were saved on another mesh or process count ({meta.get('mesh')}); "
                      "restoring from checkpoints/")
             return []
-        check_model(meta.get("config", {}).get("model", {}), model, self.local.directory, allowed)
-        if check is not None:
-            check(meta)
+        self._check(meta, self.local.directory)
         return steps
 
-    def _restore_local(self, step, abstract_state, model, warn, allowed, check) -> tuple[int, Any, dict] | None:
+    def _restore_local(self, step, abstract_state, warn) -> tuple[int, Any, dict] | None:
         restored = self.local.restore(step, abstract_state)
         if isinstance(restored, str):
             warn(f"warning: {restored}; trying the next copy")
@@ -213,12 +215,10 @@ class Checkpointer:
         self.log(f"restored step {step} from the local tier ({self.restored_copies})")
         return step, state, data_state
 
-    def _restore_durable(self, step, abstract_state, model, warn, allowed, check) -> tuple[int, Any, dict] | None:
+    def _restore_durable(self, step, abstract_state, warn) -> tuple[int, Any, dict] | None:
         meta = read_meta(self.directory / str(step))
         if meta is not None:
-            check_model(meta.get("config", {}).get("model", {}), model, self.directory, allowed)
-            if check is not None:
-                check(meta)
+            self._check(meta, self.directory)
         failure, restored = None, None
         try:
             if meta is None:
@@ -237,6 +237,12 @@ class Checkpointer:
         warn(f"warning: checkpoint step {step} does not restore ({failures[0]}{more}); moved it to {moved} "
              "and trying the previous one")
         return None
+
+    def _check(self, meta: dict, where: Path) -> None:
+        """A step must hold this run's model (unless allow_model_changes lists a field) and pass its check."""
+        if self.model is not None:
+            check_model(meta.get("config", {}).get("model", {}), self.model, where, self.config.allow_model_changes)
+        self.check(meta)
 
     def set_aside(self, step: int) -> Path:
         """Move a step out of Orbax's sight into checkpoints/corrupt/ (process 0), keeping its data."""

@@ -20,6 +20,7 @@ from llama_jax.distributed.peers import Peers
 from llama_jax.errors import ConfigError
 from llama_jax.interop import hf, peft_format
 
+
 def convert(source: str, out: str, overrides: list[str] = (), dtype: str = "float32", rotary: str = "half",
             print_fn: Callable[[str], None] = print, devices=None, merge: bool = False) -> Path:
     """Hugging Face directory -> llama-jax checkpoint (params only), or a llama-jax checkpoint -> Hugging

@@ -33,7 +33,8 @@ from jax.sharding import Mesh
 from llama_jax.checkpoint.durable import read_meta, resolve_step_dir, restore_params
 from llama_jax.config import Config, ModelConfig, PeftConfig, load_config, validate
 from llama_jax.config.choices import SHAPE_FIELDS
-from llama_jax.data.tokenizer import Tokenizer, load_tokenizer as load_tokenizer_file
+from llama_jax.data.tokenizer import Tokenizer
+from llama_jax.data.tokenizer import load_tokenizer as load_tokenizer_file
 from llama_jax.distributed import sharding
 from llama_jax.errors import ConfigError
 from llama_jax.interop import hf

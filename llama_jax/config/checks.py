@@ -46,7 +46,8 @@ def validate(config: Config) -> None:
     )
     _require(m.norm_eps > 0, f"model.norm_eps must be positive, got {m.norm_eps}")
     _require(m.init_std > 0, f"model.init_std must be positive, got {m.init_std}")
-    _require(m.rope_original_max_len > 0, f"model.rope_original_max_len must be positive, got {m.rope_original_max_len}")
+    _require(m.rope_original_max_len > 0,
+             f"model.rope_original_max_len must be positive, got {m.rope_original_max_len}")
     _require(m.rope_low_freq_factor > 0, f"model.rope_low_freq_factor must be positive, got {m.rope_low_freq_factor}")
     _require(m.rope_theta > 0, f"model.rope_theta must be positive, got {m.rope_theta}")
     _require(m.rope_scaling_factor >= 1, f"model.rope_scaling_factor must be >= 1, got {m.rope_scaling_factor}")
@@ -82,7 +83,8 @@ def validate(config: Config) -> None:
     for key, value in mesh_axes.items():
         _require(value == -1 or value > 0, f"{key} must be a positive device count or -1, got {value}")
     _require(config.mesh.pipeline > 0 and config.mesh.pipeline_repeats > 0 and config.mesh.pipeline_microbatches >= 0,
-             f"mesh.pipeline and mesh.pipeline_repeats must be positive counts and mesh.pipeline_microbatches >= 0, got "
+             "mesh.pipeline and mesh.pipeline_repeats must be positive counts and mesh.pipeline_microbatches >= 0, "
+             "got "
              f"{config.mesh.pipeline}, {config.mesh.pipeline_repeats} and {config.mesh.pipeline_microbatches}")
     _require(
         sum(v == -1 for v in mesh_axes.values()) <= 1,
@@ -101,7 +103,8 @@ def validate(config: Config) -> None:
              "pipeline stages; shard the frozen model with mesh.fsdp and mesh.tensor")
 
 def _check_data(d: DataConfig) -> None:
-    _require(len(d.sources) > 0, "data.sources is empty; name a token store or an input, e.g. data.sources=[shakespeare]")
+    _require(len(d.sources) > 0,
+             "data.sources is empty; name a token store or an input, e.g. data.sources=[shakespeare]")
     _require(not d.weights or len(d.weights) == len(d.sources),
              f"data.weights has {len(d.weights)} value(s) for {len(d.sources)} source(s); give one per source or none")
     _require(all(w > 0 for w in d.weights), f"data.weights must all be > 0, got {d.weights}")
@@ -155,7 +158,8 @@ def _check_checkpoint(c: CheckpointConfig) -> None:
     _require(c.local_every_steps == "auto" or (isinstance(c.local_every_steps, int) and c.local_every_steps >= 0),
              f"checkpoint.local_every_steps must be a step count >= 0 or auto, got '{c.local_every_steps}'")
     _require(bool(c.local_dir.strip()) == (c.local_every_steps != 0), "checkpoint.local_dir and checkpoint."
-             "local_every_steps go together: set both (e.g. local_dir=/dev/shm/llama-jax local_every_steps=50) or neither")
+             "local_every_steps go together: set both (e.g. local_dir=/dev/shm/llama-jax local_every_steps=50) or "
+             "neither")
     _require(c.timeout_s >= 1, "checkpoint.timeout_s must be at least 1 second")
     _require(c.local_keep > 0 and c.local_replicas in (0, 1), f"checkpoint.local_keep must be positive and "
              f"checkpoint.local_replicas 0 or 1, got {c.local_keep} and {c.local_replicas}")
@@ -176,7 +180,8 @@ def _check_fault(f: FaultConfig) -> None:
              "fault.straggler_every_steps must be at least 2 and fault.straggler_host_threshold positive")
     _require(f.barrier_timeout_s >= 1, "fault.barrier_timeout_s must be at least 1 second")
     _require(f.inject_step_delay_s >= 0 and f.inject_save_delay_s >= 0, "fault.inject_*_delay_s must be >= 0")
-    _require(0 < f.preflight_min_ratio <= 1, f"fault.preflight_min_ratio must be in (0, 1], got {f.preflight_min_ratio}")
+    _require(0 < f.preflight_min_ratio <= 1,
+             f"fault.preflight_min_ratio must be in (0, 1], got {f.preflight_min_ratio}")
 
 
 def _check_peft(peft: PeftConfig, seq_len: int, init_from: str, resume_from: str) -> None:
@@ -203,7 +208,8 @@ def _check_peft(peft: PeftConfig, seq_len: int, init_from: str, resume_from: str
             f"({seq_len}); lower peft.prompt_tokens or raise train.seq_len")
     _require(peft.prompt_encoder in PROMPT_ENCODERS,
             f"peft.prompt_encoder must be one of {', '.join(PROMPT_ENCODERS)}, got '{peft.prompt_encoder}'")
-    _require(peft.encoder_hidden >= 0, f"peft.encoder_hidden must be >= 0 (0: model.d_model), got {peft.encoder_hidden}")
+    _require(peft.encoder_hidden >= 0,
+             f"peft.encoder_hidden must be >= 0 (0: model.d_model), got {peft.encoder_hidden}")
 
 
 def _divisors(n: int) -> str:

@@ -76,7 +76,8 @@ class Peers:
             return PeerTimeout(f"'{name}': the barrier failed: a process gave up waiting before all arrived "
                                f"(fault.barrier_timeout_s {self.timeout_s:g}s); stopping so that a restart brings "
                                "every process back together")
-        return PeerTimeout(f"'{name}': process{'es' * (len(missing) != 1)} {format_ranges(missing)} of {self.count} did "
+        absent = f"process{'es' * (len(missing) != 1)} {format_ranges(missing)}"
+        return PeerTimeout(f"'{name}': {absent} of {self.count} did "
                            f"not arrive within {self.timeout_s:g}s (fault.barrier_timeout_s); process {self.index} "
                            "stops too, so a restart (llama-jax supervise) brings every process back together; "
                            "look for a hang report or an error in the absent processes' logs")
@@ -94,7 +95,8 @@ class Peers:
             return json.loads(self.client.blocking_key_value_get(f"{key}/value", int(self.timeout_s * 1000)))
         except Exception:
             raise PeerTimeout(f"'{name}': process 0 did not decide within {self.timeout_s:g}s "
-                              "(fault.barrier_timeout_s); stopping so that a restart brings every process back") from None
+                              "(fault.barrier_timeout_s); stopping so that a restart brings every process back"
+                              ) from None
 
     def reduce(self, name: str, value: Any, combine: Callable[[list], Any]) -> Any:
         """combine(every process's value), computed once by process 0 and returned on every process."""

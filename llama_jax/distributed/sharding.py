@@ -25,9 +25,9 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from llama_jax.config import Config, MeshConfig
 from llama_jax.config.checks import parse_axes
-from llama_jax.model.context_parallel import chunk_order
 from llama_jax.config.choices import MESH_AXES
 from llama_jax.errors import ConfigError
+from llama_jax.model.context_parallel import chunk_order
 from llama_jax.model.llama import abstract_params
 
 # logical axis (config/choices.py) -> mesh axis (or axes, or None = replicated).

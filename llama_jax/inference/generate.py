@@ -28,14 +28,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from llama_jax.distributed import sharding
-from llama_jax.model import peft
-from llama_jax.config import Config, MeshConfig, ModelConfig
-from llama_jax.errors import ConfigError
-from llama_jax.model.llama import KV_HEADS, Llama
-from llama_jax.config import PeftConfig
-from llama_jax.model.pipeline import relayout, without_stage_axis
+from llama_jax.config import Config, MeshConfig, ModelConfig, PeftConfig
 from llama_jax.config.choices import MESH_AXES
+from llama_jax.distributed import sharding
+from llama_jax.errors import ConfigError
+from llama_jax.model import peft
+from llama_jax.model.llama import KV_HEADS, Llama
+from llama_jax.model.pipeline import relayout, without_stage_axis
 
 # The cache's logical axes: one [batch, cache_len, kv_heads, head_dim] block of keys or values per layer.
 CACHE_AXES = ("layers", *KV_HEADS)

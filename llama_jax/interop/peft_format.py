@@ -24,10 +24,9 @@ import jax
 import ml_dtypes
 import numpy as np
 
+from llama_jax.config import ModelConfig, PeftConfig
 from llama_jax.interop import hf
 from llama_jax.model import peft
-from llama_jax.config import ModelConfig
-from llama_jax.config import PeftConfig
 
 ADAPTER_CONFIG = "adapter_config.json"
 LORA_PREFIX = "base_model.model."  # PEFT's wrapper around transformers' LlamaForCausalLM

@@ -29,9 +29,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
+from llama_jax.errors import ConfigError
 from llama_jax.model.context_parallel import SEQUENCE_AXIS, XLA_KERNEL, sequence_sharded_attention
 from llama_jax.model.cudnn import PADDED_KERNEL, cudnn_attention
-from llama_jax.errors import ConfigError
 from llama_jax.model.flash import MIN_BLOCK, block_size, blocked_attention
 
 CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)

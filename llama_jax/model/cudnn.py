@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax._src.cudnn import fused_attention_stablehlo as cudnn  # private: the only way to the packed layout
 
-from llama_jax.model.context_parallel import PaddedKernel, XLA_KERNEL
+from llama_jax.model.context_parallel import XLA_KERNEL, PaddedKernel
 from llama_jax.model.flash import block_size, blocked_attention
 
 

@@ -30,11 +30,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
+from llama_jax.config import ModelConfig, PeftConfig, RematConfig
 from llama_jax.model import remat
 from llama_jax.model.attention import attention, cached_attention, select_implementation
-from llama_jax.config import ModelConfig, RematConfig
 from llama_jax.model.loss import LOGITS, fused_cross_entropy_sum
-from llama_jax.config import PeftConfig
 from llama_jax.model.pipeline import PipelineLayout, run_stages
 from llama_jax.model.projection import project
 

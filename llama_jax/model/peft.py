@@ -25,10 +25,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax.traverse_util import flatten_dict, unflatten_dict
 
-from llama_jax.config import ModelConfig
+from llama_jax.config import ModelConfig, PeftConfig
 from llama_jax.errors import ConfigError
 from llama_jax.model.llama import PromptEncoder
-from llama_jax.config import PeftConfig
 
 LORA = ("lora_a", "lora_b")
 PROMPTS = ("prompt", "prompt_encoder")  # the top-level entries of prompt tuning and P-tuning

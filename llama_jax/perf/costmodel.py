@@ -32,9 +32,9 @@ import jax
 from jax.sharding import Mesh
 
 from llama_jax.distributed import sharding
-from llama_jax.perf import hardware
 from llama_jax.errors import ConfigError
-from llama_jax.perf.hlo import DeviceGroups, KINDS, roofline_seconds
+from llama_jax.perf import hardware
+from llama_jax.perf.hlo import KINDS, DeviceGroups, roofline_seconds
 
 # The defaults `llama-jax tune --efficiency/--overlap` override: the fraction of the peak FLOP/s that
 # matmuls reach, and the fraction of communication XLA's latency-hiding scheduler hides behind compute.

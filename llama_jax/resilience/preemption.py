@@ -9,6 +9,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+
 class PreemptionGuard:
     """SIGTERM/SIGINT -> a flag the loop polls once per step, so it can save the current step and exit.
 

@@ -49,7 +49,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from llama_jax.config import Config
 from llama_jax.distributed.peers import Peers
-from llama_jax.errors import ConfigError, EXIT_UNHEALTHY, UNHEALTHY_FILE, UnhealthyDevice
+from llama_jax.errors import EXIT_UNHEALTHY, UNHEALTHY_FILE, ConfigError, UnhealthyDevice
 from llama_jax.files import atomic_path, format_ranges
 
 TIMED_ROUNDS = 3

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from llama_jax.distributed.peers import Peers
 from llama_jax.files import format_ranges
 
+
 class StragglerDetector:
     """Warn about a step far slower than the rolling median. Slow steps enter the window too: a lasting
     slowdown becomes the new normal after about window/2 steps instead of warning on every step."""
@@ -67,7 +68,8 @@ class HostScores:
                            "straggler": self._over[process] >= self.windows})
             if scores[-1]["straggler"]:
                 warnings.append(
-                    f"warning: straggler host: process {process} on {r['host']} (devices {format_ranges(r['devices'])}) "
+                    f"warning: straggler host: process {process} on {r['host']} "
+                    f"(devices {format_ranges(r['devices'])}) "
                     f"costs the fleet {r['host_s'] - median_host:.3g} s of each {step_s:.3g} s step over steps "
                     f"{steps[0]}-{steps[1]} (score {score:.2f} > fault.straggler_host_threshold {self.threshold:g}, "
                     f"{self._over[process]} windows running; {scores[-1]['vs_own_best']:.2f}x its own best)")

@@ -1,22 +1,23 @@
 """`train(config)`: what `llama-jax train` and `api.train` both run, and the training loop.
 
-    train(config)   join a multi-process run, build the mesh, open the data, check the rest of the
-                    input (Run.setup: nothing in run.dir is written before it passes), run the loop
-    execute(run)    restore -> for each step: dispatch it, load and place the next batch, observe the step
-                    before -> maybe observe this one and evaluate / save / stop -> finish
+    train(config)   join a multi-process run, build the mesh, open the data, run the pre-flight check, check
+                    the rest of the input (Run.setup, run.py: nothing in run.dir is written before it passes),
+                    run the loop
+    execute(run)    restore -> for each step: dispatch it, load and place the next batch, settle the step
+                    before -> when something is due: settle this one and evaluate / save / stop -> finish
 
 The host runs one step ahead of the devices: step n's metrics are read only after step n + 1 has been
 dispatched, and that read is the loop's only device-to-host transfer, so the devices never wait for the
-host between steps. A step that is evaluated or saved is observed first (its guard verdict may roll back).
+host between steps. A step that is evaluated or saved is settled first (its guard verdict may roll back).
 
 The loop's parts decide for themselves: the checkpointer when a save is due (checkpoint/checkpointer.py), the
-throughput meter its window (metrics.py), goodput its step clock (goodput.py), the guards what a step's
-loss means and when to roll back (resilience/).
+throughput meter its window (metrics.py), goodput its step clock (resilience/goodput.py), the guards what a
+step's loss means and when to roll back (resilience/guards.py), the start decision where the run begins
+(checkpoint/start.py).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import socket
 import sys
 import time
@@ -26,101 +27,33 @@ from typing import Any, Callable, Iterator
 
 import jax
 import numpy as np
-from jax.sharding import Mesh
 
-from llama_jax import __version__
-from llama_jax.checkpoint import specs
-from llama_jax.distributed import processes, sharding
-from llama_jax.model import peft, remat
-from llama_jax.resilience import preflight
-from llama_jax import config as config_lib
+from llama_jax.checkpoint import start as starting
 from llama_jax.checkpoint.checkpointer import Checkpointer
-from llama_jax.checkpoint.durable import check_model, latest_checkpoint_step, read_meta, restore_step
-from llama_jax.checkpoint.local import LocalTier, finished_steps, process_directory, read_manifest
+from llama_jax.checkpoint.local import LocalTier
 from llama_jax.config import Config
+from llama_jax.config import summary as describe
+from llama_jax.config import to_yaml
+from llama_jax.data.streams import open_data
+from llama_jax.distributed import processes, sharding
 from llama_jax.distributed.peers import Peers, primary_first
-from llama_jax.resilience.stragglers import HostWindow
-from llama_jax.data.streams import TrainData, open_data
-from llama_jax.errors import ConfigError, EXIT_OK, EXIT_PREEMPTED, InputError
+from llama_jax.errors import EXIT_OK, EXIT_PREEMPTED, InputError
 from llama_jax.files import cache_root
 from llama_jax.inference.generate import sample_text
-from llama_jax.resilience.goodput import Goodput, format_goodput
-from llama_jax.perf.hardware import device_peak_flops
-from llama_jax.training.metrics import MetricsLog, ThroughputMeter, WandbSettings, check_wandb
+from llama_jax.model import remat
 from llama_jax.model.llama import param_count
-from llama_jax.training.plan import format_plan, make_plan
-from llama_jax.training.report import write_report
+from llama_jax.perf.hardware import device_peak_flops
+from llama_jax.resilience import preflight
+from llama_jax.resilience.goodput import Goodput, format_goodput
 from llama_jax.resilience.guards import SpikeGuard
 from llama_jax.resilience.preemption import PreemptionGuard
-from llama_jax.resilience.stragglers import HostScores, StragglerDetector
+from llama_jax.resilience.stragglers import HostScores, HostWindow, StragglerDetector
 from llama_jax.resilience.watchdog import HangWatchdog
-from llama_jax.training.step import TrainProgram, TrainState, model_flops_per_token
-from llama_jax.checkpoint.specs import ModelSpec
-
-
-@dataclass
-class Run:
-    """Everything a training run needs, built and checked before anything in run.dir is written."""
-
-    config: Config
-    program: TrainProgram
-    data: TrainData
-    start: int  # the newest checkpoint step in run.dir (0: none)
-    peers: Peers  # the other processes, for every decision outside the jitted step
-    source: ModelSpec | None = None  # checkpoint.resume_from / init_from, for a new run.dir (peft: the base)
-    compile_seconds: float = 0.0  # compiling the train step ahead of time, to check its memory
-    base: Any = None  # a peft run: the base model's params, loaded and checked by setup (frozen in the state)
-    base_reference: dict | None = None  # ... and what checkpoints record of it (peft.base_reference)
-
-    @classmethod
-    def setup(cls, config: Config, mesh: Mesh, data: TrainData, peers: Peers | None = None) -> Run:
-        """Raises ConfigError or DataError (one line each) on bad input; writes nothing. `peers` defaults to
-        every process, with config's barrier timeout."""
-        peers = peers or Peers(config.fault.barrier_timeout_s)
-        run_dir, model = Path(config.run.dir), dataclasses.asdict(config.model)
-        start, source, allowed = latest_checkpoint_step(run_dir), None, config.checkpoint.allow_model_changes
-        check_wandb(config.run)
-        meta = read_meta(run_dir / "checkpoints" / str(start)) if start else None
-        if config.checkpoint.local_dir:  # the local tier may hold newer steps (each process sees its own)
-            local = process_directory(config.checkpoint.local_dir, run_dir, peers.index)
-            local_start = peers.reduce("newest local step", max(finished_steps(local), default=0), max)
-            if local_start > start:
-                start, meta = local_start, (read_manifest(local / str(local_start)) or {}).get("meta")
-        if meta is not None:  # an unreadable one is set aside at restore time
-            check_model(meta["config"]["model"], model, run_dir, allowed)
-            peft.check_adapters(meta["config"].get("peft", {}), config.peft, run_dir)
-        if config.peft.method != "none":  # the base model, also when resuming: checkpoints hold adapters only
-            source = specs.resolve(config.checkpoint.init_from)
-            check_model(dataclasses.asdict(source.model), model, source.text, allowed)
-            if source.adapters is not None and source.adapters.virtual_tokens:
-                raise ConfigError(f"{source.text} is a prompt-tuned run, not a model to adapt; set "
-                                  f"checkpoint.init_from to its base, {source.base['spec']}")
-        elif not start and (config.checkpoint.resume_from or config.checkpoint.init_from):
-            source = specs.resolve(config.checkpoint.resume_from or config.checkpoint.init_from)
-            if config.checkpoint.resume_from and source.params_only:
-                raise ConfigError(f"{source.text} holds parameters only (no optimizer state or data position) and "
-                                  "cannot be resumed; start from it with checkpoint.init_from")
-            check_model(dataclasses.asdict(source.model), model, source.text, allowed)
-        enable_compilation_cache(config)
-        compiling = time.perf_counter()
-        program = TrainProgram.build(config, mesh)  # train.microbatches=auto: the fewest that fit
-        run = cls(program.config, program, data, start, peers, source)
-        if config.peft.method != "none":  # the base, loaded into its shards and checked before compiling
-            run.base = specs.load_params(source, target=program.abstract_state().frozen)
-            run.base_reference = peft.base_reference(source.text, source.location, run.base)
-            run.check_meta(meta)
-        program.check_fits()  # the step compiled now, its memory against run.device_memory_gb
-        run.compile_seconds = time.perf_counter() - compiling
-        return run
-
-    def check_meta(self, meta: dict | None) -> None:
-        """A checkpoint's meta must describe this run's adapters and base (ConfigError, one line)."""
-        if meta is None:
-            return
-        where = Path(self.config.run.dir)
-        peft.check_adapters(meta.get("config", {}).get("peft", {}), self.config.peft, where)
-        if self.base_reference is not None:
-            peft.check_base(meta.get("base"), self.base_reference, where)
+from llama_jax.training.metrics import MetricsLog, ThroughputMeter, WandbSettings
+from llama_jax.training.plan import format_plan, make_plan
+from llama_jax.training.report import write_report
+from llama_jax.training.run import Run
+from llama_jax.training.step import TrainState, model_flops_per_token
 
 
 def train(config: Config, print_fn: Callable[[str], None] = print, *, devices=None,
@@ -137,7 +70,7 @@ def train(config: Config, print_fn: Callable[[str], None] = print, *, devices=No
     primary = jax.process_index() == 0
     say = print_fn if primary else _warnings_only(print_fn)
     if primary:
-        print_fn(config_lib.summary(config))
+        print_fn(describe(config))
     f = config.fault
     peers = Peers(f.barrier_timeout_s, stall_at=f.inject_stall_at if f.inject_process == jax.process_index() else "")
     mesh = sharding.make_mesh(config, devices=devices)
@@ -149,7 +82,8 @@ def train(config: Config, print_fn: Callable[[str], None] = print, *, devices=No
         preflight.enforce(report, Path(config.run.dir), create=True, peers=peers)  # a starting run: may make run.dir
     run = Run.setup(config, mesh, data, peers)
     if config.train.microbatches == "auto":
-        say(f"train.microbatches=auto: {run.config.train.microbatches}, the fewest whose step fits run.device_memory_gb")
+        say(f"train.microbatches=auto: {run.config.train.microbatches}, the fewest whose step fits "
+            "run.device_memory_gb")
     return execute(run, say, started_at)
 
 
@@ -168,81 +102,45 @@ def _warnings_only(print_fn: Callable[[str], None]) -> Callable[[str], None]:
 def execute(run: Run, print_fn: Callable[[str], None] = print, started_at: float | None = None) -> dict:
     """The training loop. Returns a summary: eval losses, throughput, MFU, goodput and the exit code
     (0, or EXIT_PREEMPTED after a SIGTERM/SIGINT made it save and stop)."""
-    config, program, t, run_dir = run.config, run.program, run.config.train, Path(run.config.run.dir)
-    wall_start = time.perf_counter()
+    t, run_dir, wall_start = run.config.train, Path(run.config.run.dir), time.perf_counter()
     summary: dict[str, Any] = {"run_dir": str(run_dir), "exit_code": EXIT_OK}
-    if run.start and run.start >= t.steps:
-        print_fn(f"{run_dir} is already trained to step {run.start}; raise train.steps to continue")
+    if run.start.step and run.start.step >= t.steps:
+        print_fn(f"{run_dir} is already trained to step {run.start.step}; raise train.steps to continue")
         return summary
     loop = Loop.open(run, print_fn, started_at or time.time())
-    loop.goodput.add("compile", run.compile_seconds)  # Run.setup compiled the step to check its memory
     try:
-        with loop.watchdog, loop.preemption, program.activate(), loop.log:
+        with loop.watchdog, loop.preemption, run.program.activate(), loop.log:
             state, data_step = loop.restore()
             step = int(state.step)
-            loop.goodput.begin(step)
-            with loop.goodput.pause(None):  # not part of the first step's time
-                if step == 0:
-                    summary["initial_eval_loss"] = loop.evaluate(state.model_params, step)
-                batches = run.data.train.iterate(data_step, data_step + 10**12, program.local_rows(),
-                                                 config.data.loader_threads, config.data.prefetch)
-            first_step, batch, unread = step + 1, None, None
+            batches = loop.begin(state, step, data_step, summary)
+            batch, unread = None, None
             while step < t.steps:
-                if batch is None:
-                    batch = loop.next_batch(batches, data_step)
-                state, metrics = loop.dispatch(state, batch)  # returns before the step runs
-                step, data_step, batch = step + 1, data_step + 1, None
-                current = Dispatched(step, metrics, step == first_step)
-                if step < t.steps:  # the next batch is loaded and placed on the devices while this step runs
-                    batch = loop.next_batch(batches, data_step)
+                state, current = loop.dispatch(state, batch or loop.next_batch(batches, data_step), step + 1)
+                step, data_step = step + 1, data_step + 1
+                # The next batch is loaded and placed on the devices while this step runs.
+                batch = loop.next_batch(batches, data_step) if step < t.steps else None
                 # The previous step's metrics: reading them waits for that step only, the one just
                 # dispatched is already queued behind it, so the devices never wait for the host.
-                if unread is not None and loop.observe(unread) == "rollback":
-                    state, back_step = loop.roll_back(state, step, data_step)  # this step's state goes too
-                    if back_step != step:
-                        step, unread = back_step, None
-                        continue
                 if unread is not None:
-                    loop.hang_if_injected(unread.step)
-                unread = current
-                stop = loop.preemption.should_stop(step)
-                save = loop.checkpointer.due(step) or step == t.steps or stop
-                local = loop.checkpointer.local_due(step)
-                if not (save or local or stop or loop.eval_due(step)):
-                    continue
-                # This step's state is evaluated or saved: its verdict first (the next step would donate it).
-                unread = None
-                if loop.observe(current) == "rollback":
-                    state, back_step = loop.roll_back(state, step, data_step)
-                    if back_step != step:
-                        step = back_step
+                    if back := loop.settle(unread, state, step, data_step):  # this step's state goes too
+                        (state, step), unread = back, None
                         continue
-                    # Without a checkpoint to go back to the step stays, and is evaluated and saved as due.
-                with loop.goodput.pause(None):  # evaluation and saves are not step time
-                    if loop.eval_due(step):
-                        summary["final_eval_loss"] = loop.evaluate(state.model_params, step)
-                    if local:
-                        loop.save(step, state, data_step, tier="local")
-                    if save:
-                        loop.save(step, state, data_step)
-                loop.hang_if_injected(step)
-                if stop:
-                    loop.log.message(f"{loop.preemption.signal_name or 'preemption'} received: saved step {step}, "
-                                     f"stopping (exit {EXIT_PREEMPTED}); re-run the same command to continue")
+                    loop.hang_if_injected(unread.step)
+                unread, due = current, loop.due(step)
+                if not due:
+                    continue
+                unread = None  # this step is evaluated or saved: its verdict first (the next step would donate it)
+                if back := loop.settle(current, state, step, data_step):
+                    state, step = back
+                    continue
+                loop.act(due, state, step, data_step, summary)
+                if due.stop:
                     summary["exit_code"] = EXIT_PREEMPTED
                     break
             summary.update(loop.finish(step, preempted=summary["exit_code"] == EXIT_PREEMPTED))
     finally:
         loop.checkpointer.close()  # also on errors: a pending asynchronous save is finished, not lost
-    primary = jax.process_index() == 0
-    if t.sample_tokens and summary["exit_code"] == EXIT_OK and step > run.start:
-        # Outside the mesh context: the prompt's length need not divide the sequence shards.
-        summary["sample"] = sample_text(config, state.model_params, run.data.tokenizer)
-        print_fn(f"sample after {t.steps} steps:\n{summary['sample']}")
-        if primary:
-            (run_dir / "sample.txt").write_text(summary["sample"] + "\n")
-    if primary:
-        summary["report"] = str(write_report(run_dir))
+    loop.conclude(state, step, summary, print_fn)
     summary["wall_time_s"] = time.perf_counter() - wall_start
     return summary
 
@@ -254,6 +152,19 @@ class Dispatched:
     step: int
     metrics: dict  # device arrays: reading them waits for the step
     first: bool  # the first step of this process: its time is compilation's
+
+
+@dataclass(frozen=True)
+class Due:
+    """What happens after a step, besides the next step: each part of the loop decides for itself."""
+
+    evaluate: bool
+    save: bool  # the durable tier: at its interval, at the last step, and on preemption
+    local: bool  # the node-local tier
+    stop: bool  # preempted: save and stop
+
+    def __bool__(self) -> bool:
+        return self.evaluate or self.save or self.local or self.stop
 
 
 @dataclass
@@ -275,6 +186,7 @@ class Loop:
     # Seconds waiting for the loader since the last observe(): charged to the step read next, whose time
     # they fall in (an upper bound of the devices' wait: they may have been busy with the step before).
     data_wait_s: float = 0.0
+    first_step: int = 0  # the first step this process runs: its time is compilation's
 
     @classmethod
     def open(cls, run: Run, print_fn: Callable[[str], None], started_at: float) -> Loop:
@@ -284,7 +196,7 @@ class Loop:
         multi, primary = jax.process_count() > 1, jax.process_index() == 0
         run_dir.mkdir(parents=True, exist_ok=True)
         if primary:
-            (run_dir / "config.yaml").write_text(config_lib.to_yaml(config))
+            (run_dir / "config.yaml").write_text(to_yaml(config))
             run.data.tokenizer.save(run_dir)  # `llama-jax generate` and `eval` find the run's tokenizer here
         peak, peak_source = device_peak_flops(config.model.compute_dtype, cache_root(config.data.cache_dir))
         print_fn(f"{param_count(config.model) / 1e6:.2f}M parameters on {mesh.devices.size} "
@@ -292,18 +204,18 @@ class Loop:
                  f"per device ({peak_source})")
         print_fn(remat.describe(config.remat))
         host = socket.gethostname() + (f"-p{jax.process_index()}" if multi else "")
-        log = MetricsLog(run_dir, total_steps=t.steps, start_step=run.start, tensorboard=config.run.tensorboard,
+        log = MetricsLog(run_dir, total_steps=t.steps, start_step=run.start.step, tensorboard=config.run.tensorboard,
                          print_fn=print_fn, enabled=primary, wandb=WandbSettings.from_config(config))
         injected = f.inject_process == jax.process_index()
         try:
-            meta = run_metadata(config, mesh) | ({"base": run.base_reference} if run.base_reference else {})
             c = config.checkpoint
             local = LocalTier(c.local_dir, run_dir, mesh, run.peers, c.local_keep, c.local_replicas,
                               log=log.message) if c.local_dir else None
-            checkpointer = Checkpointer(run_dir, c, meta=meta, log=log.message,
-                                        peers=run.peers, save_delay_s=f.inject_save_delay_s if injected else 0.0,
-                                        layout=layer_order(config, mesh), local=local)
-            return cls(
+            checkpointer = Checkpointer(run_dir, c, meta=run.metadata(), log=log.message, peers=run.peers,
+                                        save_delay_s=f.inject_save_delay_s if injected else 0.0,
+                                        layout=run.layer_order, local=local, model=run.metadata()["config"]["model"],
+                                        check=run.check_meta)
+            loop = cls(
                 run=run, log=log, checkpointer=checkpointer, goodput=Goodput(run_dir, started_at, write=primary),
                 meter=ThroughputMeter(t.batch_size * t.seq_len, model_flops_per_token(config), peak,
                                       mesh.devices.size),
@@ -319,50 +231,37 @@ class Loop:
         except BaseException:
             log.close()  # the loop never started: nothing else will close it
             raise
+        loop.goodput.add("compile", run.compile_seconds)  # Run.setup compiled the step to check its memory
+        return loop
 
     def restore(self) -> tuple[TrainState, int]:
-        """(state, data position): run.dir's newest good checkpoint, else resume_from or init_from, else new."""
+        """(state, data position): where the run starts (checkpoint/start.py), carried out."""
         run, start = self.run, time.perf_counter()
         run.peers.barrier("restore")  # a process that never gets here is named, instead of a silent wait in Orbax
         with self.watchdog.paused("restore", run.config.checkpoint.timeout_s):
-            state, data_step = self._restored(run.program.abstract_checkpoint())
+            restored = starting.restore(run.start, self.checkpointer, run.program.abstract_checkpoint(),
+                                        self.log.message)
         for tier, seconds in self.checkpointer.restore_seconds.items():
             self.goodput.tier(f"restore_{tier}", seconds)
         if self.checkpointer.restored_from:
             self.goodput.restored(self.checkpointer.restored_from, self.checkpointer.restored_copies)
-        if state is None:
-            return run.program.init_state(jax.random.key(run.config.seed)), 0
-        self.goodput.add("checkpoint_restore", time.perf_counter() - start)
-        return state, data_step
+        if run.start.step or run.start.source is not None:
+            self.goodput.add("checkpoint_restore", time.perf_counter() - start)
+        saved_fingerprint = restored.data.get("fingerprint", run.data.fingerprint)
+        if restored.state is not None and saved_fingerprint != run.data.fingerprint:
+            self.log.message(f"warning: the data settings or sources changed since step {int(restored.state.step)} "
+                             "was saved; the batches from here on differ from the original run's")
+        return run.program.start_state(restored, run.base), restored.data_step
 
-    def _restored(self, abstract: TrainState) -> tuple[TrainState | None, int]:
-        run, say = self.run, self.log.message
-        if run.start:
-            found = self.checkpointer.restore_newest(abstract, dataclasses.asdict(run.config.model), say,
-                                                     run.config.checkpoint.allow_model_changes, run.check_meta)
-            if found:
-                step, state, data_state = found
-                state = run.program.with_frozen(state, run.base)
-                where = self.checkpointer.local.directory if self.checkpointer.restored_from == "local" else \
-                    self.checkpointer.directory
-                say(f"resumed from {where / str(step)}")
-                if data_state.get("fingerprint") != run.data.fingerprint:
-                    say(f"warning: the data settings or sources changed since step {step} was saved; "
-                        "the batches from here on differ from the original run's")
-                return state, int(data_state["next_step"])
-            say("warning: no checkpoint in run.dir restores; starting from scratch")
-        if run.source is not None and run.config.checkpoint.resume_from:
-            state, data_state = restore_step(run.source.step_dir, abstract, self.checkpointer.layout)
-            say(f"resumed from {run.source.text}")
-            return state, int(data_state["next_step"])
-        if run.base is not None:
-            say(f"adapting {run.source.text} (peft.method={run.config.peft.method}); its params stay frozen")
-            return run.program.fresh_state(jax.random.key(run.config.seed), frozen=run.base), 0
-        if run.source is not None:
-            params = specs.load_params(run.source, target=abstract.params, layout=self.checkpointer.layout)
-            say(f"initialised the params from {run.source.text}")
-            return run.program.init_state(jax.random.key(run.config.seed)).replace(params=params), 0
-        return None, 0
+    def begin(self, state: TrainState, step: int, data_step: int, summary: dict) -> Iterator[dict]:
+        """Goodput's clock starts; a new run is evaluated first; the loader starts at the data position."""
+        config, self.first_step = self.run.config, step + 1
+        self.goodput.begin(step)
+        with self.goodput.pause(None):  # not part of the first step's time
+            if step == 0:
+                summary["initial_eval_loss"] = self.evaluate(state.model_params, step)
+            return self.run.data.train.iterate(data_step, data_step + 10**12, self.run.program.local_rows(),
+                                               config.data.loader_threads, config.data.prefetch)
 
     def next_batch(self, batches: Iterator[dict], data_step: int) -> dict:
         """The next batch, placed on the devices, with fault.* injections applied (data_wait_s: the wait)."""
@@ -376,14 +275,14 @@ class Loop:
             batch["loss_mask"] = np.full_like(batch["loss_mask"], np.nan)
         return self.run.program.put(batch)  # the transfer starts now, the step need not wait for it
 
-    def dispatch(self, state: TrainState, batch: dict) -> tuple[TrainState, dict]:
-        """Hand a step to the devices. The call returns at once unless the devices are still busy with
+    def dispatch(self, state: TrainState, batch: dict, step: int) -> tuple[TrainState, Dispatched]:
+        """Hand step `step` to the devices. The call returns at once unless the devices are still busy with
         earlier work (a full queue; on CPU a cross-process step runs inside the call): that wait is the
         devices', so observe() does not count it as the host's time."""
         start = time.perf_counter()
-        result = self.run.program.train_step(state, batch)
+        state, metrics = self.run.program.train_step(state, batch)
         self.dispatch_wait_s += time.perf_counter() - start
-        return result
+        return state, Dispatched(step, metrics, step == self.first_step)
 
     def hang_if_injected(self, step: int) -> None:
         """fault.inject_hang_step: once step n is read (and saved, when due), the step after it never returns."""
@@ -431,6 +330,34 @@ class Loop:
         stragglers = [{k: s[k] for k in ("process", "host", "devices", "score")} for s in scores if s["straggler"]]
         self.log.log({"step": step, "host_score_max": scores[0]["score"], "straggler_hosts": stragglers})
 
+    def settle(self, done: Dispatched, state: TrainState, step: int, data_step: int) -> tuple[TrainState, int] | None:
+        """Read a dispatched step and act on the guard's verdict: after max_bad_steps bad steps in a row, roll
+        back. (state, step) to continue from when it rolled back, None when the loop goes on as it was
+        (without a checkpoint to go back to, the step stays, and is evaluated and saved as due)."""
+        if self.observe(done) != "rollback":
+            return None
+        back, back_step = self.roll_back(state, step, data_step)
+        return (back, back_step) if back_step != step else None
+
+    def due(self, step: int) -> Due:
+        stop = self.preemption.should_stop(step)
+        return Due(evaluate=self.eval_due(step), local=self.checkpointer.local_due(step), stop=stop,
+                   save=self.checkpointer.due(step) or step == self.run.config.train.steps or stop)
+
+    def act(self, due: Due, state: TrainState, step: int, data_step: int, summary: dict) -> None:
+        """Evaluate and save what is due after `step` (not step time), then say so if the run stops."""
+        with self.goodput.pause(None):
+            if due.evaluate:
+                summary["final_eval_loss"] = self.evaluate(state.model_params, step)
+            if due.local:
+                self.save(step, state, data_step, tier="local")
+            if due.save:
+                self.save(step, state, data_step)
+        self.hang_if_injected(step)
+        if due.stop:
+            self.log.message(f"{self.preemption.signal_name or 'preemption'} received: saved step {step}, "
+                             f"stopping (exit {EXIT_PREEMPTED}); re-run the same command to continue")
+
     def eval_due(self, step: int) -> bool:
         t = self.run.config.train
         return step == t.steps or (t.eval_every > 0 and step % t.eval_every == 0)
@@ -459,9 +386,7 @@ class Loop:
         with self.watchdog.paused("rollback", config.checkpoint.timeout_s), self.goodput.pause(None):
             self.checkpointer.wait()
             # As at start-up: the newest step that restores on every process, one decision for all.
-            found = self.checkpointer.restore_newest(self.run.program.abstract_checkpoint(),
-                                                     dataclasses.asdict(config.model), say,
-                                                     config.checkpoint.allow_model_changes, self.run.check_meta)
+            found = self.checkpointer.restore_newest(self.run.program.abstract_checkpoint(), say)
             if found is None:
                 say(f"warning: {guard.consecutive} bad steps in a row at step {step} and no checkpoint to roll "
                     "back to")
@@ -495,39 +420,21 @@ class Loop:
             self.log.message(self.checkpointer.advice(self.meter.median_step_s))
         return summary
 
-
-def enable_compilation_cache(config: Config) -> None:
-    """JAX's persistent compilation cache: a restarted run loads its compiled steps instead of compiling."""
-    setting = config.run.compilation_cache
-    if setting == "off":
-        return
-    directory = Path(setting).expanduser() if setting else cache_root(config.data.cache_dir) / "jax_compilation_cache"
-    jax.config.update("jax_compilation_cache_dir", str(directory))
-
-
-def layer_order(config: Config, mesh: Mesh) -> tuple[int, int]:
-    """(stages, repeats): the order of the layers in this run's state (pipeline.py)."""
-    return mesh.shape["pipeline"], config.mesh.pipeline_repeats
-
-
-def run_metadata(config: Config, mesh: Mesh) -> dict:
-    return {"config": config_lib.to_dict(config), "llama_jax": __version__, "jax": jax.__version__,
-            "mesh": dict(mesh.shape), "processes": jax.process_count(), "devices": mesh.devices.size}
+    def conclude(self, state: TrainState, step: int, summary: dict, print_fn: Callable[[str], None]) -> None:
+        """After the loop: a text sample of a run that trained to its end, and the report plot."""
+        run, primary = self.run, jax.process_index() == 0
+        run_dir = Path(run.config.run.dir)
+        if run.config.train.sample_tokens and summary["exit_code"] == EXIT_OK and step > run.start.step:
+            # Outside the mesh context: the prompt's length need not divide the sequence shards.
+            summary["sample"] = sample_text(run.config, state.model_params, run.data.tokenizer)
+            print_fn(f"sample after {run.config.train.steps} steps:\n{summary['sample']}")
+            if primary:
+                (run_dir / "sample.txt").write_text(summary["sample"] + "\n")
+        if primary:
+            summary["report"] = str(write_report(run_dir))
 
 
 def _injected_hang() -> None:
     """fault.inject_hang_step: stand-in for a collective that never returns (after step n has been read)."""
     while True:
         time.sleep(3600)
-
-
-def load_checkpoint(config: Config, step: int, devices=None) -> tuple[TrainState, dict]:
-    """(train state, loader state) saved at `step` in config.run.dir, restored onto `devices` (default:
-    all) in config's mesh: to inspect a run's parameters or compare two runs (a peft run's: its adapters)."""
-    program = TrainProgram.for_config(config, devices)
-    checkpointer = Checkpointer(Path(config.run.dir), config.checkpoint, layout=layer_order(config, program.mesh))
-    try:
-        with program.activate():
-            return checkpointer.restore(step, program.abstract_checkpoint())
-    finally:
-        checkpointer.close()

@@ -21,15 +21,15 @@ from dataclasses import dataclass, field
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from llama_jax.model import remat
-from llama_jax.perf import costmodel, hlo
 from llama_jax.config import Config
-from llama_jax.perf.costmodel import AxisTraffic
 from llama_jax.config.choices import REMAT_POLICIES
 from llama_jax.files import format_bytes
+from llama_jax.model import remat
 from llama_jax.model.llama import param_count
-from llama_jax.perf.hardware import memory_budget
 from llama_jax.model.pipeline import bubble_fraction
+from llama_jax.perf import costmodel, hlo
+from llama_jax.perf.costmodel import AxisTraffic
+from llama_jax.perf.hardware import memory_budget
 from llama_jax.training.step import TrainProgram, model_flops_per_token, step_memory_bytes
 
 

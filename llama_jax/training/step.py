@@ -25,17 +25,17 @@ import optax
 from flax import struct
 from jax.sharding import Mesh
 
-from llama_jax.distributed import sharding
-from llama_jax.model import peft
-from llama_jax.model.attention import select_implementation, skips_masked_blocks
 from llama_jax.config import Config
 from llama_jax.data.loader import Batches
+from llama_jax.distributed import sharding
 from llama_jax.errors import ConfigError
 from llama_jax.files import format_bytes
-from llama_jax.perf.hardware import memory_budget
+from llama_jax.model import peft
+from llama_jax.model.attention import select_implementation, skips_masked_blocks
 from llama_jax.model.llama import Llama, matmul_param_count, train_flops_per_token
-from llama_jax.training.optimizer import learning_rate, make_optimizer
 from llama_jax.model.pipeline import PipelineLayout, to_storage_order
+from llama_jax.perf.hardware import memory_budget
+from llama_jax.training.optimizer import learning_rate, make_optimizer
 
 # The fields of a batch, each [batch, seq]: what the loader yields and the train step takes.
 BATCH_FIELDS = {"tokens": jnp.int32, "targets": jnp.int32, "segment_ids": jnp.int32, "positions": jnp.int32,
@@ -285,6 +285,15 @@ class TrainProgram:
         if frozen is None:
             return state
         return PeftState(step=state.step, params=state.params, opt_state=state.opt_state, frozen=frozen)
+
+    def start_state(self, restored: Any, frozen: Any = None) -> TrainState:
+        """The state a run starts with, from where it starts (checkpoint/start.py's Restored): a restored
+        checkpoint made whole (a peft run's base `frozen` beside its adapters), a new state around restored
+        params (init_from), or a new state from config.seed (a peft run: new adapters on its base)."""
+        if restored.state is not None:
+            return self.with_frozen(restored.state, frozen)
+        state = self.fresh_state(jax.random.key(self.config.seed), frozen)
+        return state if restored.params is None else state.replace(params=restored.params)
 
     def fresh_state(self, rng: jax.Array, frozen: Any = None) -> TrainState:
         """A new state; a peft run takes its base `frozen` as loaded, initialising the adapters only

@@ -36,14 +36,14 @@ import jax
 from tqdm import tqdm
 
 from llama_jax import __version__
-from llama_jax.distributed import sharding
-from llama_jax.training import plan
 from llama_jax import config as config_lib
 from llama_jax.config import Config
-from llama_jax.perf.costmodel import CostModel, INTER_HOST, INTRA_HOST, check_devices_per_host, default_cost_model
+from llama_jax.distributed import sharding
 from llama_jax.errors import ConfigError
 from llama_jax.files import atomic_path, cache_root, format_bytes
+from llama_jax.perf.costmodel import INTER_HOST, INTRA_HOST, CostModel, check_devices_per_host, default_cost_model
 from llama_jax.perf.hardware import memory_budget, simulated_devices
+from llama_jax.training import plan
 from llama_jax.training.step import TrainProgram, model_flops_per_token, random_batch, time_train_steps
 
 SEARCHED_KEYS = ("mesh.pipeline", "mesh.pipeline_repeats", "mesh.data", "mesh.fsdp", "mesh.tensor", "mesh.sequence",

@@ -32,10 +32,10 @@ def adapters(name: str) -> tuple[object, object, dict]:
     import flax.linen as nn
     import jax
 
+    from llama_jax.config import PeftConfig
     from llama_jax.interop import hf
     from llama_jax.model import peft
     from llama_jax.model.llama import abstract_params
-    from llama_jax.config import PeftConfig
 
     cfg, settings = hf.read_config(BASE), PeftConfig(**ADAPTERS[name])
     shapes = peft.split(nn.meta.unbox(abstract_params(cfg, settings)))[0]

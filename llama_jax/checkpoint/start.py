@@ -1,0 +1,139 @@
+"""Where a run starts, decided in one place: before anything in run.dir is written (`decide`), and carried out
+once the train step is compiled (`restore`).
+
+    the run's own steps      run.dir holds steps, in checkpoints/ or the node-local tier (which may be newer):
+                             the newest step some tier holds whole, on every process (Checkpointer.restore_newest:
+                             the local tier, a partner's copy, then checkpoints/; a damaged copy is set aside and
+                             the next one tried)
+    checkpoint.resume_from   a new run.dir continues another run's step: params, optimizer state, data position
+    checkpoint.init_from     a new run.dir starts from another model's params (a run, a step, hf:DIR)
+    peft.method              the base model of checkpoint.init_from, frozen, with adapters: new ones, or the run's
+                             own saved ones (checkpoints hold the adapters only, so the base is read on every start)
+    none of these            a new model from config.seed
+
+`decide` reads what each source says about its model (a checkpoint's meta, a Hugging Face config) and refuses
+one of another model in one line (ConfigError, exit 2), naming the fields; a peft run's checkpoints must hold
+the same adapters. `load_base` reads a peft run's base into its shards and checks it against what the run's
+checkpoints recorded of it. `restore` returns the state and data position to continue from, or the params to
+initialise with; the training side turns that into a train state (TrainProgram.start_state).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from llama_jax.checkpoint.checkpointer import Checkpointer
+from llama_jax.checkpoint.durable import check_model, latest_checkpoint_step, read_meta, restore_step
+from llama_jax.checkpoint.local import finished_steps, process_directory, read_manifest
+from llama_jax.checkpoint.specs import ModelSpec, load_params, resolve
+from llama_jax.config import Config
+from llama_jax.distributed.peers import Peers
+from llama_jax.errors import ConfigError
+from llama_jax.model import peft
+
+
+@dataclass(frozen=True)
+class Start:
+    """The decision: run.dir's newest step (0: none) and its meta, and the model a new run starts from."""
+
+    step: int  # the newest step some tier of run.dir holds (each process its own directory; agreed by all)
+    meta: dict | None  # that step's meta (the config it was saved with, a peft run's base reference)
+    source: ModelSpec | None = None  # checkpoint.resume_from or init_from for a new run.dir; a peft run's base
+    resume: bool = False  # source is a step to continue (resume_from), not params to start from
+    adapting: str = ""  # a peft run's method: source is its frozen base, on every start
+
+
+@dataclass(frozen=True)
+class Restored:
+    """What `restore` found: a checkpointed state to continue (with its loader state), or params to start a new
+    state from, or neither (a new model; a peft run's base with new adapters)."""
+
+    state: Any = None
+    data: dict = dataclasses.field(default_factory=dict)  # the loader state: next_step, fingerprint
+    params: Any = None
+
+    @property
+    def data_step(self) -> int:
+        return int(self.data.get("next_step", 0))
+
+
+def decide(config: Config, peers: Peers) -> Start:
+    """Where `config`'s run starts. Raises ConfigError (one line) for a source of another model, other
+    adapters, or a source that cannot be resumed; reads, never writes."""
+    run_dir, model = Path(config.run.dir), dataclasses.asdict(config.model)
+    allowed = config.checkpoint.allow_model_changes
+    step = latest_checkpoint_step(run_dir)
+    meta = read_meta(run_dir / "checkpoints" / str(step)) if step else None
+    if config.checkpoint.local_dir:  # the local tier may hold newer steps (each process sees its own)
+        local = process_directory(config.checkpoint.local_dir, run_dir, peers.index)
+        local_step = peers.reduce("newest local step", max(finished_steps(local), default=0), max)
+        if local_step > step:
+            step, meta = local_step, (read_manifest(local / str(local_step)) or {}).get("meta")
+    if meta is not None:  # an unreadable one is set aside at restore time
+        check_model(meta["config"]["model"], model, run_dir, allowed)
+        peft.check_adapters(meta["config"].get("peft", {}), config.peft, run_dir)
+    if config.peft.method != "none":  # the base model, also when resuming: checkpoints hold adapters only
+        source = resolve(config.checkpoint.init_from)
+        check_model(dataclasses.asdict(source.model), model, source.text, allowed)
+        if source.adapters is not None and source.adapters.virtual_tokens:
+            raise ConfigError(f"{source.text} is a prompt-tuned run, not a model to adapt; set "
+                              f"checkpoint.init_from to its base, {source.base['spec']}")
+        return Start(step, meta, source, adapting=config.peft.method)
+    if step or not (config.checkpoint.resume_from or config.checkpoint.init_from):
+        return Start(step, meta)
+    source = resolve(config.checkpoint.resume_from or config.checkpoint.init_from)
+    if config.checkpoint.resume_from and source.params_only:
+        raise ConfigError(f"{source.text} holds parameters only (no optimizer state or data position) and "
+                          "cannot be resumed; start from it with checkpoint.init_from")
+    check_model(dataclasses.asdict(source.model), model, source.text, allowed)
+    return Start(step, meta, source, resume=bool(config.checkpoint.resume_from))
+
+
+def load_base(start: Start, target: Any) -> tuple[Any, dict]:
+    """A peft run's base params in the shapes and shardings of `target`, and the reference its checkpoints
+    keep of it (path and digest: peft.base_reference)."""
+    base = load_params(start.source, target=target)
+    return base, peft.base_reference(start.source.text, start.source.location, base)
+
+
+def meta_check(config: Config, base_reference: dict | None) -> Callable[[dict | None], None]:
+    """What a step's meta must say beyond its model (which the Checkpointer checks): a peft run's adapters and
+    the base they were trained on. Raises ConfigError, one line."""
+    where = Path(config.run.dir)
+
+    def check(meta: dict | None) -> None:
+        if meta is None:
+            return
+        peft.check_adapters(meta.get("config", {}).get("peft", {}), config.peft, where)
+        if base_reference is not None:
+            peft.check_base(meta.get("base"), base_reference, where)
+
+    return check
+
+
+def restore(start: Start, checkpointer: Checkpointer, abstract: Any, say: Callable[[str], None]) -> Restored:
+    """Carry the decision out, in `abstract`'s shapes and shardings (a checkpointed train state; a peft run's
+    without the base). Every process calls it (the Checkpointer agrees with the others on each step)."""
+    if start.step:
+        found = checkpointer.restore_newest(abstract, say)
+        if found is not None:
+            step, state, data = found
+            where = checkpointer.local.directory if checkpointer.restored_from == "local" else checkpointer.directory
+            say(f"resumed from {where / str(step)}")
+            return Restored(state=state, data=data)
+        say("warning: no checkpoint in run.dir restores; starting from scratch")
+    if start.source is None:
+        return Restored()
+    if start.adapting:
+        say(f"adapting {start.source.text} (peft.method={start.adapting}); its params stay frozen")
+        return Restored()
+    if start.resume:
+        state, data = restore_step(start.source.step_dir, abstract, checkpointer.layout)
+        say(f"resumed from {start.source.text}")
+        return Restored(state=state, data=data)
+    params = load_params(start.source, target=abstract.params, layout=checkpointer.layout)
+    say(f"initialised the params from {start.source.text}")
+    return Restored(params=params)

@@ -1,0 +1,104 @@
+"""A training run before its first step: everything the loop needs, built and checked before anything in run.dir
+is written (`Run.setup`), and what its checkpoints record of it.
+
+Setup decides where the run starts (checkpoint/start.py: its own newest step, resume_from, init_from, a peft
+run's base, or nothing), refusing a source of another model; compiles the train step (train.microbatches=auto:
+the fewest that fit) and checks its memory against run.device_memory_gb. A peft run's base is loaded into its
+shards and checked against the run's checkpoints before the step compiles. Every failure is one line, exit 2.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jax
+from jax.sharding import Mesh
+
+from llama_jax import __version__
+from llama_jax.checkpoint import start as starting
+from llama_jax.checkpoint.checkpointer import Checkpointer
+from llama_jax.config import Config, to_dict
+from llama_jax.data.streams import TrainData
+from llama_jax.distributed.peers import Peers
+from llama_jax.files import cache_root
+from llama_jax.training.metrics import check_wandb
+from llama_jax.training.step import TrainProgram, TrainState
+
+
+@dataclass
+class Run:
+    """Everything a training run needs, built and checked before anything in run.dir is written."""
+
+    config: Config
+    program: TrainProgram
+    data: TrainData
+    start: starting.Start  # where the run starts: run.dir's newest step, or the model a new run starts from
+    peers: Peers  # the other processes, for every decision outside the jitted step
+    compile_seconds: float = 0.0  # compiling the train step ahead of time, to check its memory
+    base: Any = None  # a peft run: the base model's params, loaded and checked by setup (frozen in the state)
+    base_reference: dict | None = None  # ... and what checkpoints record of it (peft.base_reference)
+
+    @classmethod
+    def setup(cls, config: Config, mesh: Mesh, data: TrainData, peers: Peers | None = None) -> Run:
+        """Raises ConfigError or DataError (one line each) on bad input; writes nothing. `peers` defaults to
+        every process, with config's barrier timeout."""
+        peers = peers or Peers(config.fault.barrier_timeout_s)
+        check_wandb(config.run)
+        start = starting.decide(config, peers)
+        enable_compilation_cache(config)
+        compiling = time.perf_counter()
+        program = TrainProgram.build(config, mesh)  # train.microbatches=auto: the fewest that fit
+        run = cls(program.config, program, data, start, peers)
+        if start.adapting:  # the base, loaded into its shards and checked before compiling
+            run.base, run.base_reference = starting.load_base(start, program.abstract_state().frozen)
+            run.check_meta(start.meta)
+        program.check_fits()  # the step compiled now, its memory against run.device_memory_gb
+        run.compile_seconds = time.perf_counter() - compiling
+        return run
+
+    def check_meta(self, meta: dict | None) -> None:
+        """A checkpoint's meta must say this run's adapters and base, beyond its model (ConfigError, one line)."""
+        starting.meta_check(self.config, self.base_reference)(meta)
+
+    @property
+    def layer_order(self) -> tuple[int, int]:
+        return layer_order(self.config, self.program.mesh)
+
+    def metadata(self) -> dict:
+        """What every checkpoint of this run records besides its arrays."""
+        return run_metadata(self.config, self.program.mesh) | ({"base": self.base_reference}
+                                                               if self.base_reference else {})
+
+
+def enable_compilation_cache(config: Config) -> None:
+    """JAX's persistent compilation cache: a restarted run loads its compiled steps instead of compiling."""
+    setting = config.run.compilation_cache
+    if setting == "off":
+        return
+    directory = Path(setting).expanduser() if setting else cache_root(config.data.cache_dir) / "jax_compilation_cache"
+    jax.config.update("jax_compilation_cache_dir", str(directory))
+
+
+def layer_order(config: Config, mesh: Mesh) -> tuple[int, int]:
+    """(stages, repeats): the order of the layers in this run's state (model/pipeline.py)."""
+    return mesh.shape["pipeline"], config.mesh.pipeline_repeats
+
+
+def run_metadata(config: Config, mesh: Mesh) -> dict:
+    return {"config": to_dict(config), "llama_jax": __version__, "jax": jax.__version__,
+            "mesh": dict(mesh.shape), "processes": jax.process_count(), "devices": mesh.devices.size}
+
+
+def load_checkpoint(config: Config, step: int, devices=None) -> tuple[TrainState, dict]:
+    """(train state, loader state) saved at `step` in config.run.dir, restored onto `devices` (default:
+    all) in config's mesh: to inspect a run's parameters or compare two runs (a peft run's: its adapters)."""
+    program = TrainProgram.for_config(config, devices)
+    checkpointer = Checkpointer(Path(config.run.dir), config.checkpoint, layout=layer_order(config, program.mesh))
+    try:
+        with program.activate():
+            return checkpointer.restore(step, program.abstract_checkpoint())
+    finally:
+        checkpointer.close()
