@@ -43,6 +43,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
+from llama_jax.model import platform
+
 STAGE_AXIS = "pipeline"
 
 
@@ -183,7 +185,7 @@ def run_stages(layout: PipelineLayout, stage: Callable, layer_params, x, segment
     # gradient is summed over the stages in the backward pass. XLA:CPU cannot compile a sum over a manual
     # axis in bf16 (its all-reduce promotion pass aborts on the reducer jax emits), so on CPUs the stages'
     # sums run in fp32.
-    summed = jnp.float32 if jax.default_backend() == "cpu" and dtype == jnp.bfloat16 else dtype
+    summed = jnp.float32 if platform.backend() == "cpu" and dtype == jnp.bfloat16 else dtype
     x = pin(x).astype(summed)
     stage_specs = PartitionSpec(STAGE_AXIS)
     out = jax.shard_map(local, in_specs=(stage_specs, PartitionSpec(), PartitionSpec(), PartitionSpec()),
