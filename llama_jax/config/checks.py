@@ -5,9 +5,9 @@ and exits 2 before anything is written). `validate` runs them all; load.py calls
 
 from __future__ import annotations
 
-from llama_jax.config.choices import (ATTENTION_IMPLEMENTATIONS, BAD_RECORD_ACTIONS, DTYPES, FUNCTION_FIELDS,
-                                      LOGICAL_AXES, LORA_TARGETS, MESH_AXES, PACKINGS, PEFT_METHODS, PROMPT_ENCODERS,
-                                      REMAT_ACTIONS, REMAT_POLICIES, REMAT_TAGS, TEXT_UNITS)
+from llama_jax.config.choices import (ATTENTION_IMPLEMENTATIONS, BAD_RECORD_ACTIONS, DTYPES, FP8_RECIPES,
+                                      FUNCTION_FIELDS, LOGICAL_AXES, LORA_TARGETS, MESH_AXES, PACKINGS, PEFT_METHODS,
+                                      PROMPT_ENCODERS, REMAT_ACTIONS, REMAT_POLICIES, REMAT_TAGS, TEXT_UNITS)
 from llama_jax.config.schema import CheckpointConfig, Config, DataConfig, FaultConfig, PeftConfig, RematConfig
 from llama_jax.errors import ConfigError
 
@@ -44,6 +44,7 @@ def validate(config: Config) -> None:
         m.attention in ATTENTION_IMPLEMENTATIONS,
         f"model.attention must be one of {', '.join(ATTENTION_IMPLEMENTATIONS)}, got '{m.attention}'",
     )
+    _require(m.fp8 in FP8_RECIPES, f"model.fp8 must be one of {', '.join(FP8_RECIPES)}, got '{m.fp8}'")
     _require(m.norm_eps > 0, f"model.norm_eps must be positive, got {m.norm_eps}")
     _require(m.init_std > 0, f"model.init_std must be positive, got {m.init_std}")
     _require(m.rope_original_max_len > 0,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 # float16 needs loss scaling, which the trainer does not do: bfloat16 has float32's range.
 DTYPES = ("float32", "bfloat16")
+FP8_RECIPES = ("none", "tensorwise")  # model.fp8
 ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn", "blocked")
 PACKINGS = ("concat", "first_fit")
 TEXT_UNITS = ("file", "paragraph", "line")
@@ -27,7 +28,7 @@ SHAPE_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "h
 # checkpoint that differs in one is refused unless checkpoint.allow_model_changes names it (e.g. a
 # longer context with new RoPE scaling). Left out on purpose: compute_dtype, attention (the same
 # function by another kernel), max_seq_len (positions beyond it are never used), init_std (unused once
-# weights exist), cpu_projection.
+# weights exist), cpu_projection, fp8 (the same function at another matmul precision).
 FUNCTION_FIELDS = ("norm_eps", "rope_theta", "rope_scaling_factor", "rope_low_freq_factor",
                    "rope_high_freq_factor", "rope_original_max_len")
 ARCHITECTURE_FIELDS = SHAPE_FIELDS + FUNCTION_FIELDS

@@ -46,6 +46,10 @@ class ModelConfig:
     attention_max_segments: int = 16  # cuDNN packed layout: documents per row (memory ~0.25 GiB per unit at 8K)
     cpu_projection: bool = True  # on CPU, projections' weight gradients transpose the narrow operand (projection.py)
     init_std: float = 0.02
+    # Matmul precision of the q, k, v, o, gate, up and down projections (projection.py): none (compute_dtype) |
+    # tensorwise (fp8 with per-tensor current scaling: e4m3 forward, e5m2 output gradients). The embedding,
+    # output projection, attention, norms and loss keep compute_dtype / fp32; weights and optimizer stay fp32.
+    fp8: str = "none"
 
     @property
     def resolved_head_dim(self) -> int:

@@ -35,7 +35,7 @@ from llama_jax.model import platform, remat
 from llama_jax.model.attention import attention, cached_attention, select_implementation
 from llama_jax.model.loss import LOGITS, fused_cross_entropy_sum
 from llama_jax.model.pipeline import PipelineLayout, run_stages
-from llama_jax.model.projection import project
+from llama_jax.model.projection import FP8_FORWARD, fp8_project, project, quantize
 
 # Logical names of activation axes. Parameters use `embed`, `heads`, ...; activations get their own
 # names because they shard differently (an FSDP run shards weights along `embed` but activations
@@ -188,12 +188,16 @@ class Linear(nn.Module):
     lora_rank: int = 0
     lora_alpha: float = 0.0
     lora_dropout: float = 0.0
+    fp8: bool = False  # model.fp8=tensorwise: fp8 operands (projection.py); the LoRA update stays in dtype
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, x_fp8: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
+        """x_fp8: x quantized by the caller (fp8_input), shared by the projections of one input."""
         kernel = self.param("kernel", init_normal(self.std, self.names), self.shape, self.param_dtype)
-        # = jnp.einsum(spec, x, kernel), with a faster backward pass on CPU
-        y = project(self.spec, x.astype(self.dtype), kernel.astype(self.dtype), self.cpu_backward)
+        if self.fp8:
+            y = fp8_project(self.spec, x.astype(self.dtype), kernel.astype(self.dtype), x_fp8)
+        else:  # = jnp.einsum(spec, x, kernel), with a faster backward pass on CPU
+            y = project(self.spec, x.astype(self.dtype), kernel.astype(self.dtype), self.cpu_backward)
         return y + self.low_rank_update(x) if self.lora_rank else y
 
     def low_rank_update(self, x: jax.Array) -> jax.Array:
@@ -223,8 +227,17 @@ def adapted_linear(cfg: ModelConfig, peft: PeftConfig):
     """Linear with the model's dtypes; called with `target` (q, k, ... down) it gets that projection's LoRA."""
     def make(*args, target: str, **kwargs):
         return Linear(*args, **dtypes(cfg), cpu_backward=cfg.cpu_projection, lora_rank=peft.lora_rank(target),
-                      lora_alpha=peft.alpha, lora_dropout=peft.dropout, **kwargs)
+                      lora_alpha=peft.alpha, lora_dropout=peft.dropout, fp8=cfg.fp8 != "none", **kwargs)
     return make
+
+
+def fp8_input(cfg: ModelConfig, x: jax.Array, tag: str) -> tuple[jax.Array, jax.Array] | None:
+    """Under model.fp8, a projection input quantized once for the projections that read it, carrying the
+    input's remat tag: a policy that saves the tag keeps these fp8 operands for the backward, not bf16 copies."""
+    if cfg.fp8 == "none":
+        return None
+    x8, scale = quantize(x.astype(jnp.dtype(cfg.compute_dtype)), FP8_FORWARD)
+    return checkpoint_name(x8, tag), checkpoint_name(scale, tag)
 
 
 class Attention(nn.Module):
@@ -240,9 +253,12 @@ class Attention(nn.Module):
         linear = adapted_linear(cfg, self.peft)
         std, out_std = cfg.init_std, output_init_std(cfg)
 
-        q = linear("btd,dnh->btnh", (d, n, h), ("embed", "heads", "head_dim"), std, target="q", name="q_proj")(x)
-        k = linear("btd,dkh->btkh", (d, kv, h), ("embed", "kv_heads", "head_dim"), std, target="k", name="k_proj")(x)
-        v = linear("btd,dkh->btkh", (d, kv, h), ("embed", "kv_heads", "head_dim"), std, target="v", name="v_proj")(x)
+        x8 = fp8_input(cfg, x, "attn_norm")
+        q = linear("btd,dnh->btnh", (d, n, h), ("embed", "heads", "head_dim"), std, target="q", name="q_proj")(x, x8)
+        k = linear("btd,dkh->btkh", (d, kv, h), ("embed", "kv_heads", "head_dim"), std, target="k",
+                   name="k_proj")(x, x8)
+        v = linear("btd,dkh->btkh", (d, kv, h), ("embed", "kv_heads", "head_dim"), std, target="v",
+                   name="v_proj")(x, x8)
         q = nn.with_logical_constraint(checkpoint_name(q, "query_proj"), HEADS)
         k = nn.with_logical_constraint(checkpoint_name(k, "key_proj"), KV_HEADS)
         v = nn.with_logical_constraint(checkpoint_name(v, "value_proj"), KV_HEADS)
@@ -259,7 +275,7 @@ class Attention(nn.Module):
         context = nn.with_logical_constraint(checkpoint_name(context, "attention_context"), HEADS)
 
         out = linear("btnh,nhd->btd", (n, h, d), ("heads", "head_dim", "embed"), out_std, target="o",
-                     name="o_proj")(context)
+                     name="o_proj")(context, fp8_input(cfg, context, "attention_context"))
         return checkpoint_name(out, "attention_out")
 
     def cached(self, k, v, positions):
@@ -288,12 +304,14 @@ class MLP(nn.Module):
         d, f = cfg.d_model, cfg.ffn_dim
         linear = adapted_linear(cfg, self.peft)
         std, out_std = cfg.init_std, output_init_std(cfg)
-        gate = linear("btd,df->btf", (d, f), ("embed", "mlp"), std, target="gate", name="gate_proj")(x)
-        up = linear("btd,df->btf", (d, f), ("embed", "mlp"), std, target="up", name="up_proj")(x)
+        x8 = fp8_input(cfg, x, "mlp_norm")
+        gate = linear("btd,df->btf", (d, f), ("embed", "mlp"), std, target="gate", name="gate_proj")(x, x8)
+        up = linear("btd,df->btf", (d, f), ("embed", "mlp"), std, target="up", name="up_proj")(x, x8)
         gate = nn.with_logical_constraint(checkpoint_name(gate, "mlp_gate"), MLP_HIDDEN)
         up = nn.with_logical_constraint(checkpoint_name(up, "mlp_up"), MLP_HIDDEN)
         hidden = checkpoint_name(nn.silu(gate) * up, "mlp_hidden")  # SwiGLU
-        out = linear("btf,fd->btd", (f, d), ("mlp", "embed"), out_std, target="down", name="down_proj")(hidden)
+        out = linear("btf,fd->btd", (f, d), ("mlp", "embed"), out_std, target="down", name="down_proj")(
+            hidden, fp8_input(cfg, hidden, "mlp_hidden"))
         return checkpoint_name(out, "mlp_out")
 
 

@@ -9,6 +9,16 @@ than x) inside a slow fused loop: the largest cost of a CPU train step after the
 once, explicitly (an optimization barrier keeps XLA from folding the transpose back into the
 matmul), and dy is used as it is. On GPUs and TPUs the plain einsum is kept: their matmul libraries
 take transposed operands for free.
+
+model.fp8=tensorwise: the projections' matmuls take fp8 operands with per-tensor current scaling (scale =
+amax / the format's largest value, computed from the tensor itself each step, so there is no scaling state):
+x and the kernel in e4m3 (3 mantissa bits) forward, the output gradient in e5m2 (the range gradients need),
+products accumulated in fp32 and rescaled. The backward pass keeps the fp8 operands, not bf16 copies. Written
+by hand (a custom_vjp) rather than with Flax's fp8_ops (delayed scaling only, its amax history carried as
+params in a gradient-overwriting collection, bf16 operands kept for the backward), Qwix (intercepts the calls
+of wrapped modules: our pipeline and remat paths apply Block outside the wrapped model) or Transformer
+Engine (CUDA only: nothing of it runs or lowers on CPU). XLA:GPU rewrites each scaled dot into
+cuBLASLt's fp8 GEMM (`__cublas$lt$matmul$f8`, tests/test_gpu_target.py).
 """
 
 from __future__ import annotations
@@ -19,6 +29,57 @@ import jax
 import jax.numpy as jnp
 
 from llama_jax.model import platform
+
+
+FP8_FORWARD = jnp.float8_e4m3fn  # activations and weights
+FP8_GRADIENT = jnp.float8_e5m2  # output gradients: two more exponent bits, one less mantissa bit
+
+
+def quantize(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
+    """(x / scale in `dtype`, scale): scale = amax(|x|) / dtype's largest finite value, an fp32 scalar. A
+    non-finite amax gives NaN everywhere, which the NaN guard sees."""
+    largest = float(jnp.finfo(dtype).max)
+    amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
+    scale = jnp.where(amax > 0, amax / largest, jnp.float32(1))
+    # The clip: x / scale may round one ulp past the largest value, which e4m3fn (no infinity) makes NaN.
+    return jnp.clip(x.astype(jnp.float32) / scale, -largest, largest).astype(dtype), scale
+
+
+def _scaled_dot(a, b, axes, scale, dtype):
+    return (jax.lax.dot_general(a, b, (axes, ((), ())), preferred_element_type=jnp.float32) * scale).astype(dtype)
+
+
+def fp8_project(spec: str, x: jax.Array, kernel: jax.Array, x_fp8: tuple[jax.Array, jax.Array] | None = None):
+    """jnp.einsum(spec, x, kernel) with fp8 operands (model.fp8=tensorwise). x_fp8: x already quantized
+    (quantize(x, FP8_FORWARD)), for projections that share an input and a remat tag (q, k, v; gate, up)."""
+    x_axes, outputs = spec.split("->")[0].split(",")[0], spec.split("->")[1]
+    x8, x_scale = quantize(x, FP8_FORWARD) if x_fp8 is None else x_fp8
+    return _fp8_project(x, jax.lax.stop_gradient(x8), jax.lax.stop_gradient(x_scale), kernel,
+                        len(set(x_axes) - set(outputs)))
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _fp8_project(x, x8, x_scale, kernel, contracted):
+    return _fp8_project_forward(x, x8, x_scale, kernel, contracted)[0]
+
+
+def _fp8_project_forward(x, x8, x_scale, kernel, contracted):
+    k8, k_scale = quantize(kernel, FP8_FORWARD)
+    axes = (tuple(range(x.ndim - contracted, x.ndim)), tuple(range(contracted)))
+    return _scaled_dot(x8, k8, axes, x_scale * k_scale, x.dtype), (x8, x_scale, k8, k_scale)
+
+
+def _fp8_project_backward(contracted, residuals, dy):
+    x8, x_scale, k8, k_scale = residuals
+    dy8, dy_scale = quantize(dy, FP8_GRADIENT)
+    tokens = x8.ndim - contracted
+    dx = _scaled_dot(dy8, k8, (tuple(range(tokens, dy.ndim)), tuple(range(contracted, k8.ndim))),
+                     dy_scale * k_scale, dy.dtype)
+    dkernel = _scaled_dot(x8, dy8, (tuple(range(tokens)), tuple(range(tokens))), x_scale * dy_scale, dy.dtype)
+    return dx, None, None, dkernel
+
+
+_fp8_project.defvjp(_fp8_project_forward, _fp8_project_backward)
 
 
 def uses_cpu_backward(platform: str, enabled: bool = True) -> bool:
