@@ -30,7 +30,6 @@ import jax.numpy as jnp
 
 from llama_jax.model import platform
 
-
 FP8_FORWARD = jnp.float8_e4m3fn  # activations and weights
 FP8_GRADIENT = jnp.float8_e5m2  # output gradients: two more exponent bits, one less mantissa bit
 
