@@ -36,6 +36,7 @@ def main() -> None:
         sys.stderr.write(f"bench/lower.py: error: {err}\n")
         sys.exit(err.exit_code)
     if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(text)
     else:
         sys.stdout.write(text)

@@ -51,6 +51,7 @@ def test_the_compile_options_are_launch_gpu_env_sh_flags():
     assert options["xla_gpu_all_gather_combine_threshold_bytes"] == 134217728
     assert options["xla_gpu_pipeline_all_gather"] == "COLLECTIVE_PIPELINING_MODE_ON"
     assert options["xla_disable_hlo_passes"] == "rematerialization" and options["xla_gpu_enable_command_buffer"] == ""
+    assert options["xla_gpu_autotune_level"] == 0  # nothing to time without the GPU
 
 
 @pytest.mark.parametrize("target", sorted(gpu_target.TARGETS))
@@ -186,7 +187,6 @@ def test_tune_ranks_candidates_compiled_for_the_target(tmp_path):
     assert "for 8 NVIDIA H100 80GB HBM3 device(s)" in (tmp_path / "tune.yaml").read_text()
 
 
-
 # --------------------------------------------------------------------------------------------
 # The documented commands
 
@@ -195,6 +195,9 @@ def target_commands() -> list[str]:
     return [c for c in readme_commands("llama-jax ") if "--target " in c]
 
 
+# jax writes a compile-only executable to the session's persistent compilation cache but cannot load it back (no
+# GPU client): a documented command that compiles the same program as an earlier one warns, then compiles.
+@pytest.mark.filterwarnings("ignore:Error reading persistent compilation cache entry")
 @pytest.mark.parametrize("command", target_commands())
 def test_readme_target_commands_compile_for_the_gpus_or_say_what_is_missing(command, capsys):
     """Each documented --target command: where the plugin is, a plan compiles for the GPUs it names (with 2 of
@@ -204,8 +207,9 @@ def test_readme_target_commands_compile_for_the_gpus_or_say_what_is_missing(comm
     assert args[0] in ("plan", "tune")
     if args[0] == "tune":
         args = [*args, "--dry-run"]
-    elif NO_PLUGIN is None:
-        args = [*args, "model.n_layers=2", f"train.batch_size={args[args.index('--gpus') + 1]}"]
+    elif NO_PLUGIN is None:  # key=value before the options, as `plan` takes them
+        first_option = next(i for i, a in enumerate(args) if a.startswith("--"))
+        args[first_option:first_option] = ["model.n_layers=2", f"train.batch_size={args[args.index('--gpus') + 1]}"]
     status = cli.main(args)
     out, err = capsys.readouterr()
     if NO_PLUGIN is not None:

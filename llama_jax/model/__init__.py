@@ -13,6 +13,7 @@ onto a mesh) and the mesh axes of its own shard_maps.
     remat.py             recomputation policies -> jax.checkpoint policies
     pipeline.py          the layer stack cut into pipeline stages; the layers' storage order
     peft.py              adapters apart from the frozen base, the base's digest, LoRA folded into weights
+    platform.py          the platform a step is traced for (the mesh's, not always this process's)
 
 Imports config/ and errors.py only.
 """

@@ -10,7 +10,8 @@ The step compiles under launch/gpu_env.sh's XLA flags (GPU_ENV_FLAGS, passed as 
 CPU compiles of the same process are not touched).
 
 What such a compile cannot know, and what is done about it:
-- no autotuning: cuBLASLt takes its first algorithm, which changes speed, not memory;
+- no autotuning (turned off: nothing to time): cuBLASLt takes its first algorithm, which changes speed, not
+  memory;
 - cuDNN attention's workspace is not sized (u8[0]): cudnn_workspace_bytes() adds it from the sizes measured on
   an H100 (docs/performance.md), applied to the largest cuDNN attention call of the compiled step;
 - jax checks the local GPU while tracing cuDNN attention: model/platform.py answers for the target.
@@ -136,8 +137,9 @@ def _option(flag: str) -> tuple[str, bool | int | str]:
 
 
 def compiler_options() -> dict[str, bool | int | str]:
-    """GPU_ENV_FLAGS as options of one compile."""
-    return dict(map(_option, GPU_ENV_FLAGS))
+    """GPU_ENV_FLAGS as options of one compile, without autotuning: there is no GPU to time kernels on, and
+    XLA's autotuner takes half the compile to find that out (the program and its buffers are the same)."""
+    return {**dict(map(_option, GPU_ENV_FLAGS)), "xla_gpu_autotune_level": 0}
 
 
 # cuDNN's workspace for flash attention's forward and backward pass, measured on an H100 (docs/performance.md,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import time
 from dataclasses import dataclass
@@ -269,7 +270,11 @@ class TrainProgram:
 
     def cudnn_workspace_bytes(self) -> int:
         """The part of memory_bytes() that is estimated, not compiled: 0 where the compile sizes it."""
-        return gpu_target.cudnn_workspace_bytes(self.compile_step().as_text()) if self.for_gpus_elsewhere else 0
+        return self._estimated_workspace if self.for_gpus_elsewhere else 0
+
+    @functools.cached_property
+    def _estimated_workspace(self) -> int:  # read once from the compiled program's text (megabytes of it)
+        return gpu_target.cudnn_workspace_bytes(self.compile_step().as_text())
 
     def memory_budget(self) -> float:
         """Bytes per device the step may use on this mesh's devices (hardware.memory_budget)."""
@@ -396,7 +401,8 @@ def mesh_platform(mesh: Mesh) -> str:
 
 
 def model_flops_per_token(config: Config, platform_name: str | None = None) -> float:
-    """train_flops_per_token for the attention kernel this config runs. Under context parallelism only
+    """train_flops_per_token for the attention kernel this config runs on `platform_name` (default: the platform
+    traced for, model/platform.py). Under context parallelism only
     cuDNN's padded calls skip the masked keys; the XLA kernel in their place computes them all. A peft
     run's frozen weights take part in the forward pass and the input gradients (4 FLOPs per parameter)
     but have no weight gradient (the other 2 of the 6); the adapters' own FLOPs are left out."""
