@@ -10,6 +10,7 @@ import pytest
 
 from llama_jax.config import load_config
 from llama_jax.errors import ConfigError
+from llama_jax.model.llama import fp8_input
 from llama_jax.model.projection import FP8_FORWARD, FP8_GRADIENT, fp8_project
 from llama_jax.training.step import lower_step
 
@@ -56,3 +57,20 @@ def test_cuda_step_feeds_every_projection_fp8_and_nothing_else():
     assert len(forward) >= 7 and len(fp8) - len(forward) >= 14  # (forward dots may be traced twice: recomputed)
     others = [d for d in dots if d not in fp8]
     assert others and not any("f8" in a + b for a, b in others)  # attention and the output projection
+
+
+def test_fp8_operands_saved_by_a_remat_policy_keep_the_step_finite():
+    """A policy that saves the fp8 copies of a projection input by name (save_dot_except_mlp saves
+    attention_context) gave a NaN loss on XLA:CPU when the float8 array itself was named; its raw bytes are."""
+    cfg = load_config("tiny", ["model.fp8=tensorwise", "model.compute_dtype=bfloat16"]).model
+    k1, k2 = jax.random.split(jax.random.PRNGKey(0))
+    x, w = jax.random.normal(k1, (2, 16, 64)), jax.random.normal(k2, (64, 96)) * 0.02
+
+    def loss(x, w):
+        y = fp8_project("btd,df->btf", x.astype(jnp.bfloat16), w.astype(jnp.bfloat16), fp8_input(cfg, x, "saved"))
+        return jnp.sum(jnp.tanh(y.astype(jnp.float32)) ** 2)
+
+    saving = jax.checkpoint(loss, policy=jax.checkpoint_policies.save_only_these_names("saved"))
+    value, grads = jax.jit(jax.value_and_grad(saving, (0, 1)))(x, w)
+    assert jnp.isfinite(value) and all(bool(jnp.isfinite(g).all()) for g in grads)
+    assert value == jax.jit(loss)(x, w)

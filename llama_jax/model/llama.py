@@ -237,7 +237,10 @@ def fp8_input(cfg: ModelConfig, x: jax.Array, tag: str) -> tuple[jax.Array, jax.
     if cfg.fp8 == "none":
         return None
     x8, scale = quantize(x.astype(jnp.dtype(cfg.compute_dtype)), FP8_FORWARD)
-    return checkpoint_name(x8, tag), checkpoint_name(scale, tag)
+    # Saved as its raw bytes: a float8 value saved by name under jax.checkpoint comes back as NaN on XLA:CPU
+    # (jax 0.10), while its bits pass through; the bitcasts cost nothing.
+    bits = checkpoint_name(jax.lax.bitcast_convert_type(x8, jnp.uint8), tag)
+    return jax.lax.bitcast_convert_type(bits, FP8_FORWARD), checkpoint_name(scale, tag)
 
 
 class Attention(nn.Module):
