@@ -49,7 +49,9 @@ def llama_jax_command() -> list[str]:
 def process_environment(base: dict, index: int, processes: int, devices: int, port: int) -> dict:
     flags = " ".join(f for f in (base.get("XLA_FLAGS", ""), f"--xla_force_host_platform_device_count={devices}") if f)
     return {**base, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu", "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
-            "JAX_NUM_PROCESSES": str(processes), "JAX_PROCESS_ID": str(index)}
+            "JAX_NUM_PROCESSES": str(processes), "JAX_PROCESS_ID": str(index),
+            # llama_jax.errors.LAUNCHED_BY: a run that saves no checkpoint periodically warns
+            "LLAMA_JAX_LAUNCHED_BY": base.get("LLAMA_JAX_LAUNCHED_BY", "launch/multiprocess.py")}
 
 
 def status_of(returncode: int) -> int:

@@ -23,6 +23,9 @@ EXIT_BAD_INPUT = 2
 EXIT_UNAVAILABLE = 69
 EXIT_UNHEALTHY = 71
 UNHEALTHY_FILE = "unhealthy.json"  # in run.dir: exit 71's verdict (preflight.py), for supervise and launch/
+# Set by `llama-jax supervise` and the launchers for the commands they start: a run that restarts by itself
+# and saves no checkpoint periodically would redo everything after each failure, so it warns.
+LAUNCHED_BY = "LLAMA_JAX_LAUNCHED_BY"
 EXIT_PREEMPTED = 75
 EXIT_PEER_TIMEOUT = 76
 EXIT_HANG = 124

@@ -296,3 +296,23 @@ def test_one_process_is_one_host():
     assert costmodel.mesh_topology(mesh, devices_per_host=4).hosts == TWO_HOSTS.hosts
     with pytest.raises(ConfigError, match="--devices-per-host 16 does not divide the 8 devices"):
         costmodel.mesh_topology(mesh, devices_per_host=16)
+
+
+def test_auto_micro_batches_are_searched_as_train_resolves_them(tmp_path):
+    """A config with train.microbatches=auto (the Llama 3 presets'): the default candidate, the baseline of every
+    speed-up, is what `llama-jax train` would run -- auto, resolved against the same budget when it compiles -- and
+    train.microbatches=auto pinned on the command line keeps every candidate on auto (it was int('auto'))."""
+    source = str(write_tiny_yaml(tmp_path, train={"microbatches": "auto"}))
+    overrides = PINNED + ["mesh.data=1", "mesh.fsdp=8"]
+    _, default, results = tune.enumerate_candidates(source, overrides, OPTIONS)
+    assert default.microbatches == "auto" and " mbauto " in f" {default.label} "
+    baseline = next(r for r in results if r.candidate == default)
+    assert baseline.config is not None and baseline.config.train.microbatches == "auto"
+    _, _, pinned = tune.enumerate_candidates(source, PINNED + ["train.microbatches=auto"], OPTIONS)
+    assert {r.candidate.microbatches for r in pinned} == {"auto"} and any(r.config is not None for r in pinned)
+    options = tune.Options(policies=("none",), microbatches=(1, 2), every_n_layers=(1,), meshes=1, measure=False,
+                           progress=False)
+    report = tune.tune(source, overrides, options)
+    resolved = TrainProgram.for_config(baseline.config)  # what train runs: the fewest micro-batches that fit
+    assert report.default.candidate.microbatches == "auto"
+    assert report.default.memory_bytes == plan.make_plan(resolved.config, resolved.mesh).total_bytes

@@ -22,18 +22,21 @@ import datetime
 import shutil
 import statistics
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any, Callable
 
 import orbax.checkpoint as ocp
 
 from llama_jax.checkpoint.durable import ITEMS, check_model, read_meta, read_step, saved_layer_order
-from llama_jax.checkpoint.interval import DEFAULT_MTBF_S, auto_checkpoint_steps, interval_advice
+from llama_jax.checkpoint.interval import DEFAULT_MTBF_S, Figures, Interval
 from llama_jax.checkpoint.local import LocalTier
 from llama_jax.config import CheckpointConfig
 from llama_jax.distributed.peers import Peers
 from llama_jax.errors import ConfigError
 from llama_jax.resilience.goodput import observed_mtbf_s
+
+STEP_WINDOW = 50  # the latest step times an automatic interval takes the median of
 
 
 class Checkpointer:
@@ -54,14 +57,15 @@ class Checkpointer:
         self.peers = peers or Peers(timeout_s=600.0)
         self.save_delay_s = save_delay_s  # fault injection: this process's saves take longer
         self.directory = Path(directory or Path(run_dir) / "checkpoints").absolute()
-        self.every_steps = config.every_steps if isinstance(config.every_steps, int) else 0
         # MTBF for the Young/Daly interval: configured, else observed in this run (read before this
         # attempt is recorded), else a big run's figure.
         self.mtbf_s = config.mtbf_hours * 3600 or observed_mtbf_s(Path(run_dir)) or DEFAULT_MTBF_S
+        self.durable = Interval.of("checkpoint.every_steps", config.every_steps, self.mtbf_s)
+        self.local_interval = Interval.of("checkpoint.local_every_steps", config.local_every_steps, self.mtbf_s)
+        self.step_times: deque[float] = deque(maxlen=STEP_WINDOW)  # the latest timed steps (step_timed)
+        self.timed_steps = 0  # steps timed since the compile: an automatic interval's first save waits for some
         self.last_save_time = time.monotonic()
         self.announced_save: int | None = None  # process 0: the step of the save it announced last
-        self.save_seconds: list[float] = []  # how long each save blocked the loop
-        self.local_every_steps = config.local_every_steps if isinstance(config.local_every_steps, int) else 0
         self.restored_from = ""  # the tier the last restore came from: "local" or "durable"
         self.restored_copies = ""  # with the local tier: whose copies served ("own copies", or a partner's too)
         self.restore_seconds: dict[str, float] = {}  # seconds spent restoring (or trying to) from each tier
@@ -73,17 +77,16 @@ class Checkpointer:
             enable_async_checkpointing=self.config.async_save, create=True)
         return ocp.CheckpointManager(self.directory, options=options, item_names=ITEMS)
 
-    @property
-    def auto(self) -> bool:
-        return self.config.every_steps == "auto"
+    def step_timed(self, seconds: float) -> None:
+        """A step's time (not the compile's): what automatic intervals are worked out from."""
+        self.step_times.append(seconds)
+        self.timed_steps += 1
 
     def due(self, step: int) -> bool:
         """Whether `step` is saved: its step interval or its time interval. Every process calls it after
         every step; with a time interval process 0's clock decides (see _time_due)."""
-        if self.auto and not self.save_seconds:
-            return True  # the first save is measured to choose the interval
-        interval_due = self.every_steps > 0 and step % self.every_steps == 0
-        return self._time_due(step) or interval_due
+        time_due = self._time_due(step)  # asked on every step: process 0 announces ahead
+        return time_due or self.durable.due(step, self.timed_steps)
 
     def _time_due(self, step: int) -> bool:
         """checkpoint.every_minutes, decided by process 0's clock two steps ahead: after dispatching step n
@@ -100,13 +103,11 @@ class Checkpointer:
             self.announced_save = step + 2
         return due
 
-    def save(self, step: int, state: Any, data_state: dict, step_s: float | None = None) -> float:
-        """Start an asynchronous save; returns the seconds it blocked (copying arrays off the device).
-
-        With every_steps=auto the first save is waited for in full, and with its time and the step time
-        `step_s` (1 s if unknown) it sets the interval of the saves after it: the slowest process's
-        times, so that every process arrives at the same interval."""
-        self.peers.barrier(f"save of step {step}")  # a process that never comes is named here, not in Orbax
+    def save(self, step: int, state: Any, data_state: dict) -> float:
+        """Start an asynchronous save; returns the seconds it blocked (copying arrays off the device, or waiting
+        for the previous write): the save's cost, for every_steps=auto and the advice (interval.py)."""
+        # Every process meets here with its figures: a process that never comes is named here, not in Orbax.
+        self._settle(self.durable, f"save of step {step}")
         start = time.perf_counter()
         time.sleep(self.save_delay_s)
         meta = {**self.meta, "step": step, "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat()}
@@ -114,45 +115,51 @@ class Checkpointer:
                                                         data=ocp.args.JsonSave(data_state),
                                                         meta=ocp.args.JsonSave(meta)), force=True)
         self.last_save_time = time.monotonic()
-        self.save_seconds.append(time.perf_counter() - start)
-        if self.auto and len(self.save_seconds) == 1:
-            mine = [self.save_seconds[0] + self.wait(), step_s or 1.0]
-            save_s, step_s = self.peers.reduce("checkpoint interval", mine, lambda all_: list(map(max, zip(*all_))))
-            self.every_steps = auto_checkpoint_steps(save_s, self.mtbf_s, step_s)
-            self.log(interval_advice(save_s, self.mtbf_s, step_s, self.every_steps, auto=True))
-        return self.save_seconds[-1]
+        return self._measured(self.durable, time.perf_counter() - start, self.wait)
+
+    def save_local(self, step: int, state: Any, data_state: dict) -> float:
+        """A local save of `step`; returns the seconds it blocked the loop (the background write not included)."""
+        self._settle(self.local_interval, f"local save of step {step}")
+        meta = {**self.meta, "step": step, "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat()}
+        blocked = self.local.save(step, state, data_state, meta)
+        return self._measured(self.local_interval, blocked, self._local_write)
+
+    def _local_write(self) -> float:
+        """The seconds the local tier's background write of the save just started takes."""
+        self.local.wait()
+        return self.local.write_seconds[-1]
+
+    def _settle(self, interval: Interval, what: str) -> None:
+        """Every process brings its step time and its tier's last save cost to a save; an automatic interval
+        is worked out again when the slowest process's figures moved (interval.py)."""
+        step_s = statistics.median(self.step_times) if self.step_times else 0.0
+        mine = [step_s, interval.costs[-1] if interval.costs else 0.0, 0.0]
+        agreed = Figures(*self.peers.reduce(what, mine, Figures.slowest))
+        if interval.figures is not None and agreed.step_s > 0 and agreed.save_s > 0:
+            self._say(interval.settle(Figures(agreed.step_s, agreed.save_s, interval.figures.write_s)))
+
+    def _measured(self, interval: Interval, blocked: float, write: Callable[[], float]) -> float:
+        """Record a save's cost; an automatic interval's first save is waited for to its end, and the interval is
+        worked out from every process's figures (the slowest's: all arrive at the same one)."""
+        interval.costs.append(blocked)
+        if interval.measuring and self.step_times:  # not a save before any step was timed (the last, or on a signal)
+            mine = [statistics.median(self.step_times), blocked, write()]
+            self._say(interval.settle(Figures(*self.peers.reduce(f"{interval.key} interval", mine, Figures.slowest))))
+        return blocked
+
+    def _say(self, line: str | None) -> None:
+        if line:
+            self.log(line)
 
     def advice(self, step_s: float) -> str:
-        """The Young/Daly interval for the median save time so far, next to the interval in use (per tier)."""
-        lines = [interval_advice(statistics.median(self.save_seconds), self.mtbf_s, step_s, self.every_steps)]
-        if self.local is not None and self.local.save_seconds:
-            cost = statistics.median(self.local.save_seconds)
-            lines.append(interval_advice(cost, self.mtbf_s, step_s, self.local_every_steps,
-                                         key="checkpoint.local_every_steps"))
-        return "\n".join(lines)
+        """The Young/Daly interval for the median save cost so far, next to the interval in use (per tier)."""
+        return "\n".join(i.advice(step_s) for i in (self.durable, self.local_interval) if i.costs)
 
     # The local tier (local.py): its own interval, decided by step number alone so that every
     # process saves the same steps (its saves are collectives when partners keep copies).
 
     def local_due(self, step: int) -> bool:
-        if self.local is None:
-            return False
-        if self.config.local_every_steps == "auto" and not self.local.save_seconds:
-            return True  # the first local save is measured to choose the interval
-        return self.local_every_steps > 0 and step % self.local_every_steps == 0
-
-    def save_local(self, step: int, state: Any, data_state: dict, step_s: float | None = None) -> float:
-        """A local save of `step`; returns the seconds it blocked the loop (the background write not
-        included). With local_every_steps=auto the first one is waited for in full and sets the interval."""
-        meta = {**self.meta, "step": step, "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat()}
-        blocked = self.local.save(step, state, data_state, meta)
-        if self.config.local_every_steps == "auto" and len(self.local.save_seconds) == 1:
-            mine = [blocked + self.local.wait(), step_s or 1.0]
-            save_s, step_s = self.peers.reduce("local interval", mine, lambda all_: list(map(max, zip(*all_))))
-            self.local_every_steps = auto_checkpoint_steps(save_s, self.mtbf_s, step_s)
-            self.log(interval_advice(save_s, self.mtbf_s, step_s, self.local_every_steps, auto=True,
-                                     key="checkpoint.local_every_steps"))
-        return blocked
+        return self.local is not None and self.local_interval.due(step, self.timed_steps)
 
     def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict]:
         """(train state, loader state) of `step`; the state takes the shapes, dtypes and shardings of
@@ -167,15 +174,19 @@ class Checkpointer:
         """The finished steps, newest first, as process 0 sees them (one list for all processes)."""
         return self.peers.broadcast("checkpoint steps", sorted(self.manager.all_steps(), reverse=True))
 
-    def restore_newest(self, abstract_state: Any, warn: Callable[[str], None]) -> tuple[int, Any, dict] | None:
+    def restore_newest(self, abstract_state: Any, warn: Callable[[str], None], before: int | None = None
+                       ) -> tuple[int, Any, dict] | None:
         """The newest step that restores on every process, from the fastest tier holding it whole (the local
         tier, then checkpoints/); None if none. A copy that does not restore is set aside in its tier (a
         durable step's damage may be in one process's shards only) and the next copy or step is tried.
-        A step of another model, or one the run's `check` refuses, stops the run (ConfigError).
+        A step of another model, or one the run's `check` refuses, stops the run (ConfigError). `before`: only
+        steps older than it (a rollback: the first bad step's)
         restored_from and restore_seconds say which tier served and what each cost."""
         local = self._local_steps()
         durable = self.steps()
         for step in sorted(set(local) | set(durable), reverse=True):
+            if before is not None and step >= before:
+                continue
             for tier in ("local", "durable"):
                 if step not in (local if tier == "local" else durable):
                     continue

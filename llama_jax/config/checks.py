@@ -69,6 +69,10 @@ def validate(config: Config) -> None:
     )
     _require(t.lr > 0, f"train.lr must be positive, got {t.lr}")
     _require(t.warmup_steps >= 0, f"train.warmup_steps must be >= 0, got {t.warmup_steps}")
+    _require(t.steps == 0 or t.warmup_steps < t.steps,
+             f"train.warmup_steps ({t.warmup_steps}) is not below train.steps ({t.steps}): the learning rate would "
+             f"never reach train.lr nor decay; warm up for a small fraction of the run (e.g. "
+             f"train.warmup_steps={max(1, t.steps // 100)}) or raise train.steps")
     _require(0 <= t.min_lr_ratio <= 1, f"train.min_lr_ratio must be in [0, 1], got {t.min_lr_ratio}")
     _require(t.weight_decay >= 0, f"train.weight_decay must be >= 0, got {t.weight_decay}")
     _require(0 <= t.b1 < 1 and 0 <= t.b2 < 1, f"train.b1 and train.b2 must be in [0, 1), got {t.b1}, {t.b2}")
@@ -86,6 +90,9 @@ def validate(config: Config) -> None:
              "mesh.pipeline and mesh.pipeline_repeats must be positive counts and mesh.pipeline_microbatches >= 0, "
              "got "
              f"{config.mesh.pipeline}, {config.mesh.pipeline_repeats} and {config.mesh.pipeline_microbatches}")
+    _require(config.mesh.pipeline_microbatches == 0 or config.mesh.pipeline > 1,
+             f"mesh.pipeline_microbatches={config.mesh.pipeline_microbatches} sends a pipeline's micro-batches through "
+             "in passes, and there is no pipeline (mesh.pipeline=1); set mesh.pipeline > 1 or leave it at 0")
     _require(
         sum(v == -1 for v in mesh_axes.values()) <= 1,
         "at most one mesh axis may be -1 (fill the remaining devices)",
@@ -103,8 +110,6 @@ def validate(config: Config) -> None:
              "pipeline stages; shard the frozen model with mesh.fsdp and mesh.tensor")
 
 def _check_data(d: DataConfig) -> None:
-    _require(len(d.sources) > 0,
-             "data.sources is empty; name a token store or an input, e.g. data.sources=[shakespeare]")
     _require(not d.weights or len(d.weights) == len(d.sources),
              f"data.weights has {len(d.weights)} value(s) for {len(d.sources)} source(s); give one per source or none")
     _require(all(w > 0 for w in d.weights), f"data.weights must all be > 0, got {d.weights}")
@@ -171,7 +176,7 @@ def _check_checkpoint(c: CheckpointConfig) -> None:
 def _check_fault(f: FaultConfig) -> None:
     _require(f.hang_factor > 0 and f.hang_min_timeout_s > 0 and f.hang_startup_timeout_s > 0,
              "fault.hang_factor, fault.hang_min_timeout_s and fault.hang_startup_timeout_s must be positive")
-    _require(f.max_bad_steps > 0, f"fault.max_bad_steps must be positive, got {f.max_bad_steps}")
+    _require(f.max_bad_steps >= 0, f"fault.max_bad_steps must be >= 0 (0: never roll back), got {f.max_bad_steps}")
     _require(f.spike_zscore >= 0 and f.spike_window > 1, "fault.spike_zscore must be >= 0 and fault.spike_window > 1")
     _require(f.straggler_factor > 1, f"fault.straggler_factor must exceed 1, got {f.straggler_factor}")
     # At least 2: a window is scored once every process has posted it, which the train loop (one step

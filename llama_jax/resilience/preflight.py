@@ -34,8 +34,6 @@ fault.inject_wrong_device adds one to an element of its known product.
 from __future__ import annotations
 
 import json
-import os
-import socket
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -49,6 +47,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from llama_jax.config import Config
 from llama_jax.distributed.peers import Peers
+from llama_jax.distributed.processes import node_name
 from llama_jax.errors import EXIT_UNHEALTHY, UNHEALTHY_FILE, ConfigError, UnhealthyDevice
 from llama_jax.files import atomic_path, format_ranges
 
@@ -92,13 +91,6 @@ class Report:
     @property
     def hosts(self) -> list[str]:
         return sorted({d["host"] for d in self.unhealthy})
-
-
-def node_name() -> str:
-    """The name the scheduler knows this host by, to exclude it: Kubernetes' node (LLAMA_JAX_NODE_NAME, which
-    launch/k8s.sh sets from spec.nodeName; a pod's host name is the pod's), Slurm's (SLURMD_NODENAME), else
-    the host name."""
-    return os.environ.get("LLAMA_JAX_NODE_NAME") or os.environ.get("SLURMD_NODENAME") or socket.gethostname()
 
 
 def _timed(call, repeats: int) -> float:

@@ -46,7 +46,8 @@ import time
 from pathlib import Path
 
 from llama_jax.errors import (EXIT_BAD_INPUT, EXIT_HANG, EXIT_OK, EXIT_PEER_TIMEOUT, EXIT_PREEMPTED, EXIT_UNHEALTHY,
-                              UNHEALTHY_FILE)
+                              LAUNCHED_BY, UNHEALTHY_FILE)
+from llama_jax.resilience.cluster import LABEL_ENV, label_nodes, unhealthy_hosts
 
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 _POLL_S = 0.05  # how quickly a received signal is forwarded to the child
@@ -147,6 +148,7 @@ class Supervisor:
         if returncode == EXIT_UNHEALTHY:
             log(f"exit {EXIT_UNHEALTHY} means the pre-flight check named an unhealthy device, which a restart on the "
                 "same hosts meets again: not restarting; exclude its host (named above and in run.dir/unhealthy.json)")
+            self._keep_off_unhealthy_nodes()
             return "stop", None
         if self.stop_signal is not None:
             log(f"stopping as asked by {signal.Signals(self.stop_signal).name}: not restarting")
@@ -163,6 +165,15 @@ class Supervisor:
         log(f"restart {self.failures} of {self.policy.max_restarts} in {wait:g}s")
         return "restart", wait
 
+    def _keep_off_unhealthy_nodes(self) -> None:
+        """Where the launcher asks for it (launch/k8s.sh), label the nodes the verdict names, so that the
+        scheduler keeps the job's replacement pods off them (cluster.py)."""
+        label = os.environ.get(LABEL_ENV)
+        hosts = unhealthy_hosts(self.run_dir / UNHEALTHY_FILE) if self.run_dir is not None else []
+        if label and hosts:
+            for line in label_nodes(hosts, label):
+                log(line)
+
     def _unhealthy_verdict(self, returncode: int, started: float) -> int:
         """EXIT_UNHEALTHY for a failed attempt that wrote run.dir/unhealthy.json after it started, else returncode."""
         verdict = self.run_dir / UNHEALTHY_FILE if self.run_dir is not None else None
@@ -176,7 +187,9 @@ class Supervisor:
     def _run_child(self) -> int:
         # Own process group: the trainer's helper processes get our forwarded SIGTERM too, and a Ctrl-C
         # in the terminal reaches only us, so the child sees exactly one SIGTERM (from us).
-        child = subprocess.Popen(self.command, process_group=0)
+        # The child knows it runs under a supervisor: a run that saves no checkpoint periodically warns.
+        env = {**os.environ, LAUNCHED_BY: os.environ.get(LAUNCHED_BY, "llama-jax supervise")}
+        child = subprocess.Popen(self.command, process_group=0, env=env)
         deadline: float | None = None
         while True:
             if self.stop_signal is not None and deadline is None:

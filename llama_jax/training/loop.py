@@ -18,10 +18,11 @@ step's loss means and when to roll back (resilience/guards.py), the start decisi
 
 from __future__ import annotations
 
+import os
 import socket
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -37,7 +38,7 @@ from llama_jax.config import to_yaml
 from llama_jax.data.streams import open_data
 from llama_jax.distributed import processes, sharding
 from llama_jax.distributed.peers import Peers, primary_first
-from llama_jax.errors import EXIT_OK, EXIT_PREEMPTED, InputError
+from llama_jax.errors import EXIT_OK, EXIT_PREEMPTED, LAUNCHED_BY, InputError
 from llama_jax.files import cache_root
 from llama_jax.inference.generate import sample_text
 from llama_jax.model import remat
@@ -71,6 +72,10 @@ def train(config: Config, print_fn: Callable[[str], None] = print, *, devices=No
     say = print_fn if primary else _warnings_only(print_fn)
     if primary:
         print_fn(describe(config))
+    if os.environ.get(LAUNCHED_BY) and not config.checkpoint.periodic:
+        say(f"warning: under {os.environ[LAUNCHED_BY]} a failed run restarts from its newest checkpoint, and this one "
+            "saves none until it ends (checkpoint.every_steps=0, no every_minutes, no local tier): every restart "
+            "starts again from step 0; set checkpoint.every_steps=auto")
     f = config.fault
     peers = Peers(f.barrier_timeout_s, stall_at=f.inject_stall_at if f.inject_process == jax.process_index() else "")
     mesh = sharding.make_mesh(config, devices=devices)
@@ -187,6 +192,7 @@ class Loop:
     # they fall in (an upper bound of the devices' wait: they may have been busy with the step before).
     data_wait_s: float = 0.0
     first_step: int = 0  # the first step this process runs: its time is compilation's
+    held: set[str] = field(default_factory=set)  # tiers whose save waits for a step the guard counts as good
 
     @classmethod
     def open(cls, run: Run, print_fn: Callable[[str], None], started_at: float) -> Loop:
@@ -273,6 +279,8 @@ class Loop:
         self.data_wait_s += time.perf_counter() - start
         if data_step in fault.inject_nan_steps:
             batch["loss_mask"] = np.full_like(batch["loss_mask"], np.nan)
+        if data_step in fault.inject_spike_steps:
+            batch["targets"] = np.zeros_like(batch["targets"])
         return self.run.program.put(batch)  # the transfer starts now, the step need not wait for it
 
     def dispatch(self, state: TrainState, batch: dict, step: int) -> tuple[TrainState, Dispatched]:
@@ -302,6 +310,7 @@ class Loop:
         self.watchdog.step_done(step, None if compiled else seconds)  # compilation says nothing about step time
         if not compiled:
             self.meter.add(seconds, waited)
+            self.checkpointer.step_timed(seconds)
             if warning := self.stragglers.observe(step, seconds, process=jax.process_index()):
                 say(warning)
             self.hosts.add(seconds, max(0.0, seconds - blocked))
@@ -340,22 +349,34 @@ class Loop:
         return (back, back_step) if back_step != step else None
 
     def due(self, step: int) -> Due:
+        """What happens after `step`: each part decides, every process alike; a save that waited for the guard
+        (act) is due again."""
         stop = self.preemption.should_stop(step)
-        return Due(evaluate=self.eval_due(step), local=self.checkpointer.local_due(step), stop=stop,
-                   save=self.checkpointer.due(step) or step == self.run.config.train.steps or stop)
+        local, durable = self.checkpointer.local_due(step), self.checkpointer.due(step)
+        return Due(evaluate=self.eval_due(step), local=local or "local" in self.held, stop=stop,
+                   save=durable or step == self.run.config.train.steps or stop or "durable" in self.held)
 
     def act(self, due: Due, state: TrainState, step: int, data_step: int, summary: dict) -> None:
-        """Evaluate and save what is due after `step` (not step time), then say so if the run stops."""
+        """Evaluate and save what is due after `step` (not step time), then say so if the run stops. A step the
+        guard counts as bad (a skipped step, or a spike whose update was applied) is never saved: its saves wait
+        for the next good step, so a rollback always finds a checkpoint from before the bad run."""
+        tiers = [tier for tier, wanted in (("local", due.local), ("durable", due.save)) if wanted]
+        bad = self.guard.consecutive > 0
         with self.goodput.pause(None):
             if due.evaluate:
                 summary["final_eval_loss"] = self.evaluate(state.model_params, step)
-            if due.local:
-                self.save(step, state, data_step, tier="local")
-            if due.save:
-                self.save(step, state, data_step)
+            if bad and tiers:
+                self.held.update(tiers)
+                self.log.message(f"warning: step {step} is counted as bad ({self.guard.consecutive} in a row): not "
+                                 "saved; the save waits for a good step")
+            elif tiers:
+                for tier in tiers:
+                    self.save(step, state, data_step, tier=tier)
+                self.held.clear()
         self.hang_if_injected(step)
         if due.stop:
-            self.log.message(f"{self.preemption.signal_name or 'preemption'} received: saved step {step}, "
+            saved = f"step {step} is counted as bad and not saved" if bad else f"saved step {step}"
+            self.log.message(f"{self.preemption.signal_name or 'preemption'} received: {saved}, "
                              f"stopping (exit {EXIT_PREEMPTED}); re-run the same command to continue")
 
     def eval_due(self, step: int) -> bool:
@@ -377,16 +398,18 @@ class Loop:
         with self.watchdog.paused(f"{where} save of step {step}", bound), self.goodput.pause("checkpoint_save"):
             data_state = {"next_step": data_step, "fingerprint": self.run.data.fingerprint}
             save = self.checkpointer.save_local if tier == "local" else self.checkpointer.save
-            blocked = save(step, state.checkpointed(), data_state, step_s=self.meter.median_step_s)
+            blocked = save(step, state.checkpointed(), data_state)
         self.goodput.tier(f"save_{tier}", blocked)
 
     def roll_back(self, state: TrainState, step: int, data_step: int) -> tuple[TrainState, int]:
-        """After max_bad_steps bad steps in a row: back to the newest checkpoint, skipping the batches since."""
+        """After max_bad_steps bad steps in a row: back to the newest checkpoint before the first of them (a bad
+        step is never saved), skipping the batches since."""
         guard, say, config = self.guard, self.log.message, self.run.config
         with self.watchdog.paused("rollback", config.checkpoint.timeout_s), self.goodput.pause(None):
             self.checkpointer.wait()
             # As at start-up: the newest step that restores on every process, one decision for all.
-            found = self.checkpointer.restore_newest(self.run.program.abstract_checkpoint(), say)
+            found = self.checkpointer.restore_newest(self.run.program.abstract_checkpoint(), say,
+                                                     before=guard.first_bad_step)
             if found is None:
                 say(f"warning: {guard.consecutive} bad steps in a row at step {step} and no checkpoint to roll "
                     "back to")
@@ -395,6 +418,7 @@ class Loop:
             back_step, back, _ = found
             back = self.run.program.with_frozen(back, getattr(state, "frozen", None))  # the base stays as it is
         self.goodput.discard(back_step, step)
+        self.held.clear()  # the bad run is gone with its held saves
         say(f"warning: {guard.consecutive} bad steps in a row: rolled back from step {step} to {back_step}; "
             f"the data continues at batch {data_step}, skipping the {step - back_step} batches since")
         guard.reset()
@@ -416,8 +440,8 @@ class Loop:
         self.log.log({"step": step, **{f"goodput_{k}": v for k, v in summary["goodput"].items() if k != "tiers"}})
         self.goodput.finish(preempted=preempted)
         self.log.message(format_goodput(summary["goodput"]))
-        if self.checkpointer.save_seconds and self.meter.throughputs:
-            self.log.message(self.checkpointer.advice(self.meter.median_step_s))
+        if self.meter.throughputs and (advice := self.checkpointer.advice(self.meter.median_step_s)):
+            self.log.message(advice)
         return summary
 
     def conclude(self, state: TrainState, step: int, summary: dict, print_fn: Callable[[str], None]) -> None:

@@ -35,7 +35,7 @@ from llama_jax.model.attention import select_implementation, skips_masked_blocks
 from llama_jax.model.llama import Llama, matmul_param_count, train_flops_per_token
 from llama_jax.model.pipeline import PipelineLayout, to_storage_order
 from llama_jax.perf.hardware import memory_budget
-from llama_jax.training.optimizer import learning_rate, make_optimizer
+from llama_jax.training.optimizer import learning_rate, make_optimizer, schedule_count
 
 # The fields of a batch, each [batch, seq]: what the loader yields and the train step takes.
 BATCH_FIELDS = {"tokens": jnp.int32, "targets": jnp.int32, "segment_ids": jnp.int32, "positions": jnp.int32,
@@ -139,7 +139,9 @@ def make_train_step(model: Llama, optimizer: optax.GradientTransformation, sched
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         params, opt_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
                                          (params, opt_state), (state.params, state.opt_state))
-        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state.step), "finite": finite}
+        # The rate this step applies: the optimizer counts only the updates it applied.
+        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(schedule_count(state.opt_state)),
+                   "finite": finite}
         return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
     return train_step
@@ -237,7 +239,12 @@ class TrainProgram:
         budget = memory_budget(config.run.device_memory_gb)
         # pipelining needs a multiple of the stages, and of the micro-batches of one pass
         step = math.lcm(mesh.shape["pipeline"], config.mesh.pipeline_microbatches or 1)
-        for count in (n for n in range(step, rows + 1) if rows % n == 0 and n % step == 0):
+        counts = [n for n in range(step, rows + 1) if rows % n == 0 and n % step == 0]
+        if not counts:
+            raise ConfigError(f"train.microbatches=auto: no micro-batch count is a multiple of {step} (the pipeline "
+                              f"stages and mesh.pipeline_microbatches) and divides the {rows} rows of each batch "
+                              "shard; raise train.batch_size or lower mesh.pipeline_microbatches")
+        for count in counts:
             program = cls.build(dataclasses.replace(config, train=dataclasses.replace(config.train, microbatches=count)),
                                 mesh)
             if step_memory_bytes(program.compile_step()) <= budget:

@@ -58,7 +58,7 @@ class Candidate:
     tensor: int
     sequence: int
     sequence_parallel: bool
-    microbatches: int
+    microbatches: int | str  # auto: the fewest that fit, as `llama-jax train` resolves it
     policy: str
     every_n_layers: int = 1
     pipeline: int = 1
@@ -118,7 +118,7 @@ def candidate_space(devices: int, overrides: list[str], policies: tuple[str, ...
         sp_values = [True, False] if tensor > 1 else [True]
         if "mesh.sequence_parallel" in fixed:
             sp_values = [fixed["mesh.sequence_parallel"].lower() == "true"]
-        mbs = [int(fixed["train.microbatches"])] if "train.microbatches" in fixed else \
+        mbs = [_microbatches(fixed["train.microbatches"])] if "train.microbatches" in fixed else \
             [pipeline * n for n in microbatches]
         pols = [fixed["remat.policy"]] if "remat.policy" in fixed else list(policies)
         everys = [int(fixed["remat.every_n_layers"])] if "remat.every_n_layers" in fixed else list(every_n_layers)
@@ -129,6 +129,11 @@ def candidate_space(devices: int, overrides: list[str], policies: tuple[str, ...
             for every in ([1] if policy == "none" else everys):
                 out.append(Candidate(data, fsdp, tensor, sequence, sp, mb, policy, every, pipeline, repeat))
     return out
+
+
+def _microbatches(value: str) -> int | str:
+    """A pinned train.microbatches: a count, or auto (resolved when the candidate compiles, as train does)."""
+    return "auto" if value.strip() == "auto" else int(value)
 
 
 def candidate_config(base: Config, candidate: Candidate) -> Config:
@@ -315,11 +320,12 @@ class TuneError(ConfigError):
 
 
 def default_candidate(config: Config, devices: int) -> Candidate:
+    """The config as `llama-jax train` would run it (train.microbatches=auto stays auto: it is resolved when the
+    candidate compiles, against the same budget), the baseline of every speed-up."""
     sizes = sharding.mesh_shape(config.mesh, devices)
     stages = sizes["pipeline"]
     return Candidate(sizes["data"], sizes["fsdp"], sizes["tensor"], sizes["sequence"],
-                     config.mesh.sequence_parallel or sizes["tensor"] == 1,
-                     config.train.microbatches if config.train.microbatches != "auto" else stages,
+                     config.mesh.sequence_parallel or sizes["tensor"] == 1, config.train.microbatches,
                      config.remat.policy, config.remat.every_n_layers, stages,
                      config.mesh.pipeline_repeats if stages > 1 else 1)
 
@@ -344,6 +350,8 @@ def enumerate_candidates(source: str | None, overrides: list[str], options: Opti
                          ) -> tuple[Config, Candidate, list[Result]]:
     """The config, its own (default) candidate, and every candidate validated (step 1; compiles nothing)."""
     base = config_lib.load_config(source, overrides)
+    if options.memory_gb:  # the budget a candidate's train.microbatches=auto resolves against, and the winner runs at
+        base = dataclasses.replace(base, run=dataclasses.replace(base.run, device_memory_gb=options.memory_gb))
     devices = jax.device_count()
     check_devices_per_host(options.devices_per_host, devices)
     default = default_candidate(base, devices)
