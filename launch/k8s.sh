@@ -110,11 +110,11 @@ spec:
   backoffLimit: 20
   podFailurePolicy:
     rules:
-    - action: FailJob  # exit 2 is bad input: a restart cannot fix it
+    - action: FailJob  # exit 2 is bad input, 74 failing checkpoint storage: a restart cannot fix either
       onExitCodes:
         containerName: trainer
         operator: In
-        values: [2]
+        values: [2, 74]
     - action: Count  # exit 71, an unhealthy device: the pod fails and is replaced, off the node its supervisor labelled
       onExitCodes:
         containerName: trainer

@@ -245,7 +245,7 @@ def test_kubernetes_manifest_is_an_indexed_job_with_a_headless_service():
     assert mounts["shm"] == "/dev/shm" and {"name": "shm", "emptyDir": {"medium": "Memory"}} in pod["volumes"]
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 8
     bad_input, unhealthy = spec["podFailurePolicy"]["rules"]
-    assert bad_input["action"] == "FailJob" and bad_input["onExitCodes"]["values"] == [2]
+    assert bad_input["action"] == "FailJob" and bad_input["onExitCodes"]["values"] == [2, 74]  # bad input, storage
     # An unhealthy device (exit 71): the pod counts as failed and is replaced, off a node labelled unhealthy.
     assert unhealthy["action"] == "Count" and unhealthy["onExitCodes"]["values"] == [71]
     assert env["LLAMA_JAX_NODE_NAME"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}

@@ -14,11 +14,22 @@ or missing array file, a missing manifest, an empty directory) is moved to ``che
 every process together -- never deleted -- with a warning, and the next older step is tried. A step
 whose model differs from the config (shapes, or the function: RoPE, norm epsilon) is not corruption:
 it stops the run with a message naming the fields, unless checkpoint.allow_model_changes lists them.
+
+Storage failures. A durable write that fails (no space, a read-only filesystem, an I/O error, no permission, the
+directory gone) surfaces when the checkpointer next waits for it: before the next save, or at the end of the run.
+Every process brings its outcome to the agreement that precedes each save, so all see the same failures: the
+failed step is removed wherever any trace of it is (it is not a checkpoint), the newest complete step stays, and
+the run warns in one line (the step, the reason, the directory and its free space) and goes on, saving again at
+the next interval: a transient failure of a shared filesystem must not end a run of thousands of GPUs, and the
+node-local tier still protects it meanwhile. After checkpoint.max_failed_saves failures in a row, or when the
+run's last save fails, it stops with StorageFailure (exit 74), which the supervisor and the launchers do not
+restart: the storage needs a person. A failure that is not the storage's is a bug and is raised as it is.
 """
 
 from __future__ import annotations
 
 import datetime
+import errno
 import shutil
 import statistics
 import time
@@ -30,10 +41,11 @@ import orbax.checkpoint as ocp
 
 from llama_jax.checkpoint.durable import ITEMS, check_model, read_meta, read_step, saved_layer_order
 from llama_jax.checkpoint.interval import DEFAULT_MTBF_S, Figures, Interval
-from llama_jax.checkpoint.local import LocalTier
+from llama_jax.checkpoint.local import LocalTier, finished_steps
 from llama_jax.config import CheckpointConfig
 from llama_jax.distributed.peers import Peers
-from llama_jax.errors import ConfigError
+from llama_jax.errors import EXIT_STORAGE, ConfigError, StorageFailure
+from llama_jax.files import STORAGE_ERRNOS, describe_write_failure, storage_errno
 from llama_jax.resilience.goodput import observed_mtbf_s
 
 STEP_WINDOW = 50  # the latest step times an automatic interval takes the median of
@@ -47,7 +59,8 @@ class Checkpointer:
     def __init__(self, run_dir: Path, config: CheckpointConfig, meta: dict | None = None,
                  directory: Path | None = None, log: Callable[[str], None] = print, peers: Peers | None = None,
                  save_delay_s: float = 0.0, layout: tuple[int, int] = (1, 1), local: LocalTier | None = None,
-                 model: dict | None = None, check: Callable[[dict | None], None] | None = None):
+                 model: dict | None = None, check: Callable[[dict | None], None] | None = None,
+                 save_failures: tuple[int, ...] = ()):
         """`model` (the run's model config as a dict) and `check` (start.meta_check: a peft run's adapters and
         base) are what every step restore_newest considers must hold; config.allow_model_changes lets function
         fields differ."""
@@ -66,6 +79,10 @@ class Checkpointer:
         self.timed_steps = 0  # steps timed since the compile: an automatic interval's first save waits for some
         self.last_save_time = time.monotonic()
         self.announced_save: int | None = None  # process 0: the step of the save it announced last
+        self.pending: int | None = None  # the step whose durable write runs in the background
+        self.failure: dict | None = None  # this process's failed durable write, not yet agreed on
+        self.failed_in_a_row = 0  # durable saves that failed, since the last one written everywhere
+        self.save_failures = save_failures  # fault injection: these steps' durable writes fail on this process
         self.restored_from = ""  # the tier the last restore came from: "local" or "durable"
         self.restored_copies = ""  # with the local tier: whose copies served ("own copies", or a partner's too)
         self.restore_seconds: dict[str, float] = {}  # seconds spent restoring (or trying to) from each tier
@@ -105,17 +122,62 @@ class Checkpointer:
 
     def save(self, step: int, state: Any, data_state: dict) -> float:
         """Start an asynchronous save; returns the seconds it blocked (copying arrays off the device, or waiting
-        for the previous write): the save's cost, for every_steps=auto and the advice (interval.py)."""
-        # Every process meets here with its figures: a process that never comes is named here, not in Orbax.
-        self._settle(self.durable, f"save of step {step}")
+        for the previous write): the save's cost, for every_steps=auto and the advice (interval.py). A previous
+        write that failed on any process is known to every process here (storage failures, in this module's
+        docstring); the bound on failures in a row stops the run (StorageFailure, exit 74)."""
         start = time.perf_counter()
+        failed = self._written()
+        # Every process meets here with its figures and its last write's outcome: a process that never comes is
+        # named here, not in Orbax, and a write that failed anywhere is known everywhere.
+        self._settle(self.durable, f"save of step {step}", failed)
         time.sleep(self.save_delay_s)
         meta = {**self.meta, "step": step, "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat()}
-        self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                        data=ocp.args.JsonSave(data_state),
-                                                        meta=ocp.args.JsonSave(meta)), force=True)
+        try:
+            self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                            data=ocp.args.JsonSave(data_state),
+                                                            meta=ocp.args.JsonSave(meta)), force=True)
+            self.pending = step
+        except Exception as err:  # the save could not even start: reported with the next save's outcome
+            self.failure = self._failure(step, err)
         self.last_save_time = time.monotonic()
-        return self._measured(self.durable, time.perf_counter() - start, self.wait)
+        return self._measured(self.durable, time.perf_counter() - start, self._write_seconds)
+
+    def _write_seconds(self) -> float:
+        """An automatic interval's first save: the seconds its write took (it is waited for here); a failed write
+        is kept for the next agreement."""
+        start = time.perf_counter()
+        self.failure = self._written()
+        return time.perf_counter() - start
+
+    def _written(self) -> dict | None:
+        """Wait for this process's pending durable write: what failed, if anything ({step, process, reason}); a
+        save that could not start comes first. A failure that is not the storage's is a bug: it is raised."""
+        failure, self.failure = self.failure, None
+        try:
+            self.manager.wait_until_finished()
+        except Exception as err:  # Orbax and TensorStore report a failed write as ValueError, OSError, ...
+            failure = failure or self._failure(self.pending, err)
+        if failure is None and self.pending is not None and self.pending in self.save_failures:
+            failure = self._failure(self.pending, OSError(errno.ENOSPC, "injected: fault.inject_save_failure_steps"))
+        self.pending = None
+        return failure
+
+    def _failure(self, step: int | None, err: BaseException) -> dict:
+        if storage_errno(err) not in STORAGE_ERRNOS:
+            raise err
+        return {"step": step, "process": self.peers.index, "reason": describe_write_failure(err, self.directory)}
+
+    def finish_writes(self) -> float:
+        """The end of a run: wait for every pending write, every process agreeing on the outcome; a last save that
+        failed anywhere stops the run (StorageFailure: it cannot end without its checkpoint). The seconds waited."""
+        start = time.perf_counter()
+        failed = self._written()
+        failures = self.peers.reduce("checkpoints written", failed, lambda all_: [f for f in all_ if f])
+        if self.local is not None:
+            self.local.wait()
+        if failures:
+            self._failed_saves(failures, last=True)
+        return time.perf_counter() - start
 
     def save_local(self, step: int, state: Any, data_state: dict) -> float:
         """A local save of `step`; returns the seconds it blocked the loop (the background write not included)."""
@@ -129,14 +191,57 @@ class Checkpointer:
         self.local.wait()
         return self.local.write_seconds[-1]
 
-    def _settle(self, interval: Interval, what: str) -> None:
-        """Every process brings its step time and its tier's last save cost to a save; an automatic interval
-        is worked out again when the slowest process's figures moved (interval.py)."""
+    def _settle(self, interval: Interval, what: str, failed: dict | None = None) -> None:
+        """Every process brings its step time, its tier's last save cost and (durable tier) its last write's failure
+        to a save; an automatic interval is worked out again when the slowest process's figures moved
+        (interval.py), and a failed write is handled alike everywhere (_failed_saves)."""
         step_s = statistics.median(self.step_times) if self.step_times else 0.0
-        mine = [step_s, interval.costs[-1] if interval.costs else 0.0, 0.0]
-        agreed = Figures(*self.peers.reduce(what, mine, Figures.slowest))
-        if interval.figures is not None and agreed.step_s > 0 and agreed.save_s > 0:
-            self._say(interval.settle(Figures(agreed.step_s, agreed.save_s, interval.figures.write_s)))
+        mine = {"figures": [step_s, interval.costs[-1] if interval.costs else 0.0, 0.0], "failed": failed}
+        agreed = self.peers.reduce(what, mine, lambda all_: {"figures": Figures.slowest([v["figures"] for v in all_]),
+                                                             "failed": [v["failed"] for v in all_ if v["failed"]]})
+        if agreed["failed"]:
+            self._failed_saves(agreed["failed"])
+        elif interval is self.durable and interval.costs:
+            self.failed_in_a_row = 0  # the last save was written everywhere
+        figures = Figures(*agreed["figures"])
+        if interval.figures is not None and figures.step_s > 0 and figures.save_s > 0:
+            self._say(interval.settle(Figures(figures.step_s, figures.save_s, interval.figures.write_s)))
+
+    def _failed_saves(self, failures: list[dict], last: bool = False) -> None:
+        """A durable save failed on some process (every process sees the same list): its step is removed wherever
+        any trace of it is, and the run goes on (saving again at the next interval) until
+        checkpoint.max_failed_saves saves failed in a row, or stops if it was the run's last; StorageFailure."""
+        step = failures[0]["step"]
+        self._discard(step)
+        self.failed_in_a_row += 1
+        more = f" and {len(failures) - 1} more process(es)" if len(failures) > 1 else ""
+        failed = (f"checkpoint save of step {step} failed on process {failures[0]['process']}{more}: "
+                  f"{failures[0]['reason']}")
+        newest = max(self.manager.all_steps(), default=0)
+        kept = f"the newest complete checkpoint is step {newest}" if newest else "no complete checkpoint exists"
+        bound = self.config.max_failed_saves
+        if last or self.failed_in_a_row > bound:
+            why = "the run's last save" if last else (f"{self.failed_in_a_row} saves failed in a row "
+                                                     f"(checkpoint.max_failed_saves={bound})")
+            raise StorageFailure(f"{failed}; {why}: stopping (exit {EXIT_STORAGE}); {kept}{self._newer_local(newest)}; "
+                                 "free space or fix the filesystem, then re-run the same command")
+        self.log(f"warning: {failed}; {kept}; training goes on and saves again at the next interval "
+                 f"({self.failed_in_a_row} of checkpoint.max_failed_saves={bound} failed saves in a row)")
+
+    def _newer_local(self, durable: int) -> str:
+        """Where the local tier holds a newer step than checkpoints/: what a restart resumes from."""
+        local = max(finished_steps(self.local.directory), default=0) if self.local is not None else 0
+        return f"; the local tier holds step {local}, which a restart on the same hosts resumes from" \
+            if local > durable else ""
+
+    def _discard(self, step: int) -> None:
+        """Remove every trace of a step some process failed to write: Orbax's temporary directories, and the step
+        itself where it was finalised (a process's shards of it are missing). Process 0 removes, all wait."""
+        if self.peers.index == 0:
+            for partial in [*self.directory.glob(f"{step}.orbax-checkpoint-tmp*"), self.directory / str(step)]:
+                shutil.rmtree(partial, ignore_errors=True)
+        self.peers.barrier(f"failed step {step} removed")
+        self.manager.reload()
 
     def _measured(self, interval: Interval, blocked: float, write: Callable[[], float]) -> float:
         """Record a save's cost; an automatic interval's first save is waited for to its end, and the interval is
@@ -267,9 +372,10 @@ class Checkpointer:
         return target
 
     def wait(self) -> float:
-        """Block until pending writes (of both tiers) are done; returns the seconds waited."""
+        """Block until pending writes (of both tiers) are done; returns the seconds waited. A failed durable write
+        is kept for the next agreement (save, finish_writes), not raised here."""
         start = time.perf_counter()
-        self.manager.wait_until_finished()
+        self.failure = self._written()
         if self.local is not None:
             self.local.wait()
         return time.perf_counter() - start

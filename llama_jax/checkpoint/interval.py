@@ -105,7 +105,8 @@ class Interval:
                 f"{self.key} is {'auto, ' if self.auto else ''}{self.every or 'only at the end'}")
 
     def _derivation(self, save_s: float, step_s: float, write_s: float) -> str:
-        floor = f", at least one write of {write_s:.2f}s" if write_s > young_daly_interval_s(save_s, self.mtbf_s) else ""
+        optimum = young_daly_interval_s(save_s, self.mtbf_s)
+        floor = f", at least one write of {write_s:.2f}s" if write_s > optimum else ""
         return (f"sqrt(2 x save {save_s:.2f}s x MTBF {self.mtbf_s / 3600:.2g} h) = "
-                f"{young_daly_interval_s(save_s, self.mtbf_s):.0f}s{floor} at {step_s:.3f}s a step -> saving every "
+                f"{optimum:.0f}s{floor} at {step_s:.3f}s a step -> saving every "
                 f"{self.every} steps")

@@ -166,6 +166,7 @@ def _check_checkpoint(c: CheckpointConfig) -> None:
              "local_every_steps go together: set both (e.g. local_dir=/dev/shm/llama-jax local_every_steps=50) or "
              "neither")
     _require(c.timeout_s >= 1, "checkpoint.timeout_s must be at least 1 second")
+    _require(c.max_failed_saves >= 0, f"checkpoint.max_failed_saves must be >= 0, got {c.max_failed_saves}")
     _require(c.local_keep > 0 and c.local_replicas in (0, 1), f"checkpoint.local_keep must be positive and "
              f"checkpoint.local_replicas 0 or 1, got {c.local_keep} and {c.local_replicas}")
     bad = sorted(set(c.allow_model_changes) - set(FUNCTION_FIELDS))

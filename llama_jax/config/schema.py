@@ -144,6 +144,9 @@ class CheckpointConfig:
     # from, e.g. [rope_scaling_factor, rope_original_max_len] to extend the context; shapes never may.
     allow_model_changes: list[str] = field(default_factory=list)
     timeout_s: float = 1800.0  # a save or restore not finished in this time stops the run, naming it (exit 124)
+    # Durable saves that may fail in a row (no space, read-only, I/O errors) while the run trains on, saving again at
+    # the next interval; one more stops it with exit 74 (storage: needs a person). 0: stop at the first.
+    max_failed_saves: int = 2
     # The node-local tier (checkpoint/local.py): each process's shards on its own host (/dev/shm, NVMe; "" = off)
     # every local_every_steps (or auto), the newest local_keep; local_replicas=1: a partner host keeps a copy.
     local_dir: str = ""
@@ -181,6 +184,7 @@ class FaultConfig:
     # Fault injection, for tests and chaos drills: poison these steps' batches with NaN; hang at a step;
     # slow down one process's steps or saves, or stall it before the barrier named inject_stall_at.
     inject_nan_steps: list[int] = field(default_factory=list)
+    inject_save_failure_steps: list[int] = field(default_factory=list)  # these durable writes fail: no space
     inject_spike_steps: list[int] = field(default_factory=list)  # these batches' targets all token 0: a loss spike
     # whose update is applied (a corrupt batch)
     inject_hang_step: int = -1

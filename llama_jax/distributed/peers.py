@@ -94,7 +94,8 @@ class Peers:
         by_host: dict[str, list[int]] = {}
         for process in processes:
             by_host.setdefault(hosts.get(process, "an unknown host"), []).append(process)
-        return ", ".join(f"{host} (process{'es' * (len(ids) > 1)} {format_ranges(ids)})" for host, ids in by_host.items())
+        return ", ".join(f"{host} (process{'es' * (len(ids) > 1)} {format_ranges(ids)})"
+                         for host, ids in by_host.items())
 
     def broadcast(self, name: str, value: Any) -> Any:
         """Process 0's `value` (JSON-serialisable) on every process: one decision for all."""

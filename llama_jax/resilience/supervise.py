@@ -8,6 +8,8 @@ needs nothing but restarting the command, which is all this does, deciding by th
     EXIT_BAD_INPUT (2)   bad config or data            -> exit 2, never restarted (it will not fix itself)
     EXIT_UNHEALTHY (71)  a device failed pre-flight    -> exit 71, never restarted (the same hosts meet the
                                                           same device: exclude its host first)
+    EXIT_STORAGE (74)    checkpoints cannot be written -> exit 74, never restarted (full, read-only or failing
+                                                          storage: a person frees space or fixes it first)
     EXIT_PREEMPTED (75)  saved after SIGTERM/SIGINT    -> restarted (exit 75 if *we* were told to stop)
     EXIT_PEER_TIMEOUT (76) a peer missed a barrier     -> restarted (every process rejoins)
     EXIT_HANG (124)      the hang watchdog fired       -> restarted
@@ -45,8 +47,8 @@ import sys
 import time
 from pathlib import Path
 
-from llama_jax.errors import (EXIT_BAD_INPUT, EXIT_HANG, EXIT_OK, EXIT_PEER_TIMEOUT, EXIT_PREEMPTED, EXIT_UNHEALTHY,
-                              LAUNCHED_BY, UNHEALTHY_FILE)
+from llama_jax.errors import (EXIT_BAD_INPUT, EXIT_HANG, EXIT_OK, EXIT_PEER_TIMEOUT, EXIT_PREEMPTED, EXIT_STORAGE,
+                              EXIT_UNHEALTHY, LAUNCHED_BY, UNHEALTHY_FILE)
 from llama_jax.resilience.cluster import LABEL_ENV, label_nodes, unhealthy_hosts
 
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -73,7 +75,7 @@ def meaning(returncode: int) -> str:
             return f"killed by signal {-returncode}"
     return {EXIT_OK: "finished", EXIT_BAD_INPUT: "bad input", EXIT_PREEMPTED: "preempted, checkpoint saved",
             EXIT_HANG: "hang watchdog fired", EXIT_PEER_TIMEOUT: "a peer missed a barrier",
-            EXIT_UNHEALTHY: "unhealthy device"}.get(returncode, "failed")
+            EXIT_UNHEALTHY: "unhealthy device", EXIT_STORAGE: "checkpoint storage failing"}.get(returncode, "failed")
 
 
 def exit_status(returncode: int) -> int:
@@ -149,6 +151,10 @@ class Supervisor:
             log(f"exit {EXIT_UNHEALTHY} means the pre-flight check named an unhealthy device, which a restart on the "
                 "same hosts meets again: not restarting; exclude its host (named above and in run.dir/unhealthy.json)")
             self._keep_off_unhealthy_nodes()
+            return "stop", None
+        if returncode == EXIT_STORAGE:
+            log(f"exit {EXIT_STORAGE} means checkpoints could not be written (full, read-only or failing storage), "
+                "which a restart meets again: not restarting; free space or fix the filesystem (named above)")
             return "stop", None
         if self.stop_signal is not None:
             log(f"stopping as asked by {signal.Signals(self.stop_signal).name}: not restarting")
@@ -231,8 +237,11 @@ class Supervisor:
         # Only into a directory the trainer has created: the supervisor must not make a run.dir
         # that a bad-input run would have refused to create.
         if self.run_dir is not None and self.run_dir.is_dir():
-            with open(self.run_dir / "supervisor.jsonl", "a") as f:
-                f.write(json.dumps(fields) + "\n")
+            try:
+                with open(self.run_dir / "supervisor.jsonl", "a") as f:
+                    f.write(json.dumps(fields) + "\n")
+            except OSError as err:  # a full or read-only run.dir: the log line above says it all
+                log(f"could not append to {self.run_dir / 'supervisor.jsonl'}: {err.strerror or err}")
 
 
 def _signal_group(pgid: int, sig: int) -> bool:

@@ -38,8 +38,8 @@ from llama_jax.config import to_yaml
 from llama_jax.data.streams import open_data
 from llama_jax.distributed import processes, sharding
 from llama_jax.distributed.peers import Peers, primary_first
-from llama_jax.errors import EXIT_OK, EXIT_PREEMPTED, LAUNCHED_BY, InputError
-from llama_jax.files import cache_root
+from llama_jax.errors import EXIT_OK, EXIT_PREEMPTED, LAUNCHED_BY, ConfigError, InputError
+from llama_jax.files import cache_root, unwritable
 from llama_jax.inference.generate import sample_text
 from llama_jax.model import remat
 from llama_jax.model.llama import param_count
@@ -68,6 +68,9 @@ def train(config: Config, print_fn: Callable[[str], None] = print, *, devices=No
     """
     started_at = started_at or time.time()  # goodput counts the start-up as restart overhead
     processes.initialize(config.run)  # before anything touches the devices
+    if problem := unwritable(Path(config.run.dir)):  # before anything compiles: one line, exit 2
+        raise ConfigError(f"run.dir {config.run.dir} cannot be written: {problem}; choose a run.dir on a writable "
+                          "filesystem")
     primary = jax.process_index() == 0
     say = print_fn if primary else _warnings_only(print_fn)
     if primary:
@@ -219,10 +222,12 @@ class Loop:
                               log=log.message) if c.local_dir else None
             checkpointer = Checkpointer(run_dir, c, meta=run.metadata(), log=log.message, peers=run.peers,
                                         save_delay_s=f.inject_save_delay_s if injected else 0.0,
+                                        save_failures=tuple(f.inject_save_failure_steps) if injected else (),
                                         layout=run.layer_order, local=local, model=run.metadata()["config"]["model"],
                                         check=run.check_meta)
             loop = cls(
-                run=run, log=log, checkpointer=checkpointer, goodput=Goodput(run_dir, started_at, write=primary),
+                run=run, log=log, checkpointer=checkpointer,
+                goodput=Goodput(run_dir, started_at, write=primary, warn=log.message),
                 meter=ThroughputMeter(t.batch_size * t.seq_len, model_flops_per_token(config), peak,
                                       mesh.devices.size),
                 guard=SpikeGuard(f.max_bad_steps, f.spike_zscore, f.spike_window),
@@ -431,7 +436,7 @@ class Loop:
             summary["tokens_per_s"] = self.meter.median_tokens_per_s
             summary["mfu"] = self.meter.mfu(summary["tokens_per_s"])
         with self.watchdog.paused("final save", self.run.config.checkpoint.timeout_s):
-            self.goodput.add("checkpoint_save", self.checkpointer.wait())
+            self.goodput.add("checkpoint_save", self.checkpointer.finish_writes())
         local = self.checkpointer.local
         if local is not None:  # the background writes: their time and this host's bytes
             self.goodput.tier("write_local", sum(local.write_seconds), local.bytes_written, len(local.write_seconds))
@@ -452,10 +457,14 @@ class Loop:
             # Outside the mesh context: the prompt's length need not divide the sequence shards.
             summary["sample"] = sample_text(run.config, state.model_params, run.data.tokenizer)
             print_fn(f"sample after {run.config.train.steps} steps:\n{summary['sample']}")
-            if primary:
+        if not primary:
+            return
+        try:  # the run is trained and saved: a file that cannot be written now warns and stops nothing
+            if "sample" in summary:
                 (run_dir / "sample.txt").write_text(summary["sample"] + "\n")
-        if primary:
             summary["report"] = str(write_report(run_dir))
+        except OSError as err:
+            self.log.message(f"warning: writing the sample or report into {run_dir} failed ({err.strerror or err})")
 
 
 def _injected_hang() -> None:
