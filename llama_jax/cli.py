@@ -97,7 +97,7 @@ def _add_plan(commands) -> None:
     parser.add_argument("args", nargs="*", metavar="PRESET|CONFIG|key=value")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.add_argument("--compare-remat", action="store_true",
-                      help="plan every remat policy side by side (memory and HLO FLOPs relative to none)")
+                        help="plan every remat policy side by side (memory and HLO FLOPs relative to none)")
     parser.add_argument("--devices-per-host", type=int, default=0, help=DEVICES_PER_HOST_HELP)
     parser.set_defaults(func=cmd_plan)
 
@@ -188,39 +188,39 @@ def _add_tune(commands) -> None:
                     "remat.every_n_layers) pins it. Cached: a re-run is instant.")
     parser.add_argument("args", nargs="*", metavar="PRESET|CONFIG|key=value")
     parser.add_argument("--memory-gb", type=float, default=0.0,
-                      help="per-device memory budget in GiB (default: run.device_memory_gb, else the device's "
-                           "memory minus 10%%)")
+                        help="per-device memory budget in GiB (default: run.device_memory_gb, else the device's "
+                             "memory minus 10%%)")
     parser.add_argument("--budget-min", type=float, default=10.0, help="minutes of compiling, at most (default 10)")
     parser.add_argument("--top-k", type=int, default=3, help="candidates to measure (default 3)")
     parser.add_argument("--measure", action=argparse.BooleanOptionalAction, default=None,
-                      help="time the top-k for a few steps (default: on, except on simulated CPU devices)")
+                        help="time the top-k for a few steps (default: on, except on simulated CPU devices)")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per measured candidate (default 3)")
     parser.add_argument("--meshes", type=int, default=3,
-                      help="the best N meshes of stage 1 get every micro-batch count and policy (default 3)")
+                        help="the best N meshes of stage 1 get every micro-batch count and policy (default 3)")
     parser.add_argument("--policies", default="none,save_dot_except_mlp,selective,full",
-                      help="remat policies to try, comma-separated (default none,save_dot_except_mlp,selective,full)")
+                        help="remat policies to try, comma-separated (default none,save_dot_except_mlp,selective,full)")
     parser.add_argument("--microbatches", type=_int_list, default=(1, 2, 4),
-                      help="micro-batch counts (default 1,2,4; with P pipeline stages, these times P)")
+                        help="micro-batch counts (default 1,2,4; with P pipeline stages, these times P)")
     parser.add_argument("--pipeline-repeats", type=_int_list, default=(1, 2),
-                      help="mesh.pipeline_repeats tried with a pipeline (default 1,2)")
+                        help="mesh.pipeline_repeats tried with a pipeline (default 1,2)")
     parser.add_argument("--every-n-layers", type=_int_list, default=(1, 2),
-                      help="remat.every_n_layers values for recomputing policies (default 1,2)")
+                        help="remat.every_n_layers values for recomputing policies (default 1,2)")
     parser.add_argument("--efficiency", type=float, default=0.0, help="cost model: fraction of peak FLOP/s reached "
-                                                                    "(default 0.7 on GPUs, 0.8 on CPUs)")
+                        "(default 0.7 on GPUs, 0.8 on CPUs)")
     parser.add_argument("--bandwidth-gbs", type=float, default=0.0,
-                      help="cost model: collective GB/s per device within a host (default: the data sheet's NVLink "
-                           "or PCIe figure on known GPUs, e.g. 450 on an H100 SXM; measured on CPUs)")
+                        help="cost model: collective GB/s per device within a host (default: the data sheet's NVLink "
+                             "or PCIe figure on known GPUs, e.g. 450 on an H100 SXM; measured on CPUs)")
     parser.add_argument("--nic-gbs", type=float, default=0.0,
-                      help="cost model: collective GB/s per device between hosts (default 50: one 400 Gb/s NIC per "
-                           "GPU; at most the link within a host)")
+                        help="cost model: collective GB/s per device between hosts (default 50: one 400 Gb/s NIC per "
+                             "GPU; at most the link within a host)")
     parser.add_argument("--devices-per-host", type=int, default=0, help=DEVICES_PER_HOST_HELP)
     parser.add_argument("--overlap", type=float, default=-1.0,
-                      help="cost model: fraction of communication hidden by compute (default 0.5 GPU, 0 CPU)")
+                        help="cost model: fraction of communication hidden by compute (default 0.5 GPU, 0 CPU)")
     parser.add_argument("--rows", type=int, default=20, help="table rows to print (default 20)")
     parser.add_argument("--out", default="tune.yaml", help="the winner's config file (default tune.yaml)")
     parser.add_argument("--json", action="store_true", help="print every candidate as JSON")
     parser.add_argument("--dry-run", action="store_true",
-                      help="list the candidates and why the invalid ones are refused; compile nothing")
+                        help="list the candidates and why the invalid ones are refused; compile nothing")
     parser.set_defaults(func=cmd_tune)
 
 
@@ -244,19 +244,19 @@ def _add_prepare(commands) -> None:
     parser.add_argument("inputs", nargs="+", metavar="INPUT")
     parser.add_argument("--out", required=True, help="the token store directory to create")
     parser.add_argument("--tokenizer", help="tokenizer.json, a Llama 3 tokenizer.model, a sentencepiece .model, "
-                                             "or a directory holding one")
+                        "or a directory holding one")
     parser.add_argument("--train-tokenizer", type=int, metavar="VOCAB",
-                         help="train a byte-level BPE with VOCAB tokens on the training documents")
+                        help="train a byte-level BPE with VOCAB tokens on the training documents")
     parser.add_argument("--text-field", default="text", help="jsonl field / parquet or dataset column (default text)")
     parser.add_argument("--text-unit", default="file", choices=("file", "paragraph", "line"),
-                         help=".txt/.md inputs: one document per file (default), paragraph or line")
+                        help=".txt/.md inputs: one document per file (default), paragraph or line")
     parser.add_argument("--val-every", type=int, default=20, metavar="N",
-                         help="hold out every N-th document for validation (default 20)")
+                        help="hold out every N-th document for validation (default 20)")
     parser.add_argument("--on-bad-record", default="fail", choices=("fail", "skip"),
-                         help="a jsonl line that is not JSON or lacks the field: fail (default) or skip and count")
+                        help="a jsonl line that is not JSON or lacks the field: fail (default) or skip and count")
     parser.add_argument("--workers", type=int, default=0, help="tokenizing processes (default: one per core)")
     parser.add_argument("--tokenizer-sample-mb", type=int, default=256,
-                         help="text the BPE is trained on, at most (default 256)")
+                        help="text the BPE is trained on, at most (default 256)")
     parser.set_defaults(func=cmd_prepare)
 
 
@@ -295,17 +295,17 @@ def _add_supervise(commands) -> None:
                     "input) or 71 (an unhealthy device), with exponential backoff; SIGTERM/SIGINT are forwarded "
                     "as SIGTERM and stop it.")
     parser.add_argument("--max-restarts", type=int, default=10, metavar="N",
-                           help="give up after N restarts in a row (default 10)")
+                        help="give up after N restarts in a row (default 10)")
     parser.add_argument("--backoff", type=float, default=10.0, metavar="S",
-                           help="seconds before the first restart, doubled for each further one (default 10)")
+                        help="seconds before the first restart, doubled for each further one (default 10)")
     parser.add_argument("--max-backoff", type=float, default=300.0, metavar="S",
-                           help="longest wait between restarts (default 300)")
+                        help="longest wait between restarts (default 300)")
     parser.add_argument("--reset-after", type=float, default=600.0, metavar="S",
-                           help="a command that ran longer than S seconds before failing starts a new streak: "
-                                "the restart count and backoff reset (default 600)")
+                        help="a command that ran longer than S seconds before failing starts a new streak: "
+                             "the restart count and backoff reset (default 600)")
     parser.add_argument("--grace", type=float, default=120.0, metavar="S",
-                           help="seconds the command has to exit after a forwarded SIGTERM before SIGKILL "
-                                "(default 120)")
+                        help="seconds the command has to exit after a forwarded SIGTERM before SIGKILL "
+                             "(default 120)")
     parser.add_argument("command", nargs=argparse.REMAINDER, metavar="-- COMMAND ...")
     parser.set_defaults(func=cmd_supervise)
 
@@ -332,12 +332,12 @@ def _add_convert(commands) -> None:
     parser.add_argument("out", metavar="OUT")
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     parser.add_argument("--dtype", default="float32", help="safetensors dtype when writing Hugging Face: "
-                                                            "float32 (default), bfloat16 or float16")
+                        "float32 (default), bfloat16 or float16")
     parser.add_argument("--rotary", default="half", help="q/k layout of the Hugging Face side: half (transformers' "
-                                                          "rotate_half, default) or interleaved (Meta's original)")
+                        "rotate_half, default) or interleaved (Meta's original)")
     parser.add_argument("--merge", action="store_true", help="a run with LoRA adapters: write its base with the "
-                                                              "adapters folded into the weights, as a Hugging Face "
-                                                              "model (default: a PEFT adapter directory)")
+                        "adapters folded into the weights, as a Hugging Face "
+                        "model (default: a PEFT adapter directory)")
     parser.set_defaults(func=cmd_convert)
 
 
@@ -370,7 +370,7 @@ def _add_generate(commands) -> None:
                     "and so is the key/value cache.")
     parser.add_argument("model", metavar="MODEL")
     parser.add_argument("overrides", nargs="*", metavar="key=value",
-                          help="mesh.* keys; model.compute_dtype, model.attention")
+                        help="mesh.* keys; model.compute_dtype, model.attention")
     parser.add_argument("--prompt", action="append", required=True, help="a prompt; repeat for a batch")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.8, help="0: greedy")

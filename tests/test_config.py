@@ -22,7 +22,7 @@ PRESET_FILES = sorted((REPO / "configs").glob("*.yaml"))
 INTERFACE_KEYS = {
     "seed": ("7", 7),
     "run.dir": ("runs/elsewhere", "runs/elsewhere"),
-    "train.steps": ("7", 7),
+    "train.steps": ("77", 77),  # above the tiny preset's 40 warmup steps: a warmup must end before the run does
     "train.batch_size": ("32", 32),
     "train.seq_len": ("64", 64),
     "train.microbatches": ("2", 2),
@@ -80,7 +80,7 @@ def test_no_source_is_the_tiny_preset():
 def test_overrides_are_typed():
     """Override strings become the schema's types: float, bool, int, str."""
     config = load_config("tiny", ["train.lr=1e-3", "model.tie_embeddings=true", "train.steps=12",
-                                  "remat.policy=full", "mesh.sequence_parallel=false"])
+                                  "train.warmup_steps=2", "remat.policy=full", "mesh.sequence_parallel=false"])
     assert isinstance(config.train.lr, float) and config.train.lr == 1e-3
     assert config.model.tie_embeddings is True
     assert isinstance(config.train.steps, int) and config.train.steps == 12
@@ -90,7 +90,7 @@ def test_overrides_are_typed():
 
 def test_later_override_wins_and_others_keep_preset_values():
     """Overrides replace only their key; the last one for a key wins."""
-    config = load_config("tiny", ["train.steps=3", "train.steps=5"])
+    config = load_config("tiny", ["train.warmup_steps=1", "train.steps=3", "train.steps=5"])
     assert config.train.steps == 5
     assert config.train.batch_size == load_config("tiny").train.batch_size
 
@@ -106,7 +106,7 @@ def test_config_is_frozen():
 
 def test_saved_yaml_loads_back(tmp_path):
     """The resolved config written to run.dir loads back to the same config."""
-    config = load_config("tiny", ["train.steps=9", "model.n_layers=2", f"run.dir={tmp_path}"])
+    config = load_config("tiny", ["train.steps=9", "train.warmup_steps=1", "model.n_layers=2", f"run.dir={tmp_path}"])
     path = tmp_path / "config.yaml"
     path.write_text(to_yaml(config))
     assert load_config(str(path)) == config

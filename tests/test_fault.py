@@ -270,7 +270,7 @@ def test_a_rollback_lands_before_the_first_bad_step_when_spikes_surround_a_save(
     messages = []
     train_quietly(cfg, messages=messages)
     spikes = [m for m in messages if "loss spike" in m]
-    assert [m.split()[2] for m in spikes] == ["11", "12", "13"], messages
+    assert [m.split()[2] for m in spikes] == ["11", "12"], messages  # the third is the rollback's
     assert "warning: step 12 is counted as bad (2 in a row): not saved; the save waits for a good step" in messages
     assert any("rolled back from step 13 to 6" in m for m in messages), messages
 

@@ -376,10 +376,12 @@ def test_readme_cluster_commands_run_as_dry_runs():
         result = subprocess.run(["bash", str(script), *args], capture_output=True, text=True, env=run_env)
         assert result.returncode == 0, (command, result.stderr)
         if script.name == "k8s.sh":
-            assert [d["kind"] for d in yaml.safe_load_all(result.stdout)] == ["Service", "Job"]
+            assert [d["kind"] for d in yaml.safe_load_all(result.stdout)] == [
+                "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Service", "Job"]  # the account labels nodes
         elif script.name == "slurm.sbatch":
             nodes = int(args[args.index("--nodes") + 1]) if "--nodes" in args else int(run_env["SLURM_JOB_NUM_NODES"])
             assert result.stdout.startswith(f"# {nodes} node(s) x 8 process(es) = {8 * nodes} processes")
         else:
             remote = " ".join(shlex.split(result.stdout.splitlines()[-1]))  # ssh's command, or the one to type
-            assert "JAX_PROCESS_ID=1" in remote and "train llama3_8b run.dir=/shared/runs/8b" in remote
+            assert "JAX_PROCESS_ID=1" in remote and "train llama3_8b " + " ".join(LAUNCHER_DEFAULTS) in remote
+            assert remote.endswith("run.dir=/shared/runs/8b")  # the guide's keys come after them

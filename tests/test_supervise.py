@@ -294,7 +294,7 @@ def test_a_supervised_run_that_saves_no_checkpoint_during_training_warns_at_star
     proc = subprocess.run([sys.executable, "-m", "llama_jax", "supervise", "--", sys.executable, "-m", "llama_jax",
                            "train", "tiny", f"run.dir={run_dir}", "train.steps=1", "train.warmup_steps=0",
                            "model.n_layers=1", "model.d_model=32", "model.n_heads=2", "model.n_kv_heads=1",
-                           "model.ffn_dim=64", "train.seq_len=16", "train.batch_size=2", "train.sample_tokens=0",
+                           "model.ffn_dim=64", "train.seq_len=16", "train.batch_size=8", "train.sample_tokens=0",
                            "model.vocab_size=320", f"data.sources=[{corpus}]", f"data.cache_dir={tmp_path / 'cache'}"],
                           env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
