@@ -49,15 +49,21 @@ def describe_write_failure(err: BaseException, where: Path) -> str:
     return f"{reason} in {where}, {free_space(where)} free there"
 
 
-def free_space(path: Path) -> str:
-    """The free space of the filesystem holding `path` (its nearest existing directory), as the commands print it."""
+def free_bytes(path: Path) -> int | None:
+    """The free bytes of the filesystem holding `path` (its nearest existing directory); None if unknown."""
     existing = Path(path).absolute()
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
     try:
-        return format_bytes(shutil.disk_usage(existing).free)
+        return shutil.disk_usage(existing).free
     except OSError:
-        return "unknown space"
+        return None
+
+
+def free_space(path: Path) -> str:
+    """The free space of the filesystem holding `path`, as the commands print it."""
+    free = free_bytes(path)
+    return "unknown space" if free is None else format_bytes(free)
 
 
 def unwritable(path: Path) -> str | None:

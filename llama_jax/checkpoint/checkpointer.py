@@ -30,13 +30,16 @@ from __future__ import annotations
 
 import datetime
 import errno
+import logging
 import shutil
 import statistics
+import sys
 import time
 from collections import deque
 from pathlib import Path
 from typing import Any, Callable
 
+import jax
 import orbax.checkpoint as ocp
 
 from llama_jax.checkpoint.durable import ITEMS, check_model, read_meta, read_step, saved_layer_order
@@ -45,10 +48,46 @@ from llama_jax.checkpoint.local import LocalTier, finished_steps
 from llama_jax.config import CheckpointConfig
 from llama_jax.distributed.peers import Peers
 from llama_jax.errors import EXIT_STORAGE, ConfigError, StorageFailure
-from llama_jax.files import STORAGE_ERRNOS, describe_write_failure, storage_errno
+from llama_jax.files import STORAGE_ERRNOS, describe_write_failure, free_bytes, storage_errno
 from llama_jax.resilience.goodput import observed_mtbf_s
 
 STEP_WINDOW = 50  # the latest step times an automatic interval takes the median of
+
+
+def _is_storage_failure(err: BaseException | None) -> bool:
+    while err is not None:
+        if storage_errno(err) in STORAGE_ERRNOS:
+            return True
+        err = err.__cause__ or err.__context__
+    return False
+
+
+class _ReportedHere(logging.Filter):
+    """Orbax logs one failed write from each of its threads, with a traceback (some 30 lines for one full disk);
+    the Checkpointer reports it in one line (which step, why, where, the free space), so those records go."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (_is_storage_failure(record.exc_info[1] if record.exc_info else None)
+                    or "os_error_code=" in record.getMessage())
+
+
+def _quiet_storage_noise() -> None:
+    """Drop Orbax's records of storage failures, and the 'Event loop is closed' tracebacks TensorStore prints
+    (through sys.excepthook) when its writes still pending after a failed one finish on Orbax's closed loop.
+    Both only ever follow a failure this module reports itself; everything else passes through."""
+    absl = logging.getLogger("absl")
+    if not any(isinstance(f, _ReportedHere) for f in absl.filters):
+        absl.addFilter(_ReportedHere())
+    if getattr(sys.excepthook, "quiet_closed_loops", False):
+        return
+    previous = sys.excepthook
+
+    def excepthook(kind, value, tb):
+        if not (kind is RuntimeError and str(value) == "Event loop is closed"):
+            previous(kind, value, tb)
+
+    excepthook.quiet_closed_loops = True
+    sys.excepthook = excepthook
 
 
 class Checkpointer:
@@ -65,6 +104,7 @@ class Checkpointer:
         base) are what every step restore_newest considers must hold; config.allow_model_changes lets function
         fields differ."""
         self.config, self.meta, self.log, self.local = config, meta or {}, log, local
+        _quiet_storage_noise()
         self.model, self.check = model, check or (lambda meta: None)
         self.layout = layout  # (pipeline stages, repeats) of this run: restored layers are put in its order
         self.peers = peers or Peers(timeout_s=600.0)
@@ -133,6 +173,7 @@ class Checkpointer:
         time.sleep(self.save_delay_s)
         meta = {**self.meta, "step": step, "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat()}
         try:
+            self._check_room(state)
             self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                             data=ocp.args.JsonSave(data_state),
                                                             meta=ocp.args.JsonSave(meta)), force=True)
@@ -141,6 +182,16 @@ class Checkpointer:
             self.failure = self._failure(step, err)
         self.last_save_time = time.monotonic()
         return self._measured(self.durable, time.perf_counter() - start, self._write_seconds)
+
+    def _check_room(self, state: Any) -> None:
+        """A save that cannot fit is not started: this process's share of the state (each array's shards whose
+        first replica it holds) against the free space, so a full disk fails before Orbax writes a partial step
+        (and before its threads report the failure many times over)."""
+        share = sum(shard.data.nbytes for leaf in jax.tree_util.tree_leaves(state) if isinstance(leaf, jax.Array)
+                    for shard in leaf.addressable_shards if shard.replica_id == 0)
+        free = free_bytes(self.directory)
+        if free is not None and share > free:
+            raise OSError(errno.ENOSPC, f"a checkpoint share of {share} bytes does not fit")
 
     def _write_seconds(self) -> float:
         """An automatic interval's first save: the seconds its write took (it is waited for here); a failed write

@@ -196,7 +196,8 @@ class MetricsLog:
         except Exception as err:  # noqa: BLE001 - OSError for files; W&B raises its own types
             if name not in self._failed:
                 self._failed.add(name)
-                reason = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
+                text = getattr(err, "strerror", None) or str(err).strip()  # an OSError's reason, not its "[Errno N]"
+                reason = text.splitlines()[0][:200] if text else type(err).__name__
                 self.message(f"warning: writing {name} failed ({reason}); training goes on without it until it "
                              "can be written again")
 
