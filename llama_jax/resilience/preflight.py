@@ -29,7 +29,7 @@ per device, then at most SECOND_LOOK_ROUNDS pairs of calls for a device that loo
 process's others (a second look, timed next to a reference device so that load from elsewhere cancels;
 see best_times). Each round visits every device in turn and a device keeps its best time, so load from
 elsewhere slows a round of every device rather than every call of one device. The tiny preset's check
-on 8 simulated CPU devices takes about 3 s; the GPU sizes aim at a few tens of milliseconds per timed
+on 8 simulated CPU devices takes about 2 s; the GPU sizes aim at a few tens of milliseconds per timed
 call on an H100. Suspects add fleet_rounds.py's rounds: about a second each (their pauses), two or three.
 fault.inject_slow_device makes one device's timed calls do SLOW_FACTOR times the work, and
 fault.inject_wrong_device adds one to an element of its known product.
