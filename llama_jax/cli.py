@@ -114,8 +114,14 @@ def cmd_doctor(ns: argparse.Namespace) -> int:
     processes.initialize(config.run)
     mesh = sharding.make_mesh(config)
     peers = Peers(config.fault.barrier_timeout_s)
-    report = preflight.check(config, mesh, peers)
-    if jax.process_index() == 0:
+    primary = jax.process_index() == 0
+
+    def note(line: str) -> None:  # that suspects are measured again: before the table (--json: in the document)
+        if primary and not ns.json:
+            print(line, flush=True)
+
+    report = preflight.check(config, mesh, peers, say=note)
+    if primary:
         print(preflight.report_json(report) if ns.json else preflight.format_report(report))
     # Unhealthy: exit 71, and the verdict goes into run.dir only if that exists (doctor starts no run).
     preflight.enforce(report, Path(config.run.dir), create=False, peers=peers)
@@ -127,8 +133,9 @@ def _add_doctor(commands) -> None:
         "doctor", help="check every device (matmul rate, memory bandwidth, a known product) and the mesh's collectives",
         description="llama-jax doctor [PRESET|CONFIG.yaml] [key=value ...] [--json]. The pre-flight check that "
                     "fault.preflight=true runs before training, on the config's mesh, run by every process of a "
-                    "multi-process run: a device below fault.preflight_min_ratio (default 0.8) x the fleet median, or "
-                    "with a wrong product, is named; exit 0 when healthy, 71 when not, 2 on bad input.")
+                    "multi-process run: a device below fault.preflight_min_ratio (default 0.8) x the fleet median in "
+                    "most of the rounds that measure it again, or with a wrong product, is named; exit 0 when "
+                    "healthy, 71 when not, 2 on bad input.")
     parser.add_argument("args", nargs="*", metavar="PRESET|CONFIG|key=value")
     parser.add_argument("--json", action="store_true", help="print every figure and the verdict as JSON")
     parser.set_defaults(func=cmd_doctor)

@@ -85,7 +85,7 @@ def train(config: Config, print_fn: Callable[[str], None] = print, *, devices=No
     # Process 0 prepares raw sources into the cache first, so processes sharing it never race.
     data = primary_first(lambda: open_data(config, log=say), (InputError,), peers)
     if f.preflight:  # a slow or faulty device is named before the step compiles or a checkpoint restores (exit 71)
-        report = preflight.check(config, mesh, peers)
+        report = preflight.check(config, mesh, peers, say)
         say(preflight.summary(report))
         preflight.enforce(report, Path(config.run.dir), create=True, peers=peers)  # a starting run: may make run.dir
     run = Run.setup(config, mesh, data, peers)
