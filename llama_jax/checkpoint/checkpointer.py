@@ -33,6 +33,7 @@ from llama_jax.checkpoint.local import LocalTier
 from llama_jax.config import CheckpointConfig
 from llama_jax.distributed.peers import Peers
 from llama_jax.errors import ConfigError
+from llama_jax.model.stages import NATURAL, LayerOrder
 from llama_jax.resilience.goodput import observed_mtbf_s
 
 
@@ -43,14 +44,14 @@ class Checkpointer:
 
     def __init__(self, run_dir: Path, config: CheckpointConfig, meta: dict | None = None,
                  directory: Path | None = None, log: Callable[[str], None] = print, peers: Peers | None = None,
-                 save_delay_s: float = 0.0, layout: tuple[int, int] = (1, 1), local: LocalTier | None = None,
+                 save_delay_s: float = 0.0, layout: LayerOrder = NATURAL, local: LocalTier | None = None,
                  model: dict | None = None, check: Callable[[dict | None], None] | None = None):
         """`model` (the run's model config as a dict) and `check` (start.meta_check: a peft run's adapters and
         base) are what every step restore_newest considers must hold; config.allow_model_changes lets function
         fields differ."""
         self.config, self.meta, self.log, self.local = config, meta or {}, log, local
         self.model, self.check = model, check or (lambda meta: None)
-        self.layout = layout  # (pipeline stages, repeats) of this run: restored layers are put in its order
+        self.layout = layout  # the pipeline layout of this run: restored layers are put in its order
         self.peers = peers or Peers(timeout_s=600.0)
         self.save_delay_s = save_delay_s  # fault injection: this process's saves take longer
         self.directory = Path(directory or Path(run_dir) / "checkpoints").absolute()
