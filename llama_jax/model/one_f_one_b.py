@@ -9,12 +9,19 @@ backward pass, with explicit VJPs: what a stage keeps is bounded by the stages, 
               handed on) through its group of layers under jax.vjp; the residuals the remat policy keeps
               (each layer's input under `full`, every activation under `none`) go into slot s of the
               stage's buffers, until that micro-batch's backward pass. Residuals computed from the weights
-              alone are not kept (residuals.py): the backward pass computes them again.
+              and the micro-batch's documents and positions alone are not kept (residuals.py): the backward
+              pass computes them again.
     loss      on the last stage of the last repeat, the micro-batch's loss (final norm, output projection,
               cross-entropy) and its gradient, at once: its backward pass starts in the same iteration.
     backward  the VJP of an earlier micro-batch, from its kept residuals and the gradient the stage after
               handed back (or the loss's), accumulating the weights' gradient; on stage 0 of the first
-              repeat the gradient of the embeddings is kept for the step's autodiff.
+              repeat the gradient of the embeddings, handed to the stage that keeps them (below).
+
+Micro-batch i·P + p's embeddings are kept by stage p, made of rows it already holds (pipeline.by_owner), and
+travel one stage per iteration to stage 0 just in time; their gradient travels back to stage p. No stage
+holds more than M/P micro-batches' embeddings, and no collective but the permutes between neighbours runs
+on them (XLA partitions a reduce-scatter over the manual pipeline axis of a batch split over the others by
+replicating it whole).
 
 Every stage runs the same program (SPMD); tables computed before tracing (`schedule`) say, per iteration and
 stage, which micro-batch and repeat run forward and backward and in which slots; a stage with nothing to do
@@ -67,10 +74,6 @@ class Schedule:
 
     @property
     def iterations(self) -> int:
-        return self.forward.shape[0]
-
-
-def iterations(self) -> int:
         return self.forward.shape[0]
 
 

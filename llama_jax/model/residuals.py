@@ -45,8 +45,8 @@ def _inner(jaxpr) -> Jaxpr:
 
 def _equation(eqn, ins: list[bool]) -> list[bool]:
     name, params, everything = eqn.primitive.name, eqn.params, [True] * len(eqn.outvars)
-    if name == "scan":
-        body, consts, carry = _inner(params["jaxpr"]), params["num_consts"], params["num_carry"]
+    if name == "scan" and (counts := _scan_counts(params, len(ins))):
+        body, (consts, carry) = _inner(params["jaxpr"]), counts
         state = ins[consts:consts + carry]
         while True:  # the carry depends on the data once any iteration makes it so
             outs = _outputs(body, ins[:consts] + state + ins[consts + carry:])
@@ -65,3 +65,13 @@ def _equation(eqn, ins: list[bool]) -> list[bool]:
                 and len(_inner(inner).outvars) == len(eqn.outvars):
             return _outputs(_inner(inner), ins)
     return everything  # while loops and anything else: every output depends on every input
+
+
+def _scan_counts(params: dict, inputs: int) -> tuple[int, int] | None:
+    """(consts, carry) of a scan: jax <= 0.11 names the counts; newer ones give the (consts, carry, xs) structure."""
+    if "num_consts" in params:
+        return params["num_consts"], params["num_carry"]
+    structure = params.get("ft_in")
+    if structure is not None and len(structure) == 3 and sum(len(part) for part in structure) == inputs:
+        return len(structure[0]), len(structure[1])
+    return None  # unknown: every output depends on every input
