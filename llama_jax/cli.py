@@ -141,24 +141,28 @@ def _add_doctor(commands) -> None:
     parser.set_defaults(func=cmd_doctor)
 
 
-def _int_list(text: str) -> tuple[int, ...]:
+def _int_list(text: str, least: int = 1) -> tuple[int, ...]:
     try:
         values = tuple(int(v) for v in text.split(","))
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got '{text}'") from None
-    if min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got '{text}'")
+    if min(values) < least:
+        raise argparse.ArgumentTypeError(f"expected integers >= {least}, got '{text}'")
     return values
 
 
 def cmd_tune(ns: argparse.Namespace) -> int:
-    from llama_jax.config.choices import REMAT_POLICIES
+    from llama_jax.config.choices import PIPELINE_SCHEDULES, REMAT_POLICIES
 
     source, overrides = _split_source(ns.args)
     policies = tuple(ns.policies.split(","))
     unknown = [p for p in policies if p not in REMAT_POLICIES]
     if unknown:
         raise InputError(f"--policies: unknown remat policy '{unknown[0]}'; valid: {', '.join(REMAT_POLICIES)}")
+    schedules = tuple(ns.pipeline_schedules.split(","))
+    if any(s not in PIPELINE_SCHEDULES for s in schedules):
+        raise InputError(f"--pipeline-schedules: choose from {', '.join(PIPELINE_SCHEDULES)}, got "
+                         f"'{ns.pipeline_schedules}'")
     if ns.memory_gb < 0 or ns.budget_min <= 0 or ns.top_k < 1 or ns.steps < 1 or ns.meshes < 1:
         raise InputError("tune: --memory-gb must be >= 0, and --budget-min, --top-k, --steps, --meshes positive")
     if not 0 <= ns.efficiency <= 1 or min(ns.bandwidth_gbs, ns.nic_gbs) < 0 or \
@@ -172,7 +176,7 @@ def cmd_tune(ns: argparse.Namespace) -> int:
     options = tune.Options(
         memory_gb=ns.memory_gb, budget_min=ns.budget_min, top_k=ns.top_k, measure=ns.measure, steps=ns.steps,
         meshes=ns.meshes, policies=policies, microbatches=ns.microbatches, every_n_layers=ns.every_n_layers,
-        pipeline_repeats=ns.pipeline_repeats,
+        pipeline_repeats=ns.pipeline_repeats, pipeline_schedules=schedules, pass_microbatches=ns.pass_microbatches,
         efficiency=ns.efficiency, bandwidth_gbs=ns.bandwidth_gbs, overlap=ns.overlap, nic_gbs=ns.nic_gbs,
         devices_per_host=ns.devices_per_host, progress=not ns.json)
     if ns.dry_run:
@@ -210,6 +214,11 @@ def _add_tune(commands) -> None:
                         help="micro-batch counts (default 1,2,4; with P pipeline stages, these times P)")
     parser.add_argument("--pipeline-repeats", type=_int_list, default=(1, 2),
                         help="mesh.pipeline_repeats tried with a pipeline (default 1,2)")
+    parser.add_argument("--pipeline-schedules", default="gpipe,1f1b",
+                        help="mesh.pipeline_schedule values tried with a pipeline, comma-separated (default gpipe,1f1b)")
+    parser.add_argument("--pass-microbatches", type=lambda text: _int_list(text, least=0), default=(0,),
+                        help="micro-batches per pass through a pipeline of P stages, these times P (0: one pass of "
+                             "all; default 0)")
     parser.add_argument("--every-n-layers", type=_int_list, default=(1, 2),
                         help="remat.every_n_layers values for recomputing policies (default 1,2)")
     parser.add_argument("--efficiency", type=float, default=0.0, help="cost model: fraction of peak FLOP/s reached "

@@ -163,7 +163,7 @@ def test_two_processes_name_a_slow_device_on_every_process(tmp_path, corpus):
                     f"fault.inject_slow_device={slow}")
     assert result.returncode == EXIT_UNHEALTHY, result.stderr
     errors = [line for line in result.stderr.splitlines() if line.startswith("llama-jax: error: pre-flight check")]
-    assert len(errors) == 2 and all(named(line) == [slow] and f"(process 1 on " in line for line in errors)
+    assert len(errors) == 2 and all(named(line) == [slow] and "(process 1 on " in line for line in errors)
     assert re.findall(r"process \d exited with status (\d+)", result.stderr) == ["71", "71"]
     verdict = json.loads((run_dir / "unhealthy.json").read_text())
     assert [d["device"] for d in verdict["devices"]] == [slow]

@@ -33,7 +33,6 @@ import errno
 import logging
 import shutil
 import statistics
-import sys
 import time
 from collections import deque
 from pathlib import Path
@@ -49,6 +48,7 @@ from llama_jax.config import CheckpointConfig
 from llama_jax.distributed.peers import Peers
 from llama_jax.errors import EXIT_STORAGE, ConfigError, StorageFailure
 from llama_jax.files import STORAGE_ERRNOS, describe_write_failure, free_bytes, storage_errno
+from llama_jax.model.stages import NATURAL, LayerOrder
 from llama_jax.resilience.goodput import observed_mtbf_s
 
 STEP_WINDOW = 50  # the latest step times an automatic interval takes the median of
@@ -72,22 +72,12 @@ class _ReportedHere(logging.Filter):
 
 
 def _quiet_storage_noise() -> None:
-    """Drop Orbax's records of storage failures, and the 'Event loop is closed' tracebacks TensorStore prints
-    (through sys.excepthook) when its writes still pending after a failed one finish on Orbax's closed loop.
-    Both only ever follow a failure this module reports itself; everything else passes through."""
+    """Drop Orbax's records of the storage failures this module reports itself; everything else passes through.
+    (A write that fails midway can still leave TensorStore's 'Event loop is closed' tracebacks, printed from its
+    own threads: _check_room keeps the common case, a full disk, from starting such a write.)"""
     absl = logging.getLogger("absl")
     if not any(isinstance(f, _ReportedHere) for f in absl.filters):
         absl.addFilter(_ReportedHere())
-    if getattr(sys.excepthook, "quiet_closed_loops", False):
-        return
-    previous = sys.excepthook
-
-    def excepthook(kind, value, tb):
-        if not (kind is RuntimeError and str(value) == "Event loop is closed"):
-            previous(kind, value, tb)
-
-    excepthook.quiet_closed_loops = True
-    sys.excepthook = excepthook
 
 
 class Checkpointer:
@@ -97,7 +87,7 @@ class Checkpointer:
 
     def __init__(self, run_dir: Path, config: CheckpointConfig, meta: dict | None = None,
                  directory: Path | None = None, log: Callable[[str], None] = print, peers: Peers | None = None,
-                 save_delay_s: float = 0.0, layout: tuple[int, int] = (1, 1), local: LocalTier | None = None,
+                 save_delay_s: float = 0.0, layout: LayerOrder = NATURAL, local: LocalTier | None = None,
                  model: dict | None = None, check: Callable[[dict | None], None] | None = None,
                  save_failures: tuple[int, ...] = ()):
         """`model` (the run's model config as a dict) and `check` (start.meta_check: a peft run's adapters and
@@ -106,7 +96,7 @@ class Checkpointer:
         self.config, self.meta, self.log, self.local = config, meta or {}, log, local
         _quiet_storage_noise()
         self.model, self.check = model, check or (lambda meta: None)
-        self.layout = layout  # (pipeline stages, repeats) of this run: restored layers are put in its order
+        self.layout = layout  # the pipeline layout of this run: restored layers are put in its order
         self.peers = peers or Peers(timeout_s=600.0)
         self.save_delay_s = save_delay_s  # fault injection: this process's saves take longer
         self.directory = Path(directory or Path(run_dir) / "checkpoints").absolute()

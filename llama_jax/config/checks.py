@@ -6,9 +6,10 @@ and exits 2 before anything is written). `validate` runs them all; load.py calls
 from __future__ import annotations
 
 from llama_jax.config.choices import (ATTENTION_IMPLEMENTATIONS, BAD_RECORD_ACTIONS, DTYPES, FUNCTION_FIELDS,
-                                      LOGICAL_AXES, LORA_TARGETS, MESH_AXES, PACKINGS, PEFT_METHODS, PROMPT_ENCODERS,
-                                      REMAT_ACTIONS, REMAT_POLICIES, REMAT_TAGS, TEXT_UNITS)
-from llama_jax.config.schema import CheckpointConfig, Config, DataConfig, FaultConfig, PeftConfig, RematConfig
+                                      LOGICAL_AXES, LORA_TARGETS, MESH_AXES, PACKINGS, PEFT_METHODS, PIPELINE_SCHEDULES,
+                                      PROMPT_ENCODERS, REMAT_ACTIONS, REMAT_POLICIES, REMAT_TAGS, TEXT_UNITS)
+from llama_jax.config.schema import (CheckpointConfig, Config, DataConfig, FaultConfig, MeshConfig, PeftConfig,
+                                     RematConfig)
 from llama_jax.errors import ConfigError
 
 
@@ -97,6 +98,7 @@ def validate(config: Config) -> None:
         sum(v == -1 for v in mesh_axes.values()) <= 1,
         "at most one mesh axis may be -1 (fill the remaining devices)",
     )
+    _check_pipeline(config.mesh, m.n_layers, config.remat.every_n_layers)
     _check_checkpoint(config.checkpoint)
     _check_fault(config.fault)
     _require(bool(config.run.dir.strip()), "run.dir must not be empty")
@@ -135,6 +137,23 @@ def check_rule(logical: str, value: str) -> None:
     if bad:
         raise ConfigError(f"mesh.rules.{logical}={value}: unknown mesh axis '{bad[0]}'; use a comma-separated "
                           f"list of {', '.join(MESH_AXES)}, or none")
+
+def _check_pipeline(mesh: MeshConfig, n_layers: int, every_n_layers: int) -> None:
+    _require(mesh.pipeline_schedule in PIPELINE_SCHEDULES, f"mesh.pipeline_schedule must be one of "
+             f"{', '.join(PIPELINE_SCHEDULES)}, got '{mesh.pipeline_schedule}'")
+    layers = mesh.pipeline_stage_layers
+    if not layers:
+        return
+    groups = mesh.pipeline * mesh.pipeline_repeats
+    repeats = f" × mesh.pipeline_repeats ({mesh.pipeline_repeats})" if mesh.pipeline_repeats > 1 else ""
+    _require(len(layers) == groups, f"mesh.pipeline_stage_layers has {len(layers)} entries; it needs one per stage"
+             f"{' and repeat' if repeats else ''}: mesh.pipeline ({mesh.pipeline}){repeats} = {groups}")
+    _require(all(isinstance(n, int) and n > 0 for n in layers) and sum(layers) == n_layers,
+             f"mesh.pipeline_stage_layers {list(layers)} must be positive layer counts adding up to model.n_layers "
+             f"({n_layers}); they add up to {sum(layers)}")
+    _require(all(n % every_n_layers == 0 for n in layers), f"remat.every_n_layers ({every_n_layers}) must divide "
+             f"every entry of mesh.pipeline_stage_layers {list(layers)}")
+
 
 def _check_remat(remat: RematConfig, n_layers: int) -> None:
     if remat.policy not in REMAT_POLICIES:

@@ -103,10 +103,16 @@ class MeshConfig:
     # non-adjacent groups of layers (the circular schedule: a smaller bubble, more point-to-point traffic).
     pipeline: int = 1
     pipeline_repeats: int = 1
-    # Micro-batches per pass through the pipeline (0: all of train.microbatches at once). A pass keeps every
-    # one of its micro-batches' stage inputs until its backward (GPipe); more, smaller passes, with the
-    # gradient accumulated over them, bound that memory at the price of a bubble per pass.
+    # Micro-batches per pass through the pipeline (0: all of train.microbatches at once). Under gpipe a pass keeps
+    # every one of its micro-batches' stage inputs until its backward; more, smaller passes, with the gradient
+    # accumulated over them, bound that memory at the price of a bubble per pass.
     pipeline_microbatches: int = 0
+    # gpipe: all forward passes, then all backward passes; 1f1b: each stage alternates one forward and one
+    # backward pass, so it keeps about 2 x pipeline micro-batches in flight, not all of a pass (same bubble).
+    pipeline_schedule: str = "gpipe"
+    # Layers of each stage (with pipeline_repeats R: of each group, repeat by repeat, pipeline x R entries);
+    # [] = model.n_layers spread evenly. E.g. Llama 3 405B on 16 stages: [7, 8, ..., 8, 7] (126 layers).
+    pipeline_stage_layers: list[int] = field(default_factory=list)
     # Device counts per mesh axis; -1 fills the devices left over (at most one -1).
     data: int = 1
     fsdp: int = -1

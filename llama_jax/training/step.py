@@ -33,7 +33,8 @@ from llama_jax.files import format_bytes
 from llama_jax.model import peft
 from llama_jax.model.attention import select_implementation, skips_masked_blocks
 from llama_jax.model.llama import Llama, matmul_param_count, train_flops_per_token
-from llama_jax.model.pipeline import PipelineLayout, to_storage_order
+from llama_jax.model.pipeline import PipelineLayout
+from llama_jax.model.stages import LayerOrder, to_storage_order
 from llama_jax.perf.hardware import memory_budget
 from llama_jax.training.optimizer import learning_rate, make_optimizer, schedule_count
 
@@ -195,8 +196,8 @@ class TrainProgram:
             rows = mesh.shape["data"] * mesh.shape["fsdp"] * mesh.shape["pipeline"]
             params = model.init(rng, jnp.zeros((rows, config.train.seq_len), jnp.int32))["params"]
             if not adapting:
-                # Each pipeline stage's layers in one block (pipeline.py); the natural order without repeats.
-                params = to_storage_order(params, mesh.shape["pipeline"], config.mesh.pipeline_repeats)
+                # Each pipeline stage's layers in one block (stages.py); the natural order without repeats.
+                params = to_storage_order(params, layer_order(config, mesh))
                 return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params))
             adapters, base = peft.split(params)  # the optimizer sees the adapters only: no state for the base
             return PeftState(step=jnp.zeros((), jnp.int32), params=adapters, opt_state=optimizer.init(adapters),
@@ -336,12 +337,19 @@ class TrainProgram:
 
 
 def pipeline_layout(config: Config, mesh: Mesh) -> PipelineLayout | None:
-    """The pipeline's stages, repeats and micro-batches on `mesh`; None without pipelining."""
+    """The pipeline's stages, repeats, micro-batches per pass, schedule and layers per group on `mesh`; None
+    without pipelining."""
     stages = mesh.shape["pipeline"]
     if stages == 1:
         return None
     return PipelineLayout(stages, config.mesh.pipeline_repeats,
-                          config.mesh.pipeline_microbatches or config.train.microbatches)
+                          config.mesh.pipeline_microbatches or config.train.microbatches,
+                          config.mesh.pipeline_schedule, layer_order(config, mesh).group_layers)
+
+
+def layer_order(config: Config, mesh: Mesh) -> LayerOrder:
+    """The order of the layers in this run's state (model/stages.py)."""
+    return LayerOrder(mesh.shape["pipeline"], config.mesh.pipeline_repeats, tuple(config.mesh.pipeline_stage_layers))
 
 
 def step_memory_bytes(compiled) -> int:
