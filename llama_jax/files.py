@@ -4,6 +4,7 @@ whether a directory can be written at all), and sizes, times and id ranges as th
 from __future__ import annotations
 
 import errno
+import mmap
 import os
 import re
 import shutil
@@ -126,3 +127,14 @@ def format_ranges(indices: list[int]) -> str:
         if i is not None:
             run.append(i)
     return ", ".join(parts)
+
+
+def advise(mapped, advice: str) -> None:
+    """Tell the kernel how a memory-mapped array (np.memmap, np.load(mmap_mode=...)) is used: "random" (no
+    read-ahead around a page fault: a loader reads a few pages here and there, and read-ahead would map
+    megabytes into the process for each), or "done" (drop its pages from this process's resident set; they stay
+    in the page cache). A no-op for arrays held in memory or where the platform has no madvise."""
+    handle = getattr(mapped, "_mmap", None)
+    flag = getattr(mmap, {"random": "MADV_RANDOM", "done": "MADV_DONTNEED"}[advice], None)
+    if handle is not None and flag is not None and hasattr(handle, "madvise"):
+        handle.madvise(flag)

@@ -41,6 +41,7 @@ import numpy as np
 
 from llama_jax.data.plans import PACKINGS, PLAN_VERSION, Plan, compute_plan, stored_plan
 from llama_jax.errors import DataError
+from llama_jax.files import advise
 
 # --------------------------------------------------------------------------------------------
 # Token stores
@@ -69,6 +70,7 @@ class Documents:
         out = np.empty(len(self), np.int32)
         for unit, bounds in enumerate(self.bounds):
             out[self.first[unit]:self.first[unit + 1]] = np.diff(bounds)
+            advise(bounds, "done")  # read once, front to back: its pages need not stay in this process
         return out
 
     @property
@@ -112,6 +114,7 @@ class TokenStore:
                 raise DataError(f"{path} has {path.stat().st_size} bytes, its index says {expected}; "
                                 "the store is damaged: prepare it again into a new directory")
             shards.append(np.memmap(path, self.meta["dtype"], "r") if expected else np.zeros(0, self.meta["dtype"]))
+            advise(shards[-1], "random"), advise(index, "random")
             bounds.append(index)
             first.append(first[-1] + len(index) - 1)
         return Documents(tuple(shards), tuple(bounds), np.array(first, np.int64),

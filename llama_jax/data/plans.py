@@ -33,6 +33,8 @@ from typing import Callable, Iterator
 
 import numpy as np
 
+from llama_jax.files import advise
+
 PACKINGS = ("concat", "first_fit")
 PLAN_VERSION = 2  # in the batch stream's fingerprint: a plan computed otherwise gives other batches
 BLOCK_DOCS = 1 << 20  # documents per block of a plan's computation: bounds its temporary memory
@@ -216,7 +218,11 @@ def stored_plan(directory: Path, lengths: Callable[[], np.ndarray], row_len: int
     counts = json.loads((directory / "plan.json").read_text())
 
     def mapped(name: str, dtype, count: int) -> np.ndarray:
-        return np.memmap(directory / f"{name}.bin", dtype, "r", shape=(count,)) if count else np.zeros(0, dtype)
+        if not count:
+            return np.zeros(0, dtype)
+        array = np.memmap(directory / f"{name}.bin", dtype, "r", shape=(count,))
+        advise(array, "random")  # a row reads a few entries
+        return array
 
     return Plan(mapped("row_ptr", np.int64, counts["rows"] + 1),
                 *(mapped(name, np.int32, counts["pieces"]) for name in PIECE_FIELDS))
