@@ -11,7 +11,8 @@ store of the bundled Shakespeare with its own small BPE (a llama3_* preset refus
 under `llama-jax supervise` around launch/multiprocess.py (N processes as N hosts, --devices simulated CPU
 devices each). Time is scaled so that a few minutes see several faults: checkpoint.mtbf_hours = 1 / the fault
 rate (what a user states for their cluster), the supervisor's backoff 1 s and reset-after 60 s (its defaults / 10),
-run.heartbeat_timeout_s 10 (/ 3).
+run.heartbeat_timeout_s 10 (/ 3); and fault.preflight_min_ratio 0.5, since simulated devices sharing two busy cores
+measure 0.8x the median by chance (the injected slow device runs 10x over: 0.1x).
 
 Faults: after the run is training (the newest attempt has timed a step), wait an exponentially distributed time
 (mean 3600 / --failures-per-hour seconds, seeded), then inject the next fault into a random process. The first six
@@ -20,7 +21,7 @@ Llama 3's mix (llama_jax/training/goodput_projection.py: LLAMA3_MIX, plus its 47
     crash               SIGKILL a trainer (software bug)
     hang                SIGSTOP a trainer: its peers' heartbeat (or watchdog, barriers) must end the attempt
     host_lost           SIGKILL a trainer and delete its node-local directory: its partner's copy must serve
-    slow_device         SIGKILL a trainer; its host comes back with a slow device (fault.inject_slow_device):
+    slow_device         SIGKILL process 0; its host comes back with a slow device 0 (fault.inject_slow_device):
                         pre-flight refuses the restart (exit 71), and the rehearsal, as a scheduler, replaces the
                         host (the recipe without the injection) and relaunches the job
     damaged_checkpoint  SIGKILL a trainer and damage the newest checkpoint in every tier holding it
@@ -105,7 +106,8 @@ def write_recipes(args, work: Path) -> tuple[Path, Path, Path]:
     keys = [*launcher_defaults(local_dir), *SHRUNK, f"train.steps={args.steps}",
             f"train.warmup_steps={max(1, args.steps // 100)}", f"data.sources=[{store}]",
             f"data.cache_dir={work / 'cache'}", f"run.compilation_cache={work / 'jax_cache'}", "run.tensorboard=false",
-            f"checkpoint.mtbf_hours={1 / args.failures_per_hour:.6g}", "run.heartbeat_timeout_s=10"]
+            f"checkpoint.mtbf_hours={1 / args.failures_per_hour:.6g}", "run.heartbeat_timeout_s=10",
+            "fault.preflight_min_ratio=0.5"]
     recipe, slow = work / "recipe.yaml", work / "recipe-slow-device.yaml"
     for path, extra in ((recipe, []), (slow, ["fault.inject_slow_device=0"])):
         printed = run([*LLAMA_JAX, "train", args.preset, *keys, *extra, "--print-config"]).stdout
@@ -142,6 +144,7 @@ class Rehearsal:
 
         self.mix = {**LLAMA3_MIX, "preemption": 47}
         self.faults: list[dict] = []
+        self.replacements = 0  # hosts replaced after a pre-flight refusal
         self.log = (work / "rehearsal.log").open("a")
 
     def next_kind(self) -> str:
@@ -164,6 +167,10 @@ class Rehearsal:
                 return time.time() - start
             if code == 71:  # pre-flight named the slow device: the scheduler replaces the host and relaunches
                 self.recipe.write_text(self.clean)
+                verdict = self.run_dir / "unhealthy.json"  # acted on: moved aside, so the next job does not
+                if verdict.exists():  # count it as its own (supervise.py reads a fresh one as exit 71)
+                    verdict.rename(self.run_dir / f"unhealthy-{len(self.faults)}-{int(time.time())}.json")
+                self.replacements += 1
                 continue
             if code == 75 and self.faults and self.faults[-1]["kind"] == "preemption":
                 continue  # requeued
@@ -188,6 +195,7 @@ class Rehearsal:
                 return
             delay, kind, victim = self.rng.expovariate(args.failures_per_hour / 3600), self.next_kind(), \
                 self.rng.randrange(args.processes)
+            victim = 0 if kind == "slow_device" else victim  # device 0's host: process 0 (device ids are JAX's)
             until = time.monotonic() + delay
             while time.monotonic() < until and supervisor.poll() is None:
                 time.sleep(0.05)
@@ -207,9 +215,8 @@ class Rehearsal:
         if kind == "hang":
             os.kill(pid, signal.SIGSTOP)
             return
-        if kind == "slow_device":  # the host that comes back has a slow device: pre-flight must refuse it
-            self.recipe.write_text(self.slow.read_text().replace("inject_slow_device: 0",
-                                                                 f"inject_slow_device: {victim * self.args.devices}"))
+        if kind == "slow_device":  # the host that comes back has a slow device (device 0): pre-flight must refuse it
+            self.recipe.write_text(self.slow.read_text())
         os.kill(pid, signal.SIGKILL)
         while Path(f"/proc/{pid}").exists() and Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z":
             time.sleep(0.01)
@@ -328,7 +335,8 @@ def main() -> None:
     projection = projected(args, recipe, rehearsal_dir, rehearsal.faults, costs, work / "rehearsal.log")
 
     print(f"\n{args.preset} recipe (model shrunk), {args.processes} processes x {args.devices} devices, {args.steps} "
-          f"steps, {len(rehearsal.faults)} faults in {wall:.0f}s ({3600 * len(rehearsal.faults) / measured['wall_s']:.0f}"
+          f"steps, {len(rehearsal.faults)} faults in {wall:.0f}s "
+          f"({3600 * len(rehearsal.faults) / measured['wall_s']:.0f}"
           f"/hour realised), {os.cpu_count()} cores")
     print(f"uninterrupted: {format_goodput(baseline)}")
     print(f"rehearsal:     {format_goodput(measured)}")
@@ -359,7 +367,8 @@ def main() -> None:
               "breakdown_measured": {b: measured[b] / measured["wall_s"] for b in BUCKETS},
               "breakdown_projected": projection["breakdown"], "lost_per_kind": per_kind,
               "faults": [{k: v for k, v in f.items() if k != "at"} for f in rehearsal.faults],
-              "goodput_uninterrupted": baseline["goodput"], "projection_inputs": projection["inputs"]}
+              "goodput_uninterrupted": baseline["goodput"], "host_replacements": rehearsal.replacements,
+              "projection_inputs": projection["inputs"]}
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps({k: result[k] for k in ("goodput_measured", "goodput_projected", "params_bitwise_equal",

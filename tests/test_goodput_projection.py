@@ -2,10 +2,16 @@
 command on presets and on a run's goodput.json. No step is compiled."""
 
 import dataclasses
+import importlib.util
 import json
 import math
+import shlex
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
+from test_readme import ROOT, llama_jax_args, readme_commands
 
 from llama_jax import cli
 from llama_jax.training.goodput_projection import (LLAMA3_FAILURES_PER_GPU_HOUR, LLAMA3_HOST_LOSS_SHARE, Inputs,
@@ -139,3 +145,43 @@ def test_costs_measured_from_a_runs_goodput_json(tmp_path, capsys):
     assert cli.main(["goodput", "tiny", "--gpus", "8", "--from", str(tmp_path), "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["inputs"]["step_s"] == {"value": 1.0, "source": f"measured ({tmp_path / 'goodput.json'})"}
+
+
+def test_readme_rehearsal_commands_parse_and_a_short_rehearsal_survives_a_lost_host(tmp_path):
+    """Every documented bench/rehearsal.py command parses; a real one, shortened (120 steps, one fault: a host
+    lost, its local directory deleted), runs the llama3_8b recipe on 2 processes under the supervisor and ends
+    with the uninterrupted run's parameters, its last line the JSON the issue asks for."""
+    spec = importlib.util.spec_from_file_location("rehearsal", ROOT / "bench" / "rehearsal.py")
+    rehearsal = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rehearsal)
+    commands = readme_commands(".venv/bin/python bench/rehearsal.py")
+    assert {rehearsal.arguments(shlex.split(c)[2:]).processes for c in commands} >= {2, 4}
+    out = tmp_path / "rehearsal.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "rehearsal.py"), "--preset", "llama3_8b",
+                           "--processes", "2", "--devices", "1", "--steps", "120", "--failures-per-hour", "3600",
+                           "--max-faults", "1", "--seed", "7", "--work", str(tmp_path / "work"), "--json", str(out)],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    last = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert last["params_bitwise_equal"] is True
+    assert 0 < last["goodput_measured"] < 1 and 0 < last["goodput_projected"] < 1
+    result = json.loads(Path(out).read_text())
+    assert [f["kind"] for f in result["faults"]] == ["host_lost"]
+    assert result["lost_per_kind"]["host_lost"]["count"] == 1
+    assert sum(result["breakdown_projected"].values()) == pytest.approx(1.0, abs=1e-9)
+
+
+def test_readme_goodput_commands_run(capsys):
+    """Every documented `llama-jax goodput` command runs (a --from run directory is made first from a real
+    goodput.json shape), and the llama3_405b projection with the launchers' local tier beats durable only."""
+    commands = readme_commands("llama-jax goodput")
+    assert any("llama3_405b" in c and "16384" in c for c in commands)
+    for command in commands:
+        args = llama_jax_args(command)
+        if "--from" in args:
+            continue  # a run directory of the reader's: --from is tested on a goodput.json above
+        assert cli.main([*args, "--json"] if "--json" not in args else args) == 0, command
+        out = json.loads(capsys.readouterr().out)
+        assert 0 < out["goodput"] < 1
+        if "checkpoint.local_dir=/dev/shm/llama-jax" in command:
+            assert out["goodput"] > out["durable_only"]["goodput"]

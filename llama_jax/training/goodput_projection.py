@@ -357,7 +357,8 @@ def inputs_for(config: Config, gpus: int, gpus_per_host: int, run: dict[str, tup
                                  "parameters (REFERENCE.md)")
     values["restore_durable_s"] = (ORBAX_405B_LOAD_S * params / 405e9, "Orbax's 405B load ~59 s, scaled by "
                                    "parameters (REFERENCE.md)")
-    values["save_local_s"] = (per_gpu / (DEVICE_TO_HOST_GBS * 1e9) + per_gpu * min(1, c.local_replicas) / (NIC_GBS * 1e9),
+    partner_copy_s = per_gpu * min(1, c.local_replicas) / (NIC_GBS * 1e9)
+    values["save_local_s"] = (per_gpu / (DEVICE_TO_HOST_GBS * 1e9) + partner_copy_s,
                               f"{state} per GPU at {DEVICE_TO_HOST_GBS:g} GB/s device->host (assumed) + the partner "
                               f"copy at {NIC_GBS:g} GB/s per GPU (one 400 Gb/s NIC)")
     values["write_local_s"] = (per_host * (1 + min(1, c.local_replicas)) / (HOST_MEMORY_GBS * 1e9),
