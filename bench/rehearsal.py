@@ -10,7 +10,8 @@ warmup at the recipe's 1%), every other key as the preset sets it, plus what the
 store of the bundled Shakespeare with its own small BPE (a llama3_* preset refuses to run without data named),
 under `llama-jax supervise` around launch/multiprocess.py (N processes as N hosts, --devices simulated CPU
 devices each). Time is scaled so that a few minutes see several faults: checkpoint.mtbf_hours = 1 / the fault
-rate (what a user states for their cluster), the supervisor's backoff 1 s and reset-after 60 s (its defaults / 10),
+rate (what a user states for their cluster), the supervisor's backoff 1 s and reset-after 60 s and the launcher's
+grace 9 s (their defaults / 10),
 run.heartbeat_timeout_s 10 (/ 3); and fault.preflight_min_ratio 0.5, since simulated devices sharing two busy cores
 measure 0.8x the median by chance (the injected slow device runs 10x over: 0.1x).
 
@@ -117,7 +118,7 @@ def write_recipes(args, work: Path) -> tuple[Path, Path, Path]:
 
 def multiprocess(args) -> list[str]:
     return [sys.executable, str(MULTIPROCESS), "--processes", str(args.processes), "--devices", str(args.devices),
-            "--grace", "2", "--"]
+            "--grace", "9", "--"]
 
 
 def attempts_of(run_dir: Path) -> list[dict]:
@@ -145,6 +146,7 @@ class Rehearsal:
         self.mix = {**LLAMA3_MIX, "preemption": 47}
         self.faults: list[dict] = []
         self.replacements = 0  # hosts replaced after a pre-flight refusal
+        self.preempted = False  # the running job was sent SIGTERM
         self.log = (work / "rehearsal.log").open("a")
 
     def next_kind(self) -> str:
@@ -172,8 +174,9 @@ class Rehearsal:
                     verdict.rename(self.run_dir / f"unhealthy-{len(self.faults)}-{int(time.time())}.json")
                 self.replacements += 1
                 continue
-            if code == 75 and self.faults and self.faults[-1]["kind"] == "preemption":
-                continue  # requeued
+            if self.preempted:  # the scheduler requeues a preempted job, however it ended
+                self.preempted = False
+                continue
             self.log.flush()
             sys.exit(f"the rehearsal's job failed (exit {code}); see {self.log.name}")
 
@@ -202,6 +205,10 @@ class Rehearsal:
             pid = trainer_pid(supervisor, victim, args.processes)
             if supervisor.poll() is not None or pid is None:
                 return
+            newest = attempts_of(self.run_dir)
+            if newest and newest[-1].get("highest_step", 0) >= args.steps - 10:
+                supervisor.wait()  # the run is finishing: a fault now would hit a finished run, cost nothing counted
+                return
             attempts = len(attempts_of(self.run_dir))
             self.inject(kind, supervisor, pid, victim)
             self.faults.append({"kind": kind, "process": victim, "after_s": round(delay, 2), "at": time.time(),
@@ -210,6 +217,7 @@ class Rehearsal:
 
     def inject(self, kind: str, supervisor: subprocess.Popen, pid: int, victim: int) -> None:
         if kind == "preemption":
+            self.preempted = True
             supervisor.send_signal(signal.SIGTERM)
             return
         if kind == "hang":
@@ -292,8 +300,8 @@ def projected(args, recipe: Path, run_dir: Path, faults: list[dict], costs: list
     given = {"replacement_s": 0.0}
     if gaps:
         given["detect_s"] = statistics.median(gaps)
-    if hang_gaps:
-        given["hang_detect_s"] = statistics.median(hang_gaps)
+    if hang_gaps or gaps:  # a stopped process is found by its peers' heartbeat, as a crash is (not the watchdog)
+        given["hang_detect_s"] = statistics.median(hang_gaps or gaps)
     x = projection.inputs_for(config, devices, args.devices, projection.measured(run_dir),
                               failures_per_gpu_hour=unexpected / wall_h / devices,
                               planned_per_gpu_hour=kinds["preemption"] / wall_h / devices,
