@@ -1,4 +1,4 @@
-"""`llama-jax` command line: train, prepare, plan, tune, doctor, report, convert, generate, eval, supervise.
+"""`llama-jax` command line: train, prepare, plan, tune, doctor, report, convert, generate, eval, supervise, goodput.
 
 Every error a user can act on (errors.py) is reported as one line on stderr with its exit status: 2
 for bad input (config, mesh, data, checkpoint). `train` checks its input before anything in run.dir is
@@ -419,11 +419,62 @@ def _add_eval(commands) -> None:
     parser.set_defaults(func=cmd_eval)
 
 
+def cmd_goodput(ns: argparse.Namespace) -> int:
+    if ns.gpus < 1 or ns.gpus_per_host < 1 or (ns.gpus > ns.gpus_per_host and ns.gpus % ns.gpus_per_host):
+        raise InputError(f"goodput: --gpus {ns.gpus} must be positive and a whole number of hosts of --gpus-per-host "
+                         f"{ns.gpus_per_host} (e.g. --gpus 16384 --gpus-per-host 8)")
+    rates = (ns.failures_per_gpu_hour, ns.planned_per_gpu_hour, ns.replacement_s, ns.restart_s)
+    if any(v is not None and v < 0 for v in rates) or not (ns.host_loss_share is None or 0 <= ns.host_loss_share <= 1):
+        raise InputError("goodput: --failures-per-gpu-hour, --planned-per-gpu-hour, --replacement-s and --restart-s "
+                         "must be >= 0, --host-loss-share in [0, 1]")
+    if ns.run_dir and not Path(ns.run_dir).is_dir():
+        raise InputError(f"goodput: --from {ns.run_dir} is not a directory; name a run.dir a run trained in")
+    from llama_jax.config import load_config
+    from llama_jax.training import goodput_projection as projection
+
+    source, overrides = _split_source(ns.args)
+    config = load_config(source, overrides)
+    given = {k: v for k, v in (("replacement_s", ns.replacement_s), ("restart_s", ns.restart_s)) if v is not None}
+    inputs = projection.inputs_for(
+        config, ns.gpus, ns.gpus_per_host, projection.measured(Path(ns.run_dir)) if ns.run_dir else None,
+        failures_per_gpu_hour=ns.failures_per_gpu_hour, planned_per_gpu_hour=ns.planned_per_gpu_hour,
+        host_loss_share=ns.host_loss_share, **given)
+    report = projection.report(inputs)
+    print(projection.report_json(report) if ns.json else projection.format_report(report, source or "tiny", inputs))
+    return 0
+
+
+def _add_goodput(commands) -> None:
+    parser = commands.add_parser(
+        "goodput", help="project the effective training time of a run under failures, and the best checkpoint "
+                        "intervals",
+        description="llama-jax goodput [PRESET|CONFIG.yaml] [key=value ...] --gpus N [--gpus-per-host 8] "
+                    "[--from RUN_DIR] [--json]. Failures as Poisson at Llama 3's rate and mix by default; costs "
+                    "measured by the run in --from (its goodput.json), else stated defaults, each printed with "
+                    "its source (docs/fault-tolerance.md).")
+    parser.add_argument("args", nargs="*", metavar="PRESET|CONFIG|key=value")
+    parser.add_argument("--gpus", type=int, required=True, help="GPUs of the run")
+    parser.add_argument("--gpus-per-host", type=int, default=8, help="GPUs per host (default 8)")
+    parser.add_argument("--from", dest="run_dir", metavar="RUN_DIR",
+                        help="a run.dir whose goodput.json gives the measured costs (step, saves, restores, restarts)")
+    parser.add_argument("--failures-per-gpu-hour", type=float,
+                        help="unexpected interruptions per GPU-hour (default Llama 3's: 419 / (16,384 x 54 x 24 h))")
+    parser.add_argument("--planned-per-gpu-hour", type=float,
+                        help="planned interruptions (preemptions) per GPU-hour (default Llama 3's 47 / the same)")
+    parser.add_argument("--host-loss-share", type=float,
+                        help="share of the unexpected interruptions that lose a host (default Llama 3's, 0.84)")
+    parser.add_argument("--replacement-s", type=float, help="seconds to get a replacement host (default 600)")
+    parser.add_argument("--restart-s", type=float, help="seconds from a process start to its first step")
+    parser.add_argument("--json", action="store_true",
+                        help="print an object with goodput, breakdown, intervals, and the inputs with sources")
+    parser.set_defaults(func=cmd_goodput)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="llama-jax", description="Pre-train Llama 3 models with JAX.")
     commands = parser.add_subparsers(dest="command", required=True)
     for add in (_add_train, _add_prepare, _add_plan, _add_doctor, _add_tune, _add_report, _add_convert, _add_generate,
-                _add_eval, _add_supervise):
+                _add_eval, _add_supervise, _add_goodput):
         add(commands)
     return parser
 

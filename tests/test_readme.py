@@ -282,6 +282,9 @@ CLAIMS = [
     (r"^(sbatch --nodes \d+ )?launch/(slurm\.sbatch|k8s\.sh|multihost\.sh) ",
      "test_launch.py::test_readme_cluster_commands_run_as_dry_runs"),  # sbatch's: the script's own --dry-run
     (r"^\.venv/bin/python bench/chaos\.py ", "test_readme.py::test_readme_chaos_drill_commands_parse"),
+    (r"^\.venv/bin/python bench/rehearsal\.py ",
+     "test_goodput_projection.py::test_readme_rehearsal_commands_parse_and_a_short_rehearsal_survives_a_lost_host"),
+    (r"^llama-jax goodput ", "test_goodput_projection.py::test_readme_goodput_commands_run"),
     (r"^(XLA_FLAGS=\S+ )?\.venv/bin/python bench/\w+\.py( |$)", "test_readme.py::test_readme_bench_commands_parse"),
 ]
 

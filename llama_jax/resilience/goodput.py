@@ -217,3 +217,8 @@ def observed_mtbf_s(run_dir: Path) -> float | None:
         return None
     wall = max(a["last_alive"] for a in attempts) - attempts[0]["started_at"] - _idle_s(attempts)
     return wall / failures if wall > 0 else None
+
+
+def read_attempts(path: Path) -> list[dict[str, Any]]:
+    """The attempts a goodput.json holds (what `llama-jax goodput --from` measures its costs from)."""
+    return _read_attempts(Path(path))
