@@ -184,6 +184,9 @@ def _check_fault(f: FaultConfig) -> None:
     _require(f.straggler_every_steps >= 2 and f.straggler_host_threshold > 0,
              "fault.straggler_every_steps must be at least 2 and fault.straggler_host_threshold positive")
     _require(f.barrier_timeout_s >= 1, "fault.barrier_timeout_s must be at least 1 second")
+    _require(f.flight_events >= 16 and f.flight_heartbeat_s > 0,
+             f"fault.flight_events must be at least 16 and fault.flight_heartbeat_s positive, got {f.flight_events} "
+             f"and {f.flight_heartbeat_s}")
     _require(f.inject_step_delay_s >= 0 and f.inject_save_delay_s >= 0, "fault.inject_*_delay_s must be >= 0")
     _require(0 < f.preflight_min_ratio <= 1,
              f"fault.preflight_min_ratio must be in (0, 1], got {f.preflight_min_ratio}")

@@ -174,6 +174,11 @@ class FaultConfig:
     # Barriers and agreements outside the jitted step (start-up, data preparation, checkpoint decisions):
     # a process missing for this long stops the others, which name it (exit 76).
     barrier_timeout_s: float = 600.0
+    # Flight recorder (flight.py): each process's last flight_events events in memory, and a heartbeat through
+    # the coordination service every flight_heartbeat_s; on a hang, <run.dir>/hang_report.json names the
+    # process(es) the others wait for and what every process was last doing.
+    flight_events: int = 256
+    flight_heartbeat_s: float = 2.0
     # Pre-flight check before the step compiles (preflight.py, `llama-jax doctor`): a device below preflight_min_ratio
     # x the fleet median matmul rate or memory bandwidth, or with a wrong known product, is named; exit 71.
     preflight: bool = False
