@@ -102,6 +102,8 @@ def validate(config: Config) -> None:
     _require(bool(config.run.dir.strip()), "run.dir must not be empty")
     _require(config.run.init_timeout_s >= 1 and config.run.heartbeat_timeout_s >= 1,
              "run.init_timeout_s and run.heartbeat_timeout_s must be at least 1 second")
+    _require(config.run.full_processes >= 0, f"run.full_processes must be >= 0 (0: this run's process count), "
+             f"got {config.run.full_processes}")
     _require(config.run.device_memory_gb >= 0, "run.device_memory_gb must be >= 0 (0: the device's memory less 10%)")
     _check_remat(config.remat, m.n_layers)
     _check_peft(config.peft, t.seq_len, config.checkpoint.init_from, config.checkpoint.resume_from)

@@ -212,6 +212,10 @@ class RunConfig:
     local_device_ids: list[int] = field(default_factory=list)  # GPUs this process drives (default: JAX's choice)
     init_timeout_s: float = 300.0  # how long to wait for the coordinator and every process to join
     heartbeat_timeout_s: float = 30.0  # a process silent this long is dead: the others stop instead of hanging
+    # The process count train.microbatches is set for (0: this run's). On fewer processes -- continuing on the
+    # hosts left after one is lost (launch/multiprocess.py --hosts) -- train.microbatches is multiplied by
+    # full_processes / processes: the same global batch, each micro-batch the size it was on every device.
+    full_processes: int = 0
     # Memory per device the train step may use, checked before the first step and by microbatches=auto, plan
     # and tune (0: what XLA may allocate: 90% of a GPU under launch/gpu_env.sh; CPU: 80% of RAM / devices).
     device_memory_gb: float = 0.0

@@ -62,8 +62,9 @@ class FlightRecorder:
             self.events.append((time.time(), kind, what, self.step))
 
     def last(self) -> dict:
+        """The heartbeat: what this process was last doing (before it noticed a hang, if it did)."""
         with self._lock:
-            at, kind, what, step = self.events[-1]
+            at, kind, what, step = next((e for e in reversed(self.events) if e[1] != "hang"), self.events[-1])
         return {"process": self.process, "host": self.host, "pid": os.getpid(), "step": step, "kind": kind,
                 "phase": what, "since": at, "beat": time.time(), "events": len(self.events), "exiting": self._exiting}
 
@@ -85,7 +86,8 @@ class FlightRecorder:
     def _beat(self) -> None:
         while not self._stop.is_set():
             try:
-                self.client.key_value_set(f"{_PREFIX}/beat/{self.process}", json.dumps(self.last()), allow_overwrite=True)
+                beat = json.dumps(self.last())
+                self.client.key_value_set(f"{_PREFIX}/beat/{self.process}", beat, allow_overwrite=True)
                 flagged = self.client.key_value_try_get(f"{_PREFIX}/hang")
             except Exception:  # NOT_FOUND (no hang), or the service is gone: nothing to publish to
                 flagged = None
@@ -178,7 +180,8 @@ def hang_report(reason: str, reporter: int, processes: int, beats: dict[int, dic
 
     def entry(p: int) -> dict:
         v = last.get(p) or {}
-        return {"process": p, "host": v.get("host", "unknown"), "step": v.get("step"), "phase": v.get("phase", "unknown"),
+        return {"process": p, "host": v.get("host", "unknown"), "step": v.get("step"),
+                "phase": v.get("phase", "unknown"),
                 "seconds_ago": round(now - float(v["since"]), 3) if "since" in v else None,
                 "heartbeat_age_s": round(now - float(v["beat"]), 3) if "beat" in v else None}
 

@@ -39,7 +39,8 @@ class HangWatchdog:
 
     def __init__(self, run_dir: Path, host: str, *, factor: float = 10.0, min_timeout_s: float = 300.0,
                  startup_timeout_s: float = 3600.0, window: int = 50, describe: Callable[[], str] = lambda: "",
-                 exit_fn: Callable[[int], None] = os._exit, poll_s: float = 1.0, recorder: FlightRecorder | None = None):
+                 exit_fn: Callable[[int], None] = os._exit, poll_s: float = 1.0,
+                 recorder: FlightRecorder | None = None):
         self.path = Path(run_dir) / f"hang-{re.sub(r'[^A-Za-z0-9_.-]', '_', host)}.txt"
         self.host, self.factor, self.min_timeout_s = host, factor, min_timeout_s
         self.startup_timeout_s, self.describe, self.exit_fn, self.poll_s = startup_timeout_s, describe, exit_fn, poll_s

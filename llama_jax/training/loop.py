@@ -69,6 +69,7 @@ def train(config: Config, print_fn: Callable[[str], None] = print, *, devices=No
     """
     started_at = started_at or time.time()  # goodput counts the start-up as restart overhead
     processes.initialize(config.run)  # before anything touches the devices
+    config = processes.on_fewer_processes(config, jax.process_count())
     primary = jax.process_index() == 0
     say = print_fn if primary else _warnings_only(print_fn)
     if primary:
