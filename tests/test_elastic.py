@@ -17,7 +17,7 @@ from conftest import write_tiny_yaml
 from llama_jax.training.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS, INTERVAL = 24, 2
+STEPS, INTERVAL = 40, 2
 
 
 def environment():
@@ -66,7 +66,7 @@ def test_four_processes_continue_on_two_when_a_host_is_lost_and_grow_back_to_fou
     wait_for(lambda: any("continuing on 2" in line for line in lines), "the launcher continues on 2 processes")
     shrunk_from = len(lines)
     trained = (lambda: [int(m.group(1)) for line in lines[shrunk_from:] if (m := re.search(r"step (\d+)/", line))])
-    wait_for(lambda: max(trained(), default=0) > lost_at + 2, "2 processes train past the lost step")
+    wait_for(lambda: max(trained(), default=0) > lost_at + 1, "2 processes train past the lost step")
     hosts.write_text("host-0\nhost-1\nhost-2\nhost-3\n")  # the host returns
     assert supervisor.wait(timeout=300) == 0, "".join(lines)[-6000:]
     for reader in readers:
@@ -75,7 +75,8 @@ def test_four_processes_continue_on_two_when_a_host_is_lost_and_grow_back_to_fou
     assert "train.microbatches 1 -> 2, the same global batch" in log
     assert "the missing hosts are back" in log and log.count("llama-jax supervise: start #") == 3
     resumed = [int(m) for m in re.findall(r"resumed from \S+/checkpoints/(\d+)", log)]
-    assert len(resumed) == 2 and resumed[0] >= lost_at - INTERVAL, (resumed, lost_at)  # no step lost beyond it
+    # Lost: at most the interval, and the save of the step at the interval when it was still being written.
+    assert len(resumed) == 2 and lost_at - resumed[0] <= 2 * INTERVAL, (resumed, lost_at)
     got, want = losses(run_dir), losses(straight)
     assert max(got) == STEPS
     np.testing.assert_allclose([got[s] for s in range(1, STEPS + 1)], [want[s] for s in range(1, STEPS + 1)], rtol=1e-5)

@@ -127,11 +127,17 @@ class FlightRecorder:
                 beats = _bounded(lambda: {int(k.rsplit("/", 1)[1]): json.loads(v)
                                           for k, v in self.client.key_value_dir_get(f"{_PREFIX}/beat/")}, None)
         if not first:
+            # Process 0 hosts the coordination service: the reporter reads it until it has written the report.
+            window = 2 * self.heartbeat_s + 3 * _RPC_TIMEOUT_S
+            _bounded(lambda: self.client.blocking_key_value_get(f"{_PREFIX}/reported", int(window * 1000)), None,
+                     timeout_s=window + 1)
             return None
         report = hang_report(reason, self.process, self.processes, beats, self._records(), waiting_for,
                              stale_after_s=3 * self.heartbeat_s, now=time.time())
         path = self.run_dir / HANG_REPORT
         _write_json(path, report)
+        if self.client is not None and self.processes > 1:
+            _bounded(lambda: self.client.key_value_set(f"{_PREFIX}/reported", "1", allow_overwrite=True), None)
         return path
 
     def _records(self) -> dict[int, dict]:
@@ -190,8 +196,8 @@ def hang_report(reason: str, reporter: int, processes: int, beats: dict[int, dic
             "records": sorted(f"flight/process-{p}.json" for p in records)}
 
 
-def _bounded(call: Callable[[], Any], default: Any) -> Any:
-    """call() on a thread, its result, or `default` if it fails or does not return in _RPC_TIMEOUT_S."""
+def _bounded(call: Callable[[], Any], default: Any, timeout_s: float = _RPC_TIMEOUT_S) -> Any:
+    """call() on a thread, its result, or `default` if it fails or does not return in timeout_s."""
     result: list = []
 
     def run() -> None:
@@ -202,7 +208,7 @@ def _bounded(call: Callable[[], Any], default: Any) -> Any:
 
     thread = threading.Thread(target=run, daemon=True, name="flight-rpc")
     thread.start()
-    thread.join(_RPC_TIMEOUT_S)
+    thread.join(timeout_s)
     return result[0] if result else default
 
 
