@@ -170,7 +170,7 @@ def test_with_every_local_copy_gone_or_damaged_the_durable_tier_serves(killed, s
                              str(config_path), f"run.dir={other}", f"checkpoint.local_dir={other_local}", *TIERS],
                             env=environment(), capture_output=True, text=True, timeout=300)
     assert single.returncode == 0, single.stderr[-3000:]
-    assert "the local tier's steps were saved on another mesh or process count" in single.stdout
+    assert "the local tier's steps were saved on another mesh or process count" in single.stdout, single.stdout
     assert f"resumed from {other / 'checkpoints' / '10'}" in single.stdout
 
 

@@ -220,7 +220,8 @@ def test_a_llama3_recipe_on_two_processes_saves_at_young_daly_and_a_kill_loses_a
     step_s, save_s, mtbf_hours, steps = 0.3, 0.6, 0.002, 36
     overrides = ["model.n_layers=2", "model.d_model=64", "model.n_heads=4", "model.n_kv_heads=2", "model.head_dim=16",
                  "model.ffn_dim=128", "model.vocab_size=320", "model.compute_dtype=float32", "train.batch_size=8",
-                 "train.seq_len=32", f"train.steps={steps}", "train.warmup_steps=2", "train.eval_every=0", "train.sample_tokens=0",
+                 "train.seq_len=32", f"train.steps={steps}", "train.warmup_steps=2", "train.eval_every=0",
+                 "train.sample_tokens=0",
                  f"data.sources=[{llama3_store}]", f"data.cache_dir={config_path.parent / 'cache'}",
                  f"run.compilation_cache={config_path.parent / 'jax_cache'}", "run.tensorboard=false",
                  f"checkpoint.mtbf_hours={mtbf_hours}", "checkpoint.keep=50", "fault.straggler_every_steps=3",
@@ -238,7 +239,7 @@ def test_a_llama3_recipe_on_two_processes_saves_at_young_daly_and_a_kill_loses_a
         if match := re.match(r"multiprocess: process (\d) started \(pid (\d+)\)", line):
             pids[int(match.group(1))] = int(match.group(2))
     deadline = time.time() + 300
-    while time.time() < deadline and max(losses(run_dir) if (run_dir / "metrics.jsonl").exists() else [0]) < 23:
+    while time.time() < deadline and max(losses(run_dir) if (run_dir / "metrics.jsonl").exists() else [], default=0) < 23:
         assert supervisor.poll() is None, supervisor.communicate()
         time.sleep(0.1)
     killed_at = max(losses(run_dir))

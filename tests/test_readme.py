@@ -211,7 +211,7 @@ def test_readme_your_own_data_in_three_commands(tmp_path):
 
     run(prepare)
     assert (tmp_path / "stores" / "mine" / "meta.json").is_file()
-    run(train, "train.steps=2", "train.batch_size=4", "train.seq_len=32")
+    run(train, "train.steps=2", "train.warmup_steps=1", "train.batch_size=4", "train.seq_len=32")
     run_dir = tmp_path / "runs" / "mine"
     assert (run_dir / "checkpoints" / "2").is_dir() and (run_dir / "tokenizer.json").is_file()
     prompt = shlex.split(generate)[shlex.split(generate).index("--prompt") + 1]
