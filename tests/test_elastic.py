@@ -17,7 +17,7 @@ from conftest import write_tiny_yaml
 from llama_jax.training.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS, INTERVAL = 40, 2
+STEPS, INTERVAL = 28, 2
 
 
 def environment():
