@@ -66,6 +66,10 @@ class PeerTimeout(LlamaJaxError, RuntimeError):
 
     exit_code = EXIT_PEER_TIMEOUT
 
+    def __init__(self, message: str, missing: list[int] | tuple[int, ...] = ()):
+        super().__init__(message)
+        self.missing = list(missing)  # the absent processes, when known: the ones a hang report names
+
 
 class UnhealthyDevice(LlamaJaxError, RuntimeError):
     """The pre-flight check (preflight.py) found a device far slower than the fleet, or one that computes wrong

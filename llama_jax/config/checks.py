@@ -104,6 +104,8 @@ def validate(config: Config) -> None:
     _require(bool(config.run.dir.strip()), "run.dir must not be empty")
     _require(config.run.init_timeout_s >= 1 and config.run.heartbeat_timeout_s >= 1,
              "run.init_timeout_s and run.heartbeat_timeout_s must be at least 1 second")
+    _require(config.run.full_processes >= 0, f"run.full_processes must be >= 0 (0: this run's process count), "
+             f"got {config.run.full_processes}")
     _require(config.run.device_memory_gb >= 0, "run.device_memory_gb must be >= 0 (0: the device's memory less 10%)")
     _check_remat(config.remat, m.n_layers)
     _check_peft(config.peft, t.seq_len, config.checkpoint.init_from, config.checkpoint.resume_from)
@@ -204,6 +206,9 @@ def _check_fault(f: FaultConfig) -> None:
     _require(f.straggler_every_steps >= 2 and f.straggler_host_threshold > 0,
              "fault.straggler_every_steps must be at least 2 and fault.straggler_host_threshold positive")
     _require(f.barrier_timeout_s >= 1, "fault.barrier_timeout_s must be at least 1 second")
+    _require(f.flight_events >= 16 and f.flight_heartbeat_s > 0,
+             f"fault.flight_events must be at least 16 and fault.flight_heartbeat_s positive, got {f.flight_events} "
+             f"and {f.flight_heartbeat_s}")
     _require(f.inject_step_delay_s >= 0 and f.inject_save_delay_s >= 0, "fault.inject_*_delay_s must be >= 0")
     _require(0 < f.preflight_min_ratio <= 1,
              f"fault.preflight_min_ratio must be in (0, 1], got {f.preflight_min_ratio}")

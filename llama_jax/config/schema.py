@@ -183,6 +183,11 @@ class FaultConfig:
     # Barriers and agreements outside the jitted step (start-up, data preparation, checkpoint decisions):
     # a process missing for this long stops the others, which name it (exit 76).
     barrier_timeout_s: float = 600.0
+    # Flight recorder (flight.py): each process's last flight_events events in memory, and a heartbeat through
+    # the coordination service every flight_heartbeat_s; on a hang, <run.dir>/hang_report.json names the
+    # process(es) the others wait for and what every process was last doing.
+    flight_events: int = 256
+    flight_heartbeat_s: float = 2.0
     # Pre-flight check before the step compiles (preflight.py, `llama-jax doctor`): a device below preflight_min_ratio
     # x the fleet median matmul rate or memory bandwidth, or with a wrong known product, is named; exit 71.
     preflight: bool = False
@@ -217,6 +222,10 @@ class RunConfig:
     local_device_ids: list[int] = field(default_factory=list)  # GPUs this process drives (default: JAX's choice)
     init_timeout_s: float = 300.0  # how long to wait for the coordinator and every process to join
     heartbeat_timeout_s: float = 30.0  # a process silent this long is dead: the others stop instead of hanging
+    # The process count train.microbatches is set for (0: this run's). On fewer processes -- continuing on the
+    # hosts left after one is lost (launch/multiprocess.py --hosts) -- train.microbatches is multiplied by
+    # full_processes / processes: the same global batch, each micro-batch the size it was on every device.
+    full_processes: int = 0
     # Memory per device the train step may use, checked before the first step and by microbatches=auto, plan
     # and tune (0: what XLA may allocate: 90% of a GPU under launch/gpu_env.sh; CPU: 80% of RAM / devices).
     device_memory_gb: float = 0.0

@@ -45,6 +45,7 @@ from llama_jax.model import remat
 from llama_jax.model.llama import param_count
 from llama_jax.perf.hardware import device_peak_flops
 from llama_jax.resilience import preflight
+from llama_jax.resilience.flight import FlightRecorder
 from llama_jax.resilience.goodput import Goodput, format_goodput
 from llama_jax.resilience.guards import SpikeGuard
 from llama_jax.resilience.preemption import PreemptionGuard
@@ -71,6 +72,7 @@ def train(config: Config, print_fn: Callable[[str], None] = print, *, devices=No
     if problem := unwritable(Path(config.run.dir)):  # before anything compiles: one line, exit 2
         raise ConfigError(f"run.dir {config.run.dir} cannot be written: {problem}; choose a run.dir on a writable "
                           "filesystem")
+    config = processes.on_fewer_processes(config, jax.process_count())
     primary = jax.process_index() == 0
     say = print_fn if primary else _warnings_only(print_fn)
     if primary:
@@ -81,6 +83,17 @@ def train(config: Config, print_fn: Callable[[str], None] = print, *, devices=No
             "starts again from step 0; set checkpoint.every_steps=auto")
     f = config.fault
     peers = Peers(f.barrier_timeout_s, stall_at=f.inject_stall_at if f.inject_process == jax.process_index() else "")
+    # What this process was last doing, published to the others: a hang names the process the run waits for.
+    peers.recorder = FlightRecorder(Path(config.run.dir), peers.index, peers.count, processes.node_name(),
+                                    capacity=f.flight_events, heartbeat_s=f.flight_heartbeat_s, client=peers.client)
+    with peers.recorder:
+        return _train(config, peers, say, print_fn, devices, started_at)
+
+
+def _train(config: Config, peers: Peers, say: Callable[[str], None], print_fn: Callable[[str], None], devices,
+           started_at: float) -> dict:
+    f = config.fault
+    peers.recorder.record("setup", "building the mesh and opening the data")
     mesh = sharding.make_mesh(config, devices=devices)
     # Process 0 prepares raw sources into the cache first, so processes sharing it never race.
     data = primary_first(lambda: open_data(config, log=say), (InputError,), peers)
@@ -88,6 +101,7 @@ def train(config: Config, print_fn: Callable[[str], None] = print, *, devices=No
         report = preflight.check(config, mesh, peers, say)
         say(preflight.summary(report))
         preflight.enforce(report, Path(config.run.dir), create=True, peers=peers)  # a starting run: may make run.dir
+    peers.recorder.record("setup", "compiling the train step")
     run = Run.setup(config, mesh, data, peers)
     if config.train.microbatches == "auto":
         say(f"train.microbatches=auto: {run.config.train.microbatches}, the fewest whose step fits "
@@ -235,7 +249,7 @@ class Loop:
                 hosts=HostWindow(run.peers, HostScores(f.straggler_host_threshold), f.straggler_every_steps, host,
                                  sorted(d.id for d in mesh.devices.flat if d.process_index == jax.process_index())),
                 watchdog=HangWatchdog(run_dir, host, factor=f.hang_factor, min_timeout_s=f.hang_min_timeout_s,
-                                      startup_timeout_s=f.hang_startup_timeout_s,
+                                      startup_timeout_s=f.hang_startup_timeout_s, recorder=run.peers.recorder,
                                       describe=lambda: format_plan(make_plan(config, mesh))),
                 preemption=PreemptionGuard(checkpointer.manager.reached_preemption if multi else None),
                 eval_batches=min(t.eval_batches, run.data.val.batches_per_epoch()))
@@ -279,6 +293,7 @@ class Loop:
         fault = self.run.config.fault
         if fault.inject_process == jax.process_index():
             time.sleep(fault.inject_step_delay_s)
+        self._record("data", f"loading batch {data_step}")
         start = time.perf_counter()
         batch = next(batches)
         self.data_wait_s += time.perf_counter() - start
@@ -292,10 +307,15 @@ class Loop:
         """Hand step `step` to the devices. The call returns at once unless the devices are still busy with
         earlier work (a full queue; on CPU a cross-process step runs inside the call): that wait is the
         devices', so observe() does not count it as the host's time."""
+        self._record("step", f"dispatching step {step} (its collectives run on the devices)", step)
         start = time.perf_counter()
         state, metrics = self.run.program.train_step(state, batch)
         self.dispatch_wait_s += time.perf_counter() - start
         return state, Dispatched(step, metrics, step == self.first_step)
+
+    def _record(self, kind: str, what: str, step: int | None = None) -> None:
+        if self.run.peers.recorder is not None:
+            self.run.peers.recorder.record(kind, what, step)
 
     def hang_if_injected(self, step: int) -> None:
         """fault.inject_hang_step: once step n is read (and saved, when due), the step after it never returns."""
@@ -306,6 +326,7 @@ class Loop:
         """Read a dispatched step's metrics (waiting for it), account for it and log it when due; the guard's
         verdict: ok, skipped, spike or rollback. The only device-to-host transfer of a step."""
         t, say, step, compiled = self.run.config.train, self.log.message, done.step, done.first
+        self._record("step", f"waiting for step {step}'s result")
         reading = time.perf_counter()
         metrics = {k: float(v) for k, v in jax.device_get(done.metrics).items()}
         # Waiting for the devices, here and in dispatches since the last read; the rest was the host's own work.
