@@ -3,7 +3,7 @@ hardware or restarts it.
 
     watchdog.py      a step, save or restore without progress ends the process with a report (exit 124)
     flight.py        the flight recorder: each process's recent events, heartbeats, and the hang report naming
-                   the process the others wait for
+                     the process the others wait for
     preemption.py    SIGTERM/SIGINT -> save the current step and stop (exit 75)
     guards.py        non-finite steps and loss spikes; when to roll back
     stragglers.py    slow steps, and the host a multi-process fleet waits for
