@@ -3,7 +3,9 @@
 #   make test    # creates .venv, installs llama-jax[test], runs the test suite
 # Pass overrides with ARGS, e.g.  make train ARGS="train.steps=100 run.dir=runs/short"
 # `make test-newest` runs the suite again on Python 3.12 in .venv-newest, where a plain install takes the
-# newest jax: CI runs both ends of the supported range (PYTHON_NEWEST=/path/to/python3.12 to choose it).
+# newest jax: CI runs both ends of the supported range (PYTHON_NEWEST=/path/to/python3.12 to choose it). It installs
+# the gpu extra too (jax's CUDA plugin, ~4.4 GB; no GPU needed): the tests that compile for GPUs with XLA:GPU
+# (tests/test_gpu_target.py, `plan --target`) run there and skip elsewhere.
 # `make gpu-check` checks an NVIDIA GPU in one table (bench/gpu_check.py; ARGS passed on, e.g. ARGS="--json out.json").
 
 PYTHON ?= python3
@@ -15,6 +17,7 @@ BIN    := $(VENV)/bin
 # 9 no longer reads), and every worker rebuilt the fixtures.
 WORKERS ?= 2
 PYTHON_NEWEST ?= $(shell pyenv prefix 3.12 2>/dev/null || echo /usr)/bin/python3.12
+EXTRAS ?= test
 
 .PHONY: train test test-newest gpu-check install clean
 
@@ -23,7 +26,7 @@ $(BIN)/python:
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install --quiet -e '.[test]'
+	$(BIN)/python -m pip install --quiet -e '.[$(EXTRAS)]'
 	touch $@
 
 install: $(VENV)/.installed
@@ -43,7 +46,7 @@ gpu-check: $(VENV)/.installed
 	bash -c 'source launch/gpu_env.sh && exec $(BIN)/python bench/gpu_check.py $(ARGS)'
 
 test-newest:
-	$(MAKE) test PYTHON=$(PYTHON_NEWEST) VENV=.venv-newest
+	$(MAKE) test PYTHON=$(PYTHON_NEWEST) VENV=.venv-newest EXTRAS=test,gpu
 
 clean:
 	rm -rf $(VENV) .venv-newest runs

@@ -71,13 +71,39 @@ def _add_train(commands) -> None:
     parser.set_defaults(func=cmd_train)
 
 
+def _target_gpus(ns: argparse.Namespace) -> tuple:
+    """--target GPU --gpus N [--gpus-per-host G]: compile-only GPUs of that cluster (perf/gpu_target.py), or ()."""
+    if not ns.target:
+        if ns.gpus or ns.gpus_per_host:
+            raise InputError("--gpus and --gpus-per-host plan a cluster of --target GPUs, e.g. --target h100 --gpus 32")
+        return ()
+    if ns.devices_per_host:
+        raise InputError("--devices-per-host is for simulated devices; with --target the hosts are --gpus-per-host")
+    if not ns.gpus:
+        raise InputError(f"--target {ns.target} needs --gpus N: how many GPUs the run has")
+    # The compile needs no local GPU, and without a driver the CUDA plugin registers only on a CPU-only jax.
+    if not os.environ.get("JAX_PLATFORMS"):
+        os.environ["JAX_PLATFORMS"] = "cpu"
+    from llama_jax.perf import gpu_target
+
+    return tuple(gpu_target.devices(ns.target, ns.gpus, ns.gpus_per_host))
+
+
+def _add_target(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", help="h100, h200, a100 or b200: compile with XLA:GPU for a cluster of these "
+                        "GPUs, on any machine (needs the gpu extra: Python >= 3.12)")
+    parser.add_argument("--gpus", type=int, default=0, help="with --target: the GPUs of the run")
+    parser.add_argument("--gpus-per-host", type=int, default=0, help="with --target: GPUs per host (default 8)")
+
+
 def cmd_plan(ns: argparse.Namespace) -> int:
+    gpus = _target_gpus(ns)
     from llama_jax.config import load_config
     from llama_jax.distributed import sharding
     from llama_jax.training import plan as planning
 
     config = load_config(*_split_source(ns.args))
-    mesh = sharding.make_mesh(config)
+    mesh = sharding.make_mesh(config, list(gpus) or None)
     if ns.compare_remat:
         plans = planning.compare_remat(config, mesh, print_fn=None if ns.json else print,
                                        devices_per_host=ns.devices_per_host)
@@ -99,6 +125,7 @@ def _add_plan(commands) -> None:
     parser.add_argument("--compare-remat", action="store_true",
                         help="plan every remat policy side by side (memory and HLO FLOPs relative to none)")
     parser.add_argument("--devices-per-host", type=int, default=0, help=DEVICES_PER_HOST_HELP)
+    _add_target(parser)
     parser.set_defaults(func=cmd_plan)
 
 
@@ -171,6 +198,7 @@ def cmd_tune(ns: argparse.Namespace) -> int:
     out = Path(ns.out)
     if out.is_dir():
         raise InputError(f"--out {out} is a directory; name the YAML file to write, e.g. {out / 'tune.yaml'}")
+    gpus = _target_gpus(ns)
     from llama_jax.training import tune
 
     options = tune.Options(
@@ -178,7 +206,7 @@ def cmd_tune(ns: argparse.Namespace) -> int:
         meshes=ns.meshes, policies=policies, microbatches=ns.microbatches, every_n_layers=ns.every_n_layers,
         pipeline_repeats=ns.pipeline_repeats, pipeline_schedules=schedules, pass_microbatches=ns.pass_microbatches,
         efficiency=ns.efficiency, bandwidth_gbs=ns.bandwidth_gbs, overlap=ns.overlap, nic_gbs=ns.nic_gbs,
-        devices_per_host=ns.devices_per_host, progress=not ns.json)
+        devices_per_host=ns.devices_per_host, devices=gpus, progress=not ns.json)
     if ns.dry_run:
         print(tune.format_candidates(tune.enumerate_candidates(source, overrides, options)[2]))
         return 0
@@ -237,6 +265,7 @@ def _add_tune(commands) -> None:
     parser.add_argument("--json", action="store_true", help="print every candidate as JSON")
     parser.add_argument("--dry-run", action="store_true",
                         help="list the candidates and why the invalid ones are refused; compile nothing")
+    _add_target(parser)
     parser.set_defaults(func=cmd_tune)
 
 

@@ -2,11 +2,15 @@
 
 Lowering cuDNN attention needs two answers that only a GPU machine gives: the cuDNN version (jax
 asks the CUDA plugin, absent here) and the GPU's compute capability (the packed layout needs Hopper).
-Both are patched to an H100's; everything else (our layout of packed documents, the kernel choice,
+Both are an H100's: the train steps are lowered by step.lower_step (bench/lower.py's code), which traces
+for the GPU and answers jax's checks as an H100 would (model/platform.py); the attention calls alone
+patch them (the `hopper` fixture). Everything else (our layout of packed documents, the kernel choice,
 the shard_map for more tensor shards than kv heads, the rest of the train step) lowers for real.
 """
 
+import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 from unittest import mock
@@ -20,7 +24,7 @@ from llama_jax.config import load_config
 from llama_jax.model import cudnn
 from llama_jax.model.attention import attention, document_mask
 from llama_jax.model.context_parallel import XLA_KERNEL
-from llama_jax.training.step import TrainProgram
+from llama_jax.training.step import lower_step
 
 SEQ = 1024
 
@@ -75,23 +79,19 @@ def test_packed_documents_lower_to_cudnn_without_any_t_by_t_tensor(hopper):
     assert square_tensors(dense.as_text())  # the check sees a T x T mask when there is one
 
 
-def test_train_step_with_more_tensor_shards_than_kv_heads_lowers_with_attention_in_a_shard_map(hopper):
+def test_train_step_with_more_tensor_shards_than_kv_heads_lowers_with_attention_in_a_shard_map():
     """tensor=8 > 4 kv heads (as Llama 3 70B/405B at tensor=16 > 8): jax's cuDNN partitioner would
     reject q split and k/v replicated, so each device runs cuDNN on its own kv head in a shard_map."""
     config = load_config("tiny", ["model.d_model=256", "model.n_heads=8", "model.n_kv_heads=4", "model.n_layers=1",
                                   "model.compute_dtype=bfloat16",
                                   f"train.seq_len={SEQ}", "train.batch_size=2", "mesh.tensor=8", "mesh.fsdp=1"])
-    with mock.patch("llama_jax.model.llama.select_implementation", lambda *args, **kwargs: "cudnn"):
-        program = TrainProgram.for_config(config)
-        with program.activate():
-            text = program.train_step.trace(program.abstract_state(), program.abstract_batch()).lower(
-                lowering_platforms=("cuda",)).as_text()
+    text = lower_step(config, "cuda").as_text()  # model.attention=auto: cuDNN, as on a GPU
     assert "__cudnn$fmhaSoftmax" in custom_calls(text)
     assert "sdy.manual_computation" in text or "SPMDFullToShardShape" in custom_calls(text)
     assert square_tensors(text) == []
 
 
-def test_context_parallel_train_step_lowers_to_cudnn_calls_without_any_quadratic_tensor(hopper):
+def test_context_parallel_train_step_lowers_to_cudnn_calls_without_any_quadratic_tensor():
     """sequence=2, load-balanced: each device holds two chunks of T/4 tokens. Each chunk runs cuDNN on its own
     block (causal, or the packed layout) and cuDNN's padded call on the visible prefix of earlier chunks
     (PADDING: no mask tensor, the padding skipped), combined by log-sum-exp with cuDNN's backward from the
@@ -102,11 +102,7 @@ def test_context_parallel_train_step_lowers_to_cudnn_calls_without_any_quadratic
                                   "model.compute_dtype=bfloat16", f"model.max_seq_len={seq}", f"train.seq_len={seq}",
                                   "train.batch_size=2", "mesh.sequence=2", "mesh.tensor=4", "mesh.fsdp=1"])
     assert cudnn.PADDED_KERNEL is not XLA_KERNEL
-    with mock.patch("llama_jax.model.llama.select_implementation", lambda *args, **kwargs: "cudnn"):
-        program = TrainProgram.for_config(config)
-        with program.activate():
-            text = program.train_step.trace(program.abstract_state(), program.abstract_batch()).lower(
-                lowering_platforms=("cuda",)).as_text()
+    text = lower_step(config, "cuda").as_text()
     assert {"__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward"} <= custom_calls(text)
     masks = set(re.findall(r"mask_type[^A-Z]{1,12}([A-Z_]+)", text))
     assert {"PADDING", "PADDING_CAUSAL", "CAUSAL"} <= masks
@@ -131,3 +127,20 @@ def test_gpu_checks_context_parallel_rows_lower_to_cudnn_on_one_device(hopper):
     text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, k, v, segments).lower(
         lowering_platforms=("cuda",)).as_text()
     assert {"__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward"} <= custom_calls(text)
+
+
+def test_bench_lower_prints_the_train_step_lowered_for_cuda(tmp_path):
+    """`python bench/lower.py PRESET key=value ... --platform cuda`: the module of lower_step, on any machine;
+    bad input is one line and exit 2."""
+    script = Path(__file__).resolve().parents[1] / "bench" / "lower.py"
+    args = [sys.executable, str(script), "tiny", "model.compute_dtype=bfloat16", "model.n_layers=1"]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device, as on a laptop
+    run = subprocess.run(args + ["--platform", "cuda", "--out", str(tmp_path / "step.mlir")], capture_output=True,
+                         text=True, timeout=300, env=env)
+    assert run.returncode == 0, run.stderr
+    text = (tmp_path / "step.mlir").read_text()
+    assert text.startswith("module @jit_train_step")
+    assert {"__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward"} <= custom_calls(text)
+    bad = subprocess.run(args + ["model.n_heads=3", "--platform", "cuda"], capture_output=True, text=True,
+                         timeout=300, env=env)
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1, bad.stderr

@@ -7,7 +7,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from llama_jax.perf.hlo import KINDS, analyze, roofline_seconds, shape_bytes
+from llama_jax.perf.hlo import KINDS, analyze, permute_loop_trips, roofline_seconds, shape_bytes
 
 ADD = """%add (a: f32[], b: f32[]) -> f32[] {
   %a = f32[] parameter(0)
@@ -169,6 +169,43 @@ def test_missing_trip_count_counts_once():
     stats = analyze(text, num_devices=8)
     assert stats.unknown_trip_counts == 1
     assert stats.dot_flops == DOT_FLOPS
+
+
+def test_a_loop_whose_trip_count_xla_dropped_counts_to_its_conditions_bound():
+    """XLA:GPU's collective pipeliner peels an iteration and leaves a loop without known_trip_count: its count is
+    read from the condition (a fused `i < 7`) and the induction variable's start (a copy of constant 1)."""
+    condition = f"""%fused_compare (param_0: s32[]) -> pred[] {{
+  %param_0 = s32[] parameter(0)
+  %bound = s32[] constant(7)
+  ROOT %lt = pred[] compare(%param_0, %bound), direction=LT
+}}
+
+%cond.body (c.body: {LOOP}) -> pred[] {{
+  %c.body = {LOOP} parameter(0)
+  %i = s32[] get-tuple-element(%c.body), index=0
+  ROOT %fused = pred[] fusion(%i), kind=kLoop, calls=%fused_compare
+}}
+"""
+    body = loop_computations("body").split("%cond.body")[0]
+    line = (f"%loop = {LOOP} while(%start_tuple), condition=%cond.body, body=%body, "
+            'backend_config={"known_induction_variable":{"tuple_index":"0"},"dynamic_variables":[]}')
+    text = module(FUSED_DOT, body, condition, loop_entry(
+        "%one = s32[] constant(1)", "%from = s32[] copy(%one)", f"%start_tuple = {LOOP} tuple(%from, %x, %w)", line))
+    stats = analyze(text, num_devices=8)
+    assert stats.unknown_trip_counts == 0 and stats.dot_flops == 6 * DOT_FLOPS
+
+
+def test_a_double_buffered_pipeline_loop_counts_the_iterations_it_stands_for():
+    """XLA:GPU's double buffering runs two iterations per trip (the induction variable steps by 2) and peels an
+    odd count's last one into the caller: 5 trips of a 2-permute body plus one peeled permute are 11 iterations."""
+    pairs = "source_target_pairs={{0,1},{1,2},{2,3},{3,0}}"
+    permutes = "\n  ".join(f"%cp{i}.body = f32[16,32]{{1,0}} collective-permute(%x.body), {pairs}" for i in (1, 2))
+    config = '{"known_trip_count":{"n":"5"},"known_init_step":{"init":"0","step":"2"}}'
+    text = module(FUSED_DOT, loop_computations("body", permutes), loop_entry(
+        f"%loop = {LOOP} while(%init), condition=%cond.body, body=%body, backend_config={config}",
+        f"%peeled = f32[16,32]{{1,0}} collective-permute(%x), {pairs}"))
+    assert permute_loop_trips(text, 4, lambda groups: True) == [11]
+    assert analyze(text, num_devices=4).dot_flops == 5 * DOT_FLOPS  # each trip's body holds what it runs
 
 
 def test_quoted_backend_config_and_shared_callees_sum():

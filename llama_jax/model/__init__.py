@@ -16,6 +16,7 @@ onto a mesh) and the mesh axes of its own shard_maps.
     one_f_one_b.py       the 1F1B schedule: per iteration one forward and one backward pass per stage, explicit VJPs
     residuals.py         which of a VJP's residuals depend on the data, read from its jaxpr (kept per micro-batch)
     peft.py              adapters apart from the frozen base, the base's digest, LoRA folded into weights
+    platform.py          the platform a step is traced for (the mesh's, not always this process's)
 
 Imports config/ and errors.py only.
 """

@@ -88,6 +88,13 @@ def _mesh_size(axes) -> int:
     return int(np.prod([mesh.shape.get(a, 1) for a in axes]))
 
 
+def _in_manual_region() -> bool:
+    """Whether some mesh axes are manual here (a pipeline stage's shard_map over `pipeline`): jax's cuDNN
+    partitioner fails on the rest of the mesh there (it reads a partition spec that a sharding inside a manual
+    region does not have), so cuDNN then runs inside a shard_map over the other axes too."""
+    return bool(jax.sharding.get_abstract_mesh().manual_axes)
+
+
 def _query_heads_split_from_kv_heads() -> bool:
     """Whether the query heads are split over devices that the kv heads are replicated on."""
     q_axes, kv_axes = nn.logical_to_mesh_axes(("act_heads", "act_kv_heads"))
@@ -99,7 +106,8 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array |
     """Causal attention with document masking. q [b,t,n,h], k/v [b,t,kv,h] -> [b,t,n,h].
 
     balanced: under context parallelism, whether the sequence is laid out by sharding.balance_sequence."""
-    if sequence_shards() > 1 or _query_heads_split_from_kv_heads():
+    if sequence_shards() > 1 or _query_heads_split_from_kv_heads() or \
+            (implementation == "cudnn" and _in_manual_region()):
         return _per_device(q, k, v, segment_ids, implementation, max_segments, balanced)
     return _tokens_in_order(q, k, v, segment_ids, implementation, max_segments)
 

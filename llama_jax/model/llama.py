@@ -31,7 +31,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from llama_jax.config import ModelConfig, PeftConfig, RematConfig
-from llama_jax.model import remat
+from llama_jax.model import platform, remat
 from llama_jax.model.attention import attention, cached_attention, select_implementation
 from llama_jax.model.loss import LOGITS, fused_cross_entropy_sum
 from llama_jax.model.one_f_one_b import pipelined_loss
@@ -253,7 +253,7 @@ class Attention(nn.Module):
             k, v = self.cached(k, v, positions)  # [batch, cache_len, kv_heads, head_dim]
             context = cached_attention(q, k, v, positions)
         else:
-            implementation = select_implementation(cfg.attention, jax.default_backend(), q.dtype, h, q.shape[1],
+            implementation = select_implementation(cfg.attention, platform.backend(), q.dtype, h, q.shape[1],
                                                    strict=False)
             context = attention(q, k, v, segment_ids, implementation,  # [batch, seq, heads, head_dim]
                                 cfg.attention_max_segments, self.load_balanced)

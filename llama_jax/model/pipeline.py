@@ -49,6 +49,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
+from llama_jax.model import platform
 from llama_jax.model.stages import LayerOrder
 
 STAGE_AXIS = "pipeline"
@@ -146,7 +147,7 @@ def stage_groups(layout: PipelineLayout, layer_params):
 def summed_dtype(dtype) -> jnp.dtype:
     """The dtype of sums over the stages. XLA:CPU cannot compile a sum over a manual axis in bf16 (its
     all-reduce promotion pass aborts on the reducer jax emits), so on CPUs they run in fp32."""
-    return jnp.float32 if jax.default_backend() == "cpu" and dtype == jnp.bfloat16 else dtype
+    return jnp.float32 if platform.backend() == "cpu" and dtype == jnp.bfloat16 else dtype
 
 
 def run_stages(layout: PipelineLayout, stage: Callable, layer_params, x, segment_ids, positions,

@@ -18,6 +18,8 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
+from llama_jax.model import platform
+
 
 def uses_cpu_backward(platform: str, enabled: bool = True) -> bool:
     """Whether projections use the CPU backward pass (model.cpu_projection; other platforms keep einsum's)."""
@@ -27,7 +29,7 @@ def uses_cpu_backward(platform: str, enabled: bool = True) -> bool:
 def project(spec: str, x: jax.Array, kernel: jax.Array, cpu_backward: bool = True) -> jax.Array:
     """jnp.einsum(spec, x, kernel) for specs like "btd,dnh->btnh": x's trailing axes contract with the
     kernel's leading ones."""
-    if not uses_cpu_backward(jax.default_backend(), cpu_backward):
+    if not uses_cpu_backward(platform.backend(), cpu_backward):
         return jnp.einsum(spec, x, kernel)
     x_axes, outputs = spec.split("->")[0].split(",")[0], spec.split("->")[1]
     return _project(x, kernel, len(set(x_axes) - set(outputs)))

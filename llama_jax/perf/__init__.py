@@ -1,9 +1,14 @@
 """What the hardware can do and what a compiled step costs: the numbers `plan`, `tune`, MFU and the memory
 check read.
 
-    hardware.py   peak FLOP/s, memory and link bandwidth per device (data sheets; measured on CPUs), budgets
+    hardware.py   peak FLOP/s, memory and link bandwidth per device (data sheets; measured on CPUs), budgets;
+                  the published figures of the GPUs compiled for without them
     hlo.py        FLOPs, memory traffic and collective bytes per step from compiled HLO text
+    loops.py      how often a compiled while loop runs, as XLA:GPU's unrolling and pipelining leave it
     costmodel.py  tune's step-time model: a roofline over the compiled step plus exposed communication
+    gpu_target.py XLA:GPU's compile for H100/H200/A100/B200 clusters on any machine (`--target`): the target
+                  config, the topology, launch/gpu_env.sh's flags, cuDNN's workspace
 
-Imports distributed/ (which mesh axes cross hosts), config/, files.py and errors.py.
+Imports distributed/ (which mesh axes cross hosts), model/ (the platform traced for), config/, files.py and
+errors.py.
 """

@@ -68,16 +68,17 @@ class CostModel:
         return compute + (1 - self.overlap) * self.communication_seconds(tier_bytes)
 
 
-def default_cost_model(dtype: str, cache_dir: Path) -> CostModel:
+def default_cost_model(dtype: str, cache_dir: Path, device=None) -> CostModel:
     """Data-sheet figures on known GPUs (matmul efficiency 0.7, half the communication overlapped by XLA's
     latency-hiding scheduler). Elsewhere (CPUs) measured: the matmul peak, and the memory-copy bandwidth for
     both memory and collectives (between simulated devices they are copies), shared by the devices;
     efficiency 0.8 (bench/step.py's profile: matmuls ran at ~78% of the measured peak), no overlap.
-    Between hosts hardware.NIC_GBS per device, everywhere (on CPUs the copy bandwidth is the slower)."""
-    peak, _ = hardware.device_peak_flops(dtype, cache_dir)
+    Between hosts hardware.NIC_GBS per device, everywhere (on CPUs the copy bandwidth is the slower). `device`: a
+    compile-only GPU's (gpu_target.py) instead of this process's."""
+    peak, _ = hardware.device_peak_flops(dtype, cache_dir, device)
     nic = hardware.NIC_GBS * 1e9
     # This process's device: jax.devices()[0] belongs to process 0.
-    bandwidth = hardware.table_bandwidth(jax.local_devices()[0].device_kind)
+    bandwidth = hardware.table_bandwidth((device or jax.local_devices()[0]).device_kind)
     if bandwidth is not None:
         return CostModel(peak, *bandwidth, nic, efficiency=GPU_EFFICIENCY, overlap=GPU_OVERLAP)
     measured = hardware.measure_copy_bandwidth()

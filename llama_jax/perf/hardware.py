@@ -14,6 +14,7 @@ import os
 import pathlib
 import re
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -116,8 +117,9 @@ def measure_matmul_peak(dtype: str = "float32", size: int = 1024, repeats: int =
 MEASURED_MATMUL_SIZE = {"gpu": 8192, "cpu": 1024}
 
 
-def device_peak_flops(dtype: str, cache_dir: pathlib.Path) -> tuple[float, str]:
-    """Peak FLOP/s of ONE of this process's devices for `dtype`, and where the figure came from.
+def device_peak_flops(dtype: str, cache_dir: pathlib.Path, device: Any = None) -> tuple[float, str]:
+    """Peak FLOP/s of ONE of this process's devices (or of `device`, a compile-only GPU's: its data sheet) for
+    `dtype`, and where the figure came from.
 
     Known devices: the data sheet. Unknown ones (always CPUs) are measured on every call, a large matmul
     timed in well under a second, and the figure is the best ever seen on this machine and software
@@ -128,7 +130,7 @@ def device_peak_flops(dtype: str, cache_dir: pathlib.Path) -> tuple[float, str]:
     MFU over N devices still divides by the machine's peak.
     """
     dtype = _dtype_name(dtype)
-    device = jax.local_devices()[0]  # this process's: jax.devices()[0] belongs to process 0
+    device = device or jax.local_devices()[0]  # this process's: jax.devices()[0] belongs to process 0
     key = table_key(device.device_kind)
     peak = table_peak_flops(device.device_kind, dtype)
     if peak is not None:
@@ -172,6 +174,37 @@ _BANDWIDTH_GBS = {
 NIC_GBS = 50.0
 
 
+# What XLA:GPU needs to compile for a GPU it cannot see (perf/gpu_target.py writes XLA's target config from it):
+# the published figures of the SXM parts. Sources: NVIDIA's H100 and H200 data sheets and the Hopper tuning guide
+# (132 SMs, 50 MB L2, 228 KB shared memory per SM of which 227 KB for one block, 128 FP32 cores per SM, 1,980 MHz
+# max boost); the A100 data sheet and Ampere tuning guide (108 SMs, 40 MB L2, 164 / 163 KB, 64 FP32 cores, 1,410
+# MHz); the HGX B200 data sheet and Blackwell tuning guide (148 SMs, 180 GB, 126 MB L2, Hopper's shared memory;
+# NVIDIA publishes no clock: 1,855 MHz is its dense bf16 peak / (148 SMs x 8,192 FLOP per clock)). Memory is
+# the data sheet's capacity (80 GB parts expose ~79.6 GiB). CUDA and cuDNN are those of the GPU image whose H100
+# figures are in docs/performance.md (CUDA 13, cuDNN 9.19).
+@dataclass(frozen=True)
+class GpuSpec:
+    name: str  # as the CUDA driver names the device (jax's device_kind)
+    compute_capability: str
+    sms: int
+    memory_gib: float
+    boost_ghz: float
+    l2_mib: float
+    shared_kib_per_sm: int
+    shared_kib_per_block: int  # the opt-in maximum of one thread block
+    fp32_cores_per_sm: int
+    cuda: str = "13.0"
+    cudnn: str = "9.19.0"
+
+
+GPU_SPECS = {
+    "H100": GpuSpec("NVIDIA H100 80GB HBM3", "9.0", 132, 80, 1.98, 50, 228, 227, 128),
+    "H200": GpuSpec("NVIDIA H200", "9.0", 132, 141, 1.98, 50, 228, 227, 128),
+    "A100": GpuSpec("NVIDIA A100-SXM4-80GB", "8.0", 108, 80, 1.41, 40, 164, 163, 64),
+    "B200": GpuSpec("NVIDIA B200", "10.0", 148, 180, 1.855, 126, 228, 227, 128),
+}
+
+
 def table_bandwidth(device_kind: str) -> tuple[float, float] | None:
     """(memory, link) bytes/s of one device of this kind from its data sheet, or None if unknown."""
     key = table_key(device_kind)
@@ -198,15 +231,34 @@ def measure_copy_bandwidth() -> float:
     return 2 * array.nbytes / best / len(devices)
 
 
-def memory_budget(device_memory_gb: float = 0.0) -> float:
-    """Bytes per device a step may use: run.device_memory_gb, or (0) default_memory_budget()."""
-    return device_memory_gb * 2**30 if device_memory_gb > 0 else default_memory_budget()
+def memory_budget(device_memory_gb: float = 0.0, device: Any = None) -> float:
+    """Bytes per device a step may use: run.device_memory_gb, or (0) default_memory_budget(device)."""
+    return device_memory_gb * 2**30 if device_memory_gb > 0 else default_memory_budget(device)
 
 
-def default_memory_budget() -> float:
-    """Bytes per device: on an accelerator, what XLA may allocate there (its allocator's limit: 90% of a GPU
-    under launch/gpu_env.sh, JAX's default 75% otherwise); on CPU, 80% of RAM shared by the devices."""
-    device = jax.local_devices()[0]  # this process's: jax.devices()[0] belongs to process 0
+# XLA_PYTHON_CLIENT_MEM_FRACTION under launch/gpu_env.sh: the share of a GPU that XLA's allocator may use.
+GPU_MEMORY_FRACTION = 0.9
+
+
+def compile_only(device: Any) -> bool:
+    """Whether `device` is one that is compiled for but not here: a GPU of a planned cluster (gpu_target.py)."""
+    try:
+        return device not in jax.devices(device.platform)
+    except RuntimeError:  # no backend of that platform in this process at all
+        return True
+
+
+def default_memory_budget(device: Any = None) -> float:
+    """Bytes per device (default: this process's first): on an accelerator, what XLA may allocate there (its
+    allocator's limit: 90% of a GPU under launch/gpu_env.sh, JAX's default 75% otherwise); on a GPU that is only
+    compiled for, 90% of its data-sheet memory, as under launch/gpu_env.sh; on CPU, 80% of RAM shared by the
+    devices."""
+    device = device or jax.local_devices()[0]  # this process's: jax.devices()[0] belongs to process 0
+    if compile_only(device):
+        key = table_key(device.device_kind)
+        if key not in GPU_SPECS:
+            raise ValueError(f"no memory figure for {device.device_kind}: give run.device_memory_gb")
+        return GPU_MEMORY_FRACTION * GPU_SPECS[key].memory_gib * 2**30
     limit = (device.memory_stats() or {}).get("bytes_limit")
     if limit:
         return float(limit)

@@ -4,8 +4,9 @@ Input is `jax.jit(f).lower(...).compile().as_text()` (the post-SPMD, per-device 
 XLA's `compiled.cost_analysis()` counts a while-loop (scan) body once; here every computation
 is weighted by how many times it runs per step, so a scanned layer stack counts every layer.
 
-Multiplicity of a computation: ENTRY = 1; while body/condition = caller x known_trip_count
-(a while without a known trip count counts once and is reported in `unknown_trip_counts`);
+Multiplicity of a computation: ENTRY = 1; while body/condition = caller x trip count (loops.py: XLA's
+known_trip_count, or the condition's bound; a while without either counts once and is reported in
+`unknown_trip_counts`);
 fusion/call/custom-call/async/reducer callees = caller. Every branch of a conditional gets the
 caller's multiplicity, so programs with conditionals give an upper bound, unless the caller says how
 often a conditional named under a jax.named_scope runs its true branch (`branch_runs`: the 1F1B
@@ -48,6 +49,8 @@ import math
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+
+from llama_jax.perf import loops
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 # The devices of each group of a collective (positions in the program's device assignment).
@@ -229,13 +232,6 @@ def _backend_config(instr: _Instr) -> dict:
     return json.loads(config) if isinstance(config, str) else config  # older XLA quotes the JSON
 
 
-def _trip_count(instr: _Instr) -> int | None:
-    try:
-        return int(_backend_config(instr)["known_trip_count"]["n"])
-    except (ValueError, KeyError, TypeError):
-        return None
-
-
 def _callees(instr: _Instr, trip_count: int) -> Iterator[tuple[str, int]]:
     if instr.opcode.endswith("-done") or instr.opcode == "async-update":
         return  # these repeat the `calls=` of their async-start; counting both would double it
@@ -357,7 +353,7 @@ def analyze(hlo_text: str, num_devices: int, branch_runs: dict[str, float] | Non
     unknown = 0
     for comp in comps.values():
         for instr in comp.instrs:
-            trips = _trip_count(instr) if instr.opcode == "while" else 1
+            trips = loops.trip_count(instr, comp, comps) if instr.opcode == "while" else 1
             if trips is None:
                 unknown, trips = unknown + 1, 1
             weights = _branch_weights(instr, branch_runs or {})
@@ -414,15 +410,18 @@ def analyze(hlo_text: str, num_devices: int, branch_runs: dict[str, float] | Non
 def permute_loop_trips(hlo_text: str, num_devices: int, wanted: Callable[[DeviceGroups], bool]) -> list[int]:
     """Trip counts of the while loops whose body hands data on with a collective permute between the
     (source, target) pairs that `wanted` accepts: e.g. the iterations of a pipeline schedule (pipeline.py;
-    its forward and backward loops, permuting along the pipeline axis), as compiled."""
+    its forward and backward loops, permuting along the pipeline axis), as compiled (loops.py: unrolled loops
+    count the iterations they stand for)."""
     comps, _ = _parse_module(hlo_text)
     trips = []
     for comp in comps.values():
         for instr in comp.instrs:
             body = comps.get(instr.attrs.get("body", "").lstrip("%")) if instr.opcode == "while" else None
-            if body and any(i.opcode.removesuffix("-start") == "collective-permute"
-                            and wanted(device_groups(i.attrs, num_devices)) for i in body.instrs):
-                trips.append(_trip_count(instr) or 1)
+            hands_on = [i for i in body.instrs if i.opcode.removesuffix("-start") == "collective-permute"
+                        and wanted(device_groups(i.attrs, num_devices))] if body else []
+            if hands_on:
+                trips.append(loops.permute_iterations(instr, comp, body, loops.trip_count(instr, comp, comps) or 1,
+                                                      hands_on[0]))
     return trips
 
 

@@ -30,10 +30,9 @@ from llama_jax.files import format_bytes
 from llama_jax.model import one_f_one_b, remat
 from llama_jax.model.llama import param_count
 from llama_jax.model.pipeline import LAYER_SLOT_SCOPE, bubble_fraction
-from llama_jax.perf import costmodel, hlo
+from llama_jax.perf import costmodel, gpu_target, hlo
 from llama_jax.perf.costmodel import AxisTraffic
-from llama_jax.perf.hardware import memory_budget
-from llama_jax.training.step import TrainProgram, model_flops_per_token, step_memory_bytes
+from llama_jax.training.step import TrainProgram, mesh_platform, model_flops_per_token, step_memory_bytes
 
 
 @dataclass(frozen=True)
@@ -43,7 +42,7 @@ class Plan:
     argument_bytes: int      # per device: state + batch
     temporary_bytes: int     # per device: activations and other scratch
     output_bytes: int        # per device, not counting outputs that reuse (alias) donated arguments
-    total_bytes: int         # per device peak estimate: arguments + temporaries + unaliased outputs
+    total_bytes: int         # per device peak estimate: arguments + temporaries + unaliased outputs (+ workspace)
     host_temporary_bytes: int  # per device, in pinned host memory (activations offloaded by remat)
     hlo_flops: float         # per step, all devices, from the compiled program (layers counted)
     model_flops: float       # per step: train_flops_per_token x tokens
@@ -68,6 +67,10 @@ class Plan:
     stage_layers: tuple[int, ...] = ()  # per stage, the layers it runs (all repeats)
     in_flight: tuple[int, ...] = ()  # per stage, the most micro-batches (of one group of layers) it keeps at once
     stage_bytes: tuple[int, ...] = ()  # per stage, the memory it uses per device (pipeline_stages())
+    # GPUs compiled for without them (--target): their kind, and cuDNN's attention workspace, which their compile
+    # does not size: estimated (gpu_target.cudnn_workspace_bytes) and counted in total_bytes
+    target: str = ""
+    cudnn_workspace_bytes: int = 0
 
     @property
     def collective_total(self) -> float:
@@ -151,19 +154,21 @@ def make_plan(config: Config, mesh: Mesh, devices_per_host: int = 0) -> Plan:
     return Plan(
         mesh=dict(mesh.shape), devices=devices,
         argument_bytes=memory.argument_size_in_bytes, temporary_bytes=memory.temp_size_in_bytes,
-        output_bytes=outputs, total_bytes=step_memory_bytes(compiled),
+        output_bytes=outputs, total_bytes=program.memory_bytes(),
         host_temporary_bytes=memory.host_temp_size_in_bytes,
         hlo_flops=stats.dot_flops * devices,
-        model_flops=model_flops_per_token(config) * config.train.batch_size * config.train.seq_len,
+        model_flops=model_flops_per_token(config, mesh_platform(mesh)) * config.train.batch_size * config.train.seq_len,
         collective_bytes={kind: c.moved_bytes for kind, c in stats.collectives.items()},
         collective_minimum=collective_minimum(config, dict(mesh.shape)),
         compile_seconds=compile_seconds, microbatches=program.config.train.microbatches,
-        budget_bytes=memory_budget(config.run.device_memory_gb),
+        budget_bytes=program.memory_budget(),
         memory_traffic_bytes=stats.memory_bytes, operations=operations, hosts=topology.host_count,
         collective_by_axis=costmodel.traffic_by_axis(stats.collective_groups, topology),
         pipeline_repeats=repeats, bubble=bubble_fraction(stages, microbatches, repeats) if stages > 1 else 0.0,
         compiled_bubble=compiled_bubble(config.mesh.pipeline_schedule, stages, repeats, microbatches, iterations),
         pipeline_iterations=iterations, pass_microbatches=microbatches if stages > 1 else 0, **staged,
+        target=gpu_target.describe(mesh.devices.flat[0]) if program.for_gpus_elsewhere else "",
+        cudnn_workspace_bytes=program.cudnn_workspace_bytes(),
     )
 
 
@@ -257,12 +262,14 @@ def format_plan(plan: Plan) -> str:
     ratio = plan.collective_total / plan.minimum_total if plan.minimum_total else math.nan
     stages = plan.mesh.get("pipeline", 1)
     lines = [
-        f"mesh {plan.mesh} on {plan.devices} device(s) in {plan.hosts} host(s), compiled in "
+        f"mesh {plan.mesh} on {plan.devices} {plan.target or 'device(s)'} in {plan.hosts} host(s), compiled in "
         f"{plan.compile_seconds:.1f}s",
         "per device memory:" if stages == 1 else "per device memory (one pipeline stage):",
         f"  arguments    {format_bytes(plan.argument_bytes):>12}   (train state + batch)",
         f"  temporaries  {format_bytes(plan.temporary_bytes):>12}   (activations, gradients, scratch)",
         f"  outputs      {format_bytes(plan.output_bytes):>12}   (not aliased to donated arguments)",
+        f"  cuDNN        {format_bytes(plan.cudnn_workspace_bytes):>12}   (attention's workspace, estimated from "
+        "an H100's: a compile without the GPU does not size it)" if plan.target else "",
         f"  total        {format_bytes(plan.total_bytes):>12}   "
         f"({'fits' if plan.total_bytes <= plan.budget_bytes else 'OVER'} the budget of {format_bytes(plan.budget_bytes)}, "
         f"run.device_memory_gb; {plan.microbatches} micro-batch{'es' if plan.microbatches > 1 else ''})",

@@ -11,7 +11,9 @@ params and optimizer state are the adapters' only, with the base's params beside
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import math
 import time
 from dataclasses import dataclass
@@ -30,12 +32,13 @@ from llama_jax.data.loader import Batches
 from llama_jax.distributed import sharding
 from llama_jax.errors import ConfigError
 from llama_jax.files import format_bytes
-from llama_jax.model import peft
+from llama_jax.model import peft, platform
 from llama_jax.model.attention import select_implementation, skips_masked_blocks
 from llama_jax.model.llama import Llama, matmul_param_count, train_flops_per_token
 from llama_jax.model.pipeline import PipelineLayout
 from llama_jax.model.stages import LayerOrder, to_storage_order
-from llama_jax.perf.hardware import memory_budget
+from llama_jax.perf import gpu_target
+from llama_jax.perf.hardware import compile_only, memory_budget
 from llama_jax.training.optimizer import learning_rate, make_optimizer, schedule_count
 
 # The fields of a batch, each [batch, seq]: what the loader yields and the train step takes.
@@ -187,7 +190,7 @@ class TrainProgram:
         schedule = learning_rate(config.train)
         rules = sharding.axis_rules(config)
         # Fail on an impossible attention kernel now, not in the middle of tracing the first step.
-        select_implementation(config.model.attention, jax.default_backend(), config.model.compute_dtype,
+        select_implementation(config.model.attention, mesh_platform(mesh), config.model.compute_dtype,
                               config.model.resolved_head_dim, config.train.seq_len)
 
         def init_state(rng: jax.Array) -> TrainState:
@@ -237,7 +240,7 @@ class TrainProgram:
         """The program with the fewest micro-batches whose compiled step fits the budget; else the most
         (one sequence per device at a time), which check_fits then refuses."""
         rows = config.train.batch_size // (mesh.shape["data"] * mesh.shape["fsdp"])  # per batch shard
-        budget = memory_budget(config.run.device_memory_gb)
+        budget = memory_budget(config.run.device_memory_gb, mesh.devices.flat[0])
         # pipelining needs a multiple of the stages, and of the micro-batches of one pass
         step = math.lcm(mesh.shape["pipeline"], config.mesh.pipeline_microbatches or 1)
         counts = [n for n in range(step, rows + 1) if rows % n == 0 and n % step == 0]
@@ -248,21 +251,47 @@ class TrainProgram:
         for count in counts:
             program = cls.build(dataclasses.replace(config, train=dataclasses.replace(config.train, microbatches=count)),
                                 mesh)
-            if step_memory_bytes(program.compile_step()) <= budget:
+            if program.memory_bytes() <= budget:
                 break
         return program
 
     def compile_step(self):
-        """The train step compiled for the abstract state and batch (once; later calls of train_step reuse it)."""
+        """The train step compiled for the abstract state and batch (once; later calls of train_step reuse it).
+        For GPUs that are not here (gpu_target.py) XLA:GPU compiles it under launch/gpu_env.sh's flags."""
         if self.compiled_step is None:
+            options = gpu_target.compiler_options() if self.for_gpus_elsewhere else None
             with self.activate():
-                self.compiled_step = self.train_step.lower(self.abstract_state(), self.abstract_batch()).compile()
+                lowered = self.train_step.lower(self.abstract_state(), self.abstract_batch())
+                self.compiled_step = lowered.compile(compiler_options=options) if options else lowered.compile()
         return self.compiled_step
+
+    @property
+    def for_gpus_elsewhere(self) -> bool:
+        """Whether the mesh is made of compile-only GPUs (`--target`): planned, never run here."""
+        device = self.mesh.devices.flat[0]
+        return device.platform == "gpu" and compile_only(device)
+
+    def memory_bytes(self) -> int:
+        """Per device, what the compiled step needs: step_memory_bytes, plus cuDNN attention's workspace on
+        compile-only GPUs, whose compile does not size it (gpu_target.cudnn_workspace_bytes)."""
+        return step_memory_bytes(self.compile_step()) + self.cudnn_workspace_bytes()
+
+    def cudnn_workspace_bytes(self) -> int:
+        """The part of memory_bytes() that is estimated, not compiled: 0 where the compile sizes it."""
+        return self._estimated_workspace if self.for_gpus_elsewhere else 0
+
+    @functools.cached_property
+    def _estimated_workspace(self) -> int:  # read once from the compiled program's text (megabytes of it)
+        return gpu_target.cudnn_workspace_bytes(self.compile_step().as_text())
+
+    def memory_budget(self) -> float:
+        """Bytes per device the step may use on this mesh's devices (hardware.memory_budget)."""
+        return memory_budget(self.config.run.device_memory_gb, self.mesh.devices.flat[0])
 
     def check_fits(self) -> None:
         """Raise ConfigError (one line: what the step needs, the budget, the keys to change) when the compiled
         step needs more memory per device than run.device_memory_gb allows."""
-        need, budget = step_memory_bytes(self.compile_step()), memory_budget(self.config.run.device_memory_gb)
+        need, budget = self.memory_bytes(), self.memory_budget()
         if need > budget:
             t, remat_policy = self.config.train, self.config.remat.policy
             raise ConfigError(
@@ -271,9 +300,14 @@ class TrainProgram:
                 "auto (or more), recompute more (remat.policy=full), shard over more devices (mesh.fsdp, mesh.tensor), "
                 "or let `llama-jax tune` choose")
 
+    @contextlib.contextmanager
     def activate(self):
-        """Context in which the steps may be traced: the mesh and logical rules are visible."""
-        return sharding.activate(self.mesh, sharding.axis_rules(self.config))
+        """Context in which the steps may be traced: the mesh and logical rules are visible, and the model picks
+        its kernels for the mesh's platform (model/platform.py)."""
+        device = self.mesh.devices.flat[0]
+        gpu = gpu_target.traced_gpu(device.device_kind) if self.for_gpus_elsewhere else None
+        with sharding.activate(self.mesh, sharding.axis_rules(self.config)), platform.tracing_for(device.platform, gpu):
+            yield
 
     def abstract_state(self) -> TrainState:
         """Shapes, dtypes and shardings of the state, e.g. as a target to restore a checkpoint into."""
@@ -336,6 +370,23 @@ class TrainProgram:
         return total / max(count, 1.0)
 
 
+def lower_step(config: Config, platform_name: str, target: str = "h100", devices=None):
+    """The train step of `config` on `devices` (default: all of this process's) lowered for `platform_name`
+    ('cuda', 'rocm', 'tpu' or 'cpu') on this machine, with the kernels that platform runs and compiled by
+    nothing: `.as_text()` is its StableHLO module (bench/lower.py; tests/test_cuda_lowering.py). For CUDA, jax's
+    cuDNN checks answer as a `target` GPU would (gpu_target.py). train.microbatches=auto, which compiles steps to
+    choose, becomes the fewest micro-batches a pipeline allows (1 without one)."""
+    if config.train.microbatches == "auto":
+        stages = sharding.mesh_shape(config.mesh, len(devices or jax.devices()))["pipeline"]
+        config = dataclasses.replace(config, train=dataclasses.replace(config.train, microbatches=stages))
+    program = TrainProgram.for_config(config, devices)
+    gpu = gpu_target.traced_gpu(gpu_target.spec(target).name) if platform_name == "cuda" else None
+    with sharding.activate(program.mesh, sharding.axis_rules(config)), \
+            platform.tracing_for("gpu" if platform_name in ("cuda", "rocm") else platform_name, gpu):
+        traced = program.train_step.trace(program.abstract_state(), program.abstract_batch())
+        return traced.lower(lowering_platforms=(platform_name,))
+
+
 def pipeline_layout(config: Config, mesh: Mesh) -> PipelineLayout | None:
     """The pipeline's stages, repeats, micro-batches per pass, schedule and layers per group on `mesh`; None
     without pipelining."""
@@ -359,14 +410,20 @@ def step_memory_bytes(compiled) -> int:
             - memory.alias_size_in_bytes)
 
 
-def model_flops_per_token(config: Config) -> float:
-    """train_flops_per_token for the attention kernel this config runs. Under context parallelism only
+def mesh_platform(mesh: Mesh) -> str:
+    """The platform of a mesh's devices ('cpu', 'gpu', 'tpu'): what the step's kernels are chosen for."""
+    return mesh.devices.flat[0].platform
+
+
+def model_flops_per_token(config: Config, platform_name: str | None = None) -> float:
+    """train_flops_per_token for the attention kernel this config runs on `platform_name` (default: the platform
+    traced for, model/platform.py). Under context parallelism only
     cuDNN's padded calls skip the masked keys; the XLA kernel in their place computes them all. A peft
     run's frozen weights take part in the forward pass and the input gradients (4 FLOPs per parameter)
     but have no weight gradient (the other 2 of the 6); the adapters' own FLOPs are left out."""
     m = config.model
-    kernel = select_implementation(m.attention, jax.default_backend(), m.compute_dtype, m.resolved_head_dim,
-                                   config.train.seq_len)
+    kernel = select_implementation(m.attention, platform_name or platform.backend(), m.compute_dtype,
+                                   m.resolved_head_dim, config.train.seq_len)
     skips = skips_masked_blocks(kernel) and (config.mesh.sequence == 1 or kernel == "cudnn")
     frozen = 2 * matmul_param_count(m) if config.peft.method != "none" else 0
     return train_flops_per_token(m, config.train.seq_len, skips) - frozen

@@ -44,7 +44,7 @@ from llama_jax.distributed import sharding
 from llama_jax.errors import ConfigError
 from llama_jax.files import atomic_path, cache_root, format_bytes
 from llama_jax.perf.costmodel import INTER_HOST, INTRA_HOST, CostModel, check_devices_per_host, default_cost_model
-from llama_jax.perf.hardware import memory_budget, simulated_devices
+from llama_jax.perf.hardware import compile_only, memory_budget, simulated_devices
 from llama_jax.training import plan
 from llama_jax.training.step import TrainProgram, model_flops_per_token, random_batch, time_train_steps
 
@@ -207,16 +207,17 @@ class Cache:
     """One file per candidate (its plan's figures, its measured step time), in a directory named by a
     digest of everything else about the run: the config without the searched keys, devices, versions."""
 
-    def __init__(self, directory: Path, config: Config, devices_per_host: int = 0):
+    def __init__(self, directory: Path, config: Config, devices_per_host: int = 0, devices: tuple = ()):
         identity = config_lib.to_dict(config)
         for section, key in (k.split(".") for k in SEARCHED_KEYS):
             identity[section].pop(key, None)
         identity["run"] = {}  # where a run writes does not change its speed
         identity["checkpoint"] = identity["fault"] = {}
         # Hosts decide which collectives cross the network: the tier bytes cached depend on them.
-        identity["platform"] = [jax.local_devices()[0].device_kind, jax.device_count(), jax.process_count(),
-                                devices_per_host, jax.__version__, __version__, os.environ.get("XLA_FLAGS", ""),
-                                _source_digest()]
+        devices = devices or jax.devices()
+        identity["platform"] = [devices[0].device_kind, compile_only(devices[0]), len(devices),
+                                len({d.process_index for d in devices}), devices_per_host, jax.__version__,
+                                __version__, os.environ.get("XLA_FLAGS", ""), _source_digest()]
         digest = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:16]
         self.directory = directory / digest
 
@@ -242,12 +243,14 @@ class Cache:
         self.write(candidate.label, fields)
 
 
-def score(result: Result, cache: Cache, model: CostModel, budget: float, devices_per_host: int = 0) -> None:
+def score(result: Result, cache: Cache, model: CostModel, budget: float, devices_per_host: int = 0,
+          devices: tuple = ()) -> None:
     """Compile the candidate (or read the cache) and fill in memory, FLOPs, traffic and the prediction."""
     entry = cache.get(result.candidate)
     if "tier_bytes" not in entry:
         try:
-            planned = plan.make_plan(result.config, sharding.make_mesh(result.config), devices_per_host)
+            mesh = sharding.make_mesh(result.config, devices or None)
+            planned = plan.make_plan(result.config, mesh, devices_per_host)
         except Exception as err:  # noqa: BLE001 - a candidate the compiler refuses is a rejection, not a crash
             result.rejected = f"does not compile: {type(err).__name__}: {str(err).splitlines()[0][:160]}"
             return
@@ -316,6 +319,7 @@ class Options:
     bandwidth_gbs: float = 0.0  # 0: the cost model's default, GB/s per device for collectives within a host
     nic_gbs: float = 0.0  # 0: hardware.NIC_GBS, GB/s per device for collectives between hosts
     devices_per_host: int = 0  # 0: the hosts are this run's processes; else plan hosts of this many devices
+    devices: tuple = ()  # compile-only GPUs of a cluster to plan for (--target, gpu_target.py); (): this run's
     overlap: float = -1.0  # -1: the cost model's default, fraction of communication hidden behind compute
     progress: bool = True
 
@@ -333,6 +337,7 @@ class Report:
     model_flops: float  # per step
     devices: int
     hosts: int = 1
+    device_kind: str = ""
 
 
 class TuneError(ConfigError):
@@ -359,7 +364,7 @@ def _cost_model(options: Options, cache: Cache, dtype: str, cache_dir: Path) -> 
     try:
         model = CostModel(**stored)
     except TypeError:  # none yet, or from an older version (e.g. one link bandwidth for every collective)
-        model = default_cost_model(dtype, cache_dir)
+        model = default_cost_model(dtype, cache_dir, options.devices[0] if options.devices else None)
         cache.write("cost model", dataclasses.asdict(model))
     return dataclasses.replace(
         model, efficiency=options.efficiency or model.efficiency,
@@ -374,7 +379,7 @@ def enumerate_candidates(source: str | None, overrides: list[str], options: Opti
     base = config_lib.load_config(source, overrides)
     if options.memory_gb:  # the budget a candidate's train.microbatches=auto resolves against, and the winner runs at
         base = dataclasses.replace(base, run=dataclasses.replace(base.run, device_memory_gb=options.memory_gb))
-    devices = jax.device_count()
+    devices = len(options.devices) or jax.device_count()
     check_devices_per_host(options.devices_per_host, devices)
     default = default_candidate(base, devices)
     space = candidate_space(devices, overrides, options.policies, options.microbatches, options.every_n_layers,
@@ -398,11 +403,12 @@ def format_candidates(results: list[Result]) -> str:
 
 def tune(source: str | None, overrides: list[str], options: Options = Options()) -> Report:
     base, default, results = enumerate_candidates(source, overrides, options)
-    devices = jax.device_count()
+    devices = len(options.devices) or jax.device_count()
+    device = options.devices[0] if options.devices else None
     valid = [r for r in results if r.config is not None]
-    budget = memory_budget(options.memory_gb or base.run.device_memory_gb)
+    budget = memory_budget(options.memory_gb or base.run.device_memory_gb, device)
     root = cache_root(base.data.cache_dir)
-    cache = Cache(root / "tune", base, options.devices_per_host)
+    cache = Cache(root / "tune", base, options.devices_per_host, options.devices)
     model = _cost_model(options, cache, base.model.compute_dtype, root)
     deadline = time.monotonic() + 60 * options.budget_min
 
@@ -413,7 +419,7 @@ def tune(source: str | None, overrides: list[str], options: Options = Options())
         with tqdm(total=len(todo), desc=stage, unit="candidate", disable=quiet, leave=False) as bar:
             for result in todo:
                 if "tier_bytes" in cache.get(result.candidate) or time.monotonic() < deadline:
-                    score(result, cache, model, budget, options.devices_per_host)
+                    score(result, cache, model, budget, options.devices_per_host, options.devices)
                 bar.update()
 
     # Stage 1: every mesh once, with the default's micro-batching and recomputation where searched.
@@ -435,7 +441,7 @@ def tune(source: str | None, overrides: list[str], options: Options = Options())
     score_all([r for r in valid if r.candidate.mesh_key in best_meshes], "stage 2: micro-batches x remat")
     default_result = next(r for r in results if r.candidate == default)
     if default_result.config is not None and default_result.predicted_s is None and default_result.rejected is None:
-        score(default_result, cache, model, budget, options.devices_per_host)
+        score(default_result, cache, model, budget, options.devices_per_host, options.devices)
 
     fits = sorted((r for r in results if r.predicted_s is not None and r.rejected is None),
                   key=lambda r: r.predicted_s)
@@ -449,7 +455,8 @@ def tune(source: str | None, overrides: list[str], options: Options = Options())
                         f"{format_bytes(leanest.memory_bytes - budget)} more; raise --memory-gb, lower "
                         f"train.batch_size or train.seq_len, or use more devices")
 
-    measuring = options.measure if options.measure is not None else not simulated_devices()
+    # Compile-only GPUs cannot run; simulated CPU devices' timings say little about real ones.
+    measuring = not options.devices and (options.measure if options.measure is not None else not simulated_devices())
     if measuring:
         chosen = fits[:options.top_k] + ([default_result] if default_result in fits[options.top_k:] else [])
         for result in tqdm(chosen, desc="measuring", unit="candidate", disable=quiet, leave=False):
@@ -462,10 +469,14 @@ def tune(source: str | None, overrides: list[str], options: Options = Options())
     else:
         winner, correlation = fits[0], None
     t = base.train
+    # With compile-only GPUs (--target) their hosts are in the devices; else the processes, or --devices-per-host.
+    hosts = len({d.process_index for d in options.devices}) if device else \
+        devices // (options.devices_per_host or jax.local_device_count())
+    device = device or jax.local_devices()[0]
     return Report(results=results, default=default_result, winner=winner, model=model, budget=budget,
                   measured=measuring, correlation=correlation, tokens=t.batch_size * t.seq_len,
-                  model_flops=model_flops_per_token(base) * t.batch_size * t.seq_len, devices=devices,
-                  hosts=devices // (options.devices_per_host or jax.local_device_count()))
+                  model_flops=model_flops_per_token(base, device.platform) * t.batch_size * t.seq_len,
+                  devices=devices, hosts=hosts, device_kind=device.device_kind)
 
 
 def step_time(result: Result) -> float | None:
@@ -527,15 +538,11 @@ def write_winner(report: Report, out: Path) -> None:
     r = report.winner
     timing = f"measured {r.measured_s * 1e3:.1f} ms" if r.measured_s is not None else \
         f"predicted {r.predicted_s * 1e3:.1f} ms"
-    header = (f"# Written by llama-jax tune for {report.devices} {jax_device_kind()} device(s): {r.candidate.label},\n"
+    header = (f"# Written by llama-jax tune for {report.devices} {report.device_kind} device(s): {r.candidate.label},\n"
               f"# {timing} per step, {r.memory_bytes / 2**20:.0f} MiB per device. Train with: llama-jax train {out}\n")
     out.parent.mkdir(parents=True, exist_ok=True)
     with atomic_path(out) as tmp:
         tmp.write_text(header + config_lib.to_yaml(r.config))
-
-
-def jax_device_kind() -> str:
-    return jax.local_devices()[0].device_kind  # this process's: jax.devices()[0] belongs to process 0
 
 
 def report_json(report: Report) -> str:

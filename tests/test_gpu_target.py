@@ -1,0 +1,225 @@
+"""Compiling for GPUs that are not here (perf/gpu_target.py): XLA:GPU's own compile of the train step for an H100
+cluster on this CPU machine, as `llama-jax plan|tune --target h100 --gpus N` runs it.
+
+The compiles need jax's CUDA plugin (the gpu extra: Python >= 3.12); elsewhere those tests skip, and what can be
+checked without it (the target config written from the data sheets, launch/gpu_env.sh's flags as compile
+options, cuDNN's workspace, the one-line refusal without the plugin) runs everywhere. Each compile takes ~10 s:
+one per test at most, on tiny models.
+"""
+
+import json
+import re
+
+import pytest
+from test_cuda_lowering import square_tensors
+from test_launch import gpu_env_xla_flags
+from test_readme import llama_jax_args, readme_commands
+
+from llama_jax import cli
+from llama_jax.config import load_config
+from llama_jax.distributed import sharding
+from llama_jax.perf import gpu_target, hardware
+from llama_jax.training import plan as planning
+from llama_jax.training import tune
+from llama_jax.training.step import TrainProgram
+
+SEQ = 512
+NO_PLUGIN = gpu_target.plugin_missing()
+needs_plugin = pytest.mark.skipif(NO_PLUGIN is not None, reason=f"XLA:GPU cannot compile here: {NO_PLUGIN}")
+
+
+# A tiny bf16 model whose attention runs on cuDNN (head_dim 32), one 512-token sequence per GPU of 8.
+GPU_MODEL = ["model.d_model=128", "model.n_heads=4", "model.n_kv_heads=2", "model.n_layers=2", "model.ffn_dim=256",
+             "model.compute_dtype=bfloat16", f"model.max_seq_len={SEQ}", f"train.seq_len={SEQ}", "train.batch_size=8",
+             "train.microbatches=1"]
+
+
+def gpu_config(*overrides: str):
+    return load_config("tiny", [*GPU_MODEL, *overrides])
+
+
+# --------------------------------------------------------------------------------------------
+# Without the plugin too
+
+
+def test_the_compile_options_are_launch_gpu_env_sh_flags():
+    """gpu_env.sh is the one list a GPU run starts with; the planned compile takes the same flags, typed as XLA's
+    compile options want them (bools, integers, the pipelining enum by name)."""
+    assert " ".join(gpu_target.GPU_ENV_FLAGS) == gpu_env_xla_flags()
+    options = gpu_target.compiler_options()
+    assert options["xla_gpu_enable_triton_gemm"] is False and options["xla_gpu_enable_latency_hiding_scheduler"] is True
+    assert options["xla_gpu_all_gather_combine_threshold_bytes"] == 134217728
+    assert options["xla_gpu_pipeline_all_gather"] == "COLLECTIVE_PIPELINING_MODE_ON"
+    assert options["xla_disable_hlo_passes"] == "rematerialization" and options["xla_gpu_enable_command_buffer"] == ""
+    assert options["xla_gpu_autotune_level"] == 0  # nothing to time without the GPU
+
+
+@pytest.mark.parametrize("target", sorted(gpu_target.TARGETS))
+def test_the_target_config_is_written_from_the_data_sheet_table(target):
+    spec = gpu_target.spec(target)
+    text = gpu_target.target_config(target)
+    fields = dict(re.findall(r"^\s*(\w+): (.+)$", text, flags=re.MULTILINE))
+    assert int(fields["core_count"]) == spec.sms
+    assert int(fields["device_memory_size"]) == int(spec.memory_gib * 2**30)
+    assert int(fields["memory_bandwidth"]) == hardware.table_bandwidth(spec.name)[0]
+    assert int(fields["l2_cache_size"]) == int(spec.l2_mib * 2**20)
+    assert float(fields["clock_rate_ghz"]) == spec.boost_ghz
+    assert f"cuda_compute_capability {{ major: {spec.compute_capability.replace('.', ' minor: ')} }}" in text
+    assert fields["device_description_str"] == f'"{spec.name}"'
+    # The device kind XLA reports names the same table row that peaks, bandwidth and the budget come from.
+    assert hardware.table_peak_flops(spec.name, "bfloat16") > 0
+    assert gpu_target.traced_gpu(spec.name).cudnn_version == 91900  # cuDNN 9.19, as jax reports it
+
+
+def test_cudnn_workspace_is_the_measured_eight_bytes_per_document_head_token_and_dim():
+    """8 bytes x documents x q's elements: 4 GiB for one 8K row of Llama 3 8B's 32 heads at 16 documents, 0.25 GiB
+    per document, as an H100 measured (docs/performance.md); the largest call of the program counts."""
+    def call(q: str, extra: str = "") -> str:
+        return (f'  %fmha = (bf16[{q}]{{3,1,2,0}}, u8[0]{{0}}) custom-call(%q, %k, %v{", %s, %s" if extra else ""}), '
+                f'custom_call_target="__cudnn$fmhaSoftmax", operand_layout_constraints={{bf16[{q}]{{3,2,1,0}}, '
+                f'bf16[1,8192,8,128]{{3,2,1,0}}, bf16[1,8192,8,128]{{3,2,1,0}}{extra}}}, api_version=X')
+    packed = call("1,8192,32,128", ", s32[1,16]{1,0}, s32[1,17]{1,0}")
+    assert gpu_target.cudnn_workspace_bytes(packed) == 4 * 2**30
+    assert gpu_target.cudnn_workspace_bytes(call("1,8192,32,128")) == 2**28  # one document per row
+    assert gpu_target.cudnn_workspace_bytes(call("2,8192,32,128") + "\n" + call("1,8192,32,128")) == 2**29
+    assert gpu_target.cudnn_workspace_bytes("%d = bf16[8] add(%a, %b)") == 0
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--gpus", "8"], "--gpus and --gpus-per-host plan a cluster of --target GPUs, e.g. --target h100 --gpus 32"),
+    (["--target", "h100"], "--target h100 needs --gpus N: how many GPUs the run has"),
+    (["--target", "h900", "--gpus", "8"], "--target h900: unknown GPU; use one of h100, h200, a100, b200"),
+    (["--target", "h100", "--gpus", "12", "--gpus-per-host", "8"],
+     "--gpus 12 --gpus-per-host 8: the GPUs must fill whole hosts (--gpus a positive multiple of --gpus-per-host)"),
+    (["--target", "h100", "--gpus", "8", "--devices-per-host", "4"],
+     "--devices-per-host is for simulated devices; with --target the hosts are --gpus-per-host"),
+])
+def test_bad_target_options_are_one_line_and_exit_2(args, message, capsys):
+    assert cli.main(["plan", "tiny", *args]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [f"llama-jax: error: {message}"]
+
+
+def test_target_without_the_cuda_plugin_is_one_line_and_exit_2(monkeypatch, capsys):
+    """Python 3.11's jax has no CUDA plugin: --target says what to install. Where the plugin is installed it is
+    hidden here, so both interpreters check the same line."""
+    if NO_PLUGIN is None:
+        import importlib.util
+
+        find_spec = importlib.util.find_spec
+        monkeypatch.setattr(importlib.util, "find_spec",
+                            lambda name, *a: None if name.startswith("jax_plugins") else find_spec(name, *a))
+    for command in ("plan", "tune"):
+        assert cli.main([command, "tiny", "--target", "h100", "--gpus", "8"]) == 2
+        (line,) = capsys.readouterr().err.strip().splitlines()
+        assert line.startswith("llama-jax: error: --target compiles the step with XLA:GPU, which needs jax's CUDA "
+                               "plugin") and "pip install -e '.[gpu]' (Python >= 3.12, jax >= 0.11.1)" in line
+
+
+# --------------------------------------------------------------------------------------------
+# XLA:GPU's compile (the CUDA plugin)
+
+
+@pytest.fixture(scope="module")
+def eight_h100s():
+    """The train step compiled by XLA:GPU for one host of 8 H100s, fsdp=8 (one sequence per GPU)."""
+    config = gpu_config("mesh.fsdp=8")
+    program = TrainProgram.build(config, sharding.make_mesh(config, gpu_target.devices("h100", 8)))
+    return program, program.compile_step().as_text()
+
+
+@needs_plugin
+def test_the_step_compiles_to_cublas_gemms_and_cudnn_attention_without_a_t_by_t_tensor(eight_h100s):
+    """The kernels follow the mesh's GPUs, not this CPU: cuDNN attention forward and backward (the packed layout
+    too), every matmul a cuBLASLt call under gpu_env.sh's flags (no Triton GEMM, no XLA dot left), and no
+    [T, T] mask or score tensor anywhere in the optimized program."""
+    _, text = eight_h100s
+    calls = set(re.findall(r'custom_call_target="([^"]+)"', text))
+    assert {"__cublas$lt$matmul", "__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward"} <= calls
+    assert not re.search(r"= \S+ dot\(", text) and "__triton_gemm" not in text
+    assert square_tensors(text, SEQ) == []
+    assert re.search(r"s32\[1,16\]", text)  # the packed layout's document lengths: Hopper's
+    assert "num_partitions=8" in text.splitlines()[0]  # one program for the 8 GPUs
+
+
+@needs_plugin
+def test_the_step_fits_its_budget_with_cudnns_workspace_counted(eight_h100s):
+    """Memory per GPU: XLA:GPU's arguments, temporaries and outputs plus cuDNN's workspace, which the compile does
+    not size (8 bytes x 16 documents x q's 1 x 512 x 4 x 32 elements: 8 MiB). The budget is the H100's: 90% of
+    80 GiB, as launch/gpu_env.sh lets XLA allocate. The step needs under 128 MiB."""
+    program, _ = eight_h100s
+    memory = program.compile_step().memory_analysis()
+    workspace = program.cudnn_workspace_bytes()
+    assert workspace == 8 * 16 * 1 * SEQ * 4 * 32
+    assert program.memory_bytes() == (memory.argument_size_in_bytes + memory.temp_size_in_bytes
+                                      + memory.output_size_in_bytes - memory.alias_size_in_bytes + workspace)
+    assert program.memory_bytes() < 128 * 2**20
+    assert program.memory_budget() == 0.9 * 80 * 2**30
+
+
+@needs_plugin
+def test_a_pipeline_plan_compiles_for_four_hosts_with_its_permutes_along_the_pipeline_axis():
+    """pipeline=4 over 4 hosts of 8 GPUs (1x4x8), fsdp=8 within each: the stages hand activations on with
+    collective permutes along the pipeline axis, between hosts; XLA:GPU's double buffering unrolls the stage loop
+    by 2 and peels an iteration, and the plan still counts the schedule's M + P - 1 iterations."""
+    config = gpu_config("model.n_layers=4", "mesh.pipeline=4", "mesh.fsdp=8", "train.batch_size=64",
+                        "train.microbatches=8")
+    plan = planning.make_plan(config, sharding.make_mesh(config, gpu_target.devices("h100", 32)))
+    assert plan.target.startswith("H100") and plan.hosts == 4 and plan.devices == 32
+    permutes = [t for t in plan.collective_by_axis if t.kind == "collective-permute"]
+    assert permutes and all("pipeline" in t.axes and t.tier == "inter-host" for t in permutes)
+    assert plan.pipeline_iterations == 8 + 4 - 1 and plan.compiled_bubble == pytest.approx(plan.bubble)
+    assert plan.cudnn_workspace_bytes > 0 and plan.total_bytes < plan.budget_bytes
+
+
+@needs_plugin
+def test_tune_ranks_candidates_compiled_for_the_target(tmp_path):
+    """tune --target: candidates compiled by XLA:GPU for the planned GPUs, priced with the H100's data sheet and
+    never measured (they are not here)."""
+    gpus = tuple(gpu_target.devices("h100", 8))
+    options = tune.Options(policies=("none",), microbatches=(1,), every_n_layers=(1,), devices=gpus, progress=False)
+    pins = ["mesh.pipeline=1", "mesh.data=1", "mesh.fsdp=8", "mesh.tensor=1", "mesh.sequence=1", "train.microbatches=1",
+            "remat.policy=none", f"data.cache_dir={tmp_path}"]
+    report = tune.tune("tiny", [*GPU_MODEL, *pins], options)
+    assert not report.measured and report.devices == 8 and report.device_kind == "NVIDIA H100 80GB HBM3"
+    assert report.model.peak_flops == 989e12 and report.model.memory_bandwidth == 3350e9
+    assert report.winner.memory_bytes > 0 and report.winner.predicted_s > 0
+    tune.write_winner(report, tmp_path / "tune.yaml")
+    assert "for 8 NVIDIA H100 80GB HBM3 device(s)" in (tmp_path / "tune.yaml").read_text()
+
+
+# --------------------------------------------------------------------------------------------
+# The documented commands
+
+
+def target_commands() -> list[str]:
+    return [c for c in readme_commands("llama-jax ") if "--target " in c]
+
+
+# jax writes a compile-only executable to the session's persistent compilation cache but cannot load it back (no
+# GPU client): a documented command that compiles the same program as an earlier one warns, then compiles.
+@pytest.mark.filterwarnings("ignore:Error reading persistent compilation cache entry")
+@pytest.mark.parametrize("command", target_commands())
+def test_readme_target_commands_compile_for_the_gpus_or_say_what_is_missing(command, capsys):
+    """Each documented --target command: where the plugin is, a plan compiles for the GPUs it names (with 2 of
+    the model's layers and one sequence per GPU, so that a test can afford it) and a tune lists its candidates
+    (--dry-run); without the plugin, it answers in one line and exit 2."""
+    args = llama_jax_args(command)
+    assert args[0] in ("plan", "tune")
+    if args[0] == "tune":
+        args = [*args, "--dry-run"]
+    elif NO_PLUGIN is None:  # key=value before the options, as `plan` takes them
+        first_option = next(i for i, a in enumerate(args) if a.startswith("--"))
+        args[first_option:first_option] = ["model.n_layers=2", f"train.batch_size={args[args.index('--gpus') + 1]}"]
+    status = cli.main(args)
+    out, err = capsys.readouterr()
+    if NO_PLUGIN is not None:
+        assert status == 2 and err.strip().splitlines() == [f"llama-jax: error: {NO_PLUGIN}"]
+        return
+    assert status == 0, err
+    if args[0] == "plan":
+        report = json.loads(out) if "--json" in args else None
+        assert report and report["target"].startswith(args[args.index("--target") + 1].upper())
+        assert report["devices"] == int(args[args.index("--gpus") + 1]) and report["hlo_flops"] > 0
+        assert report["cudnn_workspace_bytes"] > 0 and report["total_bytes"] <= report["budget_bytes"]
+    else:
+        assert re.search(r"\d+ candidates: \d+ valid", out.strip().splitlines()[-1])
