@@ -7,12 +7,11 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import numpy as np
-from conftest import write_tiny_yaml
+from conftest import Supervised, write_tiny_yaml
 
 from llama_jax.training.metrics import read_metrics
 
@@ -40,17 +39,13 @@ def test_four_processes_continue_on_two_when_a_host_is_lost_and_grow_back_to_fou
 
     hosts, run_dir = tmp_path / "hosts.txt", tmp_path / "run"
     hosts.write_text("host-0\nhost-1\nhost-2\nhost-3\n")
-    supervisor = subprocess.Popen(
+    supervisor = Supervised(
         [sys.executable, "-m", "llama_jax", "supervise", "--backoff", "0.2", "--", sys.executable,
          str(ROOT / "launch" / "multiprocess.py"), "--processes", "4", "--devices", "1", "--grace", "10",
          "--hosts", str(hosts), "--replacement-wait", "2", "--", "train", str(config), f"run.dir={run_dir}",
          "run.heartbeat_timeout_s=10"],
-        env=environment(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    lines: list[str] = []
-    readers = [threading.Thread(target=lambda s=s: lines.extend(iter(s.readline, "")), daemon=True)
-               for s in (supervisor.stdout, supervisor.stderr)]
-    for reader in readers:
-        reader.start()
+        environment())
+    lines = supervisor.lines
 
     def wait_for(condition, what):
         deadline = time.time() + 240
@@ -69,8 +64,6 @@ def test_four_processes_continue_on_two_when_a_host_is_lost_and_grow_back_to_fou
     wait_for(lambda: max(trained(), default=0) > lost_at + 1, "2 processes train past the lost step")
     hosts.write_text("host-0\nhost-1\nhost-2\nhost-3\n")  # the host returns
     assert supervisor.wait(timeout=300) == 0, "".join(lines)[-6000:]
-    for reader in readers:
-        reader.join(timeout=10)
     log = "".join(lines)
     assert "train.microbatches 1 -> 2, the same global batch" in log
     assert "the missing hosts are back" in log and log.count("llama-jax supervise: start #") == 3

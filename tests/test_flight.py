@@ -6,13 +6,11 @@ import os
 import re
 import signal
 import socket
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
-from conftest import write_tiny_yaml
+from conftest import Supervised, write_tiny_yaml
 
 from llama_jax.resilience.flight import hang_report
 from llama_jax.training.metrics import read_metrics
@@ -33,17 +31,13 @@ def test_a_stopped_process_is_named_in_the_hang_report_and_the_supervisor_finish
     # A save is a phase with its own bound (checkpoint.timeout_s): none falls where the process is stopped.
     config = write_tiny_yaml(tmp_path, train={"steps": 40, "min_lr_ratio": 1.0}, checkpoint={"every_steps": 20})
     run_dir = tmp_path / "run"
-    supervisor = subprocess.Popen(
+    supervisor = Supervised(
         [sys.executable, "-m", "llama_jax", "supervise", "--backoff", "0.2", "--", sys.executable,
          str(ROOT / "launch" / "multiprocess.py"), "--processes", "4", "--devices", "1", "--grace", "5", "--", "train",
          str(config), f"run.dir={run_dir}", "fault.hang_min_timeout_s=5", "fault.flight_heartbeat_s=0.5",
          "run.heartbeat_timeout_s=120"],
-        env=environment(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    lines: list[str] = []
-    readers = [threading.Thread(target=lambda s=s: lines.extend(iter(s.readline, "")), daemon=True)
-               for s in (supervisor.stdout, supervisor.stderr)]
-    for reader in readers:
-        reader.start()
+        environment())
+    lines = supervisor.lines
     deadline = time.time() + 240
     while time.time() < deadline and last_step(run_dir) < 4:
         assert supervisor.poll() is None, "".join(lines)
@@ -52,8 +46,6 @@ def test_a_stopped_process_is_named_in_the_hang_report_and_the_supervisor_finish
     pid = int(next(m.group(1) for m in started if m))
     os.kill(pid, signal.SIGSTOP)  # mid-step: the others wait for it in the step's collectives
     assert supervisor.wait(timeout=300) == 0, "".join(lines)
-    for reader in readers:
-        reader.join(timeout=10)
     log = "".join(lines)
     assert (run_dir / "hang_report.json").is_file(), log[-6000:]
     report = json.loads((run_dir / "hang_report.json").read_text())

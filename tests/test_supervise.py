@@ -116,12 +116,15 @@ def test_an_attempt_that_wrote_a_pre_flight_verdict_is_not_restarted_whatever_it
     assert record["exit_code"] == EXIT_UNHEALTHY and record["action"] == "stop"
 
 
-def test_an_older_pre_flight_verdict_does_not_stop_a_restart(scripted, capsys, tmp_path):
+@pytest.mark.parametrize("age_s", [3600, 0])
+def test_an_older_pre_flight_verdict_does_not_stop_a_restart(scripted, capsys, tmp_path, age_s):
+    """A previous job's verdict, an hour old or written just before this attempt started (a job relaunched
+    within a second of a pre-flight refusal), is not this attempt's."""
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     verdict = run_dir / "unhealthy.json"
     verdict.write_text('{"hosts": ["node-7"]}')
-    os.utime(verdict, (time.time() - 3600, time.time() - 3600))  # a previous job's, before this attempt
+    os.utime(verdict, (time.time() - age_s, time.time() - age_s))
     status, starts, err = scripted(capsys, "1,0", extra=(f"run.dir={run_dir}",))
     assert (status, starts) == (EXIT_OK, 2), err
 

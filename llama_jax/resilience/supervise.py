@@ -123,14 +123,14 @@ class Supervisor:
             if self.stop_signal is not None:
                 return self._stopped_between_children()
             log(f"start #{attempt}: {shlex.join(self.command)}")
-            started, t0 = time.time(), time.monotonic()
+            started, t0, verdict_before = time.time(), time.monotonic(), self._verdict_identity()
             try:
                 returncode = self._run_child()
             except OSError as err:  # no such executable, not executable: retrying will not help
                 log(f"cannot start the command: {err}")
                 return EXIT_BAD_INPUT
             ran = time.monotonic() - t0
-            returncode = self._unhealthy_verdict(returncode, started)
+            returncode = self._unhealthy_verdict(returncode, verdict_before)
             log(f"#{attempt} {meaning(returncode)} (exit {returncode}) after {ran:.1f}s")
             action, wait = self._decide(returncode, ran)
             self._record(attempt=attempt, start=started, end=time.time(), exit_code=returncode,
@@ -180,14 +180,23 @@ class Supervisor:
             for line in label_nodes(hosts, label):
                 log(line)
 
-    def _unhealthy_verdict(self, returncode: int, started: float) -> int:
-        """EXIT_UNHEALTHY for a failed attempt that wrote run.dir/unhealthy.json after it started, else returncode."""
-        verdict = self.run_dir / UNHEALTHY_FILE if self.run_dir is not None else None
-        if returncode in (EXIT_OK, EXIT_UNHEALTHY) or verdict is None or not verdict.is_file():
+    def _verdict_identity(self) -> tuple[int, int, int] | None:
+        """Which run.dir/unhealthy.json is there now (inode, size, mtime), if any."""
+        try:
+            found = (self.run_dir / UNHEALTHY_FILE).stat() if self.run_dir is not None else None
+        except OSError:
+            return None
+        return None if found is None else (found.st_ino, found.st_size, found.st_mtime_ns)
+
+    def _unhealthy_verdict(self, returncode: int, before: tuple[int, int, int] | None) -> int:
+        """EXIT_UNHEALTHY for a failed attempt that wrote run.dir/unhealthy.json, else returncode. The file is
+        this attempt's if it was not there, or was another file, when the attempt started (times alone took an
+        earlier attempt's verdict written within a second of this start for this one's)."""
+        now = self._verdict_identity()
+        if returncode in (EXIT_OK, EXIT_UNHEALTHY) or now is None or now == before:
             return returncode
-        if verdict.stat().st_mtime < started - 1.0:  # a second's slack for filesystems with coarse times
-            return returncode
-        log(f"exit {returncode}, but this attempt's pre-flight check wrote {verdict}: taken as exit {EXIT_UNHEALTHY}")
+        log(f"exit {returncode}, but this attempt's pre-flight check wrote {self.run_dir / UNHEALTHY_FILE}: taken as "
+            f"exit {EXIT_UNHEALTHY}")
         return EXIT_UNHEALTHY
 
     def _run_child(self) -> int:
