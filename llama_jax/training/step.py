@@ -240,7 +240,7 @@ class TrainProgram:
         """The program with the fewest micro-batches whose compiled step fits the budget; else the most
         (one sequence per device at a time), which check_fits then refuses."""
         rows = config.train.batch_size // (mesh.shape["data"] * mesh.shape["fsdp"])  # per batch shard
-        budget = memory_budget(config.run.device_memory_gb, mesh.devices.flat[0])
+        budget = memory_budget(config.run.device_memory_gb, own_device(mesh))
         # pipelining needs a multiple of the stages, and of the micro-batches of one pass
         step = math.lcm(mesh.shape["pipeline"], config.mesh.pipeline_microbatches or 1)
         counts = [n for n in range(step, rows + 1) if rows % n == 0 and n % step == 0]
@@ -286,7 +286,7 @@ class TrainProgram:
 
     def memory_budget(self) -> float:
         """Bytes per device the step may use on this mesh's devices (hardware.memory_budget)."""
-        return memory_budget(self.config.run.device_memory_gb, self.mesh.devices.flat[0])
+        return memory_budget(self.config.run.device_memory_gb, own_device(self.mesh))
 
     def check_fits(self) -> None:
         """Raise ConfigError (one line: what the step needs, the budget, the keys to change) when the compiled
@@ -408,6 +408,12 @@ def step_memory_bytes(compiled) -> int:
     memory = compiled.memory_analysis()
     return (memory.argument_size_in_bytes + memory.temp_size_in_bytes + memory.output_size_in_bytes
             - memory.alias_size_in_bytes)
+
+
+def own_device(mesh: Mesh):
+    """This process's first device of the mesh (another process's cannot be asked for its memory), or the first
+    of a mesh of compile-only devices (`--target`), which no process owns."""
+    return next((d for d in mesh.devices.flat if d.process_index == jax.process_index()), mesh.devices.flat[0])
 
 
 def mesh_platform(mesh: Mesh) -> str:

@@ -43,7 +43,8 @@ from llama_jax.config import Config
 from llama_jax.distributed import sharding
 from llama_jax.errors import ConfigError
 from llama_jax.files import atomic_path, cache_root, format_bytes
-from llama_jax.perf.costmodel import INTER_HOST, INTRA_HOST, CostModel, check_devices_per_host, default_cost_model
+from llama_jax.perf.costmodel import (INTER_HOST, INTRA_HOST, CostModel, check_devices_per_host, default_cost_model,
+                                      spearman)
 from llama_jax.perf.hardware import compile_only, memory_budget, simulated_devices
 from llama_jax.training import plan
 from llama_jax.training.step import TrainProgram, model_flops_per_token, random_batch, time_train_steps
@@ -283,22 +284,6 @@ def measure(result: Result, cache: Cache, steps: int) -> None:
         return
     result.measured_s = statistics.median(times)
     cache.put(result.candidate, measured_s=result.measured_s)
-
-
-def spearman(a: list[float], b: list[float]) -> float | None:
-    """Rank correlation of two equally long lists (None for fewer than 3 pairs or constant ranks)."""
-    if len(a) < 3:
-        return None
-    rank = lambda xs: [sorted(xs).index(x) for x in xs]  # ties are rare in timings
-    ra, rb = rank(a), rank(b)
-    mean = (len(a) - 1) / 2
-    cov = sum((x - mean) * (y - mean) for x, y in zip(ra, rb))
-    var = sum((x - mean) ** 2 for x in ra)
-    return cov / var if var else None
-
-
-# --------------------------------------------------------------------------------------------
-# The search
 
 
 @dataclass(frozen=True)
