@@ -50,13 +50,18 @@ def describe_write_failure(err: BaseException, where: Path) -> str:
     return f"{reason} in {where}, {free_space(where)} free there"
 
 
-def free_bytes(path: Path) -> int | None:
-    """The free bytes of the filesystem holding `path` (its nearest existing directory); None if unknown."""
+def nearest_existing(path: Path) -> Path:
+    """`path` (absolute) if it exists, else its nearest ancestor that does: where a directory would be made."""
     existing = Path(path).absolute()
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
+    return existing
+
+
+def free_bytes(path: Path) -> int | None:
+    """The free bytes of the filesystem holding `path` (its nearest existing directory); None if unknown."""
     try:
-        return shutil.disk_usage(existing).free
+        return shutil.disk_usage(nearest_existing(path)).free
     except OSError:
         return None
 
@@ -73,9 +78,7 @@ def unwritable(path: Path) -> str | None:
     target = Path(path).expanduser().absolute()
     if target.exists() and not target.is_dir():
         return f"{target} is a file, not a directory"
-    existing = target
-    while not existing.exists():
-        existing = existing.parent
+    existing = nearest_existing(target)
     if not existing.is_dir():
         return f"{existing} is a file, where {target} needs a directory"
     if os.statvfs(existing).f_flag & os.ST_RDONLY:
