@@ -11,12 +11,12 @@
 # In each pod `llama-jax supervise` restarts a failed trainer; when one process dies the others stop
 # (JAX's heartbeat), their supervisors restart them too and all resume from the newest checkpoint. A
 # pod that exits 2 (bad input) fails the Job at once; any other pod failure gets a replacement pod.
-# Exit 71 (fault.preflight=true named an unhealthy device; every pod exits 71) counts as a failure and the
-# pods are replaced, but the scheduler may put one on the same node again: label the node the log and
-# run.dir/unhealthy.json name (LLAMA_JAX_NODE_NAME below makes the check report the node, not the pod),
-#   kubectl label node NODE llama-jax.io/unhealthy=true
-# and the pods' node affinity keeps them off it (a taint keeps every workload off it:
-# kubectl taint nodes NODE llama-jax.io/unhealthy=true:NoSchedule; node-problem-detector can do either).
+# Every pod trains with the node-local checkpoint tier (/dev/shm, a memory-backed volume) and the pre-flight check
+# on (launch/defaults.sh). Exit 71 (the pre-flight check named an unhealthy device; every pod exits 71) counts as
+# a failure and the pods are replaced; before that, the supervisor in each pod labels the node(s) the check named
+# llama-jax.io/unhealthy=true (the manifest's service account may patch nodes: a ClusterRole, which needs
+# cluster-admin to apply once), and the pods' node affinity keeps the replacements off them. Without that
+# permission the supervisor says so and prints the kubectl command to run.
 set -euo pipefail
 
 name=llama-jax
@@ -49,8 +49,10 @@ fail() { echo "k8s.sh: error: $*" >&2; exit 2; }
 json() {  # one JSON string (valid YAML) per argument
   local s="${1//\\/\\\\}"; s="${s//\"/\\\"}"; printf '"%s"' "$s"
 }
+source "$(dirname "${BASH_SOURCE[0]}")/defaults.sh"  # the local tier on /dev/shm and the pre-flight check
+train_args "$@"
 args=""
-for a in llama-jax supervise -- llama-jax train "$@"; do args+="${args:+, }$(json "$a")"; done
+for a in llama-jax supervise -- llama-jax train "${TRAIN_ARGS[@]}"; do args+="${args:+, }$(json "$a")"; done
 # The recommended GPU environment (gpu_env.sh, evaluated here) goes into the pod spec.
 gpu_env=""
 while IFS='=' read -r key value; do
@@ -58,6 +60,33 @@ while IFS='=' read -r key value; do
 done < <(env -u XLA_FLAGS bash "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh")
 
 manifest=$(cat <<EOF
+apiVersion: v1
+kind: ServiceAccount
+metadata:
+  name: $name
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: ClusterRole
+metadata:
+  name: $name-label-unhealthy-nodes
+rules:
+- apiGroups: [""]
+  resources: [nodes]
+  verbs: [get, patch]  # the supervisor labels a node the pre-flight check named (llama_jax/resilience/cluster.py)
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: ClusterRoleBinding
+metadata:
+  name: $name-label-unhealthy-nodes
+roleRef:
+  apiGroup: rbac.authorization.k8s.io
+  kind: ClusterRole
+  name: $name-label-unhealthy-nodes
+subjects:
+- kind: ServiceAccount
+  name: $name
+  namespace: ${NAMESPACE:-default}
+---
 apiVersion: v1
 kind: Service
 metadata:
@@ -81,12 +110,12 @@ spec:
   backoffLimit: 20
   podFailurePolicy:
     rules:
-    - action: FailJob  # exit 2 is bad input: a restart cannot fix it
+    - action: FailJob  # exit 2 is bad input, 74 failing checkpoint storage: a restart cannot fix either
       onExitCodes:
         containerName: trainer
         operator: In
-        values: [2]
-    - action: Count  # exit 71, an unhealthy device: the pod fails and is replaced (off a labelled node)
+        values: [2, 74]
+    - action: Count  # exit 71, an unhealthy device: the pod fails and is replaced, off the node its supervisor labelled
       onExitCodes:
         containerName: trainer
         operator: In
@@ -97,8 +126,9 @@ spec:
         job-name: $name
     spec:
       subdomain: $name
+      serviceAccountName: $name
       restartPolicy: Never
-      affinity:  # not on a node labelled unhealthy after a pre-flight check named it (see the top of launch/k8s.sh)
+      affinity:  # not on a node labelled unhealthy after a pre-flight check named it
         nodeAffinity:
           requiredDuringSchedulingIgnoredDuringExecution:
             nodeSelectorTerms:
@@ -121,7 +151,9 @@ spec:
         - name: LLAMA_JAX_NODE_NAME  # the pre-flight check names the node, which can be labelled, not the pod
           valueFrom:
             fieldRef:
-              fieldPath: spec.nodeName$gpu_env
+              fieldPath: spec.nodeName
+        - name: LLAMA_JAX_LABEL_UNHEALTHY_NODES  # the supervisor labels the nodes the check names (cluster.py)
+          value: "llama-jax.io/unhealthy=true"$gpu_env
         ports:
         - containerPort: $port
         resources:
@@ -130,10 +162,15 @@ spec:
         volumeMounts:
         - name: runs
           mountPath: /runs
+        - name: shm  # the node-local checkpoint tier (and room for the loader), in the host's memory
+          mountPath: /dev/shm
       volumes:
       - name: runs
         persistentVolumeClaim:
           claimName: $claim
+      - name: shm
+        emptyDir:
+          medium: Memory
 EOF
 )
 if [[ $dry_run -eq 1 ]]; then

@@ -10,8 +10,8 @@
 # when one dies, the others stop (JAX's heartbeat), every supervisor restarts its process and they
 # meet again at the coordinator, resuming from the newest checkpoint. run.dir must be on a filesystem
 # all hosts share. The remote command runs in this directory (the same path on every host) with
-# LLAMA_JAX (default: llama-jax on PATH). --ssh replaces `ssh` (e.g. "ssh -i key"); --dry-run prints
-# the command of every host and exits.
+# LLAMA_JAX (default: llama-jax on PATH), with the node-local checkpoint tier and the pre-flight check on
+# (launch/defaults.sh). --ssh replaces `ssh` (e.g. "ssh -i key"); --dry-run prints the command of every host.
 set -euo pipefail
 
 hosts=""
@@ -39,6 +39,9 @@ fail() { echo "multihost.sh: error: $*" >&2; exit 2; }
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 llama_jax="${LLAMA_JAX:-llama-jax}"
+source "$here/defaults.sh"  # the local tier on /dev/shm and the pre-flight check, before the user's keys
+train_args "$@"
+set -- "${TRAIN_ARGS[@]}"
 
 # The recommended GPU environment (gpu_env.sh; its XLA flags need jaxlib >= 0.11.1 on every host), as env arguments.
 gpu_env=()

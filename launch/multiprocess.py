@@ -14,6 +14,16 @@ When a process fails, the others are given --grace seconds to notice on their ow
 collective, or JAX's heartbeat after run.heartbeat_timeout_s) and are then killed; the launcher
 exits with the first failure's status (128 + signal number for a killed process), so
 `llama-jax supervise -- launch/multiprocess.py ...` restarts all of them together.
+
+Continuing on fewer hosts (--hosts FILE): every process is a simulated host, named by a line of FILE (the
+hosts that are up now; delete a line to lose that host, add it back to return it). A start waits up to
+--replacement-wait seconds for --processes hosts; if fewer are up it starts on the largest count that divides
+--processes (4 -> 2 with 3 hosts up), passing run.full_processes, so the global batch stays the same with more
+micro-batches per process. While it runs on fewer, it polls FILE: once enough hosts are back it sends SIGTERM
+(every process saves the step it is at and exits 75) and exits 75, and `llama-jax supervise` starts it again
+on all of them. The run resumes from its newest checkpoint either way (the loader resumes exactly on another
+process count). On a cluster the same loop reads the scheduler's list of healthy nodes instead of FILE
+(docs/fault-tolerance.md).
 Standard library only: runs wherever Python 3.9+ does.
 """
 
@@ -46,10 +56,36 @@ def llama_jax_command() -> list[str]:
     return [str(venv)] if venv.exists() else ["llama-jax"]
 
 
+def hosts_up(path: Path) -> list[str]:
+    """The simulated hosts listed in path (one name a line), in order; none if it cannot be read."""
+    try:
+        return [line.strip() for line in path.read_text().splitlines() if line.strip()]
+    except OSError:
+        return []
+
+
+def usable(full: int, up: int) -> int:
+    """The most processes, at most `up`, that divide `full`: each keeps a whole share of the global batch."""
+    return max((n for n in range(1, min(full, up) + 1) if full % n == 0), default=0)
+
+
+def wait_for_hosts(path: Path, full: int, wait: float) -> list[str]:
+    """The hosts to start on: all `full` when they are up within `wait` seconds, else the usable part."""
+    deadline = time.monotonic() + wait
+    while len(up := hosts_up(path)) < full and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if len(up) < full:
+        log(f"{len(up)} of {full} hosts up after waiting {wait:g}s for replacements (--replacement-wait): "
+            f"continuing on {usable(full, len(up))}")
+    return up[:usable(full, len(up))]
+
+
 def process_environment(base: dict, index: int, processes: int, devices: int, port: int) -> dict:
     flags = " ".join(f for f in (base.get("XLA_FLAGS", ""), f"--xla_force_host_platform_device_count={devices}") if f)
     return {**base, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu", "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
-            "JAX_NUM_PROCESSES": str(processes), "JAX_PROCESS_ID": str(index)}
+            "JAX_NUM_PROCESSES": str(processes), "JAX_PROCESS_ID": str(index),
+            # llama_jax.errors.LAUNCHED_BY: a run that saves no checkpoint periodically warns
+            "LLAMA_JAX_LAUNCHED_BY": base.get("LLAMA_JAX_LAUNCHED_BY", "launch/multiprocess.py")}
 
 
 def status_of(returncode: int) -> int:
@@ -68,6 +104,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=0, help="coordinator port on 127.0.0.1 (default: a free one)")
     parser.add_argument("--grace", type=float, default=90.0,
                         help="after a process fails, seconds the others get to stop on their own before SIGKILL")
+    parser.add_argument("--hosts", type=Path, help="file listing the simulated hosts that are up, one a line: "
+                        "continue on fewer when some are gone, grow back when they return")
+    parser.add_argument("--replacement-wait", type=float, default=60.0,
+                        help="with --hosts: seconds a start waits for missing hosts before continuing on fewer")
     parser.add_argument("--dry-run", action="store_true", help="print each process's command and exit")
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
@@ -78,9 +118,18 @@ def main(argv: list[str] | None = None) -> int:
     if not command or command[0] not in ("train", "plan", "doctor"):
         command = ["train", *command]
     port = args.port or free_port()
+    hosts: list[str] = []
+    if args.hosts is not None:
+        hosts = wait_for_hosts(args.hosts, args.processes, args.replacement_wait)
+        if not hosts:
+            log(f"no host is up in {args.hosts}")
+            return 1
+        command = [*command, f"run.full_processes={args.processes}"]
+    count = len(hosts) or args.processes
     full = [*llama_jax_command(), *command]
-    environments = [process_environment(dict(os.environ), i, args.processes, args.devices, port)
-                    for i in range(args.processes)]
+    environments = [process_environment(dict(os.environ), i, count, args.devices, port) for i in range(count)]
+    for env, host in zip(environments, hosts):
+        env["LLAMA_JAX_NODE_NAME"] = host  # processes.node_name(): this process is that host
     if args.dry_run:
         keys = ("XLA_FLAGS", "JAX_PLATFORMS", "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
         for env in environments:
@@ -94,7 +143,8 @@ def main(argv: list[str] | None = None) -> int:
         for i, env in enumerate(environments):
             children.append(subprocess.Popen(full, env=env))
             log(f"process {i} started (pid {children[-1].pid})")
-        return supervise_children(children, args.grace, stop)
+        grow = (lambda: len(hosts_up(args.hosts)) >= args.processes) if count < args.processes else None
+        return supervise_children(children, args.grace, stop, grow)
     finally:
         for child in children:
             if child.poll() is None:
@@ -104,14 +154,21 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(sig, handler)
 
 
-def supervise_children(children: list[subprocess.Popen], grace: float, stop: list[int]) -> int:
-    """Wait for every child; after the first failure (or a stop signal), kill what outlives the grace."""
+def supervise_children(children: list[subprocess.Popen], grace: float, stop: list[int], grow=None) -> int:
+    """Wait for every child; after the first failure (or a stop signal), kill what outlives the grace.
+    grow(): whether enough hosts are back to run on all of them: then stop (SIGTERM: they save) and exit 75."""
     first_failure: int | None = None
     deadline: float | None = None
     forwarded = False
     started = time.monotonic()
     ended: set[int] = set()
+    polled = time.monotonic()
     while True:
+        if grow is not None and not stop and time.monotonic() - polled > 1.0:
+            polled = time.monotonic()
+            if grow():
+                log("the missing hosts are back: stopping (every process saves) to start again on all of them")
+                stop.append(signal.SIGTERM)
         if stop and not forwarded:
             for child in children:
                 if child.poll() is None:

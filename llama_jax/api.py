@@ -33,6 +33,7 @@ from llama_jax.checkpoint import convert as conversion
 from llama_jax.checkpoint import specs
 from llama_jax.checkpoint.specs import ModelSpec, resolve
 from llama_jax.config import ModelConfig, PeftConfig, load_config
+from llama_jax.data.corpus import ReadOptions
 from llama_jax.data.streams import evaluation_batches
 from llama_jax.data.tokenizer import Tokenizer
 from llama_jax.distributed import processes
@@ -124,8 +125,9 @@ def evaluate(model: str | ModelSpec, data: str, overrides: list[str] = (), max_b
         config = dataclasses.replace(config, peft=peft.inference_peft(spec.adapters))
     processes.initialize(config.run)
     t = config.train
+    read = ReadOptions(config.data.text_field, config.data.text_unit, config.data.on_bad_record)
     stream = evaluation_batches(data, specs.load_tokenizer(spec), t.batch_size, t.seq_len, split, spec.text,
-                                config.peft.virtual_tokens)
+                                config.peft.virtual_tokens, read)
     program = TrainProgram.for_config(config, devices)
     params = specs.load_params(spec, target=program.abstract_params())
     with program.activate():

@@ -1,4 +1,4 @@
-"""`llama-jax` command line: train, prepare, plan, tune, doctor, report, convert, generate, eval, supervise.
+"""`llama-jax` command line: train, prepare, plan, tune, doctor, report, convert, generate, eval, supervise, goodput.
 
 Every error a user can act on (errors.py) is reported as one line on stderr with its exit status: 2
 for bad input (config, mesh, data, checkpoint). `train` checks its input before anything in run.dir is
@@ -141,8 +141,14 @@ def cmd_doctor(ns: argparse.Namespace) -> int:
     processes.initialize(config.run)
     mesh = sharding.make_mesh(config)
     peers = Peers(config.fault.barrier_timeout_s)
-    report = preflight.check(config, mesh, peers)
-    if jax.process_index() == 0:
+    primary = jax.process_index() == 0
+
+    def note(line: str) -> None:  # that suspects are measured again: before the table (--json: in the document)
+        if primary and not ns.json:
+            print(line, flush=True)
+
+    report = preflight.check(config, mesh, peers, say=note)
+    if primary:
         print(preflight.report_json(report) if ns.json else preflight.format_report(report))
     # Unhealthy: exit 71, and the verdict goes into run.dir only if that exists (doctor starts no run).
     preflight.enforce(report, Path(config.run.dir), create=False, peers=peers)
@@ -154,31 +160,36 @@ def _add_doctor(commands) -> None:
         "doctor", help="check every device (matmul rate, memory bandwidth, a known product) and the mesh's collectives",
         description="llama-jax doctor [PRESET|CONFIG.yaml] [key=value ...] [--json]. The pre-flight check that "
                     "fault.preflight=true runs before training, on the config's mesh, run by every process of a "
-                    "multi-process run: a device below fault.preflight_min_ratio (default 0.8) x the fleet median, or "
-                    "with a wrong product, is named; exit 0 when healthy, 71 when not, 2 on bad input.")
+                    "multi-process run: a device below fault.preflight_min_ratio (default 0.8) x the fleet median in "
+                    "most of the rounds that measure it again, or with a wrong product, is named; exit 0 when "
+                    "healthy, 71 when not, 2 on bad input.")
     parser.add_argument("args", nargs="*", metavar="PRESET|CONFIG|key=value")
     parser.add_argument("--json", action="store_true", help="print every figure and the verdict as JSON")
     parser.set_defaults(func=cmd_doctor)
 
 
-def _int_list(text: str) -> tuple[int, ...]:
+def _int_list(text: str, least: int = 1) -> tuple[int, ...]:
     try:
         values = tuple(int(v) for v in text.split(","))
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got '{text}'") from None
-    if min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got '{text}'")
+    if min(values) < least:
+        raise argparse.ArgumentTypeError(f"expected integers >= {least}, got '{text}'")
     return values
 
 
 def cmd_tune(ns: argparse.Namespace) -> int:
-    from llama_jax.config.choices import REMAT_POLICIES
+    from llama_jax.config.choices import PIPELINE_SCHEDULES, REMAT_POLICIES
 
     source, overrides = _split_source(ns.args)
     policies = tuple(ns.policies.split(","))
     unknown = [p for p in policies if p not in REMAT_POLICIES]
     if unknown:
         raise InputError(f"--policies: unknown remat policy '{unknown[0]}'; valid: {', '.join(REMAT_POLICIES)}")
+    schedules = tuple(ns.pipeline_schedules.split(","))
+    if any(s not in PIPELINE_SCHEDULES for s in schedules):
+        raise InputError(f"--pipeline-schedules: choose from {', '.join(PIPELINE_SCHEDULES)}, got "
+                         f"'{ns.pipeline_schedules}'")
     if ns.memory_gb < 0 or ns.budget_min <= 0 or ns.top_k < 1 or ns.steps < 1 or ns.meshes < 1:
         raise InputError("tune: --memory-gb must be >= 0, and --budget-min, --top-k, --steps, --meshes positive")
     if not 0 <= ns.efficiency <= 1 or min(ns.bandwidth_gbs, ns.nic_gbs) < 0 or \
@@ -193,7 +204,7 @@ def cmd_tune(ns: argparse.Namespace) -> int:
     options = tune.Options(
         memory_gb=ns.memory_gb, budget_min=ns.budget_min, top_k=ns.top_k, measure=ns.measure, steps=ns.steps,
         meshes=ns.meshes, policies=policies, microbatches=ns.microbatches, every_n_layers=ns.every_n_layers,
-        pipeline_repeats=ns.pipeline_repeats,
+        pipeline_repeats=ns.pipeline_repeats, pipeline_schedules=schedules, pass_microbatches=ns.pass_microbatches,
         efficiency=ns.efficiency, bandwidth_gbs=ns.bandwidth_gbs, overlap=ns.overlap, nic_gbs=ns.nic_gbs,
         devices_per_host=ns.devices_per_host, devices=gpus, progress=not ns.json)
     if ns.dry_run:
@@ -231,6 +242,11 @@ def _add_tune(commands) -> None:
                         help="micro-batch counts (default 1,2,4; with P pipeline stages, these times P)")
     parser.add_argument("--pipeline-repeats", type=_int_list, default=(1, 2),
                         help="mesh.pipeline_repeats tried with a pipeline (default 1,2)")
+    parser.add_argument("--pipeline-schedules", default="gpipe,1f1b",
+                        help="mesh.pipeline_schedule values tried with a pipeline, comma-separated (default gpipe,1f1b)")
+    parser.add_argument("--pass-microbatches", type=lambda text: _int_list(text, least=0), default=(0,),
+                        help="micro-batches per pass through a pipeline of P stages, these times P (0: one pass of "
+                             "all; default 0)")
     parser.add_argument("--every-n-layers", type=_int_list, default=(1, 2),
                         help="remat.every_n_layers values for recomputing policies (default 1,2)")
     parser.add_argument("--efficiency", type=float, default=0.0, help="cost model: fraction of peak FLOP/s reached "
@@ -432,11 +448,62 @@ def _add_eval(commands) -> None:
     parser.set_defaults(func=cmd_eval)
 
 
+def cmd_goodput(ns: argparse.Namespace) -> int:
+    if ns.gpus < 1 or ns.gpus_per_host < 1 or (ns.gpus > ns.gpus_per_host and ns.gpus % ns.gpus_per_host):
+        raise InputError(f"goodput: --gpus {ns.gpus} must be positive and a whole number of hosts of --gpus-per-host "
+                         f"{ns.gpus_per_host} (e.g. --gpus 16384 --gpus-per-host 8)")
+    rates = (ns.failures_per_gpu_hour, ns.planned_per_gpu_hour, ns.replacement_s, ns.restart_s)
+    if any(v is not None and v < 0 for v in rates) or not (ns.host_loss_share is None or 0 <= ns.host_loss_share <= 1):
+        raise InputError("goodput: --failures-per-gpu-hour, --planned-per-gpu-hour, --replacement-s and --restart-s "
+                         "must be >= 0, --host-loss-share in [0, 1]")
+    if ns.run_dir and not Path(ns.run_dir).is_dir():
+        raise InputError(f"goodput: --from {ns.run_dir} is not a directory; name a run.dir a run trained in")
+    from llama_jax.config import load_config
+    from llama_jax.training import goodput_projection as projection
+
+    source, overrides = _split_source(ns.args)
+    config = load_config(source, overrides)
+    given = {k: v for k, v in (("replacement_s", ns.replacement_s), ("restart_s", ns.restart_s)) if v is not None}
+    inputs = projection.inputs_for(
+        config, ns.gpus, ns.gpus_per_host, projection.measured(Path(ns.run_dir)) if ns.run_dir else None,
+        failures_per_gpu_hour=ns.failures_per_gpu_hour, planned_per_gpu_hour=ns.planned_per_gpu_hour,
+        host_loss_share=ns.host_loss_share, **given)
+    report = projection.report(inputs)
+    print(projection.report_json(report) if ns.json else projection.format_report(report, source or "tiny", inputs))
+    return 0
+
+
+def _add_goodput(commands) -> None:
+    parser = commands.add_parser(
+        "goodput", help="project the effective training time of a run under failures, and the best checkpoint "
+                        "intervals",
+        description="llama-jax goodput [PRESET|CONFIG.yaml] [key=value ...] --gpus N [--gpus-per-host 8] "
+                    "[--from RUN_DIR] [--json]. Failures as Poisson at Llama 3's rate and mix by default; costs "
+                    "measured by the run in --from (its goodput.json), else stated defaults, each printed with "
+                    "its source (docs/fault-tolerance.md).")
+    parser.add_argument("args", nargs="*", metavar="PRESET|CONFIG|key=value")
+    parser.add_argument("--gpus", type=int, required=True, help="GPUs of the run")
+    parser.add_argument("--gpus-per-host", type=int, default=8, help="GPUs per host (default 8)")
+    parser.add_argument("--from", dest="run_dir", metavar="RUN_DIR",
+                        help="a run.dir whose goodput.json gives the measured costs (step, saves, restores, restarts)")
+    parser.add_argument("--failures-per-gpu-hour", type=float,
+                        help="unexpected interruptions per GPU-hour (default Llama 3's: 419 / (16,384 x 54 x 24 h))")
+    parser.add_argument("--planned-per-gpu-hour", type=float,
+                        help="planned interruptions (preemptions) per GPU-hour (default Llama 3's 47 / the same)")
+    parser.add_argument("--host-loss-share", type=float,
+                        help="share of the unexpected interruptions that lose a host (default Llama 3's, 0.84)")
+    parser.add_argument("--replacement-s", type=float, help="seconds to get a replacement host (default 600)")
+    parser.add_argument("--restart-s", type=float, help="seconds from a process start to its first step")
+    parser.add_argument("--json", action="store_true",
+                        help="print an object with goodput, breakdown, intervals, and the inputs with sources")
+    parser.set_defaults(func=cmd_goodput)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="llama-jax", description="Pre-train Llama 3 models with JAX.")
     commands = parser.add_subparsers(dest="command", required=True)
     for add in (_add_train, _add_prepare, _add_plan, _add_doctor, _add_tune, _add_report, _add_convert, _add_generate,
-                _add_eval, _add_supervise):
+                _add_eval, _add_supervise, _add_goodput):
         add(commands)
     return parser
 

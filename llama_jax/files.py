@@ -1,9 +1,13 @@
-"""Small helpers every layer shares: atomic writes, the user cache directory, and sizes, times and id ranges
-as the commands print them."""
+"""Small helpers every layer shares: atomic writes, the user cache directory, what a failed write means (and
+whether a directory can be written at all), and sizes, times and id ranges as the commands print them."""
 
 from __future__ import annotations
 
+import errno
+import mmap
 import os
+import re
+import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -22,6 +26,66 @@ def atomic_path(path: Path) -> Iterator[Path]:
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def storage_errno(err: BaseException) -> int | None:
+    """The errno of a failed write: an OSError's, or the os_error_code a library's message carries (TensorStore's,
+    under Orbax: 'Failed to write ... No space left on device [os_error_code='28']')."""
+    if isinstance(err, OSError) and err.errno:
+        return err.errno
+    code = re.search(r"os_error_code='?(\d+)", str(err))
+    return int(code.group(1)) if code else None
+
+
+# What a person must fix when a write fails with one of these; other errors are not storage's.
+STORAGE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.EACCES, errno.EPERM, errno.ENOENT,
+                  errno.ENOTDIR)
+
+
+def describe_write_failure(err: BaseException, where: Path) -> str:
+    """'No space left on device (ENOSPC) in /runs/a/checkpoints, 0 B free there': why a write into `where` failed."""
+    code = storage_errno(err)
+    reason = (f"{os.strerror(code)} ({errno.errorcode.get(code, code)})" if code else
+              (str(err).strip().splitlines() or [type(err).__name__])[0][:200])
+    return f"{reason} in {where}, {free_space(where)} free there"
+
+
+def nearest_existing(path: Path) -> Path:
+    """`path` (absolute) if it exists, else its nearest ancestor that does: where a directory would be made."""
+    existing = Path(path).absolute()
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    return existing
+
+
+def free_bytes(path: Path) -> int | None:
+    """The free bytes of the filesystem holding `path` (its nearest existing directory); None if unknown."""
+    try:
+        return shutil.disk_usage(nearest_existing(path)).free
+    except OSError:
+        return None
+
+
+def free_space(path: Path) -> str:
+    """The free space of the filesystem holding `path`, as the commands print it."""
+    free = free_bytes(path)
+    return "unknown space" if free is None else format_bytes(free)
+
+
+def unwritable(path: Path) -> str | None:
+    """Why a directory cannot be created or written at `path`, or None when it can: a file in its place or on the
+    way there, or a nearest existing directory on a read-only filesystem or without write permission."""
+    target = Path(path).expanduser().absolute()
+    if target.exists() and not target.is_dir():
+        return f"{target} is a file, not a directory"
+    existing = nearest_existing(target)
+    if not existing.is_dir():
+        return f"{existing} is a file, where {target} needs a directory"
+    if os.statvfs(existing).f_flag & os.ST_RDONLY:
+        return f"{existing} is on a read-only file system"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"{existing} is not writable by this user (permission denied)"
+    return None
 
 
 def cache_root(cache_dir: str = "") -> Path:
@@ -66,3 +130,14 @@ def format_ranges(indices: list[int]) -> str:
         if i is not None:
             run.append(i)
     return ", ".join(parts)
+
+
+def advise(mapped, advice: str) -> None:
+    """Tell the kernel how a memory-mapped array (np.memmap, np.load(mmap_mode=...)) is used: "random" (no
+    read-ahead around a page fault: a loader reads a few pages here and there, and read-ahead would map
+    megabytes into the process for each), or "done" (drop its pages from this process's resident set; they stay
+    in the page cache). A no-op for arrays held in memory or where the platform has no madvise."""
+    handle = getattr(mapped, "_mmap", None)
+    flag = getattr(mmap, {"random": "MADV_RANDOM", "done": "MADV_DONTNEED"}[advice], None)
+    if handle is not None and flag is not None and hasattr(handle, "madvise"):
+        handle.madvise(flag)

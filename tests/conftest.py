@@ -2,7 +2,9 @@
 
 import os
 import shutil
+import subprocess
 import tempfile
+import threading
 
 # --xla_backend_optimization_level=0: XLA:CPU's LLVM code generation without its optimisation passes. The tests
 # compile hundreds of small programs and run each a few steps, so compiling dominates: a third less CPU time for
@@ -50,6 +52,29 @@ def tiny_config(tmp_path=None, **sections) -> Config:
 @pytest.fixture
 def tiny():
     return tiny_config
+
+
+class Supervised:
+    """`command` (a `llama-jax supervise -- ...` line) in the background; `lines` gathers its stdout and stderr
+    lines as they come, so a test can watch them while the processes run."""
+
+    def __init__(self, command: list[str], env: dict):
+        self.process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.lines: list[str] = []
+        self.readers = [threading.Thread(target=lambda s=stream: self.lines.extend(iter(s.readline, "")), daemon=True)
+                        for stream in (self.process.stdout, self.process.stderr)]
+        for reader in self.readers:
+            reader.start()
+
+    def poll(self) -> int | None:
+        return self.process.poll()
+
+    def wait(self, timeout: float) -> int:
+        """The exit status, once every line it wrote is in `lines`."""
+        status = self.process.wait(timeout=timeout)
+        for reader in self.readers:
+            reader.join(timeout=10)
+        return status
 
 
 def write_tiny_yaml(root, **sections):

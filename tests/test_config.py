@@ -22,7 +22,7 @@ PRESET_FILES = sorted((REPO / "configs").glob("*.yaml"))
 INTERFACE_KEYS = {
     "seed": ("7", 7),
     "run.dir": ("runs/elsewhere", "runs/elsewhere"),
-    "train.steps": ("7", 7),
+    "train.steps": ("77", 77),  # above the tiny preset's 40 warmup steps: a warmup must end before the run does
     "train.batch_size": ("32", 32),
     "train.seq_len": ("64", 64),
     "train.microbatches": ("2", 2),
@@ -80,7 +80,7 @@ def test_no_source_is_the_tiny_preset():
 def test_overrides_are_typed():
     """Override strings become the schema's types: float, bool, int, str."""
     config = load_config("tiny", ["train.lr=1e-3", "model.tie_embeddings=true", "train.steps=12",
-                                  "remat.policy=full", "mesh.sequence_parallel=false"])
+                                  "train.warmup_steps=2", "remat.policy=full", "mesh.sequence_parallel=false"])
     assert isinstance(config.train.lr, float) and config.train.lr == 1e-3
     assert config.model.tie_embeddings is True
     assert isinstance(config.train.steps, int) and config.train.steps == 12
@@ -90,7 +90,7 @@ def test_overrides_are_typed():
 
 def test_later_override_wins_and_others_keep_preset_values():
     """Overrides replace only their key; the last one for a key wins."""
-    config = load_config("tiny", ["train.steps=3", "train.steps=5"])
+    config = load_config("tiny", ["train.warmup_steps=1", "train.steps=3", "train.steps=5"])
     assert config.train.steps == 5
     assert config.train.batch_size == load_config("tiny").train.batch_size
 
@@ -106,7 +106,7 @@ def test_config_is_frozen():
 
 def test_saved_yaml_loads_back(tmp_path):
     """The resolved config written to run.dir loads back to the same config."""
-    config = load_config("tiny", ["train.steps=9", "model.n_layers=2", f"run.dir={tmp_path}"])
+    config = load_config("tiny", ["train.steps=9", "train.warmup_steps=1", "model.n_layers=2", f"run.dir={tmp_path}"])
     path = tmp_path / "config.yaml"
     path.write_text(to_yaml(config))
     assert load_config(str(path)) == config
@@ -238,4 +238,61 @@ def test_bad_input_in_a_subprocess(tmp_path):
     assert proc.returncode == 2
     assert len(proc.stderr.splitlines()) == 1, proc.stderr
     assert proc.stderr.startswith("llama-jax: error: ") and "train.steps" in proc.stderr
+    assert not run_dir.exists()
+
+
+LLAMA3_PRESETS = [name for name in preset_names() if name.startswith("llama3_")]
+
+
+@pytest.mark.parametrize("name", LLAMA3_PRESETS)
+def test_llama3_presets_are_recipes(name):
+    """Each Llama 3 preset states its token budget and trains to it (steps x batch x sequence), warms up for a small
+    fraction of the run (Llama 3's recipe: 8,000 of its steps), saves at the automatic interval, and names no
+    data: the user's must be named (the bundled plays are for the tiny and bench presets)."""
+    import math
+    import re
+
+    text = (REPO / "configs" / f"{name}.yaml").read_text()
+    number, unit = re.search(r"# Recipe: ([\d.]+)([BT]) tokens", text).groups()
+    budget = float(number) * (1e9 if unit == "B" else 1e12)
+    config = load_config(name)
+    t = config.train
+    assert t.steps == math.ceil(budget / (t.batch_size * t.seq_len))
+    assert 0 < t.warmup_steps <= min(8000, t.steps // 100 + 1)
+    assert config.checkpoint.every_steps == "auto" and config.data.sources == [] and config.data.tokenizer == ""
+
+
+def test_a_warmup_as_long_as_the_run_is_refused():
+    with pytest.raises(ConfigError, match=r"train.warmup_steps \(360\) is not below train.steps \(360\)"):
+        load_config("tiny", ["train.steps=360", "train.warmup_steps=360"])
+    assert load_config("tiny", ["train.steps=0", "train.warmup_steps=40"]).train.steps == 0  # steps 0: nothing to warm
+
+
+def test_max_bad_steps_0_means_never_roll_back():
+    assert load_config("tiny", ["fault.max_bad_steps=0"]).fault.max_bad_steps == 0
+    with pytest.raises(ConfigError, match="fault.max_bad_steps must be >= 0"):
+        load_config("tiny", ["fault.max_bad_steps=-1"])
+
+
+def test_pipeline_microbatches_without_a_pipeline_is_refused():
+    with pytest.raises(ConfigError, match=r"mesh.pipeline_microbatches=4 sends a pipeline's micro-batches through in "
+                                          r"passes, and there is no pipeline \(mesh.pipeline=1\)"):
+        load_config("tiny", ["mesh.pipeline_microbatches=4"])
+
+
+@pytest.mark.parametrize("overrides, named", [
+    ([], "data.sources is empty: name the data to train on"),
+    (["data.sources=[shakespeare]"], "shakespeare is not a token store and data.tokenizer is not set"),
+])
+def test_a_llama3_preset_without_its_data_is_refused_in_one_line(tmp_path, overrides, named):
+    """`llama-jax train llama3_8b` (shrunk) without data.sources, or with raw text and no tokenizer, stops in one
+    line saying which keys to set, exit 2, before anything is written."""
+    run_dir = tmp_path / "run"
+    small = ["model.n_layers=2", "model.d_model=64", "model.n_heads=4", "model.n_kv_heads=2", "model.head_dim=16",
+             "model.ffn_dim=128", "train.batch_size=8", "train.seq_len=32", f"run.dir={run_dir}"]
+    proc = subprocess.run([sys.executable, "-m", "llama_jax", "train", "llama3_8b", *small, *overrides],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("llama-jax: error:")]
+    assert len(errors) == 1 and named in errors[0] and "llama-jax prepare" in errors[0], proc.stderr
     assert not run_dir.exists()

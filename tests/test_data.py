@@ -455,11 +455,11 @@ def test_packing_covers_every_token_once_per_epoch(packing_store, packing):
 def test_a_row_of_a_late_epoch_does_not_recompute_the_earlier_epochs(packing_store, packing, monkeypatch):
     """Each epoch's plan is computed about once as the rows go by, not once per row per earlier epoch
     (which made each batch slower than the last on a small corpus)."""
-    from llama_jax.data import loader
+    from llama_jax.data import plans
 
     computed = []
-    plan_of = {"concat": loader.concat_plan, "first_fit": loader.first_fit_plan}[packing]
-    monkeypatch.setattr(loader, f"{packing}_plan", lambda *args: computed.append(1) or plan_of(*args))
+    plan_of = {"concat": plans.concat_plan, "first_fit": plans.first_fit_plan}[packing]
+    monkeypatch.setattr(plans, f"{packing}_plan", lambda *args, **kw: computed.append(1) or plan_of(*args, **kw))
     documents = TokenStore(packing_store).documents("train", 0)
     rows = PackedRows(documents, 17, seed=3, salt=0, packing=packing, window=16)
     first_of_epoch_30 = sum(rows.rows_in_epoch(e) for e in range(30))
@@ -472,7 +472,7 @@ def test_a_row_of_a_late_epoch_does_not_recompute_the_earlier_epochs(packing_sto
 
 def test_first_fit_plan_on_known_lengths():
     """Exact lengths: full rows are cut first, tails are packed first-fit decreasing."""
-    from llama_jax.data.loader import first_fit_plan
+    from llama_jax.data.plans import first_fit_plan
 
     lengths = np.array([10, 3, 7, 4, 25, 10])
     plan = first_fit_plan(lengths, np.arange(6), 10, window=6, rng=np.random.default_rng(0))
@@ -702,3 +702,45 @@ def test_validation_smaller_than_a_batch_repeats_its_rows(tmp_path, tok):
     assert data.val.components[0].documents.tokens < 8 * 33
     assert data.val.batches_per_epoch() == 1
     assert data.val.batch(0)["loss_mask"].sum() > 0
+
+
+def test_the_loader_keeps_nothing_per_document_in_memory(tmp_path, monkeypatch):
+    """A store of 300,000 documents (bench/loader_memory.py's synthetic store): after the loader opened it and read
+    a batch of the second epoch, the process holds less than a byte per document (the index, the tokens and the
+    packing plans are memory-mapped; it held ~20 bytes a document and every computed plan before), and a second
+    loader reads the plans the first wrote instead of computing them again."""
+    import importlib.util
+    import tracemalloc
+
+    from llama_jax.data import plans
+
+    spec = importlib.util.spec_from_file_location("loader_memory", Path(__file__).parents[1] / "bench" / "loader_memory.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    documents = 300_000
+    store = bench.synthetic_store(tmp_path / "store", documents)
+    open_batches = lambda: batches(components([TokenStore(store)], []), "train", 8, 512, 0, "concat", 16,  # noqa: E731
+                                   plans=tmp_path / "plans")
+    tracemalloc.start()
+    try:
+        data = open_batches()
+        late = (data.components[0].rows_in_epoch(0) + 100) // 8
+        first = data.batch(late)
+        held, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert held < documents, f"{held} bytes held for {documents} documents"
+    monkeypatch.setattr(plans, "_write_plan", lambda *args: pytest.fail("a plan was computed twice"))
+    again = open_batches().batch(late)
+    assert all(np.array_equal(first[k], again[k]) for k in first)
+
+
+def test_the_shuffle_is_a_permutation_of_every_size():
+    from llama_jax.data.plans import Shuffle
+
+    for n in (1, 2, 3, 5, 64, 1000, 4097):
+        order = Shuffle(n, [7, 0, 1])(0, n)
+        assert sorted(order.tolist()) == list(range(n))
+        np.testing.assert_array_equal(np.concatenate([Shuffle(n, [7, 0, 1])(a, min(n, a + 37)) for a in range(0, n, 37)]),
+                                      order)  # any block of positions, the same order
+    assert not np.array_equal(Shuffle(1000, [7, 0, 1])(0, 1000), Shuffle(1000, [7, 0, 2])(0, 1000))

@@ -199,6 +199,14 @@ def test_generate_and_eval_commands_on_a_converted_model(tmp_path, capsys):
                      "--batches", "2"]) == 0
     line = capsys.readouterr().out.strip().splitlines()[-1]
     assert "perplexity" in line and "(2 batch(es) of 8 x 16 tokens)" in line
+    # eval reads the field and the unit of text it is given: data.text_field, data.text_unit
+    (tmp_path / "texts.jsonl").write_text("\n".join(json.dumps({"body": t}) for t in texts) + "\n")
+    assert cli.main(["eval", str(ours), str(tmp_path / "texts.jsonl"), "train.batch_size=8", "train.seq_len=16",
+                     "data.text_field=body", "--batches", "2"]) == 0
+    assert "(2 batch(es) of 8 x 16 tokens)" in capsys.readouterr().out
+    whole, lines = (api.evaluate(str(ours), str(tmp_path / "text.txt"), ["train.batch_size=8", "train.seq_len=16", *unit],
+                                 print_fn=lambda _: None) for unit in ([], ["data.text_unit=line"]))
+    assert lines["batches"] > whole["batches"]  # a document per line: BOS and EOS around every line
 
 
 def test_a_checkpoint_trained_with_sharding_converts_and_evaluates_on_one_device(tmp_path, corpus, tiny):
@@ -237,19 +245,20 @@ def test_init_from_hf_trains_from_those_weights(tmp_path, corpus, tiny):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-7)  # one step at lr 1e-9
 
 
-def test_colab_notebook_runs_on_cpu(tmp_path, monkeypatch):
-    """examples/colab.ipynb executed cell by cell in a fresh kernel (one CPU device, a few steps)."""
+def test_colab_notebook_runs_on_every_device(tmp_path, monkeypatch):
+    """examples/colab.ipynb executed cell by cell in a fresh kernel on 8 simulated CPU devices (an 8-core TPU
+    runtime, say; a few steps): the mesh takes every device the runtime has."""
     nbformat = pytest.importorskip("nbformat")
     from nbclient import NotebookClient
 
     notebook = nbformat.read(Path(__file__).resolve().parents[1] / "examples" / "colab.ipynb", as_version=4)
     monkeypatch.setenv("LLAMA_JAX_NOTEBOOK_STEPS", "6")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    monkeypatch.setenv("XLA_FLAGS", "")
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
     NotebookClient(notebook, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
     outputs = ["".join(o.get("text", "") for o in cell.get("outputs", [])) for cell in notebook.cells]
-    assert "final_eval_loss" in outputs[3]
+    assert "on 8 x cpu" in outputs[2] and "final_eval_loss" in outputs[3]
     assert any(o.get("output_type") == "display_data" and "image/png" in o.get("data", {})
                for o in notebook.cells[4].outputs)
     assert outputs[5].count("---") == 2 and outputs[5].startswith("ROMEO:")

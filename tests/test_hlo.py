@@ -254,6 +254,22 @@ def test_scan_counts_every_iteration_unlike_xla_cost_analysis():
     assert stats.dot_flops > _xla_flops(compiled)  # XLA counts the while body once
 
 
+def test_a_named_conditional_counts_its_branches_as_often_as_they_run():
+    """1F1B (one_f_one_b.py): a stage's pass runs in some iterations only; its conditional says how often."""
+    m, k, steps = 16, 32, 8
+
+    def f(x, ws):
+        def step(c, w_and_i):
+            w, i = w_and_i
+            with jax.named_scope("sometimes"):
+                return jax.lax.cond(i % 4 == 0, lambda c: jnp.tanh(c @ w), lambda c: c, c), None
+        return jax.lax.scan(step, x, (ws, jnp.arange(steps)))[0]
+
+    text = jax.jit(f).lower(jnp.ones((m, k)), jnp.ones((steps, k, k))).compile().as_text()
+    assert analyze(text, num_devices=1).dot_flops == steps * 2 * m * k * k  # every branch, every time
+    assert analyze(text, num_devices=1, branch_runs={"sometimes": 0.25}).dot_flops == steps / 4 * 2 * m * k * k
+
+
 @pytest.fixture
 def mesh():
     return jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))

@@ -117,6 +117,29 @@ def test_local_launcher_with_processes_dry_run():
     assert shlex.split(lines[0])[2] == shlex.split(lines[1])[2]  # one coordinator
 
 
+# What the cluster launchers add after the preset, before the user's keys (launch/defaults.sh): the node-local
+# checkpoint tier on /dev/shm and the pre-flight check.
+LAUNCHER_DEFAULTS = ["checkpoint.local_dir=/dev/shm/llama-jax", "checkpoint.local_every_steps=auto",
+                     "fault.preflight=true"]
+
+
+def test_launchers_put_the_local_tier_on_node_local_storage_and_run_the_pre_flight_check_by_default():
+    """Every cluster launcher trains with the defaults after the preset (the user's later keys win); empty
+    LLAMA_JAX_LOCAL_DIR and LLAMA_JAX_PREFLIGHT=false leave them out."""
+    def dry(script, *args, env=None):
+        return subprocess.run(["bash", str(ROOT / "launch" / script), *args], capture_output=True, text=True,
+                              env={**os.environ, "LLAMA_JAX": "llama-jax", **(env or {})}, check=True).stdout
+    slurm = dry("slurm.sbatch", "--dry-run", "--nodes", "1", "--gpus-per-node", "1", "llama3_8b", "run.dir=/r",
+                "checkpoint.local_every_steps=50")
+    assert slurm.splitlines()[-1].endswith("train llama3_8b " + " ".join(LAUNCHER_DEFAULTS) +
+                                           " run.dir=/r checkpoint.local_every_steps=50")
+    hosts = dry("multihost.sh", "--dry-run", "--hosts", "a", "--", "tiny", "run.dir=/r")
+    assert " ".join(LAUNCHER_DEFAULTS) in shlex.split(hosts.splitlines()[-1])[2]
+    bare = dry("slurm.sbatch", "--dry-run", "--nodes", "1", "--gpus-per-node", "1", "tiny",
+               env={"LLAMA_JAX_LOCAL_DIR": "", "LLAMA_JAX_PREFLIGHT": "false"})
+    assert bare.splitlines()[-1].endswith("train tiny")
+
+
 def test_slurm_dry_run_names_every_process():
     result = subprocess.run(["bash", str(ROOT / "launch" / "slurm.sbatch"), "--dry-run", "--nodes", "3",
                              "--gpus-per-node", "4", "llama3_8b", "run.dir=/shared/8b"],
@@ -128,7 +151,8 @@ def test_slurm_dry_run_names_every_process():
     assert len(tasks) == 12
     for p, task in enumerate(tasks):
         assert task.startswith(f"node{p // 4}: JAX_COORDINATOR_ADDRESS=node0:20000 JAX_NUM_PROCESSES=12 "
-                               f"JAX_PROCESS_ID={p} JAX_LOCAL_DEVICE_IDS={p % 4} llama-jax train llama3_8b")
+                               f"JAX_PROCESS_ID={p} JAX_LOCAL_DEVICE_IDS={p % 4} llama-jax train llama3_8b "
+                               + " ".join(LAUNCHER_DEFAULTS))
 
 
 def test_slurm_script_gives_each_task_its_place(tmp_path):
@@ -143,7 +167,7 @@ def test_slurm_script_gives_each_task_its_place(tmp_path):
     assert {t["JAX_COORDINATOR_ADDRESS"] for t in tasks} == {f"gpu17:{20000 + 4242}"}
     assert {t["JAX_NUM_PROCESSES"] for t in tasks} == {"4"}
     assert [t["JAX_LOCAL_DEVICE_IDS"] for t in tasks] == ["0", "1", "0", "1"]
-    assert all(t["args"] == ["train", "tiny", "run.dir=/shared/t"] for t in tasks)
+    assert all(t["args"] == ["train", "tiny", *LAUNCHER_DEFAULTS, "run.dir=/shared/t"] for t in tasks)
     assert all("--xla_gpu_enable_latency_hiding_scheduler=true" in t["XLA_FLAGS"] for t in tasks)
 
 
@@ -196,7 +220,11 @@ def test_kubernetes_manifest_is_an_indexed_job_with_a_headless_service():
                              "llama3_8b", "run.dir=/runs/8b", 'train.sample_prompt=say "hi"'],
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
-    service, job = yaml.safe_load_all(result.stdout)
+    account, role, binding, service, job = yaml.safe_load_all(result.stdout)
+    # The pods' service account may label nodes: the supervisor keeps the job off a node the pre-flight check named.
+    assert account["kind"] == "ServiceAccount" and account["metadata"]["name"] == "pretrain"
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "patch"]}]
+    assert binding["subjects"][0]["name"] == "pretrain" and binding["roleRef"]["name"] == role["metadata"]["name"]
     assert service["kind"] == "Service" and service["spec"]["clusterIP"] == "None"
     assert service["spec"]["selector"] == {"job-name": "pretrain"}
     spec = job["spec"]
@@ -210,10 +238,14 @@ def test_kubernetes_manifest_is_an_indexed_job_with_a_headless_service():
     assert env["JAX_PROCESS_ID"] == {"fieldRef": {
         "fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"}}
     assert container["command"] == ["llama-jax", "supervise", "--", "llama-jax", "train", "llama3_8b",
-                                    "run.dir=/runs/8b", 'train.sample_prompt=say "hi"']
+                                    *LAUNCHER_DEFAULTS, "run.dir=/runs/8b", 'train.sample_prompt=say "hi"']
+    assert pod["serviceAccountName"] == "pretrain"
+    assert env["LLAMA_JAX_LABEL_UNHEALTHY_NODES"] == "llama-jax.io/unhealthy=true"
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    assert mounts["shm"] == "/dev/shm" and {"name": "shm", "emptyDir": {"medium": "Memory"}} in pod["volumes"]
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 8
     bad_input, unhealthy = spec["podFailurePolicy"]["rules"]
-    assert bad_input["action"] == "FailJob" and bad_input["onExitCodes"]["values"] == [2]
+    assert bad_input["action"] == "FailJob" and bad_input["onExitCodes"]["values"] == [2, 74]  # bad input, storage
     # An unhealthy device (exit 71): the pod counts as failed and is replaced, off a node labelled unhealthy.
     assert unhealthy["action"] == "Count" and unhealthy["onExitCodes"]["values"] == [71]
     assert env["LLAMA_JAX_NODE_NAME"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
@@ -344,10 +376,12 @@ def test_readme_cluster_commands_run_as_dry_runs():
         result = subprocess.run(["bash", str(script), *args], capture_output=True, text=True, env=run_env)
         assert result.returncode == 0, (command, result.stderr)
         if script.name == "k8s.sh":
-            assert [d["kind"] for d in yaml.safe_load_all(result.stdout)] == ["Service", "Job"]
+            assert [d["kind"] for d in yaml.safe_load_all(result.stdout)] == [
+                "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Service", "Job"]  # the account labels nodes
         elif script.name == "slurm.sbatch":
             nodes = int(args[args.index("--nodes") + 1]) if "--nodes" in args else int(run_env["SLURM_JOB_NUM_NODES"])
             assert result.stdout.startswith(f"# {nodes} node(s) x 8 process(es) = {8 * nodes} processes")
         else:
             remote = " ".join(shlex.split(result.stdout.splitlines()[-1]))  # ssh's command, or the one to type
-            assert "JAX_PROCESS_ID=1" in remote and "train llama3_8b run.dir=/shared/runs/8b" in remote
+            assert "JAX_PROCESS_ID=1" in remote and "train llama3_8b " + " ".join(LAUNCHER_DEFAULTS) in remote
+            assert remote.endswith("run.dir=/shared/runs/8b")  # the guide's keys come after them

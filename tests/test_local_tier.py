@@ -151,6 +151,29 @@ def test_a_corrupt_local_step_makes_every_process_fall_back_together(killed, str
     assert_bitwise(final_state(run_dir, config_path), straight)
 
 
+def test_with_every_local_copy_gone_or_damaged_the_durable_tier_serves(killed, straight, config_path, tmp_path):
+    """Process 0's host is gone with its local directory and process 1's own files of both local steps are damaged:
+    no local step can be served, and the run restores step 10 from checkpoints/, ending bitwise equal. A restart
+    on another process count (one process of 4 devices) cannot use the local tier at all: checkpoints/ serves."""
+    run_dir, local_dir = copy_of(killed, tmp_path)
+    shutil.rmtree(process_directory(str(local_dir), run_dir, 0))
+    for step in (12, 14):
+        damaged = process_directory(str(local_dir), run_dir, 1) / str(step) / "own.safetensors"
+        damaged.write_bytes(damaged.read_bytes()[: damaged.stat().st_size // 2])
+    proc = run(config_path, run_dir, local_dir)
+    assert f"resumed from {run_dir / 'checkpoints' / '10'}" in proc.stdout, proc.stdout
+    assert read_goodput(run_dir)["restores"] == {"durable": 1}
+    assert_bitwise(final_state(run_dir, config_path), straight)
+
+    other, other_local = copy_of(killed, tmp_path / "other")
+    single = subprocess.run([sys.executable, str(LAUNCHER), "--processes", "1", "--devices", "4", "--", "train",
+                             str(config_path), f"run.dir={other}", f"checkpoint.local_dir={other_local}", *TIERS],
+                            env=environment(), capture_output=True, text=True, timeout=300)
+    assert single.returncode == 0, single.stderr[-3000:]
+    assert "the local tier's steps were saved on another mesh or process count" in single.stdout, single.stdout
+    assert f"resumed from {other / 'checkpoints' / '10'}" in single.stdout
+
+
 def test_the_partner_exchange_goes_in_batches_bounded_in_bytes_per_device():
     from llama_jax.checkpoint.local import _batches
 

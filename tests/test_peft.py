@@ -168,7 +168,7 @@ def test_prompt_tuning_gives_each_packed_document_its_logits_alone(base_params):
     params, model = grafted(TINY_MODEL, settings, base_params), Llama(TINY_MODEL, peft=settings)
     lengths = np.array([9, 13, 6])
     tokens = np.random.default_rng(1).integers(3, TINY_MODEL.vocab_size, lengths.sum()).astype(np.int32)
-    docs = Documents((tokens,), np.zeros(3, np.int64), np.cumsum(lengths) - lengths, lengths)
+    docs = Documents.in_memory(np.split(tokens, np.cumsum(lengths)[:-1]))
     forward = jax.jit(lambda inputs: model.apply({"params": params}, inputs["tokens"], inputs["positions"],
                                                  inputs["segment_ids"])[0])
     packed = PackedRows(docs, 3 * 3 + lengths.sum() + 1, 0, 0, "first_fit", 8, prompt_tokens=3)

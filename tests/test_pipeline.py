@@ -1,11 +1,15 @@
-"""Pipeline parallelism (pipeline.py): stages over micro-batches train to one device's numbers in every
-composition, checkpoints move between pipeline layouts, `plan` reports the bubble, bad layouts are refused."""
+"""Pipeline parallelism (pipeline.py, one_f_one_b.py, stages.py): stages over micro-batches train to one device's
+numbers in every composition and under both schedules, even and uneven; the 1F1B tables keep their hand-offs;
+checkpoints move between pipeline layouts and schedules; `plan` reports the bubble and the stages; bad layouts are
+refused."""
 
 import dataclasses
 import json
+import shlex
 import shutil
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import TINY_MODEL, tiny_config
@@ -17,7 +21,9 @@ from test_sharding import losses
 from llama_jax import cli
 from llama_jax import config as config_lib
 from llama_jax.distributed import sharding
-from llama_jax.model import pipeline
+from llama_jax.model import one_f_one_b, pipeline
+from llama_jax.model import residuals as residuals_lib
+from llama_jax.model.stages import LayerOrder, relayout, to_natural_order, to_storage_order
 from llama_jax.training.plan import make_plan
 
 # Four layers: four stages of one, or two stages of two (or of one, twice, with repeats).
@@ -34,12 +40,16 @@ def one_device():
 
 @pytest.mark.parametrize("mesh, remat", [
     (dict(pipeline=4, fsdp=2), {}),
-    (dict(pipeline=2, tensor=2, fsdp=2, sequence_parallel=True, pipeline_microbatches=2), {}),  # 2 passes
-    (dict(pipeline=2, fsdp=2, sequence=2), {}),
-    (dict(pipeline=2, pipeline_repeats=2, fsdp=2), dict(policy="full")),
-], ids=["pipeline4xfsdp2", "pipeline2xtensor2-sp-two-passes", "pipeline2xfsdp2xsequence2", "pipeline2-repeats2-remat-full"])
+    (dict(pipeline=2, tensor=2, fsdp=2, sequence_parallel=True, pipeline_microbatches=2, pipeline_stage_layers=[1, 3]),
+     {}),  # 2 passes
+    (dict(pipeline=2, fsdp=2, sequence=2, pipeline_schedule="1f1b", pipeline_stage_layers=[3, 1]), {}),
+    (dict(pipeline=2, tensor=2, fsdp=2, sequence_parallel=True, pipeline_microbatches=2, pipeline_schedule="1f1b"),
+     {}),
+    (dict(pipeline=2, pipeline_repeats=2, fsdp=2, pipeline_schedule="1f1b"), dict(policy="full")),
+], ids=["pipeline4xfsdp2", "pipeline2xtensor2-sp-two-passes-uneven", "1f1b-pipeline2xfsdp2xsequence2-uneven",
+        "1f1b-pipeline2xtensor2-sp-two-passes", "1f1b-pipeline2-repeats2-remat-full"])
 def test_pipelined_losses_match_one_device(mesh, remat, one_device):
-    """First 5 losses (fp32, packed documents) within 1e-5 relative of one device."""
+    """First 5 losses (fp32, packed documents) within 1e-5 relative of one device, under both schedules."""
     cfg = tiny_config(model=dataclasses.asdict(MODEL), train=dict(lr=1e-2, microbatches=MICROBATCHES),
                       mesh=mesh, remat=remat)
     devices = int(np.prod([v for k, v in mesh.items() if k in ("pipeline", "fsdp", "tensor", "sequence")]))
@@ -48,11 +58,48 @@ def test_pipelined_losses_match_one_device(mesh, remat, one_device):
 
 def test_storage_order_gives_each_stage_its_groups_and_inverts():
     layers = {"layers": np.arange(8)}  # 8 layers, 2 stages x 2 repeats: groups of 2
-    stored = pipeline.to_storage_order(layers, stages=2, repeats=2)["layers"]
+    stored = to_storage_order(layers, LayerOrder(2, 2))["layers"]
     # stage 0 holds groups 0 and 2 (layers 0-1, 4-5), stage 1 groups 1 and 3
     assert stored.tolist() == [0, 1, 4, 5, 2, 3, 6, 7]
-    assert pipeline.to_natural_order({"layers": stored}, 2, 2)["layers"].tolist() == list(range(8))
-    assert pipeline.to_storage_order(layers, 4, 1)["layers"].tolist() == list(range(8))  # no repeats: natural
+    assert to_natural_order({"layers": stored}, LayerOrder(2, 2))["layers"].tolist() == list(range(8))
+    assert to_storage_order(layers, LayerOrder(4, 1))["layers"].tolist() == list(range(8))  # natural
+    # Uneven: 3 and 5 layers in 5 slots each; the empty slots are zeros (layer 0 is 0 too: count from 1).
+    uneven = LayerOrder(2, 1, (3, 5))
+    stored = to_storage_order({"layers": np.arange(1, 9, dtype=np.int32)}, uneven)["layers"]
+    assert stored.tolist() == [1, 2, 3, 0, 0, 4, 5, 6, 7, 8]
+    moved = relayout({"layers": stored}, uneven, LayerOrder(2, 2), jit=False)["layers"]
+    assert moved.tolist() == [1, 2, 5, 6, 3, 4, 7, 8]
+
+
+@pytest.mark.parametrize("stages, repeats, microbatches", [(4, 1, 8), (4, 2, 8), (3, 3, 6), (16, 1, 16)])
+def test_1f1b_tables_keep_the_dependencies_and_at_most_2p_micro_batches_in_flight(stages, repeats, microbatches):
+    """The tables check every hand-off themselves (one_f_one_b.schedule); here: each stage's forward and backward
+    passes run once per micro-batch and repeat, stage p keeps 2(P - p) - 1 micro-batches at most (R = 1), and the
+    loop's iterations give the bubble of the formula."""
+    tables = one_f_one_b.schedule(stages, repeats, microbatches)
+    for table in (tables.forward, tables.backward):
+        assert (table[..., one_f_one_b.VALID].sum(axis=0) == microbatches * repeats).all()
+    if repeats == 1:
+        assert tables.in_flight == tuple(min(2 * (stages - p) - 1, microbatches) for p in range(stages))
+    assert tables.iterations == one_f_one_b.iterations(stages, repeats, microbatches)
+    assert one_f_one_b.compiled_bubble(stages, repeats, microbatches, tables.iterations) == \
+        pytest.approx(pipeline.bubble_fraction(stages, microbatches, repeats))
+    drained = tables.drain[..., 0] * tables.drain[..., 2]  # every gradient of the embeddings reaches its owner
+    assert drained.sum() == microbatches and (drained.sum(axis=0) == microbatches // stages).all()
+
+
+def test_weight_only_residuals_are_told_apart():
+    """A VJP's residuals computed from the weights alone (a weight cast, the weight itself) do not depend on the
+    data; the activations do, through a scan's carry too."""
+    def residuals(w, x):
+        step = lambda x, w: (jnp.tanh(x @ w.astype(jnp.bfloat16).astype(jnp.float32)), None)  # noqa: E731
+        return jax.tree.leaves(jax.vjp(lambda w, x: jax.lax.scan(step, x, w)[0], w, x)[1])
+
+    w, x = jnp.ones((3, 4, 4)), jnp.ones((2, 4))
+    shapes = [leaf.shape for leaf in residuals(w, x)]
+    depends = residuals_lib.data_dependent(residuals, (w,), (x,))
+    assert [s for s, d in zip(shapes, depends) if not d] == [(3, 4, 4)]  # the cast weights, stacked by the scan
+    assert all(s == (3, 2, 4) for s, d in zip(shapes, depends) if d)
 
 
 @pytest.fixture(scope="module")
@@ -69,9 +116,13 @@ def saved_on_pipeline2x2(tmp_path_factory, corpus):
     return logged_losses(straight.run.dir), half
 
 
-@pytest.mark.parametrize("mesh", [dict(pipeline=1, fsdp=1), dict(pipeline=4, pipeline_repeats=1, fsdp=2)],
-                         ids=["to-one-device", "to-pipeline4"])
+@pytest.mark.parametrize("mesh", [
+    dict(pipeline=1, fsdp=1), dict(pipeline=4, pipeline_repeats=1, fsdp=2),
+    dict(pipeline=2, pipeline_repeats=1, fsdp=2, pipeline_schedule="1f1b", pipeline_stage_layers=[3, 1]),
+], ids=["to-one-device", "to-pipeline4", "to-1f1b-uneven"])
 def test_a_pipelined_checkpoint_resumes_on_another_layout_with_the_same_losses(mesh, tmp_path, saved_on_pipeline2x2):
+    """Saved under GPipe with repeats (layers stored 0-1, 4-5 | 2-3, 6-7); resumed on one device, on 4 stages, and
+    under 1F1B on uneven stages (stored 0-2 | 3, two empty places: another length)."""
     expected, half = saved_on_pipeline2x2
     for step in (1, 2, 3, 4):  # the pipelined run itself follows one device
         np.testing.assert_allclose(logged_losses(half.run.dir)[step], expected[step], rtol=1e-5)
@@ -88,14 +139,15 @@ def test_a_pipelined_checkpoint_resumes_on_another_layout_with_the_same_losses(m
     np.testing.assert_allclose([got[s] for s in (5, 6, 7, 8)], [expected[s] for s in (5, 6, 7, 8)], rtol=1e-5)
 
 
-@pytest.mark.parametrize("stages, microbatches, repeats, per_pass", [(2, 2, 1, 2), (2, 4, 2, 2), (4, 8, 1, 8)])
+@pytest.mark.parametrize("stages, microbatches, repeats, per_pass, schedule", [
+    (2, 2, 1, 2, "1f1b"), (2, 4, 2, 2, "1f1b"), (4, 8, 1, 8, "gpipe")])
 def test_plan_reports_the_bubble_of_the_schedule_and_of_the_compiled_loop(stages, microbatches, repeats, per_pass,
-                                                                         capsys):
-    """per_pass < microbatches: passes through the pipeline, the gradient accumulated over them."""
+                                                                         schedule, capsys):
+    """per_pass < microbatches: passes through the pipeline, the gradient accumulated over them. bf16, as on GPUs
+    (XLA:CPU once aborted compiling the stages' sums, and converts 16-bit buffers it updates in place)."""
     overrides = ["model.n_layers=4", f"mesh.pipeline={stages}", f"mesh.pipeline_repeats={repeats}", "mesh.fsdp=1",
-                 f"train.microbatches={microbatches}", "train.batch_size=16", f"mesh.pipeline_microbatches={per_pass}"]
-    if repeats == 1 and stages == 2:  # bf16, as on GPUs (XLA:CPU once aborted compiling its sums over the stages)
-        overrides.append("model.compute_dtype=bfloat16")
+                 f"train.microbatches={microbatches}", "train.batch_size=16", f"mesh.pipeline_microbatches={per_pass}",
+                 f"mesh.pipeline_schedule={schedule}", "model.compute_dtype=bfloat16"]
     devices = jax.devices()[:stages]
     if stages == 4:  # the command, as users run it (on all 8 devices: fsdp fills the rest)
         assert cli.main(["plan", "tiny", *overrides[:3], "mesh.fsdp=2", *overrides[4:], "--json"]) == 0
@@ -105,9 +157,17 @@ def test_plan_reports_the_bubble_of_the_schedule_and_of_the_compiled_loop(stages
         plan = dataclasses.asdict(make_plan(cfg, sharding.make_mesh(cfg, devices=devices)))
     formula = (stages - 1) / (per_pass * repeats + stages - 1)
     assert plan["mesh"]["pipeline"] == stages and plan["bubble"] == pytest.approx(formula)
-    assert plan["pipeline_iterations"] == per_pass * repeats + stages - 1  # as compiled, read from the HLO
+    iterations = per_pass * repeats + stages - 1 if schedule == "gpipe" else \
+        one_f_one_b.iterations(stages, repeats, per_pass)
+    assert plan["pipeline_iterations"] == iterations  # as compiled, read from the HLO
     assert plan["compiled_bubble"] == pytest.approx(formula)
     assert plan["collective_bytes"]["collective-permute"] > 0
+    in_flight = one_f_one_b.schedule(stages, repeats, per_pass).in_flight if schedule == "1f1b" else \
+        (per_pass,) * stages
+    assert plan["schedule"] == schedule and list(plan["in_flight"]) == list(in_flight)
+    assert max(plan["stage_bytes"]) == plan["total_bytes"] and len(plan["stage_bytes"]) == stages
+    if schedule == "1f1b":  # the last stage keeps fewest in flight: least memory
+        assert plan["stage_bytes"][-1] < plan["stage_bytes"][0]
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -120,6 +180,12 @@ def test_plan_reports_the_bubble_of_the_schedule_and_of_the_compiled_loop(stages
     (["model.n_layers=4", "mesh.pipeline=2", "mesh.fsdp=4", "train.microbatches=2", "mesh.pipeline_microbatches=4"],
      "train.microbatches (2) must be a multiple of mesh.pipeline_microbatches (4)"),
     (["mesh.pipeline=0"], "mesh.pipeline and mesh.pipeline_repeats must be positive"),
+    (["model.n_layers=4", "mesh.pipeline=2", "mesh.pipeline_stage_layers=[1,2]"],
+     "mesh.pipeline_stage_layers [1, 2] must be positive layer counts adding up to model.n_layers (4); they add up "
+     "to 3"),
+    (["model.n_layers=4", "mesh.pipeline=2", "mesh.pipeline_stage_layers=[1,1,2]"],
+     "mesh.pipeline_stage_layers has 3 entries; it needs one per stage: mesh.pipeline (2) = 2"),
+    (["mesh.pipeline=2", "mesh.pipeline_schedule=zb"], "mesh.pipeline_schedule must be one of gpipe, 1f1b, got 'zb'"),
 ])
 def test_bad_pipeline_layouts_exit_2_with_one_line(overrides, message, capsys):
     assert cli.main(["plan", "tiny", *overrides]) == 2
@@ -128,16 +194,21 @@ def test_bad_pipeline_layouts_exit_2_with_one_line(overrides, message, capsys):
 
 
 def test_the_readme_405b_layout_passes_the_mesh_checks():
-    """The README's dry run on 2,016 nodes of 8 GPUs: its mesh and batch arithmetic, checked without devices."""
+    """The parallelism guide's dry run on 2,048 nodes of 8 GPUs (16,384): Meta's 16 stages over 126 layers, the
+    mesh and batch arithmetic checked without devices."""
     from test_readme import readme_commands
 
     (command,) = [c for c in readme_commands("launch/slurm.sbatch") if "llama3_405b" in c]
-    words = command.split()
+    words = shlex.split(command)
     overrides = [w for w in words if "=" in w and not w.startswith("run.dir")]
     cfg = config_lib.load_config("llama3_405b", overrides)
     devices = 8 * int(words[words.index("--nodes") + 1])
+    assert devices == 16_384
     sizes = sharding.mesh_shape(cfg.mesh, devices)
     sharding.check_divisibility(cfg, sizes)  # raises ConfigError, one line, if anything does not divide
-    assert sizes == {"pipeline": 14, "data": 1, "fsdp": 144, "sequence": 1, "tensor": 8}
-    assert pipeline.bubble_fraction(14, cfg.train.microbatches, cfg.mesh.pipeline_repeats) == pytest.approx(13 / 55)
-
+    sharding.check_parameter_shapes(cfg, sizes)
+    assert sizes == {"pipeline": 16, "data": 16, "fsdp": 8, "sequence": 1, "tensor": 8}
+    per_stage = LayerOrder(16, cfg.mesh.pipeline_repeats, tuple(cfg.mesh.pipeline_stage_layers))
+    assert per_stage.stage_layers(126).sum(axis=1).tolist() == [7] + [8] * 14 + [7]  # Meta's: first and last lighter
+    assert cfg.train.batch_size // (sizes["data"] * sizes["fsdp"]) == cfg.train.microbatches == 16  # one row each
+    assert pipeline.bubble_fraction(16, cfg.train.microbatches, cfg.mesh.pipeline_repeats) == pytest.approx(15 / 79)

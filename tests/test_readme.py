@@ -211,7 +211,7 @@ def test_readme_your_own_data_in_three_commands(tmp_path):
 
     run(prepare)
     assert (tmp_path / "stores" / "mine" / "meta.json").is_file()
-    run(train, "train.steps=2", "train.batch_size=4", "train.seq_len=32")
+    run(train, "train.steps=2", "train.warmup_steps=1", "train.batch_size=4", "train.seq_len=32")
     run_dir = tmp_path / "runs" / "mine"
     assert (run_dir / "checkpoints" / "2").is_dir() and (run_dir / "tokenizer.json").is_file()
     prompt = shlex.split(generate)[shlex.split(generate).index("--prompt") + 1]
@@ -284,6 +284,9 @@ CLAIMS = [
     (r"^(sbatch --nodes \d+ )?launch/(slurm\.sbatch|k8s\.sh|multihost\.sh) ",
      "test_launch.py::test_readme_cluster_commands_run_as_dry_runs"),  # sbatch's: the script's own --dry-run
     (r"^\.venv/bin/python bench/chaos\.py ", "test_readme.py::test_readme_chaos_drill_commands_parse"),
+    (r"^\.venv/bin/python bench/rehearsal\.py ",
+     "test_goodput_projection.py::test_readme_rehearsal_commands_parse_and_a_short_rehearsal_survives_a_lost_host"),
+    (r"^llama-jax goodput ", "test_goodput_projection.py::test_readme_goodput_commands_run"),
     (r"^(XLA_FLAGS=\S+ )?\.venv/bin/python bench/\w+\.py( |$)", "test_readme.py::test_readme_bench_commands_parse"),
 ]
 

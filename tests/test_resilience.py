@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from llama_jax.checkpoint.durable import check_model, model_differences
-from llama_jax.checkpoint.interval import auto_checkpoint_steps, young_daly_interval_s
+from llama_jax.checkpoint.interval import STEADY_STEPS, Figures, Interval, auto_checkpoint_steps, young_daly_interval_s
 from llama_jax.errors import EXIT_HANG, EXIT_PREEMPTED, ConfigError
 from llama_jax.files import format_ranges
 from llama_jax.resilience.goodput import Goodput, format_goodput, observed_mtbf_s
@@ -338,6 +338,24 @@ def test_young_daly_interval_and_steps():
     assert auto_checkpoint_steps(0.001, 1.0, 60.0) == 1  # at least one
     with pytest.raises(ValueError):
         auto_checkpoint_steps(2.0, 3600.0, 0.0)
+
+
+def test_an_automatic_interval_is_worked_out_from_measured_figures_and_again_when_they_move():
+    """auto: the first save waits for STEADY_STEPS timed steps; the interval is Young/Daly on the agreed figures,
+    at least one write long, and is worked out again only when the step time or save cost moved more than 2x."""
+    interval = Interval.of("checkpoint.every_steps", "auto", mtbf_s=3600.0)
+    assert interval.measuring and not interval.due(3, STEADY_STEPS - 1) and interval.due(4, STEADY_STEPS)
+    line = interval.settle(Figures(step_s=0.5, save_s=2.0, write_s=1.0))
+    assert interval.every == auto_checkpoint_steps(2.0, 3600.0, 0.5) == 240 and "saving every 240 steps" in line
+    assert not interval.measuring and interval.due(480, 0) and not interval.due(481, 99)
+    assert interval.settle(Figures(0.9, 3.5, 1.0)) is None and interval.every == 240  # within 2x: as it was
+    line = interval.settle(Figures(1.2, 2.0, 1.0))  # the step time more than doubled
+    assert interval.every == 100 and "worked out again: step 0.5s -> 1.2s" in line
+    assert auto_checkpoint_steps(0.01, 1.0, 0.1, write_s=5.0) == 50  # never shorter than one write
+    fixed = Interval.of("checkpoint.every_steps", 10, 3600.0)
+    assert fixed.due(20, 0) and not fixed.due(15, 99) and fixed.settle(Figures(1.0, 1.0)) is None
+    interval.costs.extend([2.0, 4.0, 3.0])  # the advice prices a save as auto does: its blocked time (median 3 s)
+    assert interval.advice(1.5).startswith("checkpoint interval advice (Young/Daly): sqrt(2 x save 3.00s x MTBF 1 h)")
 
 
 def test_straggler_warns_only_above_factor_times_median_and_names_the_process():

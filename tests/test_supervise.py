@@ -116,12 +116,15 @@ def test_an_attempt_that_wrote_a_pre_flight_verdict_is_not_restarted_whatever_it
     assert record["exit_code"] == EXIT_UNHEALTHY and record["action"] == "stop"
 
 
-def test_an_older_pre_flight_verdict_does_not_stop_a_restart(scripted, capsys, tmp_path):
+@pytest.mark.parametrize("age_s", [3600, 0])
+def test_an_older_pre_flight_verdict_does_not_stop_a_restart(scripted, capsys, tmp_path, age_s):
+    """A previous job's verdict, an hour old or written just before this attempt started (a job relaunched
+    within a second of a pre-flight refusal), is not this attempt's."""
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     verdict = run_dir / "unhealthy.json"
     verdict.write_text('{"hosts": ["node-7"]}')
-    os.utime(verdict, (time.time() - 3600, time.time() - 3600))  # a previous job's, before this attempt
+    os.utime(verdict, (time.time() - age_s, time.time() - age_s))
     status, starts, err = scripted(capsys, "1,0", extra=(f"run.dir={run_dir}",))
     assert (status, starts) == (EXIT_OK, 2), err
 
@@ -242,3 +245,63 @@ def alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_on_kubernetes_the_supervisor_labels_the_nodes_a_pre_flight_verdict_names(tmp_path, capsys, monkeypatch):
+    """launch/k8s.sh's pods: after exit 71 the supervisor labels each node the verdict names, through the API server
+    (here a fake one), so the Job's node affinity keeps the replacement pods off them; no kubectl, no person."""
+    import http.server
+    import threading
+
+    patches = []
+
+    class FakeApiServer(http.server.BaseHTTPRequestHandler):
+        def do_PATCH(self):  # noqa: N802 - the name http.server calls
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            patches.append((self.path, self.headers["Content-Type"], body))
+            self.send_response(403 if self.path.endswith("/forbidden") else 200)
+            self.end_headers()
+            self.wfile.write(b"{}")
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), FakeApiServer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setenv("LLAMA_JAX_K8S_API", f"http://127.0.0.1:{server.server_address[1]}")
+    monkeypatch.setenv("LLAMA_JAX_LABEL_UNHEALTHY_NODES", "llama-jax.io/unhealthy=true")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    child = tmp_path / "child.py"
+    child.write_text("import json, sys\nfrom pathlib import Path\n"
+                     "Path(sys.argv[1], 'unhealthy.json').write_text(json.dumps({'hosts': ['gpu-7', 'forbidden']}))\n"
+                     "sys.exit(71)\n")
+    try:
+        status = cli.main(["supervise", "--backoff", "0.05", "--", sys.executable, str(child), str(run_dir),
+                           f"run.dir={run_dir}"])
+    finally:
+        server.shutdown()
+    err = capsys.readouterr().err
+    assert status == EXIT_UNHEALTHY, err
+    assert [p[0] for p in patches] == ["/api/v1/nodes/gpu-7", "/api/v1/nodes/forbidden"]
+    assert patches[0][1:] == ("application/merge-patch+json", {"metadata": {"labels": {"llama-jax.io/unhealthy": "true"}}})
+    assert "labelled node gpu-7 llama-jax.io/unhealthy=true: the job's pods stay off it" in err
+    assert "could not label node forbidden (HTTP Error 403" in err
+    assert "kubectl label node forbidden llama-jax.io/unhealthy=true" in err
+
+
+def test_a_supervised_run_that_saves_no_checkpoint_during_training_warns_at_start(tmp_path, corpus):
+    """Under the supervisor (or a launcher) a crash restarts the run from its newest checkpoint; one that saves none
+    until it ends would start again from step 0 after every failure, so it says so once, at start."""
+    run_dir = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "llama_jax", "supervise", "--", sys.executable, "-m", "llama_jax",
+                           "train", "tiny", f"run.dir={run_dir}", "train.steps=1", "train.warmup_steps=0",
+                           "model.n_layers=1", "model.d_model=32", "model.n_heads=2", "model.n_kv_heads=1",
+                           "model.ffn_dim=64", "train.seq_len=16", "train.batch_size=8", "train.sample_tokens=0",
+                           "model.vocab_size=320", f"data.sources=[{corpus}]", f"data.cache_dir={tmp_path / 'cache'}"],
+                          env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    warnings = [line for line in proc.stdout.splitlines() if "saves none until it ends" in line]
+    assert warnings == ["warning: under llama-jax supervise a failed run restarts from its newest checkpoint, and this "
+                        "one saves none until it ends (checkpoint.every_steps=0, no every_minutes, no local tier): "
+                        "every restart starts again from step 0; set checkpoint.every_steps=auto"], proc.stdout

@@ -25,12 +25,12 @@ OPTIONS = tune.Options(policies=("none", "full"), microbatches=(1, 2), every_n_l
 def test_candidate_space_is_complete_and_every_rejection_has_a_reason(tmp_path):
     source = str(write_tiny_yaml(tmp_path))
     space = tune.candidate_space(8, [], ("none", "full"), (1, 2), (1, 2))
-    # An independent enumeration: every 5-tuple of sizes whose product is 8, pipeline repeats 1 and 2 with a
-    # pipeline, sequence parallelism both ways when tensor > 1, every micro-batch count (times the stages),
-    # every policy, every-n only when recomputing.
-    expected = {tune.Candidate(d, f, t, s, sp, p * mb, policy, every, p, r)
+    # An independent enumeration: every 5-tuple of sizes whose product is 8, pipeline repeats 1 and 2 and both
+    # schedules with a pipeline, sequence parallelism both ways when tensor > 1, every micro-batch count (times the
+    # stages), every policy, every-n only when recomputing.
+    expected = {tune.Candidate(d, f, t, s, sp, p * mb, policy, every, p, r, schedule)
                 for p, d, f, t, s in itertools.product(range(1, 9), repeat=5) if p * d * f * t * s == 8
-                for r in ((1, 2) if p > 1 else (1,))
+                for r in ((1, 2) if p > 1 else (1,)) for schedule in (("gpipe", "1f1b") if p > 1 else ("gpipe",))
                 for sp in ((True, False) if t > 1 else (True,))
                 for mb in (1, 2) for policy in ("none", "full") for every in ((1,) if policy == "none" else (1, 2))}
     assert len([c for c in space if c.pipeline == 1]) == 30 * 2 * 3  # the meshes without a pipeline
@@ -49,6 +49,7 @@ def test_candidate_space_is_complete_and_every_rejection_has_a_reason(tmp_path):
                 cfg.mesh.sequence) == (c.pipeline, c.repeats, c.data, c.fsdp, c.tensor, c.sequence)
         assert (cfg.train.microbatches, cfg.remat.policy, cfg.remat.every_n_layers) == (c.microbatches, c.policy,
                                                                                           c.every_n_layers)
+        assert (cfg.mesh.pipeline_schedule, cfg.mesh.pipeline_microbatches) == (c.schedule, c.per_pass)
     # The tiny model has 2 layers, 4 query / 2 kv heads and a batch of 8: tensor=8, data x fsdp x micro-batches
     # above 8 and more pipeline stages x repeats than layers are refused with the mesh checks' own words.
     reasons = {r.candidate: r.rejected for r in rejected}
@@ -68,6 +69,11 @@ def test_searched_keys_given_on_the_command_line_are_pinned():
                                  ("none", "full"), (1, 2, 4), (1, 2))
     assert space and all(c.tensor == 2 and c.policy == "full" and c.microbatches == 2 for c in space)
     assert {c.every_n_layers for c in space} == {1, 2}
+    # With a pipeline: the schedules, and passes of P micro-batches where fewer than all (here: 2 stages, 4).
+    space = tune.candidate_space(8, ["mesh.pipeline=2", "mesh.pipeline_schedule=1f1b", "train.microbatches=4"],
+                                 ("full",), (1,), (1,), (1,), passes=(0, 1, 2))
+    assert {(c.schedule, c.per_pass) for c in space} == {("1f1b", 0), ("1f1b", 2)}
+    assert "p2-1f1b" in space[0].label and any("mb4/2 " in c.label for c in space)
 
 
 @pytest.fixture(scope="module")
@@ -296,3 +302,23 @@ def test_one_process_is_one_host():
     assert costmodel.mesh_topology(mesh, devices_per_host=4).hosts == TWO_HOSTS.hosts
     with pytest.raises(ConfigError, match="--devices-per-host 16 does not divide the 8 devices"):
         costmodel.mesh_topology(mesh, devices_per_host=16)
+
+
+def test_auto_micro_batches_are_searched_as_train_resolves_them(tmp_path):
+    """A config with train.microbatches=auto (the Llama 3 presets'): the default candidate, the baseline of every
+    speed-up, is what `llama-jax train` would run -- auto, resolved against the same budget when it compiles -- and
+    train.microbatches=auto pinned on the command line keeps every candidate on auto (it was int('auto'))."""
+    source = str(write_tiny_yaml(tmp_path, train={"microbatches": "auto"}))
+    overrides = PINNED + ["mesh.data=1", "mesh.fsdp=8"]
+    _, default, results = tune.enumerate_candidates(source, overrides, OPTIONS)
+    assert default.microbatches == "auto" and " mbauto " in f" {default.label} "
+    baseline = next(r for r in results if r.candidate == default)
+    assert baseline.config is not None and baseline.config.train.microbatches == "auto"
+    _, _, pinned = tune.enumerate_candidates(source, PINNED + ["train.microbatches=auto"], OPTIONS)
+    assert {r.candidate.microbatches for r in pinned} == {"auto"} and any(r.config is not None for r in pinned)
+    options = tune.Options(policies=("none",), microbatches=(1, 2), every_n_layers=(1,), meshes=1, measure=False,
+                           progress=False)
+    report = tune.tune(source, overrides, options)
+    resolved = TrainProgram.for_config(baseline.config)  # what train runs: the fewest micro-batches that fit
+    assert report.default.candidate.microbatches == "auto"
+    assert report.default.memory_bytes == plan.make_plan(resolved.config, resolved.mesh).total_bytes

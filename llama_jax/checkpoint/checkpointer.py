@@ -14,26 +14,70 @@ or missing array file, a missing manifest, an empty directory) is moved to ``che
 every process together -- never deleted -- with a warning, and the next older step is tried. A step
 whose model differs from the config (shapes, or the function: RoPE, norm epsilon) is not corruption:
 it stops the run with a message naming the fields, unless checkpoint.allow_model_changes lists them.
+
+Storage failures. A durable write that fails (no space, a read-only filesystem, an I/O error, no permission, the
+directory gone) surfaces when the checkpointer next waits for it: before the next save, or at the end of the run.
+Every process brings its outcome to the agreement that precedes each save, so all see the same failures: the
+failed step is removed wherever any trace of it is (it is not a checkpoint), the newest complete step stays, and
+the run warns in one line (the step, the reason, the directory and its free space) and goes on, saving again at
+the next interval: a transient failure of a shared filesystem must not end a run of thousands of GPUs, and the
+node-local tier still protects it meanwhile. After checkpoint.max_failed_saves failures in a row, or when the
+run's last save fails, it stops with StorageFailure (exit 74), which the supervisor and the launchers do not
+restart: the storage needs a person. A failure that is not the storage's is a bug and is raised as it is.
 """
 
 from __future__ import annotations
 
 import datetime
+import errno
+import logging
 import shutil
 import statistics
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any, Callable
 
+import jax
 import orbax.checkpoint as ocp
 
 from llama_jax.checkpoint.durable import ITEMS, check_model, read_meta, read_step, saved_layer_order
-from llama_jax.checkpoint.interval import DEFAULT_MTBF_S, auto_checkpoint_steps, interval_advice
-from llama_jax.checkpoint.local import LocalTier
+from llama_jax.checkpoint.interval import DEFAULT_MTBF_S, Figures, Interval
+from llama_jax.checkpoint.local import LocalTier, finished_steps
 from llama_jax.config import CheckpointConfig
 from llama_jax.distributed.peers import Peers
-from llama_jax.errors import ConfigError
+from llama_jax.errors import EXIT_STORAGE, ConfigError, StorageFailure
+from llama_jax.files import STORAGE_ERRNOS, describe_write_failure, free_bytes, storage_errno
+from llama_jax.model.stages import NATURAL, LayerOrder
 from llama_jax.resilience.goodput import observed_mtbf_s
+
+STEP_WINDOW = 50  # the latest step times an automatic interval takes the median of
+
+
+def _is_storage_failure(err: BaseException | None) -> bool:
+    while err is not None:
+        if storage_errno(err) in STORAGE_ERRNOS:
+            return True
+        err = err.__cause__ or err.__context__
+    return False
+
+
+class _ReportedHere(logging.Filter):
+    """Orbax logs one failed write from each of its threads, with a traceback (some 30 lines for one full disk);
+    the Checkpointer reports it in one line (which step, why, where, the free space), so those records go."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (_is_storage_failure(record.exc_info[1] if record.exc_info else None)
+                    or "os_error_code=" in record.getMessage())
+
+
+def _quiet_storage_noise() -> None:
+    """Drop Orbax's records of the storage failures this module reports itself; everything else passes through.
+    (A write that fails midway can still leave TensorStore's 'Event loop is closed' tracebacks, printed from its
+    own threads: _check_room keeps the common case, a full disk, from starting such a write.)"""
+    absl = logging.getLogger("absl")
+    if not any(isinstance(f, _ReportedHere) for f in absl.filters):
+        absl.addFilter(_ReportedHere())
 
 
 class Checkpointer:
@@ -43,25 +87,32 @@ class Checkpointer:
 
     def __init__(self, run_dir: Path, config: CheckpointConfig, meta: dict | None = None,
                  directory: Path | None = None, log: Callable[[str], None] = print, peers: Peers | None = None,
-                 save_delay_s: float = 0.0, layout: tuple[int, int] = (1, 1), local: LocalTier | None = None,
-                 model: dict | None = None, check: Callable[[dict | None], None] | None = None):
+                 save_delay_s: float = 0.0, layout: LayerOrder = NATURAL, local: LocalTier | None = None,
+                 model: dict | None = None, check: Callable[[dict | None], None] | None = None,
+                 save_failures: tuple[int, ...] = ()):
         """`model` (the run's model config as a dict) and `check` (start.meta_check: a peft run's adapters and
         base) are what every step restore_newest considers must hold; config.allow_model_changes lets function
         fields differ."""
         self.config, self.meta, self.log, self.local = config, meta or {}, log, local
+        _quiet_storage_noise()
         self.model, self.check = model, check or (lambda meta: None)
-        self.layout = layout  # (pipeline stages, repeats) of this run: restored layers are put in its order
+        self.layout = layout  # the pipeline layout of this run: restored layers are put in its order
         self.peers = peers or Peers(timeout_s=600.0)
         self.save_delay_s = save_delay_s  # fault injection: this process's saves take longer
         self.directory = Path(directory or Path(run_dir) / "checkpoints").absolute()
-        self.every_steps = config.every_steps if isinstance(config.every_steps, int) else 0
         # MTBF for the Young/Daly interval: configured, else observed in this run (read before this
         # attempt is recorded), else a big run's figure.
         self.mtbf_s = config.mtbf_hours * 3600 or observed_mtbf_s(Path(run_dir)) or DEFAULT_MTBF_S
+        self.durable = Interval.of("checkpoint.every_steps", config.every_steps, self.mtbf_s)
+        self.local_interval = Interval.of("checkpoint.local_every_steps", config.local_every_steps, self.mtbf_s)
+        self.step_times: deque[float] = deque(maxlen=STEP_WINDOW)  # the latest timed steps (step_timed)
+        self.timed_steps = 0  # steps timed since the compile: an automatic interval's first save waits for some
         self.last_save_time = time.monotonic()
         self.announced_save: int | None = None  # process 0: the step of the save it announced last
-        self.save_seconds: list[float] = []  # how long each save blocked the loop
-        self.local_every_steps = config.local_every_steps if isinstance(config.local_every_steps, int) else 0
+        self.pending: int | None = None  # the step whose durable write runs in the background
+        self.failure: dict | None = None  # this process's failed durable write, not yet agreed on
+        self.failed_in_a_row = 0  # durable saves that failed, since the last one written everywhere
+        self.save_failures = save_failures  # fault injection: these steps' durable writes fail on this process
         self.restored_from = ""  # the tier the last restore came from: "local" or "durable"
         self.restored_copies = ""  # with the local tier: whose copies served ("own copies", or a partner's too)
         self.restore_seconds: dict[str, float] = {}  # seconds spent restoring (or trying to) from each tier
@@ -73,17 +124,16 @@ class Checkpointer:
             enable_async_checkpointing=self.config.async_save, create=True)
         return ocp.CheckpointManager(self.directory, options=options, item_names=ITEMS)
 
-    @property
-    def auto(self) -> bool:
-        return self.config.every_steps == "auto"
+    def step_timed(self, seconds: float) -> None:
+        """A step's time (not the compile's): what automatic intervals are worked out from."""
+        self.step_times.append(seconds)
+        self.timed_steps += 1
 
     def due(self, step: int) -> bool:
         """Whether `step` is saved: its step interval or its time interval. Every process calls it after
         every step; with a time interval process 0's clock decides (see _time_due)."""
-        if self.auto and not self.save_seconds:
-            return True  # the first save is measured to choose the interval
-        interval_due = self.every_steps > 0 and step % self.every_steps == 0
-        return self._time_due(step) or interval_due
+        time_due = self._time_due(step)  # asked on every step: process 0 announces ahead
+        return time_due or self.durable.due(step, self.timed_steps)
 
     def _time_due(self, step: int) -> bool:
         """checkpoint.every_minutes, decided by process 0's clock two steps ahead: after dispatching step n
@@ -100,59 +150,162 @@ class Checkpointer:
             self.announced_save = step + 2
         return due
 
-    def save(self, step: int, state: Any, data_state: dict, step_s: float | None = None) -> float:
-        """Start an asynchronous save; returns the seconds it blocked (copying arrays off the device).
-
-        With every_steps=auto the first save is waited for in full, and with its time and the step time
-        `step_s` (1 s if unknown) it sets the interval of the saves after it: the slowest process's
-        times, so that every process arrives at the same interval."""
-        self.peers.barrier(f"save of step {step}")  # a process that never comes is named here, not in Orbax
+    def save(self, step: int, state: Any, data_state: dict) -> float:
+        """Start an asynchronous save; returns the seconds it blocked (copying arrays off the device, or waiting
+        for the previous write): the save's cost, for every_steps=auto and the advice (interval.py). A previous
+        write that failed on any process is known to every process here (storage failures, in this module's
+        docstring); the bound on failures in a row stops the run (StorageFailure, exit 74)."""
         start = time.perf_counter()
+        failed = self._written()
+        # Every process meets here with its figures and its last write's outcome: a process that never comes is
+        # named here, not in Orbax, and a write that failed anywhere is known everywhere.
+        self._settle(self.durable, f"save of step {step}", failed)
         time.sleep(self.save_delay_s)
         meta = {**self.meta, "step": step, "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat()}
-        self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                        data=ocp.args.JsonSave(data_state),
-                                                        meta=ocp.args.JsonSave(meta)), force=True)
+        try:
+            self._check_room(state)
+            self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                            data=ocp.args.JsonSave(data_state),
+                                                            meta=ocp.args.JsonSave(meta)), force=True)
+            self.pending = step
+        except Exception as err:  # the save could not even start: reported with the next save's outcome
+            self.failure = self._failure(step, err)
         self.last_save_time = time.monotonic()
-        self.save_seconds.append(time.perf_counter() - start)
-        if self.auto and len(self.save_seconds) == 1:
-            mine = [self.save_seconds[0] + self.wait(), step_s or 1.0]
-            save_s, step_s = self.peers.reduce("checkpoint interval", mine, lambda all_: list(map(max, zip(*all_))))
-            self.every_steps = auto_checkpoint_steps(save_s, self.mtbf_s, step_s)
-            self.log(interval_advice(save_s, self.mtbf_s, step_s, self.every_steps, auto=True))
-        return self.save_seconds[-1]
+        return self._measured(self.durable, time.perf_counter() - start, self._write_seconds)
+
+    def _check_room(self, state: Any) -> None:
+        """A save that cannot fit is not started: this process's share of the state (each array's shards whose
+        first replica it holds) against the free space, so a full disk fails before Orbax writes a partial step
+        (and before its threads report the failure many times over)."""
+        share = sum(shard.data.nbytes for leaf in jax.tree_util.tree_leaves(state) if isinstance(leaf, jax.Array)
+                    for shard in leaf.addressable_shards if shard.replica_id == 0)
+        free = free_bytes(self.directory)
+        if free is not None and share > free:
+            raise OSError(errno.ENOSPC, f"a checkpoint share of {share} bytes does not fit")
+
+    def _write_seconds(self) -> float:
+        """An automatic interval's first save: the seconds its write took (it is waited for here); a failed write
+        is kept for the next agreement."""
+        start = time.perf_counter()
+        self.failure = self._written()
+        return time.perf_counter() - start
+
+    def _written(self) -> dict | None:
+        """Wait for this process's pending durable write: what failed, if anything ({step, process, reason}); a
+        save that could not start comes first. A failure that is not the storage's is a bug: it is raised."""
+        failure, self.failure = self.failure, None
+        try:
+            self.manager.wait_until_finished()
+        except Exception as err:  # Orbax and TensorStore report a failed write as ValueError, OSError, ...
+            failure = failure or self._failure(self.pending, err)
+        if failure is None and self.pending is not None and self.pending in self.save_failures:
+            failure = self._failure(self.pending, OSError(errno.ENOSPC, "injected: fault.inject_save_failure_steps"))
+        self.pending = None
+        return failure
+
+    def _failure(self, step: int | None, err: BaseException) -> dict:
+        if storage_errno(err) not in STORAGE_ERRNOS:
+            raise err
+        return {"step": step, "process": self.peers.index, "reason": describe_write_failure(err, self.directory)}
+
+    def finish_writes(self) -> float:
+        """The end of a run: wait for every pending write, every process agreeing on the outcome; a last save that
+        failed anywhere stops the run (StorageFailure: it cannot end without its checkpoint). The seconds waited."""
+        start = time.perf_counter()
+        failed = self._written()
+        failures = self.peers.reduce("checkpoints written", failed, lambda all_: [f for f in all_ if f])
+        if self.local is not None:
+            self.local.wait()
+        if failures:
+            self._failed_saves(failures, last=True)
+        return time.perf_counter() - start
+
+    def save_local(self, step: int, state: Any, data_state: dict) -> float:
+        """A local save of `step`; returns the seconds it blocked the loop (the background write not included)."""
+        self._settle(self.local_interval, f"local save of step {step}")
+        meta = {**self.meta, "step": step, "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat()}
+        blocked = self.local.save(step, state, data_state, meta)
+        return self._measured(self.local_interval, blocked, self._local_write)
+
+    def _local_write(self) -> float:
+        """The seconds the local tier's background write of the save just started takes."""
+        self.local.wait()
+        return self.local.write_seconds[-1]
+
+    def _settle(self, interval: Interval, what: str, failed: dict | None = None) -> None:
+        """Every process brings its step time, its tier's last save cost and (durable tier) its last write's failure
+        to a save; an automatic interval is worked out again when the slowest process's figures moved
+        (interval.py), and a failed write is handled alike everywhere (_failed_saves)."""
+        step_s = statistics.median(self.step_times) if self.step_times else 0.0
+        mine = {"figures": [step_s, interval.costs[-1] if interval.costs else 0.0, 0.0], "failed": failed}
+        agreed = self.peers.reduce(what, mine, lambda all_: {"figures": Figures.slowest([v["figures"] for v in all_]),
+                                                             "failed": [v["failed"] for v in all_ if v["failed"]]})
+        if agreed["failed"]:
+            self._failed_saves(agreed["failed"])
+        elif interval is self.durable and interval.costs:
+            self.failed_in_a_row = 0  # the last save was written everywhere
+        figures = Figures(*agreed["figures"])
+        if interval.figures is not None and figures.step_s > 0 and figures.save_s > 0:
+            self._say(interval.settle(Figures(figures.step_s, figures.save_s, interval.figures.write_s)))
+
+    def _failed_saves(self, failures: list[dict], last: bool = False) -> None:
+        """A durable save failed on some process (every process sees the same list): its step is removed wherever
+        any trace of it is, and the run goes on (saving again at the next interval) until
+        checkpoint.max_failed_saves saves failed in a row, or stops if it was the run's last; StorageFailure."""
+        step = failures[0]["step"]
+        self._discard(step)
+        self.failed_in_a_row += 1
+        more = f" and {len(failures) - 1} more process(es)" if len(failures) > 1 else ""
+        failed = (f"checkpoint save of step {step} failed on process {failures[0]['process']}{more}: "
+                  f"{failures[0]['reason']}")
+        newest = max(self.manager.all_steps(), default=0)
+        kept = f"the newest complete checkpoint is step {newest}" if newest else "no complete checkpoint exists"
+        bound = self.config.max_failed_saves
+        if last or self.failed_in_a_row > bound:
+            why = "the run's last save" if last else (f"{self.failed_in_a_row} saves failed in a row "
+                                                     f"(checkpoint.max_failed_saves={bound})")
+            raise StorageFailure(f"{failed}; {why}: stopping (exit {EXIT_STORAGE}); {kept}{self._newer_local(newest)}; "
+                                 "free space or fix the filesystem, then re-run the same command")
+        self.log(f"warning: {failed}; {kept}; training goes on and saves again at the next interval "
+                 f"({self.failed_in_a_row} of checkpoint.max_failed_saves={bound} failed saves in a row)")
+
+    def _newer_local(self, durable: int) -> str:
+        """Where the local tier holds a newer step than checkpoints/: what a restart resumes from."""
+        local = max(finished_steps(self.local.directory), default=0) if self.local is not None else 0
+        return f"; the local tier holds step {local}, which a restart on the same hosts resumes from" \
+            if local > durable else ""
+
+    def _discard(self, step: int) -> None:
+        """Remove every trace of a step some process failed to write: Orbax's temporary directories, and the step
+        itself where it was finalised (a process's shards of it are missing). Process 0 removes, all wait."""
+        if self.peers.index == 0:
+            for partial in [*self.directory.glob(f"{step}.orbax-checkpoint-tmp*"), self.directory / str(step)]:
+                shutil.rmtree(partial, ignore_errors=True)
+        self.peers.barrier(f"failed step {step} removed")
+        self.manager.reload()
+
+    def _measured(self, interval: Interval, blocked: float, write: Callable[[], float]) -> float:
+        """Record a save's cost; an automatic interval's first save is waited for to its end, and the interval is
+        worked out from every process's figures (the slowest's: all arrive at the same one)."""
+        interval.costs.append(blocked)
+        if interval.measuring and self.step_times:  # not a save before any step was timed (the last, or on a signal)
+            mine = [statistics.median(self.step_times), blocked, write()]
+            self._say(interval.settle(Figures(*self.peers.reduce(f"{interval.key} interval", mine, Figures.slowest))))
+        return blocked
+
+    def _say(self, line: str | None) -> None:
+        if line:
+            self.log(line)
 
     def advice(self, step_s: float) -> str:
-        """The Young/Daly interval for the median save time so far, next to the interval in use (per tier)."""
-        lines = [interval_advice(statistics.median(self.save_seconds), self.mtbf_s, step_s, self.every_steps)]
-        if self.local is not None and self.local.save_seconds:
-            cost = statistics.median(self.local.save_seconds)
-            lines.append(interval_advice(cost, self.mtbf_s, step_s, self.local_every_steps,
-                                         key="checkpoint.local_every_steps"))
-        return "\n".join(lines)
+        """The Young/Daly interval for the median save cost so far, next to the interval in use (per tier)."""
+        return "\n".join(i.advice(step_s) for i in (self.durable, self.local_interval) if i.costs)
 
     # The local tier (local.py): its own interval, decided by step number alone so that every
     # process saves the same steps (its saves are collectives when partners keep copies).
 
     def local_due(self, step: int) -> bool:
-        if self.local is None:
-            return False
-        if self.config.local_every_steps == "auto" and not self.local.save_seconds:
-            return True  # the first local save is measured to choose the interval
-        return self.local_every_steps > 0 and step % self.local_every_steps == 0
-
-    def save_local(self, step: int, state: Any, data_state: dict, step_s: float | None = None) -> float:
-        """A local save of `step`; returns the seconds it blocked the loop (the background write not
-        included). With local_every_steps=auto the first one is waited for in full and sets the interval."""
-        meta = {**self.meta, "step": step, "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat()}
-        blocked = self.local.save(step, state, data_state, meta)
-        if self.config.local_every_steps == "auto" and len(self.local.save_seconds) == 1:
-            mine = [blocked + self.local.wait(), step_s or 1.0]
-            save_s, step_s = self.peers.reduce("local interval", mine, lambda all_: list(map(max, zip(*all_))))
-            self.local_every_steps = auto_checkpoint_steps(save_s, self.mtbf_s, step_s)
-            self.log(interval_advice(save_s, self.mtbf_s, step_s, self.local_every_steps, auto=True,
-                                     key="checkpoint.local_every_steps"))
-        return blocked
+        return self.local is not None and self.local_interval.due(step, self.timed_steps)
 
     def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict]:
         """(train state, loader state) of `step`; the state takes the shapes, dtypes and shardings of
@@ -167,15 +320,19 @@ class Checkpointer:
         """The finished steps, newest first, as process 0 sees them (one list for all processes)."""
         return self.peers.broadcast("checkpoint steps", sorted(self.manager.all_steps(), reverse=True))
 
-    def restore_newest(self, abstract_state: Any, warn: Callable[[str], None]) -> tuple[int, Any, dict] | None:
+    def restore_newest(self, abstract_state: Any, warn: Callable[[str], None], before: int | None = None
+                       ) -> tuple[int, Any, dict] | None:
         """The newest step that restores on every process, from the fastest tier holding it whole (the local
         tier, then checkpoints/); None if none. A copy that does not restore is set aside in its tier (a
         durable step's damage may be in one process's shards only) and the next copy or step is tried.
-        A step of another model, or one the run's `check` refuses, stops the run (ConfigError).
+        A step of another model, or one the run's `check` refuses, stops the run (ConfigError). `before`: only
+        steps older than it (a rollback: the first bad step's)
         restored_from and restore_seconds say which tier served and what each cost."""
         local = self._local_steps()
         durable = self.steps()
         for step in sorted(set(local) | set(durable), reverse=True):
+            if before is not None and step >= before:
+                continue
             for tier in ("local", "durable"):
                 if step not in (local if tier == "local" else durable):
                     continue
@@ -256,9 +413,10 @@ class Checkpointer:
         return target
 
     def wait(self) -> float:
-        """Block until pending writes (of both tiers) are done; returns the seconds waited."""
+        """Block until pending writes (of both tiers) are done; returns the seconds waited. A failed durable write
+        is kept for the next agreement (save, finish_writes), not raised here."""
         start = time.perf_counter()
-        self.manager.wait_until_finished()
+        self.failure = self._written()
         if self.local is not None:
             self.local.wait()
         return time.perf_counter() - start

@@ -23,7 +23,7 @@ import orbax.checkpoint as ocp
 
 from llama_jax.config.choices import ARCHITECTURE_FIELDS, FUNCTION_FIELDS
 from llama_jax.errors import ConfigError
-from llama_jax.model.pipeline import relayout
+from llama_jax.model.stages import NATURAL, LayerOrder, in_order, relayout
 
 ITEMS = ("state", "data", "meta")
 
@@ -46,11 +46,12 @@ def read_meta(step_dir: Path) -> dict | None:
     except (OSError, ValueError):
         return None
 
-def saved_layer_order(meta: dict | None) -> tuple[int, int]:
-    """(stages, repeats) of the pipeline a step was saved with: the order of its layers (pipeline.py)."""
+def saved_layer_order(meta: dict | None) -> LayerOrder:
+    """The pipeline layout a step was saved with: the order of its layers (model/stages.py)."""
     meta = meta or {}
-    return (int(meta.get("mesh", {}).get("pipeline", 1)),
-            int(meta.get("config", {}).get("mesh", {}).get("pipeline_repeats", 1)))
+    mesh = meta.get("config", {}).get("mesh", {})
+    return LayerOrder(int(meta.get("mesh", {}).get("pipeline", 1)), int(mesh.get("pipeline_repeats", 1)),
+                      tuple(mesh.get("pipeline_stage_layers", ())))
 
 def model_differences(saved: dict, model: dict) -> list[str]:
     """The architecture fields (choices.ARCHITECTURE_FIELDS) in which two model configs differ. The
@@ -84,28 +85,33 @@ def resolve_step_dir(path: str) -> Path:
         return p
     raise ConfigError(f"{path} holds no finished checkpoint; give a run dir, its checkpoints/ or a step directory")
 
-def read_step(step_dir: Path, abstract_state: Any, layout: tuple[int, int]) -> tuple[Any, dict]:
+def read_step(step_dir: Path, abstract_state: Any, layout: LayerOrder) -> tuple[Any, dict]:
+    """(state, loader state) of a step directory, in the shardings of abstract_state and the layer order
+    `layout` (read in the order it was saved in, then moved)."""
+    saved = saved_layer_order(read_meta(step_dir))
     handler = ocp.CompositeCheckpointHandler()
     try:
         restored = handler.restore(step_dir, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
+            state=ocp.args.StandardRestore(in_order(abstract_state, layout, saved)), data=ocp.args.JsonRestore()))
     finally:
         handler.close()
-    return relayout(restored["state"], saved_layer_order(read_meta(step_dir)), layout), dict(restored["data"])
+    return relayout(restored["state"], saved, layout, abstract_state), dict(restored["data"])
 
-def restore_step(step_dir: Path, abstract_state: Any, layout: tuple[int, int] = (1, 1)) -> tuple[Any, dict]:
+def restore_step(step_dir: Path, abstract_state: Any, layout: LayerOrder = NATURAL) -> tuple[Any, dict]:
     """(train state, loader state) of a step directory of another run (resume_from / init_from),
     read without opening a manager on that run, so nothing there can be touched. `layout`: the pipeline
-    (stages, repeats) whose layer order the state is wanted in."""
+    layout whose layer order the state is wanted in."""
     return read_step(Path(step_dir).absolute(), abstract_state, layout)
 
-def restore_params(step_dir: Path, abstract_params: Any, layout: tuple[int, int] = (1, 1)) -> Any:
+def restore_params(step_dir: Path, abstract_params: Any, layout: LayerOrder = NATURAL) -> Any:
     """The parameters of a step directory: a converted checkpoint's `params` item, or the `params`
     of a training checkpoint's state (only they are read, not the optimizer moments), with the layers
     in the order of pipeline `layout` (default: the natural order)."""
     has_params_item = (Path(step_dir) / "params").is_dir()
     item = "params" if has_params_item else "state"
-    target = abstract_params if has_params_item else {"params": abstract_params}
+    saved = saved_layer_order(read_meta(step_dir))
+    stored = in_order({"params": abstract_params}, layout, saved)
+    target = stored["params"] if has_params_item else stored
     restore_args = jax.tree.map(lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding, global_shape=a.shape,
                                                                dtype=a.dtype), target)
     checkpointer = ocp.Checkpointer(ocp.CompositeCheckpointHandler())
@@ -115,7 +121,7 @@ def restore_params(step_dir: Path, abstract_params: Any, layout: tuple[int, int]
     finally:
         checkpointer.close()
     params = restored[item] if has_params_item else restored[item]["params"]
-    return relayout({"params": params}, saved_layer_order(read_meta(step_dir)), layout)["params"]
+    return relayout({"params": params}, saved, layout, {"params": abstract_params})["params"]
 
 def save_params(directory: Path, params: Any, meta: dict) -> Path:
     """A parameters-only checkpoint (e.g. converted from Hugging Face): <directory>/checkpoints/0/ with

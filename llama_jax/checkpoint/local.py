@@ -271,7 +271,8 @@ class LocalTier:
             for process, items in all_:
                 for step, has_own, holds in items:
                     served.setdefault(step, set()).update([process] * has_own + ([holds] if holds is not None else []))
-            return sorted((s for s, who in served.items() if len(who) == self.count), reverse=True)
+            # every process of this run is served (copies of a former, larger run's processes do not count)
+            return sorted((s for s, who in served.items() if who >= set(range(self.count))), reverse=True)
 
         return self.peers.reduce("local steps", [self.index, mine], servable)
 

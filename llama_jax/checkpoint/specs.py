@@ -40,7 +40,7 @@ from llama_jax.errors import ConfigError
 from llama_jax.interop import hf
 from llama_jax.model import peft
 from llama_jax.model.llama import abstract_params
-from llama_jax.model.pipeline import relayout
+from llama_jax.model.stages import NATURAL, LayerOrder, in_order, relayout
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "spm.model")
 
@@ -95,12 +95,12 @@ def resolve(text: str | ModelSpec) -> ModelSpec:
     return ModelSpec(text, model, step_dir=step_dir, adapters=PeftConfig(**{k: v for k, v in settings.items()
                                                                             if k in fields}), base=meta.get("base"))
 
-def load_params(spec: ModelSpec, target: Any = None, rotary: str = "half", layout: tuple[int, int] = (1, 1)) -> Any:
+def load_params(spec: ModelSpec, target: Any = None, rotary: str = "half", layout: LayerOrder = NATURAL) -> Any:
     """The model's parameters, taking the shapes, dtypes and shardings of `target` (a ShapeDtypeStruct
     tree, e.g. TrainProgram.abstract_state().params or param_target(), or shardings alone) or, without
     one, the model's param_dtype on the default device. A training checkpoint's optimizer moments are
     not read; `rotary` is the q/k layout of a Hugging Face model's weights (hf.ROTARY_LAYOUTS); `layout`
-    the pipeline (stages, repeats) whose layer order the params are wanted in (pipeline.py)."""
+    the pipeline layout whose layer order the params are wanted in (stages.py)."""
     if target is None:
         target = hf.single_device_target(spec.model)
     elif isinstance(jax.tree.leaves(target)[0], jax.sharding.Sharding):
@@ -108,7 +108,9 @@ def load_params(spec: ModelSpec, target: Any = None, rotary: str = "half", layou
     if spec.adapters is not None:
         return _adapted(spec, target)
     if spec.hf_dir is not None:
-        return relayout({"params": hf.read_params(spec.hf_dir, spec.model, target, rotary)}, (1, 1), layout)["params"]
+        natural = in_order({"params": target}, layout, NATURAL)["params"]
+        return relayout({"params": hf.read_params(spec.hf_dir, spec.model, natural, rotary)}, NATURAL, layout,
+                        {"params": target})["params"]
     return restore_params(spec.step_dir, target, layout)
 
 def load_adapters(spec: ModelSpec, placement: jax.sharding.Sharding | None = None) -> dict:

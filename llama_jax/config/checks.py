@@ -7,8 +7,10 @@ from __future__ import annotations
 
 from llama_jax.config.choices import (ATTENTION_IMPLEMENTATIONS, BAD_RECORD_ACTIONS, DTYPES, FP8_RECIPES,
                                       FUNCTION_FIELDS, LOGICAL_AXES, LORA_TARGETS, MESH_AXES, PACKINGS, PEFT_METHODS,
-                                      PROMPT_ENCODERS, REMAT_ACTIONS, REMAT_POLICIES, REMAT_TAGS, TEXT_UNITS)
-from llama_jax.config.schema import CheckpointConfig, Config, DataConfig, FaultConfig, PeftConfig, RematConfig
+                                      PIPELINE_SCHEDULES, PROMPT_ENCODERS, REMAT_ACTIONS, REMAT_POLICIES, REMAT_TAGS,
+                                      TEXT_UNITS)
+from llama_jax.config.schema import (CheckpointConfig, Config, DataConfig, FaultConfig, MeshConfig, PeftConfig,
+                                     RematConfig)
 from llama_jax.errors import ConfigError
 
 
@@ -70,6 +72,10 @@ def validate(config: Config) -> None:
     )
     _require(t.lr > 0, f"train.lr must be positive, got {t.lr}")
     _require(t.warmup_steps >= 0, f"train.warmup_steps must be >= 0, got {t.warmup_steps}")
+    _require(t.steps == 0 or t.warmup_steps < t.steps,
+             f"train.warmup_steps ({t.warmup_steps}) is not below train.steps ({t.steps}): the learning rate would "
+             f"never reach train.lr nor decay; warm up for a small fraction of the run (e.g. "
+             f"train.warmup_steps={max(1, t.steps // 100)}) or raise train.steps")
     _require(0 <= t.min_lr_ratio <= 1, f"train.min_lr_ratio must be in [0, 1], got {t.min_lr_ratio}")
     _require(t.weight_decay >= 0, f"train.weight_decay must be >= 0, got {t.weight_decay}")
     _require(0 <= t.b1 < 1 and 0 <= t.b2 < 1, f"train.b1 and train.b2 must be in [0, 1), got {t.b1}, {t.b2}")
@@ -87,15 +93,21 @@ def validate(config: Config) -> None:
              "mesh.pipeline and mesh.pipeline_repeats must be positive counts and mesh.pipeline_microbatches >= 0, "
              "got "
              f"{config.mesh.pipeline}, {config.mesh.pipeline_repeats} and {config.mesh.pipeline_microbatches}")
+    _require(config.mesh.pipeline_microbatches == 0 or config.mesh.pipeline > 1,
+             f"mesh.pipeline_microbatches={config.mesh.pipeline_microbatches} sends a pipeline's micro-batches through "
+             "in passes, and there is no pipeline (mesh.pipeline=1); set mesh.pipeline > 1 or leave it at 0")
     _require(
         sum(v == -1 for v in mesh_axes.values()) <= 1,
         "at most one mesh axis may be -1 (fill the remaining devices)",
     )
+    _check_pipeline(config.mesh, m.n_layers, config.remat.every_n_layers)
     _check_checkpoint(config.checkpoint)
     _check_fault(config.fault)
     _require(bool(config.run.dir.strip()), "run.dir must not be empty")
     _require(config.run.init_timeout_s >= 1 and config.run.heartbeat_timeout_s >= 1,
              "run.init_timeout_s and run.heartbeat_timeout_s must be at least 1 second")
+    _require(config.run.full_processes >= 0, f"run.full_processes must be >= 0 (0: this run's process count), "
+             f"got {config.run.full_processes}")
     _require(config.run.device_memory_gb >= 0, "run.device_memory_gb must be >= 0 (0: the device's memory less 10%)")
     _check_remat(config.remat, m.n_layers)
     _check_peft(config.peft, t.seq_len, config.checkpoint.init_from, config.checkpoint.resume_from)
@@ -104,8 +116,6 @@ def validate(config: Config) -> None:
              "pipeline stages; shard the frozen model with mesh.fsdp and mesh.tensor")
 
 def _check_data(d: DataConfig) -> None:
-    _require(len(d.sources) > 0,
-             "data.sources is empty; name a token store or an input, e.g. data.sources=[shakespeare]")
     _require(not d.weights or len(d.weights) == len(d.sources),
              f"data.weights has {len(d.weights)} value(s) for {len(d.sources)} source(s); give one per source or none")
     _require(all(w > 0 for w in d.weights), f"data.weights must all be > 0, got {d.weights}")
@@ -131,6 +141,23 @@ def check_rule(logical: str, value: str) -> None:
     if bad:
         raise ConfigError(f"mesh.rules.{logical}={value}: unknown mesh axis '{bad[0]}'; use a comma-separated "
                           f"list of {', '.join(MESH_AXES)}, or none")
+
+def _check_pipeline(mesh: MeshConfig, n_layers: int, every_n_layers: int) -> None:
+    _require(mesh.pipeline_schedule in PIPELINE_SCHEDULES, f"mesh.pipeline_schedule must be one of "
+             f"{', '.join(PIPELINE_SCHEDULES)}, got '{mesh.pipeline_schedule}'")
+    layers = mesh.pipeline_stage_layers
+    if not layers:
+        return
+    groups = mesh.pipeline * mesh.pipeline_repeats
+    repeats = f" × mesh.pipeline_repeats ({mesh.pipeline_repeats})" if mesh.pipeline_repeats > 1 else ""
+    _require(len(layers) == groups, f"mesh.pipeline_stage_layers has {len(layers)} entries; it needs one per stage"
+             f"{' and repeat' if repeats else ''}: mesh.pipeline ({mesh.pipeline}){repeats} = {groups}")
+    _require(all(isinstance(n, int) and n > 0 for n in layers) and sum(layers) == n_layers,
+             f"mesh.pipeline_stage_layers {list(layers)} must be positive layer counts adding up to model.n_layers "
+             f"({n_layers}); they add up to {sum(layers)}")
+    _require(all(n % every_n_layers == 0 for n in layers), f"remat.every_n_layers ({every_n_layers}) must divide "
+             f"every entry of mesh.pipeline_stage_layers {list(layers)}")
+
 
 def _check_remat(remat: RematConfig, n_layers: int) -> None:
     if remat.policy not in REMAT_POLICIES:
@@ -162,6 +189,7 @@ def _check_checkpoint(c: CheckpointConfig) -> None:
              "local_every_steps go together: set both (e.g. local_dir=/dev/shm/llama-jax local_every_steps=50) or "
              "neither")
     _require(c.timeout_s >= 1, "checkpoint.timeout_s must be at least 1 second")
+    _require(c.max_failed_saves >= 0, f"checkpoint.max_failed_saves must be >= 0, got {c.max_failed_saves}")
     _require(c.local_keep > 0 and c.local_replicas in (0, 1), f"checkpoint.local_keep must be positive and "
              f"checkpoint.local_replicas 0 or 1, got {c.local_keep} and {c.local_replicas}")
     bad = sorted(set(c.allow_model_changes) - set(FUNCTION_FIELDS))
@@ -172,7 +200,7 @@ def _check_checkpoint(c: CheckpointConfig) -> None:
 def _check_fault(f: FaultConfig) -> None:
     _require(f.hang_factor > 0 and f.hang_min_timeout_s > 0 and f.hang_startup_timeout_s > 0,
              "fault.hang_factor, fault.hang_min_timeout_s and fault.hang_startup_timeout_s must be positive")
-    _require(f.max_bad_steps > 0, f"fault.max_bad_steps must be positive, got {f.max_bad_steps}")
+    _require(f.max_bad_steps >= 0, f"fault.max_bad_steps must be >= 0 (0: never roll back), got {f.max_bad_steps}")
     _require(f.spike_zscore >= 0 and f.spike_window > 1, "fault.spike_zscore must be >= 0 and fault.spike_window > 1")
     _require(f.straggler_factor > 1, f"fault.straggler_factor must exceed 1, got {f.straggler_factor}")
     # At least 2: a window is scored once every process has posted it, which the train loop (one step
@@ -180,6 +208,9 @@ def _check_fault(f: FaultConfig) -> None:
     _require(f.straggler_every_steps >= 2 and f.straggler_host_threshold > 0,
              "fault.straggler_every_steps must be at least 2 and fault.straggler_host_threshold positive")
     _require(f.barrier_timeout_s >= 1, "fault.barrier_timeout_s must be at least 1 second")
+    _require(f.flight_events >= 16 and f.flight_heartbeat_s > 0,
+             f"fault.flight_events must be at least 16 and fault.flight_heartbeat_s positive, got {f.flight_events} "
+             f"and {f.flight_heartbeat_s}")
     _require(f.inject_step_delay_s >= 0 and f.inject_save_delay_s >= 0, "fault.inject_*_delay_s must be >= 0")
     _require(0 < f.preflight_min_ratio <= 1,
              f"fault.preflight_min_ratio must be in (0, 1], got {f.preflight_min_ratio}")

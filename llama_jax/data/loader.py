@@ -1,20 +1,15 @@
 """Batches from token stores, as a pure function of (seed, step, data config).
 
-Per mixture component (one input of one store) and epoch, a *packing plan* is computed from the
-document lengths alone: the documents are shuffled with a generator keyed by (seed, component,
-epoch) and cut into rows of seq_len + 1 tokens, either
+Per mixture component (one input of one store) and epoch, a *packing plan* (plans.py) cuts the shuffled
+documents into rows of seq_len + 1 tokens. Grain mixes the components' rows by weight (an exact, deterministic
+interleaving), and global batch i is rows [i·B, (i+1)·B) of the mixture. A process reads only its own rows'
+tokens. Because nothing depends on how many processes read or where a previous run stopped, resuming at step i
+-- with any number of processes or data-parallel shards -- replays exactly the batches a straight run would have
+seen. Grain's threads prepare the next batches while the accelerator works.
 
-  concat     concatenated and split every seq_len + 1 tokens (no padding but the epoch's last row), or
-  first_fit  first-fit-decreasing within windows of `data.packing_window` documents: a document
-             starts a row more often (longer contexts stay whole), at the cost of some padding.
-
-A plan is a list of pieces (document, offset, length) per row, a few bytes per document, and is
-identical on every process. Grain mixes the components' rows by weight (an exact, deterministic
-interleaving), and global batch i is rows [i·B, (i+1)·B) of the mixture. A process reads only its
-own rows' tokens. Because nothing depends on how many processes read or where a previous run
-stopped, resuming at step i -- with any number of processes or data-parallel shards -- replays
-exactly the batches a straight run would have seen. Grain's threads prepare the next batches
-while the accelerator works.
+Host memory does not grow with the corpus: a store's tokens and document index are memory-mapped, and the
+plans are written once and memory-mapped too (plans.py), so a process holds a few numbers per unit of work and
+per epoch, whatever the number of documents.
 
 The plan and packing are our own code: Grain's packers are iterators whose output depends on the
 iteration history of each process, which is exactly what exact resume across process counts rules out.
@@ -44,10 +39,9 @@ from typing import Callable, Iterator, Sequence
 import grain
 import numpy as np
 
+from llama_jax.data.plans import PACKINGS, PLAN_VERSION, Plan, compute_plan, stored_plan
 from llama_jax.errors import DataError
-
-PACKINGS = ("concat", "first_fit")
-
+from llama_jax.files import advise
 
 # --------------------------------------------------------------------------------------------
 # Token stores
@@ -55,20 +49,43 @@ PACKINGS = ("concat", "first_fit")
 
 @dataclass(frozen=True)
 class Documents:
-    """The documents of one input and split of a store: where each one's tokens are."""
+    """The documents of one input and split of a store: where each one's tokens are, found through its unit of
+    work (a shard of tokens and the memory-mapped boundaries of its documents), nothing kept per document."""
 
     shards: tuple[np.ndarray, ...]  # memory-mapped token ids, one array per unit
-    shard: np.ndarray  # per document: its shard
-    start: np.ndarray  # per document: its first token within the shard
-    length: np.ndarray  # per document: its token count (BOS/EOS included)
+    bounds: tuple[np.ndarray, ...]  # per unit: its documents' boundaries in the shard (n + 1), memory-mapped
+    first: np.ndarray  # int64 [units + 1]: the first document of each unit, and the count
+    identity: str = ""  # names these documents (store fingerprint, split, input): where their plans are kept
 
     def read(self, doc: int, offset: int, count: int) -> np.ndarray:
-        begin = int(self.start[doc]) + offset
-        return self.shards[int(self.shard[doc])][begin:begin + count]
+        unit = int(np.searchsorted(self.first, doc, side="right")) - 1
+        begin = int(self.bounds[unit][doc - self.first[unit]]) + offset
+        return self.shards[unit][begin:begin + count]
+
+    def __len__(self) -> int:
+        return int(self.first[-1])
+
+    def lengths(self) -> np.ndarray:
+        """Every document's token count (int32, 4 bytes a document): what a plan is computed from."""
+        out = np.empty(len(self), np.int32)
+        for unit, bounds in enumerate(self.bounds):
+            out[self.first[unit]:self.first[unit + 1]] = np.diff(bounds)
+            advise(bounds, "done")  # read once, front to back: its pages need not stay in this process
+        return out
+
+    @property
+    def length(self) -> np.ndarray:
+        return self.lengths()
 
     @property
     def tokens(self) -> int:
-        return int(self.length.sum())
+        return sum(int(b[-1]) for b in self.bounds)
+
+    @classmethod
+    def in_memory(cls, documents: list[np.ndarray]) -> Documents:
+        """Documents held in memory (a text file to score), as one unit."""
+        bounds = np.concatenate([[0], np.cumsum([len(d) for d in documents])]).astype(np.int64)
+        return cls((np.concatenate(documents).astype(np.int32),), (bounds,), np.array([0, len(documents)], np.int64))
 
 
 class TokenStore:
@@ -88,123 +105,50 @@ class TokenStore:
 
     def documents(self, split: str, source: int) -> Documents:
         units = self.meta["sources"][source]["units"]
-        shards, shard, start, length = [], [], [], []
-        for k, unit in enumerate(units):
-            bounds = np.load(self.directory / "shards" / f"{unit:05d}.{split}.idx.npy")
+        shards, bounds, first = [], [], [0]
+        for unit in units:
+            index = np.load(self.directory / "shards" / f"{unit:05d}.{split}.idx.npy", mmap_mode="r")
             path = self.directory / "shards" / f"{unit:05d}.{split}.bin"
-            expected = int(bounds[-1]) * np.dtype(self.meta["dtype"]).itemsize
+            expected = int(index[-1]) * np.dtype(self.meta["dtype"]).itemsize
             if path.stat().st_size != expected:
                 raise DataError(f"{path} has {path.stat().st_size} bytes, its index says {expected}; "
                                 "the store is damaged: prepare it again into a new directory")
             shards.append(np.memmap(path, self.meta["dtype"], "r") if expected else np.zeros(0, self.meta["dtype"]))
-            shard.append(np.full(len(bounds) - 1, k, np.int32))
-            start.append(bounds[:-1])
-            length.append(np.diff(bounds))
-        return Documents(tuple(shards), np.concatenate(shard), np.concatenate(start), np.concatenate(length))
+            advise(shards[-1], "random"), advise(index, "random")
+            bounds.append(index)
+            first.append(first[-1] + len(index) - 1)
+        return Documents(tuple(shards), tuple(bounds), np.array(first, np.int64),
+                         identity=f"{self.meta['fingerprint']}/{split}/{source}")
 
 
 # --------------------------------------------------------------------------------------------
-# Packing plans
-
-
-@dataclass(frozen=True)
-class Plan:
-    """Rows of one epoch as pieces: row r is pieces row_ptr[r]:row_ptr[r+1], in order."""
-
-    row_ptr: np.ndarray  # int64 [rows + 1]
-    doc: np.ndarray  # int64 [pieces] document id
-    offset: np.ndarray  # int64 [pieces] first token within the document
-    length: np.ndarray  # int64 [pieces]
-
-    @property
-    def rows(self) -> int:
-        return len(self.row_ptr) - 1
-
-
-def concat_plan(lengths: np.ndarray, order: np.ndarray, row_len: int, prompt_tokens: int = 0) -> Plan:
-    """Documents in `order`, concatenated, cut every row_len tokens (vectorised: O(documents))."""
-    if prompt_tokens:
-        return prompted_concat_plan(lengths, order, row_len, prompt_tokens)
-    ends = np.cumsum(lengths[order])
-    starts = ends - lengths[order]
-    total = int(ends[-1])
-    rows = -(-total // row_len)
-    points = np.union1d(starts, np.arange(rows, dtype=np.int64) * row_len)  # every piece begins at one
-    index = np.searchsorted(ends, points, side="right")  # the document each piece lies in
-    piece_length = np.diff(np.append(points, total))
-    row_ptr = np.searchsorted(points // row_len, np.arange(rows + 1))
-    return Plan(row_ptr, order[index].astype(np.int64), points - starts[index], piece_length)
-
-
-def prompted_concat_plan(lengths: np.ndarray, order: np.ndarray, row_len: int, prompt_tokens: int) -> Plan:
-    """concat with prompt_tokens slots in front of every piece: documents run on from row to row, each
-    piece with its own slots; a row without room for the slots and two tokens (one predicted) ends in
-    padding."""
-    row_ptr, pieces, free = [0], [], row_len
-    for doc in order:
-        done, total = 0, int(lengths[doc])
-        while done < total:
-            if free < prompt_tokens + 2:
-                row_ptr.append(len(pieces))
-                free = row_len
-            take = min(total - done, free - prompt_tokens)
-            pieces.append((int(doc), done, take))
-            done, free = done + take, free - prompt_tokens - take
-    if row_ptr[-1] != len(pieces):
-        row_ptr.append(len(pieces))
-    doc, offset, length = (np.array([p[i] for p in pieces], np.int64) for i in range(3))
-    return Plan(np.array(row_ptr, np.int64), doc, offset, length)
-
-
-def first_fit_plan(lengths: np.ndarray, order: np.ndarray, row_len: int, window: int,
-                   rng: np.random.Generator, prompt_tokens: int = 0) -> Plan:
-    """First-fit decreasing within windows of documents; longer documents are cut into full rows first.
-    Every piece takes prompt_tokens slots more than its tokens."""
-    rows: list[list[tuple[int, int, int]]] = []
-    capacity = row_len - prompt_tokens  # the tokens of a piece alone in a row
-    for w in range(0, len(order), window):
-        window_rows: list[list[tuple[int, int, int]]] = []
-        rest: list[tuple[int, int, int]] = []
-        for doc in order[w:w + window]:
-            full, tail = divmod(int(lengths[doc]), capacity)
-            window_rows += [[(int(doc), k * capacity, capacity)] for k in range(full)]
-            if tail:
-                rest.append((int(doc), full * capacity, tail))
-        rest.sort(key=lambda piece: -piece[2])  # stable: ties keep the shuffled order
-        space = np.zeros(len(rest), np.int64)
-        bins: list[list[tuple[int, int, int]]] = []
-        for piece in rest:
-            fits = np.flatnonzero(space[:len(bins)] >= piece[2] + prompt_tokens)
-            if len(fits):
-                bins[fits[0]].append(piece)
-                space[fits[0]] -= piece[2] + prompt_tokens
-            else:
-                bins.append([piece])
-                space[len(bins) - 1] = capacity - piece[2]
-        window_rows += bins
-        rows += [window_rows[i] for i in rng.permutation(len(window_rows))]  # long docs not all first
-    pieces = [p for row in rows for p in row]
-    row_ptr = np.concatenate([[0], np.cumsum([len(r) for r in rows])]).astype(np.int64)
-    doc, offset, length = (np.array([p[i] for p in pieces], np.int64) for i in range(3))
-    return Plan(row_ptr, doc, offset, length)
+# Rows
 
 
 class PackedRows:
     """Row k of a component's endless sequence of epochs (a Grain data source: len and getitem).
 
-    Plans are computed on first use and kept for the current and the next epoch; a lock makes
-    this safe under Grain's reader threads.
+    An epoch's plan is computed on first use: into `plans` (a directory) once, memory-mapped by every process that
+    reads it, or, without one, in memory; the current and the next epoch are kept at hand. A lock makes this safe
+    under Grain's reader threads.
     """
 
     def __init__(self, documents: Documents, row_len: int, seed: int, salt: int, packing: str, window: int,
-                 prompt_tokens: int = 0):
+                 prompt_tokens: int = 0, plans: Path | None = None):
         if packing not in PACKINGS:
             raise DataError(f"data.packing '{packing}' is unknown; use concat or first_fit")
         self.documents, self.row_len, self.seed, self.salt = documents, row_len, seed, salt
         self.packing, self.window, self.prompt_tokens = packing, window, prompt_tokens
+        self.directory = None if plans is None else plans / self._key()
         self._first_row = [0]  # _first_row[e] = global index of epoch e's first row
         self._plans: dict[int, Plan] = {}
         self._lock = threading.Lock()
+
+    def _key(self) -> str:
+        """Everything a plan depends on, hashed: its directory under `plans`."""
+        identity = [self.documents.identity, self.seed, self.salt, self.packing, self.window, self.row_len,
+                    self.prompt_tokens, PLAN_VERSION]
+        return hashlib.sha256(json.dumps(identity).encode()).hexdigest()[:24]
 
     def __len__(self) -> int:
         return sys.maxsize  # endless: epochs follow each other
@@ -218,13 +162,13 @@ class PackedRows:
 
     def _compute(self, epoch: int) -> Plan:
         if epoch not in self._plans:
-            rng = np.random.default_rng([self.seed, self.salt, epoch])
-            lengths = self.documents.length
-            order = rng.permutation(len(lengths))
+            key = [self.seed, self.salt, epoch]
             self._plans = {e: p for e, p in self._plans.items() if e >= epoch - 1}
             self._plans[epoch] = (
-                concat_plan(lengths, order, self.row_len, self.prompt_tokens) if self.packing == "concat" else
-                first_fit_plan(lengths, order, self.row_len, self.window, rng, self.prompt_tokens))
+                compute_plan(self.documents.lengths(), self.row_len, self.packing, self.window, key,
+                             self.prompt_tokens) if self.directory is None else
+                stored_plan(self.directory / f"epoch-{epoch}", self.documents.lengths, self.row_len, self.packing,
+                            self.window, key, self.prompt_tokens))
         return self._plans[epoch]
 
     def rows_in_epoch(self, epoch: int) -> int:
@@ -332,13 +276,15 @@ def components(stores: list[TokenStore], weights: list[float]) -> list[Component
 
 
 def batches(parts: list[Component], split: str, batch_size: int, seq_len: int, seed: int, packing: str,
-            window: int, prompt_tokens: int = 0) -> Batches:
+            window: int, prompt_tokens: int = 0, plans: Path | None = None) -> Batches:
+    """The batches of `parts` mixed by weight; `plans`: the directory the packing plans are written to and
+    memory-mapped from (None: in memory)."""
     rows = []
     for salt, part in enumerate(parts):
         documents = part.store.documents(split, part.source)
-        if not len(documents.length):
+        if not len(documents):
             raise DataError(f"{part.name} has no {split} documents; prepare it with more documents")
-        rows.append(PackedRows(documents, seq_len + 1, seed, salt, packing, window, prompt_tokens))
+        rows.append(PackedRows(documents, seq_len + 1, seed, salt, packing, window, prompt_tokens, plans))
     tokens = sum(r.documents.tokens for r in rows)
     # Validation may be smaller than a batch (its rows repeat); training on repeats would mislead.
     if split == "train" and tokens < batch_size * (seq_len + 1):
@@ -349,12 +295,10 @@ def batches(parts: list[Component], split: str, batch_size: int, seq_len: int, s
 
 def document_batches(documents: list[np.ndarray], batch_size: int, seq_len: int, prompt_tokens: int = 0) -> Batches:
     """Batches of in-memory token documents (e.g. a text file to score), concatenated and split."""
-    lengths = np.array([len(d) for d in documents], np.int64)
-    if lengths.sum() < seq_len + 1:
-        raise DataError(f"the text has {lengths.sum()} tokens, fewer than one row of {seq_len + 1}; "
+    docs = Documents.in_memory(documents)
+    if docs.tokens < seq_len + 1:
+        raise DataError(f"the text has {docs.tokens} tokens, fewer than one row of {seq_len + 1}; "
                         "lower --seq-len or give more text")
-    docs = Documents(shards=(np.concatenate(documents).astype(np.int32),), shard=np.zeros(len(lengths), np.int64),
-                     start=np.cumsum(lengths) - lengths, length=lengths)
     rows = PackedRows(docs, seq_len + 1, seed=0, salt=0, packing="concat", window=1, prompt_tokens=prompt_tokens)
     return Batches(grain.MapDataset.source(rows), batch_size, seq_len, [rows])
 
@@ -362,6 +306,7 @@ def document_batches(documents: list[np.ndarray], batch_size: int, seq_len: int,
 def stream_fingerprint(parts: list[Component], **settings) -> str:
     """Names the batch stream: equal fingerprints give equal batches for every step."""
     identity = [[p.store.meta["fingerprint"], p.source, round(p.weight, 12)] for p in parts]
+    settings = settings | {"plan": PLAN_VERSION}  # the same settings planned otherwise give other batches
     return hashlib.sha256(json.dumps([identity, settings], sort_keys=True).encode()).hexdigest()[:16]
 
 

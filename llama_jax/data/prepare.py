@@ -35,7 +35,7 @@ from tqdm import tqdm
 from llama_jax.data.corpus import BadRecords, ReadOptions, Unit, input_identity, parse_input, plan_units, read_unit
 from llama_jax.data.tokenizer import Tokenizer, load_tokenizer, train_bpe
 from llama_jax.errors import DataError
-from llama_jax.files import atomic_path
+from llama_jax.files import STORAGE_ERRNOS, atomic_path, describe_write_failure, storage_errno
 
 FORMAT = 1  # bump when the store layout changes
 SPLITS = ("train", "val")
@@ -216,6 +216,12 @@ def prepare(options: PrepareOptions, log: Callable[[str], None] = print, progres
     created = not out.exists()
     try:
         return _build(options, out, units, identity, digest, log, progress)
+    except OSError as err:  # a full, read-only or failing disk: what is written stays, and a re-run resumes from it
+        if storage_errno(err) not in STORAGE_ERRNOS:
+            raise
+        raise DataError(f"writing the token store {out} failed: {describe_write_failure(err, out)}; the units "
+                        "tokenized so far are kept: re-run the same command once there is room and it resumes"
+                        ) from None
     except DataError:
         if created:  # bad data found while tokenizing: leave nothing behind
             shutil.rmtree(out, ignore_errors=True)

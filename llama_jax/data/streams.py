@@ -51,6 +51,19 @@ def resolve_store(spec: str, data: DataConfig, vocab_size: int, tokenizer: str, 
     return TokenStore(prepare(PrepareOptions(**{**options.__dict__, "out": str(out)}), log=log, progress=False))
 
 
+def check_sources(data: DataConfig) -> None:
+    """Data named, and a tokenizer for every source that is not yet a token store (DataError, one line)."""
+    if not data.sources:
+        raise DataError("data.sources is empty: name the data to train on, e.g. data.sources=[STORE] with a token "
+                        "store made by `llama-jax prepare CORPUS --out STORE --tokenizer TOKENIZER` (a Llama 3 model: its "
+                        "tokenizer.model); see docs/data.md")
+    raw = [spec for spec in data.sources if not is_store(spec)]
+    if raw and not data.tokenizer:
+        raise DataError(f"{raw[0]} is not a token store and data.tokenizer is not set: prepare it with "
+                        f"`llama-jax prepare {raw[0]} --out STORE --tokenizer TOKENIZER` (a Llama 3 model: its "
+                        "tokenizer.model) and name STORE in data.sources, or set data.tokenizer=TOKENIZER")
+
+
 @dataclass(frozen=True)
 class TrainData:
     tokenizer: Tokenizer
@@ -62,6 +75,7 @@ class TrainData:
 def open_data(config: Config, log: Callable[[str], None] = print) -> TrainData:
     """Raises DataError (one line) on bad data; writes only to the cache."""
     data, t = config.data, config.train
+    check_sources(data)
     # Every source must share one tokenizer: inputs are prepared with data.tokenizer or, for "bpe",
     # with the first source's tokenizer (trained on that source when it is an input, not a store).
     stores, tokenizer_file = [], "" if data.tokenizer == "bpe" else data.tokenizer
@@ -74,7 +88,7 @@ def open_data(config: Config, log: Callable[[str], None] = print) -> TrainData:
         raise DataError(f"{a.directory} and {b.directory} were prepared with different tokenizers; "
                         "prepare every source with the same tokenizer")
     store = stores[0]
-    if data.tokenizer != "bpe":
+    if data.tokenizer not in ("bpe", ""):  # a file: the stores must have been prepared with it
         if load_tokenizer(data.tokenizer).fingerprint()["sha256"] != store.tokenizer_sha256:
             raise DataError(f"{store.directory} was prepared with another tokenizer than data.tokenizer "
                             f"({data.tokenizer}); prepare it with that tokenizer or set data.tokenizer to "
@@ -86,25 +100,27 @@ def open_data(config: Config, log: Callable[[str], None] = print) -> TrainData:
     settings = dict(packing=data.packing, window=data.packing_window)
     if config.peft.virtual_tokens:  # room for the prompt in front of every document (loader.py)
         settings["prompt_tokens"] = config.peft.virtual_tokens
-    train = batches(parts, "train", t.batch_size, t.seq_len, config.seed, **settings)
+    plans = cache_root(data.cache_dir) / "plans"  # written once, memory-mapped by every process (plans.py)
+    train = batches(parts, "train", t.batch_size, t.seq_len, config.seed, **settings, plans=plans)
     # Validation uses a fixed seed so every evaluation scores the same tokens.
-    val = batches(parts, "val", t.batch_size, t.seq_len, 0, **settings)
+    val = batches(parts, "val", t.batch_size, t.seq_len, 0, **settings, plans=plans)
     fingerprint = stream_fingerprint(parts, seed=config.seed, batch_size=t.batch_size, seq_len=t.seq_len, **settings)
     return TrainData(tokenizer, train, val, fingerprint)
 
 
 def evaluation_batches(data: str, tokenizer: Tokenizer, batch_size: int, seq_len: int, split: str = "val",
-                       model: str = "the model", prompt_tokens: int = 0) -> Batches:
+                       model: str = "the model", prompt_tokens: int = 0, read: ReadOptions = ReadOptions()
+                       ) -> Batches:
     """What `llama-jax eval` scores: a token store's `split` (made with `tokenizer`, the tokenizer of
-    `model`), or text/jsonl files tokenized here, every document whole; with room for a learned prompt of
-    prompt_tokens in front of every document."""
+    `model`), or text/jsonl files tokenized here, every document whole (`read`: data.text_field, text_unit and
+    on_bad_record); with room for a learned prompt of prompt_tokens in front of every document."""
     if is_store(data):
         store = TokenStore(Path(data).expanduser())
         if store.tokenizer_sha256 != tokenizer.fingerprint()["sha256"]:
             raise DataError(f"{data} was prepared with another tokenizer than {model}'s; prepare it with "
                             f"`llama-jax prepare ... --tokenizer` and that model's tokenizer")
         return batches(components([store], []), split, batch_size, seq_len, 0, "concat", 1, prompt_tokens)
-    options, bad = ReadOptions(), BadRecords()
+    options, bad = read, BadRecords()
     documents = [np.asarray(tokenizer.encode_document(text), np.int32)
                  for unit in plan_units(data, options) for text in read_unit(unit, options, bad)]
     return document_batches(documents, batch_size, seq_len, prompt_tokens)

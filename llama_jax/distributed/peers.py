@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 import time
 from typing import Any, Callable, TypeVar
 
 import jax
 from jax._src import distributed as jax_distributed
 
+from llama_jax.distributed.processes import node_name
 from llama_jax.errors import PeerTimeout
 from llama_jax.files import format_ranges
 
@@ -31,16 +31,20 @@ class Peers:
     In a one-process run every call returns at once.
 
     `stall_at` is fault injection (fault.inject_stall_at): this process never arrives at that barrier.
+    `recorder` (resilience/flight.py's FlightRecorder, or None) is told of every wait, and of a barrier that
+    timed out, naming the absent processes.
     """
 
-    def __init__(self, timeout_s: float, stall_at: str = "", client=None):
-        self.timeout_s, self.stall_at = timeout_s, stall_at
+    def __init__(self, timeout_s: float, stall_at: str = "", client=None, recorder=None):
+        self.timeout_s, self.stall_at, self.recorder = timeout_s, stall_at, recorder
         self.count, self.index = jax.process_count(), jax.process_index()
         # JAX has no public handle on its coordination client; Orbax reads the same attribute.
         self.client = client if client is not None or self.count == 1 else jax_distributed.global_state.client
         self._calls = 0
         instance = self.client.key_value_increment(f"llama_jax/instances/{self.index}", 1) if self.count > 1 else 0
         self._prefix = f"llama_jax/{instance}"  # every key of this instance starts with it
+        if self.count > 1:  # where each process runs, so that one that never arrives somewhere can be found
+            self.client.key_value_set(f"{self._prefix}/hosts/{self.index}", node_name())
         self._finished: list[str] = []  # key prefixes every process is done with (deleted by process 0)
         self._announced: set[tuple[str, int]] = set()  # process 0's announcements not yet deleted
 
@@ -56,11 +60,16 @@ class Peers:
     def _meet(self, key: str, name: str) -> None:
         while name == self.stall_at:  # injected: this process never arrives
             time.sleep(3600)
-        self.client.key_value_set(f"{key}/arrived/{self.index}", socket.gethostname())
+        self._record("barrier", f"barrier '{name}' entered")
+        self.client.key_value_set(f"{key}/arrived/{self.index}", "1")
         try:
             self.client.wait_at_barrier(key, int(self.timeout_s * 1000))
         except Exception:  # jaxlib's runtime error: DEADLINE_EXCEEDED, or the barrier failed elsewhere
-            raise self._absent(key, name) from None
+            absent = self._absent(key, name)
+            if self.recorder is not None:
+                self.recorder.hang(str(absent), waiting_for=absent.missing)
+            raise absent from None
+        self._record("barrier", f"barrier '{name}' passed")
         if self.index == 0:  # everyone has passed this barrier, so no one reads the earlier keys again
             for done in self._finished:
                 self.client.key_value_delete(done)
@@ -77,10 +86,26 @@ class Peers:
                                f"(fault.barrier_timeout_s {self.timeout_s:g}s); stopping so that a restart brings "
                                "every process back together")
         absent = f"process{'es' * (len(missing) != 1)} {format_ranges(missing)}"
-        return PeerTimeout(f"'{name}': {absent} of {self.count} did "
-                           f"not arrive within {self.timeout_s:g}s (fault.barrier_timeout_s); process {self.index} "
-                           "stops too, so a restart (llama-jax supervise) brings every process back together; "
-                           "look for a hang report or an error in the absent processes' logs")
+        return PeerTimeout(
+            f"'{name}': {absent} of {self.count} did not arrive within {self.timeout_s:g}s (fault.barrier_timeout_s), "
+            f"on {self._where(missing)}; process {self.index} stops too, so a restart (llama-jax supervise) brings "
+            "every process back together; look for a hang report or an error in the absent processes' logs", missing)
+
+    def _record(self, kind: str, what: str) -> None:
+        if self.recorder is not None:
+            self.recorder.record(kind, what)
+
+    def _where(self, processes: list[int]) -> str:
+        """The nodes of `processes`, each with its process ids: 'node-7 (process 3), node-9 (processes 8-15)'."""
+        try:
+            hosts = {int(k.rsplit("/", 1)[1]): v for k, v in self.client.key_value_dir_get(f"{self._prefix}/hosts/")}
+        except Exception:  # the coordinator itself is gone
+            hosts = {}
+        by_host: dict[str, list[int]] = {}
+        for process in processes:
+            by_host.setdefault(hosts.get(process, "an unknown host"), []).append(process)
+        return ", ".join(f"{host} (process{'es' * (len(ids) > 1)} {format_ranges(ids)})"
+                         for host, ids in by_host.items())
 
     def broadcast(self, name: str, value: Any) -> Any:
         """Process 0's `value` (JSON-serialisable) on every process: one decision for all."""
@@ -91,6 +116,7 @@ class Peers:
             self.client.key_value_set(f"{key}/value", json.dumps(value))
             self._finished.append(key)
             return value
+        self._record("agreement", f"waiting for process 0's '{name}'")
         try:
             return json.loads(self.client.blocking_key_value_get(f"{key}/value", int(self.timeout_s * 1000)))
         except Exception:

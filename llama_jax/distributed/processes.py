@@ -18,6 +18,7 @@ peers.py makes every decision the processes must share outside the jitted step.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import sys
@@ -140,3 +141,26 @@ def wait_for_coordinator(address: str, timeout_s: float, process_id: int | None)
         f"process {process_id} could not reach the coordinator at {address} within {timeout_s:g}s "
         f"({last_error}); check that process 0 is running there and the port is open to this host "
         "(run.coordinator, run.init_timeout_s)")
+
+
+def on_fewer_processes(config, processes: int):
+    """`config` for a run on `processes` of its run.full_processes: train.microbatches multiplied by their ratio
+    (the global batch and each micro-batch's rows per device as on all of them). Raises ConfigError."""
+    full, microbatches = config.run.full_processes, config.train.microbatches
+    if full <= processes or microbatches == "auto":
+        return config
+    if full % processes or config.train.batch_size % (microbatches * (full // processes)):
+        raise ConfigError(f"run.full_processes={full} on {processes} processes: train.batch_size "
+                          f"{config.train.batch_size} cannot be split into {microbatches} x {full}/{processes} "
+                          "micro-batches; run on a count of processes that divides run.full_processes")
+    train = dataclasses.replace(config.train, microbatches=microbatches * (full // processes))
+    print(f"running on {processes} of {full} processes (run.full_processes): train.microbatches "
+          f"{microbatches} -> {train.microbatches}, the same global batch", file=sys.stderr, flush=True)
+    return dataclasses.replace(config, train=train)
+
+
+def node_name() -> str:
+    """The name the scheduler knows this host by, to exclude it: Kubernetes' node (LLAMA_JAX_NODE_NAME, which
+    launch/k8s.sh sets from spec.nodeName; a pod's host name is the pod's), Slurm's (SLURMD_NODENAME), else
+    the host name."""
+    return os.environ.get("LLAMA_JAX_NODE_NAME") or os.environ.get("SLURMD_NODENAME") or socket.gethostname()

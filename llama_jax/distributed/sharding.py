@@ -29,6 +29,7 @@ from llama_jax.config.choices import MESH_AXES
 from llama_jax.errors import ConfigError
 from llama_jax.model.context_parallel import chunk_order
 from llama_jax.model.llama import abstract_params
+from llama_jax.model.stages import LayerOrder
 
 # logical axis (config/choices.py) -> mesh axis (or axes, or None = replicated).
 LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
@@ -114,9 +115,11 @@ def check_divisibility(config: Config, sizes: dict[str, int]) -> None:
             f"train.batch_size ({t.batch_size}) must be divisible by data×fsdp×microbatches "
             f"({sizes['data']}×{sizes['fsdp']}×{microbatches} = {batch_shards * microbatches})"
         )
-    if m.n_layers % (stages * repeats):
+    uneven = config.mesh.pipeline_stage_layers  # checked against the stages in config/checks.py
+    if not uneven and m.n_layers % (stages * repeats):
         raise ConfigError(f"model.n_layers ({m.n_layers}) must be divisible by mesh.pipeline × mesh.pipeline_repeats "
-                          f"({stages} × {repeats}): every stage runs the same number of layers per repeat")
+                          f"({stages} × {repeats}): every stage runs the same number of layers per repeat, unless "
+                          "mesh.pipeline_stage_layers says how many each runs")
     per_pass = config.mesh.pipeline_microbatches or microbatches
     if stages > 1 and per_pass % stages:
         key = "mesh.pipeline_microbatches" if config.mesh.pipeline_microbatches else "train.microbatches"
@@ -127,7 +130,7 @@ def check_divisibility(config: Config, sizes: dict[str, int]) -> None:
         raise ConfigError(f"train.microbatches ({microbatches}) must be a multiple of mesh.pipeline_microbatches "
                           f"({per_pass}): the step accumulates the gradient over whole passes through the pipeline")
     layers_per_group = m.n_layers // (stages * repeats)
-    if stages > 1 and layers_per_group % config.remat.every_n_layers:
+    if stages > 1 and not uneven and layers_per_group % config.remat.every_n_layers:
         raise ConfigError(f"remat.every_n_layers ({config.remat.every_n_layers}) must divide the {layers_per_group} "
                           "layers of each pipeline stage's group (model.n_layers / (mesh.pipeline × mesh.pipeline_repeats))")
     tensor = sizes["tensor"]
@@ -159,8 +162,11 @@ def check_parameter_shapes(config: Config, sizes: dict[str, int]) -> None:
     rules = dict(axis_rules(config))
     boxed = abstract_params(config.model)
     leaves = jax.tree.leaves(boxed, is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned))
+    # The layer stack as stored: padded to the largest stage's layers where stages are uneven (stages.py).
+    stored = LayerOrder(sizes["pipeline"], config.mesh.pipeline_repeats, tuple(config.mesh.pipeline_stage_layers))
     for leaf in leaves:
         for dim, name in zip(leaf.value.shape, leaf.names):
+            dim = stored.length(dim) if name == "layers" else dim
             axes = rules.get(name)
             axes = () if axes is None else (axes,) if isinstance(axes, str) else axes
             shards = math.prod(sizes[a] for a in axes)

@@ -34,7 +34,8 @@ from llama_jax.distributed import sharding
 from llama_jax.errors import ConfigError
 from llama_jax.model import peft
 from llama_jax.model.llama import KV_HEADS, Llama
-from llama_jax.model.pipeline import relayout, without_stage_axis
+from llama_jax.model.pipeline import without_stage_axis
+from llama_jax.model.stages import NATURAL, LayerOrder, relayout
 
 # The cache's logical axes: one [batch, cache_len, kv_heads, head_dim] block of keys or values per layer.
 CACHE_AXES = ("layers", *KV_HEADS)
@@ -231,7 +232,8 @@ def generate_without_cache(cfg: ModelConfig, params, prompt: list[int], max_new_
 def sample_text(config: Config, params, tokenizer) -> str:
     """The trainer's end-of-run sample: train.sample_prompt continued by train.sample_tokens tokens
     (params as training holds them: the layers in the pipeline's storage order)."""
-    params = relayout({"params": params}, (config.mesh.pipeline, config.mesh.pipeline_repeats), (1, 1))["params"]
+    order = LayerOrder(config.mesh.pipeline, config.mesh.pipeline_repeats, tuple(config.mesh.pipeline_stage_layers))
+    params = relayout({"params": params}, order, NATURAL)["params"]
     bos = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
     new_tokens = min(config.train.sample_tokens, config.model.max_seq_len - 1)
     prompt = [*bos, *tokenizer.encode(config.train.sample_prompt)][-(config.model.max_seq_len - new_tokens):]

@@ -11,7 +11,10 @@ onto a mesh) and the mesh axes of its own shard_maps.
     loss.py              the next-token loss fused with the output projection, over chunks of tokens
     projection.py        the projections' matmul, with a faster backward pass on CPU
     remat.py             recomputation policies -> jax.checkpoint policies
-    pipeline.py          the layer stack cut into pipeline stages; the layers' storage order
+    stages.py            which layers each pipeline stage holds (even or uneven); the layers' storage order, relayout
+    pipeline.py          pipeline layouts, the micro-batch splits, and the GPipe schedule
+    one_f_one_b.py       the 1F1B schedule: per iteration one forward and one backward pass per stage, explicit VJPs
+    residuals.py         which of a VJP's residuals depend on the data, read from its jaxpr (kept per micro-batch)
     peft.py              adapters apart from the frozen base, the base's digest, LoRA folded into weights
     platform.py          the platform a step is traced for (the mesh's, not always this process's)
 

@@ -30,7 +30,6 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 SEQUENCE_AXIS = "sequence"

@@ -34,7 +34,8 @@ from llama_jax.config import ModelConfig, PeftConfig, RematConfig
 from llama_jax.model import platform, remat
 from llama_jax.model.attention import attention, cached_attention, select_implementation
 from llama_jax.model.loss import LOGITS, fused_cross_entropy_sum
-from llama_jax.model.pipeline import PipelineLayout, run_stages
+from llama_jax.model.one_f_one_b import pipelined_loss
+from llama_jax.model.pipeline import LAYER_SLOT_SCOPE, PipelineLayout, run_stages
 from llama_jax.model.projection import FP8_FORWARD, fp8_project, project, quantize
 
 # Logical names of activation axes. Parameters use `embed`, `heads`, ...; activations get their own
@@ -420,14 +421,23 @@ class Llama(nn.Module):
                                                                         self.peft, name="layers")
         layer_params = None if self.is_initializing() else self.variables["params"]["layers"]
         if self.pipeline is not None and layer_params is not None:
-            # pipeline.py: every stage runs its groups of layers, recomputing as the policy says.
-            # (Adapters are not pipelined: config validation keeps peft and pipelines apart.)
-            def stage(params, x, segment_ids, positions):
+            # pipeline.py: every stage runs its groups of layers, recomputing as the policy says; `layers`:
+            # how many of a group's slots hold layers (uneven stages). (Adapters are not pipelined: config
+            # validation keeps peft and pipelines apart.)
+            def stage(params, layers, x, segment_ids, positions):
                 return run_layers(cfg, self.peft, policy, every_n, params, None, x, *rope_angles(positions, cfg),
-                                  segment_ids, positions, load_balanced=self.load_balanced)
+                                  segment_ids, positions, load_balanced=self.load_balanced, layers=layers)
 
             if segment_ids is None:
                 segment_ids = jnp.ones(tokens.shape, jnp.int32)
+            if self.pipeline.schedule == "1f1b" and targets is not None:
+                # one_f_one_b.py: a micro-batch's loss runs on the last stage as soon as its forward pass
+                # ends, so that its backward pass can start: the layers, the final norm and the loss in one.
+                loss_mask = jnp.ones(targets.shape, jnp.float32) if loss_mask is None else loss_mask
+                head = {"norm": self.variables["params"]["final_norm"]["scale"], "output": self.output_weight(embed)}
+                batch = dict(targets=targets, loss_mask=loss_mask, segment_ids=segment_ids, positions=positions)
+                loss = pipelined_loss(self.pipeline, stage, partial(final_loss, cfg), RESIDUAL)
+                return loss(layer_params, head, x, batch), jnp.sum(loss_mask)
             x = run_stages(self.pipeline, stage, layer_params, x, segment_ids, positions, RESIDUAL)
         elif policy is not None and every_n > 1 and layer_params is not None:
             dropout_key = self.make_rng("dropout") if self.peft.dropout and self.has_rng("dropout") else None
@@ -437,18 +447,20 @@ class Llama(nn.Module):
             x, _ = layers(x, *rope_angles(positions, cfg), segment_ids, positions)
 
         x = RMSNorm(cfg.norm_eps, **dtypes(cfg), name="final_norm")(x)
-        if cfg.tie_embeddings:
-            head = embed.embedding.T  # [embed, vocab]
-        else:
-            head = Weight((cfg.d_model, cfg.vocab_size), ("embed", "vocab"), cfg.init_std, cfg.param_dtype,
-                          name="lm_head")()
-        head = head.astype(cfg.compute_dtype)
+        head = self.output_weight(embed).astype(cfg.compute_dtype)
         if targets is not None:  # training and evaluation: the logits never exist as a whole
             if loss_mask is None:
                 loss_mask = jnp.ones(targets.shape, jnp.float32)
             return fused_cross_entropy_sum(x, head, targets, loss_mask)
         logits = project("btd,dv->btv", x, head, cfg.cpu_projection)
         return nn.with_logical_constraint(logits, LOGITS)
+
+    def output_weight(self, embed: nn.Embed) -> jax.Array:
+        """[embed, vocab] the output projection: the embedding table, transposed, when tied."""
+        if self.cfg.tie_embeddings:
+            return embed.embedding.T
+        return Weight((self.cfg.d_model, self.cfg.vocab_size), ("embed", "vocab"), self.cfg.init_std,
+                      self.cfg.param_dtype, name="lm_head")()
 
     def virtual_embeddings(self, tokens: jax.Array) -> jax.Array:
         """[batch, seq, embed]: at every prompt slot its learned embedding (elsewhere: to be ignored).
@@ -466,14 +478,22 @@ class Llama(nn.Module):
         return jnp.take(prompt, jnp.clip(-tokens - 1, 0, peft.prompt_tokens - 1), axis=0)
 
 
+def final_loss(cfg: ModelConfig, params, x, targets, loss_mask) -> jax.Array:
+    """The summed next-token loss of final activations x: the final norm, the output projection and the
+    cross-entropy, with params {"norm": the norm's scale, "output": [embed, vocab]} (a pipeline's last stage)."""
+    x = rms_norm(x, params["norm"], cfg.norm_eps, jnp.dtype(cfg.compute_dtype))
+    return fused_cross_entropy_sum(x, params["output"].astype(cfg.compute_dtype), targets, loss_mask)[0]
+
+
 def run_layers(cfg: ModelConfig, peft: PeftConfig, policy, every_n: int, layer_params, dropout_key, x, *broadcast,
-               load_balanced: bool = True):
+               load_balanced: bool = True, layers: jax.Array | None = None):
     """Run a stack of layers (weights [n, ...], the [layers, ...] layout nn.scan creates) in order.
 
     Under a remat policy each layer recomputes in the backward pass, or with every_n > 1 only layers
     0, n, 2n, ...: the weights are viewed as [n / every_n, every_n, ...] groups whose first layer runs
     under the policy and whose others keep all their activations. LoRA's dropout (training only) gets a
-    key per layer.
+    key per layer. With `layers` (a pipeline stage with fewer layers than slots) only the first `layers`
+    of the n run; the others are skipped.
     """
     def layer(params, key, x):
         rngs = {} if key is None else {"dropout": key}
@@ -482,20 +502,31 @@ def run_layers(cfg: ModelConfig, peft: PeftConfig, policy, every_n: int, layer_p
 
     n_layers = jax.tree.leaves(layer_params)[0].shape[0]
     keys = None if dropout_key is None else jax.random.split(dropout_key, n_layers)
+
+    def scan(step, x, weights, width: int = 1):
+        """step(w, x) over the leading axis of weights, each entry `width` layers; those past `layers` skipped."""
+        if layers is None:
+            return jax.lax.scan(lambda x, w: (step(w, x), None), x, weights)[0]
+
+        def maybe(x, w_and_index):
+            w, index = w_and_index
+            with jax.named_scope(LAYER_SLOT_SCOPE):
+                return jax.lax.cond(index * width < layers, lambda x: step(w, x), lambda x: x, x), None
+        return jax.lax.scan(maybe, x, (weights, jnp.arange(jax.tree.leaves(weights)[0].shape[0])))[0]
+
     if policy is None:
-        return jax.lax.scan(lambda x, p: (layer(*p, x), None), x, (layer_params, keys))[0]
+        return scan(lambda p, x: layer(*p, x), x, (layer_params, keys))
     recomputed_layer = jax.checkpoint(layer, policy=policy, prevent_cse=False)
     if every_n == 1:
-        return jax.lax.scan(lambda x, p: (recomputed_layer(*p, x), None), x, (layer_params, keys))[0]
+        return scan(lambda p, x: recomputed_layer(*p, x), x, (layer_params, keys))
     groups = jax.tree.map(lambda w: w.reshape(n_layers // every_n, every_n, *w.shape[1:]), (layer_params, keys))
 
-    def group(x, params_and_keys):
+    def group(params_and_keys, x):
         first, rest = jax.tree.map(lambda w: w[0], params_and_keys), jax.tree.map(lambda w: w[1:], params_and_keys)
         x = recomputed_layer(*first, x)
-        x, _ = jax.lax.scan(lambda x, p: (layer(*p, x), None), x, rest)
-        return x, None
+        return jax.lax.scan(lambda x, p: (layer(*p, x), None), x, rest)[0]
 
-    return jax.lax.scan(group, x, groups)[0]
+    return scan(group, x, groups, every_n)
 
 
 # ---------------------------------------------------------------------------------------------

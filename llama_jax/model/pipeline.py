@@ -1,10 +1,20 @@
-"""Pipeline parallelism: the layer stack cut into stages over the mesh's `pipeline` axis.
+"""Pipeline parallelism: the layer stack cut into stages over the mesh's `pipeline` axis, and the GPipe schedule.
 
-With mesh.pipeline = P stages and mesh.pipeline_repeats = R, the L layers form P·R groups of K = L/(P·R)
-consecutive layers, and group g runs on stage g mod P: each device holds R groups that are P groups apart
-(the circular, or interleaved, schedule; R = 1 is plain GPipe). A pass through the pipeline carries M
-micro-batches (mesh.pipeline_microbatches, or all of train.microbatches; the step accumulates the gradient
-over the passes), which flow through the stages inside the one jitted step:
+Which layers each stage holds, and the order they are stored in, is stages.py's: with mesh.pipeline = P stages
+and mesh.pipeline_repeats = R, each device holds R groups of layers that are P groups apart (the circular, or
+interleaved, schedule; R = 1: one group per stage), as many layers in each or as mesh.pipeline_stage_layers
+says. A pass through the pipeline carries M micro-batches (mesh.pipeline_microbatches, or all of
+train.microbatches; the step accumulates the gradient over the passes), which flow through the stages inside
+the one jitted step, in one of two schedules (mesh.pipeline_schedule):
+
+  gpipe (here)  every micro-batch's forward pass through every stage, then autodiff back through the loop:
+                each stage keeps its inputs of all M micro-batches until the backward pass (fewer with
+                recomputation; passes of fewer micro-batches bound it).
+  1f1b          (one_f_one_b.py) each iteration a stage runs one micro-batch's forward pass and an earlier
+                one's backward pass, with explicit VJPs: a stage keeps at most about 2P micro-batches in flight,
+                whatever M.
+
+The GPipe loop:
 
     iteration t:  stage p runs micro-batch (t - p) mod M through its group of repeat (t - p) // M,
                   then every stage hands its output to the next (a collective permute); the last
@@ -15,9 +25,8 @@ Stage 0 takes micro-batch t's embeddings for t < M; they are looked up before th
 over all the devices, as without pipelining, and gathered over the stages (XLA's partitioner cannot split
 the lookup's gather inside a stage, where the pipeline axis is manual, in every layout). The loop runs
 M·R + P - 1 iterations, of which each stage works M·R: the bubble is (P - 1) / (M·R + P - 1) of the pass.
-Gradients flow back through the same loop by autodiff (GPipe: every stage keeps its inputs of all M
-micro-batches for the backward pass, fewer of them with recomputation), so clipping and the
-non-finite-step guard see the whole batch's gradient as before.
+Gradients flow back through the same loop by autodiff, so clipping and the non-finite-step guard see the
+whole batch's gradient as before.
 
 After the loop stage 0 holds every micro-batch's final activations; a reduce-scatter hands each stage
 M/P of them, so the output projection and the loss are computed once, spread over the stages: the
@@ -26,15 +35,12 @@ replicated over pipeline), used by stage 0 and by all stages' share of the loss 
 
 Inside a stage the pipeline axis is manual (a shard_map over it alone); the other axes stay automatic,
 so fsdp, tensor (and sequence parallelism) and sequence work within each stage as without pipelining.
-
-Parameters of the layers keep their [L, ...] shape, but in *storage order*: device p's contiguous block
-holds its R groups (p, P + p, 2P + p, ...). With R = 1 that is the natural order. Checkpoints record the
-layout in their config, and restoring into another one reorders the layers (to_storage_order /
-to_natural_order), so a run saved with one pipeline layout resumes with any other.
+A stage with fewer layers than its places (uneven stages) skips the empty places' compute.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -44,73 +50,33 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from llama_jax.model import platform
+from llama_jax.model.stages import LayerOrder
 
 STAGE_AXIS = "pipeline"
+LAYER_SLOT_SCOPE = "pipeline_layer_slot"  # the name of the conditional that skips an empty slot (uneven stages)
 
 
 @dataclass(frozen=True)
 class PipelineLayout:
     stages: int  # P: devices along the pipeline axis
     repeats: int  # R: groups of layers per device
-    microbatches: int  # M: micro-batches per step (a multiple of P)
+    microbatches: int  # M: micro-batches per pass (a multiple of P)
+    schedule: str = "gpipe"  # gpipe | 1f1b
+    group_layers: tuple[int, ...] = ()  # layers of group r·P + p (stages.py); () = as many in each
+
+    @property
+    def order(self) -> LayerOrder:
+        return LayerOrder(self.stages, self.repeats, self.group_layers)
 
     @property
     def iterations(self) -> int:
+        """Of the schedule's loop (GPipe's; one_f_one_b.iterations for 1F1B)."""
         return self.microbatches * self.repeats + self.stages - 1
 
 
 def bubble_fraction(stages: int, microbatches: int, repeats: int = 1) -> float:
-    """The share of the step a stage waits: (P - 1) / (M·R + P - 1)."""
+    """The share of the step a stage waits, in either schedule: (P - 1) / (M·R + P - 1)."""
     return (stages - 1) / (microbatches * repeats + stages - 1)
-
-
-# ---------------------------------------------------------------------------------------------
-# Storage order of the layers
-
-
-def _reorder(x, first: int, second: int):
-    """[first·second·K, ...] viewed as [first, second, K, ...] -> [second, first, K, ...], flattened back."""
-    k = x.shape[0] // (first * second)
-    return x.reshape(first, second, k, *x.shape[1:]).swapaxes(0, 1).reshape(x.shape)
-
-
-def to_storage_order(layers_tree, stages: int, repeats: int):
-    """Layer leaves [L, ...] in natural order -> storage order (groups r·P + p stored at block (p, r))."""
-    if _is_natural(stages, repeats):
-        return layers_tree
-    return _map_layer_leaves(lambda x: _reorder(x, repeats, stages), layers_tree)
-
-
-def to_natural_order(layers_tree, stages: int, repeats: int):
-    """The inverse of to_storage_order."""
-    if _is_natural(stages, repeats):
-        return layers_tree
-    return _map_layer_leaves(lambda x: _reorder(x, stages, repeats), layers_tree)
-
-
-def relayout(tree, saved: tuple[int, int], wanted: tuple[int, int]):
-    """A state or params restored from a checkpoint written with pipeline layout `saved` (stages, repeats),
-    in the storage order of layout `wanted`: each layer leaf reordered on its devices, keeping its sharding."""
-    if _is_natural(*saved) and _is_natural(*wanted) or saved == wanted:
-        return tree
-
-    def move(x):
-        x = x if _is_natural(*saved) else _reorder(x, saved[0], saved[1])  # to the natural order
-        return x if _is_natural(*wanted) else _reorder(x, wanted[1], wanted[0])  # to the wanted storage order
-
-    return _map_layer_leaves(lambda x: jax.jit(move, out_shardings=x.sharding)(x), tree)
-
-
-def _is_natural(stages: int, repeats: int) -> bool:
-    return stages == 1 or repeats == 1
-
-
-def _map_layer_leaves(fn, tree):
-    """Apply fn to every leaf under a "layers" key (params and the optimizer moments that mirror them)."""
-    def visit(path, leaf):
-        in_layers = any(isinstance(key, jax.tree_util.DictKey) and key.key == "layers" for key in path)
-        return fn(leaf) if in_layers and getattr(leaf, "ndim", 0) > 0 else leaf
-    return jax.tree_util.tree_map_with_path(visit, tree)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -129,19 +95,73 @@ def without_stage_axis(rules: tuple) -> tuple:
     return tuple((name, drop(axes)) for name, axes in rules)
 
 
+def microbatched(a: jax.Array, microbatches: int) -> jax.Array:
+    """[B, ...] -> [M, B/M, ...]: micro-batch m holds rows m, m + M, m + 2M, ... (as gradient accumulation
+    splits a batch, so every device's rows contribute to every micro-batch)."""
+    return a.reshape(a.shape[0] // microbatches, microbatches, *a.shape[1:]).swapaxes(0, 1)
+
+
+def unmicrobatched(a: jax.Array) -> jax.Array:
+    """The inverse of microbatched."""
+    return a.swapaxes(0, 1).reshape(a.shape[0] * a.shape[1], *a.shape[2:])
+
+
+def by_owner(stages: int, microbatches: int) -> tuple[Callable, Callable]:
+    """(split, merge): [B, ...] -> [M/P, P, B/M, ...], micro-batch i·P + p kept by stage p (1F1B), and back.
+
+    Where the batch is split over the data axes and then the stages (the logical-axis table's `batch` rule
+    ends with the pipeline axis), micro-batch i·P + p is made of rows stage p already holds: of each data
+    shard's p-th block, the rows r·M/P + i. Nothing moves between devices. Otherwise micro-batch m holds rows
+    m, m + M, ... (as `microbatched`), moved there."""
+    P, M = stages, microbatches
+    axes = dict(nn.get_logical_axis_rules()).get("batch")
+    axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+    if not axes or axes[-1] != STAGE_AXIS:
+        return (lambda a: microbatched(a, M).reshape(M // P, P, a.shape[0] // M, *a.shape[1:]),
+                lambda a: unmicrobatched(a.reshape(M, *a.shape[2:])))
+    shards = math.prod(jax.sharding.get_abstract_mesh().shape[axis] for axis in axes[:-1])
+    order = (2, 1, 3, 0)  # [shards, P, rows, M/P] -> [M/P, P, shards, rows]
+
+    def split(a):
+        rows = a.shape[0] // (shards * M)  # of a micro-batch in each data shard
+        a = jnp.moveaxis(a.reshape(shards, P, rows, M // P, *a.shape[1:]), (0, 1, 2, 3), order)
+        return a.reshape(M // P, P, shards * rows, *a.shape[4:])
+
+    def merge(a):
+        a = jnp.moveaxis(a.reshape(M // P, P, shards, a.shape[2] // shards, *a.shape[3:]), order, (0, 1, 2, 3))
+        return a.reshape(-1, *a.shape[4:])
+    return split, merge
+
+
+def stage_groups(layout: PipelineLayout, layer_params):
+    """A stage's block of layer leaves [R·slots, ...] -> [R, slots, ...], and a function (stage index,
+    repeat) -> how many of that group's slots hold layers (None when every group fills its slots)."""
+    length = jax.tree.leaves(layer_params)[0].shape[0]
+    groups = jax.tree.map(lambda w: w.reshape(layout.repeats, length // layout.repeats, *w.shape[1:]), layer_params)
+    if not layout.group_layers:
+        return groups, lambda index, repeat: None
+    counts = layout.order.stage_layers(sum(layout.group_layers))  # [P, R]
+    return groups, lambda index, repeat: jnp.asarray(counts, jnp.int32)[index, repeat]
+
+
+def summed_dtype(dtype) -> jnp.dtype:
+    """The dtype of sums over the stages. XLA:CPU cannot compile a sum over a manual axis in bf16 (its
+    all-reduce promotion pass aborts on the reducer jax emits), so on CPUs they run in fp32."""
+    return jnp.float32 if platform.backend() == "cpu" and dtype == jnp.bfloat16 else dtype
+
+
 def run_stages(layout: PipelineLayout, stage: Callable, layer_params, x, segment_ids, positions,
                names: tuple[str, ...]) -> jax.Array:
-    """The whole layer stack over a batch: x [B, T, D] (embeddings), segment_ids, positions [B, T] -> [B, T, D].
+    """GPipe: the whole layer stack over a batch: x [B, T, D] (embeddings), segment_ids, positions [B, T] ->
+    [B, T, D].
 
-    stage(layer_params [K, ...], x, segment_ids, positions) runs one group of K layers on one micro-batch;
-    `names` are the logical axis names of the activations between layers (their sharding within a stage).
-    Micro-batch m holds rows m, m + M, m + 2M, ... (as gradient accumulation splits a batch). The result
-    has its batch split over the stages too.
+    stage(layer_params [slots, ...], layers, x, segment_ids, positions) runs one group of layers on one
+    micro-batch (`layers`: how many of the slots hold layers, or None for all); `names` are the logical axis
+    names of the activations between layers (their sharding within a stage). The result has its batch
+    split over the stages too.
     """
     stages, repeats, microbatches = layout.stages, layout.repeats, layout.microbatches
-    rows = x.shape[0] // microbatches
     take = lambda a, i: jax.lax.dynamic_index_in_dim(a, i, keepdims=False)  # noqa: E731
-    split = lambda a: a.reshape(rows, microbatches, *a.shape[1:]).swapaxes(0, 1)  # noqa: E731 - [M, rows, T]
     inner_rules = without_stage_axis(nn.get_logical_axis_rules())
 
     def pin(a):
@@ -153,7 +173,7 @@ def run_stages(layout: PipelineLayout, stage: Callable, layer_params, x, segment
     def local(layer_params, inputs, segment_ids, positions):
         index = jax.lax.axis_index(STAGE_AXIS)
         inputs = inputs.astype(dtype)
-        groups = jax.tree.map(lambda w: w.reshape(repeats, w.shape[0] // repeats, *w.shape[1:]), layer_params)
+        groups, layer_count = stage_groups(layout, layer_params)
 
         def iteration(carry, t):
             x, kept = carry  # x: this stage's input [rows, T, D]; kept: stage 0's micro-batches [M, rows, T, D]
@@ -168,7 +188,7 @@ def run_stages(layout: PipelineLayout, stage: Callable, layer_params, x, segment
             repeat = jnp.clip((t - index) // microbatches, 0, repeats - 1)
             weights = jax.tree.map(lambda w: take(w, repeat), groups)
             with nn.logical_axis_rules(inner_rules):
-                x = stage(weights, x, take(segment_ids, mine), take(positions, mine))
+                x = stage(weights, layer_count(index, repeat), x, take(segment_ids, mine), take(positions, mine))
             x = jax.lax.ppermute(x, STAGE_AXIS, [(i, (i + 1) % stages) for i in range(stages)])
             return (pin(x), pin(kept)), None
 
@@ -182,13 +202,12 @@ def run_stages(layout: PipelineLayout, stage: Callable, layer_params, x, segment
         return jax.lax.psum_scatter(outputs, STAGE_AXIS, scatter_dimension=0, tiled=True).astype(dtype)
 
     # Embeddings enter every stage whole (only stage 0 reads them): gathered over the stages here; their
-    # gradient is summed over the stages in the backward pass. XLA:CPU cannot compile a sum over a manual
-    # axis in bf16 (its all-reduce promotion pass aborts on the reducer jax emits), so on CPUs the stages'
-    # sums run in fp32.
-    summed = jnp.float32 if platform.backend() == "cpu" and dtype == jnp.bfloat16 else dtype
+    # gradient is summed over the stages in the backward pass (summed_dtype).
+    summed = summed_dtype(dtype)
     x = pin(x).astype(summed)
     stage_specs = PartitionSpec(STAGE_AXIS)
     out = jax.shard_map(local, in_specs=(stage_specs, PartitionSpec(), PartitionSpec(), PartitionSpec()),
                         out_specs=stage_specs, axis_names={STAGE_AXIS}, check_vma=False)(
-        layer_params, split(x), split(segment_ids), split(positions))
-    return out.swapaxes(0, 1).reshape(x.shape).astype(dtype)
+        layer_params, microbatched(x, microbatches), microbatched(segment_ids, microbatches),
+        microbatched(positions, microbatches))
+    return unmicrobatched(out).astype(dtype)

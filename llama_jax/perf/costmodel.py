@@ -184,3 +184,19 @@ def traffic_by_axis(collective_groups: Mapping[tuple[str, DeviceGroups], float],
 def tier_totals(traffic: tuple[AxisTraffic, ...]) -> dict[str, float]:
     """Collective bytes per device per step on each tier (both tiers always present)."""
     return {tier: sum(t.bytes for t in traffic if t.tier == tier) for tier in TIERS}
+
+
+def spearman(a: list[float], b: list[float]) -> float | None:
+    """Rank correlation of two equally long lists (None for fewer than 3 pairs or constant ranks)."""
+    if len(a) < 3:
+        return None
+    rank = lambda xs: [sorted(xs).index(x) for x in xs]  # ties are rare in timings
+    ra, rb = rank(a), rank(b)
+    mean = (len(a) - 1) / 2
+    cov = sum((x - mean) * (y - mean) for x, y in zip(ra, rb))
+    var = sum((x - mean) ** 2 for x in ra)
+    return cov / var if var else None
+
+
+# --------------------------------------------------------------------------------------------
+# The search

@@ -8,8 +8,10 @@ Multiplicity of a computation: ENTRY = 1; while body/condition = caller x trip c
 known_trip_count, or the condition's bound; a while without either counts once and is reported in
 `unknown_trip_counts`);
 fusion/call/custom-call/async/reducer callees = caller. Every branch of a conditional gets the
-caller's multiplicity, so programs with conditionals give an upper bound. A computation
-called from several places sums the multiplicities.
+caller's multiplicity, so programs with conditionals give an upper bound, unless the caller says how
+often a conditional named under a jax.named_scope runs its true branch (`branch_runs`: the 1F1B
+pipeline's forward, loss and backward passes, one_f_one_b.py). A computation called from several
+places sums the multiplicities.
 
 FLOPs: `dot` = 2 x result elements x product of lhs contracting dims; `convolution` =
 2 x result elements x product of kernel dims other than the output feature ('o') dim. GPU library
@@ -343,20 +345,22 @@ def _output_shape(instr: _Instr) -> str:
     return instr.shape
 
 
-def analyze(hlo_text: str, num_devices: int) -> HloStats:
-    """Per-step, per-device dot FLOPs and collective traffic of a compiled HLO module."""
+def analyze(hlo_text: str, num_devices: int, branch_runs: dict[str, float] | None = None) -> HloStats:
+    """Per-step, per-device dot FLOPs and collective traffic of a compiled HLO module. `branch_runs`: for a
+    conditional named under jax.named_scope(scope), the share of its runs that take the true branch."""
     comps, entry = _parse_module(hlo_text)
-    callers: dict[str, list[tuple[str, int]]] = defaultdict(list)
+    callers: dict[str, list[tuple[str, float]]] = defaultdict(list)
     unknown = 0
     for comp in comps.values():
         for instr in comp.instrs:
             trips = loops.trip_count(instr, comp, comps) if instr.opcode == "while" else 1
             if trips is None:
                 unknown, trips = unknown + 1, 1
+            weights = _branch_weights(instr, branch_runs or {})
             for callee, factor in _callees(instr, trips):
-                callers[callee].append((comp.name, factor))
+                callers[callee].append((comp.name, factor * weights.get(callee, 1.0)))
 
-    multiplicity: dict[str, int] = {}
+    multiplicity: dict[str, float] = {}
     # Computations that run as a sequence of operations (not fused into one kernel or applied per element).
     scheduled_names = {entry} | {
         callee.lstrip("%") for comp in comps.values() for instr in comp.instrs if instr.opcode != "fusion"
@@ -364,13 +368,13 @@ def analyze(hlo_text: str, num_devices: int) -> HloStats:
         + (("to_apply",) if instr.opcode == "call" else ())
         for callee in _split_top(instr.attrs.get(attr, "").strip("{}"))}
 
-    def runs(name: str) -> int:  # call graphs are DAGs, so this terminates; unreachable -> 0
+    def runs(name: str) -> float:  # call graphs are DAGs, so this terminates; unreachable -> 0
         if name not in multiplicity:
             multiplicity[name] = 1 if name == entry else sum(runs(c) * f for c, f in callers[name])
         return multiplicity[name]
 
     flops = 0.0
-    count, buffer, moved = defaultdict(int), defaultdict(int), defaultdict(float)
+    count, buffer, moved = defaultdict(float), defaultdict(float), defaultdict(float)
     by_groups: dict[tuple[str, DeviceGroups], float] = defaultdict(float)
     parsed: dict[tuple, DeviceGroups] = {}  # a program repeats a few replica-group lists many times
     operations = []
@@ -398,7 +402,7 @@ def analyze(hlo_text: str, num_devices: int) -> HloStats:
             buffer[kind] += mult * nbytes
             moved[kind] += sent
             by_groups[kind, groups] += sent
-    collectives = {k: CollectiveStats(count[k], buffer[k], moved[k]) for k in KINDS}
+    collectives = {k: CollectiveStats(round(count[k]), round(buffer[k]), moved[k]) for k in KINDS}
     return HloStats(dot_flops=flops, collectives=collectives, unknown_trip_counts=unknown,
                     operations=tuple(operations), collective_groups=dict(by_groups))
 
@@ -419,6 +423,28 @@ def permute_loop_trips(hlo_text: str, num_devices: int, wanted: Callable[[Device
                 trips.append(loops.permute_iterations(instr, comp, body, loops.trip_count(instr, comp, comps) or 1,
                                                       hands_on[0]))
     return trips
+
+
+def _branch_weights(instr: _Instr, branch_runs: dict[str, float]) -> dict[str, float]:
+    """A two-way conditional (jax's lax.cond: branch 0 false, 1 true) named under one of branch_runs' scopes
+    (the innermost, if nested): its branches' shares of its runs."""
+    if instr.opcode != "conditional" or not branch_runs:
+        return {}
+    name = instr.attrs.get("metadata", "")
+    found = [(name.rfind(f"/{scope}/"), scope) for scope in branch_runs if f"/{scope}/" in name]
+    branches = [b.strip().lstrip("%") for b in _split_top(instr.attrs.get("branch_computations", "").strip("{}"))]
+    if not found or len(branches) != 2:
+        return {}
+    share = branch_runs[max(found)[1]]
+    return {branches[0]: 1 - share, branches[1]: share}
+
+
+def named_buffer_bytes(hlo_text: str, scope: str) -> list[int]:
+    """Per device, the bytes of each buffer written in place (dynamic-update-slice) by operations named under
+    jax.named_scope(`scope`): e.g. the 1F1B schedule's residual slots (one_f_one_b.py), as compiled."""
+    comps, _ = _parse_module(hlo_text)
+    return [shape_bytes(i.shape) for comp in comps.values() for i in comp.instrs
+            if i.opcode == "dynamic-update-slice" and f"/{scope}/" in i.attrs.get("metadata", "")]
 
 
 def _body_flops(comps: dict[str, _Computation], name: str) -> float:

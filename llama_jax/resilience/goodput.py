@@ -37,9 +37,10 @@ class Goodput:
     """
 
     def __init__(self, run_dir: Path, started_at: float, write: bool = True, now: Callable[[], float] = time.time,
-                 clock: Callable[[], float] = time.perf_counter):
+                 clock: Callable[[], float] = time.perf_counter, warn: Callable[[str], None] = print):
         # now: wall time (attempts are compared across processes); clock: the monotonic step clock.
         self.path, self.write, self.now, self.clock = Path(run_dir) / "goodput.json", write, now, clock
+        self.warn, self.unwritable = warn, False  # a failed write warns once: bookkeeping never stops a run
         self.previous = _read_attempts(self.path)
         self.current: dict[str, Any] = {
             "started_at": started_at, "pid": os.getpid(), "resumed_step": None, "last_alive": started_at,
@@ -108,13 +109,19 @@ class Goodput:
     def flush(self) -> None:
         """Persist; also the attempt's sign of life (last_alive) should it be killed without a word."""
         self.current["last_alive"] = self.now()
-        if self.write:
+        if not self.write:
+            return
+        try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             with atomic_path(self.path) as tmp:
                 with open(tmp, "w") as f:
                     json.dump({"attempts": [*self.previous, self.current]}, f, indent=1)
                     f.flush()
                     os.fsync(f.fileno())
+        except OSError as err:
+            if not self.unwritable:
+                self.unwritable = True
+                self.warn(f"warning: writing {self.path} failed ({err.strerror or err}); training goes on without it")
 
     def finish(self, preempted: bool = False) -> None:
         """The loop ended on its own terms: finished its steps, or saved and stopped on a signal."""
@@ -210,3 +217,8 @@ def observed_mtbf_s(run_dir: Path) -> float | None:
         return None
     wall = max(a["last_alive"] for a in attempts) - attempts[0]["started_at"] - _idle_s(attempts)
     return wall / failures if wall > 0 else None
+
+
+def read_attempts(path: Path) -> list[dict[str, Any]]:
+    """The attempts a goodput.json holds (what `llama-jax goodput --from` measures its costs from)."""
+    return _read_attempts(Path(path))

@@ -19,6 +19,7 @@ class SpikeGuard:
         self._losses: deque[float] = deque(maxlen=window)
         self.bad_steps_total = 0
         self.consecutive = 0
+        self.first_bad_step: int | None = None  # where the current run of bad steps began (a rollback goes before it)
 
     def observe(self, step: int, loss: float, finite: bool) -> str:
         """"ok", "skipped" (non-finite), "spike" or "rollback" (max_bad_steps bad steps in a row)."""
@@ -28,10 +29,12 @@ class SpikeGuard:
             verdict = "spike"  # kept out of the window, so a run of spikes cannot raise the bar
         else:
             self._losses.append(loss)
-            self.consecutive = 0
+            self.consecutive, self.first_bad_step = 0, None
             return "ok"
         self.bad_steps_total += 1
         self.consecutive += 1
+        if self.consecutive == 1:
+            self.first_bad_step = step
         return "rollback" if 0 < self.max_bad_steps <= self.consecutive else verdict
 
     def _is_spike(self, loss: float) -> bool:
@@ -41,4 +44,4 @@ class SpikeGuard:
 
     def reset(self) -> None:
         """After a rollback: the bad run is over (the losses of good steps stay, they were good)."""
-        self.consecutive = 0
+        self.consecutive, self.first_bad_step = 0, None

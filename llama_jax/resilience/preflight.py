@@ -14,9 +14,13 @@ step of the whole run, and one that computes wrong results poisons the model wit
    bus bandwidth (NCCL's convention: 2(n-1)/n x the bytes per device / time, so axes of different sizes
    compare), timed by the slowest process. One figure per axis; reported, not judged.
 3. Every process's figures are gathered (Peers.reduce, every wait bounded) and judged alike on every
-   process: a device whose matmul rate or memory bandwidth is below fault.preflight_min_ratio x the
-   fleet's median, or whose product is wrong, is named with its host, process and device id, and the
-   command stops with UnhealthyDevice (exit 71). Process 0 also writes the verdict to
+   process. A device whose product is wrong is named at once. One whose matmul rate or memory bandwidth is
+   below fault.preflight_min_ratio x the fleet's median is a suspect: the hosts were measured at different
+   moments, and one of them may just have been busy. fleet_rounds.py measures the suspects again in a few
+   rounds that every process runs at the same moments, and names those slow in most rounds; a host that
+   was slow in one round and not in most is reported as loaded during the check, not excluded.
+4. Each device named comes with its host, process and device id, and the command stops with
+   UnhealthyDevice (exit 71). Process 0 also writes the verdict, with each suspect's per-round ratios, to
    <run.dir>/unhealthy.json: `llama-jax supervise` reads it (srun may report a task it killed rather than
    the 71) and launch/slurm.sbatch resubmits the job without the hosts it names.
 
@@ -25,8 +29,8 @@ per device, then at most SECOND_LOOK_ROUNDS pairs of calls for a device that loo
 process's others (a second look, timed next to a reference device so that load from elsewhere cancels;
 see best_times). Each round visits every device in turn and a device keeps its best time, so load from
 elsewhere slows a round of every device rather than every call of one device. The tiny preset's check
-on 8 simulated CPU devices takes about 4 s; the GPU sizes aim at a few tens of milliseconds per timed
-call on an H100.
+on 8 simulated CPU devices takes about 2 s; the GPU sizes aim at a few tens of milliseconds per timed
+call on an H100. Suspects add fleet_rounds.py's rounds: about a second each (their pauses), two or three.
 fault.inject_slow_device makes one device's timed calls do SLOW_FACTOR times the work, and
 fault.inject_wrong_device adds one to an element of its known product.
 """
@@ -34,12 +38,11 @@ fault.inject_wrong_device adds one to an element of its known product.
 from __future__ import annotations
 
 import json
-import os
-import socket
 import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -49,8 +52,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from llama_jax.config import Config
 from llama_jax.distributed.peers import Peers
+from llama_jax.distributed.processes import node_name
 from llama_jax.errors import EXIT_UNHEALTHY, UNHEALTHY_FILE, ConfigError, UnhealthyDevice
 from llama_jax.files import atomic_path, format_ranges
+from llama_jax.resilience import fleet_rounds
 
 TIMED_ROUNDS = 3
 SECOND_LOOK_ROUNDS = 5
@@ -82,6 +87,8 @@ class Report:
     collectives: dict[str, float]  # mesh axis -> all-reduce bus bandwidth, bytes/s
     medians: dict[str, float]  # matmul_flops, memory_bytes_s over every device of the fleet
     unhealthy: list[dict]  # the devices named, each with its `reasons`
+    suspects: list[dict]  # the devices measured again (fleet_rounds.py): per-round ratios, whether named
+    loaded: list[dict]  # hosts loaded during the check: every device slow in some round, none named; not excluded
     min_ratio: float
     seconds: float  # this process's time for the whole check
 
@@ -94,13 +101,6 @@ class Report:
         return sorted({d["host"] for d in self.unhealthy})
 
 
-def node_name() -> str:
-    """The name the scheduler knows this host by, to exclude it: Kubernetes' node (LLAMA_JAX_NODE_NAME, which
-    launch/k8s.sh sets from spec.nodeName; a pod's host name is the pod's), Slurm's (SLURMD_NODENAME), else
-    the host name."""
-    return os.environ.get("LLAMA_JAX_NODE_NAME") or os.environ.get("SLURMD_NODENAME") or socket.gethostname()
-
-
 def _timed(call, repeats: int) -> float:
     """Seconds for `repeats` calls, one after another (XLA:CPU would run independent calls side by side)."""
     start = time.perf_counter()
@@ -109,53 +109,65 @@ def _timed(call, repeats: int) -> float:
     return time.perf_counter() - start
 
 
-def measure_devices(devices: list, sizes: Sizes, min_ratio: float, slow: int = -1, wrong: int = -1) -> list[dict]:
-    """This process's figures, one dict per device in `devices` (its own); `slow`, `wrong`: injected faults."""
-    if not devices:  # a process none of whose devices is in the mesh
-        return []
-    accelerator = devices[0].platform != "cpu"
-    dtype = jnp.bfloat16 if accelerator else jnp.float32
-    n, chain, check_n = sizes.matmul_n, sizes.matmul_chain, sizes.check_n
-    rng = np.random.default_rng(0)
-    known_a, known_b = (rng.integers(-2, 3, (check_n, check_n)) for _ in range(2))
-    expected = known_a.astype(np.float64) @ known_b.astype(np.float64)  # |entries| <= 4 n: exact in fp32
-    elements = sizes.stream_mib * 2**20 // 4
+class Probe:
+    """This process's devices and the programs that time them, compiled once: the first look and the rounds of
+    fleet_rounds.py time the same calls. `slow`: the injected slow device (fault.inject_slow_device)."""
 
-    # The matmul's operands are drawn on the first device (a GPU's are 128 MiB each: slow to draw on the host)
-    # and copied to the others, b scaled so that the chain keeps its magnitude.
-    key = jax.device_put(jax.random.key(0), devices[0])
-    a, b = jax.random.normal(key, (n, n), dtype), jax.random.normal(jax.random.fold_in(key, 1), (n, n), dtype)
-    b = b / np.sqrt(n).astype(dtype)
-    # One program each, which jit compiles once per device (in the warm-up below).
-    matmul = jax.jit(lambda x, y: lax.fori_loop(0, chain, lambda _, z: z @ y, x))
-    # The array is made inside the call, so nothing that large is held between calls (8 CPU devices share RAM).
-    stream = jax.jit(lambda s: lax.fori_loop(0, sizes.stream_passes, lambda _, z: z * 0.5 + 0.25,
-                                             jnp.full((elements,), 1.0, jnp.float32) * s))
-    product = jax.jit(lambda x, y: jnp.matmul(x, y, preferred_element_type=jnp.float32))
+    def __init__(self, devices: list, sizes: Sizes, slow: int = -1):
+        self.devices, self.sizes, self.slow = devices, sizes, slow
+        self.dtype = jnp.bfloat16 if devices[0].platform != "cpu" else jnp.float32
+        n, chain, self.elements = sizes.matmul_n, sizes.matmul_chain, sizes.stream_mib * 2**20 // 4
+        # The matmul's operands are drawn on the first device (a GPU's are 128 MiB each: slow to draw on the host)
+        # and copied to the others, b scaled so that the chain keeps its magnitude.
+        key = jax.device_put(jax.random.key(0), devices[0])
+        a = jax.random.normal(key, (n, n), self.dtype)
+        b = jax.random.normal(jax.random.fold_in(key, 1), (n, n), self.dtype) / np.sqrt(n).astype(self.dtype)
+        # One program each, which jit compiles once per device (in the warm-up below).
+        self.matmul = jax.jit(lambda x, y: lax.fori_loop(0, chain, lambda _, z: z @ y, x))
+        # The array is made inside the call, so nothing that large is held between calls (8 CPU devices share RAM).
+        self.stream = jax.jit(lambda s: lax.fori_loop(0, sizes.stream_passes, lambda _, z: z * 0.5 + 0.25,
+                                                      jnp.full((self.elements,), 1.0, jnp.float32) * s))
+        self.inputs = {d.id: (jax.device_put(a, d), jax.device_put(b, d), jax.device_put(np.float32(1.0), d))
+                       for d in devices}
+        for x, y, s in self.inputs.values():  # warm-up: compilation and first-touch allocation are not timed
+            jax.block_until_ready((self.matmul(x, y), self.stream(s)))
 
-    inputs = {d.id: (jax.device_put(a, d), jax.device_put(b, d), jax.device_put(np.float32(1.0), d)) for d in devices}
-    for x, y, s in inputs.values():  # warm-up: compilation and first-touch allocation are not timed
-        jax.block_until_ready((matmul(x, y), stream(s)))
+    def time_once(self, d) -> tuple[float, float]:
+        """Seconds of one matmul call and one stream call on device d."""
+        x, y, s = self.inputs[d.id]
+        repeats = SLOW_FACTOR if d.id == self.slow else 1
+        return _timed(lambda: self.matmul(x, y), repeats), _timed(lambda: self.stream(s), repeats)
 
-    def time_once(d) -> tuple[float, float]:
-        x, y, s = inputs[d.id]
-        repeats = SLOW_FACTOR if d.id == slow else 1
-        return _timed(lambda: matmul(x, y), repeats), _timed(lambda: stream(s), repeats)
+    def rates(self, seconds: tuple[float, float]) -> dict[str, float]:
+        """(matmul, stream) seconds of one call each -> matmul_flops, memory_bytes_s."""
+        sizes = self.sizes
+        return {"matmul_flops": 2 * sizes.matmul_n**3 * sizes.matmul_chain / seconds[0],
+                "memory_bytes_s": 2 * 4 * self.elements * sizes.stream_passes / seconds[1]}
 
-    best = best_times(devices, time_once, min_ratio)
-    host, figures = node_name(), []
-    known_a, known_b = known_a.astype(dtype), known_b.astype(dtype)  # small integers: exact in bf16 too
-    for d in devices:
-        result = product(jax.device_put(known_a, d), jax.device_put(known_b, d))
-        if d.id == wrong:
-            result = result.at[0, 0].add(1.0)
-        mismatches = int(np.count_nonzero(np.asarray(result, np.float64) != expected))
-        figures.append({"host": host, "process": jax.process_index(), "device": d.id, "kind": d.device_kind,
-                        "matmul_flops": 2 * n**3 * chain / best[d][0],
-                        "memory_bytes_s": 2 * 4 * elements * sizes.stream_passes / best[d][1],
-                        "arithmetic_ok": mismatches == 0, "wrong_elements": mismatches,
-                        "checked_elements": expected.size})
-    return figures
+    def rate_once(self, device_id: int) -> dict[str, float]:
+        """One timed call of each on a device of this process, as rates: what each round of fleet_rounds.py takes."""
+        return self.rates(self.time_once(next(d for d in self.devices if d.id == device_id)))
+
+    def figures(self, min_ratio: float, wrong: int = -1) -> list[dict]:
+        """The first look: one dict per device, its best rates (best_times) and its known product's check;
+        `wrong`: the injected wrong device (fault.inject_wrong_device)."""
+        best = best_times(self.devices, self.time_once, min_ratio)
+        check_n = self.sizes.check_n
+        rng = np.random.default_rng(0)
+        known_a, known_b = (rng.integers(-2, 3, (check_n, check_n)) for _ in range(2))
+        expected = known_a.astype(np.float64) @ known_b.astype(np.float64)  # |entries| <= 4 n: exact in fp32
+        known_a, known_b = known_a.astype(self.dtype), known_b.astype(self.dtype)  # small integers: exact in bf16
+        product = jax.jit(lambda x, y: jnp.matmul(x, y, preferred_element_type=jnp.float32))
+        host, figures = node_name(), []
+        for d in self.devices:
+            result = product(jax.device_put(known_a, d), jax.device_put(known_b, d))
+            if d.id == wrong:
+                result = result.at[0, 0].add(1.0)
+            mismatches = int(np.count_nonzero(np.asarray(result, np.float64) != expected))
+            figures.append({"host": host, "process": jax.process_index(), "device": d.id, "kind": d.device_kind}
+                           | self.rates(best[d]) | {"arithmetic_ok": mismatches == 0, "wrong_elements": mismatches,
+                                                    "checked_elements": expected.size})
+        return figures
 
 
 def best_times(devices: list, time_once, min_ratio: float) -> dict:
@@ -220,26 +232,53 @@ def judge(devices: list[dict], min_ratio: float) -> tuple[dict[str, float], list
     return medians, unhealthy
 
 
-def check(config: Config, mesh: Mesh, peers: Peers) -> Report:
+def check(config: Config, mesh: Mesh, peers: Peers, say: Callable[[str], None] = lambda line: None) -> Report:
     """Measure this process's devices and the mesh's collectives, gather every process's figures and judge
-    them; every process returns the same Report. Raises ConfigError for an injected device id not in the mesh."""
+    them, measure the slow ones again in rounds (fleet_rounds.py); every process returns the same Report. `say`:
+    where the note that the rounds begin goes. Raises ConfigError for an injected device id not in the mesh."""
     start, f = time.perf_counter(), config.fault
     ids = sorted(d.id for d in mesh.devices.flat)
     for key, value in (("inject_slow_device", f.inject_slow_device), ("inject_wrong_device", f.inject_wrong_device)):
         if value != -1 and value not in ids:
             raise ConfigError(f"fault.{key}={value} is not a device of this run's mesh (ids {format_ranges(ids)})")
-    mine = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+    mine = sorted((d for d in mesh.devices.flat if d.process_index == jax.process_index()), key=lambda d: d.id)
     sizes = SIZES["cpu" if (mine or jax.local_devices())[0].platform == "cpu" else "gpu"]
     peers.barrier("pre-flight check")  # every process measures at the same time: the collectives need them all
-    figures = measure_devices(sorted(mine, key=lambda d: d.id), sizes, f.preflight_min_ratio, f.inject_slow_device,
-                              f.inject_wrong_device)
+    probe = Probe(mine, sizes, f.inject_slow_device) if mine else None  # none: a process with no device in the mesh
+    figures = probe.figures(f.preflight_min_ratio, f.inject_wrong_device) if probe else []
     seconds = measure_collectives(mesh, sizes)
     gathered = peers.reduce("pre-flight figures", {"devices": figures, "collectives": seconds}, _merge)
     devices = sorted(gathered["devices"], key=lambda d: d["device"])
-    medians, unhealthy = judge(devices, f.preflight_min_ratio)
+    medians, flagged = judge(devices, f.preflight_min_ratio)
+    slow = {d["device"] for d in flagged if d["arithmetic_ok"]}  # a wrong product is named at once: it is no accident
+    rechecked = fleet_rounds.Recheck([], [], 0)
+    if slow:
+        say(f"pre-flight check: {_devices(d for d in devices if d['device'] in slow)} below "
+            f"{f.preflight_min_ratio:g}x the median; measuring again in up to {fleet_rounds.ROUNDS} rounds, "
+            f"{fleet_rounds.ROUND_GAP_S:g} s apart, on every process at once")
+        rate_once = probe.rate_once if probe else None  # a process with no device measures none
+        rechecked = fleet_rounds.recheck(devices, slow, rate_once, peers, f.preflight_min_ratio, medians)
+    records = {r["device"]: r for r in rechecked.suspects}
+    unhealthy = [d | ({"reasons": d["reasons"] + [_rounds_reason(records[d["device"]])],
+                       "ratios": records[d["device"]]["ratios"]} if d["device"] in records else {})
+                 for d in flagged if d["device"] not in slow or d["device"] in rechecked.named]
     collectives = {axis: 2 * (mesh.shape[axis] - 1) / mesh.shape[axis] * sizes.collective_mib * 2**20 / s
                    for axis, s in gathered["collectives"].items()}
-    return Report(devices, collectives, medians, unhealthy, f.preflight_min_ratio, time.perf_counter() - start)
+    return Report(devices, collectives, medians, unhealthy, suspects=rechecked.suspects, loaded=rechecked.loaded,
+                  min_ratio=f.preflight_min_ratio, seconds=time.perf_counter() - start)
+
+
+def _devices(devices) -> str:
+    """'device 0 (process 0 on node-a), device 5 (process 1 on node-b)'."""
+    return ", ".join(f"device {d['device']} (process {d['process']} on {d['host']})" for d in devices)
+
+
+def _rounds_reason(record: dict) -> str:
+    """Why a suspect was named: 'slow in 2 of 2 rounds measured again (matmul 0.09x, 0.1x; memory ...)'."""
+    ratios = "; ".join(f"{name} {', '.join(f'{r:.2g}x' for r in values[1:])}"
+                       for name, values in record["ratios"].items())
+    return (f"slow in {len(record['slow_rounds'])} of {record['rounds']} rounds measured again ({ratios} the "
+            "round's median)")
 
 
 def _merge(values: list[dict]) -> dict:
@@ -259,7 +298,8 @@ def enforce(report: Report, run_dir: Path, create: bool, peers: Peers) -> None:
     if jax.process_index() == 0 and written:
         run_dir.mkdir(parents=True, exist_ok=True)
         verdict = {"exit_code": EXIT_UNHEALTHY, "hosts": report.hosts, "devices": report.unhealthy,
-                   "medians": report.medians, "min_ratio": report.min_ratio, "time": time.time()}
+                   "medians": report.medians, "min_ratio": report.min_ratio, "suspects": report.suspects,
+                   "loaded": report.loaded, "time": time.time()}
         with atomic_path(run_dir / UNHEALTHY_FILE) as tmp:
             tmp.write_text(json.dumps(verdict, indent=1) + "\n")
     peers.barrier("pre-flight verdict written")
@@ -280,14 +320,31 @@ def _rate(value: float, unit: str) -> str:
     return f"{value:.3g} {unit}"
 
 
+def cleared(report: Report) -> list[dict]:
+    """The suspects that the rounds cleared: slow in the first look, not in most rounds."""
+    return [s for s in report.suspects if not s["named"]]
+
+
+def loaded_note(host: dict) -> str:
+    """Why a host that looked slow is not excluded."""
+    when = ", ".join("the first look" if i == 0 else f"round {i}" for i in host["loaded_rounds"])
+    several = len(host["processes"]) > 1
+    return (f"host {host['host']} (process{'es' * several} {format_ranges(host['processes'])}) was loaded during the "
+            f"check: every device slow in {when}, not in most of the {host['rounds']} rounds measured again; not "
+            "excluded")
+
+
 def summary(report: Report) -> str:
     """One line for the train log."""
     medians = report.medians
     axes = ", ".join(f"{a} {_rate(b, 'B/s')}" for a, b in report.collectives.items()) or "none (one device per axis)"
     verdict = "healthy" if report.healthy else f"checked, {len(report.unhealthy)} unhealthy"
+    rounds = max((s["rounds"] for s in report.suspects), default=0)
+    notes = ([f"{_devices(cleared(report))} slow at first, cleared in {rounds} rounds measured again"]
+             if cleared(report) else []) + [loaded_note(h) for h in report.loaded]
     return (f"pre-flight check: {len(report.devices)} devices {verdict} in {report.seconds:.1f}s; medians: matmul "
             f"{_rate(medians['matmul_flops'], 'FLOP/s')}, memory {_rate(medians['memory_bytes_s'], 'B/s')}; "
-            f"all-reduce {axes}")
+            f"all-reduce {axes}" + "".join(f"; {note}" for note in notes))
 
 
 def format_report(report: Report) -> str:
@@ -296,15 +353,18 @@ def format_report(report: Report) -> str:
         return f"{_rate(d['matmul_flops'], 'FLOP/s'):>15} {_rate(d['memory_bytes_s'], 'B/s'):>13}"
 
     lines = [f"{'host':<20} {'process':>7} {'device':>6} {'matmul':>15} {'memory':>13}  arithmetic"]
-    bad = {d["device"] for d in report.unhealthy}
+    notes = {d["device"]: "  <- unhealthy" for d in report.unhealthy}
+    notes |= {s["device"]: f"  <- slow at first; slow in {len(s['slow_rounds'])} of {s['rounds']} rounds measured "
+                           "again: cleared" for s in cleared(report)}
     for d in report.devices:
         lines.append(f"{d['host'][:20]:<20} {d['process']:>7} {d['device']:>6} {figures(d)}  "
-                     f"{'ok' if d['arithmetic_ok'] else 'WRONG'}{'  <- unhealthy' if d['device'] in bad else ''}")
+                     f"{'ok' if d['arithmetic_ok'] else 'WRONG'}{notes.get(d['device'], '')}")
     lines.append(f"{'median':<36} {figures(report.medians)}")
     lines += [f"all-reduce over mesh axis {a}: {_rate(b, 'B/s')} (bus bandwidth)" for a, b in report.collectives.items()]
-    if report.healthy:
+    if report.healthy:  # the summary carries the notes on suspects
         lines.append(summary(report).removeprefix("pre-flight check: "))
     else:
+        lines += [loaded_note(h) for h in report.loaded]
         ids = [str(d["device"]) for d in report.unhealthy]
         lines.append(f"UNHEALTHY (below {report.min_ratio:g}x the median, or a wrong product): "
                      f"device{'s' * (len(ids) > 1)} {', '.join(ids)} on {', '.join(report.hosts)}")

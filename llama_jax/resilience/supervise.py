@@ -8,6 +8,8 @@ needs nothing but restarting the command, which is all this does, deciding by th
     EXIT_BAD_INPUT (2)   bad config or data            -> exit 2, never restarted (it will not fix itself)
     EXIT_UNHEALTHY (71)  a device failed pre-flight    -> exit 71, never restarted (the same hosts meet the
                                                           same device: exclude its host first)
+    EXIT_STORAGE (74)    checkpoints cannot be written -> exit 74, never restarted (full, read-only or failing
+                                                          storage: a person frees space or fixes it first)
     EXIT_PREEMPTED (75)  saved after SIGTERM/SIGINT    -> restarted (exit 75 if *we* were told to stop)
     EXIT_PEER_TIMEOUT (76) a peer missed a barrier     -> restarted (every process rejoins)
     EXIT_HANG (124)      the hang watchdog fired       -> restarted
@@ -45,8 +47,9 @@ import sys
 import time
 from pathlib import Path
 
-from llama_jax.errors import (EXIT_BAD_INPUT, EXIT_HANG, EXIT_OK, EXIT_PEER_TIMEOUT, EXIT_PREEMPTED, EXIT_UNHEALTHY,
-                              UNHEALTHY_FILE)
+from llama_jax.errors import (EXIT_BAD_INPUT, EXIT_HANG, EXIT_OK, EXIT_PEER_TIMEOUT, EXIT_PREEMPTED, EXIT_STORAGE,
+                              EXIT_UNHEALTHY, LAUNCHED_BY, UNHEALTHY_FILE)
+from llama_jax.resilience.cluster import LABEL_ENV, label_nodes, unhealthy_hosts
 
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 _POLL_S = 0.05  # how quickly a received signal is forwarded to the child
@@ -72,7 +75,7 @@ def meaning(returncode: int) -> str:
             return f"killed by signal {-returncode}"
     return {EXIT_OK: "finished", EXIT_BAD_INPUT: "bad input", EXIT_PREEMPTED: "preempted, checkpoint saved",
             EXIT_HANG: "hang watchdog fired", EXIT_PEER_TIMEOUT: "a peer missed a barrier",
-            EXIT_UNHEALTHY: "unhealthy device"}.get(returncode, "failed")
+            EXIT_UNHEALTHY: "unhealthy device", EXIT_STORAGE: "checkpoint storage failing"}.get(returncode, "failed")
 
 
 def exit_status(returncode: int) -> int:
@@ -120,14 +123,14 @@ class Supervisor:
             if self.stop_signal is not None:
                 return self._stopped_between_children()
             log(f"start #{attempt}: {shlex.join(self.command)}")
-            started, t0 = time.time(), time.monotonic()
+            started, t0, verdict_before = time.time(), time.monotonic(), self._verdict_identity()
             try:
                 returncode = self._run_child()
             except OSError as err:  # no such executable, not executable: retrying will not help
                 log(f"cannot start the command: {err}")
                 return EXIT_BAD_INPUT
             ran = time.monotonic() - t0
-            returncode = self._unhealthy_verdict(returncode, started)
+            returncode = self._unhealthy_verdict(returncode, verdict_before)
             log(f"#{attempt} {meaning(returncode)} (exit {returncode}) after {ran:.1f}s")
             action, wait = self._decide(returncode, ran)
             self._record(attempt=attempt, start=started, end=time.time(), exit_code=returncode,
@@ -147,6 +150,11 @@ class Supervisor:
         if returncode == EXIT_UNHEALTHY:
             log(f"exit {EXIT_UNHEALTHY} means the pre-flight check named an unhealthy device, which a restart on the "
                 "same hosts meets again: not restarting; exclude its host (named above and in run.dir/unhealthy.json)")
+            self._keep_off_unhealthy_nodes()
+            return "stop", None
+        if returncode == EXIT_STORAGE:
+            log(f"exit {EXIT_STORAGE} means checkpoints could not be written (full, read-only or failing storage), "
+                "which a restart meets again: not restarting; free space or fix the filesystem (named above)")
             return "stop", None
         if self.stop_signal is not None:
             log(f"stopping as asked by {signal.Signals(self.stop_signal).name}: not restarting")
@@ -163,20 +171,40 @@ class Supervisor:
         log(f"restart {self.failures} of {self.policy.max_restarts} in {wait:g}s")
         return "restart", wait
 
-    def _unhealthy_verdict(self, returncode: int, started: float) -> int:
-        """EXIT_UNHEALTHY for a failed attempt that wrote run.dir/unhealthy.json after it started, else returncode."""
-        verdict = self.run_dir / UNHEALTHY_FILE if self.run_dir is not None else None
-        if returncode in (EXIT_OK, EXIT_UNHEALTHY) or verdict is None or not verdict.is_file():
+    def _keep_off_unhealthy_nodes(self) -> None:
+        """Where the launcher asks for it (launch/k8s.sh), label the nodes the verdict names, so that the
+        scheduler keeps the job's replacement pods off them (cluster.py)."""
+        label = os.environ.get(LABEL_ENV)
+        hosts = unhealthy_hosts(self.run_dir / UNHEALTHY_FILE) if self.run_dir is not None else []
+        if label and hosts:
+            for line in label_nodes(hosts, label):
+                log(line)
+
+    def _verdict_identity(self) -> tuple[int, int, int] | None:
+        """Which run.dir/unhealthy.json is there now (inode, size, mtime), if any."""
+        try:
+            found = (self.run_dir / UNHEALTHY_FILE).stat() if self.run_dir is not None else None
+        except OSError:
+            return None
+        return None if found is None else (found.st_ino, found.st_size, found.st_mtime_ns)
+
+    def _unhealthy_verdict(self, returncode: int, before: tuple[int, int, int] | None) -> int:
+        """EXIT_UNHEALTHY for a failed attempt that wrote run.dir/unhealthy.json, else returncode. The file is
+        this attempt's if it was not there, or was another file, when the attempt started (times alone took an
+        earlier attempt's verdict written within a second of this start for this one's)."""
+        now = self._verdict_identity()
+        if returncode in (EXIT_OK, EXIT_UNHEALTHY) or now is None or now == before:
             return returncode
-        if verdict.stat().st_mtime < started - 1.0:  # a second's slack for filesystems with coarse times
-            return returncode
-        log(f"exit {returncode}, but this attempt's pre-flight check wrote {verdict}: taken as exit {EXIT_UNHEALTHY}")
+        log(f"exit {returncode}, but this attempt's pre-flight check wrote {self.run_dir / UNHEALTHY_FILE}: taken as "
+            f"exit {EXIT_UNHEALTHY}")
         return EXIT_UNHEALTHY
 
     def _run_child(self) -> int:
         # Own process group: the trainer's helper processes get our forwarded SIGTERM too, and a Ctrl-C
         # in the terminal reaches only us, so the child sees exactly one SIGTERM (from us).
-        child = subprocess.Popen(self.command, process_group=0)
+        # The child knows it runs under a supervisor: a run that saves no checkpoint periodically warns.
+        env = {**os.environ, LAUNCHED_BY: os.environ.get(LAUNCHED_BY, "llama-jax supervise")}
+        child = subprocess.Popen(self.command, process_group=0, env=env)
         deadline: float | None = None
         while True:
             if self.stop_signal is not None and deadline is None:
@@ -218,8 +246,11 @@ class Supervisor:
         # Only into a directory the trainer has created: the supervisor must not make a run.dir
         # that a bad-input run would have refused to create.
         if self.run_dir is not None and self.run_dir.is_dir():
-            with open(self.run_dir / "supervisor.jsonl", "a") as f:
-                f.write(json.dumps(fields) + "\n")
+            try:
+                with open(self.run_dir / "supervisor.jsonl", "a") as f:
+                    f.write(json.dumps(fields) + "\n")
+            except OSError as err:  # a full or read-only run.dir: the log line above says it all
+                log(f"could not append to {self.run_dir / 'supervisor.jsonl'}: {err.strerror or err}")
 
 
 def _signal_group(pgid: int, sig: int) -> bool:

@@ -21,6 +21,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from llama_jax.errors import EXIT_HANG
+from llama_jax.resilience.flight import FlightRecorder
 
 DESCRIBE_TIMEOUT_S = 120.0  # describe() may itself block (it may compile); the dump must still finish
 
@@ -38,11 +39,13 @@ class HangWatchdog:
 
     def __init__(self, run_dir: Path, host: str, *, factor: float = 10.0, min_timeout_s: float = 300.0,
                  startup_timeout_s: float = 3600.0, window: int = 50, describe: Callable[[], str] = lambda: "",
-                 exit_fn: Callable[[int], None] = os._exit, poll_s: float = 1.0):
+                 exit_fn: Callable[[int], None] = os._exit, poll_s: float = 1.0,
+                 recorder: FlightRecorder | None = None):
         self.path = Path(run_dir) / f"hang-{re.sub(r'[^A-Za-z0-9_.-]', '_', host)}.txt"
         self.host, self.factor, self.min_timeout_s = host, factor, min_timeout_s
         self.startup_timeout_s, self.describe, self.exit_fn, self.poll_s = startup_timeout_s, describe, exit_fn, poll_s
         self.fired = False
+        self.recorder = recorder  # the flight recorder (flight.py): every phase goes in, and a hang its report
         self._times: deque[float] = deque(maxlen=window)
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -73,10 +76,16 @@ class HangWatchdog:
                 self._times.append(seconds)
             self._last_step = (step, seconds)
             self._last_at, self._last_what = time.monotonic(), f"step {step} done"
+        self._record("step", f"step {step} done", step)
 
     def progress(self, what: str) -> None:
         with self._lock:
             self._last_at, self._last_what = time.monotonic(), what
+        self._record("progress", what)
+
+    def _record(self, kind: str, what: str, step: int | None = None) -> None:
+        if self.recorder is not None:
+            self.recorder.record(kind, what, step)
 
     @contextmanager
     def paused(self, what: str, timeout_s: float | None = None) -> Iterator[None]:
@@ -88,9 +97,11 @@ class HangWatchdog:
                 self._paused += 1
             else:
                 self._bounded.append((what, timeout_s, time.monotonic()))
+        self._record("phase", f"{what} started")
         try:
             yield
         finally:
+            self._record("phase", f"{what} finished")
             with self._lock:
                 if timeout_s is None:
                     self._paused -= 1
@@ -142,17 +153,23 @@ class HangWatchdog:
         return "\n".join(lines) + "\n" + _all_stacks()
 
     def _fire(self, report: str) -> None:
-        # Stacks first and durably: describe() may block or crash, and the stacks matter most.
+        # Stacks first and durably: describe() may block or crash, and the stacks matter most. Then the flight
+        # records of every reachable process and which process the run waits for, while the others still wait.
+        headline, flight = report.splitlines()[0], ""
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             _write_durably(self.path, report)
+            if self.recorder is not None:
+                written = _call_with_timeout(lambda: str(self.recorder.hang(headline) or ""), DESCRIBE_TIMEOUT_S)
+                flight = f"; flight record in {self.recorder.run_dir / 'flight'}" + (
+                    f", hang report {written}" if written.endswith(".json") else "")
             described = _call_with_timeout(self.describe, DESCRIBE_TIMEOUT_S) or "(describe() returned nothing)"
             report += "\nWhat the compiled step communicates:\n" + described
             _write_durably(self.path, report + "\n")
             where = str(self.path)
         except OSError as e:  # a full or gone disk must not stop the exit: a stuck job wastes the cluster
             where = f"nowhere ({e}); stacks follow on stderr\n{report}"
-        print(f"{report.splitlines()[0]}; report in {where}; exiting {EXIT_HANG}", file=sys.stderr)
+        print(f"{headline}; report in {where}{flight}; exiting {EXIT_HANG}", file=sys.stderr)
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()  # os._exit skips this, and the last log lines are the useful ones

@@ -8,6 +8,7 @@ before it starts.
     report.py     report.png
     plan.py       `llama-jax plan`: memory, FLOPs and collectives of the compiled step
     tune.py       `llama-jax tune`: search meshes, micro-batches and remat with the cost model
+    goodput_projection.py  `llama-jax goodput`: expected effective training time under failures, best intervals
 
 Imports every subpackage below it.
 """

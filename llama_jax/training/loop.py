@@ -18,10 +18,11 @@ step's loss means and when to roll back (resilience/guards.py), the start decisi
 
 from __future__ import annotations
 
+import os
 import socket
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -37,13 +38,14 @@ from llama_jax.config import to_yaml
 from llama_jax.data.streams import open_data
 from llama_jax.distributed import processes, sharding
 from llama_jax.distributed.peers import Peers, primary_first
-from llama_jax.errors import EXIT_OK, EXIT_PREEMPTED, InputError
-from llama_jax.files import cache_root
+from llama_jax.errors import EXIT_OK, EXIT_PREEMPTED, LAUNCHED_BY, ConfigError, InputError
+from llama_jax.files import cache_root, unwritable
 from llama_jax.inference.generate import sample_text
 from llama_jax.model import remat
 from llama_jax.model.llama import param_count
 from llama_jax.perf.hardware import device_peak_flops
 from llama_jax.resilience import preflight
+from llama_jax.resilience.flight import FlightRecorder
 from llama_jax.resilience.goodput import Goodput, format_goodput
 from llama_jax.resilience.guards import SpikeGuard
 from llama_jax.resilience.preemption import PreemptionGuard
@@ -67,19 +69,39 @@ def train(config: Config, print_fn: Callable[[str], None] = print, *, devices=No
     """
     started_at = started_at or time.time()  # goodput counts the start-up as restart overhead
     processes.initialize(config.run)  # before anything touches the devices
+    if problem := unwritable(Path(config.run.dir)):  # before anything compiles: one line, exit 2
+        raise ConfigError(f"run.dir {config.run.dir} cannot be written: {problem}; choose a run.dir on a writable "
+                          "filesystem")
+    config = processes.on_fewer_processes(config, jax.process_count())
     primary = jax.process_index() == 0
     say = print_fn if primary else _warnings_only(print_fn)
     if primary:
         print_fn(describe(config))
+    if os.environ.get(LAUNCHED_BY) and not config.checkpoint.periodic:
+        say(f"warning: under {os.environ[LAUNCHED_BY]} a failed run restarts from its newest checkpoint, and this one "
+            "saves none until it ends (checkpoint.every_steps=0, no every_minutes, no local tier): every restart "
+            "starts again from step 0; set checkpoint.every_steps=auto")
     f = config.fault
     peers = Peers(f.barrier_timeout_s, stall_at=f.inject_stall_at if f.inject_process == jax.process_index() else "")
+    # What this process was last doing, published to the others: a hang names the process the run waits for.
+    peers.recorder = FlightRecorder(Path(config.run.dir), peers.index, peers.count, processes.node_name(),
+                                    capacity=f.flight_events, heartbeat_s=f.flight_heartbeat_s, client=peers.client)
+    with peers.recorder:
+        return _train(config, peers, say, print_fn, devices, started_at)
+
+
+def _train(config: Config, peers: Peers, say: Callable[[str], None], print_fn: Callable[[str], None], devices,
+           started_at: float) -> dict:
+    f = config.fault
+    peers.recorder.record("setup", "building the mesh and opening the data")
     mesh = sharding.make_mesh(config, devices=devices)
     # Process 0 prepares raw sources into the cache first, so processes sharing it never race.
     data = primary_first(lambda: open_data(config, log=say), (InputError,), peers)
     if f.preflight:  # a slow or faulty device is named before the step compiles or a checkpoint restores (exit 71)
-        report = preflight.check(config, mesh, peers)
+        report = preflight.check(config, mesh, peers, say)
         say(preflight.summary(report))
         preflight.enforce(report, Path(config.run.dir), create=True, peers=peers)  # a starting run: may make run.dir
+    peers.recorder.record("setup", "compiling the train step")
     run = Run.setup(config, mesh, data, peers)
     if config.train.microbatches == "auto":
         say(f"train.microbatches=auto: {run.config.train.microbatches}, the fewest whose step fits "
@@ -187,6 +209,7 @@ class Loop:
     # they fall in (an upper bound of the devices' wait: they may have been busy with the step before).
     data_wait_s: float = 0.0
     first_step: int = 0  # the first step this process runs: its time is compilation's
+    held: set[str] = field(default_factory=set)  # tiers whose save waits for a step the guard counts as good
 
     @classmethod
     def open(cls, run: Run, print_fn: Callable[[str], None], started_at: float) -> Loop:
@@ -213,10 +236,12 @@ class Loop:
                               log=log.message) if c.local_dir else None
             checkpointer = Checkpointer(run_dir, c, meta=run.metadata(), log=log.message, peers=run.peers,
                                         save_delay_s=f.inject_save_delay_s if injected else 0.0,
+                                        save_failures=tuple(f.inject_save_failure_steps) if injected else (),
                                         layout=run.layer_order, local=local, model=run.metadata()["config"]["model"],
                                         check=run.check_meta)
             loop = cls(
-                run=run, log=log, checkpointer=checkpointer, goodput=Goodput(run_dir, started_at, write=primary),
+                run=run, log=log, checkpointer=checkpointer,
+                goodput=Goodput(run_dir, started_at, write=primary, warn=log.message),
                 meter=ThroughputMeter(t.batch_size * t.seq_len, model_flops_per_token(config), peak,
                                       mesh.devices.size),
                 guard=SpikeGuard(f.max_bad_steps, f.spike_zscore, f.spike_window),
@@ -224,7 +249,7 @@ class Loop:
                 hosts=HostWindow(run.peers, HostScores(f.straggler_host_threshold), f.straggler_every_steps, host,
                                  sorted(d.id for d in mesh.devices.flat if d.process_index == jax.process_index())),
                 watchdog=HangWatchdog(run_dir, host, factor=f.hang_factor, min_timeout_s=f.hang_min_timeout_s,
-                                      startup_timeout_s=f.hang_startup_timeout_s,
+                                      startup_timeout_s=f.hang_startup_timeout_s, recorder=run.peers.recorder,
                                       describe=lambda: format_plan(make_plan(config, mesh))),
                 preemption=PreemptionGuard(checkpointer.manager.reached_preemption if multi else None),
                 eval_batches=min(t.eval_batches, run.data.val.batches_per_epoch()))
@@ -268,21 +293,29 @@ class Loop:
         fault = self.run.config.fault
         if fault.inject_process == jax.process_index():
             time.sleep(fault.inject_step_delay_s)
+        self._record("data", f"loading batch {data_step}")
         start = time.perf_counter()
         batch = next(batches)
         self.data_wait_s += time.perf_counter() - start
         if data_step in fault.inject_nan_steps:
             batch["loss_mask"] = np.full_like(batch["loss_mask"], np.nan)
+        if data_step in fault.inject_spike_steps:
+            batch["targets"] = np.zeros_like(batch["targets"])
         return self.run.program.put(batch)  # the transfer starts now, the step need not wait for it
 
     def dispatch(self, state: TrainState, batch: dict, step: int) -> tuple[TrainState, Dispatched]:
         """Hand step `step` to the devices. The call returns at once unless the devices are still busy with
         earlier work (a full queue; on CPU a cross-process step runs inside the call): that wait is the
         devices', so observe() does not count it as the host's time."""
+        self._record("step", f"dispatching step {step} (its collectives run on the devices)", step)
         start = time.perf_counter()
         state, metrics = self.run.program.train_step(state, batch)
         self.dispatch_wait_s += time.perf_counter() - start
         return state, Dispatched(step, metrics, step == self.first_step)
+
+    def _record(self, kind: str, what: str, step: int | None = None) -> None:
+        if self.run.peers.recorder is not None:
+            self.run.peers.recorder.record(kind, what, step)
 
     def hang_if_injected(self, step: int) -> None:
         """fault.inject_hang_step: once step n is read (and saved, when due), the step after it never returns."""
@@ -293,6 +326,7 @@ class Loop:
         """Read a dispatched step's metrics (waiting for it), account for it and log it when due; the guard's
         verdict: ok, skipped, spike or rollback. The only device-to-host transfer of a step."""
         t, say, step, compiled = self.run.config.train, self.log.message, done.step, done.first
+        self._record("step", f"waiting for step {step}'s result")
         reading = time.perf_counter()
         metrics = {k: float(v) for k, v in jax.device_get(done.metrics).items()}
         # Waiting for the devices, here and in dispatches since the last read; the rest was the host's own work.
@@ -302,6 +336,7 @@ class Loop:
         self.watchdog.step_done(step, None if compiled else seconds)  # compilation says nothing about step time
         if not compiled:
             self.meter.add(seconds, waited)
+            self.checkpointer.step_timed(seconds)
             if warning := self.stragglers.observe(step, seconds, process=jax.process_index()):
                 say(warning)
             self.hosts.add(seconds, max(0.0, seconds - blocked))
@@ -340,22 +375,34 @@ class Loop:
         return (back, back_step) if back_step != step else None
 
     def due(self, step: int) -> Due:
+        """What happens after `step`: each part decides, every process alike; a save that waited for the guard
+        (act) is due again."""
         stop = self.preemption.should_stop(step)
-        return Due(evaluate=self.eval_due(step), local=self.checkpointer.local_due(step), stop=stop,
-                   save=self.checkpointer.due(step) or step == self.run.config.train.steps or stop)
+        local, durable = self.checkpointer.local_due(step), self.checkpointer.due(step)
+        return Due(evaluate=self.eval_due(step), local=local or "local" in self.held, stop=stop,
+                   save=durable or step == self.run.config.train.steps or stop or "durable" in self.held)
 
     def act(self, due: Due, state: TrainState, step: int, data_step: int, summary: dict) -> None:
-        """Evaluate and save what is due after `step` (not step time), then say so if the run stops."""
+        """Evaluate and save what is due after `step` (not step time), then say so if the run stops. A step the
+        guard counts as bad (a skipped step, or a spike whose update was applied) is never saved: its saves wait
+        for the next good step, so a rollback always finds a checkpoint from before the bad run."""
+        tiers = [tier for tier, wanted in (("local", due.local), ("durable", due.save)) if wanted]
+        bad = self.guard.consecutive > 0
         with self.goodput.pause(None):
             if due.evaluate:
                 summary["final_eval_loss"] = self.evaluate(state.model_params, step)
-            if due.local:
-                self.save(step, state, data_step, tier="local")
-            if due.save:
-                self.save(step, state, data_step)
+            if bad and tiers:
+                self.held.update(tiers)
+                self.log.message(f"warning: step {step} is counted as bad ({self.guard.consecutive} in a row): not "
+                                 "saved; the save waits for a good step")
+            elif tiers:
+                for tier in tiers:
+                    self.save(step, state, data_step, tier=tier)
+                self.held.clear()
         self.hang_if_injected(step)
         if due.stop:
-            self.log.message(f"{self.preemption.signal_name or 'preemption'} received: saved step {step}, "
+            saved = f"step {step} is counted as bad and not saved" if bad else f"saved step {step}"
+            self.log.message(f"{self.preemption.signal_name or 'preemption'} received: {saved}, "
                              f"stopping (exit {EXIT_PREEMPTED}); re-run the same command to continue")
 
     def eval_due(self, step: int) -> bool:
@@ -377,16 +424,18 @@ class Loop:
         with self.watchdog.paused(f"{where} save of step {step}", bound), self.goodput.pause("checkpoint_save"):
             data_state = {"next_step": data_step, "fingerprint": self.run.data.fingerprint}
             save = self.checkpointer.save_local if tier == "local" else self.checkpointer.save
-            blocked = save(step, state.checkpointed(), data_state, step_s=self.meter.median_step_s)
+            blocked = save(step, state.checkpointed(), data_state)
         self.goodput.tier(f"save_{tier}", blocked)
 
     def roll_back(self, state: TrainState, step: int, data_step: int) -> tuple[TrainState, int]:
-        """After max_bad_steps bad steps in a row: back to the newest checkpoint, skipping the batches since."""
+        """After max_bad_steps bad steps in a row: back to the newest checkpoint before the first of them (a bad
+        step is never saved), skipping the batches since."""
         guard, say, config = self.guard, self.log.message, self.run.config
         with self.watchdog.paused("rollback", config.checkpoint.timeout_s), self.goodput.pause(None):
             self.checkpointer.wait()
             # As at start-up: the newest step that restores on every process, one decision for all.
-            found = self.checkpointer.restore_newest(self.run.program.abstract_checkpoint(), say)
+            found = self.checkpointer.restore_newest(self.run.program.abstract_checkpoint(), say,
+                                                     before=guard.first_bad_step)
             if found is None:
                 say(f"warning: {guard.consecutive} bad steps in a row at step {step} and no checkpoint to roll "
                     "back to")
@@ -395,6 +444,7 @@ class Loop:
             back_step, back, _ = found
             back = self.run.program.with_frozen(back, getattr(state, "frozen", None))  # the base stays as it is
         self.goodput.discard(back_step, step)
+        self.held.clear()  # the bad run is gone with its held saves
         say(f"warning: {guard.consecutive} bad steps in a row: rolled back from step {step} to {back_step}; "
             f"the data continues at batch {data_step}, skipping the {step - back_step} batches since")
         guard.reset()
@@ -407,7 +457,7 @@ class Loop:
             summary["tokens_per_s"] = self.meter.median_tokens_per_s
             summary["mfu"] = self.meter.mfu(summary["tokens_per_s"])
         with self.watchdog.paused("final save", self.run.config.checkpoint.timeout_s):
-            self.goodput.add("checkpoint_save", self.checkpointer.wait())
+            self.goodput.add("checkpoint_save", self.checkpointer.finish_writes())
         local = self.checkpointer.local
         if local is not None:  # the background writes: their time and this host's bytes
             self.goodput.tier("write_local", sum(local.write_seconds), local.bytes_written, len(local.write_seconds))
@@ -416,8 +466,8 @@ class Loop:
         self.log.log({"step": step, **{f"goodput_{k}": v for k, v in summary["goodput"].items() if k != "tiers"}})
         self.goodput.finish(preempted=preempted)
         self.log.message(format_goodput(summary["goodput"]))
-        if self.checkpointer.save_seconds and self.meter.throughputs:
-            self.log.message(self.checkpointer.advice(self.meter.median_step_s))
+        if self.meter.throughputs and (advice := self.checkpointer.advice(self.meter.median_step_s)):
+            self.log.message(advice)
         return summary
 
     def conclude(self, state: TrainState, step: int, summary: dict, print_fn: Callable[[str], None]) -> None:
@@ -428,10 +478,14 @@ class Loop:
             # Outside the mesh context: the prompt's length need not divide the sequence shards.
             summary["sample"] = sample_text(run.config, state.model_params, run.data.tokenizer)
             print_fn(f"sample after {run.config.train.steps} steps:\n{summary['sample']}")
-            if primary:
+        if not primary:
+            return
+        try:  # the run is trained and saved: a file that cannot be written now warns and stops nothing
+            if "sample" in summary:
                 (run_dir / "sample.txt").write_text(summary["sample"] + "\n")
-        if primary:
             summary["report"] = str(write_report(run_dir))
+        except OSError as err:
+            self.log.message(f"warning: writing the sample or report into {run_dir} failed ({err.strerror or err})")
 
 
 def _injected_hang() -> None:

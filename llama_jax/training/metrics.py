@@ -134,6 +134,7 @@ class MetricsLog:
         self.enabled = enabled  # False on processes other than 0 of a multi-process run: log nothing
         self._bar = self._writer = self._file = self._wandb = None
         self._print = print_fn
+        self._failed: set[str] = set()  # sinks whose writes failed (warned once; still tried each time)
         if not enabled:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -164,15 +165,15 @@ class MetricsLog:
         step = int(rec["step"])
         safe = {k: None if isinstance(v, float) and not math.isfinite(v) else v
                 for k, v in rec.items()}
-        self._file.write(json.dumps(safe, allow_nan=False) + "\n")
-        self._file.flush()  # a crash loses at most the line being written
+        line = json.dumps(safe, allow_nan=False) + "\n"
+        self._sink("metrics.jsonl", lambda: (self._file.write(line), self._file.flush()))  # a crash loses one line
         scalars = {k: v for k, v in rec.items()
                    if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
         if self._writer is not None:
-            for k, v in scalars.items():
-                self._writer.add_scalar(k, v, global_step=step)
+            self._sink("TensorBoard", lambda: [self._writer.add_scalar(k, v, global_step=step)
+                                               for k, v in scalars.items()])
         if self._wandb is not None and scalars:
-            self._wandb.log({"step": step, **scalars})
+            self._sink("Weights & Biases", lambda: self._wandb.log({"step": step, **scalars}))
         if isinstance(rec.get("step_time_s"), (int, float)):
             self._step_time = rec["step_time_s"]
         if self._bar is None:
@@ -186,6 +187,19 @@ class MetricsLog:
         self._bar.refresh()
         if "eval_loss" in rec and "loss" not in rec:  # eval results stay on screen
             self._bar.write(f"step {step}: " + " | ".join(self._fields(rec)), file=sys.stdout)
+
+    def _sink(self, name: str, write: Callable[[], Any]) -> None:
+        """A write to one of the log's sinks; one that fails (a full or read-only disk, a W&B outage) warns once
+        and training goes on: the checkpoints, not the logs, are what a run cannot lose."""
+        try:
+            write()
+        except Exception as err:  # noqa: BLE001 - OSError for files; W&B raises its own types
+            if name not in self._failed:
+                self._failed.add(name)
+                text = getattr(err, "strerror", None) or str(err).strip()  # an OSError's reason, not its "[Errno N]"
+                reason = text.splitlines()[0][:200] if text else type(err).__name__
+                self.message(f"warning: writing {name} failed ({reason}); training goes on without it until it "
+                             "can be written again")
 
     @staticmethod
     def _fields(rec: dict) -> list[str]:
@@ -218,11 +232,10 @@ class MetricsLog:
             self._bar.close()
             self._bar = None
         if self._writer is not None:
-            self._writer.flush()
-            self._writer.close()
+            self._sink("TensorBoard", lambda: (self._writer.flush(), self._writer.close()))
             self._writer = None
         if self._file is not None and not self._file.closed:
-            self._file.close()
+            self._sink("metrics.jsonl", self._file.close)
         if self._wandb is not None:
             self._wandb.finish(exit_code=exit_code)
             self._wandb = None

@@ -40,6 +40,13 @@ def weight_decay_mask(t: TrainConfig):
     return lambda params: jax.tree_util.tree_map_with_path(decays, params)
 
 
+def schedule_count(opt_state) -> jax.Array:
+    """The optimizer's own step count, whose learning rate schedule(count) its next update applies. It lags the
+    train state's step after a skipped (non-finite) step, which leaves the optimizer state as it was."""
+    states = jax.tree.leaves(opt_state, is_leaf=lambda s: isinstance(s, optax.ScaleByScheduleState))
+    return next(s.count for s in states if isinstance(s, optax.ScaleByScheduleState))
+
+
 def make_optimizer(t: TrainConfig) -> optax.GradientTransformation:
     steps = [optax.clip_by_global_norm(t.grad_clip)] if t.grad_clip > 0 else []
     steps.append(optax.adamw(learning_rate(t), b1=t.b1, b2=t.b2, eps=t.eps, weight_decay=t.weight_decay,

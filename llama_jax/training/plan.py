@@ -7,7 +7,8 @@ bytes moved by each collective kind next to the analytic minimum for the mesh, a
 the mesh axes each collective spans and the link tier it crosses (within a host, or between hosts:
 costmodel.py; `--devices-per-host` plans a cluster's hosts on simulated devices). With pipeline
 parallelism a device is one stage, and the plan adds the bubble: the schedule's (P-1)/(M·R+P-1) next to
-what the compiled loop does, and the point-to-point (collective permute) bytes.
+what the compiled loop does, the point-to-point (collective permute) bytes, and per stage its layers, the
+micro-batches it keeps in flight and its memory.
 """
 
 from __future__ import annotations
@@ -18,18 +19,20 @@ import math
 import time
 from dataclasses import dataclass, field
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh
 
 from llama_jax.config import Config
 from llama_jax.config.choices import REMAT_POLICIES
 from llama_jax.files import format_bytes
-from llama_jax.model import remat
+from llama_jax.model import one_f_one_b, remat
 from llama_jax.model.llama import param_count
-from llama_jax.model.pipeline import bubble_fraction
+from llama_jax.model.pipeline import LAYER_SLOT_SCOPE, bubble_fraction
 from llama_jax.perf import costmodel, gpu_target, hlo
 from llama_jax.perf.costmodel import AxisTraffic
-from llama_jax.training.step import TrainProgram, mesh_platform, model_flops_per_token
+from llama_jax.training.step import TrainProgram, mesh_platform, model_flops_per_token, step_memory_bytes
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,10 @@ class Plan:
     compiled_bubble: float | None = None
     pipeline_iterations: int | None = None  # of the compiled pipeline loop
     pass_microbatches: int = 0  # micro-batches per pass through the pipeline (mesh.pipeline_microbatches or all)
+    schedule: str = ""  # mesh.pipeline_schedule (with a pipeline)
+    stage_layers: tuple[int, ...] = ()  # per stage, the layers it runs (all repeats)
+    in_flight: tuple[int, ...] = ()  # per stage, the most micro-batches (of one group of layers) it keeps at once
+    stage_bytes: tuple[int, ...] = ()  # per stage, the memory it uses per device (pipeline_stages())
     # GPUs compiled for without them (--target): their kind, and cuDNN's attention workspace, which their compile
     # does not size: estimated (gpu_target.cudnn_workspace_bytes) and counted in total_bytes
     target: str = ""
@@ -134,12 +141,16 @@ def make_plan(config: Config, mesh: Mesh, devices_per_host: int = 0) -> Plan:
     memory = compiled.memory_analysis()
     devices = mesh.devices.size
     text = compiled.as_text()
-    stats = hlo.analyze(text, devices)
+    stats = hlo.analyze(text, devices, branch_runs(program))
+    # The roofline's operations at the pace of the busiest stage: a pipeline's stages wait for each other.
+    operations = hlo.analyze(text, devices, branch_runs(program, busiest=True)).operations \
+        if program.model.pipeline else stats.operations
     outputs = memory.output_size_in_bytes - memory.alias_size_in_bytes
     stages, repeats = mesh.shape.get("pipeline", 1), config.mesh.pipeline_repeats
     microbatches = config.mesh.pipeline_microbatches or program.config.train.microbatches  # of one pass
     iterations = max(hlo.permute_loop_trips(text, devices, _along(topology, "pipeline")), default=None) \
         if stages > 1 else None
+    staged = pipeline_stages(program, text, step_memory_bytes(compiled)) if stages > 1 else {}
     return Plan(
         mesh=dict(mesh.shape), devices=devices,
         argument_bytes=memory.argument_size_in_bytes, temporary_bytes=memory.temp_size_in_bytes,
@@ -151,14 +162,73 @@ def make_plan(config: Config, mesh: Mesh, devices_per_host: int = 0) -> Plan:
         collective_minimum=collective_minimum(config, dict(mesh.shape)),
         compile_seconds=compile_seconds, microbatches=program.config.train.microbatches,
         budget_bytes=program.memory_budget(),
-        memory_traffic_bytes=stats.memory_bytes, operations=stats.operations, hosts=topology.host_count,
+        memory_traffic_bytes=stats.memory_bytes, operations=operations, hosts=topology.host_count,
         collective_by_axis=costmodel.traffic_by_axis(stats.collective_groups, topology),
         pipeline_repeats=repeats, bubble=bubble_fraction(stages, microbatches, repeats) if stages > 1 else 0.0,
-        compiled_bubble=1 - microbatches * repeats / iterations if iterations else None,
-        pipeline_iterations=iterations, pass_microbatches=microbatches if stages > 1 else 0,
+        compiled_bubble=compiled_bubble(config.mesh.pipeline_schedule, stages, repeats, microbatches, iterations),
+        pipeline_iterations=iterations, pass_microbatches=microbatches if stages > 1 else 0, **staged,
         target=gpu_target.describe(mesh.devices.flat[0]) if program.for_gpus_elsewhere else "",
         cudnn_workspace_bytes=program.cudnn_workspace_bytes(),
     )
+
+
+def branch_runs(program: TrainProgram, busiest: bool = False) -> dict[str, float]:
+    """How often the pipeline's conditionals run their work (hlo.analyze): under 1F1B the forward, loss and
+    backward passes (one_f_one_b.branch_runs), with uneven stages the layers' slots; on average over the stages,
+    or with `busiest` on the busiest stage (which runs every slot)."""
+    layout, n_layers = program.model.pipeline, program.config.model.n_layers
+    if layout is None:
+        return {}
+    runs = {LAYER_SLOT_SCOPE: 1.0 if busiest else n_layers / layout.order.length(n_layers)}
+    if layout.schedule == "1f1b":
+        tables = one_f_one_b.schedule(layout.stages, layout.repeats, layout.microbatches)
+        runs.update(one_f_one_b.branch_runs(tables, busiest))
+    return runs
+
+
+def compiled_bubble(schedule: str, stages: int, repeats: int, microbatches: int, iterations: int | None
+                    ) -> float | None:
+    """The bubble the compiled pipeline loop of `iterations` runs (None: no such loop). GPipe: every stage
+    computes in each iteration, M·R of them its own; 1F1B: one_f_one_b.compiled_bubble."""
+    if not iterations:
+        return None
+    if schedule == "1f1b":
+        return one_f_one_b.compiled_bubble(stages, repeats, microbatches, iterations)
+    return 1 - microbatches * repeats / iterations
+
+
+def pipeline_stages(program: TrainProgram, hlo_text: str, total: int) -> dict:
+    """Per stage: its layers, the micro-batches it keeps in flight, and its memory per device. Every stage
+    runs the same program, whose buffers are sized for the busiest stage (the compiled total): a stage
+    with fewer layers leaves slots of the layer stack empty (their weights, moments and gradients), and
+    under 1F1B a stage with fewer micro-batches in flight leaves residual slots unused; those are not
+    counted in its figure."""
+    config = program.config
+    layout = program.model.pipeline
+    order = layout.order
+    stages = order.stage_layers(config.model.n_layers)  # [P, R]
+    slots = order.slots(config.model.n_layers) * order.repeats
+    # Bytes per device of one slot of the layer stack: params and both moments stored, the gradient computed.
+    state = sum(_device_bytes(a) for path, a in jax.tree_util.tree_flatten_with_path(program.abstract_state())[0]
+                if any(getattr(k, "key", None) == "layers" for k in path))
+    grads = sum(_device_bytes(a) for path, a in jax.tree_util.tree_flatten_with_path(program.abstract_params())[0]
+                if any(getattr(k, "key", None) == "layers" for k in path))
+    per_layer = (state + grads) / slots
+    if layout.schedule == "1f1b":
+        schedule = one_f_one_b.schedule(layout.stages, layout.repeats, layout.microbatches)
+        in_flight, kept = schedule.in_flight, sum(hlo.named_buffer_bytes(hlo_text, one_f_one_b.SLOTS_SCOPE))
+        per_slot = kept / schedule.slots
+    else:  # GPipe keeps every micro-batch of a pass
+        in_flight, per_slot = (layout.microbatches,) * layout.stages, 0.0
+    free = [(slots - int(stages[p].sum())) * per_layer + (max(in_flight) - in_flight[p]) * per_slot
+            for p in range(layout.stages)]
+    return {"schedule": layout.schedule, "stage_layers": tuple(int(n) for n in stages.sum(axis=1)),
+            "in_flight": tuple(in_flight), "stage_bytes": tuple(int(total - f) for f in free)}
+
+
+def _device_bytes(a) -> int:
+    shape = a.sharding.shard_shape(a.shape) if getattr(a, "sharding", None) is not None else a.shape
+    return int(np.prod(shape)) * a.dtype.itemsize
 
 
 def compare_remat(config: Config, mesh: Mesh, print_fn=None, devices_per_host: int = 0) -> dict[str, Plan]:
@@ -228,13 +298,21 @@ def format_plan(plan: Plan) -> str:
         lines.append(f"  {'total':<58}{format_bytes(plan.collective_total):>12}   ({tiers})")
     if stages > 1:
         passes = plan.microbatches // plan.pass_microbatches
-        lines.append(f"pipeline: {stages} stages x {plan.pipeline_repeats} repeat(s) over {plan.pass_microbatches} "
-                     f"micro-batches per pass{f', {passes} passes' if passes > 1 else ''}: bubble {plan.bubble:.1%} of "
-                     "the step ((P-1)/(M·R+P-1))")
+        lines.append(f"pipeline ({plan.schedule}): {stages} stages x {plan.pipeline_repeats} repeat(s) over "
+                     f"{plan.pass_microbatches} micro-batches per pass{f', {passes} passes' if passes > 1 else ''}: "
+                     f"bubble {plan.bubble:.1%} of the step ((P-1)/(M·R+P-1))")
         if plan.compiled_bubble is not None:
-            lines.append(f"  compiled: the stage loop runs {plan.pipeline_iterations} iterations for "
-                         f"{plan.pass_microbatches * plan.pipeline_repeats} micro-batch turns per stage: bubble "
+            turns = plan.pass_microbatches * plan.pipeline_repeats
+            how = (f"each stage's {turns} forward and {turns} backward passes, V-1 = "
+                   f"{stages * plan.pipeline_repeats - 1} iterations at each end running one kind only"
+                   if plan.schedule == "1f1b" else f"{turns} micro-batch turns per stage")
+            lines.append(f"  compiled: the stage loop runs {plan.pipeline_iterations} iterations for {how}: bubble "
                          f"{plan.compiled_bubble:.1%}")
+        group = " groups of layers" if plan.pipeline_repeats > 1 else ""
+        lines.append(f"  {'stage':>7}{'layers':>8}{'in flight':>11}{'memory':>12}   (micro-batch{group} kept at once; "
+                     "memory per device)")
+        lines += [f"  {p:>7}{n:>8}{k:>11}{format_bytes(b):>12}"
+                  for p, (n, k, b) in enumerate(zip(plan.stage_layers, plan.in_flight, plan.stage_bytes))]
     return "\n".join(line for line in lines if line)
 
 

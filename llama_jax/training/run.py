@@ -24,8 +24,9 @@ from llama_jax.config import Config, to_dict
 from llama_jax.data.streams import TrainData
 from llama_jax.distributed.peers import Peers
 from llama_jax.files import cache_root
+from llama_jax.model.stages import LayerOrder
 from llama_jax.training.metrics import check_wandb
-from llama_jax.training.step import TrainProgram, TrainState
+from llama_jax.training.step import TrainProgram, TrainState, layer_order
 
 
 @dataclass
@@ -64,7 +65,7 @@ class Run:
         starting.meta_check(self.config, self.base_reference)(meta)
 
     @property
-    def layer_order(self) -> tuple[int, int]:
+    def layer_order(self) -> LayerOrder:
         return layer_order(self.config, self.program.mesh)
 
     def metadata(self) -> dict:
@@ -80,11 +81,6 @@ def enable_compilation_cache(config: Config) -> None:
         return
     directory = Path(setting).expanduser() if setting else cache_root(config.data.cache_dir) / "jax_compilation_cache"
     jax.config.update("jax_compilation_cache_dir", str(directory))
-
-
-def layer_order(config: Config, mesh: Mesh) -> tuple[int, int]:
-    """(stages, repeats): the order of the layers in this run's state (model/pipeline.py)."""
-    return mesh.shape["pipeline"], config.mesh.pipeline_repeats
 
 
 def run_metadata(config: Config, mesh: Mesh) -> dict:

@@ -35,10 +35,11 @@ from llama_jax.files import format_bytes
 from llama_jax.model import peft, platform
 from llama_jax.model.attention import select_implementation, skips_masked_blocks
 from llama_jax.model.llama import Llama, matmul_param_count, train_flops_per_token
-from llama_jax.model.pipeline import PipelineLayout, to_storage_order
+from llama_jax.model.pipeline import PipelineLayout
+from llama_jax.model.stages import LayerOrder, to_storage_order
 from llama_jax.perf import gpu_target
 from llama_jax.perf.hardware import compile_only, memory_budget
-from llama_jax.training.optimizer import learning_rate, make_optimizer
+from llama_jax.training.optimizer import learning_rate, make_optimizer, schedule_count
 
 # The fields of a batch, each [batch, seq]: what the loader yields and the train step takes.
 BATCH_FIELDS = {"tokens": jnp.int32, "targets": jnp.int32, "segment_ids": jnp.int32, "positions": jnp.int32,
@@ -142,7 +143,9 @@ def make_train_step(model: Llama, optimizer: optax.GradientTransformation, sched
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         params, opt_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
                                          (params, opt_state), (state.params, state.opt_state))
-        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state.step), "finite": finite}
+        # The rate this step applies: the optimizer counts only the updates it applied.
+        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(schedule_count(state.opt_state)),
+                   "finite": finite}
         return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
     return train_step
@@ -196,8 +199,8 @@ class TrainProgram:
             rows = mesh.shape["data"] * mesh.shape["fsdp"] * mesh.shape["pipeline"]
             params = model.init(rng, jnp.zeros((rows, config.train.seq_len), jnp.int32))["params"]
             if not adapting:
-                # Each pipeline stage's layers in one block (pipeline.py); the natural order without repeats.
-                params = to_storage_order(params, mesh.shape["pipeline"], config.mesh.pipeline_repeats)
+                # Each pipeline stage's layers in one block (stages.py); the natural order without repeats.
+                params = to_storage_order(params, layer_order(config, mesh))
                 return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params))
             adapters, base = peft.split(params)  # the optimizer sees the adapters only: no state for the base
             return PeftState(step=jnp.zeros((), jnp.int32), params=adapters, opt_state=optimizer.init(adapters),
@@ -237,10 +240,15 @@ class TrainProgram:
         """The program with the fewest micro-batches whose compiled step fits the budget; else the most
         (one sequence per device at a time), which check_fits then refuses."""
         rows = config.train.batch_size // (mesh.shape["data"] * mesh.shape["fsdp"])  # per batch shard
-        budget = memory_budget(config.run.device_memory_gb, mesh.devices.flat[0])
+        budget = memory_budget(config.run.device_memory_gb, own_device(mesh))
         # pipelining needs a multiple of the stages, and of the micro-batches of one pass
         step = math.lcm(mesh.shape["pipeline"], config.mesh.pipeline_microbatches or 1)
-        for count in (n for n in range(step, rows + 1) if rows % n == 0 and n % step == 0):
+        counts = [n for n in range(step, rows + 1) if rows % n == 0 and n % step == 0]
+        if not counts:
+            raise ConfigError(f"train.microbatches=auto: no micro-batch count is a multiple of {step} (the pipeline "
+                              f"stages and mesh.pipeline_microbatches) and divides the {rows} rows of each batch "
+                              "shard; raise train.batch_size or lower mesh.pipeline_microbatches")
+        for count in counts:
             program = cls.build(dataclasses.replace(config, train=dataclasses.replace(config.train, microbatches=count)),
                                 mesh)
             if program.memory_bytes() <= budget:
@@ -278,7 +286,7 @@ class TrainProgram:
 
     def memory_budget(self) -> float:
         """Bytes per device the step may use on this mesh's devices (hardware.memory_budget)."""
-        return memory_budget(self.config.run.device_memory_gb, self.mesh.devices.flat[0])
+        return memory_budget(self.config.run.device_memory_gb, own_device(self.mesh))
 
     def check_fits(self) -> None:
         """Raise ConfigError (one line: what the step needs, the budget, the keys to change) when the compiled
@@ -380,12 +388,19 @@ def lower_step(config: Config, platform_name: str, target: str = "h100", devices
 
 
 def pipeline_layout(config: Config, mesh: Mesh) -> PipelineLayout | None:
-    """The pipeline's stages, repeats and micro-batches on `mesh`; None without pipelining."""
+    """The pipeline's stages, repeats, micro-batches per pass, schedule and layers per group on `mesh`; None
+    without pipelining."""
     stages = mesh.shape["pipeline"]
     if stages == 1:
         return None
     return PipelineLayout(stages, config.mesh.pipeline_repeats,
-                          config.mesh.pipeline_microbatches or config.train.microbatches)
+                          config.mesh.pipeline_microbatches or config.train.microbatches,
+                          config.mesh.pipeline_schedule, layer_order(config, mesh).group_layers)
+
+
+def layer_order(config: Config, mesh: Mesh) -> LayerOrder:
+    """The order of the layers in this run's state (model/stages.py)."""
+    return LayerOrder(mesh.shape["pipeline"], config.mesh.pipeline_repeats, tuple(config.mesh.pipeline_stage_layers))
 
 
 def step_memory_bytes(compiled) -> int:
@@ -393,6 +408,12 @@ def step_memory_bytes(compiled) -> int:
     memory = compiled.memory_analysis()
     return (memory.argument_size_in_bytes + memory.temp_size_in_bytes + memory.output_size_in_bytes
             - memory.alias_size_in_bytes)
+
+
+def own_device(mesh: Mesh):
+    """This process's first device of the mesh (another process's cannot be asked for its memory), or the first
+    of a mesh of compile-only devices (`--target`), which no process owns."""
+    return next((d for d in mesh.devices.flat if d.process_index == jax.process_index()), mesh.devices.flat[0])
 
 
 def mesh_platform(mesh: Mesh) -> str:

@@ -1,15 +1,17 @@
 """`llama-jax tune`: the fastest mesh x sequence parallelism x micro-batching x recomputation that fits.
 
 1. Enumerate: every way to split the devices over (pipeline, data, fsdp, tensor, sequence), pipeline
-   repeats (when pipeline > 1), sequence parallelism on and off (when tensor > 1), micro-batch counts
-   (with a pipeline: its micro-batches, multiples of the stages), remat policies and every-n-layers.
+   repeats, schedules (gpipe, 1f1b) and micro-batches per pass (when pipeline > 1), sequence parallelism on
+   and off (when tensor > 1), micro-batch counts (with a pipeline: its micro-batches, multiples of the
+   stages), remat policies and every-n-layers.
    A candidate the config validator or the mesh checks refuse is kept with the reason, and counted.
 2. Score without running: each candidate's train step is compiled ahead of time (`llama-jax plan`).
    A candidate above the memory budget is rejected, and the rest are ranked by the cost model of
    costmodel.py: a roofline over the compiled step's operations plus exposed communication, each
    collective over the links (within a host, or between hosts) that its mesh axes cross. A pipeline's
-   bubble is in the compiled loop's iterations (every stage computes in each), and its point-to-point
-   traffic crosses hosts like any collective on the outermost axis.
+   bubble is in the compiled loop's iterations (GPipe: every stage computes in each; 1F1B: each iteration
+   at the pace of its busiest stage), and its point-to-point traffic crosses hosts like any collective on
+   the outermost axis.
    Staged, so that minutes suffice: first every mesh with the config's own micro-batching and remat
    policy, then every micro-batch count and policy on the best --meshes meshes and the default mesh.
 3. Measure the best --top-k for a few steps on the devices (on by default, except on simulated CPU
@@ -41,13 +43,15 @@ from llama_jax.config import Config
 from llama_jax.distributed import sharding
 from llama_jax.errors import ConfigError
 from llama_jax.files import atomic_path, cache_root, format_bytes
-from llama_jax.perf.costmodel import INTER_HOST, INTRA_HOST, CostModel, check_devices_per_host, default_cost_model
+from llama_jax.perf.costmodel import (INTER_HOST, INTRA_HOST, CostModel, check_devices_per_host, default_cost_model,
+                                      spearman)
 from llama_jax.perf.hardware import compile_only, memory_budget, simulated_devices
 from llama_jax.training import plan
 from llama_jax.training.step import TrainProgram, model_flops_per_token, random_batch, time_train_steps
 
-SEARCHED_KEYS = ("mesh.pipeline", "mesh.pipeline_repeats", "mesh.data", "mesh.fsdp", "mesh.tensor", "mesh.sequence",
-                 "mesh.sequence_parallel", "train.microbatches", "remat.policy", "remat.every_n_layers")
+SEARCHED_KEYS = ("mesh.pipeline", "mesh.pipeline_repeats", "mesh.pipeline_schedule", "mesh.pipeline_microbatches",
+                 "mesh.data", "mesh.fsdp", "mesh.tensor", "mesh.sequence", "mesh.sequence_parallel",
+                 "train.microbatches", "remat.policy", "remat.every_n_layers")
 DEFAULT_POLICIES = ("none", "save_dot_except_mlp", "selective", "full")
 
 
@@ -58,11 +62,13 @@ class Candidate:
     tensor: int
     sequence: int
     sequence_parallel: bool
-    microbatches: int
+    microbatches: int | str  # auto: the fewest that fit, as `llama-jax train` resolves it
     policy: str
     every_n_layers: int = 1
     pipeline: int = 1
     repeats: int = 1  # mesh.pipeline_repeats
+    schedule: str = "gpipe"  # mesh.pipeline_schedule
+    per_pass: int = 0  # mesh.pipeline_microbatches (0: all of them in one pass)
 
     @property
     def mesh_key(self) -> tuple:
@@ -72,9 +78,12 @@ class Candidate:
     def label(self) -> str:
         sp = "+sp" if self.tensor > 1 and self.sequence_parallel else ""
         every = f"/{self.every_n_layers}" if self.every_n_layers > 1 else ""
-        stages = f"p{self.pipeline}{f'x{self.repeats}' if self.repeats > 1 else ''} " if self.pipeline > 1 else ""
+        schedule = "-1f1b" if self.schedule == "1f1b" else ""
+        stages = f"p{self.pipeline}{f'x{self.repeats}' if self.repeats > 1 else ''}{schedule} " \
+            if self.pipeline > 1 else ""
+        passes = f"/{self.per_pass}" if self.per_pass else ""
         return (f"{stages}d{self.data} f{self.fsdp} t{self.tensor}{sp} s{self.sequence} "
-                f"mb{self.microbatches} {self.policy}{every}")
+                f"mb{self.microbatches}{passes} {self.policy}{every}")
 
 
 @dataclass
@@ -105,9 +114,11 @@ def pinned(overrides: list[str]) -> dict[str, str]:
 
 def candidate_space(devices: int, overrides: list[str], policies: tuple[str, ...],
                     microbatches: tuple[int, ...], every_n_layers: tuple[int, ...] = (1,),
-                    pipeline_repeats: tuple[int, ...] = (1, 2)) -> list[Candidate]:
+                    pipeline_repeats: tuple[int, ...] = (1, 2), schedules: tuple[str, ...] = ("gpipe", "1f1b"),
+                    passes: tuple[int, ...] = (0,)) -> list[Candidate]:
     """Every combination of the searched values; key=value overrides pin a searched key. With a pipeline,
-    the micro-batch counts are multiples of its stages: each count times the stages."""
+    the micro-batch counts are multiples of its stages: each count times the stages; so are the micro-batches
+    per pass (`passes`; 0: one pass of all), kept where fewer than all."""
     fixed = pinned(overrides)
     out = []
     for pipeline, data, fsdp, tensor, sequence in factorizations(devices):
@@ -118,17 +129,29 @@ def candidate_space(devices: int, overrides: list[str], policies: tuple[str, ...
         sp_values = [True, False] if tensor > 1 else [True]
         if "mesh.sequence_parallel" in fixed:
             sp_values = [fixed["mesh.sequence_parallel"].lower() == "true"]
-        mbs = [int(fixed["train.microbatches"])] if "train.microbatches" in fixed else \
+        mbs = [_microbatches(fixed["train.microbatches"])] if "train.microbatches" in fixed else \
             [pipeline * n for n in microbatches]
         pols = [fixed["remat.policy"]] if "remat.policy" in fixed else list(policies)
         everys = [int(fixed["remat.every_n_layers"])] if "remat.every_n_layers" in fixed else list(every_n_layers)
         repeats = [1] if pipeline == 1 else \
             [int(fixed["mesh.pipeline_repeats"])] if "mesh.pipeline_repeats" in fixed else list(pipeline_repeats)
-        for sp, mb, policy, repeat in itertools.product(sp_values, mbs, pols, repeats):
+        kinds = ["gpipe"] if pipeline == 1 else [fixed.get("mesh.pipeline_schedule", s) for s in schedules]
+        per_pass = [0] if pipeline == 1 else [int(fixed["mesh.pipeline_microbatches"])] \
+            if "mesh.pipeline_microbatches" in fixed else [pipeline * n for n in passes]
+        for sp, mb, policy, repeat, kind, size in itertools.product(sp_values, mbs, pols, repeats,
+                                                                    dict.fromkeys(kinds), per_pass):
+            if size and (size > mb or size == mb and "mesh.pipeline_microbatches" not in fixed):
+                continue  # passes of more than all the micro-batches, or of all: one pass (0)
             # Without recomputation there is nothing to spread over every n-th layer.
             for every in ([1] if policy == "none" else everys):
-                out.append(Candidate(data, fsdp, tensor, sequence, sp, mb, policy, every, pipeline, repeat))
+                out.append(Candidate(data, fsdp, tensor, sequence, sp, mb, policy, every, pipeline, repeat, kind,
+                                     size))
     return out
+
+
+def _microbatches(value: str) -> int | str:
+    """A pinned train.microbatches: a count, or auto (resolved when the candidate compiles, as train does)."""
+    return "auto" if value.strip() == "auto" else int(value)
 
 
 def candidate_config(base: Config, candidate: Candidate) -> Config:
@@ -137,7 +160,8 @@ def candidate_config(base: Config, candidate: Candidate) -> Config:
     config = dataclasses.replace(
         base,
         mesh=dataclasses.replace(base.mesh, pipeline=c.pipeline, pipeline_repeats=c.repeats, data=c.data, fsdp=c.fsdp,
-                                 tensor=c.tensor, sequence=c.sequence, sequence_parallel=c.sequence_parallel),
+                                 tensor=c.tensor, sequence=c.sequence, sequence_parallel=c.sequence_parallel,
+                                 pipeline_schedule=c.schedule, pipeline_microbatches=c.per_pass),
         train=dataclasses.replace(base.train, microbatches=c.microbatches),
         remat=dataclasses.replace(base.remat, policy=c.policy, every_n_layers=c.every_n_layers))
     config_lib.validate(config)
@@ -262,22 +286,6 @@ def measure(result: Result, cache: Cache, steps: int) -> None:
     cache.put(result.candidate, measured_s=result.measured_s)
 
 
-def spearman(a: list[float], b: list[float]) -> float | None:
-    """Rank correlation of two equally long lists (None for fewer than 3 pairs or constant ranks)."""
-    if len(a) < 3:
-        return None
-    rank = lambda xs: [sorted(xs).index(x) for x in xs]  # ties are rare in timings
-    ra, rb = rank(a), rank(b)
-    mean = (len(a) - 1) / 2
-    cov = sum((x - mean) * (y - mean) for x, y in zip(ra, rb))
-    var = sum((x - mean) ** 2 for x in ra)
-    return cov / var if var else None
-
-
-# --------------------------------------------------------------------------------------------
-# The search
-
-
 @dataclass(frozen=True)
 class Options:
     memory_gb: float = 0.0  # per-device budget; 0: this device's memory minus a margin
@@ -290,6 +298,8 @@ class Options:
     microbatches: tuple[int, ...] = (1, 2, 4)  # with a pipeline of P stages: P, 2P, 4P
     every_n_layers: tuple[int, ...] = (1, 2)
     pipeline_repeats: tuple[int, ...] = (1, 2)
+    pipeline_schedules: tuple[str, ...] = ("gpipe", "1f1b")
+    pass_microbatches: tuple[int, ...] = (0,)  # with P stages: these times P per pass (0: one pass)
     efficiency: float = 0.0  # 0: the cost model's default, for the peak FLOP/s reached
     bandwidth_gbs: float = 0.0  # 0: the cost model's default, GB/s per device for collectives within a host
     nic_gbs: float = 0.0  # 0: hardware.NIC_GBS, GB/s per device for collectives between hosts
@@ -320,13 +330,16 @@ class TuneError(ConfigError):
 
 
 def default_candidate(config: Config, devices: int) -> Candidate:
+    """The config as `llama-jax train` would run it (train.microbatches=auto stays auto: it is resolved when the
+    candidate compiles, against the same budget), the baseline of every speed-up."""
     sizes = sharding.mesh_shape(config.mesh, devices)
     stages = sizes["pipeline"]
     return Candidate(sizes["data"], sizes["fsdp"], sizes["tensor"], sizes["sequence"],
-                     config.mesh.sequence_parallel or sizes["tensor"] == 1,
-                     config.train.microbatches if config.train.microbatches != "auto" else stages,
+                     config.mesh.sequence_parallel or sizes["tensor"] == 1, config.train.microbatches,
                      config.remat.policy, config.remat.every_n_layers, stages,
-                     config.mesh.pipeline_repeats if stages > 1 else 1)
+                     config.mesh.pipeline_repeats if stages > 1 else 1,
+                     config.mesh.pipeline_schedule if stages > 1 else "gpipe",
+                     config.mesh.pipeline_microbatches if stages > 1 else 0)
 
 
 def _cost_model(options: Options, cache: Cache, dtype: str, cache_dir: Path) -> CostModel:
@@ -349,11 +362,13 @@ def enumerate_candidates(source: str | None, overrides: list[str], options: Opti
                          ) -> tuple[Config, Candidate, list[Result]]:
     """The config, its own (default) candidate, and every candidate validated (step 1; compiles nothing)."""
     base = config_lib.load_config(source, overrides)
+    if options.memory_gb:  # the budget a candidate's train.microbatches=auto resolves against, and the winner runs at
+        base = dataclasses.replace(base, run=dataclasses.replace(base.run, device_memory_gb=options.memory_gb))
     devices = len(options.devices) or jax.device_count()
     check_devices_per_host(options.devices_per_host, devices)
     default = default_candidate(base, devices)
     space = candidate_space(devices, overrides, options.policies, options.microbatches, options.every_n_layers,
-                            options.pipeline_repeats)
+                            options.pipeline_repeats, options.pipeline_schedules, options.pass_microbatches)
     if default not in space:
         space.insert(0, default)  # the baseline every speed-up is measured against
     results = validate_candidates(base, space)
@@ -396,8 +411,8 @@ def tune(source: str | None, overrides: list[str], options: Options = Options())
     one_per_mesh: dict[tuple, Result] = {}
     for r in valid:
         c = r.candidate
-        like_default = (c.microbatches, c.policy, c.every_n_layers) == \
-            (default.microbatches, default.policy, default.every_n_layers)
+        like_default = (c.microbatches, c.policy, c.every_n_layers, c.schedule, c.per_pass) == \
+            (default.microbatches, default.policy, default.every_n_layers, default.schedule, default.per_pass)
         if c.mesh_key not in one_per_mesh or like_default:
             one_per_mesh[c.mesh_key] = r
     stage1 = list(one_per_mesh.values())
@@ -477,9 +492,10 @@ def format_report(report: Report, rows: int = 20) -> str:
     for r in invalid:  # counted by kind: the figures in parentheses differ from candidate to candidate
         kind = re.sub(r"\([^)]*\)", "(..)", r.rejected.split(";")[0])
         reasons[kind] = reasons.get(kind, 0) + 1
-    lines += [("candidate: pP(xR) pipeline stages (x repeats), d/f/t/s mesh sizes (data, fsdp, tensor, sequence; +sp: "
-               "sequence parallelism), mb micro-batches, remat policy (/n: on every n-th layer); tokens/s and MFU from "
-               "the measured step time where there is one, else the predicted"), "",
+    lines += [("candidate: pP(xR)(-1f1b) pipeline stages (x repeats; the 1F1B schedule, else GPipe), d/f/t/s mesh "
+               "sizes (data, fsdp, tensor, sequence; +sp: sequence parallelism), mb micro-batches (/k: k per pass "
+               "through the pipeline), remat policy (/n: on every n-th layer); tokens/s and MFU from the measured step "
+               "time where there is one, else the predicted"), "",
               f"{len(results)} candidates: {len(invalid)} invalid, {len(over)} over the memory budget of "
               f"{format_bytes(report.budget)}, {len(failed)} failed to compile or run, {len(unscored)} not compiled "
               f"(staged search or time budget), {len(fits)} ranked"

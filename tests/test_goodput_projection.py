@@ -1,0 +1,187 @@
+"""`llama-jax goodput` (training/goodput_projection.py): the projection's formulas on hand-made inputs, and the
+command on presets and on a run's goodput.json. No step is compiled."""
+
+import dataclasses
+import importlib.util
+import json
+import math
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_readme import ROOT, llama_jax_args, readme_commands
+
+from llama_jax import cli
+from llama_jax.training.goodput_projection import (LLAMA3_FAILURES_PER_GPU_HOUR, LLAMA3_HOST_LOSS_SHARE, Inputs,
+                                                   best_intervals, mean_age_steps, measured, project, sensitivity)
+
+
+def inputs(**changes) -> Inputs:
+    """A durable-only run of 10,000 one-second steps on 64 GPUs, one-second saves, no failures."""
+    base = Inputs(gpus=64, gpus_per_host=8, steps=10_000, step_s=1.0, durable_every=100, local_every=0,
+                  local_replicas=1, save_durable_s=1.0, save_local_s=0.1, write_durable_s=0.0, write_local_s=0.0,
+                  restore_durable_s=30.0, restore_local_s=3.0, restart_s=60.0, first_start_s=0.0, detect_s=20.0,
+                  hang_detect_s=300.0, replacement_s=600.0, steady_overhead=0.0, failures_per_gpu_hour=0.0,
+                  planned_per_gpu_hour=0.0)
+    return dataclasses.replace(base, **changes)
+
+
+def test_without_failures_goodput_is_one_less_the_checkpoint_overhead():
+    x = inputs()
+    p = project(x)
+    productive = 10_000.0
+    saves = productive / 100 * 1.0 + 1.0  # one blocked second per 100 steps, and the final save
+    assert p.goodput == pytest.approx(productive / (productive + saves), rel=1e-12)
+    assert sum(p.breakdown.values()) == pytest.approx(1.0, abs=1e-12)
+    assert p.breakdown["lost"] == p.breakdown["restart"] == 0.0
+
+
+def test_goodput_falls_as_the_failure_rate_rises_and_the_breakdown_sums_to_one():
+    goodputs = []
+    for rate in (0.0, 1e-5, 1e-4, 1e-3, 3e-3):
+        p = project(inputs(failures_per_gpu_hour=rate))
+        assert sum(p.breakdown.values()) == pytest.approx(1.0, abs=1e-9)
+        goodputs.append(p.goodput)
+    assert goodputs == sorted(goodputs, reverse=True) and len(set(goodputs)) == len(goodputs)
+    assert project(inputs(failures_per_gpu_hour=1.0)).goodput == 0.0  # failures faster than recovery
+
+
+def test_the_best_durable_interval_is_young_dalys():
+    """sqrt(2 x save cost x MTBF): with a 10 s save and a 20,000 s MTBF, 632 steps of 1 s."""
+    rate = 3600 / 20_000 / 64  # per GPU-hour
+    x = inputs(failures_per_gpu_hour=rate, save_durable_s=10.0, steps=2_000_000)
+    assert x.mtbf_s == pytest.approx(20_000)
+    best = best_intervals(x, local=False)
+    young_daly = math.sqrt(2 * 10.0 * 20_000)
+    assert abs(best.durable_every - young_daly) <= 0.25 * young_daly, best.durable_every
+    assert best.goodput >= project(x, durable_every=round(young_daly)).goodput - 1e-4
+
+
+def test_a_lost_host_restores_from_its_partners_copy_only_when_one_exists():
+    x = inputs(failures_per_gpu_hour=1e-4, local_every=10, mix={"host_lost": 1.0})
+    with_partner = project(x).per_failure_s["host_lost"]
+    # The local tier, unless the partner host is lost too before the restore (detect + replacement + restart).
+    survives = math.exp(-1e-4 * 8 / 3600 * (20 + 600 + 60))
+    assert with_partner["restore"] == pytest.approx(survives * 3.0 + (1 - survives) * 30.0, rel=1e-12)
+    assert with_partner["lost"] == pytest.approx(survives * 5.0 + (1 - survives) * 50.0, rel=1e-12)  # half an interval
+    for alone in (dataclasses.replace(x, local_replicas=0), dataclasses.replace(x, gpus=8)):  # no copy; one host
+        lost_host = project(alone).per_failure_s["host_lost"]
+        assert lost_host["restore"] == 30.0 and lost_host["lost"] == 50.0  # durable: half of 100 steps
+    crash = project(dataclasses.replace(x, local_replicas=0, mix={"crash": 1.0})).per_failure_s["crash"]
+    assert crash["restore"] == 3.0 and crash["replacement"] == 0.0  # the host stayed: its own local copy
+    assert project(x).goodput > project(dataclasses.replace(x, local_replicas=0)).goodput
+
+
+def test_mean_age_of_the_newest_checkpoint_over_both_tiers():
+    assert mean_age_steps(10, 0) == 5.0 and mean_age_steps(0, 10) == 5.0
+    assert mean_age_steps(10, 20) == 5.0  # durable saves on local steps: the local sequence
+    assert mean_age_steps(4, 6) == pytest.approx((16 + 4 + 4 + 16) / 24)  # 0 4 6 8 12
+    assert mean_age_steps(0, 0) == math.inf
+
+
+def test_sensitivity_names_the_failure_rate_at_llama3_scale():
+    x = inputs(gpus=16_384, failures_per_gpu_hour=LLAMA3_FAILURES_PER_GPU_HOUR)
+    swings = sensitivity(x)
+    lo, hi = swings["failures_per_gpu_hour"]
+    assert lo > project(x).goodput > hi
+    assert swings["restore_local_s"][0] == swings["restore_local_s"][1]  # no local tier: no effect
+
+
+def test_goodput_command_json_at_llama3_scale(capsys):
+    assert cli.main(["goodput", "llama3_405b", "checkpoint.local_dir=/dev/shm/llama-jax",
+                     "checkpoint.local_every_steps=auto", "--gpus", "16384", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert 0 < out["goodput"] < 1 and sum(out["breakdown"].values()) == pytest.approx(1.0, abs=1e-9)
+    assert out["intervals"]["configured"]["local_every"] > 0 and out["intervals"]["best"]["goodput"] >= out["goodput"]
+    assert out["durable_only"]["goodput"] < out["goodput"]  # the local tier and its partner copies pay
+    assert out["failures"]["mtbf_h"] == pytest.approx(3600 / (16_384 * (419 + 47) / (16_384 * 54 * 24)) / 3600)
+    assert out["inputs"]["failures_per_gpu_hour"]["source"].startswith("Llama 3: 419")
+    assert out["inputs"]["durable_every"]["source"].startswith("auto")
+    assert all(entry["source"] for entry in out["inputs"].values())
+    assert out["most_sensitive"] in out["sensitivity"]
+    shares = out["failures"]["shares"]
+    assert (shares["host_lost"] + shares["slow_device"]) / (1 - shares["preemption"]) == \
+        pytest.approx(LLAMA3_HOST_LOSS_SHARE)
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--gpus", "0"], "--gpus 0 must be positive"),
+    (["--gpus", "12"], "whole number of hosts"),
+    (["--gpus", "16", "--host-loss-share", "1.5"], "--host-loss-share in [0, 1]"),
+    (["--gpus", "16", "--from", "/nonexistent/run"], "is not a directory"),
+])
+def test_goodput_command_refuses_bad_input_in_one_line(args, says, capsys):
+    assert cli.main(["goodput", "tiny", *args]) == 2
+    err = capsys.readouterr().err
+    assert says in err and err.count("\n") == 1
+
+
+def test_goodput_from_a_run_without_goodput_json_exits_2(tmp_path, capsys):
+    assert cli.main(["goodput", "tiny", "--gpus", "8", "--from", str(tmp_path)]) == 2
+    assert "no goodput.json" in capsys.readouterr().err
+
+
+def test_costs_measured_from_a_runs_goodput_json(tmp_path, capsys):
+    """Two attempts: the first killed at 100 s (last sign of life), the second started 8 s later, 12 s of start-up
+    before its first step (its restart bucket holds the 8 s gap too) and 3 s compile."""
+    buckets = dict.fromkeys(("productive", "compile", "checkpoint_save", "checkpoint_restore", "data_wait", "eval",
+                             "lost", "straggler", "restart", "other"), 0.0)
+    first = {"started_at": 0.0, "last_alive": 100.0, "outcome": "died", "highest_step": 80, "timed_steps": 80,
+             "step_seconds": 80.0, "buckets": {**buckets, "productive": 80.0, "compile": 10.0, "restart": 5.0,
+                                               "data_wait": 2.0},
+             "tiers": {"save_durable": {"count": 4, "seconds": 2.0, "bytes": 0},
+                       "save_local": {"count": 8, "seconds": 0.8, "bytes": 0}}}
+    second = {"started_at": 108.0, "last_alive": 200.0, "outcome": "finished", "highest_step": 160, "timed_steps": 90,
+              "step_seconds": 90.0, "buckets": {**buckets, "productive": 90.0, "compile": 3.0, "restart": 20.0,
+                                                "checkpoint_restore": 1.5, "lost": 10.0},
+              "tiers": {"restore_local": {"count": 1, "seconds": 1.5, "bytes": 0}}}
+    (tmp_path / "goodput.json").write_text(json.dumps({"attempts": [first, second]}))
+    found = {k: v for k, (v, _) in measured(tmp_path).items()}
+    assert found["step_s"] == 1.0 and found["save_durable_s"] == 0.5 and found["save_local_s"] == 0.1
+    assert found["restore_local_s"] == 1.5 and found["detect_s"] == 8.0
+    assert found["restart_s"] == 20.0 - 8.0 + 3.0 and found["first_start_s"] == 15.0
+    assert cli.main(["goodput", "tiny", "--gpus", "8", "--from", str(tmp_path), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["inputs"]["step_s"] == {"value": 1.0, "source": f"measured ({tmp_path / 'goodput.json'})"}
+
+
+def test_readme_rehearsal_commands_parse_and_a_short_rehearsal_survives_a_lost_host(tmp_path):
+    """Every documented bench/rehearsal.py command parses; a real one, shortened (120 steps, one fault: a host
+    lost, its local directory deleted), runs the llama3_8b recipe on 2 processes under the supervisor and ends
+    with the uninterrupted run's parameters, its last line the JSON the issue asks for."""
+    spec = importlib.util.spec_from_file_location("rehearsal", ROOT / "bench" / "rehearsal.py")
+    rehearsal = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rehearsal)
+    commands = readme_commands(".venv/bin/python bench/rehearsal.py")
+    assert {rehearsal.arguments(shlex.split(c)[2:]).processes for c in commands} >= {2, 4}
+    out = tmp_path / "rehearsal.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "rehearsal.py"), "--preset", "llama3_8b",
+                           "--processes", "2", "--devices", "1", "--steps", "120", "--failures-per-hour", "3600",
+                           "--max-faults", "1", "--seed", "7", "--work", str(tmp_path / "work"), "--json", str(out)],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    last = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert last["params_bitwise_equal"] is True
+    assert 0 < last["goodput_measured"] < 1 and 0 < last["goodput_projected"] < 1
+    result = json.loads(Path(out).read_text())
+    assert [f["kind"] for f in result["faults"]] == ["host_lost"]
+    assert result["lost_per_kind"]["host_lost"]["count"] == 1
+    assert sum(result["breakdown_projected"].values()) == pytest.approx(1.0, abs=1e-9)
+
+
+def test_readme_goodput_commands_run(capsys):
+    """Every documented `llama-jax goodput` command runs (a --from run directory is made first from a real
+    goodput.json shape), and the llama3_405b projection with the launchers' local tier beats durable only."""
+    commands = readme_commands("llama-jax goodput")
+    assert any("llama3_405b" in c and "16384" in c for c in commands)
+    for command in commands:
+        args = llama_jax_args(command)
+        if "--from" in args:
+            continue  # a run directory of the reader's: --from is tested on a goodput.json above
+        assert cli.main([*args, "--json"] if "--json" not in args else args) == 0, command
+        out = json.loads(capsys.readouterr().out)
+        assert 0 < out["goodput"] < 1
+        if "checkpoint.local_dir=/dev/shm/llama-jax" in command:
+            assert out["goodput"] > out["durable_only"]["goodput"]
