@@ -246,10 +246,10 @@ def test_readme_bench_commands_parse(command, monkeypatch):
     """Each documented benchmark command (bench/chaos.py's: test_readme_chaos_drill_commands_parse) parses, and the
     settings it hands to a preset resolve to valid configs."""
     args = bench_arguments(command, monkeypatch)
-    if hasattr(args, "overrides"):  # bench/step.py: PRESET's config with the overrides, and with each --versus
+    if hasattr(args, "overrides"):  # PRESET's config with the overrides (and with each of step.py's --versus)
         from llama_jax.config import load_config
 
-        for versus in args.versus or [""]:
+        for versus in getattr(args, "versus", None) or [""]:  # bench/step.py has --versus
             load_config(args.preset, [*args.overrides, *versus.split()])
 
 
