@@ -13,7 +13,8 @@ import pytest
 from conftest import TINY_MODEL
 
 from llama_jax.model import loss
-from llama_jax.model.llama import Llama, rms_norm
+from llama_jax.model.llama import Llama
+from llama_jax.model.norm import rms_norm
 
 RELATIVE = 1e-6  # fp32
 

@@ -9,7 +9,8 @@ onto a mesh) and the mesh axes of its own shard_maps.
     cudnn.py             cuDNN flash attention for packed documents, and its exact fallback
     context_parallel.py  per chunk of queries: its own block and the visible prefix of earlier chunks
     loss.py              the next-token loss fused with the output projection, over chunks of tokens
-    projection.py        the projections' matmul, with a faster backward pass on CPU
+    projection.py        the projections' matmul, with a faster backward pass on CPU; as scaled fp8 matmuls
+    norm.py              RMSNorm's function, with a backward pass that keeps only its input
     remat.py             recomputation policies -> jax.checkpoint policies
     stages.py            which layers each pipeline stage holds (even or uneven); the layers' storage order, relayout
     pipeline.py          pipeline layouts, the micro-batch splits, and the GPipe schedule

@@ -34,9 +34,10 @@ from llama_jax.config import ModelConfig, PeftConfig, RematConfig
 from llama_jax.model import platform, remat
 from llama_jax.model.attention import attention, cached_attention, select_implementation
 from llama_jax.model.loss import LOGITS, fused_cross_entropy_sum
+from llama_jax.model.norm import rms_norm
 from llama_jax.model.one_f_one_b import pipelined_loss
 from llama_jax.model.pipeline import LAYER_SLOT_SCOPE, PipelineLayout, run_stages
-from llama_jax.model.projection import FP8_FORWARD, fp8_project, project, quantize
+from llama_jax.model.projection import fp8_project, project, quantized_input
 
 # Logical names of activation axes. Parameters use `embed`, `heads`, ...; activations get their own
 # names because they shard differently (an FSDP run shards weights along `embed` but activations
@@ -126,39 +127,6 @@ class RMSNorm(nn.Module):
         return rms_norm(x, scale, self.eps, jnp.dtype(self.dtype))
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def rms_norm(x: jax.Array, scale: jax.Array, eps: float, dtype: jnp.dtype) -> jax.Array:
-    """x / rms(x) * scale, in fp32 (the mean of squares overflows/underflows in 16-bit), cast to dtype.
-
-    A custom backward pass: autodiff of the formula would keep fp32 copies of the activation; this
-    keeps only the input x (bf16 on GPU) and recomputes the cheap normalisation from it.
-    """
-    return _rms_norm_forward(x, scale, eps, dtype)[0]
-
-
-def _normalized(x, eps):
-    x32 = x.astype(jnp.float32)
-    inverse_rms = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return x32 * inverse_rms, inverse_rms
-
-
-def _rms_norm_forward(x, scale, eps, dtype):
-    return (_normalized(x, eps)[0] * scale.astype(jnp.float32)).astype(dtype), (x, scale)
-
-
-def _rms_norm_backward(eps, dtype, residuals, d_out):
-    x, scale = residuals
-    normed, inverse_rms = _normalized(x, eps)  # recomputed: cheaper than keeping fp32 copies
-    d_normed = d_out.astype(jnp.float32) * scale.astype(jnp.float32)
-    # d/dx of x * r(x), r = 1/rms: r * (g - normed * mean(g * normed))
-    d_x = inverse_rms * (d_normed - normed * jnp.mean(d_normed * normed, axis=-1, keepdims=True))
-    d_scale = jnp.sum(d_out.astype(jnp.float32) * normed, axis=tuple(range(x.ndim - 1)))
-    return d_x.astype(x.dtype), d_scale.astype(scale.dtype)
-
-
-rms_norm.defvjp(_rms_norm_forward, _rms_norm_backward)
-
-
 class Weight(nn.Module):
     """A weight on its own, for code that uses it in more than one einsum (the fused loss)."""
 
@@ -233,15 +201,8 @@ def adapted_linear(cfg: ModelConfig, peft: PeftConfig):
 
 
 def fp8_input(cfg: ModelConfig, x: jax.Array, tag: str) -> tuple[jax.Array, jax.Array] | None:
-    """Under model.fp8, a projection input quantized once for the projections that read it, carrying the
-    input's remat tag: a policy that saves the tag keeps these fp8 operands for the backward, not bf16 copies."""
-    if cfg.fp8 == "none":
-        return None
-    x8, scale = quantize(x.astype(jnp.dtype(cfg.compute_dtype)), FP8_FORWARD)
-    # Saved as its raw bytes: a float8 value saved by name under jax.checkpoint comes back as NaN on XLA:CPU
-    # (jax 0.10), while its bits pass through; the bitcasts cost nothing.
-    bits = checkpoint_name(jax.lax.bitcast_convert_type(x8, jnp.uint8), tag)
-    return jax.lax.bitcast_convert_type(bits, FP8_FORWARD), checkpoint_name(scale, tag)
+    """Under model.fp8, x quantized once for the projections that read it (projection.quantized_input)."""
+    return None if cfg.fp8 == "none" else quantized_input(x.astype(jnp.dtype(cfg.compute_dtype)), tag)
 
 
 class Attention(nn.Module):

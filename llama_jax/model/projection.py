@@ -27,6 +27,7 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from llama_jax.model import platform
 
@@ -42,6 +43,16 @@ def quantize(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
     scale = jnp.where(amax > 0, amax / largest, jnp.float32(1))
     # The clip: x / scale may round one ulp past the largest value, which e4m3fn (no infinity) makes NaN.
     return jnp.clip(x.astype(jnp.float32) / scale, -largest, largest).astype(dtype), scale
+
+
+def quantized_input(x: jax.Array, tag: str) -> tuple[jax.Array, jax.Array]:
+    """x quantized once for the projections that read it (q, k, v; gate, up), named by x's remat tag: a policy
+    that saves the tag keeps these fp8 operands for the backward pass, not copies in the compute dtype. Named as
+    raw bytes: a float8 value saved by name under jax.checkpoint comes back as NaN on XLA:CPU (jax 0.10), its
+    bits pass through; the bitcasts cost nothing."""
+    x8, scale = quantize(x, FP8_FORWARD)
+    bits = checkpoint_name(jax.lax.bitcast_convert_type(x8, jnp.uint8), tag)
+    return jax.lax.bitcast_convert_type(bits, FP8_FORWARD), checkpoint_name(scale, tag)
 
 
 def _scaled_dot(a, b, axes, scale, dtype):
