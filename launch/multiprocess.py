@@ -21,9 +21,11 @@ hosts that are up now; delete a line to lose that host, add it back to return it
 --processes (4 -> 2 with 3 hosts up), passing run.full_processes, so the global batch stays the same with more
 micro-batches per process. While it runs on fewer, it polls FILE: once enough hosts are back it sends SIGTERM
 (every process saves the step it is at and exits 75) and exits 75, and `llama-jax supervise` starts it again
-on all of them. The run resumes from its newest checkpoint either way (the loader resumes exactly on another
-process count). On a cluster the same loop reads the scheduler's list of healthy nodes instead of FILE
-(docs/fault-tolerance.md).
+on all of them. The run resumes from the newest step any tier holds either way, the node-local tier's included
+(laid out on the new process count; the loader resumes exactly on it). A start on all hosts records their order
+in FILE.ring: on half of them it runs on every other host of that ring, which between them hold every process's
+local shards (choose_hosts). On a cluster the same loop reads the scheduler's list of healthy nodes instead of
+FILE (docs/fault-tolerance.md).
 Standard library only: runs wherever Python 3.9+ does.
 """
 
@@ -69,15 +71,45 @@ def usable(full: int, up: int) -> int:
     return max((n for n in range(1, min(full, up) + 1) if full % n == 0), default=0)
 
 
+def ring_file(path: Path) -> Path:
+    """Where the launcher keeps the order of the hosts it last started all --processes on: FILE.ring."""
+    return path.with_name(path.name + ".ring")
+
+
+def choose_hosts(up: list[str], full: int, ring: list[str]) -> list[str]:
+    """The hosts to run on, in process order: all `full` when they are up; else `usable` of them, every other host
+    of `ring` (the order the job last ran on all of them) when that is possible. Process i's partner copy of its
+    local checkpoint is on the host after it in that ring (checkpoint.local_replicas=1, one process a host), so
+    every other host holds, between them, every process's shards: the run on half the hosts resumes from the
+    newest local step instead of an older durable one. Otherwise (more than half gone, or two neighbours) the
+    first usable hosts, and the run resumes from what they hold, else from checkpoints/."""
+    count = usable(full, len(up))
+    if count == full:
+        return up[:full]
+    if count * 2 == full and sorted(ring) == sorted(set(ring)) and len(ring) == full:
+        for first in (0, 1):
+            if all(host in up for host in ring[first::2]):
+                return ring[first::2]
+    return up[:count]
+
+
 def wait_for_hosts(path: Path, full: int, wait: float) -> list[str]:
-    """The hosts to start on: all `full` when they are up within `wait` seconds, else the usable part."""
+    """The hosts to start on: all `full` when they are up within `wait` seconds, else the usable part
+    (choose_hosts); a start on all of them records their order (ring_file)."""
     deadline = time.monotonic() + wait
     while len(up := hosts_up(path)) < full and time.monotonic() < deadline:
         time.sleep(0.2)
+    chosen = choose_hosts(up, full, hosts_up(ring_file(path)))
     if len(up) < full:
         log(f"{len(up)} of {full} hosts up after waiting {wait:g}s for replacements (--replacement-wait): "
-            f"continuing on {usable(full, len(up))}")
-    return up[:usable(full, len(up))]
+            f"continuing on {len(chosen)} ({', '.join(chosen)})")
+    elif chosen:
+        try:
+            ring_file(path).write_text("".join(f"{host}\n" for host in chosen))
+        except OSError as err:
+            log(f"warning: cannot record the hosts' order in {ring_file(path)} ({err}); on fewer hosts the "
+                "first ones are chosen")
+    return chosen
 
 
 def process_environment(base: dict, index: int, processes: int, devices: int, port: int) -> dict:

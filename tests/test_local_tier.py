@@ -21,8 +21,9 @@ import pytest
 import yaml
 from conftest import tiny_config, write_tiny_yaml
 
-from llama_jax.checkpoint.local import finished_steps, process_directory
+from llama_jax.checkpoint.local import finished_steps, host_directory, process_directory
 from llama_jax.resilience.goodput import read_goodput
+from llama_jax.training.metrics import read_metrics
 from llama_jax.training.run import load_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,10 +70,15 @@ def assert_bitwise(a, b):
 
 
 @pytest.fixture(scope="module")
-def straight(config_path, tmp_path_factory):
+def straight_run(config_path, tmp_path_factory):
     root = tmp_path_factory.mktemp("straight")
     run(config_path, root / "run", root / "local")
-    return final_state(root / "run", config_path)
+    return root / "run"
+
+
+@pytest.fixture(scope="module")
+def straight(straight_run, config_path):
+    return final_state(straight_run, config_path)
 
 
 @pytest.fixture(scope="module")
@@ -151,10 +157,13 @@ def test_a_corrupt_local_step_makes_every_process_fall_back_together(killed, str
     assert_bitwise(final_state(run_dir, config_path), straight)
 
 
-def test_with_every_local_copy_gone_or_damaged_the_durable_tier_serves(killed, straight, config_path, tmp_path):
+def test_with_every_local_copy_gone_or_damaged_the_durable_tier_serves(killed, straight, straight_run, config_path,
+                                                                       tmp_path):
     """Process 0's host is gone with its local directory and process 1's own files of both local steps are damaged:
     no local step can be served, and the run restores step 10 from checkpoints/, ending bitwise equal. A restart
-    on another process count (one process of 4 devices) cannot use the local tier at all: checkpoints/ serves."""
+    of the undamaged run on another process count (one process of 4 devices) restores local step 14 all the same:
+    the shards both processes saved, laid out on its mesh (relayout.restore_moved; bit for bit: the test below),
+    and trains on to the straight run's losses (within 1e-5: one process sums in another order than two)."""
     run_dir, local_dir = copy_of(killed, tmp_path)
     shutil.rmtree(process_directory(str(local_dir), run_dir, 0))
     for step in (12, 14):
@@ -170,8 +179,13 @@ def test_with_every_local_copy_gone_or_damaged_the_durable_tier_serves(killed, s
                              str(config_path), f"run.dir={other}", f"checkpoint.local_dir={other_local}", *TIERS],
                             env=environment(), capture_output=True, text=True, timeout=300)
     assert single.returncode == 0, single.stderr[-3000:]
-    assert "the local tier's steps were saved on another mesh or process count" in single.stdout, single.stdout
-    assert f"resumed from {other / 'checkpoints' / '10'}" in single.stdout
+    moved = "restored step 14 from the local tier (the shards of 2 processes, read on process 0 of 1)"
+    assert moved in single.stdout, single.stdout
+    assert f"resumed from {host_directory(str(other_local), other)}/process-*/14" in single.stdout
+    got, want = ({r["step"]: r["loss"] for r in read_metrics(d / "metrics.jsonl") if "loss" in r}
+                 for d in (other, straight_run))
+    np.testing.assert_allclose([got[s] for s in range(15, STEPS + 1)], [want[s] for s in range(15, STEPS + 1)],
+                               rtol=1e-5)
 
 
 def test_the_partner_exchange_goes_in_batches_bounded_in_bytes_per_device():
@@ -179,3 +193,42 @@ def test_the_partner_exchange_goes_in_batches_bounded_in_bytes_per_device():
 
     assert _batches([300, 500, 300, 2000, 100], lambda size: size, 800) == [[300, 500], [300], [2000], [100]]
     assert _batches([], lambda size: size, 800) == []
+
+
+def test_a_step_saved_on_one_mesh_is_laid_out_bit_for_bit_on_another(tmp_path):
+    """relayout.restore_moved in one process: a state saved sharded over 8 devices (rows over all 8, a matrix over
+    4 x 2, a replicated scalar) comes back on 2 devices in other shardings, every bit as saved; a step that does not
+    tile the new arrays is refused in one line."""
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from llama_jax.checkpoint.local import LocalTier
+    from llama_jax.checkpoint.relayout import restore_moved
+    from llama_jax.distributed.peers import Peers
+
+    rng = np.random.default_rng(0)
+    values = {"rows": rng.standard_normal((16, 3)).astype(np.float32),
+              "matrix": rng.standard_normal((8, 6)).astype(np.float32), "count": np.int32(7)}
+    eight = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("a", "b"))
+    saved_specs = {"rows": P(("a", "b")), "matrix": P("a", "b"), "count": P()}
+    state = {k: jax.device_put(v, NamedSharding(eight, saved_specs[k])) for k, v in values.items()}
+    peers = Peers(timeout_s=10)
+    saver = LocalTier(str(tmp_path / "local"), tmp_path / "run", eight, peers, keep=2, replicas=0)
+    saver.save(4, state, {"next_step": 4}, {"step": 4})
+    saver.wait()
+
+    two = Mesh(np.array(jax.devices()[:2]), ("x",))
+    specs = {"rows": P(None, None), "matrix": P(None, "x"), "count": P()}
+    abstract = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(two, specs[k]))
+                for k, v in values.items()}
+    tier = LocalTier(str(tmp_path / "local"), tmp_path / "run", two, peers, keep=2, replicas=0)
+    restored, data, copies = restore_moved(tier, 4, 1, abstract)
+    assert data == {"next_step": 4} and copies == "the shards of 1 process, read on process 0 of 1"
+    for k, v in values.items():
+        assert restored[k].sharding == abstract[k].sharding
+        np.testing.assert_array_equal(np.asarray(restored[k]), v)
+
+    wider = dict(abstract, rows=jax.ShapeDtypeStruct((16, 4), np.float32, sharding=NamedSharding(two, P())))
+    refused = restore_moved(tier, 4, 1, wider)
+    assert refused == "local step 4 cannot be laid out on this mesh: ['rows'] (its shards of dimension 1 are not " \
+        "equal parts of 4)", refused

@@ -4,6 +4,7 @@ between formats, and the one place that decides where a run starts.
 
     durable.py       Orbax step directories: listing, meta, the model check, reading onto any mesh
     local.py         the node-local tier: each process's shards on its host, a partner's copy, CRC-32s
+    relayout.py      a local step on another process count or mesh, from the shards the hosts hold
     interval.py      Young/Daly: how often to save
     checkpointer.py  a run's Checkpointer: when a save is due, saving and restoring across tiers
     specs.py         model specs: hf:DIR, a run, a step -> architecture, params, tokenizer

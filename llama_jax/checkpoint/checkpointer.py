@@ -44,6 +44,7 @@ import orbax.checkpoint as ocp
 from llama_jax.checkpoint.durable import ITEMS, check_model, read_meta, read_step, saved_layer_order
 from llama_jax.checkpoint.interval import DEFAULT_MTBF_S, Figures, Interval
 from llama_jax.checkpoint.local import LocalTier, finished_steps
+from llama_jax.checkpoint.relayout import covered_steps, restore_moved
 from llama_jax.config import CheckpointConfig
 from llama_jax.distributed.peers import Peers
 from llama_jax.errors import EXIT_STORAGE, ConfigError, StorageFailure
@@ -115,6 +116,7 @@ class Checkpointer:
         self.save_failures = save_failures  # fault injection: these steps' durable writes fail on this process
         self.restored_from = ""  # the tier the last restore came from: "local" or "durable"
         self.restored_copies = ""  # with the local tier: whose copies served ("own copies", or a partner's too)
+        self.restored_path = ""  # where the last restored step was read: a step directory, or a host's
         self.restore_seconds: dict[str, float] = {}  # seconds spent restoring (or trying to) from each tier
         self.manager = self._open()
 
@@ -337,34 +339,44 @@ class Checkpointer:
                 if step not in (local if tier == "local" else durable):
                     continue
                 start = time.perf_counter()
-                found = (self._restore_local if tier == "local" else self._restore_durable)(
-                    step, abstract_state, warn)
+                found = (self._restore_local(step, abstract_state, warn, local[step]) if tier == "local" else
+                         self._restore_durable(step, abstract_state, warn))
                 self.restore_seconds[tier] = self.restore_seconds.get(tier, 0.0) + time.perf_counter() - start
                 if found is not None:
                     self.restored_from = tier
                     return found
         return None
 
-    def _local_steps(self) -> list[int]:
-        """The local steps every process can be served, if their meta says they fit this run: the same
-        model, process count and layer order (the local tier keeps shards as they lie on this mesh; another
-        layout restores from checkpoints/, which any mesh can read)."""
+    def _local_steps(self) -> dict[int, int]:
+        """The local steps the hosts of this run hold whole, newest first, each with the process count that saved
+        it (relayout.covered_steps), if their meta says they hold this run's model in its layer order. A step saved
+        on this mesh comes back through the partners (LocalTier.restore); one saved on another process count or
+        mesh is laid out on this one (relayout.restore_moved)."""
         if self.local is None:
-            return []
-        steps = self.local.agreed_steps()
+            return {}
+        steps: dict[int, int] = {}
+        for step, processes in covered_steps(self.local.host_dir, self.peers):
+            steps.setdefault(step, processes)  # a step saved on two counts: the larger (covered_steps)
         if not steps:
-            return []
-        meta = self.local.meta(steps[0]) or {}
-        saved = (meta.get("processes"), saved_layer_order(meta), meta.get("mesh"))
-        if saved != (self.meta.get("processes"), self.layout, self.meta.get("mesh")):
-            self.log(f"the local tier's steps were saved on another mesh or process count ({meta.get('mesh')}); "
-                     "restoring from checkpoints/")
-            return []
+            return {}
+        meta = self.local.meta(next(iter(steps))) or {}
+        if saved_layer_order(meta) != self.layout:
+            self.log("the local tier's steps were saved in another pipeline layer order; restoring from checkpoints/")
+            return {}
         self._check(meta, self.local.directory)
         return steps
 
-    def _restore_local(self, step, abstract_state, warn) -> tuple[int, Any, dict] | None:
-        restored = self.local.restore(step, abstract_state)
+    def _restore_local(self, step, abstract_state, warn, processes: int) -> tuple[int, Any, dict] | None:
+        """A local step: through the partners when it was saved on this mesh and every process is served so
+        (LocalTier.agreed_steps), else laid out on this mesh from the shards the hosts hold."""
+        meta = self.local.meta(step) or {}
+        same_mesh = processes == self.meta.get("processes") and meta.get("mesh") == self.meta.get("mesh")
+        if same_mesh and step in self.local.agreed_steps():
+            restored = self.local.restore(step, abstract_state)
+            self.restored_path = str(self.local.directory / str(step))
+        else:
+            restored = restore_moved(self.local, step, processes, abstract_state)
+            self.restored_path = f"{self.local.host_dir}/process-*/{step}"  # the process directories of each host
         if isinstance(restored, str):
             warn(f"warning: {restored}; trying the next copy")
             return None
@@ -388,6 +400,7 @@ class Checkpointer:
             failure = f"process {self.peers.index}: {type(err).__name__}: {reason}"
         failures = self.peers.reduce(f"restore of step {step}", failure, lambda all_: [f for f in all_ if f])
         if not failures:
+            self.restored_path = str(self.directory / str(step))
             return (step, *restored)
         moved = self.set_aside(step)
         more = f" and {len(failures) - 1} more" if len(failures) > 1 else ""

@@ -1,8 +1,8 @@
 """The node-local checkpoint tier: frequent saves to fast storage on each host, beside the durable
 ``<run.dir>/checkpoints/`` (durable.py), with a copy of each process's shards on a partner host.
 
-Each process keeps its own directory, ``<checkpoint.local_dir>/<run>/process-<i>/``, on storage only it
-reads (/dev/shm, a local NVMe). A finished step is a directory ``<step>/`` holding
+Each process keeps its own directory, ``<checkpoint.local_dir>/<run>/<host>/process-<i>/``, on storage only
+its host reads (/dev/shm, a local NVMe). A finished step is a directory ``<step>/`` holding
 
     own.safetensors        this process's shards of the train state (each distinct shard once)
     partner-<j>.safetensors the shards of process j, sent here with checkpoint.local_replicas=1
@@ -23,6 +23,9 @@ partner holds, which travels back by the same collective. Each file's tensors ar
 their CRC-32 and the wanted shapes and dtypes; a copy that fails is set aside (renamed
 ``corrupt-<step>-<time>``) and the decision falls back to the next copy, the durable tier, or an
 older step (checkpoint.Checkpointer.restore_newest).
+
+On another process count or mesh (a run continuing on fewer hosts, or grown back) the steps the hosts
+hold (host_pieces) are laid out on the new mesh by relayout.py.
 """
 
 from __future__ import annotations
@@ -33,7 +36,6 @@ import json
 import math
 import os
 import shutil
-import socket
 import threading
 import time
 import zlib
@@ -49,18 +51,26 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from llama_jax.distributed.peers import Peers
+from llama_jax.distributed.processes import node_name
 
 OWN = "own.safetensors"
 EXCHANGE_BYTES = 1 << 30  # per device and batch of leaves sent to partners: the exchange's memory bound
 MANIFEST = "manifest.json"
 
 
-def process_directory(local_dir: str, run_dir: Path, process: int) -> Path:
-    """This process's directory of the local tier. The run's name and a hash of its absolute path keep
-    runs that share a local_dir apart."""
+def host_directory(local_dir: str, run_dir: Path, node: str | None = None) -> Path:
+    """What one host holds of the run's local tier: ``<local_dir>/<run>-<hash>/<node>/``. The run's name and a
+    hash of its absolute path keep runs that share a local_dir apart; the host's name (processes.node_name(),
+    default this one's) keeps hosts apart where a local_dir is shared, as in a simulation of several hosts on
+    one machine, so that a host reads only what its own storage would hold."""
     run_dir = Path(run_dir).absolute()
     key = f"{run_dir.name}-{hashlib.sha1(str(run_dir).encode()).hexdigest()[:8]}"
-    return Path(local_dir).expanduser().absolute() / key / f"process-{process}"
+    return Path(local_dir).expanduser().absolute() / key / (node or node_name())
+
+
+def process_directory(local_dir: str, run_dir: Path, process: int, node: str | None = None) -> Path:
+    """The directory process `process` writes its local steps to, on host `node` (default this one)."""
+    return host_directory(local_dir, run_dir, node) / f"process-{process}"
 
 
 def finished_steps(directory: Path) -> list[int]:
@@ -75,6 +85,22 @@ def read_manifest(step_dir: Path) -> dict | None:
         return json.loads((step_dir / MANIFEST).read_text())
     except (OSError, ValueError):
         return None
+
+
+def host_pieces(host_dir: Path) -> list[list]:
+    """Every process's shards this host holds, by finished step: [step, process count that saved it, the process
+    whose shards they are, the step's directory, the file], from the manifests of every process directory under
+    host_dir (its own copies, the partners' copies it keeps, and those of earlier runs on other process counts)."""
+    pieces = []
+    for directory in sorted(host_dir.glob("process-*")) if host_dir.is_dir() else []:
+        for step in finished_steps(directory):
+            manifest = read_manifest(directory / str(step)) or {}
+            files, processes = manifest.get("files", {}), manifest.get("processes")
+            holds = manifest.get("holds")
+            for owner, name in ((manifest.get("process"), OWN), (holds, f"partner-{holds}.safetensors")):
+                if owner is not None and name in files and isinstance(processes, int):
+                    pieces.append([step, processes, owner, str(directory / str(step)), name])
+    return pieces
 
 
 def partners(hosts: list[str]) -> list[int]:
@@ -144,8 +170,9 @@ class LocalTier:
                  log=print):
         self.peers, self.keep, self.log = peers, keep, log
         self.index, self.count = peers.index, peers.count
-        self.directory = process_directory(local_dir, run_dir, self.index)
-        hosts = peers.reduce("local tier hosts", [self.index, socket.gethostname()],
+        self.host_dir = host_directory(local_dir, run_dir)
+        self.directory = self.host_dir / f"process-{self.index}"
+        hosts = peers.reduce("local tier hosts", [self.index, node_name()],
                              lambda all_: [h for _, h in sorted(all_)])
         self.replicas = replicas if self.count > 1 else 0
         self.partner = partners(hosts)  # partner[i] keeps process i's copy
@@ -156,13 +183,14 @@ class LocalTier:
         # a compiled ppermute sends each device's row to the partner's device at the same local position.
         # Rows, not the state's own shardings: every shard moves, replicas included, with one program for
         # many leaves, and no reshard between device orders (which jax 0.12 logs a warning for per leaf).
-        devices = list(mesh.devices.flat)
-        local = {p: sorted((d for d in devices if d.process_index == p), key=lambda d: d.id) for p in range(self.count)}
+        self.devices = devices = list(mesh.devices.flat)
+        self.local_devices = local = {p: sorted((d for d in devices if d.process_index == p), key=lambda d: d.id)
+                                      for p in range(self.count)}
         to_partner = {d: local[self.partner[d.process_index]][local[d.process_index].index(d)] for d in devices}
         self.owner_of = {moved: d for d, moved in to_partner.items()}  # a device -> the device whose rows it keeps
         line = Mesh(np.array(devices), ("devices",))
         self.rows = NamedSharding(line, P("devices"))
-        position = {d: i for i, d in enumerate(devices)}
+        self.position = position = {d: i for i, d in enumerate(devices)}
         pairs = [(position[d], position[to_partner[d]]) for d in devices]
         self._send = _permutation(line, pairs)  # each row to the partner's device
         self._send_back = _permutation(line, [(b, a) for a, b in pairs])  # and back to its owner
@@ -256,6 +284,8 @@ class LocalTier:
         found: dict[int, Inventory] = {}
         for step in finished_steps(self.directory):
             manifest = read_manifest(self.directory / str(step)) or {}
+            if manifest.get("processes") != self.count:  # an earlier run's, on another count: relayout.py
+                continue
             names = manifest.get("files", {})
             holds = manifest.get("holds") if f"partner-{manifest.get('holds')}.safetensors" in names else None
             found[step] = Inventory(own=OWN in names, holds=holds)
@@ -277,9 +307,11 @@ class LocalTier:
         return self.peers.reduce("local steps", [self.index, mine], servable)
 
     def meta(self, step: int) -> dict | None:
-        """The run meta saved with a local step, as the first process holding it read it (a process whose
-        directory was lost has none of its own); None if no process can read it."""
-        manifest = read_manifest(self.directory / str(step)) or {}
+        """The run meta saved with a local step, as the first process holding it read it (its own copy's, else
+        any on its host: a process whose directory was lost has none of its own); None if no process can read it."""
+        manifest = read_manifest(self.directory / str(step)) or next(
+            (m for saved, _, _, where, _ in host_pieces(self.host_dir) if saved == step
+             and (m := read_manifest(Path(where)))), {})
         return self.peers.reduce(f"local meta of step {step}", [self.index, manifest.get("meta")],
                                  lambda all_: next((m for _, m in sorted(all_, key=lambda v: v[0]) if m), None))
 

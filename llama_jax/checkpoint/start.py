@@ -2,9 +2,11 @@
 once the train step is compiled (`restore`).
 
     the run's own steps      run.dir holds steps, in checkpoints/ or the node-local tier (which may be newer):
-                             the newest step some tier holds whole, on every process (Checkpointer.restore_newest:
-                             the local tier, a partner's copy, then checkpoints/; a damaged copy is set aside and
-                             the next one tried)
+                             the newest step some tier holds whole (Checkpointer.restore_newest: the local tier,
+                             then checkpoints/; a damaged copy is set aside and the next one tried). A local step
+                             counts when the hosts of this run hold every saving process's shards between them
+                             (own copies and partners', on whatever process count or mesh saved it: a run that
+                             continues on fewer hosts, or grows back, resumes from it); else the next older one
     checkpoint.resume_from   a new run.dir continues another run's step: params, optimizer state, data position
     checkpoint.init_from     a new run.dir starts from another model's params (a run, a step, hf:DIR)
     peft.method              the base model of checkpoint.init_from, frozen, with adapters: new ones, or the run's
@@ -27,7 +29,8 @@ from typing import Any, Callable
 
 from llama_jax.checkpoint.checkpointer import Checkpointer
 from llama_jax.checkpoint.durable import check_model, latest_checkpoint_step, read_meta, restore_step
-from llama_jax.checkpoint.local import finished_steps, process_directory, read_manifest
+from llama_jax.checkpoint.local import host_directory, host_pieces, read_manifest
+from llama_jax.checkpoint.relayout import covered_steps
 from llama_jax.checkpoint.specs import ModelSpec, load_params, resolve
 from llama_jax.config import Config
 from llama_jax.distributed.peers import Peers
@@ -67,11 +70,14 @@ def decide(config: Config, peers: Peers) -> Start:
     allowed = config.checkpoint.allow_model_changes
     step = latest_checkpoint_step(run_dir)
     meta = read_meta(run_dir / "checkpoints" / str(step)) if step else None
-    if config.checkpoint.local_dir:  # the local tier may hold newer steps (each process sees its own)
-        local = process_directory(config.checkpoint.local_dir, run_dir, peers.index)
-        local_step = peers.reduce("newest local step", max(finished_steps(local), default=0), max)
-        if local_step > step:
-            step, meta = local_step, (read_manifest(local / str(local_step)) or {}).get("meta")
+    if config.checkpoint.local_dir:  # the local tier may hold newer steps: the newest the hosts hold whole
+        host = host_directory(config.checkpoint.local_dir, run_dir)
+        covered = covered_steps(host, peers)  # saved on any process count or mesh (partners' copies included)
+        if covered and covered[0][0] > step:
+            step = covered[0][0]
+            mine = next((Path(where) for saved, _, _, where, _ in host_pieces(host) if saved == step), None)
+            meta = peers.reduce(f"meta of local step {step}", (read_manifest(mine) or {}).get("meta") if mine else None,
+                                lambda all_: next((m for m in all_ if m), None))
     if meta is not None:  # an unreadable one is set aside at restore time
         check_model(meta["config"]["model"], model, run_dir, allowed)
         peft.check_adapters(meta["config"].get("peft", {}), config.peft, run_dir)
@@ -121,8 +127,7 @@ def restore(start: Start, checkpointer: Checkpointer, abstract: Any, say: Callab
         found = checkpointer.restore_newest(abstract, say)
         if found is not None:
             step, state, data = found
-            where = checkpointer.local.directory if checkpointer.restored_from == "local" else checkpointer.directory
-            say(f"resumed from {where / str(step)}")
+            say(f"resumed from {checkpointer.restored_path}")
             return Restored(state=state, data=data)
         say("warning: no checkpoint in run.dir restores; starting from scratch")
     if start.source is None:
