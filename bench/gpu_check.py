@@ -1,8 +1,8 @@
 """GPU acceptance in one command: attention parity, an 8B-shaped train step and the settings in force, as one table.
 
     make gpu-check [ARGS="--json PATH --steps 20 key=value ..."]     # sources launch/gpu_env.sh first
-    .venv/bin/python bench/gpu_check.py [--cpu-smoke] [--json PATH] [--steps N] [--warmup N] [--preset P]
-                                        [key=value ...]
+    .venv/bin/python bench/gpu_check.py [--cpu-smoke] [--json PATH] [--steps N] [--warmup N] [--loss-steps N]
+                                        [--preset P] [key=value ...]
 
 On an NVIDIA GPU it checks, on one device:
 1. attention parity: each path of llama_jax.model.attention (cuDNN plain causal, cuDNN's packed layout, the exact
@@ -16,7 +16,11 @@ On an NVIDIA GPU it checks, on one device:
    one H100: 69.99 GiB; `llama-jax plan` on one CPU device predicts 66.16 GiB with 2 micro-batches). `plan`
    picks the micro-batches (the preset's microbatches=auto), then --steps timed steps after --warmup: tokens/s,
    MFU, peak device memory next to plan's prediction, and plan's HLO FLOPs next to the model FLOPs.
-3. the environment: XLA_FLAGS, whether launch/gpu_env.sh was applied, versions, device, CUDA and cuDNN.
+3. the same step with fp8 projections (model.fp8=tensorwise): tokens/s and its ratio to the bf16 step's (the goal
+   on one H100: >= FP8_SPEEDUP_GOAL), MFU against the bf16 peak (comparable with the bf16 row and other frameworks)
+   and the fp8 peak, peak device memory; then --loss-steps steps of each from the same initial weights on the same
+   batch, their losses side by side and the largest relative difference.
+4. the environment: XLA_FLAGS, whether launch/gpu_env.sh was applied, versions, device, CUDA and cuDNN.
 
 Without an NVIDIA GPU it prints one line and exits 0. --cpu-smoke runs the same code on the CPU with small shapes
 (the tiny preset; rows that need cuDNN say they were skipped). Exit status 1 when any row failed. The figures are
@@ -53,7 +57,7 @@ from llama_jax.model import cudnn
 from llama_jax.model.attention import attention, context_parallel_kernels, document_mask, select_implementation
 from llama_jax.model.context_parallel import chunk_order, device_attention
 from llama_jax.model.llama import param_count
-from llama_jax.perf.hardware import device_peak_flops
+from llama_jax.perf.hardware import MfuPeaks, mfu_peaks
 from llama_jax.training.plan import make_plan
 from llama_jax.training.run import enable_compilation_cache
 from llama_jax.training.step import TrainProgram, random_batch, time_train_steps
@@ -66,6 +70,8 @@ NO_GPU = "gpu-check: no NVIDIA GPU here ({reason}); nothing to check"
 GPU_PRESET, GPU_OVERRIDES = "llama3_8b", ["model.n_layers=4", "train.batch_size=4"]
 SMOKE_PRESET, SMOKE_OVERRIDES = "tiny", ["train.batch_size=4"]
 MFU_GOAL = 0.5  # the goal for an 8B-shaped bf16 step on one H100 (989 TFLOP/s data sheet); reported, not enforced
+SHORT_DTYPES = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}
+FP8_SPEEDUP_GOAL = 1.3  # fp8 tokens/s over bf16's for the same step on one H100 (issue 35); reported, not enforced
 
 # ---------------------------------------------------------------------------------------------
 # Attention parity (shared with tests/test_gpu.py)
@@ -256,8 +262,11 @@ def attention_section(shape: AttentionShape, cudnn_available: bool) -> tuple[lis
 # The train step
 
 
-def measure_train_step(config: Config, steps: int, warmup: int) -> dict:
-    """Plan the step on one device, then time it: plan's figures next to the measured ones."""
+def measure_train_step(config: Config, steps: int, warmup: int, earlier: dict | None = None) -> dict:
+    """Plan the step on one device, then time it: plan's figures next to the measured ones. After an `earlier`
+    step's figures: MFU against the same compute peak (a CPU's is measured again on each call), and the device's
+    peak memory in use, the process's high-water mark, which jax cannot reset, is this step's only where it rose
+    above the earlier one's (None otherwise)."""
     devices = jax.devices()[:1]
     planned = make_plan(config, sharding.make_mesh(config, devices=devices))  # resolves microbatches=auto
     m, t = config.model, config.train
@@ -280,14 +289,107 @@ def measure_train_step(config: Config, steps: int, warmup: int) -> dict:
         times, metrics = time_train_steps(program, state, batch, steps, warmup)
     # The whole process's high-water mark, read before anything else allocates: the train step runs first.
     peak_bytes = (devices[0].memory_stats() or {}).get("peak_bytes_in_use")
+    earlier_peak_bytes = (earlier or {}).get("peak_bytes_in_use")
+    if earlier_peak_bytes and peak_bytes and peak_bytes <= earlier_peak_bytes:
+        peak_bytes = None  # at most the earlier step's: not this step's own figure
     step_s = statistics.median(times)
-    peak, peak_source = device_peak_flops(m.compute_dtype, cache_root(config.data.cache_dir))
+    kind = devices[0].device_kind
+    peaks = MfuPeaks.with_fp8(earlier["peak_flops_per_device"], earlier["peak_source"], m.fp8, kind) if earlier \
+        else mfu_peaks(m.compute_dtype, m.fp8, cache_root(config.data.cache_dir))
     achieved = planned.model_flops / step_s
-    return {**figures, "steps": steps, "warmup": warmup, "step_s": times, "step_s_median": step_s,
-            "tokens_per_s": t.batch_size * t.seq_len / step_s, "achieved_flops_per_s": achieved,
-            "hlo_flops_per_s": planned.hlo_flops / step_s, "peak_flops_per_device": peak, "peak_source": peak_source,
-            "mfu": achieved / peak, "loss": float(metrics["loss"]), "finite": bool(metrics["finite"]),
-            "peak_bytes_in_use": peak_bytes}
+    return {**figures, "compute_dtype": m.compute_dtype, "fp8": m.fp8, "fp8_flops": planned.fp8_flops, "steps": steps, "warmup": warmup,
+            "step_s": times, "step_s_median": step_s, "tokens_per_s": t.batch_size * t.seq_len / step_s,
+            "achieved_flops_per_s": achieved, "hlo_flops_per_s": planned.hlo_flops / step_s,
+            "peak_flops_per_device": peaks.compute, "peak_source": peaks.compute_source,
+            "fp8_peak_flops_per_device": peaks.fp8, "fp8_peak_source": peaks.fp8_source,
+            **peaks.fractions(achieved, 1), "loss": float(metrics["loss"]), "finite": bool(metrics["finite"]),
+            "peak_bytes_in_use": peak_bytes, "earlier_peak_bytes": earlier_peak_bytes}
+
+
+def with_fp8(config: Config, recipe: str) -> Config:
+    return dataclasses.replace(config, model=dataclasses.replace(config.model, fp8=recipe))
+
+
+def loss_curve(config: Config, steps: int) -> list[float]:
+    """The loss of each of `steps` train steps on one device from the initial weights of key 0, on one batch of
+    random tokens (random_batch's: the same for every config of the same shape), which the model learns by heart:
+    the loss falls, and fp8's rounding shows in how it falls. The learning-rate warm-up is shortened to a fifth of
+    the steps (the presets' run to hundreds of steps, over which these would barely move the weights)."""
+    config = dataclasses.replace(config, train=dataclasses.replace(
+        config.train, warmup_steps=min(config.train.warmup_steps, max(1, steps // 5))))
+    program = TrainProgram.for_config(config, devices=jax.devices()[:1])
+    losses = []
+    with program.activate():
+        state = program.init_state(jax.random.key(0))
+        batch = program.put(random_batch(config))
+        for _ in range(steps):
+            state, metrics = program.train_step(state, batch)
+            losses.append(float(metrics["loss"]))
+    return losses
+
+
+def fp8_section(config: Config, bf16: dict, steps: int, warmup: int, loss_steps: int) -> tuple[list[Row], dict]:
+    """The bf16 train step's row again with model.fp8=tensorwise, and both steps' losses side by side."""
+    if config.model.fp8 != "none":
+        return [Row("fp8 step", "model", "skipped: fp8 already on", f"model.fp8={config.model.fp8}",
+                    "the train step above is the fp8 one; pass model.fp8=none to compare it with bf16")], {}
+    if "tokens_per_s" not in bf16:
+        return [Row("fp8 step", "model", "skipped: no bf16 step", "model.fp8=tensorwise",
+                    "the bf16 train step above did not run: nothing to compare with")], {}
+    fp8 = measure_train_step(with_fp8(config, "tensorwise"), steps, warmup, bf16)
+    if not fp8["fits"]:
+        return fp8_rows(fp8, bf16), fp8
+    # Each with the micro-batches its plan chose for the timed steps: the same programs, compiled once.
+    losses = {recipe: loss_curve(with_fp8(dataclasses.replace(config, train=dataclasses.replace(
+        config.train, microbatches=figures["microbatches"])), recipe), loss_steps)
+        for recipe, figures in (("none", bf16), ("tensorwise", fp8))}
+    differences = [abs(b - f) / abs(b) for b, f in zip(losses["none"], losses["tensorwise"])]
+    figures = {**fp8, "tokens_per_s_ratio": fp8["tokens_per_s"] / bf16["tokens_per_s"], "loss_steps": loss_steps,
+               "loss_bf16": losses["none"], "loss_fp8": losses["tensorwise"],
+               "loss_max_relative_difference": max(differences) if differences else math.nan}
+    return fp8_rows(figures, bf16), figures
+
+
+def fp8_rows(f: dict, bf16: dict) -> list[Row]:
+    base = f"{SHORT_DTYPES.get(bf16['compute_dtype'], bf16['compute_dtype'])} step"  # bf16 on GPUs, fp32 on a CPU
+    in_fp8 = f"fp8 operands in {100 * f['fp8_flops'] / f['hlo_flops']:.0f}% of the compiled step's HLO FLOPs" \
+        if f["fp8_flops"] else f"the {jax.default_backend()} compiler computes them in a wider type"
+    rows = [Row("fp8 step", "model", "info", "model.fp8=tensorwise",
+                f"the train step above with its 7 projections' matmuls in fp8: {in_fp8}")]
+    if not f["fits"]:
+        return rows + [Row("fp8 step", "fits one device", "FAIL", format_bytes(f["planned_total_bytes"]),
+                           f"plan's step is over this device's budget of {format_bytes(f['budget_bytes'])}")]
+    fp8_mfu = f"{100 * f['mfu_fp8']:.1f}% of {format_flops(f['fp8_peak_flops_per_device'])} " \
+        f"({f['fp8_peak_source']})" if f["mfu_fp8"] is not None else f["fp8_peak_source"]
+    curve = lambda losses: " ".join(f"{x:.3f}" for x in losses[:: max(1, len(losses) // 5)])  # noqa: E731
+    finite = all(map(math.isfinite, f["loss_fp8"]))
+    rows += [
+        Row("fp8 step", "loss", "pass" if f["finite"] and math.isfinite(f["loss"]) else "FAIL", f"{f['loss']:.4f}",
+            f"finite after {f['warmup'] + f['steps']} steps on random tokens"),
+        Row("fp8 step", "tokens/s", "info", f"{f['tokens_per_s']:,.0f}",
+            f"{f['tokens_per_s_ratio']:.2f}x the {base}'s {bf16['tokens_per_s']:,.0f}; goal on one H100: >= "
+            f"{FP8_SPEEDUP_GOAL:g}x"),
+        Row("fp8 step", "MFU", "info", f"{100 * f['mfu']:.1f}%",
+            f"model FLOP/s over the {base}'s {format_flops(f['peak_flops_per_device'])}; fp8: {fp8_mfu}"),
+        peak_memory_row("fp8 step", f),
+        Row("fp8 step", "loss vs bf16", "pass" if finite else "FAIL", f"{100 * f['loss_max_relative_difference']:.2f}%",
+            f"largest |fp8 - {base}| / {base} loss over {f['loss_steps']} steps from the same weights on one batch; "
+            f"{base} {curve(f['loss_bf16'])}, fp8 {curve(f['loss_fp8'])}"),
+    ]
+    return rows
+
+
+def peak_memory_row(area: str, f: dict) -> Row:
+    peak = f["peak_bytes_in_use"]
+    planned = f"plan {format_bytes(f['planned_total_bytes'])}, budget {format_bytes(f['budget_bytes'])}"
+    if peak:
+        return Row(area, "peak device memory", "info", format_bytes(peak),
+                   f"{planned}; measured / plan {peak / f['planned_total_bytes']:.3f}")
+    if f.get("earlier_peak_bytes"):
+        return Row(area, "peak device memory", "info", f"<= {format_bytes(f['earlier_peak_bytes'])}",
+                   f"{planned}; no higher than the step before it (jax cannot reset the process's high-water mark)")
+    return Row(area, "peak device memory", "skipped: no stats", "",
+               f"the {jax.default_backend()} backend reports no device memory in use; {planned}")
 
 
 def train_rows(f: dict, preset: str, overrides: list[str]) -> list[Row]:
@@ -314,12 +416,7 @@ def train_rows(f: dict, preset: str, overrides: list[str]) -> list[Row]:
         Row("train step", "HLO / model FLOPs", "info", f"{ratio_hlo:.3f}", "plan's compiled matmuls over "
             "6 x params + attention per token (above 1: recomputation)"),
     ]
-    peak = f["peak_bytes_in_use"]
-    planned = f"plan {format_bytes(f['planned_total_bytes'])}, budget {format_bytes(f['budget_bytes'])}"
-    rows.append(Row("train step", "peak device memory", "info", format_bytes(peak),
-                    f"{planned}; measured / plan {peak / f['planned_total_bytes']:.3f}") if peak else
-                Row("train step", "peak device memory", "skipped: no stats", "",
-                    f"the {jax.default_backend()} backend reports no device memory in use; {planned}"))
+    rows.append(peak_memory_row("train step", f))
     return rows
 
 
@@ -436,12 +533,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON, help=f"write the figures here ({DEFAULT_JSON})")
     parser.add_argument("--steps", type=int, help="timed train steps (default 20; 3 with --cpu-smoke)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed train steps first (compilation, autotuning)")
+    parser.add_argument("--loss-steps", type=int, help="steps of the bf16 and fp8 loss curves (default 50; 5 with "
+                        "--cpu-smoke)")
     parser.add_argument("--preset", help=f"the train step's preset ({GPU_PRESET}; {SMOKE_PRESET} with --cpu-smoke)")
     defaults = f"{' '.join(GPU_OVERRIDES)}; {' '.join(SMOKE_OVERRIDES)} with --cpu-smoke"
     parser.add_argument("overrides", nargs="*", metavar="key=value", help=f"after the defaults ({defaults})")
     args = parser.parse_args(argv)
-    if (args.steps is not None and args.steps < 1) or args.warmup < 0:
-        print("gpu-check: error: --steps must be at least 1 and --warmup at least 0", file=sys.stderr)
+    if (args.steps is not None and args.steps < 1) or args.warmup < 0 or (args.loss_steps is not None
+                                                                          and args.loss_steps < 1):
+        print("gpu-check: error: --steps and --loss-steps must be at least 1 and --warmup at least 0", file=sys.stderr)
         return EXIT_BAD_INPUT
     if args.cpu_smoke:
         jax.config.update("jax_platforms", "cpu")  # before jax picks a backend
@@ -451,6 +551,7 @@ def main(argv: list[str] | None = None) -> int:
     preset = args.preset or (SMOKE_PRESET if args.cpu_smoke else GPU_PRESET)
     overrides = [*(SMOKE_OVERRIDES if args.cpu_smoke else GPU_OVERRIDES), *args.overrides]
     steps = args.steps if args.steps is not None else (3 if args.cpu_smoke else 20)
+    loss_steps = args.loss_steps if args.loss_steps is not None else (5 if args.cpu_smoke else 50)
     try:
         config = load_config(preset, overrides)
     except ConfigError as error:
@@ -469,11 +570,17 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as error:  # an out-of-memory or compiler error is a failed row; the attention rows still run
         train = {"error": first_line(error)}
         step_rows = [Row("train step", "model", "FAIL", preset, f"{' '.join(overrides)}: {first_line(error)}")]
+    log(f"the same step with fp8 projections ({args.warmup} + {steps} steps), then {loss_steps} steps of each")
+    try:
+        fp8_step_rows, fp8 = fp8_section(config, train, steps, args.warmup, loss_steps)
+    except Exception as error:  # as for the bf16 step: a failed row, and the other rows still run
+        fp8 = {"error": first_line(error)}
+        fp8_step_rows = [Row("fp8 step", "model", "FAIL", "model.fp8=tensorwise", first_line(error))]
     log("attention parity against the fp32 reference")
     # Past no_gpu_reason(), only --cpu-smoke runs without cuDNN.
     attention_rows, parity = attention_section(SMOKE_SHAPE if args.cpu_smoke else GPU_SHAPE, not args.cpu_smoke)
 
-    rows = [*attention_rows, *step_rows, *environment_rows]
+    rows = [*attention_rows, *step_rows, *fp8_step_rows, *environment_rows]
     counts = {s: sum(r.status.startswith(s) for r in rows) for s in ("pass", "FAIL", "skipped")}
     print(f"gpu-check{' --cpu-smoke' if args.cpu_smoke else ''} on {jax.devices()[0].device_kind}: "
           f"{counts['pass']} passed, {counts['FAIL']} failed, {counts['skipped']} skipped")
@@ -481,7 +588,8 @@ def main(argv: list[str] | None = None) -> int:
     report = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
               "mode": "cpu-smoke" if args.cpu_smoke else "gpu", "passed": counts["pass"], "failed": counts["FAIL"],
               "skipped": counts["skipped"], "rows": [dataclasses.asdict(r) for r in rows], "attention": parity,
-              "train_step": {"preset": preset, "overrides": overrides, **train}, "environment": environment}
+              "train_step": {"preset": preset, "overrides": overrides, **train}, "fp8_step": fp8,
+              "environment": environment}
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(report, indent=2) + "\n")
     print(f"figures: {args.json}")

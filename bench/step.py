@@ -58,7 +58,7 @@ def measure_ours(preset: str, overrides: list[str], steps: int, peak: tuple[floa
     import jax
 
     from llama_jax.config import load_config
-    from llama_jax.perf.hardware import measure_matmul_peak, table_peak_flops
+    from llama_jax.perf.hardware import MfuPeaks, measure_matmul_peak, table_peak_flops
     from llama_jax.training.step import TrainProgram, model_flops_per_token, random_batch, time_train_steps
 
     config = load_config(preset, overrides)
@@ -84,7 +84,9 @@ def measure_ours(preset: str, overrides: list[str], steps: int, peak: tuple[floa
             "device": device.device_kind, "remat": config.remat.policy, "attention": config.model.attention,
             "step_s": step_s, "tokens_per_s": tokens_per_s, "model_flops_per_token": flops,
             "achieved_flops_per_s": tokens_per_s * flops, "peak_flops_per_device": peak, "peak_source": peak_source,
-            "mfu": tokens_per_s * flops / (peak * mesh.devices.size),
+            # mfu against the compute dtype's peak; under model.fp8 mfu_fp8 against the fp8 peak (None on a CPU)
+            **MfuPeaks.with_fp8(peak, peak_source, config.model.fp8, device.device_kind).fractions(
+                tokens_per_s * flops, mesh.devices.size),
             "compiled_bytes": memory.argument_size_in_bytes + memory.temp_size_in_bytes + memory.output_size_in_bytes
             - memory.alias_size_in_bytes,
             "device_peak_bytes": stats.get("peak_bytes_in_use"),
@@ -133,13 +135,16 @@ def main() -> None:
           f"{results['cores']} cores), jax {ours['jax']}, remat {ours['remat']}, attention {ours['attention']}")
     print(f"  ours: {ours['tokens_per_s']:9.1f} tokens/s  {ours['step_s']:.3f} s/step  "
           f"{ours['achieved_flops_per_s'] / 1e9:.1f} GFLOP/s = MFU {100 * ours['mfu']:.1f}% of "
-          f"{ours['peak_flops_per_device'] / 1e9:.1f} GFLOP/s per device ({ours['peak_source']})")
+          f"{ours['peak_flops_per_device'] / 1e9:.1f} GFLOP/s per device ({ours['peak_source']})"
+          + (f", {100 * ours['mfu_fp8']:.1f}% of the fp8 peak" if ours["mfu_fp8"] is not None else ""))
     print(f"        compiled step {ours['compiled_bytes'] / gib:.2f} GiB, process peak RSS "
           f"{ours['process_max_rss_bytes'] / gib:.2f} GiB" +
           (f", device peak {ours['device_peak_bytes'] / gib:.2f} GiB" if ours["device_peak_bytes"] else ""))
     for row, settings in zip(results.get("versus", []), args.versus):
+        fp8 = f" ({100 * row['mfu_fp8']:.1f}% of fp8)" if row["mfu_fp8"] is not None else ""
         print(f"  with {settings}: {row['tokens_per_s']:9.1f} tokens/s  {row['step_s']:.3f} s/step  MFU "
-              f"{100 * row['mfu']:.1f}%, compiled step {row['compiled_bytes'] / gib:.2f} GiB, mesh {row['mesh']} -> "
+              f"{100 * row['mfu']:.1f}%{fp8}, compiled step {row['compiled_bytes'] / gib:.2f} GiB, mesh {row['mesh']} "
+              "-> "
               f"ours / this = {ours['tokens_per_s'] / row['tokens_per_s']:.2f}x")
     previous = None
     for row in results.get("ablation", []):

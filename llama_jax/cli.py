@@ -55,7 +55,8 @@ def cmd_train(ns: argparse.Namespace) -> int:
         ratio = f" ({result['final_eval_loss'] / initial:.0%} of the initial {initial:.3f})" if initial else ""
         print(f"eval loss {result['final_eval_loss']:.3f}{ratio}")
     if "tokens_per_s" in result:
-        print(f"throughput {result['tokens_per_s']:,.0f} tokens/s, MFU {result['mfu']:.1%}")
+        fp8 = f" ({result['mfu_fp8']:.1%} of the fp8 peak)" if "mfu_fp8" in result else ""
+        print(f"throughput {result['tokens_per_s']:,.0f} tokens/s, MFU {result['mfu']:.1%}{fp8}")
     if "report" in result:
         print(f"wall time {result['wall_time_s']:.0f}s; report: {result['report']}")
     return result["exit_code"]  # 0, or EXIT_PREEMPTED after a signal made the run save and stop

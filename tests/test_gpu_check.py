@@ -20,6 +20,7 @@ import gpu_check  # noqa: E402
 NO_GPU_LINE = re.compile(r"gpu-check: no NVIDIA GPU here \((jax has no CUDA plugin installed: "
                          r"pip install -e '\.\[gpu\]'|jax backend: \w+)\); nothing to check")
 TRAIN_CHECKS = ["model", "loss", "tokens/s", "MFU", "achieved FLOP/s", "HLO / model FLOPs", "peak device memory"]
+FP8_CHECKS = ["model", "loss", "tokens/s", "MFU", "peak device memory", "loss vs bf16"]
 ENVIRONMENT_CHECKS = ["XLA_FLAGS", "launch/gpu_env.sh", "versions", "device", "CUDA / cuDNN"]
 
 
@@ -101,11 +102,18 @@ def test_cpu_smoke_prints_one_table_of_every_check(smoke):
             assert row["status"] == "pass"
             assert re.fullmatch(r"out \d\.\d{4}, grad \d\.\d{4}", row["value"])
     assert [row["check"] for row in rows if row["area"] == "train step"] == TRAIN_CHECKS
+    assert [row["check"] for row in rows if row["area"] == "fp8 step"] == FP8_CHECKS
     assert [row["check"] for row in rows if row["area"] == "environment"] == ENVIRONMENT_CHECKS
     train = {row["check"]: row for row in rows if row["area"] == "train step"}
     assert train["loss"]["status"] == "pass"
     assert train["MFU"]["value"].endswith("%") and "measured" in train["MFU"]["detail"]  # no data sheet for a CPU
     assert train["peak device memory"]["status"].startswith("skipped")  # the CPU reports no device memory
+    fp8 = {row["check"]: row for row in rows if row["area"] == "fp8 step"}
+    assert fp8["model"]["value"] == "model.fp8=tensorwise" and fp8["loss"]["status"] == "pass"
+    assert re.search(r"\d\.\d\dx the fp32 step's [\d,]+; goal on one H100: >= 1\.3x", fp8["tokens/s"]["detail"])
+    # MFU against the bf16 peak; a CPU has no fp8 peak, and the row says so rather than inventing one
+    assert fp8["MFU"]["value"].endswith("%") and "fp8: no fp8 peak for cpu" in fp8["MFU"]["detail"]
+    assert fp8["loss vs bf16"]["status"] == "pass" and fp8["loss vs bf16"]["value"].endswith("%")
     assert stdout.splitlines()[-1].startswith("figures: ")
 
 
@@ -128,6 +136,19 @@ def test_cpu_smoke_json_holds_the_table_and_its_figures(smoke):
     assert step["achieved_flops_per_s"] == pytest.approx(step["model_flops"] / step["step_s_median"])
     assert step["mfu"] == pytest.approx(step["achieved_flops_per_s"] / step["peak_flops_per_device"])
     assert math.isfinite(step["loss"]) and step["finite"] and step["peak_bytes_in_use"] is None
+    fp8 = report["fp8_step"]
+    assert fp8["fp8"] == "tensorwise" and fp8["fits"] and len(fp8["step_s"]) == 3
+    assert fp8["tokens_per_s_ratio"] == pytest.approx(fp8["tokens_per_s"] / step["tokens_per_s"])
+    assert fp8["peak_flops_per_device"] == step["peak_flops_per_device"]  # MFU against the same peak
+    assert fp8["mfu"] == pytest.approx(fp8["achieved_flops_per_s"] / fp8["peak_flops_per_device"])
+    assert fp8["mfu_fp8"] is None and fp8["fp8_peak_flops_per_device"] is None and step["mfu_fp8"] is None
+    # 5 steps of each from the same weights on the same batch: both learn it, and differ by fp8's rounding only
+    bf16_losses, fp8_losses = fp8["loss_bf16"], fp8["loss_fp8"]
+    assert len(bf16_losses) == len(fp8_losses) == fp8["loss_steps"] == 5
+    assert bf16_losses[-1] < bf16_losses[0] and fp8_losses[-1] < fp8_losses[0]
+    assert fp8["loss_max_relative_difference"] == pytest.approx(
+        max(abs(b - f) / b for b, f in zip(bf16_losses, fp8_losses)))
+    assert 0 < fp8["loss_max_relative_difference"] < 0.05
     environment = report["environment"]
     assert environment["jax"] == jax.__version__ and environment["device_kind"] == "cpu"
     assert isinstance(environment["xla_flags"], list) and isinstance(environment["gpu_env_applied"], bool)

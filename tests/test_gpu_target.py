@@ -7,7 +7,9 @@ options, cuDNN's workspace, the one-line refusal without the plugin) runs everyw
 one per test at most, on tiny models.
 """
 
+import dataclasses
 import json
+import math
 import re
 
 import pytest
@@ -18,7 +20,7 @@ from test_readme import llama_jax_args, readme_commands
 from llama_jax import cli
 from llama_jax.config import load_config
 from llama_jax.distributed import sharding
-from llama_jax.perf import gpu_target, hardware
+from llama_jax.perf import costmodel, gpu_target, hardware, hlo
 from llama_jax.training import plan as planning
 from llama_jax.training import tune
 from llama_jax.training.step import TrainProgram
@@ -187,6 +189,79 @@ def test_tune_ranks_candidates_compiled_for_the_target(tmp_path):
     assert "for 8 NVIDIA H100 80GB HBM3 device(s)" in (tmp_path / "tune.yaml").read_text()
 
 
+@pytest.fixture(scope="module")
+def one_h100_fp8_and_bf16():
+    """The step compiled by XLA:GPU for one H100 with model.fp8=tensorwise and without (remat off, so that each
+    projection's matmuls run once: forward, input gradient, weight gradient): (config, {recipe: HLO text})."""
+    texts = {}
+    for recipe in ("tensorwise", "none"):
+        config = gpu_config("mesh.fsdp=1", "train.batch_size=1", "remat.policy=none", f"model.fp8={recipe}")
+        program = TrainProgram.build(config, sharding.make_mesh(config, gpu_target.devices("h100", 1)))
+        texts[recipe] = program.compile_step().as_text()
+    return config, texts
+
+
+def projection_flops(config) -> float:
+    """Per step: forward, input-gradient and weight-gradient matmuls of the 7 projections of every layer."""
+    m, tokens = config.model, config.train.batch_size * config.train.seq_len
+    d, q, kv = m.d_model, m.n_heads * m.resolved_head_dim, m.n_kv_heads * m.resolved_head_dim
+    per_layer = d * q + 2 * d * kv + q * d + 3 * d * m.ffn_dim  # q, k, v, o; gate, up, down
+    return 3 * 2 * tokens * per_layer * m.n_layers
+
+
+def gemm_flops(operands: tuple[str, ...], result: str) -> float:
+    """2 x output x contracted elements of a 2-D GEMM, [M, K] x [K, N] in any layout: K^2 = |lhs| |rhs| / |out|."""
+    size = lambda shape: math.prod(int(d) for d in re.findall(r"\d+", shape.split("[")[1].split("]")[0]))  # noqa
+    out = size(result.strip("("))
+    return 2.0 * out * math.isqrt(size(operands[0]) * size(operands[1]) // out)
+
+
+@needs_plugin
+def test_the_fp8_step_runs_every_projection_on_cublaslts_fp8_gemm_and_nothing_else(one_h100_fp8_and_bf16):
+    """XLA:GPU rewrites each scaled fp8 dot of projection.py into cuBLASLt's fp8 GEMM (projections that share an
+    input, q/k/v and gate/up, into one): the forward (e4m3 x e4m3), input-gradient (e5m2 x e4m3) and
+    weight-gradient (e4m3 x e5m2) GEMMs of every layer, a third of the projections' FLOPs each, and every
+    projection FLOP of the step is an fp8 one. The output projection and loss (the [d, vocab] GEMMs) and
+    attention (cuDNN's and XLA's, on bf16) keep their types: the two steps' matmul FLOPs are the same."""
+    config, texts = one_h100_fp8_and_bf16
+    fp8, bf16 = (hlo.analyze(texts[r], 1) for r in ("tensorwise", "none"))
+    assert fp8.fp8_flops == projection_flops(config) and bf16.fp8_flops == 0
+    assert fp8.dot_flops == bf16.dot_flops  # the same matmuls, in other types
+    calls = [(target, operands, result) for target, operands, result in hlo.custom_calls(texts["tensorwise"])
+             if target.startswith(("__cublas", "__cudnn"))]
+    f8 = [(tuple(o.split("[")[0] for o in operands[:2]), operands, result)
+          for target, operands, result in calls if target == "__cublas$lt$matmul$f8"]
+    per_kind = {}
+    for kinds, operands, result in f8:
+        per_kind[kinds] = per_kind.get(kinds, 0.0) + gemm_flops(operands, result)
+    assert per_kind == pytest.approx({("f8e4m3fn", "f8e4m3fn"): projection_flops(config) / 3,  # forward
+                                      ("f8e5m2", "f8e4m3fn"): projection_flops(config) / 3,  # input gradient
+                                      ("f8e4m3fn", "f8e5m2"): projection_flops(config) / 3})  # weight gradient
+    others = [(target, " ".join(operands)) for target, operands, _ in calls if target != "__cublas$lt$matmul$f8"]
+    assert not any("f8" in operands for _, operands in others)
+    vocab = f",{config.model.vocab_size}]"  # the output projection's [d, vocab] kernel, its logits and gradients
+    assert sum(vocab in operands for t, operands in others if t.startswith("__cublas")) == 3
+    assert not any(vocab in " ".join(operands) for _, operands, _ in f8)
+    assert any(t.startswith("__cudnn$fmha") for t, _ in others)  # attention: cuDNN's, on bf16
+
+
+@needs_plugin
+def test_the_cost_model_prices_the_fp8_steps_projections_at_the_fp8_peak(one_h100_fp8_and_bf16):
+    """On the H100's data sheet, with memory out of the way: the fp8 step's predicted compute time is the bf16
+    step's less half of the fp8 FLOPs' share (1,979 TFLOP/s against 989), from each compiled step's operations."""
+    config, texts = one_h100_fp8_and_bf16
+    h100 = costmodel.data_sheet_cost_model("bfloat16", gpu_target.spec("h100").name)
+    assert (h100.peak_flops, h100.fp8_peak_flops) == (989e12, 1979e12)
+    compute_only = dataclasses.replace(h100, memory_bandwidth=math.inf)
+    fp8, bf16 = (hlo.analyze(texts[r], 1) for r in ("tensorwise", "none"))
+    share = fp8.fp8_flops / fp8.dot_flops
+    assert share == projection_flops(config) / bf16.dot_flops  # attention's bf16 matmuls are most of this tiny step
+    ratio = compute_only.compute_seconds(fp8.operations) / compute_only.compute_seconds(bf16.operations)
+    assert ratio == pytest.approx(1 - share * (1 - 989 / 1979))
+    # With memory traffic priced too the fp8 step is still predicted faster, if by less.
+    assert h100.compute_seconds(fp8.operations) < h100.compute_seconds(bf16.operations)
+
+
 # --------------------------------------------------------------------------------------------
 # The documented commands
 
@@ -221,5 +296,11 @@ def test_readme_target_commands_compile_for_the_gpus_or_say_what_is_missing(comm
         assert report and report["target"].startswith(args[args.index("--target") + 1].upper())
         assert report["devices"] == int(args[args.index("--gpus") + 1]) and report["hlo_flops"] > 0
         assert report["cudnn_workspace_bytes"] > 0 and report["total_bytes"] <= report["budget_bytes"]
+        # On the GPU's data sheet: a predicted step time and its MFU; with fp8 projections, against the fp8 peak too
+        assert report["predicted_step_s"] > 0 and 0 < report["predicted_mfu"] < 1
+        fp8 = "model.fp8=tensorwise" in args
+        assert (report["fp8_flops"] > 0) == fp8 and (report["predicted_mfu_fp8"] is not None) == fp8
+        if fp8:
+            assert report["predicted_mfu_fp8"] == pytest.approx(report["predicted_mfu"] * 989 / 1979)
     else:
         assert re.search(r"\d+ candidates: \d+ valid", out.strip().splitlines()[-1])

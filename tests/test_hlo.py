@@ -304,12 +304,38 @@ def test_operations_give_each_scheduled_instruction_its_flops_and_traffic():
     fusion = (DOT_FLOPS, 16 * 8 * 4 + 16 * 32 * 4 + 32 * 8 * 4)
     gather = (0.0, 256 * 4 + 32 * 8 * 4)
     copy = (0.0, 2 * 16 * 32 * 4)
-    assert sorted(stats.operations) == sorted([(3 * fusion[0], 3 * fusion[1]), (0.0, 3 * gather[1]), copy])
+    assert sorted(stats.operations) == sorted([(3 * fusion[0], 3 * fusion[1], 0.0), (0.0, 3 * gather[1], 0.0),
+                                               (*copy, 0.0)])  # no fp8 matmul
     assert stats.memory_bytes == 3 * fusion[1] + 3 * gather[1] + copy[1]
     # Roofline: the fusion is bound by whichever of its FLOPs and bytes takes longer.
     for flops_per_s, bytes_per_s in ((1e9, 1e12), (1e12, 1e9)):
         expected = 3 * max(fusion[0] / flops_per_s, fusion[1] / bytes_per_s) + (3 * gather[1] + copy[1]) / bytes_per_s
         assert roofline_seconds(stats.operations, flops_per_s, bytes_per_s) == pytest.approx(expected)
+
+
+def test_fp8_dots_are_counted_apart_and_priced_at_the_fp8_rate():
+    """A dot of f8e4m3fn x f8e5m2 operands (model.fp8's weight gradient, before XLA:GPU rewrites it to cuBLASLt) in
+    a fusion is an fp8 matmul; a bf16 dot next to it is not, nor is one of mixed fp8 x bf16 operands."""
+    fused = """%fp8_fusion (p0: f8e4m3fn[16,32], p1: f8e5m2[32,8]) -> f32[16,8] {
+  %p0 = f8e4m3fn[16,32]{1,0} parameter(0)
+  %p1 = f8e5m2[32,8]{1,0} parameter(1)
+  ROOT %dot = f32[16,8]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+"""
+    text = module(fused, entry(
+        "%x8 = f8e4m3fn[16,32]{1,0} parameter(2)", "%g8 = f8e5m2[32,8]{1,0} parameter(3)",
+        "%x = bf16[16,32]{1,0} parameter(4)", "%w = bf16[32,8]{1,0} parameter(5)",
+        "%f = f32[16,8]{1,0} fusion(%x8, %g8), kind=kOutput, calls=%fp8_fusion",
+        "%d = bf16[16,8]{1,0} dot(%x, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}",
+        "%m = bf16[16,8]{1,0} dot(%x8, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}"))
+    stats = analyze(text, num_devices=1)
+    flops = 2 * 16 * 8 * 32
+    assert stats.dot_flops == 3 * flops and stats.fp8_flops == flops
+    assert sorted(op[::2] for op in stats.operations if op[0]) == [(flops, 0.0), (flops, 0.0), (flops, flops)]
+    # Bound by arithmetic: two bf16 matmuls at 1 FLOP/s, the fp8 one at 2; without an fp8 rate, all three at 1.
+    assert roofline_seconds(stats.operations, 1.0, 1e30, 2.0) == pytest.approx(2 * flops + flops / 2)
+    assert roofline_seconds(stats.operations, 1.0, 1e30) == pytest.approx(3 * flops)
+    assert roofline_seconds([(10.0, 1.0)], 1.0, 1e30, 2.0) == 10.0  # (flops, bytes) alone: no fp8 FLOPs
 
 
 # ---------------------------------------------------------------------------------------------
@@ -368,7 +394,9 @@ GEMMS = {
 def test_cublas_gemms_count_as_matmuls_and_their_workspace_is_not_traffic(lines, flops, traffic):
     stats = analyze(module(entry(*lines)), num_devices=1)
     assert stats.dot_flops == flops
-    assert (flops, traffic) in stats.operations  # operands + output (+ amax); the s8 workspace is scratch
+    # operands + output (+ amax); the s8 workspace is scratch. cuBLASLt's fp8 GEMM: every FLOP an fp8 one.
+    fp8 = flops if "$f8" in lines[-1] else 0.0
+    assert (flops, traffic, fp8) in stats.operations and stats.fp8_flops == fp8
 
 
 B, T, H, KV, D = 2, 1024, 8, 2, 64
@@ -434,7 +462,7 @@ def test_cudnn_attention_forward_counts_its_two_matmuls_over_the_visible_pairs(m
     flops = 2 * (2 * B * H * pairs * D)  # S = Q·Kᵀ and O = P·V, for all 8 query heads
     assert stats.dot_flops == flops
     traffic = 2 * B * T * (H + 2 * KV) * D + 2 * B * H * T * D + 4 * B * H * T  # reads Q, K, V; writes O, stats
-    assert (flops, traffic) in stats.operations
+    assert (flops, traffic, 0.0) in stats.operations
 
 
 @pytest.mark.parametrize("layout", ["BTNH", "BNTH"])
@@ -446,7 +474,7 @@ def test_cudnn_attention_backward_recomputes_scores(layout):
     assert bwd.dot_flops == 2 * 5 * B * H * CAUSAL_PAIRS * D  # S again, then dP, dV, dQ, dK
     # Reads Q, K, V, stats, dO, O; writes dQ, dK, dV; the u8 workspace is scratch.
     traffic = 2 * B * T * (H + 2 * KV) * D + 4 * B * H * T + 2 * 2 * B * H * T * D + 2 * B * T * (H + 2 * KV) * D
-    assert (bwd.dot_flops, traffic) in bwd.operations
+    assert (bwd.dot_flops, traffic, 0.0) in bwd.operations
 
 
 LAYER = (f"(s32[], bf16[{B},{T},{H},{D}]{{3,2,1,0}}, bf16[{B},{T},{KV},{D}]{{3,2,1,0}}, bf16[2048,512]{{1,0}}, "
@@ -482,7 +510,7 @@ def test_scanned_layers_multiply_library_calls():
     stats = analyze(module(body, main), num_devices=1)
     per_layer = 2 * 2048 * 512 * 512 + (4 + 10) * B * H * CAUSAL_PAIRS * D
     assert stats.dot_flops == 4 * per_layer
-    assert sum(f for f, _ in stats.operations) == 4 * per_layer
+    assert sum(op[0] for op in stats.operations) == 4 * per_layer
     assert stats.unknown_trip_counts == 0
 
 
@@ -506,7 +534,7 @@ def test_gemm_inside_a_fusion_counts_once():
         "{\"name\":\"dynamic_address_computation\"}},\"force_earliest_schedule\":false}"))
     stats = analyze(text, num_devices=1)
     assert stats.dot_flops == 2 * 8 * 8 * 8
-    assert [f for f, _ in stats.operations if f] == [2 * 8 * 8 * 8]
+    assert [op[0] for op in stats.operations if op[0]] == [2 * 8 * 8 * 8]
 
 
 # --------------------------------------------------------------------------------------------

@@ -14,8 +14,8 @@ import pytest
 from llama_jax.config import Config, RunConfig
 from llama_jax.errors import ConfigError
 from llama_jax.perf import hardware
-from llama_jax.perf.hardware import device_peak_flops, table_peak_flops
-from llama_jax.training.metrics import (MetricsLog, ThroughputMeter, WandbSettings, check_wandb, mfu, read_metrics,
+from llama_jax.perf.hardware import MfuPeaks, device_peak_flops, mfu_peaks, table_fp8_peak_flops, table_peak_flops
+from llama_jax.training.metrics import (MetricsLog, ThroughputMeter, WandbSettings, check_wandb, read_metrics,
                                         wandb_run_id)
 from llama_jax.training.report import write_report
 
@@ -280,14 +280,34 @@ def test_table_lookup():
         table_peak_flops("cpu", "int8")
 
 
-def test_mfu():
-    assert mfu(4e14, 1e15, 2) == pytest.approx(0.2)
+def test_fp8_peaks_are_the_data_sheets_dense_figures_and_none_without_fp8_tensor_cores():
+    assert table_fp8_peak_flops("NVIDIA H100 80GB HBM3") == pytest.approx(1979e12)
+    assert table_fp8_peak_flops("NVIDIA H200") == pytest.approx(1979e12)
+    assert table_fp8_peak_flops("NVIDIA H100 PCIe") == pytest.approx(1513e12)
+    assert table_fp8_peak_flops("NVIDIA H100 NVL") == pytest.approx(1671e12)
+    assert table_fp8_peak_flops("NVIDIA L40S") == pytest.approx(733e12)  # not "L4"
+    assert table_fp8_peak_flops("NVIDIA L4") == pytest.approx(242.5e12)
+    assert table_fp8_peak_flops("NVIDIA A100-SXM4-80GB") is None  # Ampere has no fp8 tensor cores
+    assert table_fp8_peak_flops("cpu") is None and table_fp8_peak_flops("TPU v5 lite") is None
+
+
+def test_mfu_is_against_the_compute_peak_and_under_fp8_also_the_fp8_peak(tmp_path):
+    assert MfuPeaks(1e15, "x").fractions(4e14, 2) == pytest.approx({"mfu": 0.2, "mfu_fp8": None})
     with pytest.raises(ValueError):
-        mfu(1.0, 0.0, 1)
+        MfuPeaks(0.0, "x").fractions(1.0, 1)
+    h100 = MfuPeaks.with_fp8(989e12, "H100 table", "tensorwise", "NVIDIA H100 80GB HBM3")
+    assert h100.fractions(989e12, 1) == pytest.approx({"mfu": 1.0, "mfu_fp8": 989 / 1979})
+    assert h100.describe() == "peak 989 TFLOP/s per device (H100 table), fp8 1979 TFLOP/s (H100 table, fp8 dense)"
+    assert MfuPeaks.with_fp8(989e12, "H100 table", "none", "NVIDIA H100 80GB HBM3").fp8 is None
+    # A CPU has no fp8 peak: MFU against it is not reported, and the description says why.
+    cpu = mfu_peaks("float32", "tensorwise", tmp_path)
+    assert cpu.fp8 is None and cpu.fractions(1e9, 1)["mfu_fp8"] is None
+    assert cpu.describe().endswith(f"no fp8 peak for {jax.local_devices()[0].device_kind}: MFU against fp8 not "
+                                   "reported")
 
 
 def test_throughput_meter_reports_its_window_and_the_run_medians():
-    meter = ThroughputMeter(tokens_per_step=1000, flops_per_token=6e6, peak_per_device=1e12, n_devices=2)
+    meter = ThroughputMeter(tokens_per_step=1000, flops_per_token=6e6, peaks=MfuPeaks(1e12, "x"), n_devices=2)
     assert meter.record() == {"tokens_per_s": None, "mfu": None}  # nothing timed yet (the compiling step)
     assert meter.median_step_s is None
     meter.add(0.5, data_wait=0.1)
@@ -300,3 +320,6 @@ def test_throughput_meter_reports_its_window_and_the_run_medians():
     meter.add(0.5, data_wait=0.0)
     assert meter.record()["tokens_per_s"] == 2000.0
     assert meter.median_tokens_per_s == 2000.0 and meter.median_step_s == 0.5
+    fp8 = ThroughputMeter(tokens_per_step=1000, flops_per_token=6e6, peaks=MfuPeaks(1e12, "x", 2e12, "y"), n_devices=2)
+    fp8.add(1.0, data_wait=0.0)
+    assert fp8.record()["mfu_fp8"] == pytest.approx(1000 * 6e6 / 4e12)

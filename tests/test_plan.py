@@ -35,6 +35,22 @@ def test_full_recomputation_shows_up_as_extra_hlo_flops():
     assert 1.15 < plan.hlo_flops / plan.model_flops < 1.5  # about one extra forward of the layers
 
 
+def test_an_fp8_plan_counts_its_fp8_flops_and_predicts_no_speed_without_a_data_sheet(fsdp_plan):
+    """model.fp8=tensorwise on CPU devices: the plan has an fp8 line (what XLA:CPU made of the fp8 matmuls), and
+    neither plan has a predicted step time or MFU: a CPU has no data sheet (no fp8 peak either)."""
+    from llama_jax.training.plan import format_plan
+
+    cfg = tiny_config(model=MODEL | {"fp8": "tensorwise"}, mesh=dict(data=1, fsdp=8, tensor=1, sequence=1))
+    plan = make_plan(cfg, sharding.make_mesh(cfg))
+    assert plan.fp8 == "tensorwise" and plan.hlo_flops == pytest.approx(fsdp_plan.hlo_flops, rel=0.01)
+    (line,) = [line for line in format_plan(plan).splitlines() if line.startswith("  fp8 ")]
+    assert "of HLO: matmuls with fp8 operands, model.fp8=tensorwise" in line
+    assert "  fp8 " not in format_plan(fsdp_plan) and fsdp_plan.fp8_flops == 0
+    for p in (plan, fsdp_plan):
+        assert p.predicted_step_s is p.predicted_mfu is p.predicted_mfu_fp8 is None
+        assert "predicted step" not in format_plan(p)
+
+
 def test_memory_fields_are_consistent(fsdp_plan):
     p = fsdp_plan
     assert p.argument_bytes > 0 and p.temporary_bytes > 0

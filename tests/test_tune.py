@@ -172,6 +172,11 @@ def test_cost_model_is_a_roofline_plus_exposed_communication_on_each_tier():
     # Between hosts the bytes also cross the device's own link: a NIC faster than the link does not help.
     fast_nic = CostModel(peak_flops=100.0, memory_bandwidth=10.0, link_bandwidth=5.0, nic_bandwidth=50.0)
     assert fast_nic.bandwidth(INTER_HOST) == 5.0
+    # fp8 matmuls' FLOPs (an operation's third figure) at the fp8 peak, the others at the compute dtype's.
+    fp8 = CostModel(peak_flops=100.0, memory_bandwidth=10.0, link_bandwidth=5.0, nic_bandwidth=2.0, efficiency=0.5,
+                    fp8_peak_flops=200.0)
+    assert fp8.compute_seconds([(100.0, 10.0, 60.0), (0.0, 30.0, 0.0)]) == pytest.approx(40 / 50 + 60 / 100 + 3)
+    assert model.compute_seconds([(100.0, 10.0, 60.0)]) == pytest.approx(2)  # no fp8 peak: all at the same rate
 
 
 def test_spearman():
@@ -198,7 +203,9 @@ def test_gpus_get_data_sheet_figures_and_their_memory(monkeypatch, tmp_path):
     model = costmodel.default_cost_model("bfloat16", tmp_path)
     assert (model.peak_flops, model.memory_bandwidth, model.link_bandwidth) == (989e12, 3350e9, 450e9)
     assert model.nic_bandwidth == 50e9  # one 400 Gb/s NIC per GPU
-    assert (model.efficiency, model.overlap) == (0.7, 0.5)
+    assert (model.efficiency, model.overlap, model.fp8_peak_flops) == (0.7, 0.5, 1979e12)
+    assert costmodel.data_sheet_cost_model("bfloat16", FakeGpu.device_kind) == model
+    assert costmodel.data_sheet_cost_model("float32", "cpu") is None  # a CPU's figures are measured
     assert hardware.default_memory_budget() == hardware.memory_budget(0) == 72 * 2**30
     assert hardware.memory_budget(60) == 60 * 2**30
     assert not hardware.simulated_devices()

@@ -3,7 +3,8 @@ check read.
 
     hardware.py   peak FLOP/s, memory and link bandwidth per device (data sheets; measured on CPUs), budgets;
                   the published figures of the GPUs compiled for without them
-    hlo.py        FLOPs, memory traffic and collective bytes per step from compiled HLO text
+    hlo.py        FLOPs (fp8 matmuls' apart), memory traffic and collective bytes per step from compiled HLO text
+    fmha.py       the FLOPs of cuDNN's fused attention calls in that text
     loops.py      how often a compiled while loop runs, as XLA:GPU's unrolling and pipelining leave it
     costmodel.py  tune's step-time model: a roofline over the compiled step plus exposed communication
     gpu_target.py XLA:GPU's compile for H100/H200/A100/B200 clusters on any machine (`--target`): the target

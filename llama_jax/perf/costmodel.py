@@ -1,13 +1,16 @@
 """The step-time cost model of `llama-jax tune`, and which links a step's collectives cross.
 
 predicted step time, per device =
-    sum over the compiled step's operations of max(FLOPs / (peak x efficiency),
+    sum over the compiled step's operations of max(FLOPs / (peak x efficiency)
+                                                     + fp8 FLOPs / (fp8 peak x efficiency),
                                                    bytes read and written / memory bandwidth)
     + (1 - overlap) x sum over link tiers of collective bytes on the tier / the tier's bandwidth
 
 The roofline term (hlo.py lists the operations, every scanned layer counted) charges what a FLOP
 count alone misses: optimizer updates over replicated weights, activations stored and read back.
-The figures come from hardware.py: data sheets on known GPUs, measurements on CPUs.
+The figures come from hardware.py: data sheets on known GPUs, measurements on CPUs. FLOPs of matmuls
+with fp8 operands (model.fp8) are priced at the data sheet's fp8 peak, the rest at the compute dtype's;
+a device without an fp8 figure (a CPU) prices them all at the latter.
 
 Link tiers. A collective whose every group of devices sits on one host runs over the host's links
 (NVLink, or PCIe, per hardware.py's table): the intra-host tier. One whose groups span hosts is
@@ -54,6 +57,12 @@ class CostModel:
     nic_bandwidth: float  # bytes/s per device between hosts: its share of the hosts' NICs
     efficiency: float = 0.8  # fraction of the peak that matmuls reach
     overlap: float = 0.0  # fraction of communication hidden behind compute
+    fp8_peak_flops: float | None = None  # per device, for matmuls with fp8 operands; None: at peak_flops
+
+    def compute_seconds(self, operations: list) -> float:
+        """The roofline over the operations: (flops, bytes[, fp8 flops]) each, per device per step."""
+        return roofline_seconds(operations, self.peak_flops * self.efficiency, self.memory_bandwidth,
+                                self.fp8_peak_flops and self.fp8_peak_flops * self.efficiency)
 
     def bandwidth(self, tier: str) -> float:
         """Bytes/s per device on a tier; between hosts the bytes cross the device's link to the NIC too."""
@@ -64,25 +73,35 @@ class CostModel:
 
     def predict(self, operations: list, tier_bytes: Mapping[str, float]) -> float:
         """tier_bytes: collective bytes per device per step on each tier (tier_totals of traffic_by_axis)."""
-        compute = roofline_seconds(operations, self.peak_flops * self.efficiency, self.memory_bandwidth)
-        return compute + (1 - self.overlap) * self.communication_seconds(tier_bytes)
+        return self.compute_seconds(operations) + (1 - self.overlap) * self.communication_seconds(tier_bytes)
 
 
 def default_cost_model(dtype: str, cache_dir: Path, device=None) -> CostModel:
-    """Data-sheet figures on known GPUs (matmul efficiency 0.7, half the communication overlapped by XLA's
-    latency-hiding scheduler). Elsewhere (CPUs) measured: the matmul peak, and the memory-copy bandwidth for
-    both memory and collectives (between simulated devices they are copies), shared by the devices;
+    """Data-sheet figures on known GPUs (their fp8 peak too; matmul efficiency 0.7, half the communication
+    overlapped by XLA's latency-hiding scheduler). Elsewhere (CPUs) measured: the matmul peak, and the memory-copy
+    bandwidth for both memory and collectives (between simulated devices they are copies), shared by the devices;
     efficiency 0.8 (bench/step.py's profile: matmuls ran at ~78% of the measured peak), no overlap.
     Between hosts hardware.NIC_GBS per device, everywhere (on CPUs the copy bandwidth is the slower). `device`: a
     compile-only GPU's (gpu_target.py) instead of this process's."""
     peak, _ = hardware.device_peak_flops(dtype, cache_dir, device)
-    nic = hardware.NIC_GBS * 1e9
     # This process's device: jax.devices()[0] belongs to process 0.
-    bandwidth = hardware.table_bandwidth((device or jax.local_devices()[0]).device_kind)
-    if bandwidth is not None:
-        return CostModel(peak, *bandwidth, nic, efficiency=GPU_EFFICIENCY, overlap=GPU_OVERLAP)
+    kind = (device or jax.local_devices()[0]).device_kind
+    if hardware.table_bandwidth(kind) is not None:
+        return _gpu_model(peak, kind)
+    nic = hardware.NIC_GBS * 1e9
     measured = hardware.measure_copy_bandwidth()
     return CostModel(peak, measured, measured, nic, efficiency=CPU_EFFICIENCY, overlap=0.0)
+
+
+def data_sheet_cost_model(dtype: str, device_kind: str) -> CostModel | None:
+    """The cost model of a device with a data sheet (default_cost_model's GPU case), or None: nothing is measured."""
+    peak = hardware.table_peak_flops(device_kind, dtype)
+    return None if peak is None or hardware.table_bandwidth(device_kind) is None else _gpu_model(peak, device_kind)
+
+
+def _gpu_model(peak: float, device_kind: str) -> CostModel:
+    return CostModel(peak, *hardware.table_bandwidth(device_kind), hardware.NIC_GBS * 1e9, efficiency=GPU_EFFICIENCY,
+                     overlap=GPU_OVERLAP, fp8_peak_flops=hardware.table_fp8_peak_flops(device_kind))
 
 
 # --------------------------------------------------------------------------------------------

@@ -56,6 +56,15 @@ _PEAK_TFLOPS: dict[str, tuple[float | None, float | None, float | None]] = {
     "TPU v5": (459.0, None, None), "TPU v5p": (459.0, None, None),
     "TPU v6 lite": (918.0, None, None), "TPU v6e": (918.0, None, None),
 }
+# Peak dense fp8 (e4m3/e5m2 operands) TFLOP/s of ONE device, keyed like the table above; absent = no fp8 tensor
+# cores or no figure we trust (A100, A10, V100, T4 have none; TPUs are left out). Sources, dense (half the data
+# sheets' "with sparsity" figures): NVIDIA H100 data sheet (SXM 3,958*, PCIe 3,026*, NVL 3,341*), H200 data sheet
+# (SXM 3,958*, NVL 3,341*; GH200 has the SXM GPU), L40S (1,466*) and L4 (485*) data sheets, HGX B200 data sheet
+# (72 PFLOPS* for 8 GPUs), AMD Instinct MI300X data sheet (5,229.8* TFLOPS with sparsity).
+_FP8_PEAK_TFLOPS: dict[str, float] = {
+    "H100": 1979.0, "H100 PCIe": 1513.0, "H100 NVL": 1671.0, "H200": 1979.0, "H200 NVL": 1671.0, "GH200": 1979.0,
+    "L40S": 733.0, "L4": 242.5, "B200": 4500.0, "MI300X": 2614.9,
+}
 _COLUMN = {"bfloat16": 0, "float16": 1, "float32": 2}
 _SHORT = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
@@ -84,6 +93,12 @@ def table_peak_flops(device_kind: str, dtype: str) -> float | None:
     column = _COLUMN[_dtype_name(dtype)]  # validate dtype even for unknown devices
     key = table_key(device_kind)
     tflops = None if key is None else _PEAK_TFLOPS[key][column]
+    return None if tflops is None else tflops * 1e12
+
+
+def table_fp8_peak_flops(device_kind: str) -> float | None:
+    """Data-sheet dense fp8 peak FLOP/s of one device of this kind, or None: no fp8 tensor cores, or no figure."""
+    tflops = _FP8_PEAK_TFLOPS.get(table_key(device_kind) or "")
     return None if tflops is None else tflops * 1e12
 
 
@@ -160,6 +175,53 @@ def device_peak_flops(dtype: str, cache_dir: pathlib.Path, device: Any = None) -
         except OSError:  # read-only or full disk: the figure is still right, just not kept
             where += ", not cached"
     return peak / sharing, where
+
+
+@dataclass(frozen=True)
+class MfuPeaks:
+    """The per-device peaks that MFU is reported against. Always the compute dtype's (bf16 on GPUs): the figure
+    other frameworks report, torchtitan's and Megatron's fp8 runs included, so MFUs compare across runs and
+    recipes. Under model.fp8 also the fp8 peak, the one that the fp8 projections' matmuls could reach: an fp8
+    step's MFU against it is the lower bound of how busy the tensor cores were (the rest of its matmuls, attention
+    and the output projection, run in bf16 at half that rate)."""
+
+    compute: float
+    compute_source: str
+    fp8: float | None = None  # None: model.fp8=none, or no fp8 figure for this device (fp8_source says which)
+    fp8_source: str = ""
+
+    @classmethod
+    def with_fp8(cls, compute: float, compute_source: str, fp8_recipe: str, device_kind: str) -> MfuPeaks:
+        """The compute dtype's peak as given, and the fp8 one where model.fp8 (fp8_recipe) is on."""
+        if fp8_recipe == "none":
+            return cls(compute, compute_source)
+        fp8 = table_fp8_peak_flops(device_kind)
+        if fp8 is None:
+            return cls(compute, compute_source, None, f"no fp8 peak for {device_kind}: MFU against fp8 not reported")
+        return cls(compute, compute_source, fp8, f"{table_key(device_kind)} table, fp8 dense")
+
+    def fractions(self, model_flops_per_s: float, devices: int) -> dict[str, float | None]:
+        """{"mfu": against the compute dtype's peak, "mfu_fp8": against the fp8 peak, or None without one}."""
+        if self.compute <= 0 or devices < 1:
+            raise ValueError(f"need a peak > 0 and devices >= 1, got {self.compute}, {devices}")
+        return {"mfu": model_flops_per_s / (self.compute * devices),
+                "mfu_fp8": model_flops_per_s / (self.fp8 * devices) if self.fp8 else None}
+
+    def describe(self) -> str:
+        def rate(flops: float) -> str:
+            return f"{flops / 1e12:.4g} TFLOP/s" if flops >= 1e12 else f"{flops / 1e9:.1f} GFLOP/s"
+
+        text = f"peak {rate(self.compute)} per device ({self.compute_source})"
+        if self.fp8:
+            return f"{text}, fp8 {rate(self.fp8)} ({self.fp8_source})"
+        return f"{text}; {self.fp8_source}" if self.fp8_source else text
+
+
+def mfu_peaks(compute_dtype: str, fp8_recipe: str, cache_dir: pathlib.Path, device: Any = None) -> MfuPeaks:
+    """The peaks MFU is reported against (MfuPeaks): fp8_recipe is model.fp8. An fp8 peak comes only from a data
+    sheet: a CPU has none (XLA:CPU computes fp8 matmuls in wider types), nor do GPUs without fp8 tensor cores."""
+    compute, compute_source = device_peak_flops(compute_dtype, cache_dir, device)
+    return MfuPeaks.with_fp8(compute, compute_source, fp8_recipe, (device or jax.local_devices()[0]).device_kind)
 
 
 # Data-sheet HBM bandwidth and NVLink (or PCIe) bandwidth per direction, GB/s, keyed like the peak table.

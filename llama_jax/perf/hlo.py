@@ -16,15 +16,8 @@ places sums the multiplicities.
 FLOPs: `dot` = 2 x result elements x product of lhs contracting dims; `convolution` =
 2 x result elements x product of kernel dims other than the output feature ('o') dim. GPU library
 calls, wherever they sit: a cuBLAS(Lt) GEMM (`__cublas$gemm`, `__cublas$lt$matmul[$f8|$mx]`) like a
-dot, from its `gemm_backend_config`; cuDNN fused attention (`__cudnn$fmha*`) by its matmuls over P
-visible (query, key) pairs, B x H query heads (GQA's fewer K/V heads change nothing) and head dim D:
-forward S = Q·Kᵀ and O = P·V, 4·B·H·P·D; backward 10·B·H·P·D, since cuDNN's flash backward keeps only
-softmax statistics and recomputes S besides computing dV, dP, dQ, dK. P = Tq·Tk, or for a causal mask
-(CAUSAL, PADDING_CAUSAL; diagonal top-left) the pairs on and below the diagonal, T(T+1)/2 when
-Tq = Tk = T, and with a sliding window w only each query's w latest keys. Padding and packed documents
-are runtime data, so P is for full rows: an upper bound. Per layer and token, step.model_flops_per_token
-(model.train_flops_per_token) counts attention 12·H·D·T, halved for a causal-skipping kernel such as
-cuDNN, without recomputation; the HLO count for cuDNN is 7·H·D·(T+1), 7/6 x (T+1)/T of that.
+dot, from its `gemm_backend_config`; cuDNN fused attention (`__cudnn$fmha*`) by its matmuls over the
+visible (query, key) pairs (fmha.py).
 
 Collective traffic, per device, ring cost model with group size n (n = 1 moves nothing):
   all-gather          (n-1)/n  x result bytes
@@ -38,8 +31,9 @@ Async pairs are counted at the `-start` only. Each collective's device groups ar
 Operations, for a roofline: every instruction of a scheduled computation (the entry, loop bodies
 and conditions, conditional branches, called computations; not fusion bodies or reducers) with its
 FLOPs (a fusion's: its body's) and the bytes it reads and writes (operands + result, less a library
-call's workspace). Data movement without arithmetic (parameter, tuple, bitcast, ...) and control flow
-are left out.
+call's workspace), and which of its FLOPs are fp8 matmuls' (a dot or GEMM whose operands are f8*:
+model.fp8's projections; tensor cores run them at twice the bf16 rate). Data movement without
+arithmetic (parameter, tuple, bitcast, ...) and control flow are left out.
 """
 
 from __future__ import annotations
@@ -50,7 +44,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from llama_jax.perf import loops
+from llama_jax.perf import fmha, loops
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 # The devices of each group of a collective (positions in the program's device assignment).
@@ -82,8 +76,9 @@ class HloStats:
     dot_flops: float                         # per step, per device: dots, convolutions, GPU library matmuls
     collectives: dict[str, CollectiveStats]  # all five KINDS, zeros if absent
     unknown_trip_counts: int                 # while loops without known_trip_count (counted once)
-    # Per scheduled operation (flops, bytes read + written), each already times its executions per step.
-    operations: tuple[tuple[float, float], ...] = ()
+    # Per scheduled operation (flops, bytes read + written, the flops of fp8 matmuls among them), each already times
+    # its executions per step.
+    operations: tuple[tuple[float, float, float], ...] = ()
     # Per-device bytes sent per step by (kind, device groups): which devices exchange them, for costmodel.py
     # to tell which mesh axes and links they cross. The bytes of one kind sum to its moved_bytes.
     collective_groups: dict[tuple[str, DeviceGroups], float] = field(default_factory=dict)
@@ -91,12 +86,26 @@ class HloStats:
     @property
     def memory_bytes(self) -> float:
         """Bytes read and written by the operations per step, per device."""
-        return sum(b for _, b in self.operations)
+        return sum(op[1] for op in self.operations)
+
+    @property
+    def fp8_flops(self) -> float:
+        """Per step, per device: the FLOPs of matmuls whose operands are fp8 (part of dot_flops)."""
+        return sum(op[2] for op in self.operations)
 
 
-def roofline_seconds(operations, flops_per_s: float, bytes_per_s: float) -> float:
-    """Each operation takes as long as its arithmetic or its memory traffic, whichever is longer."""
-    return sum(max(f / flops_per_s, b / bytes_per_s) for f, b in operations)
+def roofline_seconds(operations, flops_per_s: float, bytes_per_s: float, fp8_flops_per_s: float | None = None
+                     ) -> float:
+    """Each operation takes as long as its arithmetic or its memory traffic, whichever is longer; its fp8 matmuls'
+    FLOPs at fp8_flops_per_s (None: no faster fp8 rate, e.g. on a CPU) and the rest at flops_per_s. An operation
+    is (flops, bytes) or (flops, bytes, fp8 flops)."""
+    fp8_rate = fp8_flops_per_s or flops_per_s
+    return sum(max((f - fp8) / flops_per_s + fp8 / fp8_rate, b / bytes_per_s)
+               for f, b, fp8 in map(_with_fp8, operations))
+
+
+def _with_fp8(operation) -> tuple[float, float, float]:
+    return (*operation, 0.0) if len(operation) == 2 else tuple(operation)
 
 
 @dataclass
@@ -246,7 +255,10 @@ def _operand_dims(comp: _Computation, operand: str) -> list[int]:
     return _arrays(shape)[0][1]
 
 
-def _flops(comp: _Computation, instr: _Instr) -> float:
+def _flops(comp: _Computation, instr: _Instr, fp8_only: bool = False) -> float:
+    """An instruction's FLOPs; with fp8_only, only a matmul's whose operands are fp8 (others count 0)."""
+    if fp8_only and not _fp8_matmul(comp, instr):
+        return 0.0
     if instr.opcode == "custom-call":
         return _library_call_flops(comp, instr)
     if instr.opcode not in ("dot", "convolution"):
@@ -385,10 +397,11 @@ def analyze(hlo_text: str, num_devices: int, branch_runs: dict[str, float] | Non
         for instr in comp.instrs:
             flops += mult * _flops(comp, instr)
             if scheduled and instr.opcode not in _FREE and not instr.opcode.endswith("-done"):
-                own = _flops(comp, instr) + (_body_flops(comps, instr.attrs["calls"].lstrip("%"))
-                                             if instr.opcode == "fusion" else 0.0)
+                own, fp8 = (_flops(comp, instr, fp8_only) + (_body_flops(comps, instr.attrs["calls"].lstrip("%"),
+                                                                         fp8_only) if instr.opcode == "fusion" else 0.0)
+                            for fp8_only in (False, True))
                 traffic = _result_bytes(instr) + sum(_operand_bytes(comp, o) for o in instr.operands)
-                operations.append((mult * own, mult * traffic))
+                operations.append((mult * own, mult * traffic, mult * fp8))
             kind = instr.opcode.removesuffix("-start")
             if kind not in KINDS:
                 continue
@@ -447,11 +460,36 @@ def named_buffer_bytes(hlo_text: str, scope: str) -> list[int]:
             if i.opcode == "dynamic-update-slice" and f"/{scope}/" in i.attrs.get("metadata", "")]
 
 
-def _body_flops(comps: dict[str, _Computation], name: str) -> float:
-    """FLOPs inside a fusion body (dots, library calls), nested fusions included."""
+def custom_calls(hlo_text: str) -> list[tuple[str, tuple[str, ...], str]]:
+    """Every custom call of a module, fusion bodies included: (target, its operands' shapes, its result's shape).
+    What a compiled program hands to libraries: e.g. which GEMMs XLA:GPU gave cuBLASLt's fp8 kernel."""
+    comps, _ = _parse_module(hlo_text)
+    return [(i.attrs.get("custom_call_target", "").strip('"'),
+             tuple(o.split()[0] if len(o.split()) > 1 else comp.shapes.get(o.lstrip("%"), "") for o in i.operands),
+             i.shape)
+            for comp in comps.values() for i in comp.instrs if i.opcode == "custom-call"]
+
+
+def _body_flops(comps: dict[str, _Computation], name: str, fp8_only: bool = False) -> float:
+    """FLOPs inside a fusion body (dots, library calls), nested fusions included; fp8_only: of fp8 matmuls only."""
     comp = comps[name]
-    return sum(_flops(comp, i) + (_body_flops(comps, i.attrs["calls"].lstrip("%")) if i.opcode == "fusion" else 0.0)
-               for i in comp.instrs)
+    return sum(_flops(comp, i, fp8_only) + (_body_flops(comps, i.attrs["calls"].lstrip("%"), fp8_only)
+                                            if i.opcode == "fusion" else 0.0) for i in comp.instrs)
+
+
+def _fp8_matmul(comp: _Computation, instr: _Instr) -> bool:
+    """A dot or cuBLAS(Lt) GEMM whose two matrix operands are fp8 (f8e4m3fn, f8e5m2, ...): tensor cores run it at
+    the fp8 rate. cuBLASLt's fp8 GEMM takes its scales as further operands."""
+    if instr.opcode == "dot" or (instr.opcode == "custom-call"
+                                 and instr.attrs.get("custom_call_target", "").strip('"') in _GEMM_TARGETS):
+        return len(instr.operands) >= 2 and all(_operand_dtype(comp, o).startswith("f8") for o in instr.operands[:2])
+    return False
+
+
+def _operand_dtype(comp: _Computation, operand: str) -> str:
+    parts = operand.split()  # some XLA versions print "f32[2,3]{1,0} %x" for operands
+    shape = parts[0] if len(parts) > 1 else comp.shapes.get(operand.lstrip("%"), "")
+    return _arrays(shape)[0][0] if shape else ""
 
 
 def _operand_bytes(comp: _Computation, operand: str) -> int:
@@ -476,10 +514,6 @@ def _result_bytes(instr: _Instr) -> int:
     return shape_bytes(instr.shape)
 
 
-def _dimensions(numbers: dict, name: str) -> list[int]:
-    return [int(d) for d in numbers.get(name, [])]  # proto JSON: int64 as strings, empty lists omitted
-
-
 def _matmul_flops(comp: _Computation, instr: _Instr, lhs_contracting: list[int]) -> float:
     """2 x output elements x contracted size. A library call's output is the first element of its result
     tuple (then an fp8 amax, then the workspace)."""
@@ -492,53 +526,13 @@ def _library_call_flops(comp: _Computation, instr: _Instr) -> float:
     try:
         if target in _GEMM_TARGETS:
             numbers = _backend_config(instr)["gemm_backend_config"]["dot_dimension_numbers"]
-            return _matmul_flops(comp, instr, _dimensions(numbers, "lhs_contracting_dimensions"))
+            return _matmul_flops(comp, instr, fmha.dimensions(numbers, "lhs_contracting_dimensions"))
         if target.startswith("__cudnn$fmha"):
-            return _attention_flops(comp, instr, backward="Backward" in target)
+            return fmha.attention_flops(_backend_config(instr)["cudnn_fmha_backend_config"],
+                                        *(_operand_dims(comp, o) for o in instr.operands[:3]),
+                                        backward="Backward" in target)
     except (KeyError, IndexError, TypeError, ValueError, ZeroDivisionError):
         # A config this XLA version writes differently counts as no FLOPs rather than failing `plan` and every
         # `tune` candidate: plan's HLO/model FLOP ratio then shows what is missing.
         return 0.0
     return 0.0
-
-
-def _attention_flops(comp: _Computation, instr: _Instr, backward: bool) -> float:
-    """cuDNN fused attention (module docstring). Its operands start with Q, K, V in any layout; which of
-    their dims are batch x heads and which the sequence comes from the dot dimension numbers."""
-    config = _backend_config(instr)["cudnn_fmha_backend_config"]
-    q, k, v = (_operand_dims(comp, o) for o in instr.operands[:3])
-    if backward:  # dK = dPᵀ·Q and dQ = dP·K: Q and K are the rhs, contracted over the sequence
-        (heads, tq), (kv_heads, tk) = (
-            _heads_and_length(q, config["bmm1_grad_gemm1_dot_dimension_numbers"], "rhs", sequence_contracted=True),
-            _heads_and_length(k, config["bmm1_grad_gemm2_dot_dimension_numbers"], "rhs", sequence_contracted=True))
-    else:  # S = Q·Kᵀ contracts the head dims; the rest of each is its sequence
-        bmm1 = config["bmm1_dot_dimension_numbers"]
-        (heads, tq), (kv_heads, tk) = (_heads_and_length(q, bmm1, "lhs", sequence_contracted=False),
-                                       _heads_and_length(k, bmm1, "rhs", sequence_contracted=False))
-    d_qk, d_v = math.prod(q) // (heads * tq), math.prod(v) // (kv_heads * tk)  # V shares K's batch and sequence
-    window = int(config.get("sliding_window_length", 0))  # cuDNN's window is left of a causal diagonal
-    causal = config.get("mask_type", "NO_MASK") in ("CAUSAL", "PADDING_CAUSAL") or window > 0
-    pairs = _visible_pairs(tq, tk, window) if causal else tq * tk
-    if not backward:
-        return 2.0 * heads * pairs * (d_qk + d_v)  # S = Q·Kᵀ, O = P·V
-    recomputes_scores = config.get("is_flash_attention", True)  # flash keeps softmax statistics, not P
-    return 2.0 * heads * pairs * (2 * d_qk + 2 * d_v + (d_qk if recomputes_scores else 0))  # dQ dK, dV dP, S
-
-
-def _heads_and_length(dims: list[int], numbers: dict, side: str, sequence_contracted: bool) -> tuple[int, int]:
-    """(batch x heads, sequence length) of one attention operand, from one of cuDNN's dot dimension numbers."""
-    batch = _dimensions(numbers, f"{side}_batch_dimensions")
-    contracting = _dimensions(numbers, f"{side}_contracting_dimensions")
-    sequence = contracting if sequence_contracted else [i for i in range(len(dims)) if i not in batch + contracting]
-    return math.prod(dims[i] for i in batch), math.prod(dims[i] for i in sequence)
-
-
-def _visible_pairs(tq: int, tk: int, window: int) -> int:
-    """(query, key) pairs a causal mask keeps: query i sees keys j <= i (cuDNN aligns the diagonal top-left)
-    and, with a sliding window, only j > i - window. Queries from tk + window on see no key."""
-    def triangle(n: int) -> int:
-        return n * (n + 1) // 2
-
-    window = window if window > 0 else tq + tk
-    rows = min(tq, tk + window)
-    return triangle(min(rows, tk)) + max(0, rows - tk) * tk - triangle(max(0, rows - window))

@@ -43,7 +43,7 @@ from llama_jax.files import cache_root, unwritable
 from llama_jax.inference.generate import sample_text
 from llama_jax.model import remat
 from llama_jax.model.llama import param_count
-from llama_jax.perf.hardware import device_peak_flops
+from llama_jax.perf.hardware import mfu_peaks
 from llama_jax.resilience import preflight
 from llama_jax.resilience.flight import FlightRecorder
 from llama_jax.resilience.goodput import Goodput, format_goodput
@@ -221,10 +221,9 @@ class Loop:
         if primary:
             (run_dir / "config.yaml").write_text(to_yaml(config))
             run.data.tokenizer.save(run_dir)  # `llama-jax generate` and `eval` find the run's tokenizer here
-        peak, peak_source = device_peak_flops(config.model.compute_dtype, cache_root(config.data.cache_dir))
+        peaks = mfu_peaks(config.model.compute_dtype, config.model.fp8, cache_root(config.data.cache_dir))
         print_fn(f"{param_count(config.model) / 1e6:.2f}M parameters on {mesh.devices.size} "
-                 f"{jax.local_devices()[0].platform} device(s), mesh {dict(mesh.shape)}; peak {peak / 1e9:.1f} GFLOP/s "
-                 f"per device ({peak_source})")
+                 f"{jax.local_devices()[0].platform} device(s), mesh {dict(mesh.shape)}; {peaks.describe()}")
         print_fn(remat.describe(config.remat))
         host = socket.gethostname() + (f"-p{jax.process_index()}" if multi else "")
         log = MetricsLog(run_dir, total_steps=t.steps, start_step=run.start.step, tensorboard=config.run.tensorboard,
@@ -242,7 +241,7 @@ class Loop:
             loop = cls(
                 run=run, log=log, checkpointer=checkpointer,
                 goodput=Goodput(run_dir, started_at, write=primary, warn=log.message),
-                meter=ThroughputMeter(t.batch_size * t.seq_len, model_flops_per_token(config), peak,
+                meter=ThroughputMeter(t.batch_size * t.seq_len, model_flops_per_token(config), peaks,
                                       mesh.devices.size),
                 guard=SpikeGuard(f.max_bad_steps, f.spike_zscore, f.spike_window),
                 stragglers=StragglerDetector(f.straggler_factor),
@@ -455,7 +454,7 @@ class Loop:
         summary: dict[str, Any] = {}
         if self.meter.throughputs:
             summary["tokens_per_s"] = self.meter.median_tokens_per_s
-            summary["mfu"] = self.meter.mfu(summary["tokens_per_s"])
+            summary.update(self.meter.mfu(summary["tokens_per_s"]))
         with self.watchdog.paused("final save", self.run.config.checkpoint.timeout_s):
             self.goodput.add("checkpoint_save", self.checkpointer.finish_writes())
         local = self.checkpointer.local

@@ -26,14 +26,7 @@ from tqdm import tqdm
 from llama_jax.config import Config, RunConfig, to_dict
 from llama_jax.errors import ConfigError
 from llama_jax.files import atomic_path, format_clock
-
-
-def mfu(model_flops_per_s: float, peak_per_device: float, n_devices: int) -> float:
-    """Model FLOPs utilisation as a fraction (0.41 = 41%)."""
-    if peak_per_device <= 0 or n_devices < 1:
-        raise ValueError(f"need peak_per_device > 0 and n_devices >= 1, got "
-                         f"{peak_per_device}, {n_devices}")
-    return model_flops_per_s / (peak_per_device * n_devices)
+from llama_jax.perf.hardware import MfuPeaks
 
 
 def _plain(value: Any) -> Any:
@@ -180,7 +173,7 @@ class MetricsLog:
             self._print(f"step {step:>{len(str(self._total))}}/{self._total} | "
                         + " | ".join(self._fields(rec) + self._eta(step)))
             return
-        self._shown.update({k: rec[k] for k in ("loss", "eval_loss", "tokens_per_s", "mfu")
+        self._shown.update({k: rec[k] for k in ("loss", "eval_loss", "tokens_per_s", "mfu", "mfu_fp8")
                             if rec.get(k) is not None})
         self._bar.set_postfix_str(", ".join(self._fields(self._shown)), refresh=False)
         self._bar.update(max(0, min(step, self._total) - self._bar.n))
@@ -209,6 +202,8 @@ class MetricsLog:
             out.append(f"{rec['tokens_per_s']:,.0f} tok/s")
         if isinstance(rec.get("mfu"), (int, float)):
             out.append(f"MFU {100 * rec['mfu']:.1f}%")
+        if isinstance(rec.get("mfu_fp8"), (int, float)):
+            out.append(f"{100 * rec['mfu_fp8']:.1f}% of fp8")
         return out
 
     def _eta(self, step: int) -> list[str]:
@@ -270,9 +265,9 @@ class ThroughputMeter:
     """Tokens/s, step time and MFU over the timed steps since the last record, and their medians over
     the run. A step's time excludes compilation, evaluation and checkpoint pauses (goodput.py's clock)."""
 
-    def __init__(self, tokens_per_step: int, flops_per_token: float, peak_per_device: float, n_devices: int):
+    def __init__(self, tokens_per_step: int, flops_per_token: float, peaks: MfuPeaks, n_devices: int):
         self.tokens_per_step, self.flops_per_token = tokens_per_step, flops_per_token
-        self.peak_per_device, self.n_devices = peak_per_device, n_devices
+        self.peaks, self.n_devices = peaks, n_devices
         self.throughputs: list[float] = []  # tokens/s of each record
         self._steps, self._seconds, self._data_wait = 0, 0.0, 0.0
 
@@ -288,13 +283,16 @@ class ThroughputMeter:
         per_step = self._seconds / self._steps
         tokens_per_s = self.tokens_per_step / per_step
         self.throughputs.append(tokens_per_s)
-        fields = {"tokens_per_s": tokens_per_s, "step_time_s": per_step, "mfu": self.mfu(tokens_per_s),
+        fields = {"tokens_per_s": tokens_per_s, "step_time_s": per_step, **self.mfu(tokens_per_s),
                   "data_wait_s": self._data_wait / self._steps}
         self._steps, self._seconds, self._data_wait = 0, 0.0, 0.0
         return fields
 
-    def mfu(self, tokens_per_s: float) -> float:
-        return mfu(tokens_per_s * self.flops_per_token, self.peak_per_device, self.n_devices)
+    def mfu(self, tokens_per_s: float) -> dict[str, float]:
+        """{"mfu": against the compute dtype's peak[, "mfu_fp8": against the fp8 peak, under model.fp8 where the
+        device has one]} (hardware.MfuPeaks)."""
+        fractions = self.peaks.fractions(tokens_per_s * self.flops_per_token, self.n_devices)
+        return {k: v for k, v in fractions.items() if v is not None}
 
     @property
     def median_tokens_per_s(self) -> float | None:

@@ -2,13 +2,16 @@
 
 Nothing runs and nothing is allocated: the state and batch are abstract (shapes, dtypes and
 shardings), so a 405B model can be planned on a laptop with simulated devices. Reported per device:
-memory (arguments, temporaries, total), HLO FLOPs with every scanned layer counted, model FLOPs,
+memory (arguments, temporaries, total), HLO FLOPs with every scanned layer counted (and the share of fp8
+matmuls, model.fp8), model FLOPs,
 bytes moved by each collective kind next to the analytic minimum for the mesh, and the same bytes by
 the mesh axes each collective spans and the link tier it crosses (within a host, or between hosts:
 costmodel.py; `--devices-per-host` plans a cluster's hosts on simulated devices). With pipeline
 parallelism a device is one stage, and the plan adds the bubble: the schedule's (P-1)/(M·R+P-1) next to
 what the compiled loop does, the point-to-point (collective permute) bytes, and per stage its layers, the
-micro-batches it keeps in flight and its memory.
+micro-batches it keeps in flight and its memory. On a device with a data sheet (a GPU, --target too) the
+plan adds the step time that `llama-jax tune`'s cost model predicts (fp8 matmuls at the fp8 peak) and the
+MFU it would give, against the compute dtype's peak and, under model.fp8, the fp8 peak (hardware.MfuPeaks).
 """
 
 from __future__ import annotations
@@ -26,11 +29,11 @@ from jax.sharding import Mesh
 
 from llama_jax.config import Config
 from llama_jax.config.choices import REMAT_POLICIES
-from llama_jax.files import format_bytes
+from llama_jax.files import cache_root, format_bytes
 from llama_jax.model import one_f_one_b, remat
 from llama_jax.model.llama import param_count
 from llama_jax.model.pipeline import LAYER_SLOT_SCOPE, bubble_fraction
-from llama_jax.perf import costmodel, gpu_target, hlo
+from llama_jax.perf import costmodel, gpu_target, hardware, hlo
 from llama_jax.perf.costmodel import AxisTraffic
 from llama_jax.training.step import TrainProgram, mesh_platform, model_flops_per_token, step_memory_bytes
 
@@ -71,6 +74,14 @@ class Plan:
     # does not size: estimated (gpu_target.cudnn_workspace_bytes) and counted in total_bytes
     target: str = ""
     cudnn_workspace_bytes: int = 0
+    fp8: str = "none"  # model.fp8
+    fp8_flops: float = 0.0  # per step, all devices: the HLO FLOPs of matmuls with fp8 operands (part of hlo_flops)
+    # On a device with a data sheet: the cost model's step time (costmodel.data_sheet_cost_model) and the MFU it
+    # gives against the compute dtype's peak and the fp8 peak (hardware.MfuPeaks; None where there is none).
+    predicted_step_s: float | None = None
+    predicted_mfu: float | None = None
+    predicted_mfu_fp8: float | None = None
+    peaks: str = ""  # the peaks' figures and sources, or why there is no fp8 one
 
     @property
     def collective_total(self) -> float:
@@ -151,25 +162,43 @@ def make_plan(config: Config, mesh: Mesh, devices_per_host: int = 0) -> Plan:
     iterations = max(hlo.permute_loop_trips(text, devices, _along(topology, "pipeline")), default=None) \
         if stages > 1 else None
     staged = pipeline_stages(program, text, step_memory_bytes(compiled)) if stages > 1 else {}
+    traffic = costmodel.traffic_by_axis(stats.collective_groups, topology)
+    model_flops = model_flops_per_token(config, mesh_platform(mesh)) * config.train.batch_size * config.train.seq_len
     return Plan(
         mesh=dict(mesh.shape), devices=devices,
         argument_bytes=memory.argument_size_in_bytes, temporary_bytes=memory.temp_size_in_bytes,
         output_bytes=outputs, total_bytes=program.memory_bytes(),
         host_temporary_bytes=memory.host_temp_size_in_bytes,
         hlo_flops=stats.dot_flops * devices,
-        model_flops=model_flops_per_token(config, mesh_platform(mesh)) * config.train.batch_size * config.train.seq_len,
+        model_flops=model_flops,
         collective_bytes={kind: c.moved_bytes for kind, c in stats.collectives.items()},
         collective_minimum=collective_minimum(config, dict(mesh.shape)),
         compile_seconds=compile_seconds, microbatches=program.config.train.microbatches,
         budget_bytes=program.memory_budget(),
         memory_traffic_bytes=stats.memory_bytes, operations=operations, hosts=topology.host_count,
-        collective_by_axis=costmodel.traffic_by_axis(stats.collective_groups, topology),
+        collective_by_axis=traffic,
         pipeline_repeats=repeats, bubble=bubble_fraction(stages, microbatches, repeats) if stages > 1 else 0.0,
         compiled_bubble=compiled_bubble(config.mesh.pipeline_schedule, stages, repeats, microbatches, iterations),
         pipeline_iterations=iterations, pass_microbatches=microbatches if stages > 1 else 0, **staged,
         target=gpu_target.describe(mesh.devices.flat[0]) if program.for_gpus_elsewhere else "",
-        cudnn_workspace_bytes=program.cudnn_workspace_bytes(),
+        cudnn_workspace_bytes=program.cudnn_workspace_bytes(), fp8=config.model.fp8,
+        fp8_flops=stats.fp8_flops * devices,
+        **predicted_speed(config, mesh, operations, costmodel.tier_totals(traffic), model_flops),
     )
+
+
+def predicted_speed(config: Config, mesh: Mesh, operations, tier_bytes: dict[str, float], model_flops: float) -> dict:
+    """Plan's fields for the predicted step time and its MFU on a device with a data sheet; {} elsewhere (a CPU:
+    its peak is measured, which a plan does not do; `llama-jax tune` does)."""
+    device = mesh.devices.flat[0]
+    model = costmodel.data_sheet_cost_model(config.model.compute_dtype, device.device_kind)
+    if model is None:
+        return {}
+    step_s = model.predict(operations, tier_bytes)
+    peaks = hardware.mfu_peaks(config.model.compute_dtype, config.model.fp8, cache_root(config.data.cache_dir), device)
+    mfu = peaks.fractions(model_flops / step_s, mesh.devices.size)
+    return {"predicted_step_s": step_s, "predicted_mfu": mfu["mfu"], "predicted_mfu_fp8": mfu["mfu_fp8"],
+            "peaks": peaks.describe()}
 
 
 def branch_runs(program: TrainProgram, busiest: bool = False) -> dict[str, float]:
@@ -279,9 +308,18 @@ def format_plan(plan: Plan) -> str:
         f"  HLO          {plan.hlo_flops:12.4g}   (matmuls of the compiled program, every layer counted)",
         f"  model        {plan.model_flops:12.4g}   (6 x matmul params (4 x frozen ones) + attention, per token x tokens)",
         f"  HLO / model  {plan.hlo_flops / plan.model_flops:12.3f}   (above 1: recomputation or replicated work)",
+        f"  fp8          {plan.fp8_flops:12.4g}   ({plan.fp8_flops / (plan.hlo_flops or 1):.1%} of HLO: matmuls with "
+        f"fp8 operands, model.fp8={plan.fp8}{'' if plan.fp8_flops else '; this compiler computes them in a wider type'})"
+        if plan.fp8 != "none" or plan.fp8_flops else "",
         f"memory traffic {format_bytes(plan.memory_traffic_bytes):>11}   (per device: bytes operations read and write)",
         "collectives per device per step (ring cost model):",
     ]
+    if plan.predicted_step_s is not None:
+        against = f"MFU {plan.predicted_mfu:.1%}" + (f", {plan.predicted_mfu_fp8:.1%} of the fp8 peak"
+                                                     if plan.predicted_mfu_fp8 is not None else "")
+        fp8 = ", fp8 matmuls at the fp8 peak" if plan.fp8_flops else ""
+        lines[-1:-1] = [f"predicted step {plan.predicted_step_s * 1e3:10.1f} ms   ({against}; llama-jax tune's cost "
+                        f"model{fp8}; {plan.peaks})"]
     lines += [f"  {kind:<19}{format_bytes(b):>12}" + ("   (point to point: the pipeline)" if kind == "collective-permute"
                                                        and stages > 1 else "")
               for kind, b in plan.collective_bytes.items()]

@@ -45,7 +45,7 @@ from llama_jax.errors import ConfigError
 from llama_jax.files import atomic_path, cache_root, format_bytes
 from llama_jax.perf.costmodel import (INTER_HOST, INTRA_HOST, CostModel, check_devices_per_host, default_cost_model,
                                       spearman)
-from llama_jax.perf.hardware import compile_only, memory_budget, simulated_devices
+from llama_jax.perf.hardware import MfuPeaks, compile_only, memory_budget, simulated_devices
 from llama_jax.training import plan
 from llama_jax.training.step import TrainProgram, model_flops_per_token, random_batch, time_train_steps
 
@@ -258,7 +258,7 @@ def score(result: Result, cache: Cache, model: CostModel, budget: float, devices
         entry = {"memory_bytes": planned.total_bytes, "hlo_flops": planned.hlo_flops,
                  "collective_bytes": planned.collective_total, "tier_bytes": planned.collective_tiers,
                  "devices": planned.devices,
-                 "operations": [[round(f), round(b)] for f, b in planned.operations]}
+                 "operations": [[round(x) for x in operation] for operation in planned.operations]}
         cache.put(result.candidate, **entry)
     result.memory_bytes, result.hlo_flops = entry["memory_bytes"], entry["hlo_flops"]
     result.collective_bytes, result.tier_bytes = entry["collective_bytes"], entry["tier_bytes"]
@@ -323,6 +323,7 @@ class Report:
     devices: int
     hosts: int = 1
     device_kind: str = ""
+    fp8: str = "none"  # model.fp8: MFU is also shown against the fp8 peak
 
 
 class TuneError(ConfigError):
@@ -461,7 +462,7 @@ def tune(source: str | None, overrides: list[str], options: Options = Options())
     return Report(results=results, default=default_result, winner=winner, model=model, budget=budget,
                   measured=measuring, correlation=correlation, tokens=t.batch_size * t.seq_len,
                   model_flops=model_flops_per_token(base, device.platform) * t.batch_size * t.seq_len,
-                  devices=devices, hosts=hosts, device_kind=device.device_kind)
+                  devices=devices, hosts=hosts, device_kind=device.device_kind, fp8=base.model.fp8)
 
 
 def step_time(result: Result) -> float | None:
@@ -475,15 +476,17 @@ def format_report(report: Report, rows: int = 20) -> str:
     ranked = sorted(fits, key=lambda r: (r.measured_s is None, step_time(r)))
     shown = ranked[:rows] + ([report.default] if report.default in ranked[rows:] else [])
     width = max(len(r.candidate.label) for r in shown) + 2
+    peaks = MfuPeaks.with_fp8(report.model.peak_flops, "the cost model's", report.fp8, report.device_kind)
     lines = [(f"{'#':>3}  {'candidate':<{width}}{'memory':>10}{'predicted':>11}{'measured':>10}{'tokens/s':>11}"
-              f"{'MFU':>7}")]
+              f"{'MFU':>7}" + (f"{'of fp8':>8}" if peaks.fp8 else ""))]
     for r in shown:
         seconds = step_time(r)
-        mfu = report.model_flops / seconds / (report.model.peak_flops * report.devices)
+        mfu = peaks.fractions(report.model_flops / seconds, report.devices)
         mark = " <- default" if r is report.default else ""
         measured = f"{r.measured_s * 1e3:8.1f}ms" if r.measured_s is not None else f"{'-':>10}"
         lines.append(f"{ranked.index(r) + 1:>3}  {r.candidate.label:<{width}}{r.memory_bytes / 2**20:8.0f}MiB"
-                     f"{r.predicted_s * 1e3:9.1f}ms{measured}{report.tokens / seconds:11,.0f}{mfu:7.1%}{mark}")
+                     f"{r.predicted_s * 1e3:9.1f}ms{measured}{report.tokens / seconds:11,.0f}{mfu['mfu']:7.1%}"
+                     + (f"{mfu['mfu_fp8']:8.1%}" if peaks.fp8 else "") + mark)
     invalid = [r for r in results if r.config is None]
     over = [r for r in results if r.config is not None and (r.rejected or "").startswith("needs")]
     failed = [r for r in results if r.config is not None and r.rejected and r not in over]
@@ -502,10 +505,13 @@ def format_report(report: Report, rows: int = 20) -> str:
               + (f", {sum(r.measured_s is not None for r in fits)} measured" if report.measured else "")]
     lines += [f"  {n:>4} x {reason}" for reason, n in sorted(reasons.items(), key=lambda kv: -kv[1])]
     m = report.model
-    lines.append(f"cost model, per device: sum over operations of max(FLOPs / ({m.peak_flops / 1e12:.3g} TFLOP/s x "
-                 f"{m.efficiency:g}), bytes / {m.memory_bandwidth / 1e9:.3g} GB/s) + {1 - m.overlap:g} x (collective "
-                 f"bytes within a host / {m.bandwidth(INTRA_HOST) / 1e9:.3g} GB/s + between hosts / "
-                 f"{m.bandwidth(INTER_HOST) / 1e9:.3g} GB/s); {report.devices} devices on {report.hosts} host(s)")
+    fp8_rate = f" + fp8 FLOPs / ({m.fp8_peak_flops / 1e12:.4g} TFLOP/s x {m.efficiency:g})" \
+        if m.fp8_peak_flops and report.fp8 != "none" else ""
+    lines.append(f"cost model, per device: sum over operations of max({'other ' if fp8_rate else ''}FLOPs / "
+                 f"({m.peak_flops / 1e12:.3g} TFLOP/s x {m.efficiency:g}){fp8_rate}, bytes / "
+                 f"{m.memory_bandwidth / 1e9:.3g} GB/s) + {1 - m.overlap:g} x (collective bytes within a host / "
+                 f"{m.bandwidth(INTRA_HOST) / 1e9:.3g} GB/s + between hosts / {m.bandwidth(INTER_HOST) / 1e9:.3g} "
+                 f"GB/s); {report.devices} devices on {report.hosts} host(s)")
     if report.correlation is not None:
         lines.append(f"Spearman correlation of predicted and measured step times: {report.correlation:+.2f}")
     if report.default.rejected:
