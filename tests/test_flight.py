@@ -28,8 +28,9 @@ def last_step(run_dir: Path) -> int:
 
 
 def test_a_stopped_process_is_named_in_the_hang_report_and_the_supervisor_finishes_the_run(tmp_path):
-    # A save is a phase with its own bound (checkpoint.timeout_s): none falls where the process is stopped.
-    config = write_tiny_yaml(tmp_path, train={"steps": 40, "min_lr_ratio": 1.0}, checkpoint={"every_steps": 20})
+    # A save is a phase with its own bound (checkpoint.timeout_s): none falls where the process is stopped (no
+    # periodic saves; the restart trains from the start).
+    config = write_tiny_yaml(tmp_path, train={"steps": 16, "min_lr_ratio": 1.0}, checkpoint={"every_steps": 0})
     run_dir = tmp_path / "run"
     supervisor = Supervised(
         [sys.executable, "-m", "llama_jax", "supervise", "--backoff", "0.2", "--", sys.executable,
@@ -57,7 +58,7 @@ def test_a_stopped_process_is_named_in_the_hang_report_and_the_supervisor_finish
     record = json.loads((run_dir / "flight" / f"process-{report['reported_by']}.json").read_text())
     assert record["recent_events"] and record["recent_events"][-1]["kind"] == "hang"
     assert "hang watchdog fired" in log and log.count("llama-jax supervise: start #") == 2
-    assert last_step(run_dir) == 40
+    assert last_step(run_dir) == 16
 
 
 def test_without_the_coordination_service_the_processes_that_wrote_no_record_are_waited_for():
