@@ -3,25 +3,22 @@ formats' precision; bad values refused; the CUDA-lowered step's projections take
 it composes with meshes and both pipeline schedules, LoRA, remat policies (which keep the fp8 bytes) and the guard.
 Resuming bitwise: tests/test_train.py. Eval loss against bf16 over 300 steps: bench/fp8_loss.py."""
 
-import contextlib
 import dataclasses
-import io
 import re
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import TINY_MODEL, tiny_config
+from test_remat import residual_lines
 from test_sharding import losses
 from test_train import random_batch
 
 from llama_jax.config import RematConfig, load_config
 from llama_jax.distributed import sharding
 from llama_jax.errors import ConfigError
-from llama_jax.model import remat
-from llama_jax.model.llama import Block, fp8_input, rope_angles
+from llama_jax.model.llama import fp8_input
 from llama_jax.model.projection import FP8_FORWARD, FP8_GRADIENT, fp8_project
 from llama_jax.training.step import TrainProgram, lower_step
 
@@ -152,17 +149,7 @@ def test_fp8_with_lora_trains_the_adapters_and_leaves_the_base_bitwise_unchanged
 def fp8_saved(policy: RematConfig) -> list[tuple[str, str]]:
     """(tag, dtype[shape]) of what one fp8 layer keeps for its backward under `policy`."""
     cfg = dataclasses.replace(TINY_MODEL, fp8="tensorwise", compute_dtype="bfloat16")
-    x = jnp.ones((2, 16, cfg.d_model))
-    positions = jnp.broadcast_to(jnp.arange(16), (2, 16))
-    cos, sin = rope_angles(positions, cfg)
-    block = nn.remat(Block, policy=remat.checkpoint_policy(policy), prevent_cse=False)(cfg)
-    params = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(
-        block.init, jax.random.key(0), x, cos, sin, jnp.ones((2, 16), jnp.int32), positions))
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        jax.ad_checkpoint.print_saved_residuals(
-            lambda p, x: block.apply(p, x, cos, sin, jnp.ones((2, 16), jnp.int32), positions)[0].sum(), params, x)
-    return [(m.group(2), m.group(1)) for line in out.getvalue().splitlines()
+    return [(m.group(2), m.group(1)) for line in residual_lines(policy, cfg=cfg)
             if (m := re.match(r"(\S+) named '(\w+)'", line))]
 
 

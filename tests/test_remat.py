@@ -17,11 +17,8 @@ from llama_jax.model import remat
 from llama_jax.model.llama import Block, rope_angles
 
 
-def saved_residuals(remat_config: RematConfig, peft: PeftConfig = PeftConfig()
-                    ) -> tuple[dict[str, str], list[str], list[str]]:
-    """What one layer (with `peft`'s adapters) keeps for its backward: {tag: shape} on the device, shapes
-    offloaded to the host, and descriptions of any unnamed intermediate kept on the device."""
-    cfg = TINY_MODEL
+def residual_lines(remat_config: RematConfig, peft: PeftConfig = PeftConfig(), cfg=TINY_MODEL) -> list[str]:
+    """jax's saved-residuals printout of one layer of `cfg` (with `peft`'s adapters) under `remat_config`."""
     x = jnp.ones((2, 16, cfg.d_model))
     positions = jnp.broadcast_to(jnp.arange(16), (2, 16))
     segments = jnp.ones((2, 16), jnp.int32)
@@ -39,7 +36,14 @@ def saved_residuals(remat_config: RematConfig, peft: PeftConfig = PeftConfig()
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         jax.ad_checkpoint.print_saved_residuals(loss, params, x)
-    lines = out.getvalue().splitlines()
+    return out.getvalue().splitlines()
+
+
+def saved_residuals(remat_config: RematConfig, peft: PeftConfig = PeftConfig()
+                    ) -> tuple[dict[str, str], list[str], list[str]]:
+    """What one layer (with `peft`'s adapters) keeps for its backward: {tag: shape} on the device, shapes
+    offloaded to the host, and descriptions of any unnamed intermediate kept on the device."""
+    lines = residual_lines(remat_config, peft)
     named = {m.group(2): m.group(1) for line in lines if (m := re.match(r"(\S+) named '(\w+)'", line))}
     host = sorted(line.split()[0].replace("<host>", "") for line in lines if "<host>" in line)
     unnamed = [line for line in lines if "named '" not in line and "<host>" not in line

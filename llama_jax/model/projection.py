@@ -35,6 +35,12 @@ FP8_FORWARD = jnp.float8_e4m3fn  # activations and weights
 FP8_GRADIENT = jnp.float8_e5m2  # output gradients: two more exponent bits, one less mantissa bit
 
 
+def contracted_axes(spec: str) -> int:
+    """How many of x's trailing axes a projection spec ("btd,dnh->btnh") contracts with the kernel's leading ones."""
+    x_axes, outputs = spec.split("->")[0].split(",")[0], spec.split("->")[1]
+    return len(set(x_axes) - set(outputs))
+
+
 def quantize(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
     """(x / scale in `dtype`, scale): scale = amax(|x|) / dtype's largest finite value, an fp32 scalar. A
     non-finite amax gives NaN everywhere, which the NaN guard sees."""
@@ -62,10 +68,8 @@ def _scaled_dot(a, b, axes, scale, dtype):
 def fp8_project(spec: str, x: jax.Array, kernel: jax.Array, x_fp8: tuple[jax.Array, jax.Array] | None = None):
     """jnp.einsum(spec, x, kernel) with fp8 operands (model.fp8=tensorwise). x_fp8: x already quantized
     (quantize(x, FP8_FORWARD)), for projections that share an input and a remat tag (q, k, v; gate, up)."""
-    x_axes, outputs = spec.split("->")[0].split(",")[0], spec.split("->")[1]
     x8, x_scale = quantize(x, FP8_FORWARD) if x_fp8 is None else x_fp8
-    return _fp8_project(x, jax.lax.stop_gradient(x8), jax.lax.stop_gradient(x_scale), kernel,
-                        len(set(x_axes) - set(outputs)))
+    return _fp8_project(x, jax.lax.stop_gradient(x8), jax.lax.stop_gradient(x_scale), kernel, contracted_axes(spec))
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -102,8 +106,7 @@ def project(spec: str, x: jax.Array, kernel: jax.Array, cpu_backward: bool = Tru
     kernel's leading ones."""
     if not uses_cpu_backward(platform.backend(), cpu_backward):
         return jnp.einsum(spec, x, kernel)
-    x_axes, outputs = spec.split("->")[0].split(",")[0], spec.split("->")[1]
-    return _project(x, kernel, len(set(x_axes) - set(outputs)))
+    return _project(x, kernel, contracted_axes(spec))
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(2,))
