@@ -57,7 +57,7 @@ from llama_jax.model import cudnn
 from llama_jax.model.attention import attention, context_parallel_kernels, document_mask, select_implementation
 from llama_jax.model.context_parallel import chunk_order, device_attention
 from llama_jax.model.llama import param_count
-from llama_jax.perf.hardware import MfuPeaks, mfu_peaks
+from llama_jax.perf.hardware import SHORT_DTYPE, MfuPeaks, mfu_peaks
 from llama_jax.training.plan import make_plan
 from llama_jax.training.run import enable_compilation_cache
 from llama_jax.training.step import TrainProgram, random_batch, time_train_steps
@@ -70,7 +70,6 @@ NO_GPU = "gpu-check: no NVIDIA GPU here ({reason}); nothing to check"
 GPU_PRESET, GPU_OVERRIDES = "llama3_8b", ["model.n_layers=4", "train.batch_size=4"]
 SMOKE_PRESET, SMOKE_OVERRIDES = "tiny", ["train.batch_size=4"]
 MFU_GOAL = 0.5  # the goal for an 8B-shaped bf16 step on one H100 (989 TFLOP/s data sheet); reported, not enforced
-SHORT_DTYPES = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}
 FP8_SPEEDUP_GOAL = 1.3  # fp8 tokens/s over bf16's for the same step on one H100 (issue 35); reported, not enforced
 
 # ---------------------------------------------------------------------------------------------
@@ -297,7 +296,8 @@ def measure_train_step(config: Config, steps: int, warmup: int, earlier: dict | 
     peaks = MfuPeaks.with_fp8(earlier["peak_flops_per_device"], earlier["peak_source"], m.fp8, kind) if earlier \
         else mfu_peaks(m.compute_dtype, m.fp8, cache_root(config.data.cache_dir))
     achieved = planned.model_flops / step_s
-    return {**figures, "compute_dtype": m.compute_dtype, "fp8": m.fp8, "fp8_flops": planned.fp8_flops, "steps": steps, "warmup": warmup,
+    return {**figures, "compute_dtype": m.compute_dtype, "fp8": m.fp8, "fp8_flops": planned.fp8_flops, "steps": steps,
+            "warmup": warmup,
             "step_s": times, "step_s_median": step_s, "tokens_per_s": t.batch_size * t.seq_len / step_s,
             "achieved_flops_per_s": achieved, "hlo_flops_per_s": planned.hlo_flops / step_s,
             "peak_flops_per_device": peaks.compute, "peak_source": peaks.compute_source,
@@ -351,7 +351,7 @@ def fp8_section(config: Config, bf16: dict, steps: int, warmup: int, loss_steps:
 
 
 def fp8_rows(f: dict, bf16: dict) -> list[Row]:
-    base = f"{SHORT_DTYPES.get(bf16['compute_dtype'], bf16['compute_dtype'])} step"  # bf16 on GPUs, fp32 on a CPU
+    base = f"{SHORT_DTYPE.get(bf16['compute_dtype'], bf16['compute_dtype'])} step"  # bf16 on GPUs, fp32 on a CPU
     in_fp8 = f"fp8 operands in {100 * f['fp8_flops'] / f['hlo_flops']:.0f}% of the compiled step's HLO FLOPs" \
         if f["fp8_flops"] else f"the {jax.default_backend()} compiler computes them in a wider type"
     rows = [Row("fp8 step", "model", "info", "model.fp8=tensorwise",

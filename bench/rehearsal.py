@@ -236,6 +236,7 @@ class Rehearsal:
 
 def damage_newest(run_dir: Path, local_dirs: list[Path]) -> int | None:
     """Empty every file of the newest step any tier holds (local copies, partner copies, durable shards)."""
+    from llama_jax.checkpoint.durable import step_directories
     from llama_jax.checkpoint.local import finished_steps
 
     held: dict[int, list[Path]] = {}
@@ -243,7 +244,7 @@ def damage_newest(run_dir: Path, local_dirs: list[Path]) -> int | None:
         for step in finished_steps(directory):
             held.setdefault(step, []).append(directory / str(step))
     durable = run_dir / "checkpoints"
-    durable_steps = [int(p.name) for p in durable.iterdir() if p.name.isdigit()] if durable.is_dir() else []
+    durable_steps = step_directories(durable)
     if not held and not durable_steps:
         return None
     newest = max([*held, *durable_steps])

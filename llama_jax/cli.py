@@ -450,9 +450,6 @@ def _add_eval(commands) -> None:
 
 
 def cmd_goodput(ns: argparse.Namespace) -> int:
-    if ns.gpus < 1 or ns.gpus_per_host < 1 or (ns.gpus > ns.gpus_per_host and ns.gpus % ns.gpus_per_host):
-        raise InputError(f"goodput: --gpus {ns.gpus} must be positive and a whole number of hosts of --gpus-per-host "
-                         f"{ns.gpus_per_host} (e.g. --gpus 16384 --gpus-per-host 8)")
     rates = (ns.failures_per_gpu_hour, ns.planned_per_gpu_hour, ns.replacement_s, ns.restart_s)
     if any(v is not None and v < 0 for v in rates) or not (ns.host_loss_share is None or 0 <= ns.host_loss_share <= 1):
         raise InputError("goodput: --failures-per-gpu-hour, --planned-per-gpu-hour, --replacement-s and --restart-s "

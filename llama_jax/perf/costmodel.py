@@ -215,7 +215,3 @@ def spearman(a: list[float], b: list[float]) -> float | None:
     cov = sum((x - mean) * (y - mean) for x, y in zip(ra, rb))
     var = sum((x - mean) ** 2 for x in ra)
     return cov / var if var else None
-
-
-# --------------------------------------------------------------------------------------------
-# The search

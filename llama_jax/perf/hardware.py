@@ -66,7 +66,7 @@ _FP8_PEAK_TFLOPS: dict[str, float] = {
     "L40S": 733.0, "L4": 242.5, "B200": 4500.0, "MI300X": 2614.9,
 }
 _COLUMN = {"bfloat16": 0, "float16": 1, "float32": 2}
-_SHORT = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+SHORT_DTYPE = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}  # how tables name them
 
 
 def _dtype_name(dtype: Any) -> str:
@@ -151,7 +151,7 @@ def device_peak_flops(dtype: str, cache_dir: pathlib.Path, device: Any = None) -
     if peak is not None:
         return peak, f"{key} table, {dtype} dense"
     size = MEASURED_MATMUL_SIZE.get(device.platform, MEASURED_MATMUL_SIZE["gpu"])
-    where = f"measured {_SHORT[dtype]} {size}^3 matmul on {device.device_kind}, best seen"
+    where = f"measured {SHORT_DTYPE[dtype]} {size}^3 matmul on {device.device_kind}, best seen"
     sharing = jax.local_device_count() if device.platform == "cpu" else 1
     if sharing > 1:
         where += f", split over {sharing} simulated devices sharing the cores"

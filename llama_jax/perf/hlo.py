@@ -38,7 +38,6 @@ arithmetic (parameter, tuple, bitcast, ...) and control flow are left out.
 
 from __future__ import annotations
 
-import json
 import math
 from collections import defaultdict
 from collections.abc import Callable, Iterator
@@ -234,11 +233,6 @@ def _parse_module(text: str) -> tuple[dict[str, _Computation], str]:
             current.instrs.append(instr)
             current.shapes[instr.name] = instr.shape
     return comps, entry
-
-
-def _backend_config(instr: _Instr) -> dict:
-    config = json.loads(instr.attrs.get("backend_config", "{}"))
-    return json.loads(config) if isinstance(config, str) else config  # older XLA quotes the JSON
 
 
 def _callees(instr: _Instr, trip_count: int) -> Iterator[tuple[str, int]]:
@@ -525,10 +519,10 @@ def _library_call_flops(comp: _Computation, instr: _Instr) -> float:
     target = instr.attrs.get("custom_call_target", "").strip('"')
     try:
         if target in _GEMM_TARGETS:
-            numbers = _backend_config(instr)["gemm_backend_config"]["dot_dimension_numbers"]
+            numbers = loops.backend_config(instr)["gemm_backend_config"]["dot_dimension_numbers"]
             return _matmul_flops(comp, instr, fmha.dimensions(numbers, "lhs_contracting_dimensions"))
         if target.startswith("__cudnn$fmha"):
-            return fmha.attention_flops(_backend_config(instr)["cudnn_fmha_backend_config"],
+            return fmha.attention_flops(loops.backend_config(instr)["cudnn_fmha_backend_config"],
                                         *(_operand_dims(comp, o) for o in instr.operands[:3]),
                                         backward="Backward" in target)
     except (KeyError, IndexError, TypeError, ValueError, ZeroDivisionError):

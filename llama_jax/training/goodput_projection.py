@@ -38,7 +38,7 @@ from llama_jax.checkpoint.interval import auto_checkpoint_steps
 from llama_jax.config import Config
 from llama_jax.errors import InputError
 from llama_jax.model.llama import param_count, train_flops_per_token
-from llama_jax.perf.hardware import table_peak_flops
+from llama_jax.perf.hardware import NIC_GBS, table_peak_flops
 from llama_jax.resilience.goodput import read_attempts, summarize
 
 # Llama 3 405B's pre-training (REFERENCE.md, "Failures at scale"): 419 unexpected interruptions in 54 days on
@@ -62,7 +62,6 @@ LLAMA3_MFU = 0.40  # Llama 3 405B: 38-43% bf16 MFU on 8K-16K H100s (REFERENCE.md
 STATE_BYTES_PER_PARAM = 12  # float32 params + AdamW's two float32 moments: what a checkpoint holds
 DEVICE_TO_HOST_GBS = 25.0  # assumed: half of PCIe Gen5 x16's 64 GB/s, the copy a save blocks on
 HOST_MEMORY_GBS = 10.0  # assumed: one host writing or reading /dev/shm
-NIC_GBS = 50.0  # one 400 Gb/s NIC per GPU (REFERENCE.md): the partner copy's exchange
 ORBAX_70B_WRITE_S, ORBAX_405B_LOAD_S = 62.0, 59.0  # Orbax's published background save / load (REFERENCE.md)
 FULL_RESTART_S = 600.0  # torchft: ~10 min stall per failure with a full restart at ~100K GPUs (REFERENCE.md)
 REPLACEMENT_S = 600.0  # assumed: a spare host from the scheduler's pool (requeue, boot); no published figure
@@ -315,13 +314,6 @@ def measured(run_dir: Path) -> dict[str, tuple[float, str]]:
     return found
 
 
-def measured_failure_rate(run_dir: Path) -> tuple[int, float]:
-    """(attempts that ended without a clean finish, the run's accounted wall seconds)."""
-    attempts = read_attempts(Path(run_dir) / "goodput.json")
-    summary = summarize(attempts, max(a["last_alive"] for a in attempts))
-    return sum(a.get("outcome") != "finished" for a in attempts), summary["wall_s"]
-
-
 def mix_with_host_loss_share(share: float) -> dict[str, float]:
     """Llama 3's mix with the kinds that lose a host scaled to `share` of it, the others to the rest."""
     total = sum(LLAMA3_MIX.values())
@@ -337,8 +329,8 @@ def inputs_for(config: Config, gpus: int, gpus_per_host: int, run: dict[str, tup
     measured, then the stated defaults; the intervals as the config sets them, `auto` worked out as the trainer
     does (checkpoint/interval.py) with the MTBF the layout's failure rate gives (what the trainer observes)."""
     if gpus < 1 or gpus_per_host < 1 or gpus % gpus_per_host and gpus > gpus_per_host:
-        raise InputError(f"--gpus {gpus} and --gpus-per-host {gpus_per_host}: both must be positive and the GPUs a "
-                         "whole number of hosts (e.g. --gpus 16384 --gpus-per-host 8)")
+        raise InputError(f"--gpus {gpus} must be positive and a whole number of hosts of --gpus-per-host "
+                         f"{gpus_per_host} (e.g. --gpus 16384 --gpus-per-host 8)")
     values: dict[str, tuple[float, str]] = {}
     params = param_count(config.model)
     per_gpu = STATE_BYTES_PER_PARAM * params / gpus
@@ -348,8 +340,8 @@ def inputs_for(config: Config, gpus: int, gpus_per_host: int, run: dict[str, tup
     peak = table_peak_flops("H100", "bfloat16")  # NVIDIA's data sheet, bf16 dense (perf/hardware.py)
     flops = train_flops_per_token(config.model, t.seq_len, causal_skip=True) * tokens
     values["step_s"] = (flops / (gpus * peak * LLAMA3_MFU),
-                        f"model FLOPs of {t.batch_size} x {t.seq_len} tokens / ({gpus} H100 x 989 TFLOP/s x "
-                        f"{LLAMA3_MFU:.0%} MFU, Llama 3's 38-43%)")
+                        f"model FLOPs of {t.batch_size} x {t.seq_len} tokens / ({gpus} H100 x {peak / 1e12:g} "
+                        f"TFLOP/s x {LLAMA3_MFU:.0%} MFU, Llama 3's 38-43%)")
     state = f"{STATE_BYTES_PER_PARAM} B/param state ({params / 1e9:.3g}B params)"
     values["save_durable_s"] = (per_gpu / (DEVICE_TO_HOST_GBS * 1e9),
                                 f"{state} per GPU at {DEVICE_TO_HOST_GBS:g} GB/s device->host (assumed)")
@@ -357,7 +349,7 @@ def inputs_for(config: Config, gpus: int, gpus_per_host: int, run: dict[str, tup
                                  "parameters (REFERENCE.md)")
     values["restore_durable_s"] = (ORBAX_405B_LOAD_S * params / 405e9, "Orbax's 405B load ~59 s, scaled by "
                                    "parameters (REFERENCE.md)")
-    partner_copy_s = per_gpu * min(1, c.local_replicas) / (NIC_GBS * 1e9)
+    partner_copy_s = per_gpu * min(1, c.local_replicas) / (NIC_GBS * 1e9)  # one 400 Gb/s NIC per GPU
     values["save_local_s"] = (per_gpu / (DEVICE_TO_HOST_GBS * 1e9) + partner_copy_s,
                               f"{state} per GPU at {DEVICE_TO_HOST_GBS:g} GB/s device->host (assumed) + the partner "
                               f"copy at {NIC_GBS:g} GB/s per GPU (one 400 Gb/s NIC)")
