@@ -70,10 +70,21 @@ def test_four_processes_continue_on_two_when_a_host_is_lost_and_grow_back_to_fou
     lost_at = max(losses(run_dir))
     shutil.rmtree(host_directory(str(local), run_dir, "host-3"))  # ...and its local storage
     wait_for(lambda: any("continuing on 2" in line for line in lines), "the launcher continues on 2 processes")
-    shrunk_from = len(lines)
+    shrunk_from = next(i for i, line in enumerate(lines) if "continuing on 2" in line)
     trained = (lambda: [int(m.group(1)) for line in lines[shrunk_from:] if (m := re.search(r"step (\d+)/", line))])
     wait_for(lambda: max(trained(), default=0) > lost_at + 1, "2 processes train past the lost step")
-    hosts.write_text("host-0\nhost-1\nhost-2\nhost-3\n")  # the host returns
+    # Held still while the host returns, so the launcher sees it before these 2 finish the run (on a busy machine
+    # they could otherwise outrun its once-a-second look); the SIGTERM it sends waits for SIGCONT.
+    shrunk = [int(m.group(1)) for line in lines[shrunk_from:] if (m := re.search(r"started \(pid (\d+)\)", line))]
+    assert len(shrunk) == 2, "".join(lines[shrunk_from:])
+    for pid in shrunk:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        hosts.write_text("host-0\nhost-1\nhost-2\nhost-3\n")  # the host returns
+        wait_for(lambda: any("the missing hosts are back" in line for line in lines), "the launcher sees the host")
+    finally:
+        for pid in shrunk:
+            os.kill(pid, signal.SIGCONT)
     assert supervisor.wait(timeout=300) == 0, "".join(lines)[-6000:]
     log = "".join(lines)
     assert "train.microbatches 1 -> 2, the same global batch" in log
