@@ -15,6 +15,7 @@ BIN    := $(VENV)/bin
 # tests share one worker, so its module fixtures (compiled steps, real multi-process runs) are built once. Not
 # loadgroup: under pytest 9 its xdist_group marks are silently ignored (xdist 3.8 renames item._nodeid, which pytest
 # 9 no longer reads), and every worker rebuilt the fixtures.
+# --no-loadscope-reorder: the files start in tests/conftest.py's order, the longest multi-process runs first.
 WORKERS ?= 2
 PYTHON_NEWEST ?= $(shell pyenv prefix 3.12 2>/dev/null || echo /usr)/bin/python3.12
 EXTRAS ?= test
@@ -36,7 +37,7 @@ train: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(BIN)/python -c 'import sys, jax; print(f"python {sys.version.split()[0]}, jax {jax.__version__}")'
-	$(BIN)/python -m pytest -q -n $(WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n $(WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 # Under launch/gpu_env.sh's settings (a bash script), so the check measures what the launch scripts run.
 # Where nvidia-smi finds a GPU, the venv gets the CUDA build of jax first (the gpu extra: Python >= 3.12,

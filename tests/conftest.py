@@ -108,3 +108,21 @@ def pytest_sessionfinish(session):
     """The controller (or a run without xdist) removes the session's compilation cache; workers leave it."""
     if not hasattr(session.config, "workerinput"):
         shutil.rmtree(os.environ["LLAMA_JAX_TEST_CACHE"], ignore_errors=True)
+
+
+# The files whose real multi-process runs take a minute or more on CI's 2 cores, started first (the Makefile
+# turns off xdist's own order, most tests first, which left them for the end): the two workers then end on short
+# files and finish together, and those runs' waits (barriers, restarts, injected delays) overlap other work.
+STARTED_FIRST = ("test_goodput_projection.py", "test_elastic.py", "test_flight.py", "test_multihost.py",
+                 "test_local_tier.py")
+
+
+def pytest_collection_modifyitems(items):
+    """STARTED_FIRST, then the other files by their number of tests, most first; a file's tests keep their order."""
+    count: dict[str, int] = {}
+    for item in items:
+        count[item.path.name] = count.get(item.path.name, 0) + 1
+    first = {name: rank for rank, name in enumerate(STARTED_FIRST)}
+    order = {id(item): i for i, item in enumerate(items)}
+    items.sort(key=lambda item: (first.get(item.path.name, len(first)), -count[item.path.name], item.path.name,
+                                 order[id(item)]))

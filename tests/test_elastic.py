@@ -53,7 +53,8 @@ def test_four_processes_continue_on_two_when_a_host_is_lost_and_grow_back_to_fou
         [sys.executable, "-m", "llama_jax", "supervise", "--backoff", "0.2", "--", sys.executable,
          str(ROOT / "launch" / "multiprocess.py"), "--processes", "4", "--devices", "1", "--grace", "10",
          "--hosts", str(hosts), "--replacement-wait", "2", "--", "train", str(config), f"run.dir={run_dir}",
-         "run.heartbeat_timeout_s=10"],
+         "run.heartbeat_timeout_s=10",
+         "fault.inject_process=0", "fault.inject_step_delay_s=0.1"],
         environment())
     lines = supervisor.lines
 
@@ -63,6 +64,7 @@ def test_four_processes_continue_on_two_when_a_host_is_lost_and_grow_back_to_fou
             assert time.time() < deadline and supervisor.poll() is None, f"{what}\n" + "".join(lines)[-6000:]
             time.sleep(0.05)
 
+    # Process 0 takes 0.1 s more a step (the others wait for it): over 2 s between step 6 and the run's end.
     wait_for(lambda: max(losses(run_dir), default=0) >= 6, "4 processes reach step 6")
     started = (re.match(r"multiprocess: process 3 started \(pid (\d+)\)", line) for line in list(lines))
     hosts.write_text("host-0\nhost-1\nhost-2\n")  # host-3 is gone for good...

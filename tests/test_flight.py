@@ -29,14 +29,15 @@ def last_step(run_dir: Path) -> int:
 
 def test_a_stopped_process_is_named_in_the_hang_report_and_the_supervisor_finishes_the_run(tmp_path):
     # A save is a phase with its own bound (checkpoint.timeout_s): none falls where the process is stopped (no
-    # periodic saves; the restart trains from the start).
+    # periodic saves; the restart trains from the start). Process 0 takes 0.2 s more a step (the others wait for
+    # it in the step's collectives): over 2 s between step 4, when the stop is sent, and the run's end.
     config = write_tiny_yaml(tmp_path, train={"steps": 16, "min_lr_ratio": 1.0}, checkpoint={"every_steps": 0})
     run_dir = tmp_path / "run"
     supervisor = Supervised(
         [sys.executable, "-m", "llama_jax", "supervise", "--backoff", "0.2", "--", sys.executable,
          str(ROOT / "launch" / "multiprocess.py"), "--processes", "4", "--devices", "1", "--grace", "5", "--", "train",
          str(config), f"run.dir={run_dir}", "fault.hang_min_timeout_s=5", "fault.flight_heartbeat_s=0.5",
-         "run.heartbeat_timeout_s=120"],
+         "run.heartbeat_timeout_s=120", "fault.inject_process=0", "fault.inject_step_delay_s=0.2"],
         environment())
     lines = supervisor.lines
     deadline = time.time() + 240
