@@ -3,15 +3,17 @@
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
 
 # --xla_backend_optimization_level=0: XLA:CPU's LLVM code generation without its optimisation passes. The tests
 # compile hundreds of small programs and run each a few steps, so compiling dominates: a third less CPU time for
 # the suite; the programs compute the same numbers (the HLO passes are XLA's, not LLVM's).
+# The tests' own llama-jax subprocesses get it too (subprocess_environment), without the device count.
+COMPILE_FLAGS = "--xla_backend_optimization_level=0"
 os.environ["XLA_FLAGS"] = " ".join(
-    [os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8",
-     "--xla_backend_optimization_level=0"]).strip()
+    [os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8", COMPILE_FLAGS]).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One persistent compilation cache for the whole session, shared by the xdist workers and the subprocesses
 # they start (all inherit the controller's environment): the suite compiles the same tiny programs in many
@@ -23,6 +25,7 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.environ["LLAMA_JAX_TEST_CA
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 import dataclasses  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
@@ -52,6 +55,13 @@ def tiny_config(tmp_path=None, **sections) -> Config:
 @pytest.fixture
 def tiny():
     return tiny_config
+
+
+def subprocess_environment() -> dict:
+    """The environment of a test's llama-jax subprocesses: CPU, the compile flags above, no device count (one
+    device each, or the launcher's --devices), and this venv's llama-jax for launch/multiprocess.py."""
+    return dict(os.environ, XLA_FLAGS=COMPILE_FLAGS, JAX_PLATFORMS="cpu",
+                LLAMA_JAX=str(Path(sys.executable).parent / "llama-jax"))
 
 
 class Supervised:

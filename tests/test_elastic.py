@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from conftest import Supervised, write_tiny_yaml
+from conftest import Supervised, subprocess_environment, write_tiny_yaml
 
 from llama_jax.checkpoint.local import host_directory
 from llama_jax.training.metrics import read_metrics
@@ -22,10 +22,6 @@ from llama_jax.training.metrics import read_metrics
 ROOT = Path(__file__).resolve().parents[1]
 # The local tier every INTERVAL steps, the durable one rarer (as launch/defaults.sh and the recipes set them).
 STEPS, INTERVAL, DURABLE = 28, 2, 10
-
-
-def environment():
-    return dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu", LLAMA_JAX=str(Path(sys.executable).parent / "llama-jax"))
 
 
 def losses(run_dir: Path) -> dict[int, float]:
@@ -41,7 +37,7 @@ def test_four_processes_continue_on_two_when_a_host_is_lost_and_grow_back_to_fou
     def train(processes: int, devices: int, directory: Path, *keys: str) -> None:
         proc = subprocess.run([sys.executable, str(ROOT / "launch" / "multiprocess.py"), "--processes", str(processes),
                                "--devices", str(devices), "--", "train", str(config), f"run.dir={directory}", *keys],
-                              env=environment(), capture_output=True, text=True, timeout=300)
+                              env=subprocess_environment(), capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr[-4000:]
 
     straight = tmp_path / "straight"
@@ -55,7 +51,7 @@ def test_four_processes_continue_on_two_when_a_host_is_lost_and_grow_back_to_fou
          "--hosts", str(hosts), "--replacement-wait", "2", "--", "train", str(config), f"run.dir={run_dir}",
          "run.heartbeat_timeout_s=10",
          "fault.inject_process=0", "fault.inject_step_delay_s=0.1"],
-        environment())
+        subprocess_environment())
     lines = supervisor.lines
 
     def wait_for(condition, what):

@@ -7,7 +7,6 @@ costs a few seconds of start-up; the in-process runs use the 8 simulated devices
 import dataclasses
 import json
 import math
-import os
 import shutil
 import signal
 import subprocess
@@ -19,7 +18,7 @@ import jax
 import numpy as np
 import pytest
 import yaml
-from conftest import tiny_config, write_tiny_yaml
+from conftest import subprocess_environment, tiny_config, write_tiny_yaml
 
 from llama_jax.checkpoint.checkpointer import Checkpointer
 from llama_jax.checkpoint.durable import latest_checkpoint_step
@@ -42,13 +41,8 @@ def command(config_path, run_dir, *overrides):
     return [sys.executable, "-m", "llama_jax", "train", str(config_path), f"run.dir={run_dir}", *overrides]
 
 
-def environment():
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")  # one CPU device per subprocess
-    return env
-
-
 def run_to_end(config_path, run_dir, *overrides, timeout=300):
-    proc = subprocess.run(command(config_path, run_dir, *overrides), env=environment(), capture_output=True,
+    proc = subprocess.run(command(config_path, run_dir, *overrides), env=subprocess_environment(), capture_output=True,
                           text=True, timeout=timeout)
     return proc
 
@@ -93,7 +87,7 @@ def test_kill_9_at_a_random_step_then_resume_is_bitwise_identical(shared, straig
     kill_at = int(np.random.default_rng().integers(3, STEPS - 2))
     # The tiny steps take milliseconds, so the run is held at kill_at (an injected hang) to make the
     # kill land there, after the checkpoint before it is complete.
-    proc = subprocess.Popen(command(shared, run_dir, f"fault.inject_hang_step={kill_at}"), env=environment(),
+    proc = subprocess.Popen(command(shared, run_dir, f"fault.inject_hang_step={kill_at}"), env=subprocess_environment(),
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     wait_for_step(run_dir, kill_at, proc)
     deadline = time.time() + 60
@@ -115,7 +109,7 @@ def test_kill_9_at_a_random_step_then_resume_is_bitwise_identical(shared, straig
 def test_sigterm_saves_the_current_step_and_exits_75(shared, straight, tmp_path):
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(command(shared, run_dir, "checkpoint.every_steps=0", "train.steps=400"),
-                            env=environment(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            env=subprocess_environment(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     wait_for_step(run_dir, 3, proc)
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=120)
@@ -141,7 +135,7 @@ def test_hang_watchdog_dumps_stacks_and_exits_124(shared, tmp_path):
 def test_supervisor_never_retries_bad_input(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "llama_jax", "supervise", "--backoff", "0.01", "--",
                            sys.executable, "-m", "llama_jax", "train", "train.steps=-1", f"run.dir={tmp_path / 'r'}"],
-                          env=environment(), capture_output=True, text=True, timeout=120)
+                          env=subprocess_environment(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.count("train.steps must be >= 0") == 1
 

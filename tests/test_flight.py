@@ -10,16 +10,12 @@ import sys
 import time
 from pathlib import Path
 
-from conftest import Supervised, write_tiny_yaml
+from conftest import Supervised, subprocess_environment, write_tiny_yaml
 
 from llama_jax.resilience.flight import hang_report
 from llama_jax.training.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def environment():
-    return dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu", LLAMA_JAX=str(Path(sys.executable).parent / "llama-jax"))
 
 
 def last_step(run_dir: Path) -> int:
@@ -38,7 +34,7 @@ def test_a_stopped_process_is_named_in_the_hang_report_and_the_supervisor_finish
          str(ROOT / "launch" / "multiprocess.py"), "--processes", "4", "--devices", "1", "--grace", "5", "--", "train",
          str(config), f"run.dir={run_dir}", "fault.hang_min_timeout_s=5", "fault.flight_heartbeat_s=0.5",
          "run.heartbeat_timeout_s=120", "fault.inject_process=0", "fault.inject_step_delay_s=0.2"],
-        environment())
+        subprocess_environment())
     lines = supervisor.lines
     deadline = time.time() + 240
     while time.time() < deadline and last_step(run_dir) < 4:

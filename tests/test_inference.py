@@ -12,6 +12,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from conftest import subprocess_environment
 from safetensors.numpy import load_file
 
 from llama_jax import api, cli
@@ -226,8 +227,7 @@ def test_two_processes_convert_both_ways_and_generate_like_one(one_device, tmp_p
     _, _, prompts, _ = one_device
     script = tmp_path / "convert.py"
     script.write_text(SCRIPT)
-    env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu", LLAMA_JAX=f"{sys.executable} {script}",
-               PROMPTS=json.dumps(prompts[:2]))
+    env = dict(subprocess_environment(), LLAMA_JAX=f"{sys.executable} {script}", PROMPTS=json.dumps(prompts[:2]))
     args = [f"hf:{MODEL}", str(tmp_path / "ours"), str(tmp_path / "back"), *LAYOUT]
     proc = subprocess.run([sys.executable, str(ROOT / "launch" / "multiprocess.py"), "--processes", "2",
                            "--devices", "4", "--", "train", *args], env=env, capture_output=True, text=True,

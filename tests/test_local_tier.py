@@ -19,7 +19,7 @@ import jax
 import numpy as np
 import pytest
 import yaml
-from conftest import tiny_config, write_tiny_yaml
+from conftest import subprocess_environment, tiny_config, write_tiny_yaml
 
 from llama_jax.checkpoint.local import finished_steps, host_directory, process_directory
 from llama_jax.resilience.goodput import read_goodput
@@ -42,12 +42,8 @@ def command(config_path, run_dir, local_dir, *overrides):
             str(config_path), f"run.dir={run_dir}", f"checkpoint.local_dir={local_dir}", *TIERS, *overrides]
 
 
-def environment():
-    return dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu", LLAMA_JAX=str(Path(sys.executable).parent / "llama-jax"))
-
-
 def run(config_path, run_dir, local_dir, *overrides):
-    proc = subprocess.run(command(config_path, run_dir, local_dir, *overrides), env=environment(),
+    proc = subprocess.run(command(config_path, run_dir, local_dir, *overrides), env=subprocess_environment(),
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
@@ -88,7 +84,7 @@ def killed(config_path, tmp_path_factory):
     root = tmp_path_factory.mktemp("killed")
     run_dir, local_dir = root / "run", root / "local"
     launcher = subprocess.Popen(command(config_path, run_dir, local_dir, f"fault.inject_hang_step={KILL_AT}"),
-                                env=environment(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                env=subprocess_environment(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     pids: dict[int, int] = {}
     while len(pids) < 2:
         line = launcher.stderr.readline()
@@ -177,7 +173,7 @@ def test_with_every_local_copy_gone_or_damaged_the_durable_tier_serves(killed, s
     other, other_local = copy_of(killed, tmp_path / "other")
     single = subprocess.run([sys.executable, str(LAUNCHER), "--processes", "1", "--devices", "4", "--", "train",
                              str(config_path), f"run.dir={other}", f"checkpoint.local_dir={other_local}", *TIERS],
-                            env=environment(), capture_output=True, text=True, timeout=300)
+                            env=subprocess_environment(), capture_output=True, text=True, timeout=300)
     assert single.returncode == 0, single.stderr[-3000:]
     moved = "restored step 14 from the local tier (the shards of 2 processes, read on process 0 of 1)"
     assert moved in single.stdout, single.stdout

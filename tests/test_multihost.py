@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
-from conftest import write_tiny_yaml
+from conftest import subprocess_environment, write_tiny_yaml
 
 from llama_jax.checkpoint.durable import latest_checkpoint_step
 from llama_jax.training.metrics import read_metrics
@@ -35,14 +35,10 @@ def config_path(tmp_path_factory):
     return write_tiny_yaml(tmp_path_factory.mktemp("multihost"), train={"steps": STEPS, "min_lr_ratio": 1.0})
 
 
-def environment():
-    return dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu", LLAMA_JAX=str(Path(sys.executable).parent / "llama-jax"))
-
-
 def launch(processes, devices, *args, timeout=300, command=None):
     """launch/local.sh, as the README's multi-host guide runs it (it hands several processes to LAUNCHER),
     each process running `command train ARGS` (default: the llama-jax CLI)."""
-    env = environment() | ({"LLAMA_JAX": command} if command else {})
+    env = subprocess_environment() | ({"LLAMA_JAX": command} if command else {})
     return subprocess.run([str(ROOT / "launch" / "local.sh"), "--processes", str(processes), "--devices", str(devices),
                            "--", "train", *map(str, args)], env=env, capture_output=True, text=True, timeout=timeout)
 
@@ -107,7 +103,7 @@ def test_sigterm_to_every_process_saves_one_agreed_step(config_path, tmp_path):
     run_dir = tmp_path / "run"
     proc = subprocess.Popen([str(ROOT / "launch" / "local.sh"), "--processes", "2", "--devices", "4", "--", "train",
                              str(config_path), f"run.dir={run_dir}", "train.steps=2000", "checkpoint.every_steps=0"],
-                            env=environment(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            env=subprocess_environment(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 240
     while time.time() < deadline and max(losses(run_dir) if (run_dir / "metrics.jsonl").exists() else [], default=0) < 5:
         assert proc.poll() is None, proc.communicate()
@@ -129,7 +125,7 @@ def launcher(processes, devices, *args, grace=90, timeout=300):
     """launch/multiprocess.py directly, for its --grace (how long the others get after one fails)."""
     return subprocess.run([sys.executable, str(LAUNCHER), "--processes", str(processes), "--devices", str(devices),
                            "--grace", str(grace), "--", "train", *map(str, args)],
-                          env=environment(), capture_output=True, text=True, timeout=timeout)
+                          env=subprocess_environment(), capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.fixture
@@ -168,7 +164,8 @@ def llama3_store(config_path, corpus):
     """A token store of the test corpus with its own byte-level BPE: the data a Llama 3 preset must be given."""
     store = config_path.parent / "store"
     subprocess.run([sys.executable, "-m", "llama_jax", "prepare", str(corpus), "--out", str(store), "--train-tokenizer",
-                    "300", "--workers", "1"], env=environment(), check=True, capture_output=True, timeout=300)
+                    "300", "--workers", "1"], env=subprocess_environment(), check=True, capture_output=True,
+                   timeout=300)
     return store
 
 
@@ -196,7 +193,7 @@ def test_a_llama3_recipe_on_two_processes_saves_at_young_daly_and_a_kill_loses_a
     supervisor = subprocess.Popen(
         [sys.executable, "-m", "llama_jax", "supervise", "--backoff", "0.5", "--", sys.executable, str(LAUNCHER),
          "--processes", "2", "--devices", "4", "--", "train", "llama3_8b", f"run.dir={run_dir}", *overrides],
-        env=environment(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        env=subprocess_environment(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     pids, log_lines = {}, []
     while len(pids) < 2:
         line = supervisor.stderr.readline()

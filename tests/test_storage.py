@@ -3,14 +3,13 @@ sends the supervisor into a restart loop. Failures are injected (fault.inject_sa
 fails with ENOSPC), and where the machine lets a test mount one, a real small tmpfs fills up or goes read-only."""
 
 import contextlib
-import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import tiny_config, write_tiny_yaml
+from conftest import subprocess_environment, tiny_config, write_tiny_yaml
 
 from llama_jax import cli
 from llama_jax.checkpoint.durable import step_directories
@@ -26,13 +25,9 @@ def config_path(tmp_path_factory):
     return write_tiny_yaml(tmp_path_factory.mktemp("storage"), train={"steps": 8})
 
 
-def environment():
-    return dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu", LLAMA_JAX=str(Path(sys.executable).parent / "llama-jax"))
-
-
 def llama_jax(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "llama_jax", *map(str, args)], env=environment(), capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run([sys.executable, "-m", "llama_jax", *map(str, args)], env=subprocess_environment(),
+                          capture_output=True, text=True, timeout=timeout)
 
 
 def errors(stderr: str) -> list[str]:
@@ -98,7 +93,7 @@ def test_two_processes_agree_on_a_save_that_failed_on_one_of_them(config_path, t
     proc = subprocess.run([sys.executable, str(LAUNCHER), "--processes", "2", "--devices", "4", "--grace", "10", "--",
                            "train", str(config_path), f"run.dir={run_dir}", "checkpoint.max_failed_saves=0",
                            "fault.inject_process=1", "fault.inject_save_failure_steps=[4]"],
-                          env=environment(), capture_output=True, text=True, timeout=300)
+                          env=subprocess_environment(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == EXIT_STORAGE, proc.stderr
     lines = errors(proc.stderr)
     assert len(lines) == 2 and lines[0] == lines[1], proc.stderr  # one line per process, the same on both
