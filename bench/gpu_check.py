@@ -18,8 +18,9 @@ On an NVIDIA GPU it checks, on one device:
    MFU, peak device memory next to plan's prediction, and plan's HLO FLOPs next to the model FLOPs.
 3. the same step with fp8 projections (model.fp8=tensorwise): tokens/s and its ratio to the bf16 step's (the goal
    on one H100: >= FP8_SPEEDUP_GOAL), MFU against the bf16 peak (comparable with the bf16 row and other frameworks)
-   and the fp8 peak, peak device memory; then --loss-steps steps of each from the same initial weights on the same
-   batch, their losses side by side and the largest relative difference.
+   and the fp8 peak, peak device memory; then --loss-steps steps of each from the same initial weights on the
+   bundled plays (a new batch each step), their losses side by side: the fp8 curve's last LOSS_TAIL steps within
+   FP8_LOSS_TOLERANCE of bf16's.
 4. the environment: XLA_FLAGS, whether launch/gpu_env.sh was applied, versions, device, CUDA and cuDNN.
 
 Without an NVIDIA GPU it prints one line and exits 0. --cpu-smoke runs the same code on the CPU with small shapes
@@ -50,6 +51,7 @@ import jaxlib
 import numpy as np
 
 from llama_jax.config import Config, load_config
+from llama_jax.data.streams import open_data
 from llama_jax.distributed import sharding
 from llama_jax.errors import EXIT_BAD_INPUT, ConfigError
 from llama_jax.files import cache_root, format_bytes
@@ -71,6 +73,9 @@ GPU_PRESET, GPU_OVERRIDES = "llama3_8b", ["model.n_layers=4", "train.batch_size=
 SMOKE_PRESET, SMOKE_OVERRIDES = "tiny", ["train.batch_size=4"]
 MFU_GOAL = 0.5  # the goal for an 8B-shaped bf16 step on one H100 (989 TFLOP/s data sheet); reported, not enforced
 FP8_SPEEDUP_GOAL = 1.3  # fp8 tokens/s over bf16's for the same step on one H100 (issue 35); reported, not enforced
+# The fp8 loss curve's end against bf16's: the mean train loss of the last LOSS_TAIL steps within 2%, the bound the
+# issue sets for the bench preset's eval loss after 300 steps on CPU (bench/fp8_loss.py). A failed row, not a goal.
+FP8_LOSS_TOLERANCE, LOSS_TAIL = 0.02, 10
 
 # ---------------------------------------------------------------------------------------------
 # Attention parity (shared with tests/test_gpu.py)
@@ -311,21 +316,33 @@ def with_fp8(config: Config, recipe: str) -> Config:
 
 
 def loss_curve(config: Config, steps: int) -> list[float]:
-    """The loss of each of `steps` train steps on one device from the initial weights of key 0, on one batch of
-    random tokens (random_batch's: the same for every config of the same shape), which the model learns by heart:
-    the loss falls, and fp8's rounding shows in how it falls. The learning-rate warm-up is shortened to a fifth of
-    the steps (the presets' run to hundreds of steps, over which these would barely move the weights)."""
-    config = dataclasses.replace(config, train=dataclasses.replace(
-        config.train, warmup_steps=min(config.train.warmup_steps, max(1, steps // 5))))
+    """The loss of each of `steps` train steps on one device from the initial weights of key 0, a new batch of the
+    bundled plays each step (data.sources=[shakespeare], with a byte-level BPE of the model's vocabulary trained on
+    them once into the data cache): real text, whose loss falls over hundreds of steps, so fp8's rounding shows as
+    a gap between the curves. (One batch of random tokens, the timing's, is learnt by heart: on an H200 the 8B-shaped
+    step took it from 12.6 to 0.0003 in 6 steps, and the two curves then differed only in noise.) The learning-rate
+    warm-up is shortened to a fifth of the steps (the presets' run to hundreds of steps, over which these would
+    barely move the weights)."""
+    warmup = min(config.train.warmup_steps, max(1, steps // 5))
+    plays = dataclasses.replace(config.data, sources=["shakespeare"], tokenizer="bpe", weights=[])
+    config = dataclasses.replace(config, train=dataclasses.replace(config.train, warmup_steps=warmup), data=plays)
+    text = open_data(config, log=lambda message: None).train
     program = TrainProgram.for_config(config, devices=jax.devices()[:1])
     losses = []
     with program.activate():
         state = program.init_state(jax.random.key(0))
-        batch = program.put(random_batch(config))
-        for _ in range(steps):
-            state, metrics = program.train_step(state, batch)
+        for step in range(steps):
+            state, metrics = program.train_step(state, program.put(text.batch(step)))
             losses.append(float(metrics["loss"]))
     return losses
+
+
+def loss_gap(bf16: list[float], fp8: list[float]) -> tuple[float, float]:
+    """(the fp8 curve's mean loss over the last LOSS_TAIL steps relative to the bf16 curve's: what FP8_LOSS_TOLERANCE
+    bounds, the largest relative difference of one step: early steps, where the loss falls fastest, differ most)."""
+    tail = min(LOSS_TAIL, len(bf16))
+    mean = lambda losses: sum(losses[-tail:]) / tail  # noqa: E731
+    return abs(mean(fp8) - mean(bf16)) / mean(bf16), max(abs(b - f) / b for b, f in zip(bf16, fp8))
 
 
 def fp8_section(config: Config, bf16: dict, steps: int, warmup: int, loss_steps: int) -> tuple[list[Row], dict]:
@@ -343,10 +360,12 @@ def fp8_section(config: Config, bf16: dict, steps: int, warmup: int, loss_steps:
     losses = {recipe: loss_curve(with_fp8(dataclasses.replace(config, train=dataclasses.replace(
         config.train, microbatches=figures["microbatches"])), recipe), loss_steps)
         for recipe, figures in (("none", bf16), ("tensorwise", fp8))}
-    differences = [abs(b - f) / abs(b) for b, f in zip(losses["none"], losses["tensorwise"])]
+    finite = all(map(math.isfinite, losses["none"] + losses["tensorwise"]))
+    tail, largest = loss_gap(losses["none"], losses["tensorwise"]) if finite else (math.nan, math.nan)
     figures = {**fp8, "tokens_per_s_ratio": fp8["tokens_per_s"] / bf16["tokens_per_s"], "loss_steps": loss_steps,
                "loss_bf16": losses["none"], "loss_fp8": losses["tensorwise"],
-               "loss_max_relative_difference": max(differences) if differences else math.nan}
+               "loss_tail_steps": min(LOSS_TAIL, loss_steps), "loss_tail_relative_difference": tail,
+               "loss_max_relative_difference": largest}
     return fp8_rows(figures, bf16), figures
 
 
@@ -362,7 +381,6 @@ def fp8_rows(f: dict, bf16: dict) -> list[Row]:
     fp8_mfu = f"{100 * f['mfu_fp8']:.1f}% of {format_flops(f['fp8_peak_flops_per_device'])} " \
         f"({f['fp8_peak_source']})" if f["mfu_fp8"] is not None else f["fp8_peak_source"]
     curve = lambda losses: " ".join(f"{x:.3f}" for x in losses[:: max(1, len(losses) // 5)])  # noqa: E731
-    finite = all(map(math.isfinite, f["loss_fp8"]))
     rows += [
         Row("fp8 step", "loss", "pass" if f["finite"] and math.isfinite(f["loss"]) else "FAIL", f"{f['loss']:.4f}",
             f"finite after {f['warmup'] + f['steps']} steps on random tokens"),
@@ -372,9 +390,12 @@ def fp8_rows(f: dict, bf16: dict) -> list[Row]:
         Row("fp8 step", "MFU", "info", f"{100 * f['mfu']:.1f}%",
             f"model FLOP/s over the {base}'s {format_flops(f['peak_flops_per_device'])}; fp8: {fp8_mfu}"),
         peak_memory_row("fp8 step", f),
-        Row("fp8 step", "loss vs bf16", "pass" if finite else "FAIL", f"{100 * f['loss_max_relative_difference']:.2f}%",
-            f"largest |fp8 - {base}| / {base} loss over {f['loss_steps']} steps from the same weights on one batch; "
-            f"{base} {curve(f['loss_bf16'])}, fp8 {curve(f['loss_fp8'])}"),
+        Row("fp8 step", "loss vs bf16", "pass" if f["loss_tail_relative_difference"] <= FP8_LOSS_TOLERANCE else "FAIL",
+            f"{100 * f['loss_tail_relative_difference']:.2f}%",
+            f"|fp8 - {base}| / {base}, mean loss of the last {f['loss_tail_steps']} of {f['loss_steps']} steps on the "
+            f"bundled plays from the same weights, pass <= {100 * FP8_LOSS_TOLERANCE:g}% (largest of one step "
+            f"{100 * f['loss_max_relative_difference']:.2f}%); {base} {curve(f['loss_bf16'])}, "
+            f"fp8 {curve(f['loss_fp8'])}"),
     ]
     return rows
 

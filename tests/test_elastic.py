@@ -31,7 +31,7 @@ def losses(run_dir: Path) -> dict[int, float]:
 
 def test_four_processes_continue_on_two_when_a_host_is_lost_and_grow_back_to_four(tmp_path):
     local = tmp_path / "local"  # one local directory a simulated host inside it (checkpoint/local.py)
-    config = write_tiny_yaml(tmp_path, train={"steps": STEPS, "min_lr_ratio": 1.0},
+    config = write_tiny_yaml(tmp_path, train={"steps": STEPS, "min_lr_ratio": 1.0, "lr": 3e-3},
                              checkpoint={"every_steps": DURABLE, "keep": 50, "local_dir": str(local),
                                          "local_every_steps": INTERVAL})
     def train(processes: int, devices: int, directory: Path, *keys: str) -> None:
@@ -96,8 +96,9 @@ def test_four_processes_continue_on_two_when_a_host_is_lost_and_grow_back_to_fou
         in log, log[-6000:]
     got, want = losses(run_dir), losses(straight)
     assert max(got) == STEPS
-    # Within 1e-5 for these 28 steps: other process counts sum in other orders, and this model at lr 1e-2 grows
-    # the last-bit differences (uninterrupted runs on 1 and 4 processes: 8e-8 at step 1, 9e-5 at step 29).
+    # Other process counts sum in other orders: the same math, not the same bits. At lr 3e-3 those last-bit
+    # differences stay at most 2e-7 for 30 steps (uninterrupted runs of 1x4, 4x1 and 2x1 devices with 2
+    # micro-batches); at lr 1e-2 they reach 1e-5 by step 28 and 2e-4 at step 29, and this check sat on that edge.
     np.testing.assert_allclose([got[s] for s in range(1, STEPS + 1)], [want[s] for s in range(1, STEPS + 1)], rtol=1e-5)
 
 
