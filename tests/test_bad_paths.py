@@ -119,3 +119,17 @@ def test_a_bad_path_is_one_line_exit_2_and_nothing_written(argument, case, model
     assert err.startswith("llama-jax: error: ") and err.count("\n") == 1, err
     assert name in err, err  # names the path
     assert snapshot(tmp_path) == before and snapshot(model) == model_before
+
+
+def test_convert_of_a_run_without_a_checkpoint_yet_says_so(tmp_path, capsys):
+    """A run that has not saved yet (its config and metrics written, checkpoints/ empty): one line that says what it
+    lacks, exit 2, OUT not made."""
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "config.yaml").write_text("seed: 0\n")
+    (run / "metrics.jsonl").write_text("")
+    assert cli.main(["convert", str(run), str(tmp_path / "out")]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"llama-jax: error: {run} is a run directory without a finished checkpoint yet (none in "
+                           f"{run / 'checkpoints'})")
+    assert not (tmp_path / "out").exists()
