@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from llama_jax.errors import EXIT_PEER_TIMEOUT, InputError, LlamaJaxError
+from llama_jax.files import unreadable, unwritable
 
 
 DEVICES_PER_HOST_HELP = ("devices per host, to tell which collectives cross the network between hosts; must divide "
@@ -197,8 +198,8 @@ def cmd_tune(ns: argparse.Namespace) -> int:
             not (ns.overlap == -1 or 0 <= ns.overlap <= 1):
         raise InputError("tune: --efficiency and --overlap must be in [0, 1], --bandwidth-gbs and --nic-gbs >= 0")
     out = Path(ns.out)
-    if out.is_dir():
-        raise InputError(f"--out {out} is a directory; name the YAML file to write, e.g. {out / 'tune.yaml'}")
+    if problem := unwritable(out, "file"):
+        raise InputError(f"--out {out} cannot be written: {problem}; name the YAML file to write, e.g. tune.yaml")
     gpus = _target_gpus(ns)
     from llama_jax.training import tune
 
@@ -309,9 +310,11 @@ def _add_prepare(commands) -> None:
 def cmd_report(ns: argparse.Namespace) -> int:
     from llama_jax.training.report import write_report
 
+    if problem := unreadable(Path(ns.run_dir), "directory"):  # missing, a file or unreadable: before any read
+        raise InputError(f"report: {problem}; name the run.dir of a run")
     try:
         print(write_report(Path(ns.run_dir)))
-    except (FileNotFoundError, ValueError) as err:  # no metrics yet, or a corrupt metrics line
+    except (OSError, ValueError) as err:  # no metrics yet or unreadable, a corrupt line, report.png not writable
         raise InputError(str(err)) from None
     return 0
 
@@ -454,8 +457,8 @@ def cmd_goodput(ns: argparse.Namespace) -> int:
     if any(v is not None and v < 0 for v in rates) or not (ns.host_loss_share is None or 0 <= ns.host_loss_share <= 1):
         raise InputError("goodput: --failures-per-gpu-hour, --planned-per-gpu-hour, --replacement-s and --restart-s "
                          "must be >= 0, --host-loss-share in [0, 1]")
-    if ns.run_dir and not Path(ns.run_dir).is_dir():
-        raise InputError(f"goodput: --from {ns.run_dir} is not a directory; name a run.dir a run trained in")
+    if ns.run_dir and (problem := unreadable(Path(ns.run_dir), "directory")):
+        raise InputError(f"goodput: --from {problem}; name the run.dir of a run")
     from llama_jax.config import load_config
     from llama_jax.training import goodput_projection as projection
 

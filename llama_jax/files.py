@@ -1,5 +1,6 @@
-"""Small helpers every layer shares: atomic writes, the user cache directory, what a failed write means (and
-whether a directory can be written at all), and sizes, times and id ranges as the commands print them."""
+"""Small helpers every layer shares: atomic writes, the user cache directory, what a failed write means, whether
+a path a command reads can be read and one it writes can be written (one reason, for its one-line error), and
+sizes, times and id ranges as the commands print them."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import mmap
 import os
 import re
 import shutil
+import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -51,9 +53,10 @@ def describe_write_failure(err: BaseException, where: Path) -> str:
 
 
 def nearest_existing(path: Path) -> Path:
-    """`path` (absolute) if it exists, else its nearest ancestor that does: where a directory would be made."""
+    """`path` (absolute) if it exists, else its nearest ancestor that does: where a directory would be made.
+    (os.path.exists: a path below a directory this user may not search counts as absent, not as an error.)"""
     existing = Path(path).absolute()
-    while not existing.exists() and existing != existing.parent:
+    while not os.path.exists(existing) and existing != existing.parent:
         existing = existing.parent
     return existing
 
@@ -72,19 +75,39 @@ def free_space(path: Path) -> str:
     return "unknown space" if free is None else format_bytes(free)
 
 
-def unwritable(path: Path) -> str | None:
-    """Why a directory cannot be created or written at `path`, or None when it can: a file in its place or on the
-    way there, or a nearest existing directory on a read-only filesystem or without write permission."""
+def unwritable(path: Path, kind: str = "directory") -> str | None:
+    """Why a `kind` ("directory" or "file") cannot be created or written at `path`, or None when it can: the other
+    kind in its place, a file on the way there, or the place it goes on a read-only filesystem or without write
+    permission."""
     target = Path(path).expanduser().absolute()
-    if target.exists() and not target.is_dir():
-        return f"{target} is a file, not a directory"
-    existing = nearest_existing(target)
-    if not existing.is_dir():
+    if os.path.exists(target) and os.path.isdir(target) != (kind == "directory"):
+        return f"{target} is a {'file' if kind == 'directory' else 'directory'}, not a {kind}"
+    # A file that exists is written in place; anything else is made in its nearest existing directory.
+    existing = target if kind == "file" and os.path.exists(target) else nearest_existing(target)
+    if existing != target and not existing.is_dir():
         return f"{existing} is a file, where {target} needs a directory"
     if os.statvfs(existing).f_flag & os.ST_RDONLY:
         return f"{existing} is on a read-only file system"
-    if not os.access(existing, os.W_OK | os.X_OK):
+    if not os.access(existing, os.W_OK | (os.X_OK if existing.is_dir() else 0)):
         return f"{existing} is not writable by this user (permission denied)"
+    return None
+
+
+def unreadable(path: Path, kind: str = "directory") -> str | None:
+    """Why `path` cannot be read as a `kind` ("directory" or "file"), or None when it can: it does not exist, it is
+    the other kind, or this user may not read it (nor, for a directory, list it). The twin of `unwritable`: every
+    command checks the paths it reads with it before it reads or writes anything."""
+    target = Path(path).expanduser()
+    try:
+        mode = target.stat().st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        return f"{target} does not exist"
+    except OSError as err:  # e.g. a parent directory this user may not search
+        return f"{target} cannot be reached ({err.strerror or type(err).__name__})"
+    if stat.S_ISDIR(mode) != (kind == "directory"):
+        return f"{target} is a {'directory' if stat.S_ISDIR(mode) else 'file'}, not a {kind}"
+    if not os.access(target, os.R_OK | (os.X_OK if kind == "directory" else 0)):
+        return f"{target} is not readable by this user (permission denied)"
     return None
 
 

@@ -11,6 +11,8 @@ import pytest
 import llama_jax.training.loop
 from llama_jax import cli
 from llama_jax.config import Config, all_keys, load_config, preset_names, to_yaml
+from llama_jax.config.checks import BOUNDS, METHOD_BOUNDS, UNBOUNDED
+from llama_jax.config.load import _leaf_types
 from llama_jax.distributed import sharding
 from llama_jax.errors import ConfigError
 
@@ -158,7 +160,10 @@ BAD_INPUTS = [
     case("local-dir-without-interval", ["checkpoint.local_dir=/dev/shm/x"],
          ["checkpoint.local_dir and checkpoint.local_every_steps go together"]),
     case("local-replicas", ["checkpoint.local_dir=/dev/shm/x", "checkpoint.local_every_steps=5",
-                            "checkpoint.local_replicas=2"], ["checkpoint.local_replicas 0 or 1", "2"]),
+                            "checkpoint.local_replicas=2"], ["checkpoint.local_replicas must be in [0, 1]", "got 2"]),
+    case("negative-mtbf", ["checkpoint.mtbf_hours=-1", "checkpoint.every_steps=auto"],
+         ["checkpoint.mtbf_hours must be >= 0 (0: observed in this run, else 3 h), got -1"]),
+    case("zero-checkpoint-timeout", ["checkpoint.timeout_s=0"], ["checkpoint.timeout_s must be at least 1, got 0"]),
     case("unknown-preset", ["llama3_8"], ["unknown preset 'llama3_8'", "did you mean 'llama3_8b'"]),
     case("missing-yaml", ["{tmp}/missing.yaml"], ["missing.yaml", "does not exist"]),
     case("bad-dtype", ["model.compute_dtype=float8"], ["model.compute_dtype", "float8", "bfloat16"]),
@@ -296,3 +301,67 @@ def test_a_llama3_preset_without_its_data_is_refused_in_one_line(tmp_path, overr
     errors = [line for line in proc.stderr.splitlines() if line.startswith("llama-jax: error:")]
     assert len(errors) == 1 and named in errors[0] and "llama-jax prepare" in errors[0], proc.stderr
     assert not run_dir.exists()
+
+
+# --------------------------------------------------------------------------------------------
+# Numeric ranges: checks.BOUNDS, one row per key
+
+
+def numeric_keys() -> set[str]:
+    """The schema's keys that hold one number (or a count or auto)."""
+    return {key for key, kind in _leaf_types().items()
+            if kind in (int, float) or set(getattr(kind, "__args__", ())) == {int, str}}
+
+
+def test_every_numeric_key_has_a_bound_or_a_reason_for_none():
+    """A new numeric key must say which values it takes (checks.BOUNDS) or why it takes any (UNBOUNDED)."""
+    bounded = set(BOUNDS) | {key for keys in METHOD_BOUNDS.values() for key in keys}
+    assert numeric_keys() == bounded | set(UNBOUNDED)
+    assert not bounded & set(UNBOUNDED)
+
+
+def outside(bound) -> list[float]:
+    """Values just outside a bound: under its low end (at it when `above`), under its special value (-1: fill),
+    and over its high end."""
+    values = [bound.low - 1] + ([bound.low] if bound.above else [])
+    if bound.special is not None:
+        values.append(bound.special - 1)
+    if bound.high is not None:
+        values += [bound.high + 1] + ([bound.high] if bound.below else [])
+    return [v for v in values if v != bound.special]
+
+
+BOUNDED = [(key, bound, method) for method, keys in [("none", BOUNDS), *METHOD_BOUNDS.items()]
+           for key, bound in keys.items()]
+
+
+@pytest.mark.parametrize("key, bound, method", BOUNDED, ids=[f"{k}-{m}" if m != "none" else k for k, _, m in BOUNDED])
+def test_a_value_outside_its_bound_is_refused_and_its_lowest_allowed_one_accepted(key, bound, method):
+    """0 and below are refused where only a positive value makes sense, in one line that names the key and its
+    range (and what the lowest allowed value means, where it means something); that lowest value loads."""
+    peft = [] if method == "none" else [f"peft.method={method}", "checkpoint.init_from=runs/base"]
+    for value in outside(bound):
+        with pytest.raises(ConfigError) as refused:
+            load_config("tiny", [*peft, f"{key}={value:g}"])
+        assert str(refused.value) == f"{key} must be {bound.describe()}, got {get_typed(key, value)!r}"
+    if not bound.above and bound.special is None:
+        assert get(load_config("tiny", [*peft, f"{key}={bound.low:g}"]), key) == bound.low
+
+
+def get_typed(key: str, value: float):
+    """`value` as the schema's type of `key` holds it (an int key's -1 is -1, a float key's is -1.0)."""
+    return float(value) if _leaf_types()[key] is float else int(value)
+
+
+def test_mtbf_hours_0_is_the_documented_default_and_below_0_is_refused():
+    """checkpoint.mtbf_hours=0 (the default) means: the MTBF this run observes, else 3 h (schema.py,
+    docs/fault-tolerance.md), also with every_steps=auto; a negative MTBF has no meaning and is refused."""
+    assert load_config("tiny", ["checkpoint.mtbf_hours=0", "checkpoint.every_steps=auto"]).checkpoint.mtbf_hours == 0
+    with pytest.raises(ConfigError, match=r"checkpoint.mtbf_hours must be >= 0 \(0: observed in this run, else 3 h\)"):
+        load_config("tiny", ["checkpoint.mtbf_hours=-0.5", "checkpoint.every_steps=auto"])
+
+
+def test_a_zero_divisor_is_refused_before_any_division():
+    """remat.every_n_layers=0 with explicit pipeline stages divided by zero (a traceback) before the table."""
+    with pytest.raises(ConfigError, match="remat.every_n_layers must be positive, got 0"):
+        load_config("tiny", ["remat.every_n_layers=0", "mesh.pipeline=2", "mesh.pipeline_stage_layers=[1,1]"])

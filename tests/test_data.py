@@ -214,7 +214,7 @@ def test_hf_dataset_dir(tmp_path, monkeypatch):
                           "test": datasets.Dataset.from_dict({"story": ["held out"]})}).save_to_disk(str(tmp_path / "dd"))
     assert unit_documents(f"hf:{tmp_path / 'dd'}", ReadOptions(text_field="story")) == texts[:5]
     one_line_error(lambda: plan_units(f"hf:{tmp_path / 'ds'}", ReadOptions(text_field="body")), "no column 'body'")
-    one_line_error(lambda: plan_units(f"hf:{tmp_path / 'missing'}", ReadOptions()), "is not a directory")
+    one_line_error(lambda: plan_units(f"hf:{tmp_path / 'missing'}", ReadOptions()), "missing does not exist")
 
 
 def test_shakespeare_scenes():

@@ -110,7 +110,7 @@ def test_goodput_command_json_at_llama3_scale(capsys):
     (["--gpus", "0"], "--gpus 0 must be positive"),
     (["--gpus", "12"], "whole number of hosts"),
     (["--gpus", "16", "--host-loss-share", "1.5"], "--host-loss-share in [0, 1]"),
-    (["--gpus", "16", "--from", "/nonexistent/run"], "is not a directory"),
+    (["--gpus", "16", "--from", "/nonexistent/run"], "--from /nonexistent/run does not exist"),
 ])
 def test_goodput_command_refuses_bad_input_in_one_line(args, says, capsys):
     assert cli.main(["goodput", "tiny", *args]) == 2

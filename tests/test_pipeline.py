@@ -179,7 +179,7 @@ def test_plan_reports_the_bubble_of_the_schedule_and_of_the_compiled_loop(stages
      "mesh.pipeline=4 needs train.microbatches to be a multiple of 4"),
     (["model.n_layers=4", "mesh.pipeline=2", "mesh.fsdp=4", "train.microbatches=2", "mesh.pipeline_microbatches=4"],
      "train.microbatches (2) must be a multiple of mesh.pipeline_microbatches (4)"),
-    (["mesh.pipeline=0"], "mesh.pipeline and mesh.pipeline_repeats must be positive"),
+    (["mesh.pipeline=0"], "mesh.pipeline must be positive, got 0"),
     (["model.n_layers=4", "mesh.pipeline=2", "mesh.pipeline_stage_layers=[1,2]"],
      "mesh.pipeline_stage_layers [1, 2] must be positive layer counts adding up to model.n_layers (4); they add up "
      "to 3"),

@@ -93,7 +93,8 @@ def test_train_with_preflight_stops_before_writing_anything_but_the_verdict(tmp_
 @pytest.mark.parametrize("override, message", [
     ("fault.preflight_min_ratio=1.5", "fault.preflight_min_ratio must be in (0, 1]"),
     ("fault.preflight_min_ratio=0", "fault.preflight_min_ratio must be in (0, 1]"),
-    ("fault.inject_slow_device=-2", "fault.inject_slow_device=-2 is not a device of this run's mesh (ids 0-7)"),
+    ("fault.inject_slow_device=-2", "fault.inject_slow_device must be >= -1 (-1: none), got -2"),  # the config's range
+    ("fault.inject_slow_device=9", "fault.inject_slow_device=9 is not a device of this run's mesh (ids 0-7)"),
     ("fault.inject_wrong_device=8", "fault.inject_wrong_device=8 is not a device of this run's mesh (ids 0-7)"),
 ])
 def test_bad_settings_are_one_line_and_exit_2(tmp_path, capsys, override, message):

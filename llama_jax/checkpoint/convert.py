@@ -18,6 +18,7 @@ from llama_jax.checkpoint.specs import (TOKENIZER_FILES, inference_config, infer
 from llama_jax.distributed import processes, sharding
 from llama_jax.distributed.peers import Peers
 from llama_jax.errors import ConfigError
+from llama_jax.files import unwritable
 from llama_jax.interop import hf, peft_format
 
 
@@ -32,6 +33,8 @@ def convert(source: str, out: str, overrides: list[str] = (), dtype: str = "floa
     overwritten. Every process of a multi-process run (run.* keys or the environment) runs it; process 0
     writes the Hugging Face files."""
     target = Path(out).expanduser()
+    if problem := unwritable(target):
+        raise ConfigError(f"the output directory {out} cannot be written: {problem}; choose a new output directory")
     if target.exists() and any(target.iterdir()):
         raise ConfigError(f"{target} exists and is not empty; choose a new output directory")
     if rotary not in hf.ROTARY_LAYOUTS:

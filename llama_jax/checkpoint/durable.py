@@ -83,6 +83,9 @@ def resolve_step_dir(path: str) -> Path:
             return candidate / str(steps[-1])
     if p.name.isdigit() and p.is_dir():
         return p
+    if (p / "config.yaml").is_file() or (p / "metrics.jsonl").is_file():  # a run that has not saved yet
+        raise ConfigError(f"{path} is a run directory without a finished checkpoint yet (none in "
+                          f"{p / 'checkpoints'}); a run saves one every checkpoint.every_steps steps and at its end")
     raise ConfigError(f"{path} holds no finished checkpoint; give a run dir, its checkpoints/ or a step directory")
 
 def read_step(step_dir: Path, abstract_state: Any, layout: LayerOrder) -> tuple[Any, dict]:

@@ -37,6 +37,7 @@ from llama_jax.data.tokenizer import Tokenizer
 from llama_jax.data.tokenizer import load_tokenizer as load_tokenizer_file
 from llama_jax.distributed import sharding
 from llama_jax.errors import ConfigError
+from llama_jax.files import unreadable
 from llama_jax.interop import hf
 from llama_jax.model import peft
 from llama_jax.model.llama import abstract_params
@@ -79,6 +80,10 @@ def resolve(text: str | ModelSpec) -> ModelSpec:
     """The spec a user typed, resolved (a ModelSpec passes through). Raises ConfigError, one line."""
     if isinstance(text, ModelSpec):
         return text
+    # Every kind of spec is a directory: one that is missing, a file or unreadable is named before anything
+    # looks inside it (convert, eval, generate, checkpoint.init_from and resume_from all come through here).
+    if problem := unreadable(Path(text.removeprefix("hf:")), "directory"):
+        raise ConfigError(f"{problem}; a model is a run directory, its checkpoints/, a step directory or hf:DIR")
     directory = hf_directory(text)
     if directory is not None:
         return ModelSpec(text, hf.read_config(directory), hf_dir=directory)

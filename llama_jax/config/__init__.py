@@ -7,7 +7,7 @@
     load.py     a preset (presets/*.yaml) or YAML file plus key=value overrides -> a checked Config
     presets/    tiny (the default), bench, and the Llama 3 recipes
 
-The bottom of the package: it imports nothing of llama_jax but errors.py. The names below are the ones
+The bottom of the package: it imports nothing of llama_jax but errors.py and files.py. The names below are the ones
 scripts use: `from llama_jax.config import Config, load_config`.
 """
 

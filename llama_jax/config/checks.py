@@ -5,12 +5,13 @@ and exits 2 before anything is written). `validate` runs them all; load.py calls
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from llama_jax.config.choices import (ATTENTION_IMPLEMENTATIONS, BAD_RECORD_ACTIONS, DTYPES, FP8_RECIPES,
                                       FUNCTION_FIELDS, LOGICAL_AXES, LORA_TARGETS, MESH_AXES, PACKINGS, PEFT_METHODS,
                                       PIPELINE_SCHEDULES, PROMPT_ENCODERS, REMAT_ACTIONS, REMAT_POLICIES, REMAT_TAGS,
                                       TEXT_UNITS)
-from llama_jax.config.schema import (CheckpointConfig, Config, DataConfig, FaultConfig, MeshConfig, PeftConfig,
-                                     RematConfig)
+from llama_jax.config.schema import CheckpointConfig, Config, DataConfig, MeshConfig, RematConfig
 from llama_jax.errors import ConfigError
 
 
@@ -18,17 +19,165 @@ def _require(ok: bool, message: str) -> None:
     if not ok:
         raise ConfigError(message)
 
+
+@dataclass(frozen=True)
+class Bound:
+    """The values a numeric key may take: from `low` on, or above it when `above`; up to `high` (below it when
+    `below`) for a fraction; and `special`, one value under the range with a meaning of its own (-1: fill)."""
+
+    low: float
+    above: bool = False
+    high: float | None = None
+    below: bool = False
+    special: int | None = None
+    auto: bool = False  # "auto" is allowed too: the key is a count or auto (train.microbatches, ...)
+    # What the lowest allowed value does ("off", "only at the end"): the message names it, so a user who typed
+    # a value under it learns which value has a meaning. Without one the bound is a plain count or measure.
+    means: str = ""
+
+    def allows(self, value: float) -> bool:
+        if value == self.special:
+            return True
+        if value < self.low or (self.above and value == self.low):
+            return False
+        return self.high is None or value < self.high or (not self.below and value == self.high)
+
+    def describe(self) -> str:
+        """'positive', '>= 0 (0: off)', 'at least 16', 'in (0, 1]', 'positive or -1 (-1: fill ...)',
+        'a positive count or auto'."""
+        if self.high is not None:
+            return f"in {'(' if self.above else '['}{self.low:g}, {self.high:g}{')' if self.below else ']'}"
+        if self.above:
+            rule = "positive" if self.low == 0 else f"above {self.low:g}"
+        else:
+            rule = f">= {self.low:g}" if self.low <= 0 else f"at least {self.low:g}"
+        if self.special is not None:
+            rule = f"{rule} or {self.special} ({self.special}: {self.means})"
+        elif self.means:
+            rule = f"{rule} ({self.low:g}: {self.means})"
+        if self.auto:
+            return "a positive count or auto" if rule == "positive" else f"a count {rule} or auto"
+        return rule
+
+
+POSITIVE = Bound(0, above=True)
+
+# Every numeric key of the schema and the values it takes (see schema.py's comments for what they mean): a key that
+# only makes sense positive -- a size, count, interval, timeout, rate -- refuses 0 and below, and a key whose 0 (or
+# -1) is documented to mean something says what in its `means`. validate() checks these before anything relates
+# two keys (a count of 0 would otherwise reach a division). test_config checks that no numeric key is missing.
+BOUNDS: dict[str, Bound] = {
+    "model.vocab_size": POSITIVE,
+    "model.d_model": POSITIVE,
+    "model.n_layers": POSITIVE,
+    "model.n_heads": POSITIVE,
+    "model.n_kv_heads": POSITIVE,
+    "model.head_dim": Bound(0, means="d_model / n_heads"),
+    "model.ffn_dim": POSITIVE,
+    "model.max_seq_len": POSITIVE,
+    "model.norm_eps": POSITIVE,
+    "model.rope_theta": POSITIVE,
+    "model.rope_scaling_factor": Bound(1, means="unscaled"),
+    "model.rope_low_freq_factor": POSITIVE,  # and below rope_high_freq_factor (validate)
+    "model.rope_high_freq_factor": POSITIVE,
+    "model.rope_original_max_len": POSITIVE,
+    "model.attention_max_segments": POSITIVE,
+    "model.init_std": POSITIVE,
+    "train.steps": Bound(0),
+    "train.batch_size": POSITIVE,
+    "train.seq_len": POSITIVE,
+    "train.microbatches": Bound(0, above=True, auto=True),
+    "train.lr": POSITIVE,
+    "train.warmup_steps": Bound(0),
+    "train.min_lr_ratio": Bound(0, high=1),
+    "train.weight_decay": Bound(0),
+    "train.b1": Bound(0, high=1, below=True),
+    "train.b2": Bound(0, high=1, below=True),
+    "train.eps": POSITIVE,  # Adam's denominator: a parameter without gradient (an unseen token's row) would be 0/0
+    "train.grad_clip": Bound(0, means="no clipping"),
+    "train.log_every": POSITIVE,
+    "train.eval_every": Bound(0, means="only at the start and the end"),
+    "train.eval_batches": POSITIVE,
+    "train.sample_tokens": Bound(0, means="no sample"),
+    "data.packing_window": POSITIVE,
+    "data.val_every_nth_doc": Bound(2),
+    "data.loader_threads": Bound(0, means="none: each batch is made when the step asks for it"),
+    "data.prefetch": Bound(0, means="none"),
+    "mesh.pipeline": POSITIVE,
+    "mesh.pipeline_repeats": POSITIVE,
+    "mesh.pipeline_microbatches": Bound(0, means="all of train.microbatches in one pass"),
+    **{f"mesh.{axis}": Bound(0, above=True, special=-1, means="fill the devices left over")
+       for axis in ("data", "fsdp", "tensor", "sequence")},
+    "remat.every_n_layers": POSITIVE,  # and a divisor of model.n_layers (_check_remat)
+    "checkpoint.every_steps": Bound(0, means="only at the end", auto=True),
+    "checkpoint.every_minutes": Bound(0, means="off"),
+    "checkpoint.keep": POSITIVE,
+    "checkpoint.keep_every": Bound(0, means="no milestones"),
+    "checkpoint.mtbf_hours": Bound(0, means="observed in this run, else 3 h"),
+    "checkpoint.timeout_s": Bound(1),
+    "checkpoint.max_failed_saves": Bound(0, means="stop at the first"),
+    "checkpoint.local_every_steps": Bound(0, means="no local tier", auto=True),
+    "checkpoint.local_keep": POSITIVE,
+    "checkpoint.local_replicas": Bound(0, high=1),  # an int: 0 or 1 (a partner host keeps a copy)
+    "fault.hang_factor": POSITIVE,
+    "fault.hang_min_timeout_s": POSITIVE,
+    "fault.hang_startup_timeout_s": POSITIVE,
+    "fault.max_bad_steps": Bound(0, means="never roll back"),
+    "fault.spike_zscore": Bound(0, means="off"),
+    "fault.spike_window": Bound(2),
+    "fault.straggler_factor": Bound(1, above=True),
+    # At least 2: a window is scored once every process has posted it, which the train loop (one step
+    # ahead of the devices) guarantees only a window of 2+ steps later (distributed.HostWindow).
+    "fault.straggler_every_steps": Bound(2),
+    "fault.straggler_host_threshold": POSITIVE,
+    "fault.barrier_timeout_s": Bound(1),
+    "fault.flight_events": Bound(16),
+    "fault.flight_heartbeat_s": POSITIVE,
+    "fault.preflight_min_ratio": Bound(0, above=True, high=1),
+    "fault.inject_hang_step": Bound(-1, means="none"),
+    "fault.inject_process": Bound(-1, means="none"),
+    "fault.inject_step_delay_s": Bound(0),
+    "fault.inject_save_delay_s": Bound(0),
+    "fault.inject_slow_device": Bound(-1, means="none"),
+    "fault.inject_wrong_device": Bound(-1, means="none"),
+    "run.num_processes": Bound(0, means="from the environment"),
+    "run.process_id": Bound(-1, means="from the environment"),
+    "run.init_timeout_s": Bound(1),
+    "run.heartbeat_timeout_s": Bound(1),
+    "run.full_processes": Bound(0, means="this run's process count"),
+    "run.device_memory_gb": Bound(0, means="what XLA may allocate"),
+}
+
+# A peft method's own keys, checked only when that method is chosen: a prompt length never refuses a LoRA run.
+METHOD_BOUNDS: dict[str, dict[str, Bound]] = {
+    "lora": {"peft.rank": POSITIVE, "peft.alpha": POSITIVE, "peft.dropout": Bound(0, high=1, below=True)},
+    "prompt": {"peft.prompt_tokens": POSITIVE},  # and below train.seq_len (_check_peft)
+    "ptuning": {"peft.prompt_tokens": POSITIVE, "peft.encoder_hidden": Bound(0, means="model.d_model")},
+}
+
+# The numeric keys with no bound, and why.
+UNBOUNDED = {"seed": "any integer seeds the random numbers"}
+
+
+def value_of(config: Config, key: str):
+    """The value of a dotted key, e.g. value_of(config, "train.lr")."""
+    value = config
+    for part in key.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def check_bounds(config: Config, bounds: dict[str, Bound]) -> None:
+    """One ConfigError line for the first key of `bounds` whose value is out of its bound."""
+    for key, bound in bounds.items():
+        value = value_of(config, key)
+        ok = value == "auto" if isinstance(value, str) else bound.allows(value)
+        _require(ok, f"{key} must be {bound.describe()}, got {value!r}")
+
+
 def validate(config: Config) -> None:
     m, t = config.model, config.train
-    for key, value in [
-        ("model.vocab_size", m.vocab_size), ("model.d_model", m.d_model), ("model.n_layers", m.n_layers),
-        ("model.n_heads", m.n_heads), ("model.n_kv_heads", m.n_kv_heads), ("model.ffn_dim", m.ffn_dim),
-        ("model.max_seq_len", m.max_seq_len), ("model.attention_max_segments", m.attention_max_segments),
-        ("train.batch_size", t.batch_size), ("train.seq_len", t.seq_len),
-    ]:
-        _require(value > 0, f"{key} must be positive, got {value}")
-    _require(t.steps >= 0, f"train.steps must be >= 0, got {t.steps}")
-    _require(m.head_dim >= 0, f"model.head_dim must be >= 0 (0 = d_model / n_heads), got {m.head_dim}")
+    check_bounds(config, BOUNDS)
     _require(
         m.head_dim > 0 or m.d_model % m.n_heads == 0,
         f"model.d_model ({m.d_model}) is not divisible by model.n_heads ({m.n_heads}); "
@@ -47,13 +196,6 @@ def validate(config: Config) -> None:
         f"model.attention must be one of {', '.join(ATTENTION_IMPLEMENTATIONS)}, got '{m.attention}'",
     )
     _require(m.fp8 in FP8_RECIPES, f"model.fp8 must be one of {', '.join(FP8_RECIPES)}, got '{m.fp8}'")
-    _require(m.norm_eps > 0, f"model.norm_eps must be positive, got {m.norm_eps}")
-    _require(m.init_std > 0, f"model.init_std must be positive, got {m.init_std}")
-    _require(m.rope_original_max_len > 0,
-             f"model.rope_original_max_len must be positive, got {m.rope_original_max_len}")
-    _require(m.rope_low_freq_factor > 0, f"model.rope_low_freq_factor must be positive, got {m.rope_low_freq_factor}")
-    _require(m.rope_theta > 0, f"model.rope_theta must be positive, got {m.rope_theta}")
-    _require(m.rope_scaling_factor >= 1, f"model.rope_scaling_factor must be >= 1, got {m.rope_scaling_factor}")
     _require(
         m.rope_high_freq_factor > m.rope_low_freq_factor,
         "model.rope_high_freq_factor must exceed model.rope_low_freq_factor",
@@ -63,36 +205,18 @@ def validate(config: Config) -> None:
         f"train.seq_len ({t.seq_len}) exceeds model.max_seq_len ({m.max_seq_len}); "
         "lower train.seq_len or raise model.max_seq_len",
     )
-    _require(t.microbatches == "auto" or (isinstance(t.microbatches, int) and t.microbatches > 0),
-             f"train.microbatches must be a positive count or auto, got '{t.microbatches}'")
     _require(
         t.microbatches == "auto" or t.batch_size % t.microbatches == 0,
         f"train.batch_size ({t.batch_size}) is not divisible by train.microbatches ({t.microbatches}); "
         f"valid microbatch counts: {_divisors(t.batch_size)}",
     )
-    _require(t.lr > 0, f"train.lr must be positive, got {t.lr}")
-    _require(t.warmup_steps >= 0, f"train.warmup_steps must be >= 0, got {t.warmup_steps}")
     _require(t.steps == 0 or t.warmup_steps < t.steps,
              f"train.warmup_steps ({t.warmup_steps}) is not below train.steps ({t.steps}): the learning rate would "
              f"never reach train.lr nor decay; warm up for a small fraction of the run (e.g. "
              f"train.warmup_steps={max(1, t.steps // 100)}) or raise train.steps")
-    _require(0 <= t.min_lr_ratio <= 1, f"train.min_lr_ratio must be in [0, 1], got {t.min_lr_ratio}")
-    _require(t.weight_decay >= 0, f"train.weight_decay must be >= 0, got {t.weight_decay}")
-    _require(0 <= t.b1 < 1 and 0 <= t.b2 < 1, f"train.b1 and train.b2 must be in [0, 1), got {t.b1}, {t.b2}")
-    _require(t.grad_clip >= 0, f"train.grad_clip must be >= 0 (0 disables), got {t.grad_clip}")
-    _require(t.log_every > 0, f"train.log_every must be positive, got {t.log_every}")
-    _require(t.eval_every >= 0, f"train.eval_every must be >= 0, got {t.eval_every}")
-    _require(t.eval_batches > 0, f"train.eval_batches must be positive, got {t.eval_batches}")
-    _require(t.sample_tokens >= 0, f"train.sample_tokens must be >= 0, got {t.sample_tokens}")
     _check_data(config.data)
     mesh_axes = {"mesh.data": config.mesh.data, "mesh.fsdp": config.mesh.fsdp,
                  "mesh.tensor": config.mesh.tensor, "mesh.sequence": config.mesh.sequence}
-    for key, value in mesh_axes.items():
-        _require(value == -1 or value > 0, f"{key} must be a positive device count or -1, got {value}")
-    _require(config.mesh.pipeline > 0 and config.mesh.pipeline_repeats > 0 and config.mesh.pipeline_microbatches >= 0,
-             "mesh.pipeline and mesh.pipeline_repeats must be positive counts and mesh.pipeline_microbatches >= 0, "
-             "got "
-             f"{config.mesh.pipeline}, {config.mesh.pipeline_repeats} and {config.mesh.pipeline_microbatches}")
     _require(config.mesh.pipeline_microbatches == 0 or config.mesh.pipeline > 1,
              f"mesh.pipeline_microbatches={config.mesh.pipeline_microbatches} sends a pipeline's micro-batches through "
              "in passes, and there is no pipeline (mesh.pipeline=1); set mesh.pipeline > 1 or leave it at 0")
@@ -102,15 +226,9 @@ def validate(config: Config) -> None:
     )
     _check_pipeline(config.mesh, m.n_layers, config.remat.every_n_layers)
     _check_checkpoint(config.checkpoint)
-    _check_fault(config.fault)
     _require(bool(config.run.dir.strip()), "run.dir must not be empty")
-    _require(config.run.init_timeout_s >= 1 and config.run.heartbeat_timeout_s >= 1,
-             "run.init_timeout_s and run.heartbeat_timeout_s must be at least 1 second")
-    _require(config.run.full_processes >= 0, f"run.full_processes must be >= 0 (0: this run's process count), "
-             f"got {config.run.full_processes}")
-    _require(config.run.device_memory_gb >= 0, "run.device_memory_gb must be >= 0 (0: the device's memory less 10%)")
     _check_remat(config.remat, m.n_layers)
-    _check_peft(config.peft, t.seq_len, config.checkpoint.init_from, config.checkpoint.resume_from)
+    _check_peft(config)
     _require(config.peft.method == "none" or config.mesh.pipeline == 1,
              f"peft.method={config.peft.method} with mesh.pipeline={config.mesh.pipeline}: adapters train without "
              "pipeline stages; shard the frozen model with mesh.fsdp and mesh.tensor")
@@ -122,9 +240,6 @@ def _check_data(d: DataConfig) -> None:
     for key, value, allowed in [("data.packing", d.packing, PACKINGS), ("data.text_unit", d.text_unit, TEXT_UNITS),
                                 ("data.on_bad_record", d.on_bad_record, BAD_RECORD_ACTIONS)]:
         _require(value in allowed, f"{key} must be one of {', '.join(allowed)}, got '{value}'")
-    _require(d.val_every_nth_doc >= 2, "data.val_every_nth_doc must be >= 2")
-    _require(d.packing_window > 0, f"data.packing_window must be positive, got {d.packing_window}")
-    _require(d.loader_threads >= 0 and d.prefetch >= 0, "data.loader_threads and data.prefetch must be >= 0")
 
 def parse_axes(value: str) -> str | tuple[str, ...] | None:
     """A `mesh.rules` value: 'none' -> None, 'tensor' -> 'tensor', 'data,fsdp' -> ('data', 'fsdp')."""
@@ -171,56 +286,29 @@ def _check_remat(remat: RematConfig, n_layers: int) -> None:
         raise ConfigError("remat.custom refines a recomputation policy; set remat.policy to one of "
                           f"{', '.join(p for p in REMAT_POLICIES if p != 'none')} (e.g. full: recompute all but your "
                           "tags)")
-    if remat.every_n_layers < 1 or n_layers % remat.every_n_layers:
+    if n_layers % remat.every_n_layers:  # positive: BOUNDS
         raise ConfigError(f"remat.every_n_layers ({remat.every_n_layers}) must be a positive divisor of "
                           f"model.n_layers ({n_layers})")
 
 
 def _check_checkpoint(c: CheckpointConfig) -> None:
-    _require(c.every_steps == "auto" or (isinstance(c.every_steps, int) and c.every_steps >= 0),
-             f"checkpoint.every_steps must be a step count >= 0 (0: only at the end) or auto, got '{c.every_steps}'")
-    _require(c.keep > 0, f"checkpoint.keep must be positive, got {c.keep}")
-    _require(c.keep_every >= 0 and c.every_minutes >= 0 and c.mtbf_hours >= 0,
-             "checkpoint.keep_every, checkpoint.every_minutes and checkpoint.mtbf_hours must be >= 0")
     _require(not (c.resume_from and c.init_from), "set checkpoint.resume_from or checkpoint.init_from, not both")
-    _require(c.local_every_steps == "auto" or (isinstance(c.local_every_steps, int) and c.local_every_steps >= 0),
-             f"checkpoint.local_every_steps must be a step count >= 0 or auto, got '{c.local_every_steps}'")
     _require(bool(c.local_dir.strip()) == (c.local_every_steps != 0), "checkpoint.local_dir and checkpoint."
              "local_every_steps go together: set both (e.g. local_dir=/dev/shm/llama-jax local_every_steps=50) or "
              "neither")
-    _require(c.timeout_s >= 1, "checkpoint.timeout_s must be at least 1 second")
-    _require(c.max_failed_saves >= 0, f"checkpoint.max_failed_saves must be >= 0, got {c.max_failed_saves}")
-    _require(c.local_keep > 0 and c.local_replicas in (0, 1), f"checkpoint.local_keep must be positive and "
-             f"checkpoint.local_replicas 0 or 1, got {c.local_keep} and {c.local_replicas}")
     bad = sorted(set(c.allow_model_changes) - set(FUNCTION_FIELDS))
     _require(not bad, f"checkpoint.allow_model_changes: {', '.join(bad)} cannot change under a checkpoint; "
              f"allowed: {', '.join(FUNCTION_FIELDS)}")
 
 
-def _check_fault(f: FaultConfig) -> None:
-    _require(f.hang_factor > 0 and f.hang_min_timeout_s > 0 and f.hang_startup_timeout_s > 0,
-             "fault.hang_factor, fault.hang_min_timeout_s and fault.hang_startup_timeout_s must be positive")
-    _require(f.max_bad_steps >= 0, f"fault.max_bad_steps must be >= 0 (0: never roll back), got {f.max_bad_steps}")
-    _require(f.spike_zscore >= 0 and f.spike_window > 1, "fault.spike_zscore must be >= 0 and fault.spike_window > 1")
-    _require(f.straggler_factor > 1, f"fault.straggler_factor must exceed 1, got {f.straggler_factor}")
-    # At least 2: a window is scored once every process has posted it, which the train loop (one step
-    # ahead of the devices) guarantees only a window of 2+ steps later (distributed.HostWindow).
-    _require(f.straggler_every_steps >= 2 and f.straggler_host_threshold > 0,
-             "fault.straggler_every_steps must be at least 2 and fault.straggler_host_threshold positive")
-    _require(f.barrier_timeout_s >= 1, "fault.barrier_timeout_s must be at least 1 second")
-    _require(f.flight_events >= 16 and f.flight_heartbeat_s > 0,
-             f"fault.flight_events must be at least 16 and fault.flight_heartbeat_s positive, got {f.flight_events} "
-             f"and {f.flight_heartbeat_s}")
-    _require(f.inject_step_delay_s >= 0 and f.inject_save_delay_s >= 0, "fault.inject_*_delay_s must be >= 0")
-    _require(0 < f.preflight_min_ratio <= 1,
-             f"fault.preflight_min_ratio must be in (0, 1], got {f.preflight_min_ratio}")
-
-
-def _check_peft(peft: PeftConfig, seq_len: int, init_from: str, resume_from: str) -> None:
+def _check_peft(config: Config) -> None:
     """A method's own keys are checked only when it is chosen (a prompt length never refuses a LoRA run)."""
+    peft, seq_len, init_from, resume_from = (config.peft, config.train.seq_len, config.checkpoint.init_from,
+                                             config.checkpoint.resume_from)
     _require(peft.method in PEFT_METHODS, f"peft.method must be one of {', '.join(PEFT_METHODS)}, got '{peft.method}'")
     if peft.method == "none":
         return
+    check_bounds(config, METHOD_BOUNDS[peft.method])
     _require(bool(init_from), f"peft.method={peft.method} adapts a trained model: set checkpoint.init_from to its run "
                              "directory, checkpoint or hf:DIR")
     _require(not resume_from, "checkpoint.resume_from does not apply to peft runs; re-run the same command on the "
@@ -231,17 +319,12 @@ def _check_peft(peft: PeftConfig, seq_len: int, init_from: str, resume_from: str
                              f"choose from {', '.join(LORA_TARGETS)}")
         _require(len(peft.targets) > 0 and len(set(peft.targets)) == len(peft.targets),
                 f"peft.targets must name each projection at most once, and at least one, got {peft.targets}")
-        _require(peft.rank > 0, f"peft.rank must be positive, got {peft.rank}")
-        _require(peft.alpha > 0, f"peft.alpha must be positive, got {peft.alpha}")
-        _require(0 <= peft.dropout < 1, f"peft.dropout must be in [0, 1), got {peft.dropout}")
         return
-    _require(0 < peft.prompt_tokens < seq_len,
+    _require(peft.prompt_tokens < seq_len,
             f"peft.prompt_tokens ({peft.prompt_tokens}) must be positive and leave room for text in train.seq_len "
             f"({seq_len}); lower peft.prompt_tokens or raise train.seq_len")
     _require(peft.prompt_encoder in PROMPT_ENCODERS,
             f"peft.prompt_encoder must be one of {', '.join(PROMPT_ENCODERS)}, got '{peft.prompt_encoder}'")
-    _require(peft.encoder_hidden >= 0,
-             f"peft.encoder_hidden must be >= 0 (0: model.d_model), got {peft.encoder_hidden}")
 
 
 def _divisors(n: int) -> str:

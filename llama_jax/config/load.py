@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import os
 import typing
 from importlib import resources
 from pathlib import Path
@@ -22,6 +23,7 @@ from omegaconf.errors import OmegaConfBaseException
 from llama_jax.config.checks import check_rule, validate
 from llama_jax.config.schema import Config
 from llama_jax.errors import ConfigError
+from llama_jax.files import unreadable
 
 
 def preset_dir() -> Path:
@@ -40,8 +42,9 @@ def _read_yaml(path: Path) -> dict:
         data = yaml.safe_load(path.read_text())
     except (OSError, yaml.YAMLError) as err:
         raise ConfigError(f"cannot read config file {path}: {str(err).splitlines()[0]}") from None
-    if data is None:
-        return {}
+    if data is None:  # an empty file, or only comments: most likely not the file meant (a preset is never empty)
+        raise ConfigError(f"config file {path} holds no keys (it is empty or all comments); put the keys to set in "
+                          "it, e.g. `train: {steps: 100}`, or name a preset")
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path} must hold a mapping of keys, not {type(data).__name__}")
     return data
@@ -51,9 +54,10 @@ def _resolve_source(source: str | None) -> tuple[str, dict]:
     if source is None:
         source = "tiny"
     path = Path(source)
-    if source.endswith((".yaml", ".yml")) or path.is_file():
-        if not path.is_file():
-            raise ConfigError(f"config file {source} does not exist")
+    # A preset's name has no slash: anything with one, a .yaml name or an existing file is a config file.
+    if source.endswith((".yaml", ".yml")) or "/" in source or os.path.isfile(path):
+        if problem := unreadable(path, "file"):
+            raise ConfigError(f"config file {problem}; name a preset ({', '.join(preset_names())}) or a YAML file")
         return str(path), _read_yaml(path)
     if source not in preset_names():
         near = difflib.get_close_matches(source, preset_names(), n=1)

@@ -13,7 +13,8 @@
 
 The field comments are the reference of every key (`llama-jax train --print-config` lists them with their
 values). The allowed values of the string fields are in choices.py; checks.py checks values that the types
-alone cannot; load.py builds a Config from a preset or a YAML file and `key=value` overrides.
+alone cannot (its BOUNDS: the range of every numeric key, with what a documented 0 or -1 means); load.py builds
+a Config from a preset or a YAML file and `key=value` overrides.
 """
 
 from __future__ import annotations
@@ -97,8 +98,8 @@ class DataConfig:
     on_bad_record: str = "fail"  # a bad jsonl line: fail | skip (counted and reported)
     val_every_nth_doc: int = 20  # every n-th document is held out for validation
     cache_dir: str = ""  # "" means $XDG_CACHE_HOME/llama_jax or ~/.cache/llama_jax
-    loader_threads: int = 2  # Grain threads preparing batches ahead of the step
-    prefetch: int = 4  # batches prepared ahead
+    loader_threads: int = 2  # Grain threads preparing batches ahead of the step (0: none, made when the step asks)
+    prefetch: int = 4  # batches prepared ahead (0: none)
 
 @dataclass(frozen=True)
 class MeshConfig:
@@ -202,10 +203,10 @@ class FaultConfig:
     inject_save_failure_steps: list[int] = field(default_factory=list)  # these durable writes fail: no space
     inject_spike_steps: list[int] = field(default_factory=list)  # these batches' targets all token 0: a loss spike
     # whose update is applied (a corrupt batch)
-    inject_hang_step: int = -1
+    inject_hang_step: int = -1  # (-1: none)
     inject_process: int = -1  # the process the delays and the stall apply to (-1: none)
-    inject_step_delay_s: float = 0.0
-    inject_save_delay_s: float = 0.0
+    inject_step_delay_s: float = 0.0  # (0: none)
+    inject_save_delay_s: float = 0.0  # (0: none)
     inject_stall_at: str = ""
     inject_slow_device: int = -1  # pre-flight: this device id's timed work runs 10 times over (-1: none)
     inject_wrong_device: int = -1  # pre-flight: this device id's known product comes back one element off

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Iterator
 
 from llama_jax.errors import DataError
+from llama_jax.files import unreadable
 
 TEXT_SUFFIXES = (".txt", ".md")
 JSONL_SUFFIXES = (".jsonl", ".json")
@@ -124,22 +125,28 @@ def input_identity(spec: str) -> list[list]:
 
 
 def input_files(spec: str) -> list[Path]:
-    """The files behind an input (for fingerprints), checked: they exist and are not empty."""
+    """The files behind an input (for fingerprints), checked: they exist, can be read and are not empty."""
     if spec == "shakespeare":
         return _play_files()
     if spec.startswith("hf:"):
         directory = Path(spec[3:]).expanduser()
-        if not directory.is_dir():
-            raise DataError(f"{spec}: {directory} is not a directory; give hf:DIR, a dataset saved with "
-                            "save_to_disk or a local dataset folder")
+        if problem := unreadable(directory, "directory"):
+            raise DataError(f"{spec}: {problem}; give hf:DIR, a dataset saved with save_to_disk or a local dataset "
+                            "folder")
         return sorted(f for f in directory.rglob("*") if f.is_file())
     files = _expand(spec)
+    if not files and not glob.has_magic(spec) and os.path.isdir(os.path.expanduser(spec)):
+        # A directory that a listing cannot enter yields no files too: say which of the two it is.
+        problem = unreadable(Path(spec), "directory") or f"{spec} holds no .txt/.md/.jsonl/.json/.parquet file"
+        raise DataError(f"{problem}; name a directory of text files, the files themselves or a glob")
     if not files:
         raise DataError(f"{spec} does not exist or matches no .txt/.md/.jsonl/.json/.parquet file; "
                         "check the path or glob")
     for f in files:
         if f.suffix not in TEXT_SUFFIXES + JSONL_SUFFIXES + PARQUET_SUFFIXES:
             raise DataError(f"{f}: unknown format '{f.suffix}'; use .txt/.md, .jsonl/.json or .parquet")
+        if problem := unreadable(f, "file"):
+            raise DataError(f"{problem}; make it readable or remove it from the inputs")
         if f.stat().st_size == 0:
             raise DataError(f"{f} is empty; remove it from the inputs")
     return files

@@ -35,7 +35,7 @@ from tqdm import tqdm
 from llama_jax.data.corpus import BadRecords, ReadOptions, Unit, input_identity, parse_input, plan_units, read_unit
 from llama_jax.data.tokenizer import Tokenizer, load_tokenizer, train_bpe
 from llama_jax.errors import DataError
-from llama_jax.files import STORAGE_ERRNOS, atomic_path, describe_write_failure, storage_errno
+from llama_jax.files import STORAGE_ERRNOS, atomic_path, describe_write_failure, storage_errno, unwritable
 
 FORMAT = 1  # bump when the store layout changes
 SPLITS = ("train", "val")
@@ -207,6 +207,9 @@ def prepare(options: PrepareOptions, log: Callable[[str], None] = print, progres
     """Build (or resume, or confirm) the token store at options.out; returns its directory."""
     check_options(options)
     out = Path(options.out).expanduser()
+    if problem := unwritable(out):
+        raise DataError(f"the token store {out} cannot be written: {problem}; choose another output directory "
+                        "(--out, or data.cache_dir for the stores a run prepares)")
     units = _units(options)  # checks every input before anything is written
     identity = fingerprint(options)
     digest = _digest(identity)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,8 +29,9 @@ from llama_jax.files import cache_root
 
 
 def is_store(spec: str) -> bool:
+    # os.path.exists: a directory this user may not read is not a store, and reading it as an input says why.
     path = Path(spec).expanduser()
-    return path.is_dir() and ((path / "meta.json").exists() or (path / ".prepare.json").exists())
+    return path.is_dir() and (os.path.exists(path / "meta.json") or os.path.exists(path / ".prepare.json"))
 
 
 def resolve_store(spec: str, data: DataConfig, vocab_size: int, tokenizer: str, log: Callable[[str], None]

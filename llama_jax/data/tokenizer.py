@@ -24,7 +24,7 @@ import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from llama_jax.errors import DataError
-from llama_jax.files import atomic_path
+from llama_jax.files import atomic_path, unreadable
 
 BOS = "<|begin_of_text|>"
 EOS = "<|end_of_text|>"
@@ -242,6 +242,8 @@ def load_tokenizer(spec: str | Path) -> Tokenizer:
     not the name: Llama 2 and Llama 3 both ship a `tokenizer.model`, one protobuf and one text."""
     path = Path(spec).expanduser()
     if path.is_dir():
+        if problem := unreadable(path, "directory"):  # before looking inside it
+            raise DataError(f"tokenizer {problem}; pass a readable tokenizer file or its directory")
         path = _pick_file(path)
     if not path.is_file():
         raise DataError(f"tokenizer {path} does not exist; pass a tokenizer.json, tokenizer.model or "

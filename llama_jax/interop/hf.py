@@ -71,6 +71,8 @@ def read_config(directory: Path) -> ModelConfig:
         raise ConfigError(f"{directory} has no config.json: not a Hugging Face model directory")
     try:
         hf = json.loads(path.read_text())
+    except OSError as err:
+        raise ConfigError(f"cannot read {path} ({err.strerror}); check that it is readable") from None
     except ValueError as err:
         raise ConfigError(f"{path} is not valid JSON ({err})") from None
     architectures = hf.get("architectures") or [hf.get("model_type", "?")]
