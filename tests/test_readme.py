@@ -18,6 +18,7 @@ from llama_jax import cli
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]  # the README first: its commands come first
+LOGS = sorted((ROOT / "docs" / "measurements").glob("*.md"))  # dated logs: their links are checked, not their commands
 
 
 def bash_commands(text: str) -> list[str]:
@@ -306,8 +307,8 @@ def test_every_documented_command_is_claimed_by_a_test():
 
 
 def test_readme_is_a_front_door_and_its_links_resolve():
-    """The README stays short (the guides are in docs/), and every relative link of it and of docs/*.md names a
-    file that exists and, with #anchor, one of that file's headings."""
+    """The README stays short (the guides are in docs/), and every relative link of it, of docs/*.md and of the
+    logs in docs/measurements/ names a file that exists and, with #anchor, one of that file's headings."""
     assert len(README.splitlines()) <= 200
 
     def headings(text: str) -> set[str]:
@@ -316,7 +317,7 @@ def test_readme_is_a_front_door_and_its_links_resolve():
                 for h in re.findall(r"^#+ (.+)$", prose, flags=re.MULTILINE)}
 
     broken = []
-    for page in PAGES:
+    for page in PAGES + LOGS:
         for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
             if re.match(r"[a-z]+:", target):
                 continue  # a web address
