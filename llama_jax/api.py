@@ -22,8 +22,8 @@ Every function raises ConfigError or DataError (one line) on bad input.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import jax
 import jax.numpy as jnp

@@ -18,7 +18,6 @@ from pathlib import Path
 from llama_jax.errors import EXIT_PEER_TIMEOUT, InputError, LlamaJaxError
 from llama_jax.files import unreadable, unwritable
 
-
 DEVICES_PER_HOST_HELP = ("devices per host, to tell which collectives cross the network between hosts; must divide "
                          "the device count (default: the processes the devices belong to, one per host as launch/ "
                          "starts them; e.g. 8 plans a cluster of 8-GPU hosts on simulated devices)")

@@ -11,8 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import PartitionSpec
 from conftest import TINY_MODEL, tiny_config
+from jax.sharding import PartitionSpec
 from test_remat import residual_lines
 from test_sharding import losses
 from test_train import random_batch

@@ -14,8 +14,16 @@ import pytest
 from test_readme import ROOT, llama_jax_args, readme_commands
 
 from llama_jax import cli
-from llama_jax.training.goodput_projection import (LLAMA3_FAILURES_PER_GPU_HOUR, LLAMA3_HOST_LOSS_SHARE, Inputs,
-                                                   best_intervals, mean_age_steps, measured, project, sensitivity)
+from llama_jax.training.goodput_projection import (
+    LLAMA3_FAILURES_PER_GPU_HOUR,
+    LLAMA3_HOST_LOSS_SHARE,
+    Inputs,
+    best_intervals,
+    mean_age_steps,
+    measured,
+    project,
+    sensitivity,
+)
 
 
 def inputs(**changes) -> Inputs:

@@ -15,8 +15,14 @@ from llama_jax.config import Config, RunConfig
 from llama_jax.errors import ConfigError
 from llama_jax.perf import hardware
 from llama_jax.perf.hardware import MfuPeaks, device_peak_flops, mfu_peaks, table_fp8_peak_flops, table_peak_flops
-from llama_jax.training.metrics import (MetricsLog, ThroughputMeter, WandbSettings, check_wandb, read_metrics,
-                                        wandb_run_id)
+from llama_jax.training.metrics import (
+    MetricsLog,
+    ThroughputMeter,
+    WandbSettings,
+    check_wandb,
+    read_metrics,
+    wandb_run_id,
+)
 from llama_jax.training.report import write_report
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

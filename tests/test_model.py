@@ -13,8 +13,14 @@ from conftest import TINY_MODEL
 from llama_jax.config import load_config
 from llama_jax.data.loader import model_inputs
 from llama_jax.model.attention import select_implementation
-from llama_jax.model.llama import (Llama, apply_rope, param_count, rope_angles, rope_inverse_frequencies,
-                                   train_flops_per_token)
+from llama_jax.model.llama import (
+    Llama,
+    apply_rope,
+    param_count,
+    rope_angles,
+    rope_inverse_frequencies,
+    train_flops_per_token,
+)
 
 TOLERANCE = 1e-5  # fp32, absolute on logits of order 1
 

@@ -13,9 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import TINY_MODEL, tiny_config
-from test_fault import config_for
+from test_fault import config_for, train_quietly
 from test_fault import losses as logged_losses
-from test_fault import train_quietly
 from test_sharding import losses
 
 from llama_jax import cli

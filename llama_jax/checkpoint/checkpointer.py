@@ -35,8 +35,9 @@ import shutil
 import statistics
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
@@ -163,7 +164,7 @@ class Checkpointer:
         # named here, not in Orbax, and a write that failed anywhere is known everywhere.
         self._settle(self.durable, f"save of step {step}", failed)
         time.sleep(self.save_delay_s)
-        meta = {**self.meta, "step": step, "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat()}
+        meta = {**self.meta, "step": step, "saved_at": datetime.datetime.now(datetime.UTC).isoformat()}
         try:
             self._check_room(state)
             self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
@@ -225,7 +226,7 @@ class Checkpointer:
     def save_local(self, step: int, state: Any, data_state: dict) -> float:
         """A local save of `step`; returns the seconds it blocked the loop (the background write not included)."""
         self._settle(self.local_interval, f"local save of step {step}")
-        meta = {**self.meta, "step": step, "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat()}
+        meta = {**self.meta, "step": step, "saved_at": datetime.datetime.now(datetime.UTC).isoformat()}
         blocked = self.local.save(step, state, data_state, meta)
         return self._measured(self.local_interval, blocked, self._local_write)
 

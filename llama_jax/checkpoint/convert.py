@@ -6,15 +6,22 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import jax
 
 from llama_jax import __version__
 from llama_jax.checkpoint.durable import save_params
-from llama_jax.checkpoint.specs import (TOKENIZER_FILES, inference_config, inference_mesh, load_adapters, load_params,
-                                        param_target, resolve)
+from llama_jax.checkpoint.specs import (
+    TOKENIZER_FILES,
+    inference_config,
+    inference_mesh,
+    load_adapters,
+    load_params,
+    param_target,
+    resolve,
+)
 from llama_jax.distributed import processes, sharding
 from llama_jax.distributed.peers import Peers
 from llama_jax.errors import ConfigError

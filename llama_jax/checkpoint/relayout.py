@@ -22,8 +22,15 @@ import numpy as np
 import safetensors.numpy
 from jax.sharding import NamedSharding
 
-from llama_jax.checkpoint.local import (EXCHANGE_BYTES, LocalTier, _batches, _checksums, _outside_the_mesh, host_pieces,
-                                        read_manifest)
+from llama_jax.checkpoint.local import (
+    EXCHANGE_BYTES,
+    LocalTier,
+    _batches,
+    _checksums,
+    _outside_the_mesh,
+    host_pieces,
+    read_manifest,
+)
 from llama_jax.distributed.peers import Peers
 
 

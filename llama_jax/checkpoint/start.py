@@ -23,9 +23,10 @@ initialise with; the training side turns that into a train state (TrainProgram.s
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from llama_jax.checkpoint.checkpointer import Checkpointer
 from llama_jax.checkpoint.durable import check_model, latest_checkpoint_step, read_meta, restore_step

@@ -13,8 +13,18 @@ scripts use: `from llama_jax.config import Config, load_config`.
 
 from llama_jax.config.checks import validate
 from llama_jax.config.load import all_keys, load_config, preset_dir, preset_names, summary, to_dict, to_yaml
-from llama_jax.config.schema import (CheckpointConfig, Config, DataConfig, FaultConfig, MeshConfig, ModelConfig,
-                                     PeftConfig, RematConfig, RunConfig, TrainConfig)
+from llama_jax.config.schema import (
+                                     CheckpointConfig,
+                                     Config,
+                                     DataConfig,
+                                     FaultConfig,
+                                     MeshConfig,
+                                     ModelConfig,
+                                     PeftConfig,
+                                     RematConfig,
+                                     RunConfig,
+                                     TrainConfig,
+)
 
 __all__ = ["CheckpointConfig", "Config", "DataConfig", "FaultConfig", "MeshConfig", "ModelConfig", "PeftConfig",
            "RematConfig", "RunConfig", "TrainConfig", "all_keys", "load_config", "preset_dir", "preset_names",

@@ -7,10 +7,24 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from llama_jax.config.choices import (ATTENTION_IMPLEMENTATIONS, BAD_RECORD_ACTIONS, DTYPES, FP8_RECIPES,
-                                      FUNCTION_FIELDS, LOGICAL_AXES, LORA_TARGETS, MESH_AXES, PACKINGS, PEFT_METHODS,
-                                      PIPELINE_SCHEDULES, PROMPT_ENCODERS, REMAT_ACTIONS, REMAT_POLICIES, REMAT_TAGS,
-                                      TEXT_UNITS)
+from llama_jax.config.choices import (
+    ATTENTION_IMPLEMENTATIONS,
+    BAD_RECORD_ACTIONS,
+    DTYPES,
+    FP8_RECIPES,
+    FUNCTION_FIELDS,
+    LOGICAL_AXES,
+    LORA_TARGETS,
+    MESH_AXES,
+    PACKINGS,
+    PEFT_METHODS,
+    PIPELINE_SCHEDULES,
+    PROMPT_ENCODERS,
+    REMAT_ACTIONS,
+    REMAT_POLICIES,
+    REMAT_TAGS,
+    TEXT_UNITS,
+)
 from llama_jax.config.schema import CheckpointConfig, Config, DataConfig, MeshConfig, RematConfig
 from llama_jax.errors import ConfigError
 

@@ -20,7 +20,6 @@ a Config from a preset or a YAML file and `key=value` overrides.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Union
 
 
 @dataclass(frozen=True)
@@ -62,7 +61,7 @@ class TrainConfig:
     batch_size: int = 16  # global sequences per optimizer step
     seq_len: int = 128
     # Gradient accumulation inside the jitted step; auto: the fewest whose compiled step fits run.device_memory_gb.
-    microbatches: Union[int, str] = 1
+    microbatches: int | str = 1
     lr: float = 3e-3
     warmup_steps: int = 50
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
@@ -143,7 +142,7 @@ class RematConfig:
 class CheckpointConfig:
     # Save every n steps (0: only at the end and on preemption), or "auto": the Young/Daly interval
     # sqrt(2 · save time · MTBF), from the measured save time and mtbf_hours (or observed failures).
-    every_steps: Union[int, str] = 0
+    every_steps: int | str = 0
     every_minutes: float = 0.0  # also save when this much time passed since the last save (0: off)
     keep: int = 3  # the newest n are kept ...
     keep_every: int = 0  # ... plus every step divisible by this one, forever (milestones; 0: none)
@@ -161,7 +160,7 @@ class CheckpointConfig:
     # The node-local tier (checkpoint/local.py): each process's shards on its own host (/dev/shm, NVMe; "" = off)
     # every local_every_steps (or auto), the newest local_keep; local_replicas=1: a partner host keeps a copy.
     local_dir: str = ""
-    local_every_steps: Union[int, str] = 0
+    local_every_steps: int | str = 0
     local_keep: int = 2
     local_replicas: int = 1
 

@@ -16,10 +16,10 @@ import glob
 import json
 import os
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from importlib import metadata, resources
 from pathlib import Path
-from typing import Iterator
 
 from llama_jax.errors import DataError
 from llama_jax.files import unreadable

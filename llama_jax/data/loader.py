@@ -32,9 +32,9 @@ import hashlib
 import json
 import sys
 import threading
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
 
 import grain
 import numpy as np

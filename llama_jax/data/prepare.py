@@ -25,9 +25,9 @@ import multiprocessing
 import os
 import shutil
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
 
 import numpy as np
 from tqdm import tqdm

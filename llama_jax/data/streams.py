@@ -12,16 +12,23 @@ import hashlib
 import json
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
 from llama_jax.config import Config, DataConfig
 from llama_jax.data.corpus import BadRecords, ReadOptions, plan_units, read_unit
-from llama_jax.data.loader import (Batches, TokenStore, batches, components, document_batches, log_components,
-                                   stream_fingerprint)
+from llama_jax.data.loader import (
+    Batches,
+    TokenStore,
+    batches,
+    components,
+    document_batches,
+    log_components,
+    stream_fingerprint,
+)
 from llama_jax.data.prepare import PrepareOptions, prepare
 from llama_jax.data.tokenizer import Tokenizer, check_vocab, load_tokenizer
 from llama_jax.errors import DataError

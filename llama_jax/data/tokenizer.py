@@ -14,8 +14,8 @@ import binascii
 import hashlib
 import json
 import re
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 import numpy as np
 import sentencepiece
@@ -99,7 +99,7 @@ class Tokenizer:
         return target
 
     @classmethod
-    def load(cls, path: str | Path) -> "Tokenizer":
+    def load(cls, path: str | Path) -> Tokenizer:
         return load_tokenizer(path)
 
 

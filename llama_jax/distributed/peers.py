@@ -8,7 +8,8 @@ from __future__ import annotations
 import json
 import re
 import time
-from typing import Any, Callable, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import jax
 from jax._src import distributed as jax_distributed

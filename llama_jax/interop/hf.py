@@ -37,11 +37,12 @@ from __future__ import annotations
 import json
 import math
 import struct
+from collections.abc import Callable, Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import flax.linen as nn
 import jax

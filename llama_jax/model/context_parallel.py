@@ -25,8 +25,8 @@ needs) with two implementations: cuDNN's (cudnn.PADDED_KERNEL) and an XLA one fo
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import jax
 import jax.numpy as jnp

@@ -44,8 +44,8 @@ the forward passes only.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import flax.linen as nn
 import jax
@@ -53,8 +53,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from llama_jax.model.pipeline import (STAGE_AXIS, PipelineLayout, by_owner, stage_groups, summed_dtype,
-                                      without_stage_axis)
+from llama_jax.model.pipeline import (
+    STAGE_AXIS,
+    PipelineLayout,
+    by_owner,
+    stage_groups,
+    summed_dtype,
+    without_stage_axis,
+)
 from llama_jax.model.residuals import data_dependent
 
 VALID, MICROBATCH, REPEAT, SLOT = range(4)  # the columns of the tables
@@ -88,7 +94,7 @@ def compiled_bubble(stages: int, repeats: int, microbatches: int, loop_iteration
     return 1 - microbatches * repeats / (loop_iterations - stages * repeats + 1)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def schedule(stages: int, repeats: int, microbatches: int, backward: bool = True) -> Schedule:
     """The tables of the loop (see the module docstring), checked: every forward pass finds its input handed on
     in the iteration before, every backward pass its gradient, and no slot is overwritten while kept."""

@@ -41,8 +41,8 @@ A stage with fewer layers than its places (uneven stages) skips the empty places
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import flax.linen as nn
 import jax

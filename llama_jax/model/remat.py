@@ -11,7 +11,7 @@ Untagged intermediates (attention scores, softmax, rotary, ...) are always recom
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 

@@ -12,7 +12,7 @@ all its inputs: at worst a weight-only residual is kept per micro-batch, never t
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal

@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from llama_jax.distributed.peers import Peers
 

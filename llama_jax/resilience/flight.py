@@ -28,8 +28,9 @@ import os
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 HANG_REPORT = "hang_report.json"
 _PREFIX = "llama_jax/flight"

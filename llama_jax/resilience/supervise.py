@@ -47,8 +47,17 @@ import sys
 import time
 from pathlib import Path
 
-from llama_jax.errors import (EXIT_BAD_INPUT, EXIT_HANG, EXIT_OK, EXIT_PEER_TIMEOUT, EXIT_PREEMPTED, EXIT_STORAGE,
-                              EXIT_UNHEALTHY, LAUNCHED_BY, UNHEALTHY_FILE)
+from llama_jax.errors import (
+    EXIT_BAD_INPUT,
+    EXIT_HANG,
+    EXIT_OK,
+    EXIT_PEER_TIMEOUT,
+    EXIT_PREEMPTED,
+    EXIT_STORAGE,
+    EXIT_UNHEALTHY,
+    LAUNCHED_BY,
+    UNHEALTHY_FILE,
+)
 from llama_jax.resilience.cluster import LABEL_ENV, label_nodes, unhealthy_hosts
 
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)

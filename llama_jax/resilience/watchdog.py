@@ -17,7 +17,7 @@ import traceback
 from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from llama_jax.errors import EXIT_HANG
@@ -146,7 +146,7 @@ class HangWatchdog:
             f"{self._last_step[0]} ({'untimed' if self._last_step[1] is None else f'{self._last_step[1]:.4g} s'})")
         median = f"{statistics.median(self._times):.4g} s" if self._times else "n/a"
         lines = [f"hang watchdog: {headline}",
-                 f"time (UTC): {datetime.now(timezone.utc).isoformat(timespec='seconds')}",
+                 f"time (UTC): {datetime.now(UTC).isoformat(timespec='seconds')}",
                  f"host: {self.host}", f"pid: {os.getpid()}", f"timeout: {derivation}",
                  f"last completed step: {step}; recent median step time {median}",
                  f"last progress: {self._last_what}, {idle:.1f} s ago", "", "Python stacks of every thread:"]

@@ -22,9 +22,10 @@ import os
 import socket
 import sys
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import jax
 import numpy as np
@@ -32,9 +33,8 @@ import numpy as np
 from llama_jax.checkpoint import start as starting
 from llama_jax.checkpoint.checkpointer import Checkpointer
 from llama_jax.checkpoint.local import LocalTier
-from llama_jax.config import Config
+from llama_jax.config import Config, to_yaml
 from llama_jax.config import summary as describe
-from llama_jax.config import to_yaml
 from llama_jax.data.streams import open_data
 from llama_jax.distributed import processes, sharding
 from llama_jax.distributed.peers import Peers, primary_first

@@ -18,7 +18,8 @@ import pathlib
 import secrets
 import statistics
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from tensorboardX import SummaryWriter
 from tqdm import tqdm

@@ -16,8 +16,9 @@ import dataclasses
 import functools
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import flax.linen as nn
 import jax

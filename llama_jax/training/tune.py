@@ -43,8 +43,14 @@ from llama_jax.config import Config
 from llama_jax.distributed import sharding
 from llama_jax.errors import ConfigError
 from llama_jax.files import atomic_path, cache_root, format_bytes
-from llama_jax.perf.costmodel import (INTER_HOST, INTRA_HOST, CostModel, check_devices_per_host, default_cost_model,
-                                      spearman)
+from llama_jax.perf.costmodel import (
+    INTER_HOST,
+    INTRA_HOST,
+    CostModel,
+    check_devices_per_host,
+    default_cost_model,
+    spearman,
+)
 from llama_jax.perf.hardware import MfuPeaks, compile_only, memory_budget, simulated_devices
 from llama_jax.training import plan
 from llama_jax.training.step import TrainProgram, model_flops_per_token, random_batch, time_train_steps
