@@ -3,8 +3,9 @@
     python bench/attention.py [--seq 8192] [--batch 1] [--documents 8] [--steps 10]
 
 Rows: our kernels (llama_jax.model.attention.attention: cuDNN's packed layout / plain causal cuDNN / the
-blocked kernel; cuDNN's exact fallback for rows with too many documents) and, for comparison, jax.nn.dot_product_attention with the dense [B, 1, T, T] document
-mask that packed documents needed before (on a GPU with cuDNN). Each row: median milliseconds of
+blocked kernel; cuDNN's exact fallback for rows with too many documents) and, for comparison,
+jax.nn.dot_product_attention with the dense [B, 1, T, T] document mask that packed documents needed
+before (on a GPU with cuDNN). Each row: median milliseconds of
 --steps jitted fwd+bwd calls after 2 warm-ups, the attention TFLOP/s of the work the mask leaves
 (4·N·H FLOPs per visible query-key pair, L(L+1)/2 pairs per document of L tokens, x 3 for forward +
 backward, the MFU convention) and the compiled program's temporary memory.

@@ -8,8 +8,8 @@ twice with the same kill schedule: durable checkpoints only, then with the node-
 Prints, for both runs, the wall time and the goodput with its breakdown (compile, checkpoint save and
 restore, data wait, lost = steps computed twice, restart = process start-up and supervisor backoff) and
 the steps redone per failure, and checks that the interrupted run ends with parameters bitwise equal to
-the uninterrupted one and the same loss at every step. Both runs share one data cache and one JAX compilation cache, warmed first,
-so neither pays a cold compilation the other does not.
+the uninterrupted one and the same loss at every step. Both runs share one data cache and one JAX
+compilation cache, warmed first, so neither pays a cold compilation the other does not.
 
 Kills: after each (re)start of the trainer, wait a uniformly random time in [--min-gap, --max-gap]
 seconds, then SIGKILL the trainer process (not the supervisor), until --kills have been sent. A kill

@@ -176,7 +176,8 @@ def main() -> None:
                 figures["held_bytes"] = held
                 line += (f", {at_start / 1e9:.2f} GB at the start{' + the model' if step == 'import' else ''}"
                          f" + {held / 1e6:.0f} MB held by the conversion ({held / largest:.2f}x the largest "
-                         f"tensor), {figures['seconds']:.0f}s; peak before it {figures['peak_before_start_bytes'] / 1e9:.2f} GB")
+                         f"tensor), {figures['seconds']:.0f}s; peak before it "
+                         f"{figures['peak_before_start_bytes'] / 1e9:.2f} GB")
             print(line, flush=True)
         if args.json:
             Path(args.json).write_text(json.dumps(results, indent=2) + "\n")

@@ -48,7 +48,8 @@ def main() -> None:
     for batch in args.batch:
         prompts = rng.integers(0, cfg.vocab_size, (batch, args.prompt)).tolist()
         generator = Generator(cfg, batch, args.prompt + args.new, GREEDY)
-        seconds = timed(lambda: generator(params, prompts, args.new, jax.random.key(0)))
+        seconds = timed(lambda generator=generator, prompts=prompts:
+                        generator(params, prompts, args.new, jax.random.key(0)))
         results["kv_cache"][batch] = batch * args.new / seconds
     prompt = rng.integers(0, cfg.vocab_size, args.prompt).tolist()
     seconds = timed(lambda: generate_without_cache(cfg, params, prompt, args.new, jax.random.key(0), GREEDY))

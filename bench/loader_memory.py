@@ -141,7 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     synthetic_store(store, args.documents)
     print(f"store of {args.documents:,} documents at {store} ({time.perf_counter() - started:.0f}s)", flush=True)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([args.code, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+    env = {**os.environ,
+           "PYTHONPATH": os.pathsep.join([args.code, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
            "JAX_PLATFORMS": "cpu"}
     child = [sys.executable, __file__, "--documents", str(args.documents), "--seq-len", str(args.seq_len),
              "--batch-size", str(args.batch_size), "--batches", str(args.batches), "--code", args.code,

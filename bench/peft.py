@@ -31,7 +31,8 @@ from pathlib import Path
 
 METHODS = {
     "full": ["peft.method=none", "train.lr=3e-4"],
-    "lora": ["peft.method=lora", "peft.rank=8", "peft.alpha=16", "peft.targets=[q,k,v,o,gate,up,down]", "train.lr=3e-3"],
+    "lora": ["peft.method=lora", "peft.rank=8", "peft.alpha=16", "peft.targets=[q,k,v,o,gate,up,down]",
+             "train.lr=3e-3"],
     "prompt": ["peft.method=prompt", "peft.prompt_tokens=20", "train.lr=3e-2"],
     "ptuning": ["peft.method=ptuning", "peft.prompt_tokens=20", "peft.prompt_encoder=mlp", "train.lr=3e-3"],
 }
@@ -100,7 +101,8 @@ def main() -> None:
         overrides = [*adapt, *settings, f"run.dir={out / name}"]
         summary = api.train("tiny", overrides, print_fn=lambda line: None)
         trainable, optimizer_bytes = state_sizes("tiny", overrides)
-        rows[name] = {"eval_loss_before": summary.get("initial_eval_loss"), "eval_loss_after": summary["final_eval_loss"],
+        rows[name] = {"eval_loss_before": summary.get("initial_eval_loss"),
+                      "eval_loss_after": summary["final_eval_loss"],
                       "trainable_params": trainable, "optimizer_state_bytes": optimizer_bytes,
                       "tokens_per_s": summary["tokens_per_s"]}
         print(f"{name}: done ({out / name})", flush=True)
@@ -112,7 +114,8 @@ def main() -> None:
     for name, r in rows.items():
         print(f"| {name} | {r['eval_loss_before']:.3f} | {r['eval_loss_after']:.3f} | "
               f"{r['trainable_params']:,} ({r['trainable_params'] / full['trainable_params']:.2%}) | "
-              f"{r['optimizer_state_bytes'] / 2**20:.2f} MiB ({r['optimizer_state_bytes'] / full['optimizer_state_bytes']:.2%}) | "
+              f"{r['optimizer_state_bytes'] / 2**20:.2f} MiB "
+              f"({r['optimizer_state_bytes'] / full['optimizer_state_bytes']:.2%}) | "
               f"{r['tokens_per_s']:,.0f} ({r['tokens_per_s'] / full['tokens_per_s']:.2f}x) |")
     init_from = "checkpoint.init_from=runs/bench"
     bench_full = state_sizes("bench", [])[1]

@@ -70,7 +70,8 @@ def bench_saves(preset: str, saves: int, work: Path, local_dir: Path) -> dict:
             results[f"{mode}_total_s"] = statistics.median(total)
             if mode == "async":
                 results["durable_restore_s"] = timed(
-                    lambda: checkpointer.restore(saves, program.abstract_checkpoint()), saves)
+                    lambda checkpointer=checkpointer: checkpointer.restore(saves, program.abstract_checkpoint()),
+                    saves)
         local = LocalTier(str(local_dir), work / f"{preset}-local", program.mesh, Peers(60.0), keep=2, replicas=0)
         blocking, total = [], []
         for step in range(1, saves + 1):

@@ -5,8 +5,8 @@ H100s, from `llama-jax plan` (compiled here on 8 simulated CPU devices) and a ro
 
 Method (each number printed is one of these, nothing is measured on a GPU):
 - Setup: bf16 compute, fp32 params and AdamW moments, sequence 8192, one sequence per data shard,
-  remat.policy=full, flash attention (compiled here with the blocked kernel, whose memory matches cuDNN's). Mesh: 8B is fsdp=D; 70B and 405B are tensor=8 (one node)
-  with fsdp=D/8.
+  remat.policy=full, flash attention (compiled here with the blocked kernel, whose memory matches cuDNN's).
+  Mesh: 8B is fsdp=D; 70B and 405B are tensor=8 (one node) with fsdp=D/8.
 - Memory per device = 16 bytes x parameters / D (fp32 params, gradients, two Adam moments; ZeRO-3)
   + activations (Korthikanti et al. with full recomputation, see analytic_activation_bytes).
   Beside it, the activations of `llama-jax plan` compiled on 8 CPU devices with 2 and 4 layers

@@ -156,7 +156,8 @@ def main() -> None:
         entry = peer.get(mode)
         if isinstance(entry, dict) and "tokens_per_s" in entry:
             print(f"  peer ({mode}, transformers {peer['transformers']}, torch {entry['torch']}): "
-                  f"{entry['tokens_per_s']:9.1f} tokens/s -> ours / peer = {ours['tokens_per_s'] / entry['tokens_per_s']:.2f}x")
+                  f"{entry['tokens_per_s']:9.1f} tokens/s -> ours / peer = "
+                  f"{ours['tokens_per_s'] / entry['tokens_per_s']:.2f}x")
         elif isinstance(entry, dict):
             print(f"  peer ({mode}): {entry.get('error')}")
     if "error" in peer:

@@ -244,7 +244,8 @@ def _add_tune(commands) -> None:
     parser.add_argument("--pipeline-repeats", type=_int_list, default=(1, 2),
                         help="mesh.pipeline_repeats tried with a pipeline (default 1,2)")
     parser.add_argument("--pipeline-schedules", default="gpipe,1f1b",
-                        help="mesh.pipeline_schedule values tried with a pipeline, comma-separated (default gpipe,1f1b)")
+                        help="mesh.pipeline_schedule values tried with a pipeline, comma-separated "
+                             "(default gpipe,1f1b)")
     parser.add_argument("--pass-microbatches", type=lambda text: _int_list(text, least=0), default=(0,),
                         help="micro-batches per pass through a pipeline of P stages, these times P (0: one pass of "
                              "all; default 0)")
@@ -525,7 +526,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     ns, extra = parser.parse_known_args(argv)
     if extra and hasattr(ns, "overrides") and all("=" in a and not a.startswith("-") for a in extra):
-        ns.overrides = [*ns.overrides, *extra]  # key=value after an option: `convert A B --dtype bfloat16 mesh.tensor=8`
+        # key=value after an option: `convert A B --dtype bfloat16 mesh.tensor=8`
+        ns.overrides = [*ns.overrides, *extra]
     elif extra:
         parser.parse_args(argv)  # argparse's own error for what it does not know
     ns.started_at = started_at

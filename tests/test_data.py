@@ -211,7 +211,8 @@ def test_hf_dataset_dir(tmp_path, monkeypatch):
     datasets.Dataset.from_dict({"text": texts, "n": list(range(25))}).save_to_disk(str(tmp_path / "ds"))
     assert unit_documents(f"hf:{tmp_path / 'ds'}") == texts
     datasets.DatasetDict({"train": datasets.Dataset.from_dict({"story": texts[:5]}),
-                          "test": datasets.Dataset.from_dict({"story": ["held out"]})}).save_to_disk(str(tmp_path / "dd"))
+                          "test": datasets.Dataset.from_dict({"story": ["held out"]})}
+                         ).save_to_disk(str(tmp_path / "dd"))
     assert unit_documents(f"hf:{tmp_path / 'dd'}", ReadOptions(text_field="story")) == texts[:5]
     one_line_error(lambda: plan_units(f"hf:{tmp_path / 'ds'}", ReadOptions(text_field="body")), "no column 'body'")
     one_line_error(lambda: plan_units(f"hf:{tmp_path / 'missing'}", ReadOptions()), "missing does not exist")
@@ -714,7 +715,8 @@ def test_the_loader_keeps_nothing_per_document_in_memory(tmp_path, monkeypatch):
 
     from llama_jax.data import plans
 
-    spec = importlib.util.spec_from_file_location("loader_memory", Path(__file__).parents[1] / "bench" / "loader_memory.py")
+    spec = importlib.util.spec_from_file_location("loader_memory",
+                                                  Path(__file__).parents[1] / "bench" / "loader_memory.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     documents = 300_000
@@ -741,6 +743,7 @@ def test_the_shuffle_is_a_permutation_of_every_size():
     for n in (1, 2, 3, 5, 64, 1000, 4097):
         order = Shuffle(n, [7, 0, 1])(0, n)
         assert sorted(order.tolist()) == list(range(n))
-        np.testing.assert_array_equal(np.concatenate([Shuffle(n, [7, 0, 1])(a, min(n, a + 37)) for a in range(0, n, 37)]),
+        np.testing.assert_array_equal(np.concatenate([Shuffle(n, [7, 0, 1])(a, min(n, a + 37))
+                                                      for a in range(0, n, 37)]),
                                       order)  # any block of positions, the same order
     assert not np.array_equal(Shuffle(1000, [7, 0, 1])(0, 1000), Shuffle(1000, [7, 0, 2])(0, 1000))

@@ -61,8 +61,9 @@ def test_unreachable_coordinator_is_one_line_and_exit_69(tmp_path):
     run_dir = tmp_path / "run"
     env = {k: v for k, v in os.environ.items() if k not in CLUSTER_VARIABLES} | {"JAX_PLATFORMS": "cpu"}
     proc = subprocess.run([sys.executable, "-m", "llama_jax", "train", "train.steps=1", "train.warmup_steps=0",
-                           f"run.dir={run_dir}", "run.coordinator=127.0.0.1:1", "run.num_processes=2", "run.process_id=1",
-                           "run.init_timeout_s=2"], capture_output=True, text=True, env=env, timeout=120)
+                           f"run.dir={run_dir}", "run.coordinator=127.0.0.1:1", "run.num_processes=2",
+                           "run.process_id=1", "run.init_timeout_s=2"],
+                          capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == EXIT_UNAVAILABLE
     assert proc.stderr.strip().startswith("llama-jax: error: process 1 could not reach the coordinator at 127.0.0.1:1")
     assert len(proc.stderr.strip().splitlines()) == 1

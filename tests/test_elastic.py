@@ -69,7 +69,10 @@ def test_four_processes_continue_on_two_when_a_host_is_lost_and_grow_back_to_fou
     shutil.rmtree(host_directory(str(local), run_dir, "host-3"))  # ...and its local storage
     wait_for(lambda: any("continuing on 2" in line for line in lines), "the launcher continues on 2 processes")
     shrunk_from = next(i for i, line in enumerate(lines) if "continuing on 2" in line)
-    trained = (lambda: [int(m.group(1)) for line in lines[shrunk_from:] if (m := re.search(r"step (\d+)/", line))])
+
+    def trained():
+        return [int(m.group(1)) for line in lines[shrunk_from:] if (m := re.search(r"step (\d+)/", line))]
+
     wait_for(lambda: max(trained(), default=0) > lost_at + 1, "2 processes train past the lost step")
     # Held still while the host returns, so the launcher sees it before these 2 finish the run (on a busy machine
     # they could otherwise outrun its once-a-second look); the SIGTERM it sends waits for SIGCONT.

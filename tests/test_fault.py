@@ -145,7 +145,8 @@ def test_supervisor_never_retries_bad_input(tmp_path):
 
 
 def config_for(tmp_path, corpus, **sections):
-    base = dict(train=dict(steps=6, lr=1e-2), data=dict(sources=[str(corpus)], cache_dir=str(tmp_path.parent / "cache")),
+    base = dict(train=dict(steps=6, lr=1e-2),
+                data=dict(sources=[str(corpus)], cache_dir=str(tmp_path.parent / "cache")),
                 checkpoint=dict(every_steps=2, keep=10), run=dict(compilation_cache="off"))
     for key, value in sections.items():
         base[key] = {**base.get(key, {}), **value}

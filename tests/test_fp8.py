@@ -1,7 +1,8 @@
 """model.fp8=tensorwise (projection.py): the error of a scaled fp8 matmul and its gradients, bounded by the
 formats' precision; bad values refused; the CUDA-lowered step's projections take fp8 operands, nothing else does;
 it composes with meshes and both pipeline schedules (which quantize bit for bit as one device does, and train
-within fp8's own effect of its losses), LoRA, remat policies (which keep the fp8 bytes) and the guard. Resuming bitwise: tests/test_train.py. Eval loss against bf16 over 300 steps: bench/fp8_loss.py."""
+within fp8's own effect of its losses), LoRA, remat policies (which keep the fp8 bytes) and the guard.
+Resuming bitwise: tests/test_train.py. Eval loss against bf16 over 300 steps: bench/fp8_loss.py."""
 
 import dataclasses
 import re

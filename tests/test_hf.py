@@ -204,8 +204,9 @@ def test_generate_and_eval_commands_on_a_converted_model(tmp_path, capsys):
     assert cli.main(["eval", str(ours), str(tmp_path / "texts.jsonl"), "train.batch_size=8", "train.seq_len=16",
                      "data.text_field=body", "--batches", "2"]) == 0
     assert "(2 batch(es) of 8 x 16 tokens)" in capsys.readouterr().out
-    whole, lines = (api.evaluate(str(ours), str(tmp_path / "text.txt"), ["train.batch_size=8", "train.seq_len=16", *unit],
-                                 print_fn=lambda _: None) for unit in ([], ["data.text_unit=line"]))
+    whole, lines = (api.evaluate(str(ours), str(tmp_path / "text.txt"),
+                                 ["train.batch_size=8", "train.seq_len=16", *unit], print_fn=lambda _: None)
+                    for unit in ([], ["data.text_unit=line"]))
     assert lines["batches"] > whole["batches"]  # a document per line: BOS and EOS around every line
 
 
@@ -256,7 +257,8 @@ def test_colab_notebook_runs_on_every_device(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
-    NotebookClient(notebook, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    NotebookClient(notebook, timeout=600, kernel_name="python3",
+                   resources={"metadata": {"path": str(tmp_path)}}).execute()
     outputs = ["".join(o.get("text", "") for o in cell.get("outputs", [])) for cell in notebook.cells]
     assert "on 8 x cpu" in outputs[2] and "final_eval_loss" in outputs[3]
     assert any(o.get("output_type") == "display_data" and "image/png" in o.get("data", {})

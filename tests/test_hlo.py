@@ -105,7 +105,8 @@ def test_async_pairs_count_the_start_and_its_output():
 FUSED_DOT = """%fused_dot (param_0: f32[16,32], param_1: f32[32,8]) -> f32[16,8] {
   %param_0 = f32[16,32]{1,0} parameter(0)
   %param_1 = f32[32,8]{1,0} parameter(1)
-  ROOT %dot.1 = f32[16,8]{1,0} dot(%param_0, %param_1), lhs_contracting_dims={1}, rhs_contracting_dims={0}, metadata={op_name="jit(f)/dot_general"}
+  ROOT %dot.1 = f32[16,8]{1,0} dot(%param_0, %param_1), lhs_contracting_dims={1}, rhs_contracting_dims={0}, \
+metadata={op_name="jit(f)/dot_general"}
 }
 """
 DOT_FLOPS = 2 * 16 * 8 * 32
@@ -219,7 +220,8 @@ def test_quoted_backend_config_and_shared_callees_sum():
 def test_dot_operand_shapes_from_header_and_conditional_branches():
     # The branch has no parameter instructions, so the lhs shape must come from its header.
     branch = """%branch (a: f32[4,6,10], b: f32[4,10,3]) -> f32[4,6,3] {
-  ROOT %d = f32[4,6,3]{2,1,0} dot(%a, %b), lhs_batch_dims={0}, lhs_contracting_dims={2}, rhs_batch_dims={0}, rhs_contracting_dims={1}
+  ROOT %d = f32[4,6,3]{2,1,0} dot(%a, %b), lhs_batch_dims={0}, lhs_contracting_dims={2}, rhs_batch_dims={0}, \
+rhs_contracting_dims={1}
 }
 """
     text = module(branch, entry("%pr = pred[] constant(true)",
@@ -489,7 +491,8 @@ def test_scanned_layers_multiply_library_calls():
   %k = bf16[{B},{T},{KV},{D}]{{3,2,1,0}} get-tuple-element(%carry), index=2
   %x = bf16[2048,512]{{1,0}} get-tuple-element(%carry), index=3
   %w = bf16[512,512]{{1,0}} get-tuple-element(%carry), index=4
-  %mm = (bf16[2048,512]{{1,0}}, s8[4194304]{{0}}) custom-call(%x, %w), custom_call_target="__cublas$lt$matmul", backend_config={gemm_config([1], [0])}
+  %mm = (bf16[2048,512]{{1,0}}, s8[4194304]{{0}}) custom-call(%x, %w), custom_call_target="__cublas$lt$matmul", \
+backend_config={gemm_config([1], [0])}
   %y = bf16[2048,512]{{1,0}} get-tuple-element(%mm), index=0
   {fmha_forward("q", "k", "k")}
   %stats = f32[{B},{H},{T}]{{2,1,0}} get-tuple-element(%fwd.q), index=1
@@ -504,7 +507,8 @@ def test_scanned_layers_multiply_library_calls():
 """
     main = f"""ENTRY %main (init: {LAYER}) -> {LAYER} {{
   %init = {LAYER} parameter(0)
-  ROOT %layers = {LAYER} while(%init), condition=%layer_cond, body=%layer, backend_config={{"known_trip_count":{{"n":"4"}}}}
+  ROOT %layers = {LAYER} while(%init), condition=%layer_cond, body=%layer, \
+backend_config={{"known_trip_count":{{"n":"4"}}}}
 }}
 """
     stats = analyze(module(body, main), num_devices=1)
@@ -523,7 +527,8 @@ def test_gemm_inside_a_fusion_counts_once():
   %bitcast.41 = bf16[8,8]{{1,0}} bitcast(%slice.13)
   %slice.14 = bf16[1,8,8]{{2,1,0}} slice(%p1), slice={{[1:2], [0:8], [0:8]}}
   %bitcast.42 = bf16[8,8]{{1,0}} bitcast(%slice.14)
-  ROOT %custom-call.1 = (bf16[8,8]{{1,0}}, s8[256]{{0}}) custom-call(%bitcast.41, %bitcast.42), custom_call_target="__cublas$gemm", backend_config={gemm_config([1], [0])}
+  ROOT %custom-call.1 = (bf16[8,8]{{1,0}}, s8[256]{{0}}) custom-call(%bitcast.41, %bitcast.42), \
+custom_call_target="__cublas$gemm", backend_config={gemm_config([1], [0])}
 }}
 """
     text = module(fused, entry(

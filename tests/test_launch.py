@@ -147,7 +147,8 @@ def test_slurm_dry_run_names_every_process():
     assert result.returncode == 0, result.stderr
     header, supervised, *tasks = result.stdout.splitlines()
     assert header == "# 3 node(s) x 4 process(es) = 12 processes; coordinator node0:20000"
-    assert supervised.startswith("llama-jax supervise ") and " srun --kill-on-bad-exit=1 --ntasks-per-node=4 " in supervised
+    assert (supervised.startswith("llama-jax supervise ")
+            and " srun --kill-on-bad-exit=1 --ntasks-per-node=4 " in supervised)
     assert len(tasks) == 12
     for p, task in enumerate(tasks):
         assert task.startswith(f"node{p // 4}: JAX_COORDINATOR_ADDRESS=node0:20000 JAX_NUM_PROCESSES=12 "
@@ -254,7 +255,8 @@ def test_kubernetes_manifest_is_an_indexed_job_with_a_headless_service():
 
 
 def test_kubernetes_without_an_image_exits_2():
-    result = subprocess.run(["bash", str(ROOT / "launch" / "k8s.sh"), "--dry-run", "tiny"], capture_output=True, text=True)
+    result = subprocess.run(["bash", str(ROOT / "launch" / "k8s.sh"), "--dry-run", "tiny"], capture_output=True,
+                            text=True)
     assert result.returncode == 2 and "--image is required" in result.stderr
 
 

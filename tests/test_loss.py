@@ -82,7 +82,8 @@ def test_rms_norm_backward_equals_autodiff_of_the_formula():
         return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-5) * scale
 
     want = jax.grad(lambda x, s: jnp.sum(formula(x, s) * weights), argnums=(0, 1))(x, scale)
-    got = jax.grad(lambda x, s: jnp.sum(rms_norm(x, s, 1e-5, jnp.dtype(jnp.float32)) * weights), argnums=(0, 1))(x, scale)
+    got = jax.grad(lambda x, s: jnp.sum(rms_norm(x, s, 1e-5, jnp.dtype(jnp.float32)) * weights),
+                   argnums=(0, 1))(x, scale)
     for g, w in zip(got, want):
         assert relative_error(g, w) < RELATIVE
 

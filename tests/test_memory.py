@@ -46,7 +46,8 @@ def test_auto_micro_batches_are_the_fewest_that_fit(needs):
 def test_a_step_over_the_budget_exits_before_writing_anything(needs, tmp_path, capsys):
     config, gib = needs
     over = dataclasses.replace(with_budget(config, 1, gib[1] / 2),
-                               run=dataclasses.replace(config.run, dir=str(tmp_path / "run"), device_memory_gb=gib[1] / 2),
+                               run=dataclasses.replace(config.run, dir=str(tmp_path / "run"),
+                                                       device_memory_gb=gib[1] / 2),
                                data=dataclasses.replace(config.data, cache_dir=str(tmp_path / "cache")))
     with pytest.raises(ConfigError, match=r"the train step .* needs .* per device, over the budget of .* "
                                           r"\(run.device_memory_gb\); use train.microbatches=auto"):

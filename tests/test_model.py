@@ -55,7 +55,8 @@ def test_packed_documents_match_documents_alone(params):
     docs = [np.concatenate([[bos], rng.integers(3, TINY_MODEL.vocab_size, n)]) for n in (9, 13, 6)]
     docs.append(np.array([bos]))  # the next document's BOS, as a packed row ends
     packed = model_inputs([{"tokens": np.concatenate(docs).astype(np.int32),
-                            "segment_ids": np.concatenate([np.full(len(d), i + 1, np.int32) for i, d in enumerate(docs)]),
+                            "segment_ids": np.concatenate([np.full(len(d), i + 1, np.int32)
+                                                           for i, d in enumerate(docs)]),
                             "positions": np.concatenate([np.arange(len(d), dtype=np.int32) for d in docs])}])
     docs.pop()
     together = logits_of(TINY_MODEL, params, packed["tokens"], packed["positions"], packed["segment_ids"])

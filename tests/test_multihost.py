@@ -1,7 +1,8 @@
 """Multi-process training with real processes: jax.distributed over 127.0.0.1, CPU collectives.
 
-launch/local.sh --processes N --devices D (launch/multiprocess.py) starts N processes x D simulated devices; every run here has 8 devices in all,
-so the mesh (fsdp=8) and the numbers are those of one process with 8 devices.
+launch/local.sh --processes N --devices D (launch/multiprocess.py) starts N processes x D simulated
+devices; every run here has 8 devices in all, so the mesh (fsdp=8) and the numbers are those of one
+process with 8 devices.
 """
 
 import json
@@ -105,7 +106,8 @@ def test_sigterm_to_every_process_saves_one_agreed_step(config_path, tmp_path):
                              str(config_path), f"run.dir={run_dir}", "train.steps=2000", "checkpoint.every_steps=0"],
                             env=subprocess_environment(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 240
-    while time.time() < deadline and max(losses(run_dir) if (run_dir / "metrics.jsonl").exists() else [], default=0) < 5:
+    while (time.time() < deadline
+           and max(losses(run_dir) if (run_dir / "metrics.jsonl").exists() else [], default=0) < 5):
         assert proc.poll() is None, proc.communicate()
         time.sleep(0.1)
     proc.send_signal(signal.SIGTERM)  # the launcher forwards it to both processes
@@ -202,7 +204,8 @@ def test_a_llama3_recipe_on_two_processes_saves_at_young_daly_and_a_kill_loses_a
         if match := re.match(r"multiprocess: process (\d) started \(pid (\d+)\)", line):
             pids[int(match.group(1))] = int(match.group(2))
     deadline = time.time() + 300
-    while time.time() < deadline and max(losses(run_dir) if (run_dir / "metrics.jsonl").exists() else [], default=0) < 23:
+    while (time.time() < deadline
+           and max(losses(run_dir) if (run_dir / "metrics.jsonl").exists() else [], default=0) < 23):
         assert supervisor.poll() is None, supervisor.communicate()
         time.sleep(0.1)
     killed_at = max(losses(run_dir))

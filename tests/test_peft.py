@@ -86,8 +86,8 @@ def test_lora_starts_as_the_base_model_bitwise_and_recomputing_layers_changes_no
         model = Llama(TINY_MODEL, remat_config=remat, peft=LORA)
 
         def loss(a):
-            return model.apply({"params": peft.merge(a, base)}, batch["tokens"], batch["positions"], batch["segment_ids"],
-                               targets=batch["targets"], loss_mask=batch["loss_mask"])[0]
+            return model.apply({"params": peft.merge(a, base)}, batch["tokens"], batch["positions"],
+                               batch["segment_ids"], targets=batch["targets"], loss_mask=batch["loss_mask"])[0]
 
         def run(a):
             moved = jax.tree.map(lambda x: x + 0.01, a)  # every gradient informative

@@ -53,7 +53,8 @@ def test_readme_has_the_two_setup_commands_and_ci_runs_the_test_one():
 
 def test_make_passes_args_to_the_trainer():
     assert 'make train ARGS="train.steps=100 run.dir=runs/short"' in readme_commands("make train ARGS=")
-    dry_run = subprocess.run(["make", "-n", "-W", ".venv/.installed", "train", "ARGS=train.steps=100 run.dir=runs/short"],
+    dry_run = subprocess.run(["make", "-n", "-W", ".venv/.installed", "train",
+                              "ARGS=train.steps=100 run.dir=runs/short"],
                              cwd=ROOT, capture_output=True, text=True, check=True).stdout
     assert "llama-jax train train.steps=100 run.dir=runs/short" in dry_run
 

@@ -240,7 +240,8 @@ def test_goodput_across_a_death_and_a_resume(tmp_path):
     assert s["wall_s"] == 120.0 and s["attempts"] == 2 and s["redone_steps"] == 2
     assert s["goodput"] == 12.0 / 120.0
     assert sum(s[b] for b in ("productive", "compile", "checkpoint_restore", "lost", "restart", "other")) == 120.0
-    assert format_goodput(second.summary()).startswith("goodput 10.0% of 120 s over 2 attempts: productive 12 s, compile 5.0 s")
+    assert format_goodput(second.summary()).startswith("goodput 10.0% of 120 s over 2 attempts: productive 12 s, "
+                                                       "compile 5.0 s")
     second.finish()
     record = json.loads((tmp_path / "goodput.json").read_text())
     assert [a["outcome"] for a in record["attempts"]] == ["died", "finished"]
@@ -407,16 +408,17 @@ def test_host_scores_name_a_host_slow_two_windows_running_with_its_devices():
     assert waited == pytest.approx(0.3 * 5) and warnings == []  # one window is not yet persistent
     ranked, _, warnings = scores.observe((11, 15), fleet)
     assert ranked[0]["straggler"] and ranked[0]["vs_own_best"] == pytest.approx(16.0)
-    assert warnings == ["warning: straggler host: process 3 on node-3 (devices 24-31) costs the fleet 0.3 s of each 1 s "
-                        "step over steps 11-15 (score 0.30 > fault.straggler_host_threshold 0.1, 2 windows running; "
-                        "16.00x its own best)"]
+    assert warnings == ["warning: straggler host: process 3 on node-3 (devices 24-31) costs the fleet 0.3 s of each "
+                        "1 s step over steps 11-15 (score 0.30 > fault.straggler_host_threshold 0.1, 2 windows "
+                        "running; 16.00x its own best)"]
     fleet[3] = report(0.02, process=3)  # recovered: no longer named
     assert scores.observe((16, 20), fleet)[2] == []
     assert HostScores(0.1).observe((1, 5), {0: report(9.0)}) == ([], 0.0, [])  # one process: nothing to compare
 
 
 def test_ranges_keep_a_list_of_processes_or_devices_short():
-    assert format_ranges([0, 1, 2, 3, 7, 9, 10]) == "0-3, 7, 9-10" and format_ranges([5]) == "5" and format_ranges([]) == ""
+    assert (format_ranges([0, 1, 2, 3, 7, 9, 10]) == "0-3, 7, 9-10" and format_ranges([5]) == "5"
+            and format_ranges([]) == "")
 
 
 def test_a_checkpoint_of_another_function_is_refused_unless_allowed():

@@ -284,7 +284,8 @@ def test_on_kubernetes_the_supervisor_labels_the_nodes_a_pre_flight_verdict_name
     err = capsys.readouterr().err
     assert status == EXIT_UNHEALTHY, err
     assert [p[0] for p in patches] == ["/api/v1/nodes/gpu-7", "/api/v1/nodes/forbidden"]
-    assert patches[0][1:] == ("application/merge-patch+json", {"metadata": {"labels": {"llama-jax.io/unhealthy": "true"}}})
+    assert patches[0][1:] == ("application/merge-patch+json",
+                              {"metadata": {"labels": {"llama-jax.io/unhealthy": "true"}}})
     assert "labelled node gpu-7 llama-jax.io/unhealthy=true: the job's pods stay off it" in err
     assert "could not label node forbidden (HTTP Error 403" in err
     assert "kubectl label node forbidden llama-jax.io/unhealthy=true" in err

@@ -20,7 +20,8 @@ from llama_jax.data.tokenizer import BOS, EOS, Tokenizer, check_vocab, load_toke
 
 SENTENCES = ["the quick brown fox jumps over the lazy dog", "héllo wörld, naïve café", "日本語 中文 and 🦙 too",
              "seven wizards quietly hex jolly bards", "the end of the text"] * 8
-ROUND_TRIP = ["the quick brown fox", "café naïve é", "中文 日本語", "emoji 🦙🔥👩‍👩‍👧", "  two  spaces\tand\nlines\n", ""]
+ROUND_TRIP = ["the quick brown fox", "café naïve é", "中文 日本語", "emoji 🦙🔥👩‍👩‍👧",
+              "  two  spaces\tand\nlines\n", ""]
 MERGES = [b"th", b"the", b" the"]  # ranks 256, 257, 258 after the 256 single bytes
 
 

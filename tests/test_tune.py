@@ -15,7 +15,8 @@ from llama_jax.training import plan, tune
 from llama_jax.training.step import TrainProgram
 
 # The end-to-end search pins tensor and sequence to 1 to keep compilations few: 4 meshes.
-PINNED = ["mesh.pipeline=1", "mesh.tensor=1", "mesh.sequence=1", "train.batch_size=16"]  # 16: 2 micro-batches on 8 shards
+PINNED = ["mesh.pipeline=1", "mesh.tensor=1", "mesh.sequence=1",
+          "train.batch_size=16"]  # 16: 2 micro-batches on 8 shards
 SEARCH = ["--policies", "none,full", "--microbatches", "1,2", "--every-n-layers", "1", "--meshes", "1"]
 UNITS = {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
 OPTIONS = tune.Options(policies=("none", "full"), microbatches=(1, 2), every_n_layers=(1,), meshes=1, top_k=2,
@@ -153,7 +154,8 @@ def test_a_memory_budget_below_the_smallest_candidate_exits_2_saying_by_how_much
     (["--policies", "none,fastest"], "unknown remat policy 'fastest'"),
     (["modle.n_layers=2"], "model.n_layers"),
     (["--top-k", "0"], "--top-k"),
-    (["--devices-per-host", "3"], "--devices-per-host 3 does not divide the 8 devices into hosts; use one of 1, 2, 4, 8"),
+    (["--devices-per-host", "3"],
+     "--devices-per-host 3 does not divide the 8 devices into hosts; use one of 1, 2, 4, 8"),
     (["--nic-gbs", "-1"], "--nic-gbs"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, args, message):

@@ -395,7 +395,8 @@ class LocalTier:
 def _place_own(leaf, data_at) -> jax.Array:
     """`leaf` as the run shards it, with this process's shards from data_at(place, shard shape)."""
     places, shape = leaf.sharding.devices_indices_map(leaf.shape), leaf.sharding.shard_shape(leaf.shape)
-    pieces = [jax.device_put(data_at(_index_key(places[d], leaf.shape), shape), d) for d in leaf.sharding.addressable_devices]
+    pieces = [jax.device_put(data_at(_index_key(places[d], leaf.shape), shape), d)
+              for d in leaf.sharding.addressable_devices]
     return jax.make_array_from_single_device_arrays(leaf.shape, leaf.sharding, pieces)
 
 

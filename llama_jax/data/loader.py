@@ -288,8 +288,8 @@ def batches(parts: list[Component], split: str, batch_size: int, seq_len: int, s
     tokens = sum(r.documents.tokens for r in rows)
     # Validation may be smaller than a batch (its rows repeat); training on repeats would mislead.
     if split == "train" and tokens < batch_size * (seq_len + 1):
-        raise DataError(f"the training split has {tokens} tokens, fewer than one batch of {batch_size} x {seq_len + 1}; "
-                        "lower train.batch_size or train.seq_len, or use a larger corpus")
+        raise DataError(f"the training split has {tokens} tokens, fewer than one batch of {batch_size} x "
+                        f"{seq_len + 1}; lower train.batch_size or train.seq_len, or use a larger corpus")
     return Batches(mixture(rows, [p.weight for p in parts]), batch_size, seq_len, rows)
 
 

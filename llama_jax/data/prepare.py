@@ -60,7 +60,8 @@ def check_options(options: PrepareOptions) -> None:
     if not options.inputs:
         raise DataError("prepare needs at least one input: a file, directory, glob, hf:DIR or shakespeare")
     if bool(options.tokenizer) == (options.train_vocab > 0):
-        raise DataError("name a tokenizer (--tokenizer PATH) or train one (--train-tokenizer VOCAB), not both or neither")
+        raise DataError("name a tokenizer (--tokenizer PATH) or train one (--train-tokenizer VOCAB), "
+                        "not both or neither")
     if options.read.text_unit not in TEXT_UNITS:
         raise DataError(f"text unit '{options.read.text_unit}' is unknown; use one of {', '.join(TEXT_UNITS)}")
     if options.read.on_bad_record not in BAD_RECORD_ACTIONS:
@@ -259,9 +260,11 @@ def _build(options: PrepareOptions, out: Path, units, identity: dict, digest: st
     (out / ".prepare.json").unlink()
     seconds = time.perf_counter() - start
     megabytes = sum(s["bytes"] for s in stats) / 1e6
-    bad = f", skipped {meta['bad_records']} bad record(s) (e.g. {meta['bad_examples'][0]})" if meta["bad_records"] else ""
+    bad = (f", skipped {meta['bad_records']} bad record(s) (e.g. {meta['bad_examples'][0]})"
+           if meta["bad_records"] else "")
     log(f"prepared {sum(meta['documents'].values()):,} documents ({megabytes:.1f} MB, {meta['tokens']['train']:,} "
-        f"train / {meta['tokens']['val']:,} val tokens) in {seconds:.1f}s ({megabytes / seconds:.1f} MB/s){bad} -> {out}")
+        f"train / {meta['tokens']['val']:,} val tokens) in {seconds:.1f}s ({megabytes / seconds:.1f} MB/s){bad} "
+        f"-> {out}")
     return out
 
 

@@ -64,8 +64,8 @@ def check_sources(data: DataConfig) -> None:
     """Data named, and a tokenizer for every source that is not yet a token store (DataError, one line)."""
     if not data.sources:
         raise DataError("data.sources is empty: name the data to train on, e.g. data.sources=[STORE] with a token "
-                        "store made by `llama-jax prepare CORPUS --out STORE --tokenizer TOKENIZER` (a Llama 3 model: its "
-                        "tokenizer.model); see docs/data.md")
+                        "store made by `llama-jax prepare CORPUS --out STORE --tokenizer TOKENIZER` (a Llama 3 model: "
+                        "its tokenizer.model); see docs/data.md")
     raw = [spec for spec in data.sources if not is_store(spec)]
     if raw and not data.tokenizer:
         raise DataError(f"{raw[0]} is not a token store and data.tokenizer is not set: prepare it with "

@@ -92,8 +92,8 @@ def mesh_shape(mesh: MeshConfig, n_devices: int) -> dict[str, int]:
     if math.prod(sizes.values()) != n_devices:
         raise ConfigError(
             f"mesh {_describe(sizes)} needs {math.prod(sizes.values())} devices but {n_devices} are available; "
-            "make the product of mesh.pipeline, mesh.data, mesh.fsdp, mesh.sequence and mesh.tensor equal the device count "
-            "(or set one of them to -1)"
+            "make the product of mesh.pipeline, mesh.data, mesh.fsdp, mesh.sequence and mesh.tensor equal the device "
+            "count (or set one of them to -1)"
         )
     return sizes
 
@@ -132,7 +132,8 @@ def check_divisibility(config: Config, sizes: dict[str, int]) -> None:
     layers_per_group = m.n_layers // (stages * repeats)
     if stages > 1 and not uneven and layers_per_group % config.remat.every_n_layers:
         raise ConfigError(f"remat.every_n_layers ({config.remat.every_n_layers}) must divide the {layers_per_group} "
-                          "layers of each pipeline stage's group (model.n_layers / (mesh.pipeline × mesh.pipeline_repeats))")
+                          "layers of each pipeline stage's group "
+                          "(model.n_layers / (mesh.pipeline × mesh.pipeline_repeats))")
     tensor = sizes["tensor"]
     # Query heads split evenly over `tensor`; kv heads either split too or, when there are fewer
     # of them than shards, are replicated (which needs tensor to be a multiple of kv heads).

@@ -61,7 +61,8 @@ def select_implementation(requested: str, platform: str, dtype, head_dim: int, s
         if not strict:  # an input shorter than training's (init's dummy batch, a prompt): XLA's kernel
             return "xla"
         raise ConfigError(f"model.attention=blocked needs a CPU or GPU and train.seq_len >= {2 * MIN_BLOCK} divisible "
-                          f"by its block length (have platform {platform}, seq_len {seq_len}); use model.attention=auto")
+                          f"by its block length (have platform {platform}, seq_len {seq_len}); "
+                          "use model.attention=auto")
     return requested
 
 

@@ -84,7 +84,7 @@ def _forward(q, k, v, segments, block):
     outs, lses = [], []
     for i, qi in enumerate(qs):
         m = jnp.full(qi.shape[:-1], NEG, jnp.float32)
-        l = jnp.zeros(qi.shape[:-1], jnp.float32)
+        row_sum = jnp.zeros(qi.shape[:-1], jnp.float32)  # the softmax denominator, at the running max m
         acc = jnp.zeros(qi.shape, jnp.float32)
         for j in range(i + 1):  # key blocks after the query block are entirely in the future: skipped
             visible = _mask(segments, i, j, block)
@@ -92,12 +92,12 @@ def _forward(q, k, v, segments, block):
             m_new = jnp.maximum(m, s.max(-1))
             p = jnp.where(visible, jnp.exp(s - m_new[..., None]), 0.0)
             correction = jnp.exp(m - m_new)
-            l = l * correction + p.sum(-1)
+            row_sum = row_sum * correction + p.sum(-1)
             acc = acc * correction[..., None] + jnp.einsum("bkgqs,bksh->bkgqh", p.astype(v.dtype), vs[j],
                                                            preferred_element_type=jnp.float32)
             m = m_new
-        outs.append(acc / l[..., None])
-        lses.append(m + jnp.log(l))
+        outs.append(acc / row_sum[..., None])
+        lses.append(m + jnp.log(row_sum))
     out = jnp.concatenate(outs, axis=3)  # [b, kv, g, t, h]
     lse = jnp.concatenate(lses, axis=3)  # [b, kv, g, t]
     result = out.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h).astype(q.dtype)

@@ -209,7 +209,10 @@ def spearman(a: list[float], b: list[float]) -> float | None:
     """Rank correlation of two equally long lists (None for fewer than 3 pairs or constant ranks)."""
     if len(a) < 3:
         return None
-    rank = lambda xs: [sorted(xs).index(x) for x in xs]  # ties are rare in timings
+
+    def rank(xs):  # ties are rare in timings
+        return [sorted(xs).index(x) for x in xs]
+
     ra, rb = rank(a), rank(b)
     mean = (len(a) - 1) / 2
     cov = sum((x - mean) * (y - mean) for x, y in zip(ra, rb))

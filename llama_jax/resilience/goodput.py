@@ -30,8 +30,9 @@ class Goodput:
 
     One record per attempt (process start). `lost` is time first counted as productive and then thrown
     away (steps recomputed after a restart or a rollback), so the productive total is the sum of
-    productive minus lost; `redone_steps` counts the steps a restart recomputed. A killed attempt never writes a last record: what it did after its last
-    flush() falls into the gap between its last_alive and the next start, charged to `restart`.
+    productive minus lost; `redone_steps` counts the steps a restart recomputed. A killed attempt never
+    writes a last record: what it did after its last flush() falls into the gap between its last_alive
+    and the next start, charged to `restart`.
     An attempt ended with finish() (the run reached its step target) is followed by idle time of the
     user's choosing: that gap is neither charged nor part of the wall time.
     """
@@ -184,7 +185,8 @@ def summarize(attempts: list[dict[str, Any]], now: float) -> dict[str, Any]:
 def format_goodput(s: dict[str, Any]) -> str:
     parts = ", ".join(f"{b} {format_seconds(s[b])}" for b in BUCKETS if s[b] >= 0.05)
     n = s["attempts"]
-    return f"goodput {100 * s['goodput']:.1f}% of {format_seconds(s['wall_s'])} over {n} attempt{'s' * (n != 1)}: {parts}"
+    return (f"goodput {100 * s['goodput']:.1f}% of {format_seconds(s['wall_s'])} over {n} "
+            f"attempt{'s' * (n != 1)}: {parts}")
 
 
 def read_goodput(run_dir: Path) -> dict[str, Any] | None:

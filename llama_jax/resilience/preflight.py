@@ -212,7 +212,7 @@ def measure_collectives(mesh: Mesh, sizes: Sizes) -> dict[str, float]:
         reduce = jax.jit(jax.shard_map(lambda v, axis=axis: lax.psum(v, axis), mesh=mesh, in_specs=spec,
                                        out_specs=spec))
         jax.block_until_ready(reduce(x))
-        seconds[axis] = min(_timed(lambda: reduce(x), 1) for _ in range(TIMED_ROUNDS))
+        seconds[axis] = min(_timed(lambda reduce=reduce: reduce(x), 1) for _ in range(TIMED_ROUNDS))
     return seconds
 
 
@@ -360,7 +360,8 @@ def format_report(report: Report) -> str:
         lines.append(f"{d['host'][:20]:<20} {d['process']:>7} {d['device']:>6} {figures(d)}  "
                      f"{'ok' if d['arithmetic_ok'] else 'WRONG'}{notes.get(d['device'], '')}")
     lines.append(f"{'median':<36} {figures(report.medians)}")
-    lines += [f"all-reduce over mesh axis {a}: {_rate(b, 'B/s')} (bus bandwidth)" for a, b in report.collectives.items()]
+    lines += [f"all-reduce over mesh axis {a}: {_rate(b, 'B/s')} (bus bandwidth)"
+              for a, b in report.collectives.items()]
     if report.healthy:  # the summary carries the notes on suspects
         lines.append(summary(report).removeprefix("pre-flight check: "))
     else:

@@ -300,16 +300,19 @@ def format_plan(plan: Plan) -> str:
         f"  cuDNN        {format_bytes(plan.cudnn_workspace_bytes):>12}   (attention's workspace, estimated from "
         "an H100's: a compile without the GPU does not size it)" if plan.target else "",
         f"  total        {format_bytes(plan.total_bytes):>12}   "
-        f"({'fits' if plan.total_bytes <= plan.budget_bytes else 'OVER'} the budget of {format_bytes(plan.budget_bytes)}, "
-        f"run.device_memory_gb; {plan.microbatches} micro-batch{'es' if plan.microbatches > 1 else ''})",
+        f"({'fits' if plan.total_bytes <= plan.budget_bytes else 'OVER'} the budget of "
+        f"{format_bytes(plan.budget_bytes)}, run.device_memory_gb; {plan.microbatches} "
+        f"micro-batch{'es' if plan.microbatches > 1 else ''})",
         f"  host         {format_bytes(plan.host_temporary_bytes):>12}   (offloaded to pinned host memory)"
         if plan.host_temporary_bytes else "",
         "FLOPs per step (all devices):",
         f"  HLO          {plan.hlo_flops:12.4g}   (matmuls of the compiled program, every layer counted)",
-        f"  model        {plan.model_flops:12.4g}   (6 x matmul params (4 x frozen ones) + attention, per token x tokens)",
+        f"  model        {plan.model_flops:12.4g}   (6 x matmul params (4 x frozen ones) + attention, "
+        "per token x tokens)",
         f"  HLO / model  {plan.hlo_flops / plan.model_flops:12.3f}   (above 1: recomputation or replicated work)",
         f"  fp8          {plan.fp8_flops:12.4g}   ({plan.fp8_flops / (plan.hlo_flops or 1):.1%} of HLO: matmuls with "
-        f"fp8 operands, model.fp8={plan.fp8}{'' if plan.fp8_flops else '; this compiler computes them in a wider type'})"
+        f"fp8 operands, model.fp8={plan.fp8}"
+        f"{'' if plan.fp8_flops else '; this compiler computes them in a wider type'})"
         if plan.fp8 != "none" or plan.fp8_flops else "",
         f"memory traffic {format_bytes(plan.memory_traffic_bytes):>11}   (per device: bytes operations read and write)",
         "collectives per device per step (ring cost model):",
@@ -320,8 +323,8 @@ def format_plan(plan: Plan) -> str:
         fp8 = ", fp8 matmuls at the fp8 peak" if plan.fp8_flops else ""
         lines[-1:-1] = [f"predicted step {plan.predicted_step_s * 1e3:10.1f} ms   ({against}; llama-jax tune's cost "
                         f"model{fp8}; {plan.peaks})"]
-    lines += [f"  {kind:<19}{format_bytes(b):>12}" + ("   (point to point: the pipeline)" if kind == "collective-permute"
-                                                       and stages > 1 else "")
+    lines += [f"  {kind:<19}{format_bytes(b):>12}"
+              + ("   (point to point: the pipeline)" if kind == "collective-permute" and stages > 1 else "")
               for kind, b in plan.collective_bytes.items()]
     lines.append(f"  {'total':<19}{format_bytes(plan.collective_total):>12}")
     minimum = ", ".join(f"{k} {format_bytes(v)}" for k, v in plan.collective_minimum.items() if v)

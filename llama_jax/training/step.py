@@ -250,7 +250,8 @@ class TrainProgram:
                               f"stages and mesh.pipeline_microbatches) and divides the {rows} rows of each batch "
                               "shard; raise train.batch_size or lower mesh.pipeline_microbatches")
         for count in counts:
-            program = cls.build(dataclasses.replace(config, train=dataclasses.replace(config.train, microbatches=count)),
+            program = cls.build(dataclasses.replace(config,
+                                                    train=dataclasses.replace(config.train, microbatches=count)),
                                 mesh)
             if program.memory_bytes() <= budget:
                 break
@@ -296,10 +297,10 @@ class TrainProgram:
         if need > budget:
             t, remat_policy = self.config.train, self.config.remat.policy
             raise ConfigError(
-                f"the train step ({t.microbatches} micro-batch(es), remat.policy={remat_policy}) needs {format_bytes(need)} "
-                f"per device, over the budget of {format_bytes(budget)} (run.device_memory_gb); use train.microbatches="
-                "auto (or more), recompute more (remat.policy=full), shard over more devices (mesh.fsdp, mesh.tensor), "
-                "or let `llama-jax tune` choose")
+                f"the train step ({t.microbatches} micro-batch(es), remat.policy={remat_policy}) needs "
+                f"{format_bytes(need)} per device, over the budget of {format_bytes(budget)} (run.device_memory_gb); "
+                "use train.microbatches=auto (or more), recompute more (remat.policy=full), shard over more devices "
+                "(mesh.fsdp, mesh.tensor), or let `llama-jax tune` choose")
 
     @contextlib.contextmanager
     def activate(self):

@@ -118,10 +118,9 @@ def pinned(overrides: list[str]) -> dict[str, str]:
     return {k: v.strip() for k, v in values.items() if k.strip() in SEARCHED_KEYS}
 
 
-def candidate_space(devices: int, overrides: list[str], policies: tuple[str, ...],
-                    microbatches: tuple[int, ...], every_n_layers: tuple[int, ...] = (1,),
-                    pipeline_repeats: tuple[int, ...] = (1, 2), schedules: tuple[str, ...] = ("gpipe", "1f1b"),
-                    passes: tuple[int, ...] = (0,)) -> list[Candidate]:
+def candidate_space(devices: int, overrides: list[str], policies: tuple[str, ...], microbatches: tuple[int, ...],
+                    every_n_layers: tuple[int, ...] = (1,), pipeline_repeats: tuple[int, ...] = (1, 2),
+                    schedules: tuple[str, ...] = ("gpipe", "1f1b"), passes: tuple[int, ...] = (0,)) -> list[Candidate]:
     """Every combination of the searched values; key=value overrides pin a searched key. With a pipeline,
     the micro-batch counts are multiples of its stages: each count times the stages; so are the micro-batches
     per pass (`passes`; 0: one pass of all), kept where fewer than all."""
@@ -150,8 +149,7 @@ def candidate_space(devices: int, overrides: list[str], policies: tuple[str, ...
                 continue  # passes of more than all the micro-batches, or of all: one pass (0)
             # Without recomputation there is nothing to spread over every n-th layer.
             for every in ([1] if policy == "none" else everys):
-                out.append(Candidate(data, fsdp, tensor, sequence, sp, mb, policy, every, pipeline, repeat, kind,
-                                     size))
+                out.append(Candidate(data, fsdp, tensor, sequence, sp, mb, policy, every, pipeline, repeat, kind, size))
     return out
 
 
@@ -270,7 +268,8 @@ def score(result: Result, cache: Cache, model: CostModel, budget: float, devices
     result.collective_bytes, result.tier_bytes = entry["collective_bytes"], entry["tier_bytes"]
     result.predicted_s = model.predict(entry["operations"], result.tier_bytes)
     if result.memory_bytes > budget:
-        result.rejected = f"needs {format_bytes(result.memory_bytes)} per device, over the budget of {format_bytes(budget)}"
+        result.rejected = (f"needs {format_bytes(result.memory_bytes)} per device, over the budget of "
+                           f"{format_bytes(budget)}")
 
 
 def measure(result: Result, cache: Cache, steps: int) -> None:
@@ -283,8 +282,7 @@ def measure(result: Result, cache: Cache, steps: int) -> None:
     try:
         with program.activate():
             state = program.init_state(jax.random.key(0))
-            times, _ = time_train_steps(program, state, program.put(random_batch(result.config)), steps,
-                                        warmup=1)
+            times, _ = time_train_steps(program, state, program.put(random_batch(result.config)), steps, warmup=1)
     except Exception as err:  # noqa: BLE001 - e.g. out of memory at run time although the plan fitted
         result.rejected = f"failed when measured: {type(err).__name__}: {str(err).splitlines()[0][:160]}"
         return
@@ -435,8 +433,7 @@ def tune(source: str | None, overrides: list[str], options: Options = Options())
     if default_result.config is not None and default_result.predicted_s is None and default_result.rejected is None:
         score(default_result, cache, model, budget, options.devices_per_host, options.devices)
 
-    fits = sorted((r for r in results if r.predicted_s is not None and r.rejected is None),
-                  key=lambda r: r.predicted_s)
+    fits = sorted((r for r in results if r.predicted_s is not None and r.rejected is None), key=lambda r: r.predicted_s)
     if not fits:
         over = [r for r in results if r.memory_bytes is not None]
         if not over:
@@ -548,7 +545,6 @@ def report_json(report: Report) -> str:
              "collective_tiers": r.tier_bytes,
              "predicted_s": r.predicted_s, "measured_s": r.measured_s} for r in report.results]
     return json.dumps({"devices": report.devices, "hosts": report.hosts, "budget_bytes": report.budget,
-                       "measured": report.measured,
-                       "cost_model": dataclasses.asdict(report.model), "spearman": report.correlation,
-                       "default": report.default.candidate.label, "winner": report.winner.candidate.label,
-                       "candidates": rows}, indent=1)
+                       "measured": report.measured, "cost_model": dataclasses.asdict(report.model),
+                       "spearman": report.correlation, "default": report.default.candidate.label,
+                       "winner": report.winner.candidate.label, "candidates": rows}, indent=1)
