@@ -1,11 +1,13 @@
 """The peer: the same model and optimizer step in Hugging Face transformers + PyTorch, timed the way
 bench/step.py times ours. Run by bench/step.py in the same invocation (or alone):
 
-    .venv/bin/python bench/peer.py [--preset bench] [--steps 5] [--compile] [--json out.json]
+    .venv/bin/python bench/peer.py [--preset bench] [--steps 5] [--compile] [--json out.json] [key=value ...]
 
 Needs torch and transformers (`pip install torch transformers`; on this CPU machine
-`pip install torch==2.13.0` takes the local CPU build). fp32, AdamW (β2 0.95, weight decay 0.1, as
-ours), gradient clipping 1.0, random tokens, SDPA attention (transformers' default), all cores.
+`pip install torch==2.13.0` takes the local CPU build), not JAX nor an installed llama-jax: the model and
+batch are the preset's with the key=value overrides, as this repository's llama_jax.config builds them
+(bench/step.py passes its own). fp32, AdamW (β2 0.95, weight decay 0.1, as ours), gradient clipping 1.0,
+random tokens, SDPA attention (transformers' default), all cores.
 """
 
 from __future__ import annotations
@@ -14,22 +16,25 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
+# This repository's llama_jax, also for an interpreter without llama-jax installed (bench/step.py --peer-python):
+# its config package imports no JAX and needs only PyYAML, which transformers requires.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from llama_jax.config import load_config  # noqa: E402
 
-def model_dimensions(preset: str) -> dict:
-    """The preset's dimensions, read from its YAML without importing JAX."""
-    import yaml
 
-    presets = Path(__file__).resolve().parents[1] / "llama_jax" / "configs"
-    config = yaml.safe_load((presets / f"{preset}.yaml").read_text())
-    model, train = config.get("model", {}), config.get("train", {})
-    return {"vocab": model["vocab_size"], "d_model": model["d_model"], "layers": model["n_layers"],
-            "heads": model["n_heads"], "kv_heads": model["n_kv_heads"], "ffn": model["ffn_dim"],
-            "head_dim": model.get("head_dim") or model["d_model"] // model["n_heads"],
-            "tied": model.get("tie_embeddings", False), "rope_theta": model.get("rope_theta", 500000.0),
-            "batch": train["batch_size"], "seq": train["seq_len"]}
+def model_dimensions(preset: str, overrides: list[str] | tuple[str, ...] = ()) -> dict:
+    """The dimensions of a preset (or YAML file) with key=value overrides, from the project's own loader: the
+    presets live where it looks for them (llama_jax/config/presets), and the defaults and types are the schema's."""
+    config = load_config(preset, list(overrides))
+    model, train = config.model, config.train
+    return {"vocab": model.vocab_size, "d_model": model.d_model, "layers": model.n_layers, "heads": model.n_heads,
+            "kv_heads": model.n_kv_heads, "ffn": model.ffn_dim, "head_dim": model.resolved_head_dim,
+            "tied": model.tie_embeddings, "rope_theta": model.rope_theta, "batch": train.batch_size,
+            "seq": train.seq_len}
 
 
 def measure(dims: dict, steps: int, warmup: int, compiled: bool) -> dict:
@@ -83,12 +88,14 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--compile", action="store_true", help="also measure torch.compile")
     parser.add_argument("--json", help="write the figures here")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="as for bench/step.py and llama-jax train")
     args = parser.parse_args()
 
+    dims = model_dimensions(args.preset, args.overrides)  # first: a bad preset or key fails before torch is needed
     import transformers
 
-    dims = model_dimensions(args.preset)
-    results = {"preset": args.preset, "transformers": transformers.__version__,
+    results = {"preset": args.preset, "overrides": args.overrides, "dims": dims,
+               "transformers": transformers.__version__,
                "eager": measure(dims, args.steps, args.warmup, compiled=False)}
     if args.compile:
         try:

@@ -1,15 +1,16 @@
 """Training-step speed of a preset on the current devices, next to the hardware peak and the peer
 (Hugging Face transformers + PyTorch, bench/peer.py), measured in this one invocation.
 
-    .venv/bin/python bench/step.py [--preset bench] [--steps 5] [--peer] [--peer-python PY] [--ablation]
-                                   [--versus "key=value ..."]... [--json out.json] [key=value ...]
+    .venv/bin/python bench/step.py [--preset bench] [--steps 5] [--peer] [--peer-python PY] [--no-peer-compile]
+                                   [--ablation] [--versus "key=value ..."]... [--json out.json] [key=value ...]
 
 Ours: the jitted train step (AdamW, clipping, the preset's remat policy and attention kernel) on random
 tokens, 2 warm-up steps, then the median of --steps. MFU = model FLOPs (llama_jax.model.llama.train_flops_per_token,
 attention halved when the kernel skips the masked half) / (peak x devices); the peak is the data-sheet
 figure of a known accelerator, or on CPU the best fp32 matmul measured here, now. Peak memory is the
 compiled step's footprint (XLA's memory analysis) and, on accelerators, the device's peak in use.
---peer runs bench/peer.py (with --peer-python, default this interpreter) and prints the ratio. Each
+--peer runs bench/peer.py (with --peer-python, default this interpreter) on the same preset and overrides, eager
+and under torch.compile (not with --no-peer-compile: it takes minutes on a CPU), and prints the ratios. Each
 --versus measures the same preset and overrides with those key=value settings on top, in this run, e.g. a
 4-stage pipeline against fsdp on the same devices and global batch:
 
@@ -94,11 +95,13 @@ def measure_ours(preset: str, overrides: list[str], steps: int, peak: tuple[floa
             "loss": float(metrics["loss"]), "jax": jax.__version__}
 
 
-def run_peer(python: str, preset: str, steps: int) -> dict:
+def run_peer(python: str, preset: str, overrides: list[str], steps: int, compiled: bool = True) -> dict:
+    """bench/peer.py's figures for the model ours measured (the preset with the same overrides), or its error line."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "peer.json"
-        proc = subprocess.run([python, str(HERE / "peer.py"), "--preset", preset, "--steps", str(steps), "--compile",
-                               "--json", str(out)], capture_output=True, text=True)
+        proc = subprocess.run([python, str(HERE / "peer.py"), "--preset", preset, "--steps", str(steps),
+                               *(["--compile"] if compiled else []), "--json", str(out), *overrides],
+                              capture_output=True, text=True)
         if proc.returncode != 0:
             return {"error": (proc.stderr.strip().splitlines() or ["failed"])[-1]}
         return json.loads(out.read_text())
@@ -110,6 +113,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--peer", action="store_true", help="also time the Hugging Face + PyTorch peer")
     parser.add_argument("--peer-python", default=sys.executable, help="interpreter with torch + transformers")
+    parser.add_argument("--no-peer-compile", dest="peer_compile", action="store_false",
+                        help="time only the peer's eager step (torch.compile takes minutes on a CPU)")
     parser.add_argument("--ablation", action="store_true", help="also time the CPU fast path one change at a time")
     parser.add_argument("--versus", action="append", default=[], metavar="'key=value ...'",
                         help="also measure with these settings on top of the overrides (repeatable)")
@@ -128,7 +133,7 @@ def main() -> None:
         results["versus"] = [measure_ours(args.preset, [*args.overrides, *settings.split()], args.steps, peak)
                              for settings in args.versus]
     if args.peer:
-        results["peer"] = run_peer(args.peer_python, args.preset, args.steps)
+        results["peer"] = run_peer(args.peer_python, args.preset, args.overrides, args.steps, args.peer_compile)
 
     gib = 2**30
     print(f"{args.preset} {' '.join(args.overrides)} on {ours['devices']} x {ours['device']} ({results['cpu']}, "

@@ -2,17 +2,20 @@
 
 import dataclasses
 import os
+import re
 import subprocess
 import sys
+import typing
 from pathlib import Path
 
 import pytest
+from conftest import subprocess_environment
 
 import llama_jax.training.loop
 from llama_jax import cli
-from llama_jax.config import Config, all_keys, load_config, preset_names, to_yaml
+from llama_jax.config import Config, all_keys, checks, load_config, preset_names, to_yaml
 from llama_jax.config.checks import BOUNDS, METHOD_BOUNDS, UNBOUNDED
-from llama_jax.config.load import _leaf_types
+from llama_jax.config.load import _is_union, _leaf_types
 from llama_jax.distributed import sharding
 from llama_jax.errors import ConfigError
 
@@ -153,6 +156,9 @@ BAD_INPUTS = [
     case("number-as-bool", ["mesh.sequence_parallel=2"], ["mesh.sequence_parallel", "true or false", "'2'"]),
     case("wrong-type-int", ["train.steps=abc"], ["train.steps", "abc"]),
     case("wrong-type-bool", ["model.tie_embeddings=maybe"], ["model.tie_embeddings", "maybe"]),
+    case("yaml-1.1-bool", ["model.tie_embeddings=on"], ["model.tie_embeddings", "true or false", "'on'"]),
+    case("hex-int", ["train.steps=0x10"], ["train.steps", "a whole number", "'0x10'"]),
+    case("word-as-choice", ["model.attention=off"], ["model.attention must be one of", "got 'off'"]),
     case("negative-steps", ["train.steps=-1"], ["train.steps", "-1"]),
     case("kv-heads", ["model.n_kv_heads=3"], ["model.n_heads (4)", "model.n_kv_heads (3)"]),
     case("seq-len-above-max", ["train.seq_len=2048"], ["train.seq_len (2048)", "model.max_seq_len (1024)"]),
@@ -365,3 +371,165 @@ def test_a_zero_divisor_is_refused_before_any_division():
     """remat.every_n_layers=0 with explicit pipeline stages divided by zero (a traceback) before the table."""
     with pytest.raises(ConfigError, match="remat.every_n_layers must be positive, got 0"):
         load_config("tiny", ["remat.every_n_layers=0", "mesh.pipeline=2", "mesh.pipeline_stage_layers=[1,1]"])
+
+
+# --------------------------------------------------------------------------------------------
+# Values are parsed against the schema's types, not by YAML 1.1's rules (which read `off` as false, `0123` as
+# octal 83, `1e3` as a float and `null` as nothing, and the string keys got 'False', '83', '1000.0')
+
+WORDS = ["off", "no", "on", "yes", "true", "null", "1e3", "0123"]
+
+
+def schema_keys(node=Config, prefix=""):
+    """Dotted key -> type, from the dataclasses' annotations (what load.py parses against)."""
+    found = {}
+    for name, kind in typing.get_type_hints(node).items():
+        found.update(schema_keys(kind, f"{prefix}{name}.") if dataclasses.is_dataclass(kind) else {prefix + name: kind})
+    return found
+
+
+# Every key that holds text: str, and the lists of str (their items). The tables of str (mesh.rules, remat.custom)
+# are left out: their entries are axis names and remat actions, whose checks (test_sharding, test_remat) own them.
+STRING_KEYS = sorted(k for k, kind in schema_keys().items() if kind is str or kind == list[str])
+# Settings a key can only be given with (the node-local tier is a directory and an interval, or neither).
+COMPANIONS = {"checkpoint.local_dir": ["checkpoint.local_every_steps=5"],
+              "checkpoint.local_every_steps": ["checkpoint.local_dir=/dev/shm/llama-jax"]}
+
+
+def as_override(key, text):
+    return f"{key}=[{text}]" if schema_keys()[key] == list[str] else f"{key}={text}"
+
+
+def as_yaml_file(directory, key, text):
+    """`key: text` nested into its sections, the text unquoted (a plain YAML scalar, as a user writes it)."""
+    *sections, field = key.split(".")
+    lines = [f"{'  ' * depth}{section}:" for depth, section in enumerate(sections)]
+    lines.append(f"{'  ' * len(sections)}{field}: {'[' + text + ']' if schema_keys()[key] == list[str] else text}")
+    path = directory / f"{key}-{text}.yaml"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def has_choices(key):
+    """Whether the key takes only some words (model.attention, peft.method, ...): a made-up one is refused."""
+    try:
+        load_config("tiny", [*COMPANIONS.get(key, []), as_override(key, "no-such-choice")])
+    except ConfigError:
+        return True
+    return False
+
+
+def names_exactly(message, text):
+    """The message quotes the text as typed, not a conversion of it ('False', '83', '1000.0')."""
+    return re.search(rf"(?<![\w.]){re.escape(text)}(?![\w.])", message) is not None
+
+
+@pytest.mark.parametrize("source", ["key=value", "yaml"])
+@pytest.mark.parametrize("key", STRING_KEYS)
+def test_every_string_key_keeps_the_text_as_written(key, source, tmp_path):
+    """Each string key, given each of WORDS on the command line or unquoted in a YAML file, holds that exact text;
+    a key with a fixed set of choices refuses each in one ConfigError line that names the key and the text."""
+    choices = has_choices(key)
+    for text in WORDS:
+        try:
+            if source == "yaml":
+                config = load_config(str(as_yaml_file(tmp_path, key, text)), COMPANIONS.get(key, []))
+            else:
+                config = load_config("tiny", [*COMPANIONS.get(key, []), as_override(key, text)])
+        except ConfigError as err:
+            message = str(err)
+            assert choices, f"{key}={text} refused: {message}"
+            assert len(message.splitlines()) == 1 and key in message and names_exactly(message, text), message
+            continue
+        assert not choices, f"{key} took '{text}', a made-up word is refused"
+        expected = [text] if schema_keys()[key] == list[str] else text
+        assert get(config, key) == expected, (key, text)
+
+
+def test_the_keys_with_choices_are_the_ones_checks_py_names():
+    """has_choices finds the keys with a fixed set of words by probing; each is one checks.py compares with choices.py
+    (so a free text key, e.g. run.compilation_cache, cannot pass the test above by being refused)."""
+    assert len(STRING_KEYS) >= 20
+    assert {"run.compilation_cache", "data.sources", "train.sample_prompt"} <= set(STRING_KEYS)
+    source = Path(checks.__file__).read_text()
+    chosen = [key for key in STRING_KEYS if has_choices(key)]
+    assert {"model.attention", "remat.policy", "peft.method"} <= set(chosen) and "run.compilation_cache" not in chosen
+    assert all(key in source for key in chosen), chosen
+
+
+INT_OR_WORD_KEYS = sorted(k for k, kind in schema_keys().items() if _is_union(kind))
+
+
+@pytest.mark.parametrize("key", INT_OR_WORD_KEYS)
+def test_a_count_or_auto_key_refuses_other_words_as_typed(key):
+    """train.microbatches, checkpoint.every_steps, ...: a count or `auto`; any other word is refused in one line that
+    quotes it as typed."""
+    assert get(load_config("tiny", [*COMPANIONS.get(key, []), f"{key}=auto"]), key) == "auto"
+    assert get(load_config("tiny", [*COMPANIONS.get(key, []), f"{key}=0002"]), key) == 2
+    for text in ["off", "no", "on", "yes", "true", "null", "1e3", "AUTO"]:
+        with pytest.raises(ConfigError) as refused:
+            load_config("tiny", [*COMPANIONS.get(key, []), f"{key}={text}"])
+        assert len(str(refused.value).splitlines()) == 1 and f"got '{text}'" in str(refused.value)
+
+
+def test_numbers_are_decimal_and_booleans_are_true_or_false(tmp_path):
+    """0123 is 123 (YAML 1.1: octal 83); hex, times and floats are not whole numbers; true/false in any case."""
+    settings = {"train.steps": ("0123", 123), "train.warmup_steps": ("1_0", 10), "train.lr": ("1e3", 1000.0),
+                "fault.inject_nan_steps": ("[010, 3]", [10, 3]), "model.tie_embeddings": ("True", True),
+                "mesh.load_balance": ("FALSE", False)}
+    config = load_config("tiny", [f"{key}={text}" for key, (text, _) in settings.items()])
+    for key, (_, value) in settings.items():
+        assert get(config, key) == value, key
+    from_file = tmp_path / "c.yaml"
+    from_file.write_text("train:\n  steps: 0123\n  warmup_steps: 1_0\n  lr: 1e3\nfault:\n  inject_nan_steps: [010, 3]\n"
+                         "model:\n  tie_embeddings: True\nmesh:\n  load_balance: FALSE\n")
+    assert load_config(str(from_file)) == dataclasses.replace(
+        Config(), train=dataclasses.replace(Config().train, steps=123, warmup_steps=10, lr=1000.0),
+        fault=dataclasses.replace(Config().fault, inject_nan_steps=[10, 3]),
+        model=dataclasses.replace(Config().model, tie_embeddings=True),
+        mesh=dataclasses.replace(Config().mesh, load_balance=False))
+    for key, text in [("train.steps", "0x10"), ("train.steps", "1:30"), ("train.steps", "1e3"), ("train.lr", "0x10"),
+                      ("model.tie_embeddings", "yes"), ("model.tie_embeddings", "1"), ("run.wandb", "off")]:
+        with pytest.raises(ConfigError, match=rf"^'{key}' must be .*, got '{re.escape(text)}'$"):
+            load_config("tiny", [f"{key}={text}"])
+
+
+def test_text_that_yaml_would_change_survives_the_run_config(tmp_path):
+    """A run's config.yaml (to_yaml) loads back to the same text: a prompt ending in ':', a trailing space,
+    `${...}` (no interpolation), a quote, a float YAML writes as .inf."""
+    config = load_config("tiny", ["train.sample_prompt=ROMEO: ", "run.wandb_name=${oc.env:HOME}",
+                                  "data.text_field='body'", "run.compilation_cache=off", "fault.hang_factor=inf"])
+    assert config.train.sample_prompt == "ROMEO: " and config.run.wandb_name == "${oc.env:HOME}"
+    assert config.data.text_field == "'body'" and config.fault.hang_factor == float("inf")
+    path = tmp_path / "config.yaml"
+    path.write_text(to_yaml(config))
+    assert load_config(str(path)) == config
+
+
+def test_compilation_cache_off_writes_no_cache_anywhere(tmp_path, corpus):
+    """`llama-jax train tiny run.compilation_cache=off` (shrunk to 2 steps) in a fresh cwd: jax's persistent cache
+    stays unset in the process, and no cache entry is written anywhere under the cwd, the run dir or the cache
+    root (before: a directory ./False)."""
+    cwd, home = tmp_path / "cwd", tmp_path / "home"
+    cwd.mkdir()
+    # No inherited cache dir (conftest sets one for the suite), $HOME and the user cache in tmp_path. Any cache in use
+    # would be written, compiles under a second included (conftest: JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0).
+    env = {k: v for k, v in subprocess_environment().items() if k != "JAX_COMPILATION_CACHE_DIR"}
+    env.update(HOME=str(home), XDG_CACHE_HOME=str(home / ".cache"), MPLCONFIGDIR=str(home / "mpl"))
+    assert env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] == "0"
+    # cli.main is the llama-jax console script's entry point; run so, the process can print jax's setting after it.
+    probe = ("import sys, jax; from llama_jax import cli; status = cli.main(sys.argv[1:]); "
+             "print('jax_compilation_cache_dir:', jax.config.jax_compilation_cache_dir); sys.exit(status)")
+    quick = ["train.steps=2", "train.warmup_steps=0", "train.batch_size=8", "train.seq_len=32", "train.eval_every=0",
+             "train.eval_batches=1", "train.sample_tokens=0", "model.vocab_size=320", "model.d_model=64",
+             "model.ffn_dim=128", "run.tensorboard=false", f"data.sources=[{corpus}]"]
+    proc = subprocess.run([sys.executable, "-c", probe, "train", "tiny", "run.compilation_cache=off", *quick,
+                           "run.dir=run"], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "jax_compilation_cache_dir: None" in proc.stdout, proc.stdout[-2000:]
+    assert [p.name for p in cwd.iterdir()] == ["run"]  # no ./off, ./False
+    assert load_config(str(cwd / "run" / "config.yaml")).run.compilation_cache == "off"
+    assert (home / ".cache" / "llama_jax").is_dir()  # the data went to the user cache, the compiled steps did not
+    cached = [p for p in tmp_path.rglob("*")  # jax's entries: <key>-cache, <key>-atime
+              if p.name == "jax_compilation_cache" or p.name.endswith(("-cache", "-atime"))]
+    assert not cached, cached

@@ -1,8 +1,11 @@
 """Building a Config: a preset (presets/*.yaml, package data) or a YAML file, then `key=value` overrides.
 
-OmegaConf merges them onto the schema (schema.py), checking key names and types; checks.py then checks
-the values that depend on each other. Every failure becomes one ConfigError line, which the CLI prints and
-turns into exit status 2 before anything is written.
+Every value is read as the text the user wrote and parsed here against its key's type in the schema
+(schema.py), one rule per type: a string keeps its text exactly, a bool is true or false, an int is decimal
+digits, a float what Python's float() reads, a list `[a, b]` or a single value. YAML's own typing is not
+used: YAML 1.1 reads `off` as false, `0123` as octal 83 and `12:30` as 750, so `run.compilation_cache=off`
+became the directory 'False'. checks.py then checks the values that depend on each other. Every failure is
+one ConfigError line, which the CLI prints and turns into exit status 2 before anything is written.
 """
 
 from __future__ import annotations
@@ -10,15 +13,16 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import math
 import os
+import re
+import types
 import typing
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import yaml
-from omegaconf import OmegaConf
-from omegaconf.errors import OmegaConfBaseException
 
 from llama_jax.config.checks import check_rule, validate
 from llama_jax.config.schema import Config
@@ -37,9 +41,14 @@ def all_keys() -> list[str]:
     """Every dotted key of the schema, e.g. ``train.lr``."""
     return list(_leaf_types())
 
+def _load_text(text: str) -> Any:
+    """YAML's structure (mappings, lists) with every scalar left as the text written: BaseLoader resolves no
+    type and builds no object, so a string key can get back exactly what was typed (quotes removed)."""
+    return yaml.load(text, Loader=yaml.BaseLoader)
+
 def _read_yaml(path: Path) -> dict:
     try:
-        data = yaml.safe_load(path.read_text())
+        data = _load_text(path.read_text())
     except (OSError, yaml.YAMLError) as err:
         raise ConfigError(f"cannot read config file {path}: {str(err).splitlines()[0]}") from None
     if data is None:  # an empty file, or only comments: most likely not the file meant (a preset is never empty)
@@ -85,20 +94,67 @@ def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
             flat[f"{prefix}{key}"] = value
     return flat
 
-_BOOL_WORDS = {"true", "false", "yes", "no", "on", "off", "1", "0"}
+# Decimal only: YAML 1.1 read 0123 as octal 83, 0x10 as 16 and 1:30 as 90.
+_INT = re.compile(r"[+-]?[0-9]+(?:_[0-9]+)*")
+# How yaml.safe_dump (to_yaml) writes the floats float() cannot read, so a run's config.yaml loads back.
+_YAML_FLOATS = {".inf": math.inf, "+.inf": math.inf, "-.inf": -math.inf, ".nan": math.nan}
+_TYPE_NAMES = {bool: "true or false", int: "a whole number", float: "a number", str: "one value (not a list)"}
 
-def _check_key(key: str, value: Any, origin: str) -> None:
-    """Unknown keys (with the nearest valid one), whole sections and non-boolean booleans.
+def _is_union(kind: Any) -> bool:
+    """`int | str` (types.UnionType) or `Union[int, str]` (typing.Union): the schema may spell it either way."""
+    return typing.get_origin(kind) in (typing.Union, types.UnionType)
 
-    OmegaConf checks the remaining types, but it names only the unknown *part* of a dotted key
-    and turns any number into a bool, so these two checks come first.
-    """
-    if key.startswith("remat.custom."):
-        return  # tag and action are checked with the rest of the remat config in validate()
-    if key.startswith("mesh.rules."):
-        check_rule(key.removeprefix("mesh.rules."), str(value))
-        return
+
+def _parse(key: str, kind: Any, value: Any, origin: str) -> Any:
+    """One value as written (text; a list of texts from YAML) -> the schema type `kind` of `key`."""
+    if typing.get_origin(kind) is list:
+        (item,) = typing.get_args(kind)
+        return [_parse(key, item, v, origin) for v in _as_list(key, value, origin)]
+    if kind is str and isinstance(value, str):
+        return value  # exactly as written: `off`, `null`, `0123` and `1e3` are names and paths too
+    text = value.strip() if isinstance(value, str) else None
+    if kind is bool and text is not None and text.lower() in ("true", "false"):  # as documented; not YAML 1.1's on, no
+        return text.lower() == "true"
+    if kind is int and text is not None and _INT.fullmatch(text):
+        return int(text)
+    if kind is float and text is not None:
+        if text.lower() in _YAML_FLOATS:
+            return _YAML_FLOATS[text.lower()]
+        try:
+            return float(text)
+        except ValueError:
+            pass
+    if _is_union(kind) and text is not None:  # train.microbatches and the like: auto or a count
+        return int(text) if int in typing.get_args(kind) and _INT.fullmatch(text) else value
+    names = [_TYPE_NAMES[k] for k in typing.get_args(kind) or (kind,)]
+    raise ConfigError(f"{origin}'{key}' must be {' or '.join(names)}, got '{value}'")
+
+def _as_list(key: str, value: Any, origin: str) -> list:
+    """A list key's items: a YAML list, `[a, b]` (YAML's flow syntax, quotes allowed), or one value, a list of
+    one (`data.sources=notes/`); nothing (`data.sources=`) is the empty list."""
+    if isinstance(value, list):
+        return value
+    if not value.strip():
+        return []
+    if not value.strip().startswith("["):
+        return [value]
+    try:
+        return _load_text(value)
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{origin}'{key}': cannot read the list {value}: {str(err).splitlines()[0]}") from None
+
+def _set(values: dict[str, Any], key: str, value: Any, origin: str) -> None:
+    """Check `key`, parse `value` as its type and record it in `values` (dotted key -> typed value); an entry
+    of a table (mesh.rules.embed, remat.custom.mlp_hidden) goes into its table."""
     types = _leaf_types()
+    table = next((t for t, kind in types.items() if typing.get_origin(kind) is dict and key.startswith(t + ".")), None)
+    if table:
+        entry, text = key.removeprefix(table + "."), _parse(key, str, value, origin)
+        if table == "mesh.rules":
+            check_rule(entry, text)
+        # remat.custom's tags and actions are checked with the rest of the remat config in validate()
+        values.setdefault(table, dict(_default(table)))[entry] = text
+        return
     if key in {k.rsplit(".", 1)[0] for k in types if "." in k}:
         raise ConfigError(f"{origin}'{key}' is a section, not a value; set its fields, e.g. "
                           f"{next(k for k in types if k.startswith(key + '.'))}=...")
@@ -106,37 +162,44 @@ def _check_key(key: str, value: Any, origin: str) -> None:
         near = difflib.get_close_matches(key, list(types), n=1, cutoff=0.5)
         hint = f"did you mean '{near[0]}'?" if near else "`llama-jax train --print-config` lists every key"
         raise ConfigError(f"unknown config key '{key}'{origin and ' in ' + origin.rstrip(': ')}; {hint}")
-    if types[key] is bool and str(value).lower() not in _BOOL_WORDS:
-        raise ConfigError(f"{origin}'{key}' must be true or false, got '{value}'")
+    if typing.get_origin(types[key]) is dict:  # a whole table, `mesh.rules={embed: none}`: it replaces the one before
+        try:
+            entries = (_load_text(value) or {}) if isinstance(value, str) else value
+        except yaml.YAMLError:
+            entries = None
+        if not isinstance(entries, dict):
+            raise ConfigError(f"{origin}'{key}' is a table: set its entries, e.g. {key}.NAME=VALUE, got '{value}'")
+        values[key] = {}
+        for entry, text in entries.items():
+            _set(values, f"{key}.{entry}", text, origin)
+        return
+    values[key] = _parse(key, types[key], value, origin)
 
-def _as_list_if_needed(item: str) -> str:
-    """`data.sources=a.jsonl` means a list of one: OmegaConf itself wants `[a.jsonl]`."""
-    key, _, value = item.partition("=")
-    kind = _leaf_types().get(key.strip())
-    if typing.get_origin(kind) is list and not value.strip().startswith("["):
-        return f"{key}=[{value}]"
-    return item
+def _default(key: str) -> Any:
+    return functools.reduce(getattr, key.split("."), Config())
+
+def _build(node: Any, values: dict[str, Any], prefix: str = "") -> Any:
+    """The frozen dataclasses, with `values` (dotted key -> typed value) in place of the schema's defaults."""
+    fields = {}
+    for name, kind in typing.get_type_hints(node).items():
+        if dataclasses.is_dataclass(kind):
+            fields[name] = _build(kind, values, f"{prefix}{name}.")
+        elif prefix + name in values:
+            fields[name] = values[prefix + name]
+    return node(**fields)
 
 def load_config(source: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Build a validated Config from a preset name or YAML path plus ``key=value`` overrides."""
     name, preset = _resolve_source(source)
+    values: dict[str, Any] = {}
     for key, value in _flatten(preset).items():
-        _check_key(key, value, f"{name}: ")
+        _set(values, key, value, f"{name}: ")
     for item in overrides:
         key, sep, value = item.partition("=")
-        if not sep or not key:
+        if not sep or not key.strip():
             raise ConfigError(f"override '{item}' is not of the form key=value (e.g. train.steps=100)")
-        _check_key(key.strip(), value.strip(), "")
-    overrides = [_as_list_if_needed(item) for item in overrides]
-    try:
-        merged = OmegaConf.merge(
-            OmegaConf.structured(Config), OmegaConf.create(preset), OmegaConf.from_dotlist(list(overrides))
-        )
-        config = OmegaConf.to_object(merged)
-    except OmegaConfBaseException as err:
-        key = getattr(err, "full_key", None)
-        message = str(err).splitlines()[0]
-        raise ConfigError(f"bad value for '{key}': {message}" if key else message) from None
+        _set(values, key.strip(), value, "")
+    config = _build(Config, values)
     validate(config)
     return config
 
