@@ -15,6 +15,7 @@ cadence and falling back from damaged steps are the Checkpointer's (checkpointer
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -88,9 +89,37 @@ def resolve_step_dir(path: str) -> Path:
                           f"{p / 'checkpoints'}); a run saves one every checkpoint.every_steps steps and at its end")
     raise ConfigError(f"{path} holds no finished checkpoint; give a run dir, its checkpoints/ or a step directory")
 
+def _is_abandoned_read_callback(unraisable) -> bool:
+    """Whether an unraisable exception is a TensorStore read landing on Orbax's closed event loop: when one array
+    of a damaged step fails to read, Orbax stops waiting and closes its loop while TensorStore's threads still
+    finish the step's other reads; each completion then calls call_soon_threadsafe on the closed loop, which
+    raises 'Event loop is closed' in that thread. The failed read itself is reported (the Checkpointer sets the
+    step aside in one line; resume_from / init_from stop in one line), so the tracebacks are noise."""
+    error, frames = unraisable.exc_value, unraisable.exc_traceback
+    while frames is not None and frames.tb_next is not None:
+        frames = frames.tb_next
+    return (isinstance(error, RuntimeError) and str(error) == "Event loop is closed" and frames is not None
+            and frames.tb_frame.f_code.co_name == "_check_closed")
+
+
+def _drop_abandoned_read_callbacks() -> None:
+    """Put a filter of _is_abandoned_read_callback in front of sys.unraisablehook (once): every other unraisable
+    exception still reaches the hook that was there."""
+    if getattr(sys.unraisablehook, "drops_abandoned_reads", False):
+        return
+    previous = sys.unraisablehook
+
+    def hook(unraisable):
+        if not _is_abandoned_read_callback(unraisable):
+            previous(unraisable)
+    hook.drops_abandoned_reads = True
+    sys.unraisablehook = hook
+
+
 def read_step(step_dir: Path, abstract_state: Any, layout: LayerOrder) -> tuple[Any, dict]:
     """(state, loader state) of a step directory, in the shardings of abstract_state and the layer order
     `layout` (read in the order it was saved in, then moved)."""
+    _drop_abandoned_read_callbacks()
     saved = saved_layer_order(read_meta(step_dir))
     handler = ocp.CompositeCheckpointHandler()
     try:
