@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 from conftest import Supervised, subprocess_environment, write_tiny_yaml
 
 from llama_jax.checkpoint.local import host_directory
@@ -29,6 +30,7 @@ def losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_metrics(path) if "loss" in r} if path.exists() else {}
 
 
+@pytest.mark.slow
 def test_four_processes_continue_on_two_when_a_host_is_lost_and_grow_back_to_four(tmp_path):
     local = tmp_path / "local"  # one local directory a simulated host inside it (checkpoint/local.py)
     config = write_tiny_yaml(tmp_path, train={"steps": STEPS, "min_lr_ratio": 1.0, "lr": 3e-3},

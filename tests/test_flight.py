@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from conftest import Supervised, subprocess_environment, write_tiny_yaml
 
 from llama_jax.resilience.flight import hang_report
@@ -23,6 +24,7 @@ def last_step(run_dir: Path) -> int:
     return max((r["step"] for r in read_metrics(path) if "loss" in r), default=0) if path.exists() else 0
 
 
+@pytest.mark.slow
 def test_a_stopped_process_is_named_in_the_hang_report_and_the_supervisor_finishes_the_run(tmp_path):
     # A save is a phase with its own bound (checkpoint.timeout_s): none falls where the process is stopped (no
     # periodic saves; the restart trains from the start). Process 0 takes 0.2 s more a step (the others wait for

@@ -155,6 +155,7 @@ def test_costs_measured_from_a_runs_goodput_json(tmp_path, capsys):
     assert out["inputs"]["step_s"] == {"value": 1.0, "source": f"measured ({tmp_path / 'goodput.json'})"}
 
 
+@pytest.mark.slow
 def test_readme_rehearsal_commands_parse_and_a_short_rehearsal_survives_a_lost_host(tmp_path):
     """Every documented bench/rehearsal.py command parses; a real one, shortened (120 steps, one fault: a host
     lost, its local directory deleted), runs the llama3_8b recipe on 2 processes under the supervisor and ends

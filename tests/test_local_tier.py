@@ -113,6 +113,7 @@ def copy_of(killed, tmp_path):
     return run_dir, local_dir
 
 
+@pytest.mark.slow
 def test_a_killed_process_restarts_from_its_local_step_and_ends_bitwise_equal(killed, straight, config_path, tmp_path):
     run_dir, local_dir = copy_of(killed, tmp_path)
     proc = run(config_path, run_dir, local_dir)
@@ -125,6 +126,7 @@ def test_a_killed_process_restarts_from_its_local_step_and_ends_bitwise_equal(ki
     assert tiers["save_local"]["count"] >= 7 and tiers["write_local"]["bytes"] > 0
 
 
+@pytest.mark.slow
 def test_a_lost_host_restores_from_its_partners_copy(killed, straight, config_path, tmp_path):
     """Process 1's host is gone with its local directory: process 0 holds its shards of step 14."""
     run_dir, local_dir = copy_of(killed, tmp_path)
@@ -135,6 +137,7 @@ def test_a_lost_host_restores_from_its_partners_copy(killed, straight, config_pa
     assert read_goodput(run_dir)["restores"] == {"local (own copies, and the partner's copy for process 1)": 1}
 
 
+@pytest.mark.slow
 def test_a_corrupt_local_step_makes_every_process_fall_back_together(killed, straight, config_path, tmp_path):
     """Process 1's shards of step 14 are damaged in both copies (its own, and process 0's copy of them):
     step 14 cannot be served, and both processes restore step 12, setting 14 aside."""
@@ -153,6 +156,7 @@ def test_a_corrupt_local_step_makes_every_process_fall_back_together(killed, str
     assert_bitwise(final_state(run_dir, config_path), straight)
 
 
+@pytest.mark.slow
 def test_with_every_local_copy_gone_or_damaged_the_durable_tier_serves(killed, straight, straight_run, config_path,
                                                                        tmp_path):
     """Process 0's host is gone with its local directory and process 1's own files of both local steps are damaged:

@@ -27,6 +27,9 @@ from llama_jax.training.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCHER = ROOT / "launch" / "multiprocess.py"
+# Every test here runs real processes (minutes on CI's 2 cores): the newest-jax leg leaves them out.
+pytestmark = pytest.mark.slow
+
 STEPS = 14
 
 
