@@ -22,7 +22,7 @@ Llama 3's mix (llama_jax/training/goodput_projection.py: LLAMA3_MIX, plus its 47
     crash               SIGKILL a trainer (software bug)
     hang                SIGSTOP a trainer: its peers' heartbeat (or watchdog, barriers) must end the attempt
     host_lost           SIGKILL a trainer and delete its node-local directory: its partner's copy must serve
-    slow_device         SIGKILL process 0; its host comes back with a slow device 0 (fault.inject_slow_device):
+    slow_device         SIGKILL process 0; its host comes back with a slow device 0 (inject.slow_device):
                         pre-flight refuses the restart (exit 71), and the rehearsal, as a scheduler, replaces the
                         host (the recipe without the injection) and relaunches the job
     damaged_checkpoint  SIGKILL a trainer and damage the newest checkpoint in every tier holding it
@@ -110,7 +110,7 @@ def write_recipes(args, work: Path) -> tuple[Path, Path, Path]:
             f"checkpoint.mtbf_hours={1 / args.failures_per_hour:.6g}", "run.heartbeat_timeout_s=10",
             "fault.preflight_min_ratio=0.5"]
     recipe, slow = work / "recipe.yaml", work / "recipe-slow-device.yaml"
-    for path, extra in ((recipe, []), (slow, ["fault.inject_slow_device=0"])):
+    for path, extra in ((recipe, []), (slow, ["inject.slow_device=0"])):
         printed = run([*LLAMA_JAX, "train", args.preset, *keys, *extra, "--print-config"]).stdout
         path.write_text(printed)
     return recipe, slow, local_dir

@@ -240,6 +240,34 @@ def test_bad_input_exits_2_with_one_line(args, fragments, run_dir_exists, tmp_pa
         assert not run_dir.exists()
 
 
+# The ten fault.inject_* keys moved to the testing section inject.* (schema.InjectConfig, resilience/inject.py).
+OLD_INJECT_KEYS = {f"fault.inject_{name}": f"inject.{name}" for name in (
+    "nan_steps", "save_failure_steps", "spike_steps", "hang_step", "process", "step_delay_s", "save_delay_s",
+    "stall_at", "slow_device", "wrong_device")}
+
+
+@pytest.mark.parametrize("old, new", sorted(OLD_INJECT_KEYS.items()))
+def test_an_old_fault_inject_key_is_refused_in_one_line_naming_its_new_key(old, new, tmp_path, capsys):
+    """fault.inject_X, on the command line or in a YAML file: ConfigError (exit 2), one line naming inject.X; the new
+    key takes the value."""
+    assert new in all_keys() and old not in all_keys()
+    value = "[1]" if new.endswith("_steps") else "restore" if new.endswith("stall_at") else "1"
+    message = f"{old} moved to {new} (the testing section)"
+    with pytest.raises(ConfigError) as refused:
+        load_config("tiny", [f"{old}={value}"])
+    assert refused.value.exit_code == 2 and str(refused.value) == message
+    section, field = old.split(".")
+    from_file = tmp_path / "old.yaml"
+    from_file.write_text(f"{section}:\n  {field}: {value}\n")
+    with pytest.raises(ConfigError) as refused:
+        load_config(str(from_file))
+    assert refused.value.exit_code == 2 and str(refused.value) == f"{from_file}: {message}"
+    assert cli.main(["train", "tiny", f"{old}={value}", f"run.dir={tmp_path / 'run'}", "--print-config"]) == 2
+    err = capsys.readouterr().err
+    assert err == f"llama-jax: error: {message}\n"
+    assert get(load_config("tiny", [f"{new}={value}"]), new) != get(Config(), new)
+
+
 def test_bad_input_in_a_subprocess(tmp_path):
     """`python -m llama_jax train train.steps=-1` exits with status 2 and one stderr line."""
     run_dir = tmp_path / "run"
@@ -475,17 +503,17 @@ def test_a_count_or_auto_key_refuses_other_words_as_typed(key):
 def test_numbers_are_decimal_and_booleans_are_true_or_false(tmp_path):
     """0123 is 123 (YAML 1.1: octal 83); hex, times and floats are not whole numbers; true/false in any case."""
     settings = {"train.steps": ("0123", 123), "train.warmup_steps": ("1_0", 10), "train.lr": ("1e3", 1000.0),
-                "fault.inject_nan_steps": ("[010, 3]", [10, 3]), "model.tie_embeddings": ("True", True),
+                "inject.nan_steps": ("[010, 3]", [10, 3]), "model.tie_embeddings": ("True", True),
                 "mesh.load_balance": ("FALSE", False)}
     config = load_config("tiny", [f"{key}={text}" for key, (text, _) in settings.items()])
     for key, (_, value) in settings.items():
         assert get(config, key) == value, key
     from_file = tmp_path / "c.yaml"
-    from_file.write_text("train:\n  steps: 0123\n  warmup_steps: 1_0\n  lr: 1e3\nfault:\n  inject_nan_steps: [010, 3]\n"
+    from_file.write_text("train:\n  steps: 0123\n  warmup_steps: 1_0\n  lr: 1e3\ninject:\n  nan_steps: [010, 3]\n"
                          "model:\n  tie_embeddings: True\nmesh:\n  load_balance: FALSE\n")
     assert load_config(str(from_file)) == dataclasses.replace(
         Config(), train=dataclasses.replace(Config().train, steps=123, warmup_steps=10, lr=1000.0),
-        fault=dataclasses.replace(Config().fault, inject_nan_steps=[10, 3]),
+        inject=dataclasses.replace(Config().inject, nan_steps=[10, 3]),
         model=dataclasses.replace(Config().model, tie_embeddings=True),
         mesh=dataclasses.replace(Config().mesh, load_balance=False))
     for key, text in [("train.steps", "0x10"), ("train.steps", "1:30"), ("train.steps", "1e3"), ("train.lr", "0x10"),

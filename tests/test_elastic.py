@@ -52,7 +52,7 @@ def test_four_processes_continue_on_two_when_a_host_is_lost_and_grow_back_to_fou
          str(ROOT / "launch" / "multiprocess.py"), "--processes", "4", "--devices", "1", "--grace", "10",
          "--hosts", str(hosts), "--replacement-wait", "2", "--", "train", str(config), f"run.dir={run_dir}",
          "run.heartbeat_timeout_s=10",
-         "fault.inject_process=0", "fault.inject_step_delay_s=0.1"],
+         "inject.process=0", "inject.step_delay_s=0.1"],
         subprocess_environment())
     lines = supervisor.lines
 

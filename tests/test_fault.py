@@ -90,7 +90,7 @@ def test_kill_9_at_a_random_step_then_resume_is_bitwise_identical(shared, straig
     kill_at = int(np.random.default_rng().integers(3, STEPS - 2))
     # The tiny steps take milliseconds, so the run is held at kill_at (an injected hang) to make the
     # kill land there, after the checkpoint before it is complete.
-    proc = subprocess.Popen(command(shared, run_dir, f"fault.inject_hang_step={kill_at}"), env=subprocess_environment(),
+    proc = subprocess.Popen(command(shared, run_dir, f"inject.hang_step={kill_at}"), env=subprocess_environment(),
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     wait_for_step(run_dir, kill_at, proc)
     deadline = time.time() + 60
@@ -126,7 +126,7 @@ def test_sigterm_saves_the_current_step_and_exits_75(shared, straight, tmp_path)
 
 def test_hang_watchdog_dumps_stacks_and_exits_124(shared, tmp_path):
     run_dir = tmp_path / "run"
-    proc = run_to_end(shared, run_dir, "fault.inject_hang_step=6", "fault.hang_min_timeout_s=3",
+    proc = run_to_end(shared, run_dir, "inject.hang_step=6", "fault.hang_min_timeout_s=3",
                       "fault.hang_factor=2", timeout=240)
     assert proc.returncode == EXIT_HANG, proc.stderr
     (dump,) = run_dir.glob("hang-*.txt")
@@ -242,7 +242,7 @@ def test_restore_onto_another_mesh_continues_with_the_same_losses(mesh, tmp_path
 def test_injected_nan_is_skipped_and_never_saved(tmp_path, corpus):
     """A non-finite step's update is skipped in the jitted step, and the step itself is never saved (a step the
     guard counts as bad never is): every other step is, and every saved state is finite."""
-    cfg = config_for(tmp_path, corpus, checkpoint=dict(every_steps=1), fault=dict(inject_nan_steps=[2]))
+    cfg = config_for(tmp_path, corpus, checkpoint=dict(every_steps=1), inject=dict(nan_steps=[2]))
     messages = []
     summary = train_quietly(cfg, messages=messages)
     assert "warning: step 3 skipped: non-finite loss or gradient norm" in messages
@@ -267,7 +267,8 @@ def test_a_rollback_lands_before_the_first_bad_step_when_spikes_surround_a_save(
     the save waits while the guard counts, so the rollback after the third lands on step 6, the newest checkpoint
     before the first spike, not on a step that holds spiking updates."""
     cfg = config_for(tmp_path, corpus, train=dict(steps=16), checkpoint=dict(every_steps=6, keep=10),
-                     fault=dict(inject_spike_steps=[10, 11, 12], spike_zscore=3.0, spike_window=10, max_bad_steps=3))
+                     fault=dict(spike_zscore=3.0, spike_window=10, max_bad_steps=3),
+                     inject=dict(spike_steps=[10, 11, 12]))
     messages = []
     train_quietly(cfg, messages=messages)
     spikes = [m for m in messages if "loss spike" in m]
@@ -282,7 +283,7 @@ def test_the_logged_lr_is_the_applied_lr_after_a_skipped_step(tmp_path, corpus):
     from llama_jax.training.optimizer import learning_rate
 
     cfg = config_for(tmp_path, corpus, train=dict(steps=5, warmup_steps=4, log_every=1),
-                     fault=dict(inject_nan_steps=[1]))
+                     inject=dict(nan_steps=[1]))
     train_quietly(cfg)
     logged = {r["step"]: r["lr"] for r in read_metrics(Path(cfg.run.dir) / "metrics.jsonl") if "lr" in r}
     schedule = learning_rate(cfg.train)
@@ -294,7 +295,7 @@ def test_the_logged_lr_is_the_applied_lr_after_a_skipped_step(tmp_path, corpus):
 
 def test_max_bad_steps_0_never_rolls_back(tmp_path, corpus):
     cfg = config_for(tmp_path, corpus, train=dict(steps=8), checkpoint=dict(every_steps=2),
-                     fault=dict(inject_nan_steps=[3, 4, 5, 6], max_bad_steps=0))
+                     fault=dict(max_bad_steps=0), inject=dict(nan_steps=[3, 4, 5, 6]))
     messages = []
     summary = train_quietly(cfg, messages=messages)
     assert summary["skipped_steps"] == 4 and not any("rolled back" in m for m in messages)
@@ -307,7 +308,7 @@ def test_max_bad_steps_0_never_rolls_back(tmp_path, corpus):
 ])
 def test_consecutive_bad_steps_roll_back_to_the_last_checkpoint(tmp_path, corpus, every_steps, bad, rolled_back):
     cfg = config_for(tmp_path, corpus, train=dict(steps=10), checkpoint=dict(every_steps=every_steps),
-                     fault=dict(inject_nan_steps=bad, max_bad_steps=3))
+                     fault=dict(max_bad_steps=3), inject=dict(nan_steps=bad))
     messages = []
     summary = train_quietly(cfg, messages=messages)
     assert any(rolled_back in m for m in messages), messages
@@ -333,7 +334,7 @@ def test_auto_interval_is_young_daly_on_the_measured_step_and_save_cost(tmp_path
     step_s, save_s, mtbf_hours, steps = 0.3, 0.6, 0.002, 30
     cfg = config_for(tmp_path, corpus, train=dict(steps=steps),
                      checkpoint=dict(every_steps="auto", mtbf_hours=mtbf_hours, keep=50),
-                     fault=dict(inject_process=0, inject_step_delay_s=step_s, inject_save_delay_s=save_s))
+                     inject=dict(process=0, step_delay_s=step_s, save_delay_s=save_s))
     messages = []
     summary = train_quietly(cfg, messages=messages)
     (line,) = [m for m in messages if m.startswith("checkpoint.every_steps=auto:")]
@@ -362,7 +363,7 @@ def test_an_async_save_does_not_block_the_loop_for_its_write(tmp_path, corpus, m
 
     monkeypatch.setattr(ocp.StandardCheckpointHandler, "async_save", slow_write)
     cfg = config_for(tmp_path, corpus, train=dict(steps=12), checkpoint=dict(every_steps=4),
-                     fault=dict(inject_process=0, inject_step_delay_s=0.5))
+                     inject=dict(process=0, step_delay_s=0.5))
     started = time.perf_counter()
     summary = train_quietly(cfg)
     saves = summary["goodput"]["tiers"]["save_durable"]

@@ -35,7 +35,7 @@ def test_a_stopped_process_is_named_in_the_hang_report_and_the_supervisor_finish
         [sys.executable, "-m", "llama_jax", "supervise", "--backoff", "0.2", "--", sys.executable,
          str(ROOT / "launch" / "multiprocess.py"), "--processes", "4", "--devices", "1", "--grace", "5", "--", "train",
          str(config), f"run.dir={run_dir}", "fault.hang_min_timeout_s=5", "fault.flight_heartbeat_s=0.5",
-         "run.heartbeat_timeout_s=120", "fault.inject_process=0", "fault.inject_step_delay_s=0.2"],
+         "run.heartbeat_timeout_s=120", "inject.process=0", "inject.step_delay_s=0.2"],
         subprocess_environment())
     lines = supervisor.lines
     deadline = time.time() + 240

@@ -83,7 +83,7 @@ def killed(config_path, tmp_path_factory):
     process 1; the launcher stops process 0 after its grace. Its durable tier holds step 10 only."""
     root = tmp_path_factory.mktemp("killed")
     run_dir, local_dir = root / "run", root / "local"
-    launcher = subprocess.Popen(command(config_path, run_dir, local_dir, f"fault.inject_hang_step={KILL_AT}"),
+    launcher = subprocess.Popen(command(config_path, run_dir, local_dir, f"inject.hang_step={KILL_AT}"),
                                 env=subprocess_environment(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     pids: dict[int, int] = {}
     while len(pids) < 2:

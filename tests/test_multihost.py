@@ -193,8 +193,8 @@ def test_a_llama3_recipe_on_two_processes_saves_at_young_daly_and_a_kill_loses_a
                  f"data.sources=[{llama3_store}]", f"data.cache_dir={config_path.parent / 'cache'}",
                  f"run.compilation_cache={config_path.parent / 'jax_cache'}", "run.tensorboard=false",
                  f"checkpoint.mtbf_hours={mtbf_hours}", "checkpoint.keep=50", "fault.straggler_every_steps=3",
-                 "fault.inject_process=1", f"fault.inject_save_delay_s={save_s}",
-                 f"fault.inject_step_delay_s={step_s}", "fault.barrier_timeout_s=60", "run.heartbeat_timeout_s=10"]
+                 "inject.process=1", f"inject.save_delay_s={save_s}",
+                 f"inject.step_delay_s={step_s}", "fault.barrier_timeout_s=60", "run.heartbeat_timeout_s=10"]
     supervisor = subprocess.Popen(
         [sys.executable, "-m", "llama_jax", "supervise", "--backoff", "0.5", "--", sys.executable, str(LAUNCHER),
          "--processes", "2", "--devices", "4", "--", "train", "llama3_8b", f"run.dir={run_dir}", *overrides],
@@ -245,8 +245,8 @@ def test_a_llama3_recipe_on_two_processes_saves_at_young_daly_and_a_kill_loses_a
 
 def test_a_process_that_never_reaches_a_barrier_is_named_by_the_others(config_path, tmp_path):
     run_dir = tmp_path / "run"
-    proc = launcher(2, 4, config_path, f"run.dir={run_dir}", "fault.inject_process=1",
-                    "fault.inject_stall_at=restore", "fault.barrier_timeout_s=5", grace=5)
+    proc = launcher(2, 4, config_path, f"run.dir={run_dir}", "inject.process=1",
+                    "inject.stall_at=restore", "fault.barrier_timeout_s=5", grace=5)
     assert "'restore': process 1 of 2 did not arrive within 5s" in proc.stderr, proc.stderr
     assert f"on {socket.gethostname()} (process 1)" in proc.stderr  # where to look for it
     assert re.search(r"process 0 exited with status 76 after", proc.stderr), proc.stderr

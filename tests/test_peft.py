@@ -215,7 +215,7 @@ def runs(tmp_path_factory, corpus):
                                       checkpoint=dict(init_from=f"hf:{HF_BASE}", every_steps=1, keep=10),
                                       mesh=dict(fsdp=2, tensor=2)),
                "ptuning": adapter_config(root, corpus, "ptuning", dict(method="ptuning", prompt_tokens=4),
-                                         fault=dict(inject_nan_steps=[2], max_bad_steps=1))}
+                                         fault=dict(max_bad_steps=1), inject=dict(nan_steps=[2]))}
     messages = {name: [] for name in configs}
     summaries = {name: train(cfg, print_fn=messages[name].append, devices=DEVICES[name])
                  for name, cfg in configs.items()}

@@ -58,7 +58,7 @@ def test_a_healthy_check_of_the_tiny_preset_names_nobody(tmp_path):
 
 def test_doctor_names_an_injected_slow_device_and_exits_71(tmp_path, capsys):
     run_dir = tmp_path / "run"
-    assert cli.main(["doctor", "tiny", RATIO, "fault.inject_slow_device=3", f"run.dir={run_dir}"]) == EXIT_UNHEALTHY
+    assert cli.main(["doctor", "tiny", RATIO, "inject.slow_device=3", f"run.dir={run_dir}"]) == EXIT_UNHEALTHY
     out, err = capsys.readouterr()
     (line,) = err.strip().splitlines()
     assert line.startswith("llama-jax: error: pre-flight check: device 3 (process 0 on ") and named(line) == [3]
@@ -70,7 +70,7 @@ def test_doctor_names_an_injected_slow_device_and_exits_71(tmp_path, capsys):
 def test_doctor_names_an_injected_wrong_device_and_writes_the_verdict_into_an_existing_run_dir(tmp_path, capsys):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    args = ["doctor", "tiny", RATIO, "fault.inject_wrong_device=5", f"run.dir={run_dir}", "--json"]
+    args = ["doctor", "tiny", RATIO, "inject.wrong_device=5", f"run.dir={run_dir}", "--json"]
     assert cli.main(args) == EXIT_UNHEALTHY
     out, err = capsys.readouterr()
     assert named(err) == [5] and "wrong matmul result (1 of 65536 elements differ" in err
@@ -83,7 +83,7 @@ def test_doctor_names_an_injected_wrong_device_and_writes_the_verdict_into_an_ex
 
 def test_train_with_preflight_stops_before_writing_anything_but_the_verdict(tmp_path, corpus):
     config = tiny_config(tmp_path, data=dict(sources=[str(corpus)], cache_dir=str(tmp_path / "cache")),
-                         fault=dict(preflight=True, preflight_min_ratio=0.5, inject_wrong_device=2))
+                         fault=dict(preflight=True, preflight_min_ratio=0.5), inject=dict(wrong_device=2))
     with pytest.raises(UnhealthyDevice, match=r"device 2 \(process 0 on .*wrong matmul result") as caught:
         train(config, print_fn=lambda line: None)
     assert caught.value.exit_code == EXIT_UNHEALTHY
@@ -93,9 +93,9 @@ def test_train_with_preflight_stops_before_writing_anything_but_the_verdict(tmp_
 @pytest.mark.parametrize("override, message", [
     ("fault.preflight_min_ratio=1.5", "fault.preflight_min_ratio must be in (0, 1]"),
     ("fault.preflight_min_ratio=0", "fault.preflight_min_ratio must be in (0, 1]"),
-    ("fault.inject_slow_device=-2", "fault.inject_slow_device must be >= -1 (-1: none), got -2"),  # the config's range
-    ("fault.inject_slow_device=9", "fault.inject_slow_device=9 is not a device of this run's mesh (ids 0-7)"),
-    ("fault.inject_wrong_device=8", "fault.inject_wrong_device=8 is not a device of this run's mesh (ids 0-7)"),
+    ("inject.slow_device=-2", "inject.slow_device must be >= -1 (-1: none), got -2"),  # the config's range
+    ("inject.slow_device=9", "inject.slow_device=9 is not a device of this run's mesh (ids 0-7)"),
+    ("inject.wrong_device=8", "inject.wrong_device=8 is not a device of this run's mesh (ids 0-7)"),
 ])
 def test_bad_settings_are_one_line_and_exit_2(tmp_path, capsys, override, message):
     run_dir = tmp_path / "run"
@@ -161,7 +161,7 @@ def test_two_processes_name_a_slow_device_on_every_process(tmp_path, corpus):
 
     run_dir = tmp_path / "run"
     result = launch("train", config, f"run.dir={run_dir}", "fault.preflight=true", "fault.preflight_min_ratio=0.35",
-                    f"fault.inject_slow_device={slow}")
+                    f"inject.slow_device={slow}")
     assert result.returncode == EXIT_UNHEALTHY, result.stderr
     errors = [line for line in result.stderr.splitlines() if line.startswith("llama-jax: error: pre-flight check")]
     assert len(errors) == 2 and all(named(line) == [slow] and "(process 1 on " in line for line in errors)

@@ -128,7 +128,7 @@ def test_readme_doctor_commands_check_the_devices(command, capsys):
     args = llama_jax_args(command)
     status = cli.main(args + ["fault.preflight_min_ratio=0.5"])
     out, err = capsys.readouterr()
-    injected = sorted(int(a.split("=")[1]) for a in args if a.startswith("fault.inject_"))
+    injected = sorted(int(a.split("=")[1]) for a in args if a.startswith("inject."))
     assert status == (71 if injected else 0), err
     assert sorted(int(d) for d in re.findall(r"device (\d+) \(process 0 on ", err)) == injected
     assert "median" in out

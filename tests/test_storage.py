@@ -1,5 +1,5 @@
 """Storage faults: a full, read-only or failing checkpoint filesystem gets one clear line, loses nothing, and never
-sends the supervisor into a restart loop. Failures are injected (fault.inject_save_failure_steps: a durable write
+sends the supervisor into a restart loop. Failures are injected (inject.save_failure_steps: a durable write
 fails with ENOSPC), and where the machine lets a test mount one, a real small tmpfs fills up or goes read-only."""
 
 import contextlib
@@ -56,7 +56,7 @@ def test_a_failed_durable_save_warns_in_one_line_removes_the_step_and_the_run_go
     free space; step 4 is removed, step 2 stays, training goes on and saves 6 and 8."""
     cfg = tiny_config(tmp_path, train=dict(steps=8), data=dict(sources=[str(corpus)]),
                       checkpoint=dict(every_steps=2, keep=10),
-                      fault=dict(inject_process=0, inject_save_failure_steps=[4]))
+                      inject=dict(process=0, save_failure_steps=[4]))
     messages = []
     summary = train(cfg, print_fn=messages.append)
     assert summary["exit_code"] == 0
@@ -74,8 +74,8 @@ def test_failed_saves_in_a_row_stop_with_exit_74_and_the_supervisor_does_not_res
     the free space and the newest complete step; the supervisor stops at once (the storage needs a person)."""
     run_dir = tmp_path / "run"
     proc = llama_jax("supervise", "--backoff", "0.05", "--", sys.executable, "-m", "llama_jax", "train", config_path,
-                     f"run.dir={run_dir}", "train.steps=12", "fault.inject_process=0",
-                     "fault.inject_save_failure_steps=[4,6,8]")
+                     f"run.dir={run_dir}", "train.steps=12", "inject.process=0",
+                     "inject.save_failure_steps=[4,6,8]")
     assert proc.returncode == EXIT_STORAGE, proc.stderr
     (line,) = errors(proc.stderr)
     assert "checkpoint save of step 8 failed on process 0: No space left on device (ENOSPC)" in line
@@ -92,7 +92,7 @@ def test_two_processes_agree_on_a_save_that_failed_on_one_of_them(config_path, t
     run_dir = tmp_path / "run"
     proc = subprocess.run([sys.executable, str(LAUNCHER), "--processes", "2", "--devices", "4", "--grace", "10", "--",
                            "train", str(config_path), f"run.dir={run_dir}", "checkpoint.max_failed_saves=0",
-                           "fault.inject_process=1", "fault.inject_save_failure_steps=[4]"],
+                           "inject.process=1", "inject.save_failure_steps=[4]"],
                           env=subprocess_environment(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == EXIT_STORAGE, proc.stderr
     lines = errors(proc.stderr)

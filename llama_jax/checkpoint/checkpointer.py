@@ -52,6 +52,7 @@ from llama_jax.errors import EXIT_STORAGE, ConfigError, StorageFailure
 from llama_jax.files import STORAGE_ERRNOS, describe_write_failure, free_bytes, storage_errno
 from llama_jax.model.stages import NATURAL, LayerOrder
 from llama_jax.resilience.goodput import observed_mtbf_s
+from llama_jax.resilience.inject import NO_INJECTION, Injector
 
 STEP_WINDOW = 50  # the latest step times an automatic interval takes the median of
 
@@ -89,18 +90,18 @@ class Checkpointer:
 
     def __init__(self, run_dir: Path, config: CheckpointConfig, meta: dict | None = None,
                  directory: Path | None = None, log: Callable[[str], None] = print, peers: Peers | None = None,
-                 save_delay_s: float = 0.0, layout: LayerOrder = NATURAL, local: LocalTier | None = None,
+                 layout: LayerOrder = NATURAL, local: LocalTier | None = None,
                  model: dict | None = None, check: Callable[[dict | None], None] | None = None,
-                 save_failures: tuple[int, ...] = ()):
+                 injector: Injector = NO_INJECTION):
         """`model` (the run's model config as a dict) and `check` (start.meta_check: a peft run's adapters and
         base) are what every step restore_newest considers must hold; config.allow_model_changes lets function
-        fields differ."""
+        fields differ. `injector` (resilience/inject.py, testing only) may delay this process's saves or fail its
+        writes."""
         self.config, self.meta, self.log, self.local = config, meta or {}, log, local
         _quiet_storage_noise()
         self.model, self.check = model, check or (lambda meta: None)
         self.layout = layout  # the pipeline layout of this run: restored layers are put in its order
         self.peers = peers or Peers(timeout_s=600.0)
-        self.save_delay_s = save_delay_s  # fault injection: this process's saves take longer
         self.directory = Path(directory or Path(run_dir) / "checkpoints").absolute()
         # MTBF for the Young/Daly interval: configured, else observed in this run (read before this
         # attempt is recorded), else a big run's figure.
@@ -114,7 +115,7 @@ class Checkpointer:
         self.pending: int | None = None  # the step whose durable write runs in the background
         self.failure: dict | None = None  # this process's failed durable write, not yet agreed on
         self.failed_in_a_row = 0  # durable saves that failed, since the last one written everywhere
-        self.save_failures = save_failures  # fault injection: these steps' durable writes fail on this process
+        self.injector = injector  # testing only: injected save delays and failures
         self.restored_from = ""  # the tier the last restore came from: "local" or "durable"
         self.restored_copies = ""  # with the local tier: whose copies served ("own copies", or a partner's too)
         self.restored_path = ""  # where the last restored step was read: a step directory, or a host's
@@ -163,7 +164,7 @@ class Checkpointer:
         # Every process meets here with its figures and its last write's outcome: a process that never comes is
         # named here, not in Orbax, and a write that failed anywhere is known everywhere.
         self._settle(self.durable, f"save of step {step}", failed)
-        time.sleep(self.save_delay_s)
+        time.sleep(self.injector.save_delay_s)
         meta = {**self.meta, "step": step, "saved_at": datetime.datetime.now(datetime.UTC).isoformat()}
         try:
             self._check_room(state)
@@ -201,8 +202,8 @@ class Checkpointer:
             self.manager.wait_until_finished()
         except Exception as err:  # Orbax and TensorStore report a failed write as ValueError, OSError, ...
             failure = failure or self._failure(self.pending, err)
-        if failure is None and self.pending is not None and self.pending in self.save_failures:
-            failure = self._failure(self.pending, OSError(errno.ENOSPC, "injected: fault.inject_save_failure_steps"))
+        if failure is None and (injected := self.injector.save_failure(self.pending)) is not None:
+            failure = self._failure(self.pending, injected)
         self.pending = None
         return failure
 

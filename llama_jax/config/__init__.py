@@ -18,6 +18,7 @@ from llama_jax.config.schema import (
                                      Config,
                                      DataConfig,
                                      FaultConfig,
+                                     InjectConfig,
                                      MeshConfig,
                                      ModelConfig,
                                      PeftConfig,
@@ -26,6 +27,6 @@ from llama_jax.config.schema import (
                                      TrainConfig,
 )
 
-__all__ = ["CheckpointConfig", "Config", "DataConfig", "FaultConfig", "MeshConfig", "ModelConfig", "PeftConfig",
-           "RematConfig", "RunConfig", "TrainConfig", "all_keys", "load_config", "preset_dir", "preset_names",
-           "summary", "to_dict", "to_yaml", "validate"]
+__all__ = ["CheckpointConfig", "Config", "DataConfig", "FaultConfig", "InjectConfig", "MeshConfig", "ModelConfig",
+           "PeftConfig", "RematConfig", "RunConfig", "TrainConfig", "all_keys", "load_config", "preset_dir",
+           "preset_names", "summary", "to_dict", "to_yaml", "validate"]

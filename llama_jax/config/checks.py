@@ -148,18 +148,19 @@ BOUNDS: dict[str, Bound] = {
     "fault.flight_events": Bound(16),
     "fault.flight_heartbeat_s": POSITIVE,
     "fault.preflight_min_ratio": Bound(0, above=True, high=1),
-    "fault.inject_hang_step": Bound(-1, means="none"),
-    "fault.inject_process": Bound(-1, means="none"),
-    "fault.inject_step_delay_s": Bound(0),
-    "fault.inject_save_delay_s": Bound(0),
-    "fault.inject_slow_device": Bound(-1, means="none"),
-    "fault.inject_wrong_device": Bound(-1, means="none"),
     "run.num_processes": Bound(0, means="from the environment"),
     "run.process_id": Bound(-1, means="from the environment"),
     "run.init_timeout_s": Bound(1),
     "run.heartbeat_timeout_s": Bound(1),
     "run.full_processes": Bound(0, means="this run's process count"),
     "run.device_memory_gb": Bound(0, means="what XLA may allocate"),
+    # The testing section (schema.InjectConfig): faults injected on purpose.
+    "inject.hang_step": Bound(-1, means="none"),
+    "inject.process": Bound(-1, means="none"),
+    "inject.step_delay_s": Bound(0),
+    "inject.save_delay_s": Bound(0),
+    "inject.slow_device": Bound(-1, means="none"),
+    "inject.wrong_device": Bound(-1, means="none"),
 }
 
 # A peft method's own keys, checked only when that method is chosen: a prompt length never refuses a LoRA run.

@@ -143,6 +143,12 @@ def _as_list(key: str, value: Any, origin: str) -> list:
     except yaml.YAMLError as err:
         raise ConfigError(f"{origin}'{key}': cannot read the list {value}: {str(err).splitlines()[0]}") from None
 
+# Keys that moved: the old name is refused in one line naming the new one. The fault.inject_* keys became the
+# testing section inject.* (schema.InjectConfig), so a production section holds no test hooks.
+MOVED_KEYS = {f"fault.inject_{name}": f"inject.{name}" for name in (
+    "nan_steps", "save_failure_steps", "spike_steps", "hang_step", "process", "step_delay_s", "save_delay_s",
+    "stall_at", "slow_device", "wrong_device")}
+
 def _set(values: dict[str, Any], key: str, value: Any, origin: str) -> None:
     """Check `key`, parse `value` as its type and record it in `values` (dotted key -> typed value); an entry
     of a table (mesh.rules.embed, remat.custom.mlp_hidden) goes into its table."""
@@ -158,6 +164,9 @@ def _set(values: dict[str, Any], key: str, value: Any, origin: str) -> None:
     if key in {k.rsplit(".", 1)[0] for k in types if "." in k}:
         raise ConfigError(f"{origin}'{key}' is a section, not a value; set its fields, e.g. "
                           f"{next(k for k in types if k.startswith(key + '.'))}=...")
+    if key in MOVED_KEYS:
+        new = MOVED_KEYS[key]
+        raise ConfigError(f"{origin}{key} moved to {new}{' (the testing section)' * new.startswith('inject.')}")
     if key not in types:
         near = difflib.get_close_matches(key, list(types), n=1, cutoff=0.5)
         hint = f"did you mean '{near[0]}'?" if near else "`llama-jax train --print-config` lists every key"

@@ -7,9 +7,10 @@
       mesh        MeshConfig        devices per mesh axis, pipeline stages, the logical-axis overrides
       remat       RematConfig       what the backward pass recomputes
       checkpoint  CheckpointConfig  the durable and node-local tiers, resume and init sources
-      fault       FaultConfig       hangs, bad steps, stragglers, barriers, pre-flight, fault injection
+      fault       FaultConfig       hangs, bad steps, stragglers, barriers, pre-flight
       run         RunConfig         the run directory, logging sinks, joining a multi-process run
       peft        PeftConfig        parameter-efficient tuning of a trained model
+      inject      InjectConfig      TESTING ONLY: faults injected on purpose (tests, rehearsal, chaos drills)
 
 The field comments are the reference of every key (`llama-jax train --print-config` lists them with their
 values). The allowed values of the string fields are in choices.py; checks.py checks values that the types
@@ -196,19 +197,6 @@ class FaultConfig:
     # x the fleet median matmul rate or memory bandwidth, or with a wrong known product, is named; exit 71.
     preflight: bool = False
     preflight_min_ratio: float = 0.8
-    # Fault injection, for tests and chaos drills: poison these steps' batches with NaN; hang at a step;
-    # slow down one process's steps or saves, or stall it before the barrier named inject_stall_at.
-    inject_nan_steps: list[int] = field(default_factory=list)
-    inject_save_failure_steps: list[int] = field(default_factory=list)  # these durable writes fail: no space
-    inject_spike_steps: list[int] = field(default_factory=list)  # these batches' targets all token 0: a loss spike
-    # whose update is applied (a corrupt batch)
-    inject_hang_step: int = -1  # (-1: none)
-    inject_process: int = -1  # the process the delays and the stall apply to (-1: none)
-    inject_step_delay_s: float = 0.0  # (0: none)
-    inject_save_delay_s: float = 0.0  # (0: none)
-    inject_stall_at: str = ""
-    inject_slow_device: int = -1  # pre-flight: this device id's timed work runs 10 times over (-1: none)
-    inject_wrong_device: int = -1  # pre-flight: this device id's known product comes back one element off
 
 
 @dataclass(frozen=True)
@@ -262,6 +250,24 @@ class PeftConfig:
         return self.rank if self.method == "lora" and target in self.targets else 0
 
 
+# TESTING ONLY: not a setting of a real run. Faults injected on purpose, for the tests, the rehearsal
+# (bench/rehearsal.py) and chaos drills (bench/chaos.py); resilience/inject.py's Injector is the one place that reads
+# them. The defaults inject nothing.
+@dataclass(frozen=True)
+class InjectConfig:
+    nan_steps: list[int] = field(default_factory=list)  # these steps' batches are poisoned with NaN (loss mask)
+    save_failure_steps: list[int] = field(default_factory=list)  # these durable writes fail: no space
+    # These batches' targets all token 0: a loss spike whose update is applied (a corrupt batch).
+    spike_steps: list[int] = field(default_factory=list)
+    hang_step: int = -1  # once this step is read (and saved, when due), the next one never returns (-1: none)
+    process: int = -1  # the process the delays, the save failures and the stall apply to (-1: none)
+    step_delay_s: float = 0.0  # that process sleeps this long before each batch (0: none)
+    save_delay_s: float = 0.0  # that process's durable saves take this much longer (0: none)
+    stall_at: str = ""  # that process never arrives at the barrier of this name ("": none)
+    slow_device: int = -1  # pre-flight: this device id's timed work runs 10 times over (-1: none)
+    wrong_device: int = -1  # pre-flight: this device id's known product comes back one element off (-1: none)
+
+
 @dataclass(frozen=True)
 class Config:
     seed: int = 0
@@ -274,3 +280,4 @@ class Config:
     fault: FaultConfig = field(default_factory=FaultConfig)
     run: RunConfig = field(default_factory=RunConfig)
     peft: PeftConfig = field(default_factory=PeftConfig)
+    inject: InjectConfig = field(default_factory=InjectConfig)  # testing only

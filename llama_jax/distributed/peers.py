@@ -31,13 +31,14 @@ class Peers:
     counts its own in the store), so no two calls share one, also when a script trains or converts twice.
     In a one-process run every call returns at once.
 
-    `stall_at` is fault injection (fault.inject_stall_at): this process never arrives at that barrier.
+    `injected_stall_at` is fault injection, for tests only (resilience/inject.py's Injector.stall_at): this process
+    never arrives at the barrier of that name.
     `recorder` (resilience/flight.py's FlightRecorder, or None) is told of every wait, and of a barrier that
     timed out, naming the absent processes.
     """
 
-    def __init__(self, timeout_s: float, stall_at: str = "", client=None, recorder=None):
-        self.timeout_s, self.stall_at, self.recorder = timeout_s, stall_at, recorder
+    def __init__(self, timeout_s: float, injected_stall_at: str = "", client=None, recorder=None):
+        self.timeout_s, self.injected_stall_at, self.recorder = timeout_s, injected_stall_at, recorder
         self.count, self.index = jax.process_count(), jax.process_index()
         # JAX has no public handle on its coordination client; Orbax reads the same attribute.
         self.client = client if client is not None or self.count == 1 else jax_distributed.global_state.client
@@ -59,7 +60,7 @@ class Peers:
             self._meet(self._key(name), name)
 
     def _meet(self, key: str, name: str) -> None:
-        while name == self.stall_at:  # injected: this process never arrives
+        while name == self.injected_stall_at:  # injected: this process never arrives
             time.sleep(3600)
         self._record("barrier", f"barrier '{name}' entered")
         self.client.key_value_set(f"{key}/arrived/{self.index}", "1")

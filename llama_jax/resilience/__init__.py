@@ -11,6 +11,8 @@ hardware or restarts it.
     preflight.py     the pre-flight health check of every device (`llama-jax doctor`, exit 71)
     fleet_rounds.py  its suspects measured again in rounds the whole fleet runs at once: slow, or loaded
     supervise.py     `llama-jax supervise`: restart a failed command with backoff
+    inject.py        TESTING ONLY: the Injector, faults injected on purpose (the config's inject section) at named
+                     points of the loop, the checkpointer, the barriers and the pre-flight check
 
 Imports distributed/ (agreements between processes), config/, files.py and errors.py.
 """

@@ -31,8 +31,8 @@ see best_times). Each round visits every device in turn and a device keeps its b
 elsewhere slows a round of every device rather than every call of one device. The tiny preset's check
 on 8 simulated CPU devices takes about 2 s; the GPU sizes aim at a few tens of milliseconds per timed
 call on an H100. Suspects add fleet_rounds.py's rounds: about a second each (their pauses), two or three.
-fault.inject_slow_device makes one device's timed calls do SLOW_FACTOR times the work, and
-fault.inject_wrong_device adds one to an element of its known product.
+For tests and drills only, an Injector (inject.py: inject.slow_device, inject.wrong_device) makes one device's
+timed calls do SLOW_FACTOR times the work, or adds one to an element of its known product.
 """
 
 from __future__ import annotations
@@ -53,13 +53,13 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from llama_jax.config import Config
 from llama_jax.distributed.peers import Peers
 from llama_jax.distributed.processes import node_name
-from llama_jax.errors import EXIT_UNHEALTHY, UNHEALTHY_FILE, ConfigError, UnhealthyDevice
+from llama_jax.errors import EXIT_UNHEALTHY, UNHEALTHY_FILE, UnhealthyDevice
 from llama_jax.files import atomic_path, format_ranges
 from llama_jax.resilience import fleet_rounds
+from llama_jax.resilience.inject import NO_INJECTION, Injector
 
 TIMED_ROUNDS = 3
 SECOND_LOOK_ROUNDS = 5
-SLOW_FACTOR = 10  # fault.inject_slow_device: far beyond noise, so a test never mistakes it
 
 
 @dataclass(frozen=True)
@@ -111,10 +111,10 @@ def _timed(call, repeats: int) -> float:
 
 class Probe:
     """This process's devices and the programs that time them, compiled once: the first look and the rounds of
-    fleet_rounds.py time the same calls. `slow`: the injected slow device (fault.inject_slow_device)."""
+    fleet_rounds.py time the same calls. `injector` (inject.py, testing only): an injected slow or wrong device."""
 
-    def __init__(self, devices: list, sizes: Sizes, slow: int = -1):
-        self.devices, self.sizes, self.slow = devices, sizes, slow
+    def __init__(self, devices: list, sizes: Sizes, injector: Injector = NO_INJECTION):
+        self.devices, self.sizes, self.injector = devices, sizes, injector
         self.dtype = jnp.bfloat16 if devices[0].platform != "cpu" else jnp.float32
         n, chain, self.elements = sizes.matmul_n, sizes.matmul_chain, sizes.stream_mib * 2**20 // 4
         # The matmul's operands are drawn on the first device (a GPU's are 128 MiB each: slow to draw on the host)
@@ -135,7 +135,7 @@ class Probe:
     def time_once(self, d) -> tuple[float, float]:
         """Seconds of one matmul call and one stream call on device d."""
         x, y, s = self.inputs[d.id]
-        repeats = SLOW_FACTOR if d.id == self.slow else 1
+        repeats = self.injector.repeats(d.id)
         return _timed(lambda: self.matmul(x, y), repeats), _timed(lambda: self.stream(s), repeats)
 
     def rates(self, seconds: tuple[float, float]) -> dict[str, float]:
@@ -148,9 +148,8 @@ class Probe:
         """One timed call of each on a device of this process, as rates: what each round of fleet_rounds.py takes."""
         return self.rates(self.time_once(next(d for d in self.devices if d.id == device_id)))
 
-    def figures(self, min_ratio: float, wrong: int = -1) -> list[dict]:
-        """The first look: one dict per device, its best rates (best_times) and its known product's check;
-        `wrong`: the injected wrong device (fault.inject_wrong_device)."""
+    def figures(self, min_ratio: float) -> list[dict]:
+        """The first look: one dict per device, its best rates (best_times) and its known product's check."""
         best = best_times(self.devices, self.time_once, min_ratio)
         check_n = self.sizes.check_n
         rng = np.random.default_rng(0)
@@ -160,9 +159,7 @@ class Probe:
         product = jax.jit(lambda x, y: jnp.matmul(x, y, preferred_element_type=jnp.float32))
         host, figures = node_name(), []
         for d in self.devices:
-            result = product(jax.device_put(known_a, d), jax.device_put(known_b, d))
-            if d.id == wrong:
-                result = result.at[0, 0].add(1.0)
+            result = self.injector.product(d.id, product(jax.device_put(known_a, d), jax.device_put(known_b, d)))
             mismatches = int(np.count_nonzero(np.asarray(result, np.float64) != expected))
             figures.append({"host": host, "process": jax.process_index(), "device": d.id, "kind": d.device_kind}
                            | self.rates(best[d]) | {"arithmetic_ok": mismatches == 0, "wrong_elements": mismatches,
@@ -236,16 +233,13 @@ def check(config: Config, mesh: Mesh, peers: Peers, say: Callable[[str], None] =
     """Measure this process's devices and the mesh's collectives, gather every process's figures and judge
     them, measure the slow ones again in rounds (fleet_rounds.py); every process returns the same Report. `say`:
     where the note that the rounds begin goes. Raises ConfigError for an injected device id not in the mesh."""
-    start, f = time.perf_counter(), config.fault
-    ids = sorted(d.id for d in mesh.devices.flat)
-    for key, value in (("inject_slow_device", f.inject_slow_device), ("inject_wrong_device", f.inject_wrong_device)):
-        if value != -1 and value not in ids:
-            raise ConfigError(f"fault.{key}={value} is not a device of this run's mesh (ids {format_ranges(ids)})")
+    start, f, injector = time.perf_counter(), config.fault, Injector(config.inject, jax.process_index())
+    injector.check_devices(sorted(d.id for d in mesh.devices.flat))
     mine = sorted((d for d in mesh.devices.flat if d.process_index == jax.process_index()), key=lambda d: d.id)
     sizes = SIZES["cpu" if (mine or jax.local_devices())[0].platform == "cpu" else "gpu"]
     peers.barrier("pre-flight check")  # every process measures at the same time: the collectives need them all
-    probe = Probe(mine, sizes, f.inject_slow_device) if mine else None  # none: a process with no device in the mesh
-    figures = probe.figures(f.preflight_min_ratio, f.inject_wrong_device) if probe else []
+    probe = Probe(mine, sizes, injector) if mine else None  # none: a process with no device in the mesh
+    figures = probe.figures(f.preflight_min_ratio) if probe else []
     seconds = measure_collectives(mesh, sizes)
     gathered = peers.reduce("pre-flight figures", {"devices": figures, "collectives": seconds}, _merge)
     devices = sorted(gathered["devices"], key=lambda d: d["device"])

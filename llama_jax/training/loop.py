@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import numpy as np
 
 from llama_jax.checkpoint import start as starting
 from llama_jax.checkpoint.checkpointer import Checkpointer
@@ -48,6 +47,7 @@ from llama_jax.resilience import preflight
 from llama_jax.resilience.flight import FlightRecorder
 from llama_jax.resilience.goodput import Goodput, format_goodput
 from llama_jax.resilience.guards import SpikeGuard
+from llama_jax.resilience.inject import Injector
 from llama_jax.resilience.preemption import PreemptionGuard
 from llama_jax.resilience.stragglers import HostScores, HostWindow, StragglerDetector
 from llama_jax.resilience.watchdog import HangWatchdog
@@ -81,8 +81,8 @@ def train(config: Config, print_fn: Callable[[str], None] = print, *, devices=No
         say(f"warning: under {os.environ[LAUNCHED_BY]} a failed run restarts from its newest checkpoint, and this one "
             "saves none until it ends (checkpoint.every_steps=0, no every_minutes, no local tier): every restart "
             "starts again from step 0; set checkpoint.every_steps=auto")
-    f = config.fault
-    peers = Peers(f.barrier_timeout_s, stall_at=f.inject_stall_at if f.inject_process == jax.process_index() else "")
+    f, injector = config.fault, Injector(config.inject, jax.process_index())
+    peers = Peers(f.barrier_timeout_s, injected_stall_at=injector.stall_at)
     # What this process was last doing, published to the others: a hang names the process the run waits for.
     peers.recorder = FlightRecorder(Path(config.run.dir), peers.index, peers.count, processes.node_name(),
                                     capacity=f.flight_events, heartbeat_s=f.flight_heartbeat_s, client=peers.client)
@@ -147,7 +147,7 @@ def execute(run: Run, print_fn: Callable[[str], None] = print, started_at: float
                     if back := loop.settle(unread, state, step, data_step):  # this step's state goes too
                         (state, step), unread = back, None
                         continue
-                    loop.hang_if_injected(unread.step)
+                    loop.injector.hang_after(unread.step)
                 unread, due = current, loop.due(step)
                 if not due:
                     continue
@@ -204,6 +204,7 @@ class Loop:
     watchdog: HangWatchdog
     preemption: PreemptionGuard
     eval_batches: int
+    injector: Injector  # faults injected on purpose (resilience/inject.py): testing only, none in a real run
     dispatch_wait_s: float = 0.0  # seconds spent in dispatches since the last observe()
     # Seconds waiting for the loader since the last observe(): charged to the step read next, whose time
     # they fall in (an upper bound of the devices' wait: they may have been busy with the step before).
@@ -228,16 +229,14 @@ class Loop:
         host = socket.gethostname() + (f"-p{jax.process_index()}" if multi else "")
         log = MetricsLog(run_dir, total_steps=t.steps, start_step=run.start.step, tensorboard=config.run.tensorboard,
                          print_fn=print_fn, enabled=primary, wandb=WandbSettings.from_config(config))
-        injected = f.inject_process == jax.process_index()
+        injector = Injector(config.inject, jax.process_index())
         try:
             c = config.checkpoint
             local = LocalTier(c.local_dir, run_dir, mesh, run.peers, c.local_keep, c.local_replicas,
                               log=log.message) if c.local_dir else None
             checkpointer = Checkpointer(run_dir, c, meta=run.metadata(), log=log.message, peers=run.peers,
-                                        save_delay_s=f.inject_save_delay_s if injected else 0.0,
-                                        save_failures=tuple(f.inject_save_failure_steps) if injected else (),
                                         layout=run.layer_order, local=local, model=run.metadata()["config"]["model"],
-                                        check=run.check_meta)
+                                        check=run.check_meta, injector=injector)
             loop = cls(
                 run=run, log=log, checkpointer=checkpointer,
                 goodput=Goodput(run_dir, started_at, write=primary, warn=log.message),
@@ -251,7 +250,7 @@ class Loop:
                                       startup_timeout_s=f.hang_startup_timeout_s, recorder=run.peers.recorder,
                                       describe=lambda: format_plan(make_plan(config, mesh))),
                 preemption=PreemptionGuard(checkpointer.manager.reached_preemption if multi else None),
-                eval_batches=min(t.eval_batches, run.data.val.batches_per_epoch()))
+                eval_batches=min(t.eval_batches, run.data.val.batches_per_epoch()), injector=injector)
         except BaseException:
             log.close()  # the loop never started: nothing else will close it
             raise
@@ -288,19 +287,14 @@ class Loop:
                                                config.data.loader_threads, config.data.prefetch)
 
     def next_batch(self, batches: Iterator[dict], data_step: int) -> dict:
-        """The next batch, placed on the devices, with fault.* injections applied (data_wait_s: the wait)."""
-        fault = self.run.config.fault
-        if fault.inject_process == jax.process_index():
-            time.sleep(fault.inject_step_delay_s)
+        """The next batch, placed on the devices, with the injector's faults applied (data_wait_s: the wait)."""
+        self.injector.before_step(data_step)
         self._record("data", f"loading batch {data_step}")
         start = time.perf_counter()
         batch = next(batches)
         self.data_wait_s += time.perf_counter() - start
-        if data_step in fault.inject_nan_steps:
-            batch["loss_mask"] = np.full_like(batch["loss_mask"], np.nan)
-        if data_step in fault.inject_spike_steps:
-            batch["targets"] = np.zeros_like(batch["targets"])
-        return self.run.program.put(batch)  # the transfer starts now, the step need not wait for it
+        # The transfer starts now, the step need not wait for it.
+        return self.run.program.put(self.injector.batch(data_step, batch))
 
     def dispatch(self, state: TrainState, batch: dict, step: int) -> tuple[TrainState, Dispatched]:
         """Hand step `step` to the devices. The call returns at once unless the devices are still busy with
@@ -315,11 +309,6 @@ class Loop:
     def _record(self, kind: str, what: str, step: int | None = None) -> None:
         if self.run.peers.recorder is not None:
             self.run.peers.recorder.record(kind, what, step)
-
-    def hang_if_injected(self, step: int) -> None:
-        """fault.inject_hang_step: once step n is read (and saved, when due), the step after it never returns."""
-        if step == self.run.config.fault.inject_hang_step:
-            _injected_hang()
 
     def observe(self, done: Dispatched) -> str:
         """Read a dispatched step's metrics (waiting for it), account for it and log it when due; the guard's
@@ -398,7 +387,7 @@ class Loop:
                 for tier in tiers:
                     self.save(step, state, data_step, tier=tier)
                 self.held.clear()
-        self.hang_if_injected(step)
+        self.injector.hang_after(step)
         if due.stop:
             saved = f"step {step} is counted as bad and not saved" if bad else f"saved step {step}"
             self.log.message(f"{self.preemption.signal_name or 'preemption'} received: {saved}, "
@@ -485,9 +474,3 @@ class Loop:
             summary["report"] = str(write_report(run_dir))
         except OSError as err:
             self.log.message(f"warning: writing the sample or report into {run_dir} failed ({err.strerror or err})")
-
-
-def _injected_hang() -> None:
-    """fault.inject_hang_step: stand-in for a collective that never returns (after step n has been read)."""
-    while True:
-        time.sleep(3600)
