@@ -1,6 +1,6 @@
 """The 1F1B pipeline schedule (mesh.pipeline_schedule=1f1b): one forward, one backward per iteration.
 
-GPipe (pipeline.py) runs every micro-batch's forward pass before autodiff runs the backward passes, so a
+GPipe (gpipe.py) runs every micro-batch's forward pass before autodiff runs the backward passes, so a
 stage keeps what its backward passes need for all M micro-batches of a pass. Here each stage, in each
 iteration of one loop inside the jitted step, runs one micro-batch's forward pass and an earlier one's
 backward pass, with explicit VJPs: what a stage keeps is bounded by the stages, not the micro-batches.
@@ -53,15 +53,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from llama_jax.model.pipeline import (
-    STAGE_AXIS,
-    PipelineLayout,
-    by_owner,
-    stage_groups,
-    summed_dtype,
-    without_stage_axis,
-)
+from llama_jax.model.pipeline import STAGE_AXIS, by_owner, stage_groups, summed_dtype, without_stage_axis
 from llama_jax.model.residuals import data_dependent
+from llama_jax.model.stack.grouped import run_stage
+from llama_jax.model.stack.layer import Stack
 
 VALID, MICROBATCH, REPEAT, SLOT = range(4)  # the columns of the tables
 SLOTS_SCOPE = "pipeline_residual_slots"  # the name of the residual buffers in the compiled program (plan.py)
@@ -167,21 +162,19 @@ def unpacked(a, dtype):
     return jax.lax.bitcast_convert_type(a, dtype) if a.dtype != dtype else a
 
 
-def pipelined_loss(layout: PipelineLayout, stage: Callable, head: Callable, names: tuple[str, ...]) -> Callable:
+def pipelined_loss(stack: Stack, head: Callable) -> Callable:
     """(layer_params, head_params, x, batch) -> the summed loss of the batch, through the 1F1B schedule.
 
-    stage(layer_params [slots, ...], layers, x, segment_ids, positions) runs one group of layers on one
-    micro-batch (`layers`: how many of the slots hold layers, or None for all); head(head_params, x, targets,
-    loss_mask) -> summed loss of a micro-batch's final activations. x [B, T, D] are the embeddings; batch holds
-    targets, loss_mask, segment_ids and positions [B, T]; `names` are the logical axis names of the
-    activations between layers. Differentiable in layer_params, head_params and x.
+    head(head_params, x, targets, loss_mask) -> summed loss of a micro-batch's final activations. x [B, T, D] are
+    the embeddings; batch holds targets, loss_mask, segment_ids and positions [B, T]. Each stage runs its groups of
+    layers as stack says (grouped.run_stage). Differentiable in layer_params, head_params and x.
     """
     @jax.custom_vjp
     def loss(layer_params, head_params, x, batch):
-        return _run(layout, stage, head, names, False, layer_params, head_params, x, batch)
+        return _run(stack, head, False, layer_params, head_params, x, batch)
 
     def forward(layer_params, head_params, x, batch):
-        total, *gradients = _run(layout, stage, head, names, True, layer_params, head_params, x, batch)
+        total, *gradients = _run(stack, head, True, layer_params, head_params, x, batch)
         return total, gradients
 
     def backward(gradients, cotangent):
@@ -192,10 +185,10 @@ def pipelined_loss(layout: PipelineLayout, stage: Callable, head: Callable, name
     return loss
 
 
-def _run(layout: PipelineLayout, stage: Callable, head: Callable, names: tuple[str, ...], backward: bool,
-         layer_params, head_params, x, batch):
+def _run(stack: Stack, head: Callable, backward: bool, layer_params, head_params, x, batch):
     """The loop in a shard_map over the pipeline axis: the summed loss and, with `backward`, the gradients of
     layer_params, head_params and x."""
+    layout, names = stack.pipeline, stack.names
     P, R, M = layout.stages, layout.repeats, layout.microbatches
     tables = schedule(P, R, M, backward)
     inner_rules = without_stage_axis(nn.get_logical_axis_rules())
@@ -225,7 +218,7 @@ def _run(layout: PipelineLayout, stage: Callable, head: Callable, names: tuple[s
         def with_vjp(w, layers, x, segment_ids, positions):
             """The stage's output and its VJP (a pytree whose leaves are the residuals)."""
             with nn.logical_axis_rules(inner_rules):
-                return jax.vjp(lambda w, x: stage(w, layers, x, segment_ids, positions), w, x)
+                return jax.vjp(lambda w, x: run_stage(stack, w, layers, x, segment_ids, positions), w, x)
 
         def microbatch(m):
             return {k: take(v, m) for k, v in batch.items()}
