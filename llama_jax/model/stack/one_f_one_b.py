@@ -39,6 +39,10 @@ gradients (of the layers, of the loss's weights and of the embeddings) as its re
 scales them by the loss's cotangent. So the train step differentiates the model as always, and clipping and
 the non-finite-step guard see the whole batch's gradient. Without differentiation (evaluation) the pass runs
 the forward passes only.
+
+In the code: `_run` splits the batch and runs the loop in a shard_map; there `_Stage` holds one stage's part (its
+groups of layers, micro-batches, embeddings and rows of the tables) and an iteration calls its `forward`,
+`loss_and_gradient`, `backward_pass` and `drain` in turn, handing the next iteration a `Carry` of named fields.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -188,138 +193,11 @@ def pipelined_loss(stack: Stack, head: Callable) -> Callable:
 def _run(stack: Stack, head: Callable, backward: bool, layer_params, head_params, x, batch):
     """The loop in a shard_map over the pipeline axis: the summed loss and, with `backward`, the gradients of
     layer_params, head_params and x."""
-    layout, names = stack.pipeline, stack.names
-    P, R, M = layout.stages, layout.repeats, layout.microbatches
-    tables = schedule(P, R, M, backward)
-    inner_rules = without_stage_axis(nn.get_logical_axis_rules())
+    P, M = stack.pipeline.stages, stack.pipeline.microbatches
     dtype = x.dtype
-    take = lambda a, i: jax.lax.dynamic_index_in_dim(a, i, keepdims=False)  # noqa: E731
-    put = lambda a, v, i: jax.lax.dynamic_update_index_in_dim(a, v, i, 0)  # noqa: E731
-    ahead = [(i, (i + 1) % P) for i in range(P if R > 1 else P - 1)]  # with repeats the last stage feeds stage 0
-    behind = [(b, a) for a, b in ahead]
-    towards_first, away_from_first = [(i + 1, i) for i in range(P - 1)], [(i, i + 1) for i in range(P - 1)]
-
-    def pin(a):
-        """Activations sharded alike within a stage, whichever buffer holds them."""
-        return nn.with_logical_constraint(a, (None,) * (a.ndim - len(names)) + names, rules=inner_rules)
 
     def local(layer_params, head_params, owned, batch):
-        index = jax.lax.axis_index(STAGE_AXIS)
-        groups, layer_count = stage_groups(layout, layer_params)
-        columns = {k: jnp.asarray(getattr(tables, k)) for k in ("forward", "backward", "feed", "drain")}
-        owned = pin(owned[:, 0].astype(dtype))  # [M/P, rows, T, D]: micro-batches index, index + P, ... (embedded)
-
-        def row(table, t):
-            return [columns[table][t, index, i] for i in range(columns[table].shape[-1])]
-
-        def weights(repeat):
-            return jax.tree.map(lambda w: take(w, repeat), groups)
-
-        def with_vjp(w, layers, x, segment_ids, positions):
-            """The stage's output and its VJP (a pytree whose leaves are the residuals)."""
-            with nn.logical_axis_rules(inner_rules):
-                return jax.vjp(lambda w, x: run_stage(stack, w, layers, x, segment_ids, positions), w, x)
-
-        def microbatch(m):
-            return {k: take(v, m) for k, v in batch.items()}
-
-        def run_head(params, y, m):
-            with nn.logical_axis_rules(inner_rules):
-                return head(params, y, microbatch(m)["targets"], microbatch(m)["loss_mask"])
-
-        # Which residuals depend on the stage's input (kept in slots), and which come from the weights and the
-        # micro-batch's documents and positions alone (computed again in the backward pass).
-        one = microbatch(0)
-        shapes = (weights(0), layer_count(index, 0), owned[0], one["segment_ids"], one["positions"])
-        kept = data_dependent(lambda w, c, segment_ids, positions, x: jax.tree.leaves(
-            with_vjp(w, c, x, segment_ids, positions)[1]), (shapes[0], shapes[1], *shapes[3:]), shapes[2:3]) \
-            if backward else []
-        out_shape, vjp_shape = jax.eval_shape(with_vjp, *shapes)
-        saved_shapes = [s for s, k in zip(jax.tree.leaves(vjp_shape), kept) if k]
-
-        def zeros(shapes):
-            return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-
-        def iteration(carry, t):
-            act, grad, fed, drained, buffers, owned, d_layers, d_head, total = carry
-            # The embeddings on their way to stage 0: this stage's own, or those the stage after handed on.
-            _, i, own = row("feed", t)
-            fed = jnp.where(own == 1, take(owned, i), fed)
-            valid, m, r, slot = row("forward", t)
-            valid, last = valid == 1, (index == P - 1) & (r == R - 1)  # last: the micro-batch leaves the pipeline
-            x = jnp.where((index == 0) & (r == 0), fed, act)
-
-            def run_forward(x, buffers):
-                data = microbatch(m)
-                y, vjp = with_vjp(weights(r), layer_count(index, r), x, data["segment_ids"], data["positions"])
-                saved = [leaf for leaf, k in zip(jax.tree.leaves(vjp), kept) if k]
-                with jax.named_scope(SLOTS_SCOPE):  # written in place, in the branch: no copies of a slot
-                    return y, [put(b, packed(s), slot) for b, s in zip(buffers, saved)]
-
-            with jax.named_scope(FORWARD_SCOPE):
-                y, buffers = jax.lax.cond(valid, run_forward, lambda x, b: (zeros(out_shape), b), x, buffers)
-            fed = pin(jax.lax.ppermute(fed, STAGE_AXIS, towards_first))
-            if not backward:
-                with jax.named_scope(LOSS_SCOPE):
-                    loss = jax.lax.cond(valid & last, lambda y: run_head(head_params, y, m),
-                                        lambda y: jnp.zeros((), jnp.float32), y)
-                return (pin(jax.lax.ppermute(y, STAGE_AXIS, ahead)), grad, fed, drained, buffers, owned, d_layers,
-                        d_head, total + loss), None
-
-            def head_and_grads(y):
-                loss, (d_params, dy) = jax.value_and_grad(run_head, argnums=(0, 1))(head_params, y, m)
-                return loss, jax.tree.map(lambda g: g.astype(jnp.float32), d_params), dy
-            with jax.named_scope(LOSS_SCOPE):
-                loss, d_params, dy = jax.lax.cond(valid & last, head_and_grads, lambda y: (
-                    jnp.zeros((), jnp.float32), zeros(d_head), jnp.zeros_like(y)), y)
-            d_head = jax.tree.map(jnp.add, d_head, d_params)
-
-            valid, m, r, slot = row("backward", t)
-            valid = valid == 1
-            cotangent = jnp.where((index == P - 1) & (r == R - 1), dy, grad)
-
-            def run_backward(cotangent, d_layers):
-                # The residuals not kept, again: the forward pass on a zero input is dead code but for them.
-                data = microbatch(m)
-                _, fresh = with_vjp(weights(r), layer_count(index, r), jnp.zeros_like(shapes[2]),
-                                    data["segment_ids"], data["positions"])
-                leaves, tree = jax.tree.flatten(fresh)
-                stored = iter(unpacked(take(b, slot), s.dtype) for b, s in zip(buffers, saved_shapes))
-                vjp = jax.tree.unflatten(tree, [next(stored) if k else leaf for leaf, k in zip(leaves, kept)])
-                d_weights, dx = vjp(cotangent.astype(dtype))
-                # Accumulated in the branch: a skipped backward pass adds no zeros the size of the weights.
-                return dx, jax.tree.map(lambda acc, d: put(acc, take(acc, r) + d, r), d_layers, d_weights)
-
-            with jax.named_scope(BACKWARD_SCOPE):
-                dx, d_layers = jax.lax.cond(valid, run_backward, lambda c, d: (jnp.zeros_like(c), d), cotangent,
-                                            d_layers)
-            drained, owned = drain(t, jnp.where(index == 0, dx, drained), owned)
-            return (pin(jax.lax.ppermute(y, STAGE_AXIS, ahead)), pin(jax.lax.ppermute(dx, STAGE_AXIS, behind)), fed,
-                    drained, buffers, owned, d_layers, d_head, total + loss), None
-
-        def drain(t, drained, owned):
-            """The embeddings' gradient on its way from stage 0 to the stage that keeps it."""
-            valid, i, own = row("drain", t)
-            owned = put(owned, jnp.where((valid == 1) & (own == 1), drained, take(owned, i)), i)
-            return pin(jax.lax.ppermute(drained, STAGE_AXIS, away_from_first)), pin(owned)
-
-        activation = pin(jnp.zeros(out_shape.shape, dtype))
-        with jax.named_scope(SLOTS_SCOPE):
-            slots = [packed(jnp.zeros((tables.slots, *s.shape), s.dtype)) for s in saved_shapes]
-        start = (activation, activation, activation, activation, slots, owned,
-                 jax.tree.map(jnp.zeros_like, groups) if backward else None,
-                 jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), head_params) if backward else None,
-                 jnp.zeros((), jnp.float32))
-        (*_, drained, _, owned, d_layers, d_head, total), _ = jax.lax.scan(iteration, start,
-                                                                           jnp.arange(tables.iterations))
-        total = jax.lax.psum(total, STAGE_AXIS)
-        if not backward:
-            return total
-        (_, owned), _ = jax.lax.scan(lambda carry, t: (drain(t, *carry), None), (drained, owned),
-                                     jnp.arange(tables.iterations, tables.iterations + P - 1))
-        d_head = jax.tree.map(lambda g, p: jax.lax.psum(g, STAGE_AXIS).astype(p.dtype), d_head, head_params)
-        d_layers = jax.tree.map(lambda g: g.reshape(-1, *g.shape[2:]), d_layers)
-        return total, d_layers, d_head, owned[:, None]  # each stage's micro-batches' embedding gradients
+        return _Stage(stack, head, backward, dtype, layer_params, head_params, owned, batch).run()
 
     stage_specs, whole = PartitionSpec(STAGE_AXIS), PartitionSpec()
     # Micro-batch m's embeddings go to stage m mod P ([M/P, P, rows, T, D]); the targets and masks (the last
@@ -336,3 +214,188 @@ def _run(stack: Stack, head: Callable, backward: bool, layer_params, head_params
         return out
     total, d_layers, d_head, d_x = out
     return total, d_layers, d_head, merge(d_x).astype(dtype)
+
+
+class Carry(NamedTuple):
+    """What one iteration of the loop hands the next, on each stage. Activations and gradients [rows, T, D]."""
+
+    act: jax.Array  # the output the stage before handed on: this stage's next input
+    grad: jax.Array  # the gradient the stage after handed back
+    fed: jax.Array  # embeddings on their way to stage 0
+    drained: jax.Array  # the embeddings' gradient on its way from stage 0 to the stage that keeps them
+    buffers: list[jax.Array]  # the residual slots: per kept residual, [slots, ...]
+    owned: jax.Array  # [M/P, rows, T, D] this stage's micro-batches' embeddings, then their gradients
+    d_layers: Any  # the gradient of the stage's groups of layers [R, slots, ...] (None without backward)
+    d_head: Any  # of the loss's params, in fp32 (None without backward)
+    total: jax.Array  # the summed loss of the micro-batches that left the pipeline on this stage
+
+
+def _take(a, i):
+    return jax.lax.dynamic_index_in_dim(a, i, keepdims=False)
+
+
+def _put(a, v, i):
+    return jax.lax.dynamic_update_index_in_dim(a, v, i, 0)
+
+
+def _zeros(shapes):
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+
+class _Stage:
+    """One stage's part of the loop (inside the shard_map over the pipeline axis): what it holds (its groups of
+    layers, the batch's micro-batches, its micro-batches' embeddings, its rows of the tables) and what it does in
+    an iteration: a forward pass, the loss on the last stage, a backward pass, and the hand-offs."""
+
+    def __init__(self, stack: Stack, head: Callable, backward: bool, dtype, layer_params, head_params, owned, batch):
+        layout = stack.pipeline
+        self.stack, self.head, self.backward, self.dtype = stack, head, backward, dtype
+        self.P, self.R = layout.stages, layout.repeats
+        self.tables = schedule(layout.stages, layout.repeats, layout.microbatches, backward)
+        self.inner_rules = without_stage_axis(nn.get_logical_axis_rules())
+        # With repeats the last stage feeds stage 0.
+        self.ahead = [(i, (i + 1) % self.P) for i in range(self.P if self.R > 1 else self.P - 1)]
+        self.behind = [(b, a) for a, b in self.ahead]
+        self.towards_first = [(i + 1, i) for i in range(self.P - 1)]
+        self.away_from_first = [(i, i + 1) for i in range(self.P - 1)]
+        self.head_params, self.batch = head_params, batch
+
+        self.index = jax.lax.axis_index(STAGE_AXIS)
+        self.groups, self.layer_count = stage_groups(layout, layer_params)
+        self.columns = {k: jnp.asarray(getattr(self.tables, k)) for k in ("forward", "backward", "feed", "drain")}
+        self.owned = self.pin(owned[:, 0].astype(dtype))  # [M/P, rows, T, D]: micro-batches index, index + P, ...
+        # Which residuals depend on the stage's input (kept in slots), and which come from the weights and the
+        # micro-batch's documents and positions alone (computed again in the backward pass).
+        one = self.microbatch(0)
+        self.shapes = (self.weights(0), self.layer_count(self.index, 0), self.owned[0], one["segment_ids"],
+                       one["positions"])
+        shapes = self.shapes
+        self.kept = data_dependent(lambda w, c, segment_ids, positions, x: jax.tree.leaves(
+            self.with_vjp(w, c, x, segment_ids, positions)[1]), (shapes[0], shapes[1], *shapes[3:]), shapes[2:3]) \
+            if backward else []
+        self.out_shape, vjp_shape = jax.eval_shape(self.with_vjp, *shapes)
+        self.saved_shapes = [s for s, k in zip(jax.tree.leaves(vjp_shape), self.kept) if k]
+
+    def pin(self, a):
+        """Activations sharded alike within a stage, whichever buffer holds them."""
+        names = self.stack.names
+        return nn.with_logical_constraint(a, (None,) * (a.ndim - len(names)) + names, rules=self.inner_rules)
+
+    def row(self, table: str, t) -> list[jax.Array]:
+        """This stage's entries of a table at iteration t."""
+        columns = self.columns[table]
+        return [columns[t, self.index, i] for i in range(columns.shape[-1])]
+
+    def weights(self, repeat):
+        return jax.tree.map(lambda w: _take(w, repeat), self.groups)
+
+    def microbatch(self, m) -> dict[str, jax.Array]:
+        return {k: _take(v, m) for k, v in self.batch.items()}
+
+    def with_vjp(self, w, layers, x, segment_ids, positions):
+        """The stage's output and its VJP (a pytree whose leaves are the residuals)."""
+        with nn.logical_axis_rules(self.inner_rules):
+            return jax.vjp(lambda w, x: run_stage(self.stack, w, layers, x, segment_ids, positions), w, x)
+
+    def run_head(self, params, y, m):
+        with nn.logical_axis_rules(self.inner_rules):
+            return self.head(params, y, self.microbatch(m)["targets"], self.microbatch(m)["loss_mask"])
+
+    def run(self):
+        """The loop, then (with backward) the last embeddings' gradients on their way to their owners: the summed
+        loss and, with backward, the gradients of the stage's layers, of the head's params and of its embeddings."""
+        activation = self.pin(jnp.zeros(self.out_shape.shape, self.dtype))
+        with jax.named_scope(SLOTS_SCOPE):
+            slots = [packed(jnp.zeros((self.tables.slots, *s.shape), s.dtype)) for s in self.saved_shapes]
+        start = Carry(activation, activation, activation, activation, slots, self.owned,
+                      jax.tree.map(jnp.zeros_like, self.groups) if self.backward else None,
+                      jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), self.head_params) if self.backward
+                      else None,
+                      jnp.zeros((), jnp.float32))
+        end, _ = jax.lax.scan(self.iteration, start, jnp.arange(self.tables.iterations))
+        total = jax.lax.psum(end.total, STAGE_AXIS)
+        if not self.backward:
+            return total
+        (_, owned), _ = jax.lax.scan(lambda carry, t: (self.drain(t, *carry), None), (end.drained, end.owned),
+                                     jnp.arange(self.tables.iterations, self.tables.iterations + self.P - 1))
+        d_head = jax.tree.map(lambda g, p: jax.lax.psum(g, STAGE_AXIS).astype(p.dtype), end.d_head, self.head_params)
+        d_layers = jax.tree.map(lambda g: g.reshape(-1, *g.shape[2:]), end.d_layers)
+        return total, d_layers, d_head, owned[:, None]  # each stage's micro-batches' embedding gradients
+
+    def iteration(self, carry: Carry, t) -> tuple[Carry, None]:
+        # The embeddings on their way to stage 0: this stage's own, or those the stage after handed on.
+        _, i, own = self.row("feed", t)
+        fed = jnp.where(own == 1, _take(carry.owned, i), carry.fed)
+        y, buffers, valid, last, m = self.forward(carry.act, fed, carry.buffers, t)
+        fed = self.pin(jax.lax.ppermute(fed, STAGE_AXIS, self.towards_first))
+        if not self.backward:
+            with jax.named_scope(LOSS_SCOPE):
+                loss = jax.lax.cond(valid & last, lambda y: self.run_head(self.head_params, y, m),
+                                    lambda y: jnp.zeros((), jnp.float32), y)
+            return carry._replace(act=self.pin(jax.lax.ppermute(y, STAGE_AXIS, self.ahead)), fed=fed,
+                                  buffers=buffers, total=carry.total + loss), None
+
+        loss, d_params, dy = self.loss_and_gradient(y, valid & last, m, carry.d_head)
+        d_head = jax.tree.map(jnp.add, carry.d_head, d_params)
+        dx, d_layers = self.backward_pass(carry.grad, dy, buffers, carry.d_layers, t)
+        drained, owned = self.drain(t, jnp.where(self.index == 0, dx, carry.drained), carry.owned)
+        return Carry(self.pin(jax.lax.ppermute(y, STAGE_AXIS, self.ahead)),
+                     self.pin(jax.lax.ppermute(dx, STAGE_AXIS, self.behind)), fed, drained, buffers, owned, d_layers,
+                     d_head, carry.total + loss), None
+
+    def forward(self, act, fed, buffers, t):
+        """Iteration t's forward pass, if the stage has one: (output y, the buffers with the residuals it keeps in
+        their slot, whether it ran, whether its micro-batch leaves the pipeline here, the micro-batch)."""
+        valid, m, r, slot = self.row("forward", t)
+        valid, last = valid == 1, (self.index == self.P - 1) & (r == self.R - 1)
+        x = jnp.where((self.index == 0) & (r == 0), fed, act)
+
+        def run_forward(x, buffers):
+            data = self.microbatch(m)
+            y, vjp = self.with_vjp(self.weights(r), self.layer_count(self.index, r), x, data["segment_ids"],
+                                   data["positions"])
+            saved = [leaf for leaf, k in zip(jax.tree.leaves(vjp), self.kept) if k]
+            with jax.named_scope(SLOTS_SCOPE):  # written in place, in the branch: no copies of a slot
+                return y, [_put(b, packed(s), slot) for b, s in zip(buffers, saved)]
+
+        with jax.named_scope(FORWARD_SCOPE):
+            y, buffers = jax.lax.cond(valid, run_forward, lambda x, b: (_zeros(self.out_shape), b), x, buffers)
+        return y, buffers, valid, last, m
+
+    def loss_and_gradient(self, y, leaving, m, d_head):
+        """On the last stage of the last repeat, the micro-batch's loss and its gradients (of the head's params, in
+        fp32, and of y): its backward pass starts in the same iteration."""
+        def head_and_grads(y):
+            loss, (d_params, dy) = jax.value_and_grad(self.run_head, argnums=(0, 1))(self.head_params, y, m)
+            return loss, jax.tree.map(lambda g: g.astype(jnp.float32), d_params), dy
+
+        with jax.named_scope(LOSS_SCOPE):
+            return jax.lax.cond(leaving, head_and_grads, lambda y: (
+                jnp.zeros((), jnp.float32), _zeros(d_head), jnp.zeros_like(y)), y)
+
+    def backward_pass(self, grad, dy, buffers, d_layers, t):
+        """Iteration t's backward pass, if the stage has one: the gradient of its input, and d_layers with its
+        weights' gradient added (in the branch: a skipped backward pass adds no zeros the size of the weights)."""
+        valid, m, r, slot = self.row("backward", t)
+        valid = valid == 1
+        cotangent = jnp.where((self.index == self.P - 1) & (r == self.R - 1), dy, grad)
+
+        def run_backward(cotangent, d_layers):
+            # The residuals not kept, again: the forward pass on a zero input is dead code but for them.
+            data = self.microbatch(m)
+            _, fresh = self.with_vjp(self.weights(r), self.layer_count(self.index, r), jnp.zeros_like(self.shapes[2]),
+                                     data["segment_ids"], data["positions"])
+            leaves, tree = jax.tree.flatten(fresh)
+            stored = iter(unpacked(_take(b, slot), s.dtype) for b, s in zip(buffers, self.saved_shapes))
+            vjp = jax.tree.unflatten(tree, [next(stored) if k else leaf for leaf, k in zip(leaves, self.kept)])
+            d_weights, dx = vjp(cotangent.astype(self.dtype))
+            return dx, jax.tree.map(lambda acc, d: _put(acc, _take(acc, r) + d, r), d_layers, d_weights)
+
+        with jax.named_scope(BACKWARD_SCOPE):
+            return jax.lax.cond(valid, run_backward, lambda c, d: (jnp.zeros_like(c), d), cotangent, d_layers)
+
+    def drain(self, t, drained, owned):
+        """The embeddings' gradient on its way from stage 0 to the stage that keeps it."""
+        valid, i, own = self.row("drain", t)
+        owned = _put(owned, jnp.where((valid == 1) & (own == 1), drained, _take(owned, i)), i)
+        return self.pin(jax.lax.ppermute(drained, STAGE_AXIS, self.away_from_first)), self.pin(owned)
