@@ -17,6 +17,7 @@ from llama_jax.model import flash, projection, remat
 from llama_jax.model.attention import document_mask, skips_masked_blocks
 from llama_jax.model.cudnn import query_chunked_attention
 from llama_jax.model.llama import Block, rope_angles, train_flops_per_token
+from llama_jax.model.stack import LayerInputs
 
 
 def reference_attention(q, k, v, segments):
@@ -115,15 +116,15 @@ def test_a_policy_that_keeps_attention_keeps_the_kernels_residuals_instead_of_re
     x = jnp.ones((batch, seq, cfg.d_model))
     positions = jnp.broadcast_to(jnp.arange(seq), (batch, seq))
     segments = jnp.ones((batch, seq), jnp.int32)
-    cos, sin = rope_angles(positions, cfg)
+    inputs = LayerInputs(*rope_angles(positions, cfg), segments, positions)
 
     def saved(policy: str) -> str:
         block = nn.remat(Block, policy=remat.checkpoint_policy(RematConfig(policy=policy)), prevent_cse=False)(cfg)
-        params = block.init(jax.random.key(0), x, cos, sin, segments, positions)
+        params = block.init(jax.random.key(0), x, inputs)
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
             jax.ad_checkpoint.print_saved_residuals(
-                lambda p: block.apply(p, x, cos, sin, segments, positions)[0].sum(), params)
+                lambda p: block.apply(p, x, inputs)[0].sum(), params)
         return out.getvalue()
 
     lse = f"f32[{batch},{cfg.n_kv_heads},{cfg.n_heads // cfg.n_kv_heads},{seq}] named 'attention_context'"

@@ -1,7 +1,7 @@
-"""Pipeline parallelism (pipeline.py, one_f_one_b.py, stages.py): stages over micro-batches train to one device's
-numbers in every composition and under both schedules, even and uneven; the 1F1B tables keep their hand-offs;
-checkpoints move between pipeline layouts and schedules; `plan` reports the bubble and the stages; bad layouts are
-refused."""
+"""Pipeline parallelism (pipeline.py, stack/gpipe.py, stack/one_f_one_b.py, stages.py): stages over micro-batches
+train to one device's numbers in every composition and under both schedules, even and uneven; the 1F1B tables keep
+their hand-offs; checkpoints move between pipeline layouts and schedules; `plan` reports the bubble and the stages;
+bad layouts are refused."""
 
 import dataclasses
 import json
@@ -20,8 +20,9 @@ from test_sharding import losses
 from llama_jax import cli
 from llama_jax import config as config_lib
 from llama_jax.distributed import sharding
-from llama_jax.model import one_f_one_b, pipeline
+from llama_jax.model import pipeline
 from llama_jax.model import residuals as residuals_lib
+from llama_jax.model.stack import one_f_one_b
 from llama_jax.model.stages import LayerOrder, relayout, to_natural_order, to_storage_order
 from llama_jax.training.plan import make_plan
 

@@ -15,6 +15,7 @@ from llama_jax.config.choices import REMAT_POLICIES, REMAT_TAGS
 from llama_jax.errors import ConfigError
 from llama_jax.model import remat
 from llama_jax.model.llama import Block, rope_angles
+from llama_jax.model.stack import LayerInputs
 
 
 def residual_lines(remat_config: RematConfig, peft: PeftConfig = PeftConfig(), cfg=TINY_MODEL) -> list[str]:
@@ -22,16 +23,16 @@ def residual_lines(remat_config: RematConfig, peft: PeftConfig = PeftConfig(), c
     x = jnp.ones((2, 16, cfg.d_model))
     positions = jnp.broadcast_to(jnp.arange(16), (2, 16))
     segments = jnp.ones((2, 16), jnp.int32)
-    cos, sin = rope_angles(positions, cfg)
+    inputs = LayerInputs(*rope_angles(positions, cfg), segments, positions)
     policy = remat.checkpoint_policy(remat_config)
     block = Block(cfg, peft=peft) if policy is None else \
         nn.remat(Block, policy=policy, prevent_cse=False)(cfg, peft=peft)
     # Shapes are all the printer needs: an eager init of a remat layer would compile op by op (seconds).
     params = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
-                          jax.eval_shape(block.init, jax.random.key(0), x, cos, sin, segments, positions))
+                          jax.eval_shape(block.init, jax.random.key(0), x, inputs))
 
     def loss(params, x):
-        return block.apply(params, x, cos, sin, segments, positions)[0].sum()
+        return block.apply(params, x, inputs)[0].sum()
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):

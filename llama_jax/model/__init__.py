@@ -1,8 +1,10 @@
 """Llama 3 and what its forward pass runs. The model knows only logical axis names (distributed/ maps them
 onto a mesh) and the mesh axes of its own shard_maps.
 
-    llama.py             the model, top to bottom: embedding, layers under nn.scan, norm, output projection;
+    llama.py             the model, top to bottom: embedding, the layer stack, final norm, output projection;
                          LoRA in the projections, a learned prompt or P-tuning's prompt encoder
+    stack/               the ways of running the layer stack (scan, grouped remat, GPipe, 1F1B) behind one
+                         interface, run_stack, each applying one Block to the same LayerInputs (apply_block)
     attention.py         which attention kernel runs, document masks, the shard_maps of context parallelism
                          and of more tensor shards than kv heads
     flash.py             blocked (flash) causal attention in plain JAX with its own backward pass
@@ -13,8 +15,7 @@ onto a mesh) and the mesh axes of its own shard_maps.
     norm.py              RMSNorm's function, with a backward pass that keeps only its input
     remat.py             recomputation policies -> jax.checkpoint policies
     stages.py            which layers each pipeline stage holds (even or uneven); the layers' storage order, relayout
-    pipeline.py          pipeline layouts, the micro-batch splits, and the GPipe schedule
-    one_f_one_b.py       the 1F1B schedule: per iteration one forward and one backward pass per stage, explicit VJPs
+    pipeline.py          pipeline layouts, and what both schedules share: stage rules, micro-batch splits, groups
     residuals.py         which of a VJP's residuals depend on the data, read from its jaxpr (kept per micro-batch)
     peft.py              adapters apart from the frozen base, the base's digest, LoRA folded into weights
     platform.py          the platform a step is traced for (the mesh's, not always this process's)

@@ -3,7 +3,7 @@
     tokens [batch, seq]
       -> embed                                   [batch, seq, embed]
          (prompt tuning / P-tuning: learned virtual tokens fill the slots left in front of each document)
-      -> n_layers x Block (under nn.scan):
+      -> n_layers x Block (the layer stack, stack/: under nn.scan, or as pipeline stages):
            x + Attention(RMSNorm(x))             grouped-query attention with rotary positions
            x + MLP(RMSNorm(x))                   SwiGLU
       -> RMSNorm -> output projection            [batch, seq, vocab] logits
@@ -35,9 +35,10 @@ from llama_jax.model import platform, remat
 from llama_jax.model.attention import attention, cached_attention, select_implementation
 from llama_jax.model.loss import LOGITS, fused_cross_entropy_sum
 from llama_jax.model.norm import rms_norm
-from llama_jax.model.one_f_one_b import pipelined_loss
-from llama_jax.model.pipeline import LAYER_SLOT_SCOPE, PipelineLayout, run_stages
+from llama_jax.model.pipeline import PipelineLayout
 from llama_jax.model.projection import fp8_project, project, quantized_input
+from llama_jax.model.stack import Head, LayerInputs, Stack, run_stack
+from llama_jax.model.stack.scan import scanned
 
 # Logical names of activation axes. Parameters use `embed`, `heads`, ...; activations get their own
 # names because they shard differently (an FSDP run shards weights along `embed` but activations
@@ -111,8 +112,27 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return rotated.astype(x.dtype)
 
 
+def layer_inputs(cfg: ModelConfig, segment_ids: jax.Array | None, positions: jax.Array) -> LayerInputs:
+    """What every layer reads besides the residual stream: the rotary angles of the positions, the documents
+    (segment_ids) and the positions [batch, seq] themselves."""
+    return LayerInputs(*rope_angles(positions, cfg), segment_ids, positions)
+
+
 # ---------------------------------------------------------------------------------------------
 # Layers
+
+
+class NormScale(nn.Module):
+    """RMSNorm's learned scale on its own: the final norm's, which the model applies itself (rms_norm), in the
+    head or, under 1F1B, on the pipeline's last stage (final_loss)."""
+
+    features: int
+    param_dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self) -> jax.Array:
+        return self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, ("norm",)), (self.features,),
+                          self.param_dtype)
 
 
 class RMSNorm(nn.Module):
@@ -212,7 +232,7 @@ class Attention(nn.Module):
     peft: PeftConfig = PeftConfig()
 
     @nn.compact
-    def __call__(self, x, cos, sin, segment_ids, positions):
+    def __call__(self, x, inputs: LayerInputs):
         cfg = self.cfg
         d, n, kv, h = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.resolved_head_dim
         linear = adapted_linear(cfg, self.peft)
@@ -228,14 +248,14 @@ class Attention(nn.Module):
         k = nn.with_logical_constraint(checkpoint_name(k, "key_proj"), KV_HEADS)
         v = nn.with_logical_constraint(checkpoint_name(v, "value_proj"), KV_HEADS)
 
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = apply_rope(q, inputs.cos, inputs.sin), apply_rope(k, inputs.cos, inputs.sin)
         if self.decode:
-            k, v = self.cached(k, v, positions)  # [batch, cache_len, kv_heads, head_dim]
-            context = cached_attention(q, k, v, positions)
+            k, v = self.cached(k, v, inputs.positions)  # [batch, cache_len, kv_heads, head_dim]
+            context = cached_attention(q, k, v, inputs.positions)
         else:
             implementation = select_implementation(cfg.attention, platform.backend(), q.dtype, h, q.shape[1],
                                                    strict=False)
-            context = attention(q, k, v, segment_ids, implementation,  # [batch, seq, heads, head_dim]
+            context = attention(q, k, v, inputs.segment_ids, implementation,  # [batch, seq, heads, head_dim]
                                 cfg.attention_max_segments, self.load_balanced)
         context = nn.with_logical_constraint(checkpoint_name(context, "attention_context"), HEADS)
 
@@ -281,7 +301,8 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """One pre-norm transformer layer. Signature fits nn.scan: (carry, *broadcast) -> (carry, None)."""
+    """One pre-norm transformer layer. Signature fits nn.scan: (carry, broadcast) -> (carry, None); every way of
+    running the stack (stack/) gives it the same LayerInputs."""
 
     cfg: ModelConfig
     decode: bool = False
@@ -289,13 +310,13 @@ class Block(nn.Module):
     peft: PeftConfig = PeftConfig()
 
     @nn.compact
-    def __call__(self, x, cos, sin, segment_ids, positions):
+    def __call__(self, x, inputs: LayerInputs):
         cfg = self.cfg
         norm = partial(RMSNorm, eps=cfg.norm_eps, **dtypes(cfg))
         h = checkpoint_name(norm(name="attn_norm")(x), "attn_norm")
         h = nn.with_logical_constraint(h, HIDDEN)
         attention = Attention(cfg, self.decode, self.load_balanced, self.peft, name="attn")
-        x = x + attention(h, cos, sin, segment_ids, positions)
+        x = x + attention(h, inputs)
         x = nn.with_logical_constraint(x, RESIDUAL)
         h = checkpoint_name(norm(name="mlp_norm")(x), "mlp_norm")
         h = nn.with_logical_constraint(h, HIDDEN)
@@ -361,60 +382,47 @@ class Llama(nn.Module):
         cfg = self.cfg
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+        if targets is not None and loss_mask is None:
+            loss_mask = jnp.ones(targets.shape, jnp.float32)
         embed = nn.Embed(cfg.vocab_size, cfg.d_model, embedding_init=init_normal(cfg.init_std, ("vocab", "embed")),
                          **dtypes(cfg), name="embed")
+        x = self.embeddings(embed, tokens)  # [batch, seq, embed]
+        stack, head = self.stack(), self.head(embed)
+        # The layers' params [n_layers, ...], Block under nn.scan (stack/scan.py): every way runs these.
+        layers = scanned(Block, cfg.n_layers, stack)(cfg, self.decode, self.load_balanced, self.peft, name="layers")
+        if targets is not None and stack.computes_loss:  # 1F1B: each micro-batch's loss on the pipeline's last stage
+            loss = Head(partial(final_loss, cfg), head, targets, loss_mask)
+            return run_stack(stack, layers, x, segment_ids, positions, loss), jnp.sum(loss_mask)
+        x = run_stack(stack, layers, x, segment_ids, positions, dropout_key=self.dropout_key())
+        x = rms_norm(x, head["norm"], cfg.norm_eps, jnp.dtype(cfg.compute_dtype))  # the final norm
+        output = head["output"].astype(cfg.compute_dtype)
+        if targets is not None:  # training and evaluation: the logits never exist as a whole
+            return fused_cross_entropy_sum(x, output, targets, loss_mask)
+        return nn.with_logical_constraint(project("btd,dv->btv", x, output, cfg.cpu_projection), LOGITS)
+
+    def embeddings(self, embed: nn.Embed, tokens: jax.Array) -> jax.Array:
+        """[batch, seq, embed]: each token's row of the table; at a learned prompt's slots, the prompt's."""
         x = embed(jnp.maximum(tokens, 0))
         if self.peft.virtual_tokens:
             x = jnp.where(tokens[..., None] < 0, self.virtual_embeddings(tokens).astype(x.dtype), x)
-        x = nn.with_logical_constraint(x, RESIDUAL)
-        policy = remat.checkpoint_policy(self.remat_config)
-        every_n = self.remat_config.every_n_layers
-        block = Block
-        if policy is not None and every_n == 1:
-            # prevent_cse=False is safe (and faster) because scan already stops XLA from merging
-            # the recomputation back into the forward pass.
-            block = nn.remat(Block, policy=policy, prevent_cse=False)
-        # One compiled layer body, run n_layers times: compile time does not grow with depth, and
-        # every layer weight gets a leading `layers` axis.
-        layers = nn.scan(block, variable_axes={"params": 0, "cache": 0}, split_rngs={"params": True, "dropout": True},
-                         in_axes=(nn.broadcast,) * 4, length=cfg.n_layers,
-                         metadata_params={nn.PARTITION_NAME: "layers"})(cfg, self.decode, self.load_balanced,
-                                                                        self.peft, name="layers")
-        layer_params = None if self.is_initializing() else self.variables["params"]["layers"]
-        if self.pipeline is not None and layer_params is not None:
-            # pipeline.py: every stage runs its groups of layers, recomputing as the policy says; `layers`:
-            # how many of a group's slots hold layers (uneven stages). (Adapters are not pipelined: config
-            # validation keeps peft and pipelines apart.)
-            def stage(params, layers, x, segment_ids, positions):
-                return run_layers(cfg, self.peft, policy, every_n, params, None, x, *rope_angles(positions, cfg),
-                                  segment_ids, positions, load_balanced=self.load_balanced, layers=layers)
+        return nn.with_logical_constraint(x, RESIDUAL)
 
-            if segment_ids is None:
-                segment_ids = jnp.ones(tokens.shape, jnp.int32)
-            if self.pipeline.schedule == "1f1b" and targets is not None:
-                # one_f_one_b.py: a micro-batch's loss runs on the last stage as soon as its forward pass
-                # ends, so that its backward pass can start: the layers, the final norm and the loss in one.
-                loss_mask = jnp.ones(targets.shape, jnp.float32) if loss_mask is None else loss_mask
-                head = {"norm": self.variables["params"]["final_norm"]["scale"], "output": self.output_weight(embed)}
-                batch = dict(targets=targets, loss_mask=loss_mask, segment_ids=segment_ids, positions=positions)
-                loss = pipelined_loss(self.pipeline, stage, partial(final_loss, cfg), RESIDUAL)
-                return loss(layer_params, head, x, batch), jnp.sum(loss_mask)
-            x = run_stages(self.pipeline, stage, layer_params, x, segment_ids, positions, RESIDUAL)
-        elif policy is not None and every_n > 1 and layer_params is not None:
-            dropout_key = self.make_rng("dropout") if self.peft.dropout and self.has_rng("dropout") else None
-            x = run_layers(cfg, self.peft, policy, every_n, layer_params, dropout_key, x, *rope_angles(positions, cfg),
-                           segment_ids, positions, load_balanced=self.load_balanced)
-        else:
-            x, _ = layers(x, *rope_angles(positions, cfg), segment_ids, positions)
+    def stack(self) -> Stack:
+        """How the layers run (stack/): under nn.scan, in groups of recomputation, or as pipeline stages; every
+        way applies one Block to the same LayerInputs."""
+        return Stack(block=Block(self.cfg, load_balanced=self.load_balanced, peft=self.peft, parent=None),
+                     inputs=partial(layer_inputs, self.cfg), names=RESIDUAL,
+                     policy=remat.checkpoint_policy(self.remat_config), every_n=self.remat_config.every_n_layers,
+                     pipeline=self.pipeline)
 
-        x = RMSNorm(cfg.norm_eps, **dtypes(cfg), name="final_norm")(x)
-        head = self.output_weight(embed).astype(cfg.compute_dtype)
-        if targets is not None:  # training and evaluation: the logits never exist as a whole
-            if loss_mask is None:
-                loss_mask = jnp.ones(targets.shape, jnp.float32)
-            return fused_cross_entropy_sum(x, head, targets, loss_mask)
-        logits = project("btd,dv->btv", x, head, cfg.cpu_projection)
-        return nn.with_logical_constraint(logits, LOGITS)
+    def head(self, embed: nn.Embed) -> dict[str, jax.Array]:
+        """The params after the layers: the final norm's scale [embed] and the output projection [embed, vocab]."""
+        return {"norm": NormScale(self.cfg.d_model, jnp.dtype(self.cfg.param_dtype), name="final_norm")(),
+                "output": self.output_weight(embed)}
+
+    def dropout_key(self) -> jax.Array | None:
+        """LoRA's dropout key, training a peft run, for the ways that apply the layers themselves (stack/)."""
+        return self.make_rng("dropout") if self.peft.dropout and self.has_rng("dropout") else None
 
     def output_weight(self, embed: nn.Embed) -> jax.Array:
         """[embed, vocab] the output projection: the embedding table, transposed, when tied."""
@@ -444,50 +452,6 @@ def final_loss(cfg: ModelConfig, params, x, targets, loss_mask) -> jax.Array:
     cross-entropy, with params {"norm": the norm's scale, "output": [embed, vocab]} (a pipeline's last stage)."""
     x = rms_norm(x, params["norm"], cfg.norm_eps, jnp.dtype(cfg.compute_dtype))
     return fused_cross_entropy_sum(x, params["output"].astype(cfg.compute_dtype), targets, loss_mask)[0]
-
-
-def run_layers(cfg: ModelConfig, peft: PeftConfig, policy, every_n: int, layer_params, dropout_key, x, *broadcast,
-               load_balanced: bool = True, layers: jax.Array | None = None):
-    """Run a stack of layers (weights [n, ...], the [layers, ...] layout nn.scan creates) in order.
-
-    Under a remat policy each layer recomputes in the backward pass, or with every_n > 1 only layers
-    0, n, 2n, ...: the weights are viewed as [n / every_n, every_n, ...] groups whose first layer runs
-    under the policy and whose others keep all their activations. LoRA's dropout (training only) gets a
-    key per layer. With `layers` (a pipeline stage with fewer layers than slots) only the first `layers`
-    of the n run; the others are skipped.
-    """
-    def layer(params, key, x):
-        rngs = {} if key is None else {"dropout": key}
-        block = Block(cfg, load_balanced=load_balanced, peft=peft)
-        return block.apply({"params": params}, x, *broadcast, rngs=rngs)[0]
-
-    n_layers = jax.tree.leaves(layer_params)[0].shape[0]
-    keys = None if dropout_key is None else jax.random.split(dropout_key, n_layers)
-
-    def scan(step, x, weights, width: int = 1):
-        """step(w, x) over the leading axis of weights, each entry `width` layers; those past `layers` skipped."""
-        if layers is None:
-            return jax.lax.scan(lambda x, w: (step(w, x), None), x, weights)[0]
-
-        def maybe(x, w_and_index):
-            w, index = w_and_index
-            with jax.named_scope(LAYER_SLOT_SCOPE):
-                return jax.lax.cond(index * width < layers, lambda x: step(w, x), lambda x: x, x), None
-        return jax.lax.scan(maybe, x, (weights, jnp.arange(jax.tree.leaves(weights)[0].shape[0])))[0]
-
-    if policy is None:
-        return scan(lambda p, x: layer(*p, x), x, (layer_params, keys))
-    recomputed_layer = jax.checkpoint(layer, policy=policy, prevent_cse=False)
-    if every_n == 1:
-        return scan(lambda p, x: recomputed_layer(*p, x), x, (layer_params, keys))
-    groups = jax.tree.map(lambda w: w.reshape(n_layers // every_n, every_n, *w.shape[1:]), (layer_params, keys))
-
-    def group(params_and_keys, x):
-        first, rest = jax.tree.map(lambda w: w[0], params_and_keys), jax.tree.map(lambda w: w[1:], params_and_keys)
-        x = recomputed_layer(*first, x)
-        return jax.lax.scan(lambda x, p: (layer(*p, x), None), x, rest)[0]
-
-    return scan(group, x, groups, every_n)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -30,9 +30,11 @@ from jax.sharding import Mesh
 from llama_jax.config import Config
 from llama_jax.config.choices import REMAT_POLICIES
 from llama_jax.files import cache_root, format_bytes
-from llama_jax.model import one_f_one_b, remat
+from llama_jax.model import remat
 from llama_jax.model.llama import param_count
-from llama_jax.model.pipeline import LAYER_SLOT_SCOPE, bubble_fraction
+from llama_jax.model.pipeline import bubble_fraction
+from llama_jax.model.stack import one_f_one_b
+from llama_jax.model.stack.grouped import LAYER_SLOT_SCOPE
 from llama_jax.perf import costmodel, gpu_target, hardware, hlo
 from llama_jax.perf.costmodel import AxisTraffic
 from llama_jax.training.step import TrainProgram, mesh_platform, model_flops_per_token, step_memory_bytes

@@ -1,0 +1,72 @@
+"""What every way of running the layer stack shares: one layer's inputs, the stack's description, apply_block.
+
+    LayerInputs   what each layer reads besides the residual stream (rotary angles, documents, positions),
+                  one typed pytree, the same for every layer: nn.scan broadcasts it, a pipeline makes one per
+                  micro-batch. Adding an input to Block is a field here (made in llama.layer_inputs).
+    Stack         how the layers run, chosen from the config: one Block, the function making its inputs,
+                  the remat policy (and its every_n_layers) and the pipeline layout; `way` names the way.
+    apply_block   one layer on its own params: what the ways that run the layers themselves call per layer.
+    Head          the loss after the layers, for the way that computes it inside the stack (1F1B).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import flax.linen as nn
+import jax
+
+from llama_jax.model.pipeline import PipelineLayout
+
+
+class LayerInputs(NamedTuple):
+    """What every layer reads besides the residual stream x: the same for all layers."""
+
+    cos: jax.Array  # [batch, seq, 1, head_dim / 2] rotary angles of the positions, fp32
+    sin: jax.Array
+    segment_ids: jax.Array | None  # [batch, seq] each token's document (>= 1); None: the row is one document
+    positions: jax.Array  # [batch, seq] each token's position in its document
+
+
+@dataclass(frozen=True)
+class Stack:
+    """How the layer stack runs (Llama.stack makes it from the config); run.run_stack runs it."""
+
+    block: nn.Module  # one layer, unbound (llama.Block): what apply_block applies
+    inputs: Callable[[jax.Array | None, jax.Array], LayerInputs]  # (segment_ids, positions) -> the layers' inputs
+    names: tuple[str, ...]  # the logical axis names of the activations between layers
+    policy: Callable | None = None  # remat: what a layer keeps for its backward pass (None: everything)
+    every_n: int = 1  # under a policy, only layers 0, n, 2n, ... recompute (remat.every_n_layers)
+    pipeline: PipelineLayout | None = None  # stages over the mesh's pipeline axis (mesh.pipeline > 1)
+
+    @property
+    def way(self) -> str:
+        """scan | grouped | gpipe | 1f1b: the module of this package that runs the layers."""
+        if self.pipeline is not None:
+            return self.pipeline.schedule
+        return "grouped" if self.policy is not None and self.every_n > 1 else "scan"
+
+    @property
+    def computes_loss(self) -> bool:
+        """Whether, given a Head, the stack returns the loss rather than the activations (1F1B: a micro-batch's
+        loss runs on the last stage as soon as its forward pass ends, so that its backward pass can start)."""
+        return self.way == "1f1b"
+
+
+class Head(NamedTuple):
+    """The loss of the final activations, computed inside the stack where the stack computes the loss."""
+
+    loss: Callable  # (params, x [batch, seq, embed], targets, loss_mask) -> the summed loss, fp32
+    params: Any  # its params (differentiated like the layers')
+    targets: jax.Array  # [batch, seq]
+    loss_mask: jax.Array  # [batch, seq]
+
+
+def apply_block(block: nn.Module, params, x: jax.Array, inputs: LayerInputs,
+                dropout_key: jax.Array | None = None) -> jax.Array:
+    """One layer: x [batch, seq, embed] -> [batch, seq, embed], with one layer's params (a slice of the stack's
+    [layers, ...] leaves). A dropout key turns LoRA's dropout on (training a peft run)."""
+    rngs = {} if dropout_key is None else {"dropout": dropout_key}
+    return block.apply({"params": params}, x, inputs, rngs=rngs)[0]
