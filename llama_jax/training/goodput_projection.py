@@ -321,21 +321,14 @@ def mix_with_host_loss_share(share: float) -> dict[str, float]:
     return {k: v / host * share if k in LOSES_HOST else v / (total - host) * (1 - share) for k, v in LLAMA3_MIX.items()}
 
 
-def inputs_for(config: Config, gpus: int, gpus_per_host: int, run: dict[str, tuple[float, str]] | None = None,
-               failures_per_gpu_hour: float | None = None, planned_per_gpu_hour: float | None = None,
-               host_loss_share: float | None = None, mix: dict[str, float] | None = None,
-               **given: float) -> Inputs:
-    """The inputs of `config` on `gpus` GPUs: `given` (name -> value, stated by the caller) first, then what `run`
-    measured, then the stated defaults; the intervals as the config sets them, `auto` worked out as the trainer
-    does (checkpoint/interval.py) with the MTBF the layout's failure rate gives (what the trainer observes)."""
-    if gpus < 1 or gpus_per_host < 1 or gpus % gpus_per_host and gpus > gpus_per_host:
-        raise InputError(f"--gpus {gpus} must be positive and a whole number of hosts of --gpus-per-host "
-                         f"{gpus_per_host} (e.g. --gpus 16384 --gpus-per-host 8)")
+def _stated_costs(config: Config, gpus: int, gpus_per_host: int) -> dict[str, tuple[float, str]]:
+    """Every cost of `config` on `gpus` GPUs from published figures and stated assumptions, each with its
+    source: what inputs_for uses where neither the caller nor a measured run gives one."""
     values: dict[str, tuple[float, str]] = {}
     params = param_count(config.model)
     per_gpu = STATE_BYTES_PER_PARAM * params / gpus
     per_host = per_gpu * min(gpus, gpus_per_host)
-    t, c, f = config.train, config.checkpoint, config.fault
+    t, c = config.train, config.checkpoint
     tokens = t.batch_size * t.seq_len
     peak = table_peak_flops("H100", "bfloat16")  # NVIDIA's data sheet, bf16 dense (perf/hardware.py)
     flops = train_flops_per_token(config.model, t.seq_len, causal_skip=True) * tokens
@@ -365,6 +358,21 @@ def inputs_for(config: Config, gpus: int, gpus_per_host: int, run: dict[str, tup
                           "run.heartbeat_timeout_s + `llama-jax supervise --backoff` (defaults)")
     values["replacement_s"] = (REPLACEMENT_S, "assumed: a spare host from the scheduler's pool (no published figure)")
     values["steady_overhead"] = (0.0, "assumed: data loading, eval and logging hidden behind the steps at scale")
+    return values
+
+
+def inputs_for(config: Config, gpus: int, gpus_per_host: int, run: dict[str, tuple[float, str]] | None = None,
+               failures_per_gpu_hour: float | None = None, planned_per_gpu_hour: float | None = None,
+               host_loss_share: float | None = None, mix: dict[str, float] | None = None,
+               **given: float) -> Inputs:
+    """The inputs of `config` on `gpus` GPUs: `given` (name -> value, stated by the caller) first, then what `run`
+    measured, then the stated defaults; the intervals as the config sets them, `auto` worked out as the trainer
+    does (checkpoint/interval.py) with the MTBF the layout's failure rate gives (what the trainer observes)."""
+    if gpus < 1 or gpus_per_host < 1 or gpus % gpus_per_host and gpus > gpus_per_host:
+        raise InputError(f"--gpus {gpus} must be positive and a whole number of hosts of --gpus-per-host "
+                         f"{gpus_per_host} (e.g. --gpus 16384 --gpus-per-host 8)")
+    values = _stated_costs(config, gpus, gpus_per_host)
+    t, c, f = config.train, config.checkpoint, config.fault
     values.update(run or {})
     values["hang_detect_s"] = (max(f.hang_min_timeout_s, f.hang_factor * values["step_s"][0]),
                                "max(fault.hang_min_timeout_s, fault.hang_factor x step_s): the watchdog")
