@@ -28,6 +28,7 @@ restart: the storage needs a person. A failure that is not the storage's is a bu
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import errno
 import logging
@@ -36,6 +37,7 @@ import statistics
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +85,27 @@ def _quiet_storage_noise() -> None:
         absl.addFilter(_ReportedHere())
 
 
+@dataclass(frozen=True)
+class Restored:
+    """What a restore found (Checkpointer.restore_newest; checkpoint/start.py's `restore` too): a checkpointed
+    state to continue with its loader state, or params to start a new state from (init_from), or neither (a new
+    model, a peft run's base with new adapters, or no step that restores). Returned, not kept on the Checkpointer:
+    each restore says what it found and what it cost."""
+
+    state: Any = None
+    data: dict = dataclasses.field(default_factory=dict)  # the loader state: next_step, fingerprint
+    params: Any = None
+    step: int = 0  # the step `state` was saved at (0: no step restored)
+    tier: str = ""  # the tier that served it: "local" or "durable" ("" for none, or another run's step)
+    copies: str = ""  # with the local tier: whose copies served ("own copies", or a partner's too)
+    path: str = ""  # where it was read: a step directory, or a host's process directories
+    seconds: dict[str, float] = dataclasses.field(default_factory=dict)  # per tier: spent restoring, or trying to
+
+    @property
+    def data_step(self) -> int:
+        return int(self.data.get("next_step", 0))
+
+
 class Checkpointer:
     """The checkpoints of one run. Every decision all processes must share is made once, through `peers`
     (Peers, bounded waits): when to save, the auto interval, which steps exist, and whether
@@ -116,10 +139,6 @@ class Checkpointer:
         self.failure: dict | None = None  # this process's failed durable write, not yet agreed on
         self.failed_in_a_row = 0  # durable saves that failed, since the last one written everywhere
         self.injector = injector  # testing only: injected save delays and failures
-        self.restored_from = ""  # the tier the last restore came from: "local" or "durable"
-        self.restored_copies = ""  # with the local tier: whose copies served ("own copies", or a partner's too)
-        self.restored_path = ""  # where the last restored step was read: a step directory, or a host's
-        self.restore_seconds: dict[str, float] = {}  # seconds spent restoring (or trying to) from each tier
         self.manager = self._open()
 
     def _open(self) -> ocp.CheckpointManager:
@@ -325,15 +344,16 @@ class Checkpointer:
         return self.peers.broadcast("checkpoint steps", sorted(self.manager.all_steps(), reverse=True))
 
     def restore_newest(self, abstract_state: Any, warn: Callable[[str], None], before: int | None = None
-                       ) -> tuple[int, Any, dict] | None:
+                       ) -> Restored:
         """The newest step that restores on every process, from the fastest tier holding it whole (the local
-        tier, then checkpoints/); None if none. A copy that does not restore is set aside in its tier (a
-        durable step's damage may be in one process's shards only) and the next copy or step is tried.
-        A step of another model, or one the run's `check` refuses, stops the run (ConfigError). `before`: only
-        steps older than it (a rollback: the first bad step's)
-        restored_from and restore_seconds say which tier served and what each cost."""
+        tier, then checkpoints/); a Restored without a state if none (its `seconds` still say what trying cost).
+        A copy that does not restore is set aside in its tier (a durable step's damage may be in one process's
+        shards only) and the next copy or step is tried. A step of another model, or one the run's `check`
+        refuses, stops the run (ConfigError). `before`: only steps older than it (a rollback: the first bad
+        step's). The result says which tier served, from where, and what each tier cost."""
         local = self._local_steps()
         durable = self.steps()
+        seconds: dict[str, float] = {}
         for step in sorted(set(local) | set(durable), reverse=True):
             if before is not None and step >= before:
                 continue
@@ -343,11 +363,10 @@ class Checkpointer:
                 start = time.perf_counter()
                 found = (self._restore_local(step, abstract_state, warn, local[step]) if tier == "local" else
                          self._restore_durable(step, abstract_state, warn))
-                self.restore_seconds[tier] = self.restore_seconds.get(tier, 0.0) + time.perf_counter() - start
+                seconds[tier] = seconds.get(tier, 0.0) + time.perf_counter() - start
                 if found is not None:
-                    self.restored_from = tier
-                    return found
-        return None
+                    return dataclasses.replace(found, tier=tier, seconds=seconds)
+        return Restored(seconds=seconds)
 
     def _local_steps(self) -> dict[int, int]:
         """The local steps the hosts of this run hold whole, newest first, each with the process count that saved
@@ -368,25 +387,25 @@ class Checkpointer:
         self._check(meta, self.local.directory)
         return steps
 
-    def _restore_local(self, step, abstract_state, warn, processes: int) -> tuple[int, Any, dict] | None:
+    def _restore_local(self, step, abstract_state, warn, processes: int) -> Restored | None:
         """A local step: through the partners when it was saved on this mesh and every process is served so
         (LocalTier.agreed_steps), else laid out on this mesh from the shards the hosts hold."""
         meta = self.local.meta(step) or {}
         same_mesh = processes == self.meta.get("processes") and meta.get("mesh") == self.meta.get("mesh")
         if same_mesh and step in self.local.agreed_steps():
             restored = self.local.restore(step, abstract_state)
-            self.restored_path = str(self.local.directory / str(step))
+            path = str(self.local.directory / str(step))
         else:
             restored = restore_moved(self.local, step, processes, abstract_state)
-            self.restored_path = f"{self.local.host_dir}/process-*/{step}"  # the process directories of each host
+            path = f"{self.local.host_dir}/process-*/{step}"  # the process directories of each host
         if isinstance(restored, str):
             warn(f"warning: {restored}; trying the next copy")
             return None
-        state, data_state, self.restored_copies = restored
-        self.log(f"restored step {step} from the local tier ({self.restored_copies})")
-        return step, state, data_state
+        state, data_state, copies = restored
+        self.log(f"restored step {step} from the local tier ({copies})")
+        return Restored(state=state, data=data_state, step=step, copies=copies, path=path)
 
-    def _restore_durable(self, step, abstract_state, warn) -> tuple[int, Any, dict] | None:
+    def _restore_durable(self, step, abstract_state, warn) -> Restored | None:
         meta = read_meta(self.directory / str(step))
         if meta is not None:
             self._check(meta, self.directory)
@@ -402,8 +421,8 @@ class Checkpointer:
             failure = f"process {self.peers.index}: {type(err).__name__}: {reason}"
         failures = self.peers.reduce(f"restore of step {step}", failure, lambda all_: [f for f in all_ if f])
         if not failures:
-            self.restored_path = str(self.directory / str(step))
-            return (step, *restored)
+            state, data_state = restored
+            return Restored(state=state, data=data_state, step=step, path=str(self.directory / str(step)))
         moved = self.set_aside(step)
         more = f" and {len(failures) - 1} more" if len(failures) > 1 else ""
         warn(f"warning: checkpoint step {step} does not restore ({failures[0]}{more}); moved it to {moved} "

@@ -264,10 +264,10 @@ class Loop:
         with self.watchdog.paused("restore", run.config.checkpoint.timeout_s):
             restored = starting.restore(run.start, self.checkpointer, run.program.abstract_checkpoint(),
                                         self.log.message)
-        for tier, seconds in self.checkpointer.restore_seconds.items():
+        for tier, seconds in restored.seconds.items():
             self.goodput.tier(f"restore_{tier}", seconds)
-        if self.checkpointer.restored_from:
-            self.goodput.restored(self.checkpointer.restored_from, self.checkpointer.restored_copies)
+        if restored.tier:
+            self.goodput.restored(restored.tier, restored.copies)
         if run.start.step or run.start.source is not None:
             self.goodput.add("checkpoint_restore", time.perf_counter() - start)
         saved_fingerprint = restored.data.get("fingerprint", run.data.fingerprint)
@@ -424,12 +424,12 @@ class Loop:
             # As at start-up: the newest step that restores on every process, one decision for all.
             found = self.checkpointer.restore_newest(self.run.program.abstract_checkpoint(), say,
                                                      before=guard.first_bad_step)
-            if found is None:
+            if found.state is None:
                 say(f"warning: {guard.consecutive} bad steps in a row at step {step} and no checkpoint to roll "
                     "back to")
                 guard.reset()
                 return state, step
-            back_step, back, _ = found
+            back_step, back = found.step, found.state
             back = self.run.program.with_frozen(back, getattr(state, "frozen", None))  # the base stays as it is
         self.goodput.discard(back_step, step)
         self.held.clear()  # the bad run is gone with its held saves
