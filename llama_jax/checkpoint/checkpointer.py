@@ -152,25 +152,29 @@ class Checkpointer:
         self.step_times.append(seconds)
         self.timed_steps += 1
 
-    def due(self, step: int) -> bool:
-        """Whether `step` is saved: its step interval or its time interval. Every process calls it after
-        every step; with a time interval process 0's clock decides (see _time_due)."""
-        time_due = self._time_due(step)  # asked on every step: process 0 announces ahead
+    def due(self, step: int, *, read: int) -> bool:
+        """Whether `step` (just dispatched) is saved: its step interval or its time interval. Every process calls
+        it after every step, with `read`, the newest step whose result it has in hand; with a time interval
+        process 0's clock decides (see _time_due)."""
+        time_due = self._time_due(step, read)  # asked on every step: process 0 announces ahead
         return time_due or self.durable.due(step, self.timed_steps)
 
-    def _time_due(self, step: int) -> bool:
-        """checkpoint.every_minutes, decided by process 0's clock two steps ahead: after dispatching step n
-        it announces a save at n + 2. Every process asks about step n + 2 once it has dispatched it and read
-        step n + 1's result (training/loop.py: the host runs one step ahead), and step n + 1 cannot finish anywhere
-        before process 0 has dispatched it, that is after the announcement. So no process waits."""
+    def _time_due(self, step: int, read: int) -> bool:
+        """checkpoint.every_minutes, decided by process 0's clock ahead of the steps it decides for: after
+        dispatching `step`, with step `read`'s result in hand (the host runs step - read steps ahead of the
+        devices), it announces a save at step + 1 + (step - read). Every process asks about that step once it has
+        dispatched it and read the result of the step as far behind it, step + 1, which cannot finish anywhere
+        before process 0 has dispatched it, that is after the announcement. So no process waits. (training/loop.py
+        runs one step ahead: the save is announced two steps ahead.)"""
         minutes = self.config.every_minutes
         if minutes <= 0:
             return False
         due = self.peers.announced("save", step)
         pending = self.announced_save is not None and step < self.announced_save
         if self.peers.index == 0 and time.monotonic() - self.last_save_time >= minutes * 60 and not (due or pending):
-            self.peers.announce("save", step + 2)
-            self.announced_save = step + 2
+            ahead = step + 1 + (step - read)
+            self.peers.announce("save", ahead)
+            self.announced_save = ahead
         return due
 
     def save(self, step: int, state: Any, data_state: dict) -> float:

@@ -135,7 +135,9 @@ def execute(run: Run, print_fn: Callable[[str], None] = print, started_at: float
             state, data_step = loop.restore()
             step = int(state.step)
             batches = loop.begin(state, step, data_step, summary)
-            batch, unread = None, None
+            # read: the newest step whose result the host holds (its metrics read, or the state restored); the
+            # loop runs one step ahead of the devices, and tells the parts that decide ahead (Loop.due) so.
+            batch, unread, read = None, None, step
             while step < t.steps:
                 state, current = loop.dispatch(state, batch or loop.next_batch(batches, data_step), step + 1)
                 step, data_step = step + 1, data_step + 1
@@ -145,16 +147,18 @@ def execute(run: Run, print_fn: Callable[[str], None] = print, started_at: float
                 # dispatched is already queued behind it, so the devices never wait for the host.
                 if unread is not None:
                     if back := loop.settle(unread, state, step, data_step):  # this step's state goes too
-                        (state, step), unread = back, None
+                        (state, step), unread, read = back, None, back[1]
                         continue
                     loop.injector.hang_after(unread.step)
-                unread, due = current, loop.due(step)
+                    read = unread.step
+                unread, due = current, loop.due(step, read)
                 if not due:
                     continue
                 unread = None  # this step is evaluated or saved: its verdict first (the next step would donate it)
                 if back := loop.settle(current, state, step, data_step):
-                    state, step = back
+                    (state, step), read = back, back[1]
                     continue
+                read = step
                 loop.act(due, state, step, data_step, summary)
                 if due.stop:
                     summary["exit_code"] = EXIT_PREEMPTED
@@ -362,11 +366,11 @@ class Loop:
         back, back_step = self.roll_back(state, step, data_step)
         return (back, back_step) if back_step != step else None
 
-    def due(self, step: int) -> Due:
-        """What happens after `step`: each part decides, every process alike; a save that waited for the guard
-        (act) is due again."""
+    def due(self, step: int, read: int) -> Due:
+        """What happens after `step` (just dispatched; `read`: the newest step whose result is in hand): each part
+        decides, every process alike; a save that waited for the guard (act) is due again."""
         stop = self.preemption.should_stop(step)
-        local, durable = self.checkpointer.local_due(step), self.checkpointer.due(step)
+        local, durable = self.checkpointer.local_due(step), self.checkpointer.due(step, read=read)
         return Due(evaluate=self.eval_due(step), local=local or "local" in self.held, stop=stop,
                    save=durable or step == self.run.config.train.steps or stop or "durable" in self.held)
 
