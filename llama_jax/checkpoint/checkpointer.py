@@ -106,29 +106,51 @@ class Restored:
         return int(self.data.get("next_step", 0))
 
 
+@dataclass(frozen=True)
+class Tiers:
+    """Where a run's checkpoints are: the durable tier (checkpoints/ in the run's directory unless `directory`) and
+    the node-local one (local.py), if the run has it."""
+
+    run_dir: Path  # the run's directory: also where the failures an automatic interval's MTBF counts are read
+    directory: Path | None = None  # the durable tier's directory, if not run_dir/checkpoints
+    local: LocalTier | None = None
+
+
+@dataclass(frozen=True)
+class Identity:
+    """What the run's steps are saved with and must hold to be restored: `meta` (the run's config, versions and
+    mesh: training/run.py's run_metadata) goes into every step; `model` (the run's model config as a dict) and
+    `check` (start.meta_check: a peft run's adapters and base) are what every step restore_newest considers must
+    hold, config.allow_model_changes letting function fields differ; `layout` is the run's pipeline layer order,
+    which restored layers are put in. The defaults hold for any step (a tool reading a step it names)."""
+
+    meta: dict = dataclasses.field(default_factory=dict)
+    model: dict | None = None
+    check: Callable[[dict | None], None] | None = None
+    layout: LayerOrder = NATURAL
+
+
 class Checkpointer:
     """The checkpoints of one run. Every decision all processes must share is made once, through `peers`
     (Peers, bounded waits): when to save, the auto interval, which steps exist, and whether
     a step restores (a step that fails on any one process is set aside by all)."""
 
-    def __init__(self, run_dir: Path, config: CheckpointConfig, meta: dict | None = None,
-                 directory: Path | None = None, log: Callable[[str], None] = print, peers: Peers | None = None,
-                 layout: LayerOrder = NATURAL, local: LocalTier | None = None,
-                 model: dict | None = None, check: Callable[[dict | None], None] | None = None,
-                 injector: Injector = NO_INJECTION):
-        """`model` (the run's model config as a dict) and `check` (start.meta_check: a peft run's adapters and
-        base) are what every step restore_newest considers must hold; config.allow_model_changes lets function
-        fields differ. `injector` (resilience/inject.py, testing only) may delay this process's saves or fail its
-        writes."""
-        self.config, self.meta, self.log, self.local = config, meta or {}, log, local
+    def __init__(self, tiers: Tiers, config: CheckpointConfig, identity: Identity | None = None,
+                 peers: Peers | None = None, log: Callable[[str], None] = print, injector: Injector = NO_INJECTION):
+        """`tiers`: where the checkpoints are; `identity`: what steps are saved with and must hold (Identity; by
+        default any step); `peers`: the other processes, every shared decision goes through them; `injector`
+        (resilience/inject.py, testing only) may delay this process's saves or fail its writes."""
+        identity = identity or Identity()
+        run_dir = Path(tiers.run_dir)
+        self.config, self.meta, self.log, self.local = config, identity.meta, log, tiers.local
         _quiet_storage_noise()
-        self.model, self.check = model, check or (lambda meta: None)
-        self.layout = layout  # the pipeline layout of this run: restored layers are put in its order
+        self.model, self.check = identity.model, identity.check or (lambda meta: None)
+        self.layout = identity.layout  # the pipeline layout of this run: restored layers are put in its order
         self.peers = peers or Peers(timeout_s=600.0)
-        self.directory = Path(directory or Path(run_dir) / "checkpoints").absolute()
+        self.directory = Path(tiers.directory or run_dir / "checkpoints").absolute()
         # MTBF for the Young/Daly interval: configured, else observed in this run (read before this
         # attempt is recorded), else a big run's figure.
-        self.mtbf_s = config.mtbf_hours * 3600 or observed_mtbf_s(Path(run_dir)) or DEFAULT_MTBF_S
+        self.mtbf_s = config.mtbf_hours * 3600 or observed_mtbf_s(run_dir) or DEFAULT_MTBF_S
         self.durable = Interval.of("checkpoint.every_steps", config.every_steps, self.mtbf_s)
         self.local_interval = Interval.of("checkpoint.local_every_steps", config.local_every_steps, self.mtbf_s)
         self.step_times: deque[float] = deque(maxlen=STEP_WINDOW)  # the latest timed steps (step_timed)

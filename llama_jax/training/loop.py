@@ -30,7 +30,7 @@ from typing import Any
 import jax
 
 from llama_jax.checkpoint import start as starting
-from llama_jax.checkpoint.checkpointer import Checkpointer
+from llama_jax.checkpoint.checkpointer import Checkpointer, Identity, Tiers
 from llama_jax.checkpoint.local import LocalTier
 from llama_jax.config import Config, to_yaml
 from llama_jax.config import summary as describe
@@ -238,9 +238,10 @@ class Loop:
             c = config.checkpoint
             local = LocalTier(c.local_dir, run_dir, mesh, run.peers, c.local_keep, c.local_replicas,
                               log=log.message) if c.local_dir else None
-            checkpointer = Checkpointer(run_dir, c, meta=run.metadata(), log=log.message, peers=run.peers,
-                                        layout=run.layer_order, local=local, model=run.metadata()["config"]["model"],
-                                        check=run.check_meta, injector=injector)
+            identity = Identity(meta=run.metadata(), model=run.metadata()["config"]["model"], check=run.check_meta,
+                                layout=run.layer_order)
+            checkpointer = Checkpointer(Tiers(run_dir, local=local), c, identity, peers=run.peers, log=log.message,
+                                        injector=injector)
             loop = cls(
                 run=run, log=log, checkpointer=checkpointer,
                 goodput=Goodput(run_dir, started_at, write=primary, warn=log.message),
