@@ -39,7 +39,7 @@ def environment() -> dict:
 def bench_saves(preset: str, saves: int, work: Path, local_dir: Path) -> dict:
     import jax
 
-    from llama_jax.checkpoint.checkpointer import Checkpointer
+    from llama_jax.checkpoint.checkpointer import Checkpointer, Tiers
     from llama_jax.checkpoint.local import LocalTier
     from llama_jax.config import load_config
     from llama_jax.distributed.peers import Peers
@@ -55,7 +55,7 @@ def bench_saves(preset: str, saves: int, work: Path, local_dir: Path) -> dict:
         results["state_mb"] = sum(x.nbytes for x in jax.tree.leaves(state)) / 1e6
         for mode in ("async", "sync"):
             checkpoint = dataclasses.replace(config.checkpoint, async_save=mode == "async", keep=2)
-            checkpointer = Checkpointer(work / f"{preset}-{mode}", checkpoint)
+            checkpointer = Checkpointer(Tiers(work / f"{preset}-{mode}"), checkpoint)
             blocking, total = [], []
             try:
                 for step in range(1, saves + 1):

@@ -23,7 +23,7 @@ import yaml
 from conftest import subprocess_environment, tiny_config, write_tiny_yaml
 
 from llama_jax.checkpoint import durable
-from llama_jax.checkpoint.checkpointer import Checkpointer
+from llama_jax.checkpoint.checkpointer import Checkpointer, Tiers
 from llama_jax.checkpoint.durable import latest_checkpoint_step
 from llama_jax.errors import EXIT_HANG, EXIT_PREEMPTED
 from llama_jax.training.loop import train
@@ -251,7 +251,7 @@ def test_injected_nan_is_skipped_and_never_saved(tmp_path, corpus):
     saved = sorted(int(p.name) for p in (Path(cfg.run.dir) / "checkpoints").iterdir() if p.name.isdigit())
     assert saved[-3:] == [4, 5, 6] and 3 not in saved and 2 in saved
     program = TrainProgram.for_config(cfg)
-    checkpointer = Checkpointer(Path(cfg.run.dir), cfg.checkpoint)
+    checkpointer = Checkpointer(Tiers(Path(cfg.run.dir)), cfg.checkpoint)
     with program.activate():
         states = {s: checkpointer.restore(s, program.abstract_state())[0] for s in (2, 4)}
     checkpointer.close()

@@ -440,16 +440,16 @@ def test_a_time_based_save_is_announced_two_steps_ahead(tmp_path):
     """checkpoint.every_minutes: process 0's clock decides after step n that step n + 2 is saved, so in a
     multi-process run every process reads the decision without waiting (Peers.announce), while
     the host runs one step ahead of the devices."""
-    from llama_jax.checkpoint.checkpointer import Checkpointer
+    from llama_jax.checkpoint.checkpointer import Checkpointer, Tiers
     from llama_jax.config import CheckpointConfig
 
-    checkpointer = Checkpointer(tmp_path, CheckpointConfig(every_minutes=1.0))
+    checkpointer = Checkpointer(Tiers(tmp_path), CheckpointConfig(every_minutes=1.0))
     try:
-        assert not checkpointer.due(5)
+        assert not checkpointer.due(5, read=4)
         checkpointer.last_save_time -= 61  # a minute has passed since the last save
-        assert not checkpointer.due(6) and not checkpointer.due(7)  # decided after step 6
-        assert checkpointer.due(8)  # saved at step 8
+        assert not checkpointer.due(6, read=5) and not checkpointer.due(7, read=6)  # decided after step 6
+        assert checkpointer.due(8, read=7)  # saved at step 8
         checkpointer.last_save_time = time.monotonic()  # the save at step 8
-        assert not checkpointer.due(9)
+        assert not checkpointer.due(9, read=8)
     finally:
         checkpointer.close()

@@ -11,7 +11,7 @@ import optax
 import pytest
 from conftest import tiny_config
 
-from llama_jax.checkpoint.checkpointer import Checkpointer
+from llama_jax.checkpoint.checkpointer import Checkpointer, Tiers
 from llama_jax.config import RematConfig
 from llama_jax.config.choices import REMAT_POLICIES
 from llama_jax.data.loader import model_inputs
@@ -146,7 +146,7 @@ def test_resumed_run_is_bitwise_identical_to_straight_run(fp8, tmp_path, corpus)
     run_dir = Path(cfg.run.dir)
 
     def final_state():
-        program, checkpointer = TrainProgram.build(cfg, mesh), Checkpointer(run_dir, cfg.checkpoint)
+        program, checkpointer = TrainProgram.build(cfg, mesh), Checkpointer(Tiers(run_dir), cfg.checkpoint)
         with program.activate():
             state, data_state = checkpointer.restore(8, program.abstract_state())
         assert data_state == {"next_step": 8, "fingerprint": prepared.fingerprint}

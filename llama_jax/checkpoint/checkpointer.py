@@ -28,6 +28,7 @@ restart: the storage needs a person. A failure that is not the storage's is a bu
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import errno
 import logging
@@ -36,6 +37,7 @@ import statistics
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -83,29 +85,72 @@ def _quiet_storage_noise() -> None:
         absl.addFilter(_ReportedHere())
 
 
+@dataclass(frozen=True)
+class Restored:
+    """What a restore found (Checkpointer.restore_newest; checkpoint/start.py's `restore` too): a checkpointed
+    state to continue with its loader state, or params to start a new state from (init_from), or neither (a new
+    model, a peft run's base with new adapters, or no step that restores). Returned, not kept on the Checkpointer:
+    each restore says what it found and what it cost."""
+
+    state: Any = None
+    data: dict = dataclasses.field(default_factory=dict)  # the loader state: next_step, fingerprint
+    params: Any = None
+    step: int = 0  # the step `state` was saved at (0: no step restored)
+    tier: str = ""  # the tier that served it: "local" or "durable" ("" for none, or another run's step)
+    copies: str = ""  # with the local tier: whose copies served ("own copies", or a partner's too)
+    path: str = ""  # where it was read: a step directory, or a host's process directories
+    seconds: dict[str, float] = dataclasses.field(default_factory=dict)  # per tier: spent restoring, or trying to
+
+    @property
+    def data_step(self) -> int:
+        return int(self.data.get("next_step", 0))
+
+
+@dataclass(frozen=True)
+class Tiers:
+    """Where a run's checkpoints are: the durable tier (checkpoints/ in the run's directory unless `directory`) and
+    the node-local one (local.py), if the run has it."""
+
+    run_dir: Path  # the run's directory: also where the failures an automatic interval's MTBF counts are read
+    directory: Path | None = None  # the durable tier's directory, if not run_dir/checkpoints
+    local: LocalTier | None = None
+
+
+@dataclass(frozen=True)
+class Identity:
+    """What the run's steps are saved with and must hold to be restored: `meta` (the run's config, versions and
+    mesh: training/run.py's run_metadata) goes into every step; `model` (the run's model config as a dict) and
+    `check` (start.meta_check: a peft run's adapters and base) are what every step restore_newest considers must
+    hold, config.allow_model_changes letting function fields differ; `layout` is the run's pipeline layer order,
+    which restored layers are put in. The defaults hold for any step (a tool reading a step it names)."""
+
+    meta: dict = dataclasses.field(default_factory=dict)
+    model: dict | None = None
+    check: Callable[[dict | None], None] | None = None
+    layout: LayerOrder = NATURAL
+
+
 class Checkpointer:
     """The checkpoints of one run. Every decision all processes must share is made once, through `peers`
     (Peers, bounded waits): when to save, the auto interval, which steps exist, and whether
     a step restores (a step that fails on any one process is set aside by all)."""
 
-    def __init__(self, run_dir: Path, config: CheckpointConfig, meta: dict | None = None,
-                 directory: Path | None = None, log: Callable[[str], None] = print, peers: Peers | None = None,
-                 layout: LayerOrder = NATURAL, local: LocalTier | None = None,
-                 model: dict | None = None, check: Callable[[dict | None], None] | None = None,
-                 injector: Injector = NO_INJECTION):
-        """`model` (the run's model config as a dict) and `check` (start.meta_check: a peft run's adapters and
-        base) are what every step restore_newest considers must hold; config.allow_model_changes lets function
-        fields differ. `injector` (resilience/inject.py, testing only) may delay this process's saves or fail its
-        writes."""
-        self.config, self.meta, self.log, self.local = config, meta or {}, log, local
+    def __init__(self, tiers: Tiers, config: CheckpointConfig, identity: Identity | None = None,
+                 peers: Peers | None = None, log: Callable[[str], None] = print, injector: Injector = NO_INJECTION):
+        """`tiers`: where the checkpoints are; `identity`: what steps are saved with and must hold (Identity; by
+        default any step); `peers`: the other processes, every shared decision goes through them; `injector`
+        (resilience/inject.py, testing only) may delay this process's saves or fail its writes."""
+        identity = identity or Identity()
+        run_dir = Path(tiers.run_dir)
+        self.config, self.meta, self.log, self.local = config, identity.meta, log, tiers.local
         _quiet_storage_noise()
-        self.model, self.check = model, check or (lambda meta: None)
-        self.layout = layout  # the pipeline layout of this run: restored layers are put in its order
+        self.model, self.check = identity.model, identity.check or (lambda meta: None)
+        self.layout = identity.layout  # the pipeline layout of this run: restored layers are put in its order
         self.peers = peers or Peers(timeout_s=600.0)
-        self.directory = Path(directory or Path(run_dir) / "checkpoints").absolute()
+        self.directory = Path(tiers.directory or run_dir / "checkpoints").absolute()
         # MTBF for the Young/Daly interval: configured, else observed in this run (read before this
         # attempt is recorded), else a big run's figure.
-        self.mtbf_s = config.mtbf_hours * 3600 or observed_mtbf_s(Path(run_dir)) or DEFAULT_MTBF_S
+        self.mtbf_s = config.mtbf_hours * 3600 or observed_mtbf_s(run_dir) or DEFAULT_MTBF_S
         self.durable = Interval.of("checkpoint.every_steps", config.every_steps, self.mtbf_s)
         self.local_interval = Interval.of("checkpoint.local_every_steps", config.local_every_steps, self.mtbf_s)
         self.step_times: deque[float] = deque(maxlen=STEP_WINDOW)  # the latest timed steps (step_timed)
@@ -116,10 +161,6 @@ class Checkpointer:
         self.failure: dict | None = None  # this process's failed durable write, not yet agreed on
         self.failed_in_a_row = 0  # durable saves that failed, since the last one written everywhere
         self.injector = injector  # testing only: injected save delays and failures
-        self.restored_from = ""  # the tier the last restore came from: "local" or "durable"
-        self.restored_copies = ""  # with the local tier: whose copies served ("own copies", or a partner's too)
-        self.restored_path = ""  # where the last restored step was read: a step directory, or a host's
-        self.restore_seconds: dict[str, float] = {}  # seconds spent restoring (or trying to) from each tier
         self.manager = self._open()
 
     def _open(self) -> ocp.CheckpointManager:
@@ -133,25 +174,29 @@ class Checkpointer:
         self.step_times.append(seconds)
         self.timed_steps += 1
 
-    def due(self, step: int) -> bool:
-        """Whether `step` is saved: its step interval or its time interval. Every process calls it after
-        every step; with a time interval process 0's clock decides (see _time_due)."""
-        time_due = self._time_due(step)  # asked on every step: process 0 announces ahead
+    def due(self, step: int, *, read: int) -> bool:
+        """Whether `step` (just dispatched) is saved: its step interval or its time interval. Every process calls
+        it after every step, with `read`, the newest step whose result it has in hand; with a time interval
+        process 0's clock decides (see _time_due)."""
+        time_due = self._time_due(step, read)  # asked on every step: process 0 announces ahead
         return time_due or self.durable.due(step, self.timed_steps)
 
-    def _time_due(self, step: int) -> bool:
-        """checkpoint.every_minutes, decided by process 0's clock two steps ahead: after dispatching step n
-        it announces a save at n + 2. Every process asks about step n + 2 once it has dispatched it and read
-        step n + 1's result (training/loop.py: the host runs one step ahead), and step n + 1 cannot finish anywhere
-        before process 0 has dispatched it, that is after the announcement. So no process waits."""
+    def _time_due(self, step: int, read: int) -> bool:
+        """checkpoint.every_minutes, decided by process 0's clock ahead of the steps it decides for: after
+        dispatching `step`, with step `read`'s result in hand (the host runs step - read steps ahead of the
+        devices), it announces a save at step + 1 + (step - read). Every process asks about that step once it has
+        dispatched it and read the result of the step as far behind it, step + 1, which cannot finish anywhere
+        before process 0 has dispatched it, that is after the announcement. So no process waits. (training/loop.py
+        runs one step ahead: the save is announced two steps ahead.)"""
         minutes = self.config.every_minutes
         if minutes <= 0:
             return False
         due = self.peers.announced("save", step)
         pending = self.announced_save is not None and step < self.announced_save
         if self.peers.index == 0 and time.monotonic() - self.last_save_time >= minutes * 60 and not (due or pending):
-            self.peers.announce("save", step + 2)
-            self.announced_save = step + 2
+            ahead = step + 1 + (step - read)
+            self.peers.announce("save", ahead)
+            self.announced_save = ahead
         return due
 
     def save(self, step: int, state: Any, data_state: dict) -> float:
@@ -325,15 +370,16 @@ class Checkpointer:
         return self.peers.broadcast("checkpoint steps", sorted(self.manager.all_steps(), reverse=True))
 
     def restore_newest(self, abstract_state: Any, warn: Callable[[str], None], before: int | None = None
-                       ) -> tuple[int, Any, dict] | None:
+                       ) -> Restored:
         """The newest step that restores on every process, from the fastest tier holding it whole (the local
-        tier, then checkpoints/); None if none. A copy that does not restore is set aside in its tier (a
-        durable step's damage may be in one process's shards only) and the next copy or step is tried.
-        A step of another model, or one the run's `check` refuses, stops the run (ConfigError). `before`: only
-        steps older than it (a rollback: the first bad step's)
-        restored_from and restore_seconds say which tier served and what each cost."""
+        tier, then checkpoints/); a Restored without a state if none (its `seconds` still say what trying cost).
+        A copy that does not restore is set aside in its tier (a durable step's damage may be in one process's
+        shards only) and the next copy or step is tried. A step of another model, or one the run's `check`
+        refuses, stops the run (ConfigError). `before`: only steps older than it (a rollback: the first bad
+        step's). The result says which tier served, from where, and what each tier cost."""
         local = self._local_steps()
         durable = self.steps()
+        seconds: dict[str, float] = {}
         for step in sorted(set(local) | set(durable), reverse=True):
             if before is not None and step >= before:
                 continue
@@ -343,11 +389,10 @@ class Checkpointer:
                 start = time.perf_counter()
                 found = (self._restore_local(step, abstract_state, warn, local[step]) if tier == "local" else
                          self._restore_durable(step, abstract_state, warn))
-                self.restore_seconds[tier] = self.restore_seconds.get(tier, 0.0) + time.perf_counter() - start
+                seconds[tier] = seconds.get(tier, 0.0) + time.perf_counter() - start
                 if found is not None:
-                    self.restored_from = tier
-                    return found
-        return None
+                    return dataclasses.replace(found, tier=tier, seconds=seconds)
+        return Restored(seconds=seconds)
 
     def _local_steps(self) -> dict[int, int]:
         """The local steps the hosts of this run hold whole, newest first, each with the process count that saved
@@ -368,25 +413,25 @@ class Checkpointer:
         self._check(meta, self.local.directory)
         return steps
 
-    def _restore_local(self, step, abstract_state, warn, processes: int) -> tuple[int, Any, dict] | None:
+    def _restore_local(self, step, abstract_state, warn, processes: int) -> Restored | None:
         """A local step: through the partners when it was saved on this mesh and every process is served so
         (LocalTier.agreed_steps), else laid out on this mesh from the shards the hosts hold."""
         meta = self.local.meta(step) or {}
         same_mesh = processes == self.meta.get("processes") and meta.get("mesh") == self.meta.get("mesh")
         if same_mesh and step in self.local.agreed_steps():
             restored = self.local.restore(step, abstract_state)
-            self.restored_path = str(self.local.directory / str(step))
+            path = str(self.local.directory / str(step))
         else:
             restored = restore_moved(self.local, step, processes, abstract_state)
-            self.restored_path = f"{self.local.host_dir}/process-*/{step}"  # the process directories of each host
+            path = f"{self.local.host_dir}/process-*/{step}"  # the process directories of each host
         if isinstance(restored, str):
             warn(f"warning: {restored}; trying the next copy")
             return None
-        state, data_state, self.restored_copies = restored
-        self.log(f"restored step {step} from the local tier ({self.restored_copies})")
-        return step, state, data_state
+        state, data_state, copies = restored
+        self.log(f"restored step {step} from the local tier ({copies})")
+        return Restored(state=state, data=data_state, step=step, copies=copies, path=path)
 
-    def _restore_durable(self, step, abstract_state, warn) -> tuple[int, Any, dict] | None:
+    def _restore_durable(self, step, abstract_state, warn) -> Restored | None:
         meta = read_meta(self.directory / str(step))
         if meta is not None:
             self._check(meta, self.directory)
@@ -402,8 +447,8 @@ class Checkpointer:
             failure = f"process {self.peers.index}: {type(err).__name__}: {reason}"
         failures = self.peers.reduce(f"restore of step {step}", failure, lambda all_: [f for f in all_ if f])
         if not failures:
-            self.restored_path = str(self.directory / str(step))
-            return (step, *restored)
+            state, data_state = restored
+            return Restored(state=state, data=data_state, step=step, path=str(self.directory / str(step)))
         moved = self.set_aside(step)
         more = f" and {len(failures) - 1} more" if len(failures) > 1 else ""
         warn(f"warning: checkpoint step {step} does not restore ({failures[0]}{more}); moved it to {moved} "

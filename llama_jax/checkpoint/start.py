@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from llama_jax.checkpoint.checkpointer import Checkpointer
+from llama_jax.checkpoint.checkpointer import Checkpointer, Restored
 from llama_jax.checkpoint.durable import check_model, latest_checkpoint_step, read_meta, restore_step
 from llama_jax.checkpoint.local import host_directory, host_pieces, read_manifest
 from llama_jax.checkpoint.relayout import covered_steps
@@ -48,20 +48,6 @@ class Start:
     source: ModelSpec | None = None  # checkpoint.resume_from or init_from for a new run.dir; a peft run's base
     resume: bool = False  # source is a step to continue (resume_from), not params to start from
     adapting: str = ""  # a peft run's method: source is its frozen base, on every start
-
-
-@dataclass(frozen=True)
-class Restored:
-    """What `restore` found: a checkpointed state to continue (with its loader state), or params to start a new
-    state from, or neither (a new model; a peft run's base with new adapters)."""
-
-    state: Any = None
-    data: dict = dataclasses.field(default_factory=dict)  # the loader state: next_step, fingerprint
-    params: Any = None
-
-    @property
-    def data_step(self) -> int:
-        return int(self.data.get("next_step", 0))
 
 
 def decide(config: Config, peers: Peers) -> Start:
@@ -123,14 +109,20 @@ def meta_check(config: Config, base_reference: dict | None) -> Callable[[dict | 
 
 def restore(start: Start, checkpointer: Checkpointer, abstract: Any, say: Callable[[str], None]) -> Restored:
     """Carry the decision out, in `abstract`'s shapes and shardings (a checkpointed train state; a peft run's
-    without the base). Every process calls it (the Checkpointer agrees with the others on each step)."""
-    if start.step:
-        found = checkpointer.restore_newest(abstract, say)
-        if found is not None:
-            step, state, data = found
-            say(f"resumed from {checkpointer.restored_path}")
-            return Restored(state=state, data=data)
-        say("warning: no checkpoint in run.dir restores; starting from scratch")
+    without the base). Every process calls it (the Checkpointer agrees with the others on each step). The result
+    (checkpointer.Restored) keeps what trying run.dir's own steps cost, also when none restored."""
+    if not start.step:
+        return _from_source(start, checkpointer, abstract, say)
+    found = checkpointer.restore_newest(abstract, say)
+    if found.state is not None:
+        say(f"resumed from {found.path}")
+        return found
+    say("warning: no checkpoint in run.dir restores; starting from scratch")
+    return dataclasses.replace(_from_source(start, checkpointer, abstract, say), seconds=found.seconds)
+
+
+def _from_source(start: Start, checkpointer: Checkpointer, abstract: Any, say: Callable[[str], None]) -> Restored:
+    """A run without a step of its own that restores: checkpoint.resume_from, init_from, a peft base, or none."""
     if start.source is None:
         return Restored()
     if start.adapting:

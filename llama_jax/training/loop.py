@@ -30,7 +30,7 @@ from typing import Any
 import jax
 
 from llama_jax.checkpoint import start as starting
-from llama_jax.checkpoint.checkpointer import Checkpointer
+from llama_jax.checkpoint.checkpointer import Checkpointer, Identity, Tiers
 from llama_jax.checkpoint.local import LocalTier
 from llama_jax.config import Config, to_yaml
 from llama_jax.config import summary as describe
@@ -135,7 +135,9 @@ def execute(run: Run, print_fn: Callable[[str], None] = print, started_at: float
             state, data_step = loop.restore()
             step = int(state.step)
             batches = loop.begin(state, step, data_step, summary)
-            batch, unread = None, None
+            # read: the newest step whose result the host holds (its metrics read, or the state restored); the
+            # loop runs one step ahead of the devices, and tells the parts that decide ahead (Loop.due) so.
+            batch, unread, read = None, None, step
             while step < t.steps:
                 state, current = loop.dispatch(state, batch or loop.next_batch(batches, data_step), step + 1)
                 step, data_step = step + 1, data_step + 1
@@ -145,16 +147,18 @@ def execute(run: Run, print_fn: Callable[[str], None] = print, started_at: float
                 # dispatched is already queued behind it, so the devices never wait for the host.
                 if unread is not None:
                     if back := loop.settle(unread, state, step, data_step):  # this step's state goes too
-                        (state, step), unread = back, None
+                        (state, step), unread, read = back, None, back[1]
                         continue
                     loop.injector.hang_after(unread.step)
-                unread, due = current, loop.due(step)
+                    read = unread.step
+                unread, due = current, loop.due(step, read)
                 if not due:
                     continue
                 unread = None  # this step is evaluated or saved: its verdict first (the next step would donate it)
                 if back := loop.settle(current, state, step, data_step):
-                    state, step = back
+                    (state, step), read = back, back[1]
                     continue
+                read = step
                 loop.act(due, state, step, data_step, summary)
                 if due.stop:
                     summary["exit_code"] = EXIT_PREEMPTED
@@ -234,9 +238,10 @@ class Loop:
             c = config.checkpoint
             local = LocalTier(c.local_dir, run_dir, mesh, run.peers, c.local_keep, c.local_replicas,
                               log=log.message) if c.local_dir else None
-            checkpointer = Checkpointer(run_dir, c, meta=run.metadata(), log=log.message, peers=run.peers,
-                                        layout=run.layer_order, local=local, model=run.metadata()["config"]["model"],
-                                        check=run.check_meta, injector=injector)
+            identity = Identity(meta=run.metadata(), model=run.metadata()["config"]["model"], check=run.check_meta,
+                                layout=run.layer_order)
+            checkpointer = Checkpointer(Tiers(run_dir, local=local), c, identity, peers=run.peers, log=log.message,
+                                        injector=injector)
             loop = cls(
                 run=run, log=log, checkpointer=checkpointer,
                 goodput=Goodput(run_dir, started_at, write=primary, warn=log.message),
@@ -264,10 +269,10 @@ class Loop:
         with self.watchdog.paused("restore", run.config.checkpoint.timeout_s):
             restored = starting.restore(run.start, self.checkpointer, run.program.abstract_checkpoint(),
                                         self.log.message)
-        for tier, seconds in self.checkpointer.restore_seconds.items():
+        for tier, seconds in restored.seconds.items():
             self.goodput.tier(f"restore_{tier}", seconds)
-        if self.checkpointer.restored_from:
-            self.goodput.restored(self.checkpointer.restored_from, self.checkpointer.restored_copies)
+        if restored.tier:
+            self.goodput.restored(restored.tier, restored.copies)
         if run.start.step or run.start.source is not None:
             self.goodput.add("checkpoint_restore", time.perf_counter() - start)
         saved_fingerprint = restored.data.get("fingerprint", run.data.fingerprint)
@@ -362,11 +367,11 @@ class Loop:
         back, back_step = self.roll_back(state, step, data_step)
         return (back, back_step) if back_step != step else None
 
-    def due(self, step: int) -> Due:
-        """What happens after `step`: each part decides, every process alike; a save that waited for the guard
-        (act) is due again."""
+    def due(self, step: int, read: int) -> Due:
+        """What happens after `step` (just dispatched; `read`: the newest step whose result is in hand): each part
+        decides, every process alike; a save that waited for the guard (act) is due again."""
         stop = self.preemption.should_stop(step)
-        local, durable = self.checkpointer.local_due(step), self.checkpointer.due(step)
+        local, durable = self.checkpointer.local_due(step), self.checkpointer.due(step, read=read)
         return Due(evaluate=self.eval_due(step), local=local or "local" in self.held, stop=stop,
                    save=durable or step == self.run.config.train.steps or stop or "durable" in self.held)
 
@@ -424,12 +429,12 @@ class Loop:
             # As at start-up: the newest step that restores on every process, one decision for all.
             found = self.checkpointer.restore_newest(self.run.program.abstract_checkpoint(), say,
                                                      before=guard.first_bad_step)
-            if found is None:
+            if found.state is None:
                 say(f"warning: {guard.consecutive} bad steps in a row at step {step} and no checkpoint to roll "
                     "back to")
                 guard.reset()
                 return state, step
-            back_step, back, _ = found
+            back_step, back = found.step, found.state
             back = self.run.program.with_frozen(back, getattr(state, "frozen", None))  # the base stays as it is
         self.goodput.discard(back_step, step)
         self.held.clear()  # the bad run is gone with its held saves

@@ -19,7 +19,7 @@ from jax.sharding import Mesh
 
 from llama_jax import __version__
 from llama_jax.checkpoint import start as starting
-from llama_jax.checkpoint.checkpointer import Checkpointer
+from llama_jax.checkpoint.checkpointer import Checkpointer, Identity, Tiers
 from llama_jax.config import Config, to_dict
 from llama_jax.data.streams import TrainData
 from llama_jax.distributed.peers import Peers
@@ -92,7 +92,8 @@ def load_checkpoint(config: Config, step: int, devices=None) -> tuple[TrainState
     """(train state, loader state) saved at `step` in config.run.dir, restored onto `devices` (default:
     all) in config's mesh: to inspect a run's parameters or compare two runs (a peft run's: its adapters)."""
     program = TrainProgram.for_config(config, devices)
-    checkpointer = Checkpointer(Path(config.run.dir), config.checkpoint, layout=layer_order(config, program.mesh))
+    checkpointer = Checkpointer(Tiers(Path(config.run.dir)), config.checkpoint,
+                                Identity(layout=layer_order(config, program.mesh)))
     try:
         with program.activate():
             return checkpointer.restore(step, program.abstract_checkpoint())
