@@ -148,6 +148,18 @@ def projection_inputs(name: str, batch: int = 8, seq: int = 32) -> tuple[np.ndar
     return x, kernel, dy
 
 
+FP8_DTYPES = {"x": FP8_FORWARD, "kernel": FP8_FORWARD, "dy": FP8_GRADIENT}  # each operand's fp8 format
+
+
+def contractions(spec: str) -> dict[str, tuple[str, str, str]]:
+    """A projection's three products, each as (einsum spec, operand, operand): the output y = x kernel, the input
+    gradient dx = dy kernel and the kernel gradient dkernel = x dy."""
+    x, kernel = spec.split("->")[0].split(",")
+    y = spec.split("->")[1]
+    return {"y": (spec, "x", "kernel"), "dx": (f"{y},{kernel}->{x}", "dy", "kernel"),
+            "dkernel": (f"{x},{y}->{kernel}", "x", "dy")}
+
+
 def fp8_bytes(a, dtype):
     """quantize(a, dtype) as (raw bytes, scale): compared bit for bit."""
     q, scale = quantize(a, dtype)
@@ -222,20 +234,12 @@ def test_fp8_quantizes_on_every_mesh_bit_for_bit_as_one_device(mesh, one_device_
     got = probe_projections(mesh)
     ref = one_device_projections
     for name, (spec, *_rest) in PROJECTIONS.items():
-        for operand in ("x8", "kernel8", "dy8"):
-            for part, g, r in zip(("bytes", "scale"), got[name][operand], ref[name][operand]):
-                np.testing.assert_array_equal(g, r, err_msg=f"{name} {operand} {part} on {mesh}")
-        x_axes, k_axes = spec.split("->")[0].split(",")
-        y_axes = spec.split("->")[1]
-        x8, xs = ref[name]["x8"]
-        k8, ks = ref[name]["kernel8"]
-        dy8, dys = ref[name]["dy8"]
-        e4, e5 = (FP8_FORWARD, FP8_FORWARD), (FP8_GRADIENT, FP8_FORWARD)
-        bounds = {"y": _reassociation_bound(spec, x8, xs, k8, ks, e4),
-                  "dx": _reassociation_bound(f"{y_axes},{k_axes}->{x_axes}", dy8, dys, k8, ks, e5),
-                  "dkernel": _reassociation_bound(f"{x_axes},{y_axes}->{k_axes}", x8, xs, dy8, dys,
-                                                  (FP8_FORWARD, FP8_GRADIENT))}
-        for result, bound in bounds.items():
+        for operand in ("x", "kernel", "dy"):
+            for part, g, r in zip(("bytes", "scale"), got[name][operand + "8"], ref[name][operand + "8"]):
+                np.testing.assert_array_equal(g, r, err_msg=f"{name} {operand}8 {part} on {mesh}")
+        for result, (rule, a, b) in contractions(spec).items():
+            (a8, a_scale), (b8, b_scale) = ref[name][a + "8"], ref[name][b + "8"]
+            bound = _reassociation_bound(rule, a8, a_scale, b8, b_scale, (FP8_DTYPES[a], FP8_DTYPES[b]))
             difference = np.abs(got[name][result].astype(np.float64) - ref[name][result])
             assert np.all(difference <= bound), (name, result, mesh, float((difference - bound).max()))
 
@@ -244,18 +248,12 @@ def test_one_devices_projections_are_fp8_products_within_the_formats_rounding(on
     """The reference of the mesh check is itself right: each output and gradient is within the formats' rounding
     of the exact fp32 product (a scale applied on the wrong side is far outside it)."""
     for name, (spec, *_rest) in PROJECTIONS.items():
-        x, kernel, dy = projection_inputs(name)
-        x_axes, k_axes = spec.split("->")[0].split(",")
-        y_axes = spec.split("->")[1]
-        ex, ek, edy = (_element_error(FP8_FORWARD, x), _element_error(FP8_FORWARD, kernel),
-                       _element_error(FP8_GRADIENT, dy))
-        ref = one_device_projections[name]
-        for result, (a, ea, b, eb, rule) in {
-                "y": (x, ex, kernel, ek, spec),
-                "dx": (dy, edy, kernel, ek, f"{y_axes},{k_axes}->{x_axes}"),
-                "dkernel": (x, ex, dy, edy, f"{x_axes},{y_axes}->{k_axes}")}.items():
-            error = np.abs(ref[result] - np.einsum(rule, a, b))
-            assert np.all(error <= _product_bound(a, ea, b, eb, rule)), (name, result)
+        operands = dict(zip(("x", "kernel", "dy"), projection_inputs(name)))
+        for result, (rule, a, b) in contractions(spec).items():
+            exact = np.einsum(rule, operands[a], operands[b])
+            bound = _product_bound(operands[a], _element_error(FP8_DTYPES[a], operands[a]),
+                                   operands[b], _element_error(FP8_DTYPES[b], operands[b]), rule)
+            assert np.all(np.abs(one_device_projections[name][result] - exact) <= bound), (name, result)
 
 
 @pytest.mark.parametrize("mesh", MESHES, ids=MESH_IDS)
