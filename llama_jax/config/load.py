@@ -165,8 +165,7 @@ def _set(values: dict[str, Any], key: str, value: Any, origin: str) -> None:
         raise ConfigError(f"{origin}'{key}' is a section, not a value; set its fields, e.g. "
                           f"{next(k for k in types if k.startswith(key + '.'))}=...")
     if key in MOVED_KEYS:
-        new = MOVED_KEYS[key]
-        raise ConfigError(f"{origin}{key} moved to {new}{' (the testing section)' * new.startswith('inject.')}")
+        raise ConfigError(f"{origin}{key} moved to {MOVED_KEYS[key]} (the testing section)")
     if key not in types:
         near = difflib.get_close_matches(key, list(types), n=1, cutoff=0.5)
         hint = f"did you mean '{near[0]}'?" if near else "`llama-jax train --print-config` lists every key"
