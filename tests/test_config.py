@@ -168,7 +168,11 @@ BAD_INPUTS = [
     case("local-replicas", ["checkpoint.local_dir=/dev/shm/x", "checkpoint.local_every_steps=5",
                             "checkpoint.local_replicas=2"], ["checkpoint.local_replicas must be in [0, 1]", "got 2"]),
     case("negative-mtbf", ["checkpoint.mtbf_hours=-1", "checkpoint.every_steps=auto"],
-         ["checkpoint.mtbf_hours must be >= 0 (0: observed in this run, else 3 h), got -1"]),
+         ["checkpoint.mtbf_hours must be positive or observed, got -1.0"]),
+    case("zero-mtbf", ["checkpoint.mtbf_hours=0", "checkpoint.every_steps=auto"],
+         ["checkpoint.mtbf_hours must be positive or observed, got 0.0"]),
+    case("word-mtbf", ["checkpoint.mtbf_hours=seen"],
+         ["checkpoint.mtbf_hours must be positive or observed, got 'seen'"]),
     case("zero-checkpoint-timeout", ["checkpoint.timeout_s=0"], ["checkpoint.timeout_s must be at least 1, got 0"]),
     case("unknown-preset", ["llama3_8"], ["unknown preset 'llama3_8'", "did you mean 'llama3_8b'"]),
     case("missing-yaml", ["{tmp}/missing.yaml"], ["missing.yaml", "does not exist"]),
@@ -344,7 +348,7 @@ def test_a_llama3_preset_without_its_data_is_refused_in_one_line(tmp_path, overr
 def numeric_keys() -> set[str]:
     """The schema's keys that hold one number (or a count or auto)."""
     return {key for key, kind in _leaf_types().items()
-            if kind in (int, float) or set(getattr(kind, "__args__", ())) == {int, str}}
+            if kind in (int, float) or set(getattr(kind, "__args__", ())) in ({int, str}, {float, str})}
 
 
 def test_every_numeric_key_has_a_bound_or_a_reason_for_none():
@@ -384,15 +388,19 @@ def test_a_value_outside_its_bound_is_refused_and_its_lowest_allowed_one_accepte
 
 def get_typed(key: str, value: float):
     """`value` as the schema's type of `key` holds it (an int key's -1 is -1, a float key's is -1.0)."""
-    return float(value) if _leaf_types()[key] is float else int(value)
+    kind = _leaf_types()[key]
+    return float(value) if kind is float or float in getattr(kind, "__args__", ()) else int(value)
 
 
-def test_mtbf_hours_0_is_the_documented_default_and_below_0_is_refused():
-    """checkpoint.mtbf_hours=0 (the default) means: the MTBF this run observes, else 3 h (schema.py,
-    docs/fault-tolerance.md), also with every_steps=auto; a negative MTBF has no meaning and is refused."""
-    assert load_config("tiny", ["checkpoint.mtbf_hours=0", "checkpoint.every_steps=auto"]).checkpoint.mtbf_hours == 0
-    with pytest.raises(ConfigError, match=r"checkpoint.mtbf_hours must be >= 0 \(0: observed in this run, else 3 h\)"):
-        load_config("tiny", ["checkpoint.mtbf_hours=-0.5", "checkpoint.every_steps=auto"])
+def test_mtbf_hours_observed_is_the_named_default_and_0_is_refused():
+    """checkpoint.mtbf_hours is "observed" by default: the MTBF this run observes, else 3 h (schema.py,
+    docs/fault-tolerance.md). An MTBF of 0 (or below) has no meaning for the Young/Daly interval: refused."""
+    assert load_config("tiny", ["checkpoint.every_steps=auto"]).checkpoint.mtbf_hours == "observed"
+    assert load_config("tiny", ["checkpoint.mtbf_hours=observed"]).checkpoint.mtbf_setting_s == 0
+    assert load_config("tiny", ["checkpoint.mtbf_hours=2.5"]).checkpoint.mtbf_setting_s == 9000
+    for value in ("0", "-0.5"):
+        with pytest.raises(ConfigError, match=r"^checkpoint.mtbf_hours must be positive or observed, got -?0\.?5?"):
+            load_config("tiny", [f"checkpoint.mtbf_hours={value}", "checkpoint.every_steps=auto"])
 
 
 def test_a_zero_divisor_is_refused_before_any_division():
@@ -485,16 +493,17 @@ def test_the_keys_with_choices_are_the_ones_checks_py_names():
     assert all(key in source for key in chosen), chosen
 
 
-INT_OR_WORD_KEYS = sorted(k for k, kind in schema_keys().items() if _is_union(kind))
+NUMBER_OR_WORD_KEYS = sorted(k for k, kind in schema_keys().items() if _is_union(kind))
 
 
-@pytest.mark.parametrize("key", INT_OR_WORD_KEYS)
-def test_a_count_or_auto_key_refuses_other_words_as_typed(key):
-    """train.microbatches, checkpoint.every_steps, ...: a count or `auto`; any other word is refused in one line that
-    quotes it as typed."""
-    assert get(load_config("tiny", [*COMPANIONS.get(key, []), f"{key}=auto"]), key) == "auto"
+@pytest.mark.parametrize("key", NUMBER_OR_WORD_KEYS)
+def test_a_number_or_word_key_refuses_other_words_as_typed(key):
+    """train.microbatches, checkpoint.every_steps, ...: a count or `auto`; checkpoint.mtbf_hours: hours or
+    `observed`. Any other word is refused in one line that quotes it as typed."""
+    word = checks.BOUNDS[key].word
+    assert get(load_config("tiny", [*COMPANIONS.get(key, []), f"{key}={word}"]), key) == word
     assert get(load_config("tiny", [*COMPANIONS.get(key, []), f"{key}=0002"]), key) == 2
-    for text in ["off", "no", "on", "yes", "true", "null", "1e3", "AUTO"]:
+    for text in ["off", "no", "on", "yes", "true", "null", word.upper(), *(["1e3"] if word == "auto" else [])]:
         with pytest.raises(ConfigError) as refused:
             load_config("tiny", [*COMPANIONS.get(key, []), f"{key}={text}"])
         assert len(str(refused.value).splitlines()) == 1 and f"got '{text}'" in str(refused.value)

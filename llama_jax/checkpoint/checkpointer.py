@@ -150,7 +150,7 @@ class Checkpointer:
         self.directory = Path(tiers.directory or run_dir / "checkpoints").absolute()
         # MTBF for the Young/Daly interval: configured, else observed in this run (read before this
         # attempt is recorded), else a big run's figure.
-        self.mtbf_s = config.mtbf_hours * 3600 or observed_mtbf_s(run_dir) or DEFAULT_MTBF_S
+        self.mtbf_s = config.mtbf_setting_s or observed_mtbf_s(run_dir) or DEFAULT_MTBF_S
         self.durable = Interval.of("checkpoint.every_steps", config.every_steps, self.mtbf_s)
         self.local_interval = Interval.of("checkpoint.local_every_steps", config.local_every_steps, self.mtbf_s)
         self.step_times: deque[float] = deque(maxlen=STEP_WINDOW)  # the latest timed steps (step_timed)

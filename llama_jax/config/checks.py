@@ -44,7 +44,9 @@ class Bound:
     high: float | None = None
     below: bool = False
     special: int | None = None
-    auto: bool = False  # "auto" is allowed too: the key is a count or auto (train.microbatches, ...)
+    # The one word the key takes besides numbers: "auto" (a count or auto: train.microbatches, ...), "observed"
+    # (checkpoint.mtbf_hours); "": numbers only.
+    word: str = ""
     # What the lowest allowed value does ("off", "only at the end"): the message names it, so a user who typed
     # a value under it learns which value has a meaning. Without one the bound is a plain count or measure.
     means: str = ""
@@ -69,9 +71,9 @@ class Bound:
             rule = f"{rule} or {self.special} ({self.special}: {self.means})"
         elif self.means:
             rule = f"{rule} ({self.low:g}: {self.means})"
-        if self.auto:
+        if self.word == "auto":
             return "a positive count or auto" if rule == "positive" else f"a count {rule} or auto"
-        return rule
+        return f"{rule} or {self.word}" if self.word else rule
 
 
 POSITIVE = Bound(0, above=True)
@@ -100,7 +102,7 @@ BOUNDS: dict[str, Bound] = {
     "train.steps": Bound(0),
     "train.batch_size": POSITIVE,
     "train.seq_len": POSITIVE,
-    "train.microbatches": Bound(0, above=True, auto=True),
+    "train.microbatches": Bound(0, above=True, word="auto"),
     "train.lr": POSITIVE,
     "train.warmup_steps": Bound(0),
     "train.min_lr_ratio": Bound(0, high=1),
@@ -123,14 +125,15 @@ BOUNDS: dict[str, Bound] = {
     **{f"mesh.{axis}": Bound(0, above=True, special=-1, means="fill the devices left over")
        for axis in ("data", "fsdp", "tensor", "sequence")},
     "remat.every_n_layers": POSITIVE,  # and a divisor of model.n_layers (_check_remat)
-    "checkpoint.every_steps": Bound(0, means="only at the end", auto=True),
+    "checkpoint.every_steps": Bound(0, means="only at the end", word="auto"),
     "checkpoint.every_minutes": Bound(0, means="off"),
     "checkpoint.keep": POSITIVE,
     "checkpoint.keep_every": Bound(0, means="no milestones"),
-    "checkpoint.mtbf_hours": Bound(0, means="observed in this run, else 3 h"),
+    # An MTBF of 0 has no meaning: the default, the MTBF this run observes (else 3 h), is the word "observed".
+    "checkpoint.mtbf_hours": Bound(0, above=True, word="observed"),
     "checkpoint.timeout_s": Bound(1),
     "checkpoint.max_failed_saves": Bound(0, means="stop at the first"),
-    "checkpoint.local_every_steps": Bound(0, means="no local tier", auto=True),
+    "checkpoint.local_every_steps": Bound(0, means="no local tier", word="auto"),
     "checkpoint.local_keep": POSITIVE,
     "checkpoint.local_replicas": Bound(0, high=1),  # an int: 0 or 1 (a partner host keeps a copy)
     "fault.hang_factor": POSITIVE,
@@ -186,7 +189,7 @@ def check_bounds(config: Config, bounds: dict[str, Bound]) -> None:
     """One ConfigError line for the first key of `bounds` whose value is out of its bound."""
     for key, bound in bounds.items():
         value = value_of(config, key)
-        ok = value == "auto" if isinstance(value, str) else bound.allows(value)
+        ok = value == bound.word if isinstance(value, str) else bound.allows(value)
         _require(ok, f"{key} must be {bound.describe()}, got {value!r}")
 
 

@@ -124,8 +124,15 @@ def _parse(key: str, kind: Any, value: Any, origin: str) -> Any:
             return float(text)
         except ValueError:
             pass
-    if _is_union(kind) and text is not None:  # train.microbatches and the like: auto or a count
-        return int(text) if int in typing.get_args(kind) and _INT.fullmatch(text) else value
+    if _is_union(kind) and text is not None:  # train.microbatches and the like: a word (auto) or a number
+        if int in typing.get_args(kind) and _INT.fullmatch(text):
+            return int(text)
+        if float in typing.get_args(kind):
+            try:
+                return _parse(key, float, text, origin)
+            except ConfigError:
+                return value  # a word: checks.BOUNDS says which one the key takes
+        return value
     names = [_TYPE_NAMES[k] for k in typing.get_args(kind) or (kind,)]
     raise ConfigError(f"{origin}'{key}' must be {' or '.join(names)}, got '{value}'")
 

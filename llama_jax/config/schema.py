@@ -149,7 +149,8 @@ class CheckpointConfig:
     keep_every: int = 0  # ... plus every step divisible by this one, forever (milestones; 0: none)
     resume_from: str = ""  # a run dir or step dir to resume from when run.dir has no checkpoint yet
     init_from: str = ""  # a run dir or step dir whose params (same model) start a new run: fine-tuning
-    mtbf_hours: float = 0.0  # mean time between failures for "auto" (0: observed in this run, else 3 h)
+    # Mean time between failures for "auto", in hours, or "observed": the MTBF this run observes, else 3 h.
+    mtbf_hours: float | str = "observed"
     async_save: bool = True  # write in a background thread while training continues (false: block until written)
     # Model fields (choices.FUNCTION_FIELDS) that may differ from the checkpoint resumed or initialised
     # from, e.g. [rope_scaling_factor, rope_original_max_len] to extend the context; shapes never may.
@@ -169,6 +170,11 @@ class CheckpointConfig:
     def periodic(self) -> bool:
         """Whether the run saves during training, not only at its end (and on preemption)."""
         return self.every_steps != 0 or self.every_minutes > 0 or self.local_every_steps != 0
+
+    @property
+    def mtbf_setting_s(self) -> float:
+        """checkpoint.mtbf_hours in seconds; 0 when it is "observed" (what the trainer measures decides)."""
+        return 0.0 if self.mtbf_hours == "observed" else float(self.mtbf_hours) * 3600
 
 @dataclass(frozen=True)
 class FaultConfig:

@@ -395,7 +395,8 @@ def inputs_for(config: Config, gpus: int, gpus_per_host: int, run: dict[str, tup
                                       ("local_every", c.local_every_steps if c.local_dir else 0, "save_local_s",
                                        "write_local_s")):
         sources[key] = (f"auto: sqrt(2 x {save} x MTBF) / step_s, at least one {write} "
-                        + ("(checkpoint.mtbf_hours)" if c.mtbf_hours else "(MTBF: this layout's)") if setting == "auto"
+                        + ("(checkpoint.mtbf_hours)" if c.mtbf_setting_s else "(MTBF: this layout's)")
+                        if setting == "auto"
                         else f"checkpoint.{'every_steps' if key == 'durable_every' else 'local_every_steps'}")
     if not c.local_dir:
         sources["local_every"] = "no node-local tier (checkpoint.local_dir is empty)"
@@ -414,7 +415,7 @@ def inputs_for(config: Config, gpus: int, gpus_per_host: int, run: dict[str, tup
         hang_detect_s=v["hang_detect_s"], replacement_s=v["replacement_s"],
         steady_overhead=v["steady_overhead"], failures_per_gpu_hour=rate, planned_per_gpu_hour=planned,
         mix=mix, durable_auto=auto(c.every_steps), local_auto=bool(c.local_dir) and auto(c.local_every_steps),
-        mtbf_setting_s=c.mtbf_hours * 3600, sources=sources))
+        mtbf_setting_s=c.mtbf_setting_s, sources=sources))
 
 
 # Output
