@@ -25,6 +25,8 @@ PATH_ARGUMENTS = {
     "eval MODEL": ("dir", "run", ["eval", "PATH", "TEXT"]),
     "eval DATA": ("dir", "data", ["eval", "hf:MODEL", "PATH"]),
     "generate MODEL": ("dir", "run", ["generate", "PATH", "--prompt", "To be"]),
+    "generate ADAPTER@MODEL": ("dir", "adapter", ["generate", "PATH@hf:MODEL", "--prompt", "To be"]),
+    "convert ADAPTER@MODEL": ("dir", "adapter", ["convert", "PATH@hf:MODEL", "OUT", "--merge"]),
     "generate --tokenizer": ("file", "tokenizer.json", ["generate", "hf:MODEL", "--prompt", "To be", "--tokenizer",
                                                         "PATH"]),
     "goodput --from": ("dir", "run", ["goodput", "--gpus", "8", "--from", "PATH"]),
@@ -107,7 +109,8 @@ def test_a_bad_path_is_one_line_exit_2_and_nothing_written(argument, case, model
     if case == "chmod-000":
         bad.chmod(0)
     try:
-        status = cli.main([str(values.get(part, part)).replace("hf:MODEL", f"hf:{model}") for part in command])
+        status = cli.main([str(values.get(part, part)).replace("hf:MODEL", f"hf:{model}").replace("PATH@", f"{bad}@")
+                           for part in command])
     except SystemExit as exit_:  # argparse's own errors
         status = exit_.code
     finally:

@@ -279,6 +279,8 @@ CLAIMS = [
     (r"^llama-jax (convert|generate) .*mesh\.", "test_inference.py::test_readme_sharded_commands"),
     (r"^llama-jax (convert|generate|eval) runs/(lora|prompt) ",
      "test_peft.py::test_readme_adapter_guide_commands_on_lora_and_p_tuning_runs"),
+    (r"^llama-jax (convert|generate|eval) /adapters/",
+     "test_peft_read.py::test_the_guides_commands_on_an_adapter_made_by_peft"),
     (r"^llama-jax (convert|generate|eval) ", "test_hf.py::test_readme_hugging_face_guide_commands"),
     (r"^launch/local\.sh ", "test_launch.py::test_readme_local_commands_dry_run"),
     (r"^launch/slurm\.sbatch --dry-run .* llama3_405b ",

@@ -6,10 +6,15 @@ generate/eval/convert MODEL`, `api.load`):
     hf:DIR, or a directory holding config.json     a Hugging Face model
     a run directory, its checkpoints/ directory    the newest finished step in it
     a step directory (<run.dir>/checkpoints/<N>)   that step: a training checkpoint or a converted one
+    ADAPTER@BASE, or ADAPTER alone                 a Hugging Face PEFT adapter directory (LoRA or prompt
+                                                   tuning) on BASE, any spec above; alone, on the local
+                                                   model its adapter_config.json names
 
 A run with adapters (peft.method != none) is a model too: its base (found where its checkpoints say,
 and checked against their digest) with its adapters, as inference runs them (peft.inference_params:
-LoRA folded into the weights, a prompt-tuned model's prompt in params["prompt"]).
+LoRA folded into the weights, a prompt-tuned model's prompt in params["prompt"]). A PEFT adapter directory
+is one the same way (peft_format.py reads it; it records no digest, so its tensors' shapes are what is
+checked against the base).
 
 `resolve` reads it once into a ModelSpec: its directory and its architecture, read without loading any
 weights. Everything else here takes the ModelSpec.
@@ -26,7 +31,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import flax.linen as nn
 import jax
 from jax.sharding import Mesh
 
@@ -38,12 +42,13 @@ from llama_jax.data.tokenizer import load_tokenizer as load_tokenizer_file
 from llama_jax.distributed import sharding
 from llama_jax.errors import ConfigError
 from llama_jax.files import unreadable
-from llama_jax.interop import hf
+from llama_jax.interop import hf, peft_format
 from llama_jax.model import peft
-from llama_jax.model.llama import abstract_params
+from llama_jax.model.llama import param_shapes
 from llama_jax.model.stages import NATURAL, LayerOrder, in_order, relayout
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "spm.model")
+ADAPTER_ON = "@"  # ADAPTER@BASE: a PEFT adapter directory on a base model
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -51,22 +56,31 @@ class ModelSpec:
     model: ModelConfig
     hf_dir: Path | None = None  # a Hugging Face directory, or
     step_dir: Path | None = None  # a llama-jax checkpoint step (absolute: Orbax requires it)
-    adapters: PeftConfig | None = None  # a peft run: its adapters (in step_dir) ...
+    adapter_dir: Path | None = None  # a PEFT adapter directory
+    adapters: PeftConfig | None = None  # a peft run's adapters (in step_dir) or a PEFT adapter's ...
     base: dict | None = None  # ... and the base they adapt, as its checkpoints record it (peft.base_reference)
 
     @property
     def location(self) -> str:
         """Where the weights are, as a spec that does not depend on the working directory."""
+        if self.adapter_dir is not None:
+            return f"{self.adapter_dir.absolute()}{ADAPTER_ON}{self.base['path']}"
         return f"hf:{self.hf_dir.absolute()}" if self.hf_dir is not None else str(self.step_dir)
 
     @property
     def params_only(self) -> bool:
-        """Parameters without optimizer state or data position: a Hugging Face model or a converted checkpoint."""
-        return self.hf_dir is not None or (self.step_dir / "params").is_dir()
+        """Parameters without optimizer state or data position: a Hugging Face model or adapter, or a
+        converted checkpoint."""
+        return self.hf_dir is not None or self.adapter_dir is not None or (self.step_dir / "params").is_dir()
 
     @property
     def home(self) -> Path:
-        """The directory that holds the model's tokenizer: the Hugging Face directory, or the run directory."""
+        """The directory that holds the model's tokenizer: the Hugging Face directory, the run directory, or
+        a PEFT adapter's directory when it has one (PEFT saves it there), else its base's home."""
+        if self.adapter_dir is not None:
+            if any((self.adapter_dir / name).is_file() for name in TOKENIZER_FILES):
+                return self.adapter_dir
+            return resolve(self.base["path"]).home
         return self.hf_dir if self.hf_dir is not None else self.step_dir.parent.parent  # <run.dir>/checkpoints/<N>
 
 def hf_directory(text: str) -> Path | None:
@@ -80,6 +94,8 @@ def resolve(text: str | ModelSpec) -> ModelSpec:
     """The spec a user typed, resolved (a ModelSpec passes through). Raises ConfigError, one line."""
     if isinstance(text, ModelSpec):
         return text
+    if adapter := _peft_adapter(text):
+        return adapter
     # Every kind of spec is a directory: one that is missing, a file or unreadable is named before anything
     # looks inside it (convert, eval, generate, checkpoint.init_from and resume_from all come through here).
     if problem := unreadable(Path(text.removeprefix("hf:")), "directory"):
@@ -99,6 +115,31 @@ def resolve(text: str | ModelSpec) -> ModelSpec:
     fields = {f.name for f in dataclasses.fields(PeftConfig)}
     return ModelSpec(text, model, step_dir=step_dir, adapters=PeftConfig(**{k: v for k, v in settings.items()
                                                                             if k in fields}), base=meta.get("base"))
+
+def _peft_adapter(text: str) -> ModelSpec | None:
+    """ADAPTER@BASE or ADAPTER (a directory holding adapter_config.json) resolved; None for other specs."""
+    adapter, on, base_text = text, "", ""
+    if not (Path(text).expanduser() / peft_format.ADAPTER_CONFIG).is_file():
+        if ADAPTER_ON not in text or Path(text).expanduser().exists():
+            return None
+        adapter, on, base_text = text.partition(ADAPTER_ON)
+        if not (Path(adapter).expanduser() / peft_format.ADAPTER_CONFIG).is_file():
+            raise ConfigError(f"{adapter} is not a PEFT adapter directory (no {peft_format.ADAPTER_CONFIG}): "
+                              f"ADAPTER{ADAPTER_ON}BASE is a PEFT adapter and the base model it adapts")
+    directory = Path(adapter).expanduser()
+    if not on:
+        base_text = str(peft_format.read_config(directory).get("base_model_name_or_path") or "")
+        if not base_text or unreadable(Path(base_text.removeprefix("hf:")).expanduser(), "directory"):
+            raise ConfigError(f"{adapter} adapts {base_text or 'a base it does not name'}, which is not a model on "
+                              f"this machine; name the base: {adapter}{ADAPTER_ON}BASE (hf:DIR or a llama-jax run)")
+    base = resolve(base_text)
+    if base.adapters is not None:
+        raise ConfigError(f"{base_text} has adapters of its own; the base of {adapter} must be a model (hf:DIR, a run "
+                          "without peft.method, or a merged export)")
+    settings = peft_format.read_settings(directory, base.model)
+    return ModelSpec(text, base.model, adapter_dir=directory, adapters=settings,
+                     base={"spec": base_text, "path": base.location})
+
 
 def load_params(spec: ModelSpec, target: Any = None, rotary: str = "half", layout: LayerOrder = NATURAL) -> Any:
     """The model's parameters, taking the shapes, dtypes and shardings of `target` (a ShapeDtypeStruct
@@ -124,9 +165,17 @@ def load_adapters(spec: ModelSpec, placement: jax.sharding.Sharding | None = Non
     placement = placement or jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     if isinstance(placement, jax.sharding.NamedSharding):
         placement = jax.sharding.NamedSharding(placement.mesh, jax.sharding.PartitionSpec())
-    shapes = peft.split(nn.meta.unbox(abstract_params(spec.model, spec.adapters)))[0]
-    return restore_params(spec.step_dir, jax.tree.map(
-        lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=placement), shapes))
+    shapes = peft.split(param_shapes(spec.model, spec.adapters))[0]
+    return read_adapters(spec, jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=placement),
+                                            shapes))
+
+
+def read_adapters(spec: ModelSpec, target: Any) -> dict:
+    """The adapters of a peft run or PEFT adapter directory, in the shapes, dtypes and shardings of `target` (a
+    tree like peft.split's first half): the adapters a peft run with the same settings continues to train."""
+    if spec.adapter_dir is not None:
+        return peft_format.read_adapter(spec.adapter_dir, spec.model, spec.adapters, target)
+    return restore_params(spec.step_dir, target)
 
 def _adapted(spec: ModelSpec, target: Any) -> Any:
     """A peft run's inference params: its base (which must still be the one it was trained on) with its
@@ -168,7 +217,7 @@ def param_target(config: Config, mesh: Mesh) -> Any:
 def _placed(model: ModelConfig, shardings: Any) -> Any:
     """The model's abstract parameters, each with its sharding from `shardings`."""
     return jax.tree.map(lambda s, placement: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=placement),
-                        nn.meta.unbox(abstract_params(model)), shardings)
+                        param_shapes(model), shardings)
 
 def load_tokenizer(spec: ModelSpec) -> Tokenizer:
     """The tokenizer that belongs to the model: the Hugging Face directory's, or the one a llama-jax run

@@ -10,7 +10,9 @@ once the train step is compiled (`restore`).
     checkpoint.resume_from   a new run.dir continues another run's step: params, optimizer state, data position
     checkpoint.init_from     a new run.dir starts from another model's params (a run, a step, hf:DIR)
     peft.method              the base model of checkpoint.init_from, frozen, with adapters: new ones, or the run's
-                             own saved ones (checkpoints hold the adapters only, so the base is read on every start)
+                             own saved ones (checkpoints hold the adapters only, so the base is read on every start);
+                             init_from naming adapters of the same method (a peft run, a PEFT adapter directory)
+                             continues them: their base is the run's, and they are its adapters at step 0
     none of these            a new model from config.seed
 
 `decide` reads what each source says about its model (a checkpoint's meta, a Hugging Face config) and refuses
@@ -32,7 +34,7 @@ from llama_jax.checkpoint.checkpointer import Checkpointer, Restored
 from llama_jax.checkpoint.durable import check_model, latest_checkpoint_step, read_meta, restore_step
 from llama_jax.checkpoint.local import host_directory, host_pieces, read_manifest
 from llama_jax.checkpoint.relayout import covered_steps
-from llama_jax.checkpoint.specs import ModelSpec, load_params, resolve
+from llama_jax.checkpoint.specs import ModelSpec, load_params, read_adapters, resolve
 from llama_jax.config import Config
 from llama_jax.distributed.peers import Peers
 from llama_jax.errors import ConfigError
@@ -48,6 +50,7 @@ class Start:
     source: ModelSpec | None = None  # checkpoint.resume_from or init_from for a new run.dir; a peft run's base
     resume: bool = False  # source is a step to continue (resume_from), not params to start from
     adapting: str = ""  # a peft run's method: source is its frozen base, on every start
+    adapters: ModelSpec | None = None  # a peft run continuing trained adapters (init_from): their spec
 
 
 def decide(config: Config, peers: Peers) -> Start:
@@ -71,6 +74,8 @@ def decide(config: Config, peers: Peers) -> Start:
     if config.peft.method != "none":  # the base model, also when resuming: checkpoints hold adapters only
         source = resolve(config.checkpoint.init_from)
         check_model(dataclasses.asdict(source.model), model, source.text, allowed)
+        if source.adapters is not None and source.adapters.method == config.peft.method:
+            return Start(step, meta, _base_of(source, config), adapting=config.peft.method, adapters=source)
         if source.adapters is not None and source.adapters.virtual_tokens:
             raise ConfigError(f"{source.text} is a prompt-tuned run, not a model to adapt; set "
                               f"checkpoint.init_from to its base, {source.base['spec']}")
@@ -85,11 +90,29 @@ def decide(config: Config, peers: Peers) -> Start:
     return Start(step, meta, source, resume=bool(config.checkpoint.resume_from))
 
 
+def _base_of(adapted: ModelSpec, config: Config) -> ModelSpec:
+    """The base model of adapters a peft run continues to train; their settings must be the run's peft.*."""
+    saved = dataclasses.asdict(adapted.adapters)
+    if differ := peft.differing_fields(saved, config.peft):
+        settings = " ".join(f"peft.{k}={_override(saved[k])}" for k in differ)
+        raise ConfigError(f"{adapted.text} holds adapters with other settings than peft.*; to continue training them "
+                          f"set {settings}")
+    return resolve(adapted.base["path"])
+
+
+def _override(value: Any) -> str:
+    """A setting as the command line writes it: [q,v] for a list, repr(float) for a float (exact)."""
+    return f"[{','.join(value)}]" if isinstance(value, list) else repr(value)
+
+
 def load_base(start: Start, target: Any) -> tuple[Any, dict]:
     """A peft run's base params in the shapes and shardings of `target`, and the reference its checkpoints
-    keep of it (path and digest: peft.base_reference)."""
+    keep of it (path and digest: peft.base_reference); adapters it continues must have been trained on it."""
     base = load_params(start.source, target=target)
-    return base, peft.base_reference(start.source.text, start.source.location, base)
+    reference = peft.base_reference(start.source.text, start.source.location, base)
+    if start.adapters is not None:  # adapters continued: the base they were trained on (a run's records its digest)
+        peft.check_base(start.adapters.base, reference, start.adapters.text)
+    return base, reference
 
 
 def meta_check(config: Config, base_reference: dict | None) -> Callable[[dict | None], None]:
@@ -127,7 +150,10 @@ def _from_source(start: Start, checkpointer: Checkpointer, abstract: Any, say: C
         return Restored()
     if start.adapting:
         say(f"adapting {start.source.text} (peft.method={start.adapting}); its params stay frozen")
-        return Restored()
+        if start.adapters is None:
+            return Restored()
+        say(f"continuing the adapters of {start.adapters.text}")
+        return Restored(params=read_adapters(start.adapters, abstract.params))
     if start.resume:
         state, data = restore_step(start.source.step_dir, abstract, checkpointer.layout)
         say(f"resumed from {start.source.text}")

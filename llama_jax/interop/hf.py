@@ -44,7 +44,6 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -54,7 +53,7 @@ from safetensors import safe_open
 
 from llama_jax.config import ModelConfig
 from llama_jax.errors import ConfigError
-from llama_jax.model.llama import abstract_params
+from llama_jax.model.llama import param_shapes
 
 ROTARY_LAYOUTS = ("half", "interleaved")
 SHARD_BYTES = 5 * 2**30  # transformers' default shard size
@@ -246,22 +245,23 @@ class SafetensorsReader:
 
     READ_BYTES = 16 * 2**20
 
-    def __init__(self, directory: Path):
+    def __init__(self, directory: Path, stem: str = "model"):
         directory = Path(directory)
-        index = directory / "model.safetensors.index.json"
+        index = directory / f"{stem}.safetensors.index.json"
         if index.is_file():
             weight_map = json.loads(index.read_text())["weight_map"]
-        elif (directory / "model.safetensors").is_file():
+        elif (directory / f"{stem}.safetensors").is_file():
             weight_map = None
         else:
-            raise ConfigError(f"{directory} has neither model.safetensors nor model.safetensors.index.json")
-        self.files, self.shapes, self.row_bytes = {}, {}, {}
-        for file in sorted(set(weight_map.values())) if weight_map else ["model.safetensors"]:
+            raise ConfigError(f"{directory} has neither {stem}.safetensors nor {stem}.safetensors.index.json")
+        self.files, self.shapes, self.row_bytes, self.dtypes = {}, {}, {}, {}
+        for file in sorted(set(weight_map.values())) if weight_map else [f"{stem}.safetensors"]:
             with safe_open(str(directory / file), framework="numpy") as handle:
                 for name in handle.keys():
                     if weight_map is None or weight_map.get(name) == file:
                         tensor = handle.get_slice(name)
                         self.files[name], self.shapes[name] = directory / file, tuple(tensor.get_shape())
+                        self.dtypes[name] = tensor.get_dtype()  # safetensors' name: F32, BF16, ...
                         itemsize = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}.get(tensor.get_dtype(), 4)
                         self.row_bytes[name] = math.prod(self.shapes[name][1:]) * itemsize
 
@@ -287,7 +287,7 @@ def single_device_target(cfg: ModelConfig) -> Any:
     """The params' shapes and param_dtype on this process's first device: where a model goes without a mesh."""
     device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=device),
-                        nn.meta.unbox(abstract_params(cfg)))
+                        param_shapes(cfg))
 
 
 def read_params(directory: Path, cfg: ModelConfig, target: Any = None, rotary: str = "half",
@@ -311,8 +311,15 @@ def read_params(directory: Path, cfg: ModelConfig, target: Any = None, rotary: s
     if wrong:
         raise ConfigError(f"{directory}: {wrong[0]} has shape {list(reader.shapes[wrong[0]])} but config.json "
                           f"implies {list(expected[wrong[0]])}")
+    return read_tensors(reader, tensor_map(cfg), cfg, target, rotary, block_bytes)
+
+
+def read_tensors(reader: SafetensorsReader, tensors: list[Tensor], cfg: ModelConfig, target: Any,
+                 rotary: str = "half", block_bytes: int = BLOCK_BYTES) -> dict:
+    """The params tree of `tensors` (names and shapes checked by the caller), each parameter in the shape,
+    dtype and sharding of `target`, read from `reader` and placed block by block."""
     params: dict = {}
-    for tensor in tensor_map(cfg):
+    for tensor in tensors:
         spec = _get(target, tensor.path)
 
         def read(index, tensor=tensor, dtype=spec.dtype):  # ours[index], in dtype

@@ -13,20 +13,33 @@ Hugging Face with a layout of hf.py's tensor map (q's B like q's weight, o's A l
 transposed), and is written by hf.py's streaming safetensors writer. P-tuning is written as prompt
 tuning: its encoder is dropped and the virtual tokens it makes are the prompt (PEFT saves a P-tuning
 adapter the same way, as `prompt_embeddings`).
+
+Reading goes the other way, for a PEFT adapter directory made by PEFT or by us: its LoRA or prompt-tuning
+adapters become our adapters (read_settings: adapter_config.json -> peft.* settings; read_adapter: the
+tensors, in any of fp32/bf16/fp16, with or without PEFT's `base_model.model.` prefix). What our model cannot
+compute the same way is refused in one line, not approximated: DoRA, trained biases, per-module ranks or
+alphas, adapters on some layers only, modules_to_save, LoRA on the embedding or the head. rsLoRA's scale
+alpha / sqrt(r) is ours, alpha / r, with alpha scaled by sqrt(r).
 """
 
 from __future__ import annotations
 
 import json
+import math
+import re
 from pathlib import Path
+from typing import Any
 
 import jax
 import ml_dtypes
 import numpy as np
+from flax.traverse_util import flatten_dict
 
 from llama_jax.config import ModelConfig, PeftConfig
+from llama_jax.errors import ConfigError
 from llama_jax.interop import hf
 from llama_jax.model import peft
+from llama_jax.model.llama import param_shapes
 
 ADAPTER_CONFIG = "adapter_config.json"
 LORA_PREFIX = "base_model.model."  # PEFT's wrapper around transformers' LlamaForCausalLM
@@ -79,3 +92,138 @@ def write_adapter(directory: Path, adapters: dict, cfg: ModelConfig, settings: P
         config = adapter_config(cfg, settings, base_model)
         (directory / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     return directory
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading
+
+
+PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")  # the targets our LoRA adapts, in the model's order
+# adapter_config.json keys whose other values ask for something our adapters do not compute: key -> (the
+# values that are ours, what a value outside them is).
+UNSUPPORTED = {
+    "use_dora": ((False, None), "DoRA (use_dora: true)"),
+    "bias": (("none", None), "trained biases (bias: {value})"),
+    "lora_bias": ((False, None), "LoRA biases (lora_bias: true)"),
+    "rank_pattern": (({}, None), "per-module ranks (rank_pattern)"),
+    "alpha_pattern": (({}, None), "per-module alphas (alpha_pattern)"),
+    "layers_to_transform": ((None, []), "adapters on some layers only (layers_to_transform)"),
+    "modules_to_save": ((None, []), "fully trained modules (modules_to_save: {value})"),
+    "fan_in_fan_out": ((False, None), "transposed weights (fan_in_fan_out: true)"),
+    "layer_replication": ((None, []), "replicated layers (layer_replication)"),
+    "target_parameters": ((None, []), "adapted parameters (target_parameters)"),
+    "trainable_token_indices": ((None, [], {}), "trainable token rows (trainable_token_indices)"),
+}
+_LORA_NAME = re.compile(r"model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)_proj\.lora_[AB]\.weight")
+
+
+def read_config(directory: Path) -> dict:
+    """adapter_config.json as a dict (ConfigError when it is missing or not JSON)."""
+    path = Path(directory) / ADAPTER_CONFIG
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"{path} cannot be read as JSON ({err}); a PEFT adapter directory holds "
+                          f"{ADAPTER_CONFIG} and adapter_model.safetensors") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"{path} is not a JSON object; a PEFT adapter directory holds {ADAPTER_CONFIG}")
+    return config
+
+
+def read_settings(directory: Path, cfg: ModelConfig) -> PeftConfig:
+    """The peft.* settings of a PEFT adapter directory on a model of `cfg`; ConfigError (one line) for an
+    adapter our model does not compute the same way, or one made for a base of other shapes."""
+    config, where = read_config(directory), Path(directory)
+    kind = config.get("peft_type")
+    if kind == "PROMPT_TUNING":
+        return _prompt_settings(config, cfg, where)
+    if kind != "LORA":
+        raise ConfigError(f"{where} holds a PEFT adapter of type {kind}; llama-jax reads LORA and PROMPT_TUNING "
+                          "adapters")
+    for key, (ours, what) in UNSUPPORTED.items():
+        if config.get(key) not in ours:
+            raise ConfigError(f"{where} uses {what.format(value=config.get(key))}, which llama-jax's LoRA does not "
+                              "compute; merge it into the base with PEFT (merge_and_unload) and load that instead")
+    reader = hf.SafetensorsReader(where, stem="adapter_model")
+    targets = _lora_targets(reader, cfg, where)
+    rank = int(config.get("r", 0))
+    if rank <= 0:
+        raise ConfigError(f"{where / ADAPTER_CONFIG}: r must be a positive rank, got {config.get('r')}")
+    alpha = float(config.get("lora_alpha", rank))
+    settings = PeftConfig(method="lora", rank=rank, alpha=alpha * math.sqrt(rank) if config.get("use_rslora")
+                          else alpha, targets=targets, dropout=float(config.get("lora_dropout") or 0.0))
+    _check_shapes(reader, adapter_tensors(cfg, settings, reader), cfg, settings, where)
+    return settings
+
+
+def _prompt_settings(config: dict, cfg: ModelConfig, where: Path) -> PeftConfig:
+    """A prompt-tuning adapter: its virtual tokens, for a decoder (one transformer submodule) of our width."""
+    if config.get("num_transformer_submodules", 1) != 1:
+        raise ConfigError(f"{where} is a prompt for an encoder-decoder model (num_transformer_submodules: "
+                          f"{config['num_transformer_submodules']}); a Llama takes a decoder's prompt")
+    settings = PeftConfig(method="prompt", prompt_tokens=int(config.get("num_virtual_tokens", 0)))
+    reader = hf.SafetensorsReader(where, stem="adapter_model")
+    _check_shapes(reader, adapter_tensors(cfg, settings, reader), cfg, settings, where)
+    return settings
+
+
+def _lora_targets(reader: hf.SafetensorsReader, cfg: ModelConfig, where: Path) -> list[str]:
+    """The projections the file's LoRA tensors adapt, each on every layer (ConfigError otherwise)."""
+    found: dict[str, set[int]] = {}
+    for name in reader.files:
+        match = _LORA_NAME.fullmatch(name.removeprefix(LORA_PREFIX))
+        if match is None or match.group(2) not in PROJECTIONS:
+            raise ConfigError(f"{where}: tensor {name} is not the LoRA A or B of a Llama projection (llama-jax "
+                              f"adapts {', '.join(f'{p}_proj' for p in PROJECTIONS)})")
+        found.setdefault(match.group(2), set()).add(int(match.group(1)))
+    for target, layers in found.items():
+        if layers != set(range(cfg.n_layers)):
+            raise ConfigError(f"{where} adapts {target}_proj on layers {_span(layers)} but the base model has "
+                              f"{cfg.n_layers} layers: the adapter was made for another base model")
+    if not found:
+        raise ConfigError(f"{where}: adapter_model.safetensors holds no LoRA tensors")
+    return [p for p in PROJECTIONS if p in found]
+
+
+def _span(layers: set[int]) -> str:
+    return f"{min(layers)}-{max(layers)}" if max(layers) - min(layers) + 1 == len(layers) else str(sorted(layers))
+
+
+def adapter_tensors(cfg: ModelConfig, settings: PeftConfig, reader: hf.SafetensorsReader | None = None
+                    ) -> list[hf.Tensor]:
+    """The tensors of `settings`' adapters under the names `reader`'s file uses (PEFT's, with or without its
+    `base_model.model.` prefix)."""
+    if settings.method != "lora":
+        return [hf.Tensor(("prompt", "embedding"), "prompt_embeddings", False, "same")]
+    tensors = lora_tensors(cfg, settings)
+    if reader is not None and not any(name.startswith(LORA_PREFIX) for name in reader.files):
+        tensors = [hf.Tensor(t.path, t.hf_name.removeprefix(LORA_PREFIX), t.per_layer, t.layout) for t in tensors]
+    return tensors
+
+
+def _check_shapes(reader: hf.SafetensorsReader, tensors: list[hf.Tensor], cfg: ModelConfig, settings: PeftConfig,
+                  where: Path) -> None:
+    """Every tensor of `tensors` is in the file with the shape our adapter of `settings` on `cfg` has."""
+    shapes = flatten_dict(peft.split(param_shapes(cfg, settings))[0])
+    for tensor in tensors:
+        ours = shapes[tensor.path].shape
+        expected = tensor.hf_shape(ours[1:] if tensor.per_layer else ours)
+        for i in range(cfg.n_layers) if tensor.per_layer else [0]:
+            name = tensor.hf_name.format(i=i)
+            if name not in reader.shapes:
+                raise ConfigError(f"{where} lacks tensor {name}")
+            if reader.shapes[name] != expected:
+                raise ConfigError(f"{where}: {name} has shape {list(reader.shapes[name])} where a {_what(settings)} on "
+                                  f"this base model has {list(expected)}: the adapter was made for another base "
+                                  "model (or its adapter_config.json does not match its tensors)")
+
+
+def _what(settings: PeftConfig) -> str:
+    return f"rank-{settings.rank} LoRA" if settings.method == "lora" else f"{settings.prompt_tokens}-token prompt"
+
+
+def read_adapter(directory: Path, cfg: ModelConfig, settings: PeftConfig, target: Any) -> dict:
+    """The adapters of a PEFT adapter directory (read_settings' `settings`) in our layout: a tree like
+    peft.split's first half, each in the shape, dtype and sharding of `target`'s ShapeDtypeStruct."""
+    reader = hf.SafetensorsReader(Path(directory), stem="adapter_model")
+    return hf.read_tensors(reader, adapter_tensors(cfg, settings, reader), cfg, target)

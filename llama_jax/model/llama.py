@@ -464,8 +464,16 @@ def abstract_params(cfg: ModelConfig, peft: PeftConfig = PeftConfig()):
     return jax.eval_shape(Llama(cfg, peft=peft).init, jax.random.key(0), tokens)["params"]
 
 
+def param_shapes(cfg: ModelConfig, peft: PeftConfig = PeftConfig()):
+    """abstract_params' ShapeDtypeStructs without their logical names. Not nn.meta.unbox: inside a mesh
+    context (TrainProgram.activate) that applies sharding constraints, which ShapeDtypeStructs cannot take."""
+    boxed = lambda x: isinstance(x, nn.Partitioned)  # noqa: E731
+    return jax.tree.map(lambda x: x.unbox(apply_constraint=False) if boxed(x) else x, abstract_params(cfg, peft),
+                        is_leaf=boxed)
+
+
 def param_count(cfg: ModelConfig) -> int:
-    leaves = jax.tree.leaves(nn.meta.unbox(abstract_params(cfg)))
+    leaves = jax.tree.leaves(param_shapes(cfg))
     return sum(int(np.prod(leaf.shape)) for leaf in leaves)
 
 

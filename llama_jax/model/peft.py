@@ -96,17 +96,23 @@ def base_reference(spec_text: str, path: str, params: dict) -> dict:
 
 def check_base(saved: dict | None, current: dict, where: str) -> None:
     """The base model loaded now must be the one the adapters in `where` were trained on (ConfigError)."""
-    if saved and saved.get("digest") != current["digest"]:
+    if saved and saved.get("digest") and saved["digest"] != current["digest"]:  # a PEFT adapter records none
         raise ConfigError(f"{where} holds adapters trained on another base model ({saved.get('path')}, digest "
                           f"{str(saved.get('digest'))[:12]}) than {current['spec']} (digest {current['digest'][:12]}); "
                           f"set checkpoint.init_from to {saved.get('spec')} or use another run.dir")
 
 
-def check_adapters(saved: dict, peft: PeftConfig, where: str) -> None:
-    """A checkpoint's peft section must describe the adapters of `peft`: the same method, shapes, scale."""
+def differing_fields(saved: dict, peft: PeftConfig) -> list[str]:
+    """The fields of ADAPTER_FIELDS that `saved` (a peft section) gives and `peft` has otherwise (targets in
+    any order)."""
     current = dataclasses.asdict(peft)
     same = lambda k: sorted(saved[k]) == sorted(current[k]) if k == "targets" else saved[k] == current[k]  # noqa: E731
-    differ = [k for k in ADAPTER_FIELDS.get(peft.method, ()) if k in saved and not same(k)]
+    return [k for k in ADAPTER_FIELDS.get(peft.method, ()) if k in saved and not same(k)]
+
+
+def check_adapters(saved: dict, peft: PeftConfig, where: str) -> None:
+    """A checkpoint's peft section must describe the adapters of `peft`: the same method, shapes, scale."""
+    current, differ = dataclasses.asdict(peft), differing_fields(saved, peft)
     if saved.get("method", "none") != peft.method or differ:
         fields = "; ".join(f"peft.{k} {saved.get(k, 'none')} (saved) vs {current[k]}" for k in differ or ["method"])
         raise ConfigError(f"{where} holds checkpoints of other adapters ({fields}); use another run.dir or the "

@@ -1,5 +1,6 @@
-"""Make the PEFT goldens: adapters written by llama-jax's PEFT exporter (peft_format.py), loaded by Hugging
-Face PEFT onto transformers' LlamaForCausalLM, and the logits PEFT computes with them, on the CPU.
+"""Make the PEFT goldens, on the CPU: adapters written by llama-jax's PEFT exporter (peft_format.py), loaded
+by Hugging Face PEFT onto transformers' LlamaForCausalLM, and the logits PEFT computes with them; and
+adapters made and saved by PEFT itself (get_peft_model + save_pretrained), which llama-jax reads.
 
     python -m venv /tmp/peft && /tmp/peft/bin/pip install torch==2.13.0 && \\
         /tmp/peft/bin/pip install transformers peft -e .
@@ -8,7 +9,9 @@ Face PEFT onto transformers' LlamaForCausalLM, and the logits PEFT computes with
 The base is the HF golden tests/golden/hf/gqa_llama3_untied (GQA, llama3 rope scaling, untied). Each
 adapter directory holds adapter_config.json, adapter_model.safetensors (as llama-jax writes them) and
 golden.npz (tokens, logits from PEFT). tests/test_peft.py checks that llama-jax still writes the same files,
-that its logits match PEFT's, and repeats the comparison live when torch and peft are installed.
+that its logits match PEFT's, and repeats the comparison live when torch and peft are installed. The
+directories of PEFT_MADE hold what PEFT's save_pretrained wrote and golden.npz (tokens, logits from PEFT
+with the adapter as saved, loaded back onto the fp32 base); tests/test_peft_read.py reads them.
 """
 
 import json
@@ -25,6 +28,14 @@ ADAPTERS = {
     "prompt_tuning": dict(method="prompt", prompt_tokens=3),
 }
 SEED = 4321
+# name -> PEFT LoraConfig fields and the dtype PEFT saves the adapter in: every projection in fp32; a few in bf16
+# with rank-stabilised scaling (alpha / sqrt(r)).
+PEFT_MADE = {
+    "peft_made_lora": (dict(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                                "up_proj", "down_proj"]), "float32"),
+    "peft_made_rslora_bf16": (dict(r=2, lora_alpha=3, use_rslora=True, target_modules=["q_proj", "v_proj",
+                                                                                          "down_proj"]), "bfloat16"),
+}
 
 
 def adapters(name: str) -> tuple[object, object, dict]:
@@ -69,19 +80,55 @@ def peft_logits(directory: Path) -> np.ndarray:
         return model(input_ids=torch.tensor(tokens())).logits.float().numpy()
 
 
+def make_with_peft(name: str, directory: Path) -> None:
+    """An adapter made by PEFT: LoRA of PEFT_MADE[name] on the base, A and B drawn from N(0, 0.05^2) with
+    torch's SEED (B not zero), saved by PeftModel.save_pretrained in the dtype named."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaForCausalLM
+
+    fields, dtype = PEFT_MADE[name]
+    torch.manual_seed(SEED)
+    base = LlamaForCausalLM.from_pretrained(BASE, torch_dtype=torch.float32).eval()
+    model = get_peft_model(base, LoraConfig(task_type="CAUSAL_LM", lora_dropout=0.0, **fields))
+    with torch.no_grad():
+        for parameter_name, parameter in model.named_parameters():
+            if "lora_" in parameter_name:
+                parameter.normal_(0.0, 0.05)
+    model.to(getattr(torch, dtype))  # the adapters are the only trainable weights PEFT saves
+    model.save_pretrained(directory)
+    (directory / "README.md").unlink()  # PEFT's model card: nothing a test reads
+    config = json.loads((directory / "adapter_config.json").read_text())
+    config["base_model_name_or_path"] = BASE.name  # not this machine's path: the tests name the base
+    (directory / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def write_versions(directory: Path) -> None:
+    import peft
+    import torch
+    import transformers
+    (directory / "versions.json").write_text(json.dumps({"torch": torch.__version__, "peft": peft.__version__,
+                                                         "transformers": transformers.__version__}) + "\n")
+
+
 def main() -> None:
     out = Path(sys.argv[1] if len(sys.argv) > 1 else Path(__file__).parent / "peft")
+    for name in PEFT_MADE:
+        directory = out / name
+        directory.mkdir(parents=True, exist_ok=True)
+        for old in directory.glob("*"):
+            old.unlink()
+        make_with_peft(name, directory)
+        np.savez(directory / "golden.npz", tokens=tokens(), logits=peft_logits(directory))
+        write_versions(directory)
+        print(f"{name} (made by PEFT) -> {directory}")
     for name in ADAPTERS:
         directory = out / name
         for old in directory.glob("*"):
             old.unlink()
         write(name, directory)
         np.savez(directory / "golden.npz", tokens=tokens(), logits=peft_logits(directory))
-        import peft
-        import torch
-        import transformers
-        (directory / "versions.json").write_text(json.dumps({"torch": torch.__version__, "peft": peft.__version__,
-                                                             "transformers": transformers.__version__}) + "\n")
+        write_versions(directory)
         print(f"{name} -> {directory}")
 
 
