@@ -1,4 +1,5 @@
-"""`llama-jax` command line: train, prepare, plan, tune, doctor, report, convert, generate, eval, supervise, goodput.
+"""`llama-jax` command line: train, prepare, plan, tune, doctor, report, convert, average, generate, eval, supervise,
+goodput.
 
 Every error a user can act on (errors.py) is reported as one line on stderr with its exit status: 2
 for bad input (config, mesh, data, checkpoint). `train` checks its input before anything in run.dir is
@@ -61,7 +62,6 @@ def cmd_train(ns: argparse.Namespace) -> int:
         print(f"wall time {result['wall_time_s']:.0f}s; report: {result['report']}")
     return result["exit_code"]  # 0, or EXIT_PREEMPTED after a signal made the run save and stop
 
-
 def _add_train(commands) -> None:
     parser = commands.add_parser(
         "train", help="train a model (no arguments: the tiny preset on the bundled Shakespeare corpus)",
@@ -89,7 +89,6 @@ def _target_gpus(ns: argparse.Namespace) -> tuple:
 
     return tuple(gpu_target.devices(ns.target, ns.gpus, ns.gpus_per_host))
 
-
 def _add_target(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", help="h100, h200, a100 or b200: compile with XLA:GPU for a cluster of these "
                         "GPUs, on any machine (needs the gpu extra: Python >= 3.12)")
@@ -114,7 +113,6 @@ def cmd_plan(ns: argparse.Namespace) -> int:
     plan = planning.make_plan(config, mesh, ns.devices_per_host)
     print(planning.plan_json(plan) if ns.json else planning.format_plan(plan))
     return 0
-
 
 def _add_plan(commands) -> None:
     parser = commands.add_parser(
@@ -154,7 +152,6 @@ def cmd_doctor(ns: argparse.Namespace) -> int:
     # Unhealthy: exit 71, and the verdict goes into run.dir only if that exists (doctor starts no run).
     preflight.enforce(report, Path(config.run.dir), create=False, peers=peers)
     return 0
-
 
 def _add_doctor(commands) -> None:
     parser = commands.add_parser(
@@ -218,7 +215,6 @@ def cmd_tune(ns: argparse.Namespace) -> int:
         print(f"wrote {out}: llama-jax train {out}")
     return 0
 
-
 def _add_tune(commands) -> None:
     parser = commands.add_parser(
         "tune", help="search mesh x micro-batches x remat for the fastest configuration that fits in memory",
@@ -227,9 +223,8 @@ def _add_tune(commands) -> None:
                     "config. A key=value on a searched key (mesh.*, train.microbatches, remat.policy, "
                     "remat.every_n_layers) pins it. Cached: a re-run is instant.")
     parser.add_argument("args", nargs="*", metavar="PRESET|CONFIG|key=value")
-    parser.add_argument("--memory-gb", type=float, default=0.0,
-                        help="per-device memory budget in GiB (default: run.device_memory_gb, else the device's "
-                             "memory minus 10%%)")
+    parser.add_argument("--memory-gb", type=float, default=0.0, help="per-device memory budget in GiB (default: "
+                        "run.device_memory_gb, else the device's memory minus 10%%)")
     parser.add_argument("--budget-min", type=float, default=10.0, help="minutes of compiling, at most (default 10)")
     parser.add_argument("--top-k", type=int, default=3, help="candidates to measure (default 3)")
     parser.add_argument("--measure", action=argparse.BooleanOptionalAction, default=None,
@@ -243,9 +238,8 @@ def _add_tune(commands) -> None:
                         help="micro-batch counts (default 1,2,4; with P pipeline stages, these times P)")
     parser.add_argument("--pipeline-repeats", type=_int_list, default=(1, 2),
                         help="mesh.pipeline_repeats tried with a pipeline (default 1,2)")
-    parser.add_argument("--pipeline-schedules", default="gpipe,1f1b",
-                        help="mesh.pipeline_schedule values tried with a pipeline, comma-separated "
-                             "(default gpipe,1f1b)")
+    parser.add_argument("--pipeline-schedules", default="gpipe,1f1b", help="mesh.pipeline_schedule values tried "
+                        "with a pipeline, comma-separated (default gpipe,1f1b)")
     parser.add_argument("--pass-microbatches", type=lambda text: _int_list(text, least=0), default=(0,),
                         help="micro-batches per pass through a pipeline of P stages, these times P (0: one pass of "
                              "all; default 0)")
@@ -280,7 +274,6 @@ def cmd_prepare(ns: argparse.Namespace) -> int:
         read=ReadOptions(ns.text_field, ns.text_unit, ns.on_bad_record), val_every_nth_doc=ns.val_every,
         workers=ns.workers, tokenizer_sample_mb=ns.tokenizer_sample_mb))
     return 0
-
 
 def _add_prepare(commands) -> None:
     parser = commands.add_parser(
@@ -318,7 +311,6 @@ def cmd_report(ns: argparse.Namespace) -> int:
         raise InputError(str(err)) from None
     return 0
 
-
 def _add_report(commands) -> None:
     parser = commands.add_parser("report", help="plot loss, eval loss and throughput of a run to RUN_DIR/report.png")
     parser.add_argument("run_dir", metavar="RUN_DIR")
@@ -336,7 +328,6 @@ def cmd_supervise(ns: argparse.Namespace) -> int:
     return supervise(command, Policy(max_restarts=ns.max_restarts, backoff=ns.backoff, max_backoff=ns.max_backoff,
                                      reset_after=ns.reset_after, grace=ns.grace))
 
-
 def _add_supervise(commands) -> None:
     parser = commands.add_parser(
         "supervise", help="run a command, restarting it after failures (a train command resumes its run.dir)",
@@ -353,8 +344,7 @@ def _add_supervise(commands) -> None:
                         help="a command that ran longer than S seconds before failing starts a new streak: "
                              "the restart count and backoff reset (default 600)")
     parser.add_argument("--grace", type=float, default=120.0, metavar="S",
-                        help="seconds the command has to exit after a forwarded SIGTERM before SIGKILL "
-                             "(default 120)")
+                        help="seconds the command has to exit after a forwarded SIGTERM before SIGKILL (default 120)")
     parser.add_argument("command", nargs=argparse.REMAINDER, metavar="-- COMMAND ...")
     parser.set_defaults(func=cmd_supervise)
 
@@ -365,18 +355,15 @@ def cmd_convert(ns: argparse.Namespace) -> int:
     api.convert(ns.source, ns.out, ns.overrides, ns.dtype, ns.rotary, merge=ns.merge)
     return 0
 
-
 def _add_convert(commands) -> None:
     parser = commands.add_parser(
         "convert", help="Hugging Face Llama directory <-> llama-jax checkpoint",
         description="llama-jax convert SOURCE OUT [key=value ...] [--merge]. SOURCE is a Hugging Face directory "
-                    "(config.json + safetensors; written as a parameters-only checkpoint in OUT) or a llama-jax "
-                    "run / checkpoint (written as a Hugging Face directory, in safetensors files of at most "
-                    "5 GiB; a run with adapters as a PEFT adapter directory, or with --merge its base with the "
-                    "LoRA adapters folded in). Either way the model is loaded sharded over the mesh of the mesh.* "
-                    "keys (default: "
-                    "all devices on fsdp) and streamed through the host a block at a time. Tokenizer files "
-                    "go along.")
+                    "(config.json + safetensors; written as a parameters-only checkpoint in OUT) or a llama-jax run / "
+                    "checkpoint (written as a Hugging Face directory, in safetensors files of at most 5 GiB; a run "
+                    "with adapters as a PEFT adapter directory, or with --merge its base with the LoRA adapters folded "
+                    "in). Either way the model is loaded sharded over the mesh of the mesh.* keys (default: all "
+                    "devices on fsdp) and streamed through the host a block at a time. Tokenizer files go along.")
     parser.add_argument("source", metavar="SOURCE")
     parser.add_argument("out", metavar="OUT")
     parser.add_argument("overrides", nargs="*", metavar="key=value")
@@ -385,9 +372,27 @@ def _add_convert(commands) -> None:
     parser.add_argument("--rotary", default="half", help="q/k layout of the Hugging Face side: half (transformers' "
                         "rotate_half, default) or interleaved (Meta's original)")
     parser.add_argument("--merge", action="store_true", help="a run with LoRA adapters: write its base with the "
-                        "adapters folded into the weights, as a Hugging Face "
-                        "model (default: a PEFT adapter directory)")
+                        "adapters folded into the weights, as a Hugging Face model (default: a PEFT adapter directory)")
     parser.set_defaults(func=cmd_convert)
+
+
+def cmd_average(ns: argparse.Namespace) -> int:
+    from llama_jax.checkpoint.average import average
+
+    average(ns.run_dir, ns.out, ns.overrides, ns.steps or (), ns.last or 0)
+    return 0
+
+def _add_average(commands) -> None:
+    parser = commands.add_parser("average", help="average a run's checkpoints into a parameters-only checkpoint",
+                                 description="llama-jax average RUN_DIR (--steps A,B,... | --last N) --out DIR "
+                                             "[mesh.* keys]: the mean of the parameters, a tensor at a time.")
+    parser.add_argument("run_dir", metavar="RUN_DIR")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="mesh.* keys: where the mean is computed")
+    which = parser.add_mutually_exclusive_group(required=True)
+    which.add_argument("--steps", type=_int_list, help="the checkpoint steps to average, e.g. 800,900,1000")
+    which.add_argument("--last", type=int, metavar="N", help="the newest N checkpoints")
+    parser.add_argument("--out", required=True, help="the checkpoint directory to write (new or empty)")
+    parser.set_defaults(func=cmd_average)
 
 
 def cmd_generate(ns: argparse.Namespace) -> int:
@@ -408,7 +413,6 @@ def cmd_generate(ns: argparse.Namespace) -> int:
             print(prompt + text)
             print()
     return 0
-
 
 def _add_generate(commands) -> None:
     parser = commands.add_parser(
@@ -436,7 +440,6 @@ def cmd_eval(ns: argparse.Namespace) -> int:
 
     api.evaluate(ns.model, ns.data, ns.overrides, ns.batches, ns.split)
     return 0
-
 
 def _add_eval(commands) -> None:
     parser = commands.add_parser(
@@ -473,7 +476,6 @@ def cmd_goodput(ns: argparse.Namespace) -> int:
     print(projection.report_json(report) if ns.json else projection.format_report(report, source or "tiny", inputs))
     return 0
 
-
 def _add_goodput(commands) -> None:
     parser = commands.add_parser(
         "goodput", help="project the effective training time of a run under failures, and the best checkpoint "
@@ -503,8 +505,8 @@ def _add_goodput(commands) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="llama-jax", description="Pre-train Llama 3 models with JAX.")
     commands = parser.add_subparsers(dest="command", required=True)
-    for add in (_add_train, _add_prepare, _add_plan, _add_doctor, _add_tune, _add_report, _add_convert, _add_generate,
-                _add_eval, _add_supervise, _add_goodput):
+    for add in (_add_train, _add_prepare, _add_plan, _add_doctor, _add_tune, _add_report, _add_convert, _add_average,
+                _add_generate, _add_eval, _add_supervise, _add_goodput):
         add(commands)
     return parser
 

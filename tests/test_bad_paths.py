@@ -22,6 +22,8 @@ GOLDEN = Path(__file__).resolve().parent / "golden" / "hf" / "gqa_llama3_untied"
 PATH_ARGUMENTS = {
     "convert SOURCE": ("dir", "run", ["convert", "PATH", "OUT"]),
     "convert OUT": ("out-dir", "converted", ["convert", "hf:MODEL", "PATH"]),
+    "average RUN_DIR": ("dir", "run", ["average", "PATH", "--last", "1", "--out", "OUT"]),
+    "average --out": ("out-dir", "averaged", ["average", "MODEL", "--last", "1", "--out", "PATH"]),
     "eval MODEL": ("dir", "run", ["eval", "PATH", "TEXT"]),
     "eval DATA": ("dir", "data", ["eval", "hf:MODEL", "PATH"]),
     "generate MODEL": ("dir", "run", ["generate", "PATH", "--prompt", "To be"]),

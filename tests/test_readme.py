@@ -273,6 +273,7 @@ CLAIMS = [
     (r"^(XLA_FLAGS=\S+ )?llama-jax train ", "test_readme.py::test_readme_train_commands_resolve_to_valid_configs"),
     (r"^llama-jax prepare ", "test_readme.py::test_readme_data_guide_commands_build_and_train_on_stores"),
     (r"^llama-jax report ", "test_readme.py::test_readme_report_command_plots_a_run"),
+    (r"^llama-jax average ", "test_average.py::test_the_documented_average_command"),
     (r"^XLA_FLAGS=\S+ llama-jax plan ", "test_readme.py::test_readme_plan_commands_compile_and_report"),
     (r"^XLA_FLAGS=\S+ llama-jax doctor ", "test_readme.py::test_readme_doctor_commands_check_the_devices"),
     (r"^(XLA_FLAGS=\S+ )?llama-jax tune ", "test_readme.py::test_readme_tune_commands_enumerate_their_candidates"),

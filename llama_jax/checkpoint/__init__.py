@@ -9,6 +9,7 @@ between formats, and the one place that decides where a run starts.
     checkpointer.py  a run's Checkpointer: when a save is due, saving and restoring across tiers
     specs.py         model specs: hf:DIR, a run, a step -> architecture, params, tokenizer
     convert.py       `llama-jax convert`: Hugging Face <-> llama-jax, PEFT adapters
+    average.py       `llama-jax average`: the mean of a run's checkpoints, a parameter at a time
 
 Imports resilience/ (goodput's observed failures), interop/, distributed/, model/, data/ (tokenizers),
 config/, files.py and errors.py.

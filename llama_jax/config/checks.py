@@ -15,6 +15,7 @@ from llama_jax.config.choices import (
     FUNCTION_FIELDS,
     LOGICAL_AXES,
     LORA_TARGETS,
+    LR_SCHEDULES,
     MESH_AXES,
     PACKINGS,
     PEFT_METHODS,
@@ -25,7 +26,7 @@ from llama_jax.config.choices import (
     REMAT_TAGS,
     TEXT_UNITS,
 )
-from llama_jax.config.schema import CheckpointConfig, Config, DataConfig, MeshConfig, RematConfig
+from llama_jax.config.schema import CheckpointConfig, Config, DataConfig, MeshConfig, RematConfig, TrainConfig
 from llama_jax.errors import ConfigError
 
 
@@ -104,8 +105,11 @@ BOUNDS: dict[str, Bound] = {
     "train.seq_len": POSITIVE,
     "train.microbatches": Bound(0, above=True, word="auto"),
     "train.lr": POSITIVE,
-    "train.warmup_steps": Bound(0),
+    "train.warmup_fraction": Bound(0, high=1, below=True),  # below 1: a warmup ends before the run does
+    "train.warmup_steps": Bound(0, special=-1, means="train.warmup_fraction of train.steps"),
     "train.min_lr_ratio": Bound(0, high=1),
+    "train.decay_fraction": Bound(0, high=1),
+    "train.decay_steps": Bound(0, special=-1, means="train.decay_fraction of train.steps"),
     "train.weight_decay": Bound(0),
     "train.b1": Bound(0, high=1, below=True),
     "train.b2": Bound(0, high=1, below=True),
@@ -228,10 +232,7 @@ def validate(config: Config) -> None:
         f"train.batch_size ({t.batch_size}) is not divisible by train.microbatches ({t.microbatches}); "
         f"valid microbatch counts: {_divisors(t.batch_size)}",
     )
-    _require(t.steps == 0 or t.warmup_steps < t.steps,
-             f"train.warmup_steps ({t.warmup_steps}) is not below train.steps ({t.steps}): the learning rate would "
-             f"never reach train.lr nor decay; warm up for a small fraction of the run (e.g. "
-             f"train.warmup_steps={max(1, t.steps // 100)}) or raise train.steps")
+    _check_schedule(t)
     _check_data(config.data)
     mesh_axes = {"mesh.data": config.mesh.data, "mesh.fsdp": config.mesh.fsdp,
                  "mesh.tensor": config.mesh.tensor, "mesh.sequence": config.mesh.sequence}
@@ -250,6 +251,23 @@ def validate(config: Config) -> None:
     _require(config.peft.method == "none" or config.mesh.pipeline == 1,
              f"peft.method={config.peft.method} with mesh.pipeline={config.mesh.pipeline}: adapters train without "
              "pipeline stages; shard the frozen model with mesh.fsdp and mesh.tensor")
+
+def _check_schedule(t: TrainConfig) -> None:
+    """Warmup, the schedule between, and the decay phase fit in the run, each given in steps or as a fraction."""
+    _require(t.schedule in LR_SCHEDULES, f"train.schedule must be one of {', '.join(LR_SCHEDULES)}, got '{t.schedule}'")
+    _require(t.steps == 0 or t.warmup_steps < t.steps,
+             f"train.warmup_steps ({t.warmup_steps}) is not below train.steps ({t.steps}): the learning rate would "
+             f"never reach train.lr nor decay; warm up for a fraction of the run instead (train.warmup_steps=-1: "
+             f"train.warmup_fraction, {t.warmup_fraction:g} here) or raise train.steps")
+    warmup, decay = t.resolved_warmup_steps, t.resolved_decay_steps
+    _require(t.schedule != "wsd" or t.steps == 0 or decay > 0,
+             f"train.schedule=wsd holds train.lr until a decay phase, and it has none (train.decay_steps={decay}); set "
+             "train.decay_fraction (e.g. 0.2) or train.decay_steps")
+    given = {"warmup": "train.warmup_steps" if t.warmup_steps >= 0 else f"train.warmup_fraction={t.warmup_fraction:g}",
+             "decay": "train.decay_steps" if t.decay_steps >= 0 else f"train.decay_fraction={t.decay_fraction:g}"}
+    _require(warmup + decay <= t.steps or t.steps == 0,
+             f"warmup ({warmup} steps, {given['warmup']}) and decay ({decay} steps, {given['decay']}) add up to more "
+             f"than train.steps ({t.steps}); shorten one of them or raise train.steps")
 
 def _check_data(d: DataConfig) -> None:
     _require(not d.weights or len(d.weights) == len(d.sources),

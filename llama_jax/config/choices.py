@@ -14,6 +14,7 @@ ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn", "blocked")
 PACKINGS = ("concat", "first_fit")
 TEXT_UNITS = ("file", "paragraph", "line")
 BAD_RECORD_ACTIONS = ("fail", "skip")
+LR_SCHEDULES = ("cosine", "wsd")  # train.schedule (training/optimizer.py)
 
 # Parameter-efficient tuning (peft.*): the methods, the projections LoRA can adapt (a layer's q_proj ...
 # down_proj) and P-tuning's prompt encoders.

@@ -64,8 +64,18 @@ class TrainConfig:
     # Gradient accumulation inside the jitted step; auto: the fewest whose compiled step fits run.device_memory_gb.
     microbatches: int | str = 1
     lr: float = 3e-3
-    warmup_steps: int = 50
-    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    # Linear warmup to lr over warmup_fraction of the run (the presets: shortening steps shortens warmup), or over
+    # warmup_steps when that is set (-1: from the fraction).
+    warmup_fraction: float = 0.1
+    warmup_steps: int = -1
+    # After warmup: cosine (decays over the rest of the run) | wsd (warmup-stable-decay: lr holds until the decay
+    # phase). The schedule ends at lr * min_lr_ratio (0 allowed) at the last step.
+    schedule: str = "cosine"
+    min_lr_ratio: float = 0.1
+    # The decay (annealing) phase: the last decay_fraction of the run, or decay_steps when set (-1: from the
+    # fraction), goes linearly from the lr reached there to lr * min_lr_ratio. wsd needs one; cosine may have one.
+    decay_fraction: float = 0.0
+    decay_steps: int = -1
     weight_decay: float = 0.1
     decay_embeddings: bool = False
     decay_norms: bool = False
@@ -78,6 +88,22 @@ class TrainConfig:
     eval_batches: int = 8
     sample_tokens: int = 64  # text sample generated at the end; 0 disables
     sample_prompt: str = "ROMEO:"
+
+    @property
+    def resolved_warmup_steps(self) -> int:
+        return self.warmup_steps if self.warmup_steps >= 0 else _fraction_of(self.warmup_fraction, self.steps)
+
+    @property
+    def resolved_decay_steps(self) -> int:
+        return self.decay_steps if self.decay_steps >= 0 else _fraction_of(self.decay_fraction, self.steps)
+
+
+def _fraction_of(fraction: float, steps: int) -> int:
+    """The nearest whole step to fraction x steps: 0.01 of 38,147 steps is 381. A fraction below 1 never reaches
+    the end of the run (0.99 of 10 steps is 9), so a warmup given as a fraction always ends before the run does."""
+    whole = round(fraction * steps)
+    return min(whole, max(steps - 1, 0)) if fraction < 1 else whole
+
 
 @dataclass(frozen=True)
 class DataConfig:

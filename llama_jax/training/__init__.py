@@ -2,7 +2,7 @@
 before it starts.
 
     step.py       the train state; TrainProgram: the compiled init, train and eval steps of one config on one mesh
-    optimizer.py  AdamW, warmup + cosine schedule, clipping, the weight-decay mask
+    optimizer.py  AdamW, the lr schedule (warmup, cosine or WSD, decay phase), clipping, the weight-decay mask
     loop.py       train(config): join, mesh, data, input checks; the training loop
     metrics.py    the progress line, metrics.jsonl, TensorBoard, W&B, the throughput meter and MFU
     report.py     report.png

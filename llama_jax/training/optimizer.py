@@ -1,4 +1,5 @@
-"""The optimizer: AdamW with linear warmup, cosine decay to a floor, and global-norm clipping."""
+"""The optimizer: AdamW with a learning rate schedule (warmup, then cosine or warmup-stable-decay, then an optional
+linear decay phase), and global-norm clipping."""
 
 from __future__ import annotations
 
@@ -9,17 +10,30 @@ from llama_jax.config import TrainConfig
 
 
 def learning_rate(t: TrainConfig) -> optax.Schedule:
-    """Linear warmup to lr over warmup_steps, then cosine down to lr * min_lr_ratio at the last step.
+    """Linear warmup to lr; then cosine towards lr * min_lr_ratio at step train.steps (cosine), or lr held (wsd); then,
+    over the decay phase (the last train.decay_steps), linearly from the lr reached to lr * min_lr_ratio, which the
+    schedule takes at step train.steps exactly (the value after the last update: a final lr of 0 wastes no update).
 
     Warmup starts at lr / (warmup_steps + 1), not 0, so the first step already updates the model.
     """
-    return optax.warmup_cosine_decay_schedule(
-        init_value=t.lr / (t.warmup_steps + 1),
-        peak_value=t.lr,
-        warmup_steps=t.warmup_steps,
-        decay_steps=max(t.steps, t.warmup_steps + 1),  # optax counts warmup inside decay_steps
-        end_value=t.lr * t.min_lr_ratio,
-    )
+    warmup, decay, final = t.resolved_warmup_steps, t.resolved_decay_steps, t.lr * t.min_lr_ratio
+    if t.schedule == "wsd":
+        ramp = optax.linear_schedule(t.lr / (warmup + 1), t.lr, warmup)
+        main = optax.join_schedules([ramp, optax.constant_schedule(t.lr)], [warmup])
+    else:
+        main = optax.warmup_cosine_decay_schedule(
+            init_value=t.lr / (warmup + 1),
+            peak_value=t.lr,
+            warmup_steps=warmup,
+            decay_steps=max(t.steps, warmup + 1),  # optax counts warmup inside decay_steps
+            end_value=final,
+        )
+    if decay == 0:
+        return main
+    begin = t.steps - decay
+    with jax.ensure_compile_time_eval():  # a number also when the optimizer is built inside a traced function
+        reached = float(main(begin))
+    return optax.join_schedules([main, optax.linear_schedule(reached, final, decay)], [begin])
 
 
 def weight_decay_mask(t: TrainConfig):
