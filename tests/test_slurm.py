@@ -1,0 +1,140 @@
+"""launch/slurm.sbatch under a real Slurm: emulated nodes on this machine (launch/slurm_emulated.sh: one slurmctld,
+a slurmd per node), one llama-jax process per node on CPU devices, run by sbatch as a user submits it. A run
+finishes; a task SIGKILLed mid-run makes the script's supervisor start the job step again inside the allocation,
+and it resumes to the uninterrupted run's losses bit for bit; SIGTERM to the batch script (what --signal=B:TERM and
+a preemption send) saves, exits 75, requeues the job and the requeued job resumes to the same losses.
+
+Skipped, naming why, where Slurm is not installed and cannot be (slurm_emulated.sh exit 3). slow: the Python 3.11
+leg runs it (about a minute and a half)."""
+
+import json
+import os
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "launch" / "slurm_emulated.sh"
+NODES = 3
+pytestmark = pytest.mark.slow
+
+
+@dataclass(frozen=True)
+class Cluster:
+    directory: Path
+    env: dict
+
+    def run(self, *args, check=True) -> str:
+        return subprocess.run(list(args), env=self.env, capture_output=True, text=True, check=check, timeout=60).stdout
+
+    def job(self, job_id: str) -> dict:
+        """scontrol's fields of the job (JobState, Restarts, ...)."""
+        fields = self.run("scontrol", "show", "job", job_id, "-o").split()
+        return dict(field.split("=", 1) for field in fields if "=" in field)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("slurm")
+    up = subprocess.run(["bash", str(SCRIPT), "up", str(directory), str(NODES)], capture_output=True, text=True,
+                        timeout=600)
+    if up.returncode == 3:
+        pytest.skip(up.stderr.strip())
+    assert up.returncode == 0, up.stderr
+    env = {**os.environ, "SLURM_CONF": str(directory / "slurm.conf"), "LLAMA_JAX_HOME": str(ROOT),
+           "LLAMA_JAX": str(Path(os.sys.executable).parent / "llama-jax"), "LLAMA_JAX_GPU_FLAGS": "off",
+           "LLAMA_JAX_RESTART_BACKOFF": "1", "LLAMA_JAX_LOCAL_DIR": str(directory / "local")}
+    env.pop("XLA_FLAGS", None)  # one CPU device per process, as one GPU per task
+    yield Cluster(directory, env)
+    subprocess.run(["bash", str(SCRIPT), "down", str(directory)], capture_output=True, timeout=120)
+
+
+def submit(cluster: Cluster, run_dir: Path, nodes: int = 2) -> str:
+    """slurm.sbatch on `nodes` nodes, one process each: the tiny preset, 16 steps, a durable checkpoint every 4.
+    Process 0 sleeps 0.3 s before each batch, so a test has time to act mid-run (it changes no number)."""
+    args = ["tiny", "train.steps=16", "train.batch_size=4", "train.seq_len=64", "train.log_every=1",
+            "checkpoint.every_steps=4", "inject.process=0", "inject.step_delay_s=0.3", f"run.dir={run_dir}"]
+    out = cluster.run("sbatch", "--parsable", f"--nodes={nodes}", "--ntasks-per-node=1", "--gpus-per-node=0",
+                      f"--output={run_dir}.out", str(ROOT / "launch" / "slurm.sbatch"), *args)
+    return out.strip().split(";")[0]
+
+
+def wait_for(condition, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.5)
+
+
+def finished(cluster: Cluster, job_id: str, run_dir: Path, timeout: float = 240) -> dict:
+    done = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL")
+    wait_for(lambda: cluster.job(job_id).get("JobState") in done, timeout, f"job {job_id}: {run_dir}.out")
+    return cluster.job(job_id)
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    """Each step's training loss, the last one logged (a step redone after a restart is logged again)."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return {row["step"]: row["loss"] for row in rows if "loss" in row}
+
+
+def saved(run_dir: Path, step: int) -> bool:
+    return (run_dir / "checkpoints" / str(step) / "meta").is_dir()
+
+
+def task_pid(run_dir: Path, process: int) -> int | None:
+    """The llama-jax process of the job step with JAX_PROCESS_ID=process training into run_dir."""
+    for entry in Path("/proc").iterdir():
+        try:
+            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except (OSError, ValueError):
+            continue
+        if f"run.dir={run_dir}".encode() in cmdline and b"train" in cmdline and \
+                f"JAX_PROCESS_ID={process}".encode() in environ and b"SLURM_JOB_ID" in b"".join(environ):
+            return int(entry.name)
+    return None
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(cluster, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("runs") / "uninterrupted"
+    job = finished(cluster, submit(cluster, run_dir), run_dir)
+    assert job["JobState"] == "COMPLETED", (run_dir.with_suffix(".out")).read_text()[-3000:]
+    return losses(run_dir)
+
+
+def test_a_run_under_slurm_sbatch_trains_one_process_per_node(uninterrupted):
+    assert sorted(uninterrupted) == list(range(1, 17))
+    assert uninterrupted[16] < uninterrupted[1]
+
+
+def test_a_killed_task_restarts_the_step_inside_the_allocation_and_resumes_exactly(cluster, uninterrupted,
+                                                                                   tmp_path):
+    run_dir = tmp_path / "killed"
+    job_id = submit(cluster, run_dir)
+    wait_for(lambda: saved(run_dir, 8), 180, "step 8's checkpoint")
+    pid = task_pid(run_dir, 1)
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)
+    job = finished(cluster, job_id, run_dir)
+    log = Path(f"{run_dir}.out").read_text()
+    assert job["JobState"] == "COMPLETED" and job["Restarts"] == "0", log[-3000:]  # the same allocation throughout
+    assert "llama-jax supervise: start #2" in log and "resumed from" in log, log[-3000:]
+    assert losses(run_dir) == uninterrupted
+
+
+def test_sigterm_to_the_batch_script_saves_requeues_and_the_job_resumes_exactly(cluster, uninterrupted, tmp_path):
+    run_dir = tmp_path / "preempted"
+    job_id = submit(cluster, run_dir)
+    wait_for(lambda: saved(run_dir, 4) and max(losses(run_dir), default=0) >= 6, 180, "step 6")
+    cluster.run("scancel", "--signal=TERM", "--batch", job_id)  # what --signal=B:TERM@300 sends before the limit
+    wait_for(lambda: cluster.job(job_id).get("Restarts", "0") != "0", 120, f"job {job_id}'s requeue")
+    job = finished(cluster, job_id, run_dir)
+    log = Path(f"{run_dir}.out").read_text()
+    assert job["JobState"] == "COMPLETED", log[-3000:]
+    assert losses(run_dir) == uninterrupted
