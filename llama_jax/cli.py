@@ -1,5 +1,5 @@
-"""`llama-jax` command line: train, prepare, plan, tune, doctor, report, convert, average, generate, eval, supervise,
-goodput.
+"""`llama-jax` command line: train, prepare, plan, tune, doctor, report, profile, convert, average, generate, eval,
+supervise, goodput.
 
 Every error a user can act on (errors.py) is reported as one line on stderr with its exit status: 2
 for bad input (config, mesh, data, checkpoint). `train` checks its input before anything in run.dir is
@@ -311,10 +311,21 @@ def cmd_report(ns: argparse.Namespace) -> int:
         raise InputError(str(err)) from None
     return 0
 
-def _add_report(commands) -> None:
+def cmd_profile(ns: argparse.Namespace) -> int:
+    from llama_jax.perf.profile import report
+
+    print(report(Path(ns.run_dir), top=ns.top, as_json=ns.json))
+    return 0
+
+def _add_report(commands) -> None:  # and profile: both read what a run wrote
     parser = commands.add_parser("report", help="plot loss, eval loss and throughput of a run to RUN_DIR/report.png")
     parser.add_argument("run_dir", metavar="RUN_DIR")
     parser.set_defaults(func=cmd_report)
+    parser = commands.add_parser("profile", help="where the steps run.profile_steps traced spent their time")
+    parser.add_argument("run_dir", metavar="RUN_DIR")
+    parser.add_argument("--json", action="store_true", help="print the breakdown as JSON")
+    parser.add_argument("--top", type=int, default=10, help="ops to list, the longest first (default 10)")
+    parser.set_defaults(func=cmd_profile)
 
 
 def cmd_supervise(ns: argparse.Namespace) -> int:
@@ -511,18 +522,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def check_xla_flags() -> None:
-    """launch/gpu_env.sh's collective pipelining flags exist from jaxlib 0.11.1 on; an older XLA aborts on them
-    with a fatal log when it starts, on any host. One line instead, before anything starts."""
-    import jaxlib
-
-    version = tuple(int(part) for part in jaxlib.__version__.split(".")[:3] if part.isdigit())
-    if "--xla_gpu_pipeline_" in os.environ.get("XLA_FLAGS", "") and version < (0, 11, 1):
-        raise InputError(f"XLA_FLAGS has launch/gpu_env.sh's --xla_gpu_pipeline_* flags, which jaxlib "
-                         f"{jaxlib.__version__} does not know (they need 0.11.1 or newer): install the gpu extra on "
-                         "Python >= 3.12, or set LLAMA_JAX_GPU_FLAGS=off for the launch script")
-
-
 def main(argv: list[str] | None = None) -> int:
     started_at = time.time()  # goodput counts the start-up (imports, compilation) as restart overhead
     parser = build_parser()
@@ -533,6 +532,7 @@ def main(argv: list[str] | None = None) -> int:
     elif extra:
         parser.parse_args(argv)  # argparse's own error for what it does not know
     ns.started_at = started_at
+    from llama_jax.perf.xla_flags import check_xla_flags  # here, not at the top: `--help` answers without jaxlib
     try:
         check_xla_flags()
         return ns.func(ns)

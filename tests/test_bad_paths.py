@@ -33,6 +33,7 @@ PATH_ARGUMENTS = {
                                                         "PATH"]),
     "goodput --from": ("dir", "run", ["goodput", "--gpus", "8", "--from", "PATH"]),
     "report RUN_DIR": ("dir", "run", ["report", "PATH"]),
+    "profile RUN_DIR": ("dir", "run", ["profile", "PATH"]),
     "doctor CONFIG": ("file", "config.yaml", ["doctor", "PATH"]),
     "prepare INPUT": ("file", "notes.txt", ["prepare", "PATH", "--out", "OUT", "--train-tokenizer", "300"]),
     "prepare --tokenizer": ("file", "tokenizer.json", ["prepare", "TEXT", "--out", "OUT", "--tokenizer", "PATH"]),

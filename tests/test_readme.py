@@ -269,6 +269,7 @@ CLAIMS = [
     (r"^\.venv/bin/llama-jax train ", "test_readme.py::test_readme_train_commands_resolve_to_valid_configs"),
     (r"^llama-jax supervise .* -- llama-jax train ",
      "test_readme.py::test_readme_supervise_command_runs_its_train_command"),
+    (r"^llama-jax (train .*run\.profile_steps=|profile )", "test_profile.py::test_the_documented_profile_commands"),
     (r"^llama-jax train \S+-tune\.yaml$", "test_readme.py::test_readme_trains_the_file_tune_writes"),
     (r"^(XLA_FLAGS=\S+ )?llama-jax train ", "test_readme.py::test_readme_train_commands_resolve_to_valid_configs"),
     (r"^llama-jax prepare ", "test_readme.py::test_readme_data_guide_commands_build_and_train_on_stores"),

@@ -246,6 +246,7 @@ def validate(config: Config) -> None:
     _check_pipeline(config.mesh, m.n_layers, config.remat.every_n_layers)
     _check_checkpoint(config.checkpoint)
     _require(bool(config.run.dir.strip()), "run.dir must not be empty")
+    _check_profile_steps(config.run.profile_steps, t.steps)
     _check_remat(config.remat, m.n_layers)
     _check_peft(config)
     _require(config.peft.method == "none" or config.mesh.pipeline == 1,
@@ -268,6 +269,12 @@ def _check_schedule(t: TrainConfig) -> None:
     _require(warmup + decay <= t.steps or t.steps == 0,
              f"warmup ({warmup} steps, {given['warmup']}) and decay ({decay} steps, {given['decay']}) add up to more "
              f"than train.steps ({t.steps}); shorten one of them or raise train.steps")
+
+
+def _check_profile_steps(steps: list[int], train_steps: int) -> None:
+    _require(not steps or (len(steps) == 2 and 1 <= steps[0] <= steps[1] <= train_steps),
+             f"run.profile_steps must be [FIRST, LAST] with 1 <= FIRST <= LAST <= train.steps ({train_steps}), or [] "
+             f"for none; got {steps}; e.g. run.profile_steps=[{min(5, train_steps)},{min(7, train_steps)}]")
 
 def _check_data(d: DataConfig) -> None:
     _require(not d.weights or len(d.weights) == len(d.sources),

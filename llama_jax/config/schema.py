@@ -259,6 +259,9 @@ class RunConfig:
     wandb_project: str = "llama-jax"
     wandb_name: str = ""  # "" : run.dir's name
     wandb_entity: str = ""  # "" : your default entity
+    # [FIRST, LAST]: capture a jax.profiler trace of these steps into run.dir/profile, for XProf / TensorBoard and
+    # `llama-jax profile RUN_DIR` (perf/profiler.py); []: none.
+    profile_steps: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

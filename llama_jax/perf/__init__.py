@@ -9,6 +9,10 @@ check read.
     costmodel.py  tune's step-time model: a roofline over the compiled step plus exposed communication
     gpu_target.py XLA:GPU's compile for H100/H200/A100/B200 clusters on any machine (`--target`): the target
                   config, the topology, launch/gpu_env.sh's flags, cuDNN's workspace
+    xla_flags.py  whether this jaxlib knows launch/gpu_env.sh's XLA flags (every command checks first)
+    profiler.py   run.profile_steps: a jax.profiler trace of chosen training steps into run.dir/profile
+    profile.py    `llama-jax profile`: where a traced step's time went (matmuls by type, attention, collectives,
+                  fusions, copies, idle) and its longest ops
 
 Imports distributed/ (which mesh axes cross hosts), model/ (the platform traced for), config/, files.py and
 errors.py.

@@ -235,6 +235,12 @@ def _parse_module(text: str) -> tuple[dict[str, _Computation], str]:
     return comps, entry
 
 
+def computations(hlo_text: str) -> dict[str, _Computation]:
+    """The module's computations by name, each with its instructions: name, result shape, opcode, operands and
+    attributes (`metadata`, `calls`, `custom_call_target`, ... as written)."""
+    return _parse_module(hlo_text)[0]
+
+
 def _callees(instr: _Instr, trip_count: int) -> Iterator[tuple[str, int]]:
     if instr.opcode.endswith("-done") or instr.opcode == "async-update":
         return  # these repeat the `calls=` of their async-start; counting both would double it

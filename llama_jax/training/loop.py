@@ -13,7 +13,7 @@ host between steps. A step that is evaluated or saved is settled first (its guar
 The loop's parts decide for themselves: the checkpointer when a save is due (checkpoint/checkpointer.py), the
 throughput meter its window (metrics.py), goodput its step clock (resilience/goodput.py), the guards what a
 step's loss means and when to roll back (resilience/guards.py), the start decision where the run begins
-(checkpoint/start.py).
+(checkpoint/start.py), the profiler which steps it traces (perf/profiler.py).
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ from llama_jax.inference.generate import sample_text
 from llama_jax.model import remat
 from llama_jax.model.llama import param_count
 from llama_jax.perf.hardware import mfu_peaks
+from llama_jax.perf.profiler import StepProfiler
 from llama_jax.resilience import preflight
 from llama_jax.resilience.flight import FlightRecorder
 from llama_jax.resilience.goodput import Goodput, format_goodput
@@ -131,7 +132,7 @@ def execute(run: Run, print_fn: Callable[[str], None] = print, started_at: float
         return summary
     loop = Loop.open(run, print_fn, started_at or time.time())
     try:
-        with loop.watchdog, loop.preemption, run.program.activate(), loop.log:
+        with loop.watchdog, loop.preemption, run.program.activate(), loop.log, loop.profiler:
             state, data_step = loop.restore()
             step = int(state.step)
             batches = loop.begin(state, step, data_step, summary)
@@ -209,6 +210,7 @@ class Loop:
     preemption: PreemptionGuard
     eval_batches: int
     injector: Injector  # faults injected on purpose (resilience/inject.py): testing only, none in a real run
+    profiler: StepProfiler  # traces run.profile_steps (perf/profiler.py)
     dispatch_wait_s: float = 0.0  # seconds spent in dispatches since the last observe()
     # Seconds waiting for the loader since the last observe(): charged to the step read next, whose time
     # they fall in (an upper bound of the devices' wait: they may have been busy with the step before).
@@ -255,7 +257,9 @@ class Loop:
                                       startup_timeout_s=f.hang_startup_timeout_s, recorder=run.peers.recorder,
                                       describe=lambda: format_plan(make_plan(config, mesh))),
                 preemption=PreemptionGuard(checkpointer.manager.reached_preemption if multi else None),
-                eval_batches=min(t.eval_batches, run.data.val.batches_per_epoch()), injector=injector)
+                eval_batches=min(t.eval_batches, run.data.val.batches_per_epoch()), injector=injector,
+                profiler=StepProfiler.for_run(run_dir, config.run.profile_steps,
+                                              lambda: run.program.compile_step().as_text()))
         except BaseException:
             log.close()  # the loop never started: nothing else will close it
             raise
@@ -307,7 +311,7 @@ class Loop:
         devices', so observe() does not count it as the host's time."""
         self._record("step", f"dispatching step {step} (its collectives run on the devices)", step)
         start = time.perf_counter()
-        state, metrics = self.run.program.train_step(state, batch)
+        state, metrics = self.profiler.step(step, self.run.program.train_step, state, batch)
         self.dispatch_wait_s += time.perf_counter() - start
         return state, Dispatched(step, metrics, step == self.first_step)
 
