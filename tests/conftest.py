@@ -123,8 +123,8 @@ def pytest_sessionfinish(session):
 # The files whose real multi-process runs take a minute or more on CI's 2 cores, started first (the Makefile
 # turns off xdist's own order, most tests first, which left them for the end): the two workers then end on short
 # files and finish together, and those runs' waits (barriers, restarts, injected delays) overlap other work.
-STARTED_FIRST = ("test_goodput_projection.py", "test_elastic.py", "test_flight.py", "test_multihost.py",
-                 "test_local_tier.py")
+STARTED_FIRST = ("test_slurm.py", "test_goodput_projection.py", "test_elastic.py", "test_flight.py",
+                 "test_multihost.py", "test_local_tier.py")
 
 
 def pytest_collection_modifyitems(items):
