@@ -52,6 +52,8 @@ SlurmctldHost=localhost
 SlurmctldPort=$port
 AuthType=auth/munge
 CredType=cred/munge
+# A requeued job may start again once its old job credential has expired: 10 s here instead of Slurm's 120.
+AuthInfo=cred_expire=10
 MpiDefault=none
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none

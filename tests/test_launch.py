@@ -72,12 +72,19 @@ keys = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "JAX_L
 os.write(1, (json.dumps({"args": args, **{k: os.environ.get(k) for k in keys}}) + "\\n").encode())
 """
 FAKE_SRUN = """#!/usr/bin/env bash
-# srun --kill-on-bad-exit=1 --ntasks-per-node=N CMD...: run every task of SLURM_NTASKS here, one after another
-per_node="${2#--ntasks-per-node=}"; shift 2
+# srun --kill-on-bad-exit=1 --nodes=N --nodelist=A,B --ntasks-per-node=P CMD...: run the N x P tasks here, one
+# after another, as Slurm numbers them
+while [[ "$1" == --* ]]; do
+  case "$1" in --nodes=*) nodes="${1#--nodes=}" ;; --ntasks-per-node=*) per_node="${1#--ntasks-per-node=}" ;; esac
+  shift
+done
+export SLURM_NTASKS=$((nodes * per_node))
 for ((p = 0; p < SLURM_NTASKS; p++)); do SLURM_PROCID=$p SLURM_LOCALID=$((p % per_node)) "$@"; done
 """
 FAKE_SCONTROL = """#!/usr/bin/env bash
 [[ "$1 $2" == "show hostnames" ]] && printf 'gpu17\\ngpu18\\n'
+[[ "$1 $2" == "show node" ]] && echo "NodeName=$3 NodeAddr=$3 State=IDLE"
+exit 0
 """
 FAKE_SSH = """#!/usr/bin/env bash
 # ssh HOST COMMAND: run COMMAND here
@@ -147,8 +154,8 @@ def test_slurm_dry_run_names_every_process():
     assert result.returncode == 0, result.stderr
     header, supervised, *tasks = result.stdout.splitlines()
     assert header == "# 3 node(s) x 4 process(es) = 12 processes; coordinator node0:20000"
-    assert (supervised.startswith("llama-jax supervise ")
-            and " srun --kill-on-bad-exit=1 --ntasks-per-node=4 " in supervised)
+    assert supervised.startswith("llama-jax supervise ")  # 3 nodes of 4 processes, the port: slurm_step.sh runs srun
+    assert "/launch/slurm_step.sh 3 4 20000 llama-jax train llama3_8b " in supervised
     assert len(tasks) == 12
     for p, task in enumerate(tasks):
         assert task.startswith(f"node{p // 4}: JAX_COORDINATOR_ADDRESS=node0:20000 JAX_NUM_PROCESSES=12 "

@@ -56,13 +56,15 @@ def cluster(tmp_path_factory):
     subprocess.run(["bash", str(SCRIPT), "down", str(directory)], capture_output=True, timeout=120)
 
 
-def submit(cluster: Cluster, run_dir: Path, nodes: int = 2) -> str:
-    """slurm.sbatch on `nodes` nodes, one process each: the tiny preset, 16 steps, a durable checkpoint every 4.
-    Process 0 sleeps 0.3 s before each batch, so a test has time to act mid-run (it changes no number)."""
+def submit(cluster: Cluster, run_dir: Path, spares: int = 0) -> str:
+    """slurm.sbatch on 2 nodes (+ `spares`), one process each: the tiny preset, 16 steps, a durable checkpoint every
+    4. Process 0 sleeps 0.3 s before each batch, so a test has time to act mid-run (it changes no number)."""
     args = ["tiny", "train.steps=16", "train.batch_size=4", "train.seq_len=64", "train.log_every=1",
             "checkpoint.every_steps=4", "inject.process=0", "inject.step_delay_s=0.3", f"run.dir={run_dir}"]
-    out = cluster.run("sbatch", "--parsable", f"--nodes={nodes}", "--ntasks-per-node=1", "--gpus-per-node=0",
-                      f"--output={run_dir}.out", str(ROOT / "launch" / "slurm.sbatch"), *args)
+    keep = ["--no-kill"] if spares else []  # the allocation outlives a failed node: its spare takes its place
+    out = cluster.run("sbatch", "--parsable", f"--nodes={2 + spares}", "--ntasks-per-node=1", "--gpus-per-node=0",
+                      *keep, f"--output={run_dir}.out", str(ROOT / "launch" / "slurm.sbatch"),
+                      *(["--spares", str(spares)] if spares else []), *args)
     return out.strip().split(";")[0]
 
 
@@ -148,11 +150,33 @@ def test_sigterm_to_the_batch_script_saves_requeues_and_the_job_resumes_exactly(
     job_id = submit(cluster, run_dir)
     wait_for(lambda: saved(run_dir, 4) and max(losses(run_dir), default=0) >= 6, 180, "step 6")
     os.kill(batch_script_pid(job_id), signal.SIGTERM)  # what --signal=B:TERM@300 sends before the time limit
+    # requeued, it starts again once its old credential expired (slurm_emulated.sh: 10 s; Slurm's default 120 s)
     wait_for(lambda: cluster.job(job_id).get("Restarts", "0") != "0", 120, f"job {job_id}'s requeue")
-    # slurmctld holds a requeued batch job for 120 s before it may start again; the test need not wait that out
-    cluster.run("scontrol", "update", f"JobId={job_id}", "StartTime=now")
     job = finished(cluster, job_id, run_dir)
     log = Path(f"{run_dir}.out").read_text()
     assert job["JobState"] == "COMPLETED", log[-3000:]
     assert "slurm.sbatch: saved after SIGTERM; requeueing job" in log and "resumed from" in log, log[-3000:]
+    assert losses(run_dir) == uninterrupted
+
+
+def test_a_node_down_is_replaced_by_a_spare_inside_the_allocation_and_the_run_resumes_exactly(cluster, uninterrupted,
+                                                                                             tmp_path):
+    """sbatch --nodes 3 --no-kill, slurm.sbatch --spares 1: the step trains on n1 and n2; n2 goes DOWN (its
+    process killed with it), and the restarted step runs on n1 and the spare n3, in the same job."""
+    run_dir = tmp_path / "spare"
+    job_id = submit(cluster, run_dir, spares=1)
+    wait_for(lambda: saved(run_dir, 8), 180, "step 8's checkpoint")
+    pid = task_pid(run_dir, 1)
+    assert pid is not None
+    try:
+        cluster.run("scontrol", "update", "NodeName=n2", "State=DOWN", "Reason=test_slurm")
+        os.kill(pid, signal.SIGKILL)
+        job = finished(cluster, job_id, run_dir)
+    finally:
+        cluster.run("scontrol", "update", "NodeName=n2", "State=RESUME", check=False)
+    log = Path(f"{run_dir}.out").read_text()
+    assert job["JobState"] == "COMPLETED" and job["Restarts"] == "0", log[-3000:]
+    assert "slurm_step: on n1 n2; spare(s): n3" in log, log[-3000:]
+    assert "llama-jax supervise: start #2" in log and "slurm_step: on n1 n3" in log, log[-3000:]
+    assert "resumed from" in log, log[-3000:]
     assert losses(run_dir) == uninterrupted
