@@ -87,9 +87,10 @@ def _source(instr) -> str:
         return ""
     path = found.group(1).split(";")[0]
     backward = "transpose(" in path  # jax names the backward pass's ops transpose(jvp(...))
+    # Scopes jax adds around our names (eval_jaxpr: a scanned body's, on jax 0.12) are dropped.
     wrappers = r"(jit|pjit|jvp|transpose|remat|checkpoint|shard_map|custom_jvp_call|custom_vjp_call)\(.*\)"
     kept = [p for p in path.split("/") if not re.fullmatch(
-        wrappers + r"|while|body|cond|closed_call|checkpoint|rematted_computation|branch_\d+_fun", p)]
+        wrappers + r"|while|body|cond|closed_call|checkpoint|rematted_computation|branch_\d+_fun|eval_jaxpr", p)]
     return " ".join(filter(None, ["backward" if backward else "", "/".join(kept)]))
 
 
