@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,7 @@ import jax.numpy as jnp
 
 from llama_jax import __version__
 from llama_jax.checkpoint.durable import model_differences, read_meta, restore_params, save_params, step_directories
-from llama_jax.checkpoint.specs import TOKENIZER_FILES, inference_config, inference_mesh, param_target
+from llama_jax.checkpoint.specs import copy_tokenizer, inference_config, inference_mesh, param_target
 from llama_jax.config import ModelConfig
 from llama_jax.distributed import processes
 from llama_jax.distributed.peers import Peers
@@ -131,8 +130,6 @@ def average(run_dir: str, out: str, overrides: list[str] = (), steps: tuple[int,
             "averaged_steps": chosen, "llama_jax": __version__, "jax": jax.__version__}
     done = save_params(target, params, meta)
     if jax.process_index() == 0:
-        for name in TOKENIZER_FILES:
-            if (run / name).is_file():
-                shutil.copy2(run / name, target / name)
+        copy_tokenizer(run, target)
         print_fn(f"averaged {len(chosen)} checkpoint(s) of {run} (steps {', '.join(map(str, chosen))}) -> {done}")
     return done

@@ -5,7 +5,6 @@ Hugging Face model, a run with adapters -> a PEFT adapter directory (or, merged,
 from __future__ import annotations
 
 import dataclasses
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -14,7 +13,7 @@ import jax
 from llama_jax import __version__
 from llama_jax.checkpoint.durable import save_params
 from llama_jax.checkpoint.specs import (
-    TOKENIZER_FILES,
+    copy_tokenizer,
     inference_config,
     inference_mesh,
     load_adapters,
@@ -72,7 +71,6 @@ def convert(source: str, out: str, overrides: list[str] = (), dtype: str = "floa
         done = f"{target} ({dtype}{', LoRA merged' if merge else ''})"
     if primary:
         print_fn(f"converted {spec.hf_dir or source} -> {done}")
-    for name in TOKENIZER_FILES:
-        if primary and (spec.home / name).is_file():
-            shutil.copy2(spec.home / name, target / name)
+    if primary:
+        copy_tokenizer(spec.home, target)
     return target

@@ -27,6 +27,7 @@ device reads only its shards of the weights (hf.read_params, or Orbax for a chec
 from __future__ import annotations
 
 import dataclasses
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -218,6 +219,14 @@ def _placed(model: ModelConfig, shardings: Any) -> Any:
     """The model's abstract parameters, each with its sharding from `shardings`."""
     return jax.tree.map(lambda s, placement: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=placement),
                         param_shapes(model), shardings)
+
+def copy_tokenizer(home: Path, target: Path) -> None:
+    """The tokenizer files of `home` (a model's home, a run directory) copied into `target`, beside the weights
+    written there, so the written model loads with its tokenizer."""
+    for name in TOKENIZER_FILES:
+        if (home / name).is_file():
+            shutil.copy2(home / name, target / name)
+
 
 def load_tokenizer(spec: ModelSpec) -> Tokenizer:
     """The tokenizer that belongs to the model: the Hugging Face directory's, or the one a llama-jax run

@@ -113,24 +113,17 @@ def write_versions(directory: Path) -> None:
 
 def main() -> None:
     out = Path(sys.argv[1] if len(sys.argv) > 1 else Path(__file__).parent / "peft")
-    for name in PEFT_MADE:
+    makers = {**{name: (make_with_peft, " (made by PEFT)") for name in PEFT_MADE},
+              **{name: (write, "") for name in ADAPTERS}}
+    for name, (make, how) in makers.items():
         directory = out / name
         directory.mkdir(parents=True, exist_ok=True)
         for old in directory.glob("*"):
             old.unlink()
-        make_with_peft(name, directory)
+        make(name, directory)
         np.savez(directory / "golden.npz", tokens=tokens(), logits=peft_logits(directory))
         write_versions(directory)
-        print(f"{name} (made by PEFT) -> {directory}")
-    for name in ADAPTERS:
-        directory = out / name
-        for old in directory.glob("*"):
-            old.unlink()
-        write(name, directory)
-        np.savez(directory / "golden.npz", tokens=tokens(), logits=peft_logits(directory))
-        write_versions(directory)
-        print(f"{name} -> {directory}")
-
+        print(f"{name}{how} -> {directory}")
 
 if __name__ == "__main__":
     main()
