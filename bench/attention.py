@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from llama_jax.model.attention import attention, document_mask
+from llama_jax.model.context import TraceContext
 from llama_jax.model.cudnn import query_chunked_attention
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128  # Llama 3 8B
@@ -75,8 +76,8 @@ def main() -> None:
     for name, implementation, segments in rows:
         if implementation == "cudnn" and not on_gpu:
             continue
-        seconds, temporary = measure(lambda q, k, v, s, i=implementation: attention(q, k, v, s, i), q, k, v,
-                                     segments, args.steps)
+        ours = lambda q, k, v, s, i=implementation: attention(q, k, v, s, i, context=TraceContext.local())  # noqa: E731
+        seconds, temporary = measure(ours, q, k, v, segments, args.steps)
         print(f"{name:<52} {seconds * 1e3:9.2f} ms {flops(segments) / seconds / 1e12:8.1f} TFLOP/s "
               f"{temporary / 2**30:7.2f} GiB temporary")
     seconds, temporary = measure(query_chunked_attention, q, k, v, packed, args.steps)

@@ -57,6 +57,7 @@ from llama_jax.errors import EXIT_BAD_INPUT, ConfigError
 from llama_jax.files import cache_root, format_bytes
 from llama_jax.model import cudnn
 from llama_jax.model.attention import attention, context_parallel_kernels, document_mask, select_implementation
+from llama_jax.model.context import TraceContext
 from llama_jax.model.context_parallel import chunk_order, device_attention
 from llama_jax.model.llama import param_count
 from llama_jax.perf.hardware import SHORT_DTYPE, MfuPeaks, mfu_peaks
@@ -190,7 +191,8 @@ def attention_errors(case: ParityCase, shape: AttentionShape, references: dict |
         ours = lambda q, k, v, s: context_parallel_on_one_device(  # noqa: E731
             q, k, v, s, case.implementation, case.max_segments, case.sequence_shards)
     else:
-        ours = lambda q, k, v, s: attention(q, k, v, s, case.implementation, case.max_segments)  # noqa: E731
+        ours = lambda q, k, v, s: attention(q, k, v, s, case.implementation, case.max_segments,  # noqa: E731
+                                            context=TraceContext.local())
     got, got_grads = outputs_and_gradients(ours, q, k, v, segments, weights)
     references = {} if references is None else references
     if case.documents not in references:

@@ -10,6 +10,7 @@ from jax.sharding import AxisType
 from llama_jax.distributed import sharding
 from llama_jax.model import cudnn
 from llama_jax.model.attention import attention, document_mask
+from llama_jax.model.context import TraceContext
 from llama_jax.model.context_parallel import XLA_KERNEL, chunk_order, combined_attention
 
 TOLERANCE = 1e-5  # fp32 against XLA's attention over the whole sequence, relative to the largest magnitude
@@ -71,11 +72,15 @@ def on_mesh(shards: int, balanced: bool, implementation: str, q, k, v, segments,
         parts = jnp.split(x, len(chunks), axis=1)
         return jnp.concatenate([parts[c] for c in chunks], axis=1)
 
+    mesh = sequence_mesh(shards)
+    context = TraceContext.on_mesh(mesh, RULES)  # the model's, on this mesh
+
     def run(q, k, v, segments):
-        out = attention(*(layout(x, order) for x in (q, k, v, segments)), implementation, balanced=balanced)
+        out = attention(*(layout(x, order) for x in (q, k, v, segments)), implementation, balanced=balanced,
+                        context=context)
         return layout(out, [order.index(c) for c in range(len(order))])
 
-    with sharding.activate(sequence_mesh(shards), RULES):
+    with sharding.activate(mesh, RULES):
         return output_and_gradients(run, q, k, v, segments, weights)
 
 

@@ -3,9 +3,10 @@
 Lowering cuDNN attention needs two answers that only a GPU machine gives: the cuDNN version (jax
 asks the CUDA plugin, absent here) and the GPU's compute capability (the packed layout needs Hopper).
 Both are an H100's: the train steps are lowered by step.lower_step (bench/lower.py's code), which traces
-for the GPU and answers jax's checks as an H100 would (model/platform.py); the attention calls alone
-patch them (the `hopper` fixture). Everything else (our layout of packed documents, the kernel choice,
-the shard_map for more tensor shards than kv heads, the rest of the train step) lowers for real.
+for the GPU (its TraceContext) and answers jax's checks as an H100 would (model/jax_workarounds.py); the
+attention calls alone patch them (the `hopper` fixture). Everything else (our layout of packed documents,
+the kernel choice, the shard_map for more tensor shards than kv heads, the rest of the train step) lowers
+for real.
 """
 
 import os
@@ -23,6 +24,7 @@ import pytest
 from llama_jax.config import load_config
 from llama_jax.model import cudnn
 from llama_jax.model.attention import attention, document_mask
+from llama_jax.model.context import TraceContext
 from llama_jax.model.context_parallel import XLA_KERNEL
 from llama_jax.training.step import lower_step
 
@@ -64,7 +66,8 @@ def test_packed_documents_lower_to_cudnn_without_any_t_by_t_tensor(hopper):
     segments = jax.ShapeDtypeStruct((2, SEQ), jnp.int32)
 
     def loss(q, k, v, segments):
-        return attention(q, k, v, segments, "cudnn", max_segments=16).astype(jnp.float32).sum()
+        return attention(q, k, v, segments, "cudnn", max_segments=16, context=TraceContext("gpu")).astype(
+            jnp.float32).sum()
 
     text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, kv, kv, segments).lower(
         lowering_platforms=("cuda",)).as_text()

@@ -1,13 +1,13 @@
 """Text generation: prefill the prompts once, then one jitted decode step per new token.
 
-The key/value cache is preallocated for prompt + new tokens ([layers, batch, cache_len, kv_heads,
-head_dim] per tensor, in the compute dtype) and carries the logical axis names of the model's keys and
-values. On a mesh (the one the params are sharded over: `api.load(..., overrides=["mesh.tensor=8"])`)
-the steps run under the logical-axis table of sharding.py, so the cache is sharded like the keys and
-values: rows over the data/fsdp axes that divide the batch, kv heads over `tensor` where they divide.
-Nothing is split along the sequence: a decode step has one token. Prompts of different lengths share
-one batch: each row is right-padded, and row r's token at position p goes to cache slot p, so padding
-is overwritten before any query can see it.
+The key/value cache is preallocated for prompt + new tokens ([layers, batch, cache_len, kv_heads, head_dim]
+per tensor, in the compute dtype) and carries the logical axis names of the model's keys and values. On a mesh
+(the one the params are sharded over: `api.load(..., overrides=["mesh.tensor=8"])`) the steps are traced for
+that mesh and run under the logical-axis table of sharding.py (the model's TraceContext, model/context.py), so
+the cache is sharded like the keys and values: rows over the data/fsdp axes that divide the batch, kv heads
+over `tensor` where they divide. Nothing is split along the sequence: a decode step has one token. Prompts of
+different lengths share one batch: each row is right-padded, and row r's token at position p goes to cache
+slot p, so padding is overwritten before any query can see it.
 
 A prompt-tuned model (peft: a learned prompt, params["prompt"]) gets its prompt's slots in front of every
 prompt, as the loader puts them in front of every document in training.
@@ -33,6 +33,7 @@ from llama_jax.config.choices import MESH_AXES
 from llama_jax.distributed import sharding
 from llama_jax.errors import ConfigError
 from llama_jax.model import peft
+from llama_jax.model.context import TraceContext
 from llama_jax.model.llama import KV_HEADS, Llama
 from llama_jax.model.pipeline import without_stage_axis
 from llama_jax.model.stages import NATURAL, LayerOrder, relayout
@@ -114,8 +115,9 @@ class Generator:
                               "generate fewer tokens or shorten the prompt")
         sampling.check()
         self.cfg, self.batch, self.cache_len, self.sampling, self.mesh = cfg, batch, cache_len, sampling, mesh
-        self.model = Llama(cfg, decode=True, peft=adapters)
         self.rules = None if mesh is None else decoding_rules(rules or default_rules(cfg, mesh), mesh, batch)
+        context = TraceContext.local() if mesh is None else TraceContext.on_mesh(mesh, self.rules)
+        self.model = Llama(cfg, decode=True, peft=adapters, context=context)
         # Cache shapes from an abstract init; the cache starts as zeros, made in its shards.
         shapes = jax.eval_shape(self.model.init, jax.random.key(0), jnp.zeros((batch, cache_len), jnp.int32))
         self.cache_shardings = None if mesh is None else jax.tree.map(

@@ -18,7 +18,8 @@ onto a mesh) and the mesh axes of its own shard_maps.
     pipeline.py          pipeline layouts, and what both schedules share: stage rules, micro-batch splits, groups
     residuals.py         which of a VJP's residuals depend on the data, read from its jaxpr (kept per micro-batch)
     peft.py              adapters apart from the frozen base, the base's digest, LoRA folded into weights
-    platform.py          the platform a step is traced for (the mesh's, not always this process's)
+    context.py           TraceContext: what a trace is for (platform, mesh, logical-axis rules), passed in, not ambient
+    jax_workarounds.py   the jax limitations worked around, with the jax versions each applies to
 
 Imports config/ and errors.py only.
 """

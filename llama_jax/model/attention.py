@@ -8,11 +8,11 @@ plain XLA implementation everywhere else.
 Packed documents: the blocked kernel (flash.py) and cuDNN's packed layout (cudnn.py) take segment ids
 as they are; only XLA's kernel gets a dense document mask.
 
-Context parallelism: when the active mesh splits the sequence over its `sequence` axis, each device
-holds a slice of the queries and all-gathers the keys and values of the whole sequence (the scheme
-Llama 3 used for its 128K context); context_parallel.py computes, per chunk of queries, the causal
-block on its own keys and the visible prefix of earlier chunks, skipping later ones, with cuDNN on GPUs
-(no mask tensor) and XLA elsewhere. It needs to know how the sequence is laid out over the devices
+Context parallelism: when the trace's mesh (TraceContext, context.py) splits the sequence over its `sequence`
+axis, each device holds a slice of the queries and all-gathers the keys and values of the whole sequence (the
+scheme Llama 3 used for its 128K context); context_parallel.py computes, per chunk of queries, the causal
+block on its own keys and the visible prefix of earlier chunks, skipping later ones, with cuDNN on GPUs (no
+mask tensor) and XLA elsewhere. It needs to know how the sequence is laid out over the devices
 (`balanced`: sharding.balance_sequence's pairing of early and late chunks, mesh.load_balance).
 
 More tensor shards than kv heads (Llama 3 70B/405B at tensor=16 have 8 kv heads): the kv heads are
@@ -23,13 +23,12 @@ would reject q and k/v sharded differently).
 
 from __future__ import annotations
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from llama_jax.errors import ConfigError
+from llama_jax.model.context import TraceContext
 from llama_jax.model.context_parallel import SEQUENCE_AXIS, XLA_KERNEL, sequence_sharded_attention
 from llama_jax.model.cudnn import PADDED_KERNEL, cudnn_attention
 from llama_jax.model.flash import MIN_BLOCK, block_size, blocked_attention
@@ -76,40 +75,28 @@ def document_mask(q_segments: jax.Array, k_segments: jax.Array) -> jax.Array:
     return q_segments[:, None, :, None] == k_segments[:, None, None, :]
 
 
-def sequence_shards() -> int:
-    """How many devices the active mesh splits the sequence over (1 outside a mesh)."""
-    return _mesh_size(SEQUENCE_AXIS)
-
-
-def _mesh_size(axes) -> int:
-    mesh = jax.sharding.get_abstract_mesh()
-    if axes is None or not mesh.axis_names:
-        return 1
-    axes = (axes,) if isinstance(axes, str) else axes
-    return int(np.prod([mesh.shape.get(a, 1) for a in axes]))
-
-
-def _in_manual_region() -> bool:
+def _in_manual_region(context: TraceContext) -> bool:
     """Whether some mesh axes are manual here (a pipeline stage's shard_map over `pipeline`): jax's cuDNN
     partitioner fails on the rest of the mesh there (it reads a partition spec that a sharding inside a manual
     region does not have), so cuDNN then runs inside a shard_map over the other axes too."""
-    return bool(jax.sharding.get_abstract_mesh().manual_axes)
+    return bool(context.manual_axes)
 
 
-def _query_heads_split_from_kv_heads() -> bool:
+def _query_heads_split_from_kv_heads(context: TraceContext) -> bool:
     """Whether the query heads are split over devices that the kv heads are replicated on."""
-    q_axes, kv_axes = nn.logical_to_mesh_axes(("act_heads", "act_kv_heads"))
-    return q_axes != kv_axes and _mesh_size(q_axes) > 1
+    q_axes, kv_axes = context.mesh_axes(("act_heads", "act_kv_heads"))
+    return q_axes != kv_axes and context.axis_size(q_axes) > 1
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None, implementation: str,
-              max_segments: int = 16, balanced: bool = True) -> jax.Array:
+              max_segments: int = 16, balanced: bool = True, *, context: TraceContext) -> jax.Array:
     """Causal attention with document masking. q [b,t,n,h], k/v [b,t,kv,h] -> [b,t,n,h].
 
-    balanced: under context parallelism, whether the sequence is laid out by sharding.balance_sequence."""
-    if sequence_shards() > 1 or _query_heads_split_from_kv_heads() or \
-            (implementation == "cudnn" and _in_manual_region()):
-        return _per_device(q, k, v, segment_ids, implementation, max_segments, balanced)
+    balanced: under context parallelism, whether the sequence is laid out by sharding.balance_sequence.
+    context: the trace's mesh and rules, which say whether attention runs per device in a shard_map."""
+    if context.axis_size(SEQUENCE_AXIS) > 1 or _query_heads_split_from_kv_heads(context) or \
+            (implementation == "cudnn" and _in_manual_region(context)):
+        return _per_device(q, k, v, segment_ids, implementation, max_segments, balanced, context)
     return _tokens_in_order(q, k, v, segment_ids, implementation, max_segments)
 
 
@@ -154,16 +141,16 @@ def cached_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, posit
     return jax.nn.dot_product_attention(q, k_cache, v_cache, mask=mask, implementation=None)
 
 
-def _per_device(q, k, v, segment_ids, implementation, max_segments, balanced):
+def _per_device(q, k, v, segment_ids, implementation, max_segments, balanced, context: TraceContext):
     """Attention inside a shard_map: for context parallelism, or for more tensor shards than kv heads."""
     if segment_ids is None:
         segment_ids = jnp.ones(q.shape[:2], jnp.int32)
-    # The partition specs follow the logical-axis rules in force, so an expert's table override
+    # The partition specs follow the trace's logical-axis rules, so an expert's table override
     # moves this shard_map along with everything else.
-    heads = nn.logical_to_mesh_axes(("batch", "seq", "act_heads", "head_dim"))
-    kv_heads = nn.logical_to_mesh_axes(("batch", "seq", "act_kv_heads", "head_dim"))
-    tokens = nn.logical_to_mesh_axes(("batch", "seq"))
-    shards = sequence_shards()
+    heads = context.mesh_axes(("batch", "seq", "act_heads", "head_dim"))
+    kv_heads = context.mesh_axes(("batch", "seq", "act_kv_heads", "head_dim"))
+    tokens = context.mesh_axes(("batch", "seq"))
+    shards = context.axis_size(SEQUENCE_AXIS)
 
     def local(q, k, v, segments):
         k, v = _own_kv_heads(q, k, v, heads[2], kv_heads[2])
@@ -171,7 +158,9 @@ def _per_device(q, k, v, segment_ids, implementation, max_segments, balanced):
             return _tokens_in_order(q, k, v, segments, implementation, max_segments)
         return context_parallel_attention(q, k, v, segments, implementation, max_segments, shards, balanced)
 
-    return jax.shard_map(local, in_specs=(heads, kv_heads, kv_heads, tokens), out_specs=heads)(
+    # Over the trace's mesh; inside a pipeline stage, over the stage's (jax's, its pipeline axis manual there).
+    mesh = None if context.manual_axes else context.mesh
+    return jax.shard_map(local, mesh=mesh, in_specs=(heads, kv_heads, kv_heads, tokens), out_specs=heads)(
         q, k, v, segment_ids)
 
 

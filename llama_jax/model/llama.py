@@ -12,7 +12,9 @@
 The model is functional: ``Llama(cfg).init`` returns a params pytree and ``apply`` is pure. It knows
 nothing about devices: every parameter and main activation carries *logical* axis names (``embed``,
 ``heads``, ``batch``, ...) that sharding.py maps onto a device mesh, and the activations a backward
-pass may keep carry ``checkpoint_name`` tags that remat.py turns into recomputation policies.
+pass may keep carry ``checkpoint_name`` tags that remat.py turns into recomputation policies. What a
+trace is for (the platform, the mesh, the logical-axis rules) is its ``context`` field, a TraceContext
+(context.py) that whoever builds the model chooses (TrainProgram; by default this process, no mesh).
 
 Parameter-efficient tuning (the peft.* section) adds its adapters here, as parameters like any other: LoRA's
 A and B inside the projections it adapts, the prompt's embeddings (or P-tuning's prompt encoder) at the
@@ -21,6 +23,7 @@ top. Which of them learn, and which stay frozen, is the train step's business (s
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from functools import partial
 
@@ -31,12 +34,13 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from llama_jax.config import ModelConfig, PeftConfig, RematConfig
-from llama_jax.model import platform, remat
+from llama_jax.model import remat
 from llama_jax.model.attention import attention, cached_attention, select_implementation
+from llama_jax.model.context import TraceContext
 from llama_jax.model.loss import LOGITS, fused_cross_entropy_sum
 from llama_jax.model.norm import rms_norm
 from llama_jax.model.pipeline import PipelineLayout
-from llama_jax.model.projection import fp8_project, project, quantized_input
+from llama_jax.model.projection import fp8_project, project, quantized_input, uses_cpu_backward
 from llama_jax.model.stack import Head, LayerInputs, Stack, run_stack
 from llama_jax.model.stack.scan import scanned
 
@@ -173,7 +177,7 @@ class Linear(nn.Module):
     std: float
     dtype: jnp.dtype
     param_dtype: jnp.dtype
-    cpu_backward: bool = True  # see projection.py
+    cpu_backward: bool = True  # the CPU backward pass (projection.uses_cpu_backward)
     lora_rank: int = 0
     lora_alpha: float = 0.0
     lora_dropout: float = 0.0
@@ -212,10 +216,13 @@ class Linear(nn.Module):
                        self.cpu_backward)
 
 
-def adapted_linear(cfg: ModelConfig, peft: PeftConfig):
-    """Linear with the model's dtypes; called with `target` (q, k, ... down) it gets that projection's LoRA."""
+def adapted_linear(cfg: ModelConfig, peft: PeftConfig, context: TraceContext):
+    """Linear with the model's dtypes and the backward pass of the platform traced for; called with `target`
+    (q, k, ... down) it gets that projection's LoRA."""
+    cpu_backward = uses_cpu_backward(context.platform, cfg.cpu_projection)
+
     def make(*args, target: str, **kwargs):
-        return Linear(*args, **dtypes(cfg), cpu_backward=cfg.cpu_projection, lora_rank=peft.lora_rank(target),
+        return Linear(*args, **dtypes(cfg), cpu_backward=cpu_backward, lora_rank=peft.lora_rank(target),
                       lora_alpha=peft.alpha, lora_dropout=peft.dropout, fp8=cfg.fp8 != "none", **kwargs)
     return make
 
@@ -230,13 +237,15 @@ class Attention(nn.Module):
     decode: bool = False  # generation: keys/values of earlier tokens come from a cache
     load_balanced: bool = True  # see Llama
     peft: PeftConfig = PeftConfig()
+    context: TraceContext = dataclasses.field(default_factory=TraceContext.local)  # see Llama
 
     @nn.compact
     def __call__(self, x, inputs: LayerInputs):
         cfg = self.cfg
         d, n, kv, h = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.resolved_head_dim
-        linear = adapted_linear(cfg, self.peft)
+        linear = adapted_linear(cfg, self.peft, self.context)
         std, out_std = cfg.init_std, output_init_std(cfg)
+        constrain = self.context.constrain
 
         x8 = fp8_input(cfg, x, "attn_norm")
         q = linear("btd,dnh->btnh", (d, n, h), ("embed", "heads", "head_dim"), std, target="q", name="q_proj")(x, x8)
@@ -244,20 +253,20 @@ class Attention(nn.Module):
                    name="k_proj")(x, x8)
         v = linear("btd,dkh->btkh", (d, kv, h), ("embed", "kv_heads", "head_dim"), std, target="v",
                    name="v_proj")(x, x8)
-        q = nn.with_logical_constraint(checkpoint_name(q, "query_proj"), HEADS)
-        k = nn.with_logical_constraint(checkpoint_name(k, "key_proj"), KV_HEADS)
-        v = nn.with_logical_constraint(checkpoint_name(v, "value_proj"), KV_HEADS)
+        q = constrain(checkpoint_name(q, "query_proj"), HEADS)
+        k = constrain(checkpoint_name(k, "key_proj"), KV_HEADS)
+        v = constrain(checkpoint_name(v, "value_proj"), KV_HEADS)
 
         q, k = apply_rope(q, inputs.cos, inputs.sin), apply_rope(k, inputs.cos, inputs.sin)
         if self.decode:
             k, v = self.cached(k, v, inputs.positions)  # [batch, cache_len, kv_heads, head_dim]
             context = cached_attention(q, k, v, inputs.positions)
         else:
-            implementation = select_implementation(cfg.attention, platform.backend(), q.dtype, h, q.shape[1],
+            implementation = select_implementation(cfg.attention, self.context.platform, q.dtype, h, q.shape[1],
                                                    strict=False)
             context = attention(q, k, v, inputs.segment_ids, implementation,  # [batch, seq, heads, head_dim]
-                                cfg.attention_max_segments, self.load_balanced)
-        context = nn.with_logical_constraint(checkpoint_name(context, "attention_context"), HEADS)
+                                cfg.attention_max_segments, self.load_balanced, context=self.context)
+        context = constrain(checkpoint_name(context, "attention_context"), HEADS)
 
         out = linear("btnh,nhd->btd", (n, h, d), ("heads", "head_dim", "embed"), out_std, target="o",
                      name="o_proj")(context, fp8_input(cfg, context, "attention_context"))
@@ -274,26 +283,27 @@ class Attention(nn.Module):
         cache_v = self.variable("cache", "value", jnp.zeros, v.shape, v.dtype)
         if not creating:
             write = jax.vmap(lambda cache, new, start: jax.lax.dynamic_update_slice_in_dim(cache, new, start, 0))
-            cache_k.value = nn.with_logical_constraint(write(cache_k.value, k, positions[:, 0]), KV_HEADS)
-            cache_v.value = nn.with_logical_constraint(write(cache_v.value, v, positions[:, 0]), KV_HEADS)
+            cache_k.value = self.context.constrain(write(cache_k.value, k, positions[:, 0]), KV_HEADS)
+            cache_v.value = self.context.constrain(write(cache_v.value, v, positions[:, 0]), KV_HEADS)
         return cache_k.value, cache_v.value
 
 
 class MLP(nn.Module):
     cfg: ModelConfig
     peft: PeftConfig = PeftConfig()
+    context: TraceContext = dataclasses.field(default_factory=TraceContext.local)  # see Llama
 
     @nn.compact
     def __call__(self, x):
         cfg = self.cfg
         d, f = cfg.d_model, cfg.ffn_dim
-        linear = adapted_linear(cfg, self.peft)
+        linear = adapted_linear(cfg, self.peft, self.context)
         std, out_std = cfg.init_std, output_init_std(cfg)
         x8 = fp8_input(cfg, x, "mlp_norm")
         gate = linear("btd,df->btf", (d, f), ("embed", "mlp"), std, target="gate", name="gate_proj")(x, x8)
         up = linear("btd,df->btf", (d, f), ("embed", "mlp"), std, target="up", name="up_proj")(x, x8)
-        gate = nn.with_logical_constraint(checkpoint_name(gate, "mlp_gate"), MLP_HIDDEN)
-        up = nn.with_logical_constraint(checkpoint_name(up, "mlp_up"), MLP_HIDDEN)
+        gate = self.context.constrain(checkpoint_name(gate, "mlp_gate"), MLP_HIDDEN)
+        up = self.context.constrain(checkpoint_name(up, "mlp_up"), MLP_HIDDEN)
         hidden = checkpoint_name(nn.silu(gate) * up, "mlp_hidden")  # SwiGLU
         out = linear("btf,fd->btd", (f, d), ("mlp", "embed"), out_std, target="down", name="down_proj")(
             hidden, fp8_input(cfg, hidden, "mlp_hidden"))
@@ -308,20 +318,22 @@ class Block(nn.Module):
     decode: bool = False
     load_balanced: bool = True  # see Llama
     peft: PeftConfig = PeftConfig()
+    # see Llama; inside a pipeline stage, the stage's (Stack.inside_stage)
+    context: TraceContext = dataclasses.field(default_factory=TraceContext.local)
 
     @nn.compact
     def __call__(self, x, inputs: LayerInputs):
-        cfg = self.cfg
+        cfg, constrain = self.cfg, self.context.constrain
         norm = partial(RMSNorm, eps=cfg.norm_eps, **dtypes(cfg))
         h = checkpoint_name(norm(name="attn_norm")(x), "attn_norm")
-        h = nn.with_logical_constraint(h, HIDDEN)
-        attention = Attention(cfg, self.decode, self.load_balanced, self.peft, name="attn")
+        h = constrain(h, HIDDEN)
+        attention = Attention(cfg, self.decode, self.load_balanced, self.peft, self.context, name="attn")
         x = x + attention(h, inputs)
-        x = nn.with_logical_constraint(x, RESIDUAL)
+        x = constrain(x, RESIDUAL)
         h = checkpoint_name(norm(name="mlp_norm")(x), "mlp_norm")
-        h = nn.with_logical_constraint(h, HIDDEN)
-        x = x + MLP(cfg, self.peft, name="mlp")(h)
-        x = nn.with_logical_constraint(x, RESIDUAL)
+        h = constrain(h, HIDDEN)
+        x = x + MLP(cfg, self.peft, self.context, name="mlp")(h)
+        x = constrain(x, RESIDUAL)
         return x, None
 
 
@@ -369,6 +381,9 @@ class Llama(nn.Module):
     peft: PeftConfig = PeftConfig()  # adapters: LoRA in the projections, or a learned prompt
     # Training under pipeline parallelism (mesh.pipeline > 1): the layers run as stages over micro-batches.
     pipeline: PipelineLayout | None = None
+    # What the trace is for: the platform whose kernels run, the mesh and the logical-axis rules (context.py).
+    # TrainProgram passes its mesh's; by default this process's platform, no mesh, no rules.
+    context: TraceContext = dataclasses.field(default_factory=TraceContext.local)
 
     @nn.compact
     def __call__(self, tokens, positions=None, segment_ids=None, targets=None, loss_mask=None):
@@ -389,7 +404,8 @@ class Llama(nn.Module):
         x = self.embeddings(embed, tokens)  # [batch, seq, embed]
         stack, head = self.stack(), self.head(embed)
         # The layers' params [n_layers, ...], Block under nn.scan (stack/scan.py): every way runs these.
-        layers = scanned(Block, cfg.n_layers, stack)(cfg, self.decode, self.load_balanced, self.peft, name="layers")
+        layers = scanned(Block, cfg.n_layers, stack)(cfg, self.decode, self.load_balanced, self.peft, self.context,
+                                                     name="layers")
         if targets is not None and stack.computes_loss:  # 1F1B: each micro-batch's loss on the pipeline's last stage
             loss = Head(partial(final_loss, cfg), head, targets, loss_mask)
             return run_stack(stack, layers, x, segment_ids, positions, loss), jnp.sum(loss_mask)
@@ -397,21 +413,23 @@ class Llama(nn.Module):
         x = rms_norm(x, head["norm"], cfg.norm_eps, jnp.dtype(cfg.compute_dtype))  # the final norm
         output = head["output"].astype(cfg.compute_dtype)
         if targets is not None:  # training and evaluation: the logits never exist as a whole
-            return fused_cross_entropy_sum(x, output, targets, loss_mask)
-        return nn.with_logical_constraint(project("btd,dv->btv", x, output, cfg.cpu_projection), LOGITS)
+            return fused_cross_entropy_sum(x, output, targets, loss_mask, self.context.rules)
+        cpu_backward = uses_cpu_backward(self.context.platform, cfg.cpu_projection)
+        return self.context.constrain(project("btd,dv->btv", x, output, cpu_backward), LOGITS)
 
     def embeddings(self, embed: nn.Embed, tokens: jax.Array) -> jax.Array:
         """[batch, seq, embed]: each token's row of the table; at a learned prompt's slots, the prompt's."""
         x = embed(jnp.maximum(tokens, 0))
         if self.peft.virtual_tokens:
             x = jnp.where(tokens[..., None] < 0, self.virtual_embeddings(tokens).astype(x.dtype), x)
-        return nn.with_logical_constraint(x, RESIDUAL)
+        return self.context.constrain(x, RESIDUAL)
 
     def stack(self) -> Stack:
         """How the layers run (stack/): under nn.scan, in groups of recomputation, or as pipeline stages; every
         way applies one Block to the same LayerInputs."""
-        return Stack(block=Block(self.cfg, load_balanced=self.load_balanced, peft=self.peft, parent=None),
-                     inputs=partial(layer_inputs, self.cfg), names=RESIDUAL,
+        return Stack(block=Block(self.cfg, load_balanced=self.load_balanced, peft=self.peft, context=self.context,
+                                 parent=None),
+                     inputs=partial(layer_inputs, self.cfg), names=RESIDUAL, context=self.context,
                      policy=remat.checkpoint_policy(self.remat_config), every_n=self.remat_config.every_n_layers,
                      pipeline=self.pipeline)
 
@@ -447,11 +465,13 @@ class Llama(nn.Module):
         return jnp.take(prompt, jnp.clip(-tokens - 1, 0, peft.prompt_tokens - 1), axis=0)
 
 
-def final_loss(cfg: ModelConfig, params, x, targets, loss_mask) -> jax.Array:
+def final_loss(cfg: ModelConfig, params, x, targets, loss_mask, context: TraceContext) -> jax.Array:
     """The summed next-token loss of final activations x: the final norm, the output projection and the
-    cross-entropy, with params {"norm": the norm's scale, "output": [embed, vocab]} (a pipeline's last stage)."""
+    cross-entropy, with params {"norm": the norm's scale, "output": [embed, vocab]} (a pipeline's last stage),
+    traced in `context` (the stage's, which runs it: Head)."""
     x = rms_norm(x, params["norm"], cfg.norm_eps, jnp.dtype(cfg.compute_dtype))
-    return fused_cross_entropy_sum(x, params["output"].astype(cfg.compute_dtype), targets, loss_mask)[0]
+    return fused_cross_entropy_sum(x, params["output"].astype(cfg.compute_dtype), targets, loss_mask,
+                                   context.rules)[0]
 
 
 # ---------------------------------------------------------------------------------------------

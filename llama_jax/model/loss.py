@@ -34,15 +34,16 @@ def cross_entropy_sum(logits: jax.Array, targets: jax.Array, mask: jax.Array) ->
     return jnp.sum(nll * mask), jnp.sum(mask)
 
 
-def fused_cross_entropy_sum(x: jax.Array, weight: jax.Array, targets: jax.Array,
-                            mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+def fused_cross_entropy_sum(x: jax.Array, weight: jax.Array, targets: jax.Array, mask: jax.Array,
+                            rules: tuple = ()) -> tuple[jax.Array, jax.Array]:
     """cross_entropy_sum(x @ weight, targets, mask) without the [batch, seq, vocab] logits.
 
     x [batch, seq, embed] final hidden states, weight [embed, vocab] (the transposed embedding table
-    when tied), targets [batch, seq] int, mask [batch, seq] float.
+    when tied), targets [batch, seq] int, mask [batch, seq] float. rules: the trace's logical-axis rules
+    (TraceContext.rules), which shard each chunk's logits; () leaves them to XLA.
     """
     chunks = chunk_count(x.shape[1])
-    return _fused(x, weight, targets, mask.astype(jnp.float32), chunks), jnp.sum(mask)
+    return _fused(x, weight, targets, mask.astype(jnp.float32), chunks, rules), jnp.sum(mask)
 
 
 def chunk_count(seq_len: int) -> int:
@@ -71,32 +72,32 @@ def _chunks(x, targets, mask, chunks: int):
     return _by_chunk(x, chunks), _by_chunk(targets, chunks), _by_chunk(mask, chunks)
 
 
-def _chunk_loss(x_c, weight, targets_c, mask_c):
+def _chunk_loss(x_c, weight, targets_c, mask_c, rules: tuple):
     """One chunk's fp32 logits [batch, seq / chunks, vocab], their log-sum-exp and its summed loss."""
     logits = nn.with_logical_constraint(
-        jnp.einsum("btd,dv->btv", x_c, weight, preferred_element_type=jnp.float32), LOGITS)
+        jnp.einsum("btd,dv->btv", x_c, weight, preferred_element_type=jnp.float32), LOGITS, rules=rules)
     lse = jax.nn.logsumexp(logits, axis=-1)
     return logits, lse, jnp.sum((lse - _target_logits(logits, targets_c)) * mask_c)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _fused(x, weight, targets, mask, chunks):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _fused(x, weight, targets, mask, chunks, rules):
     def add_chunk_loss(total, chunk):
         x_c, targets_c, mask_c = chunk
-        return total + _chunk_loss(x_c, weight, targets_c, mask_c)[2], None
+        return total + _chunk_loss(x_c, weight, targets_c, mask_c, rules)[2], None
 
     return jax.lax.scan(add_chunk_loss, jnp.zeros((), jnp.float32), _chunks(x, targets, mask, chunks))[0]
 
 
-def _fused_forward(x, weight, targets, mask, chunks):
+def _fused_forward(x, weight, targets, mask, chunks, rules):
     def chunk_loss_and_grads(carry, chunk):
         total, d_weight = carry
         x_c, targets_c, mask_c = chunk
-        logits, lse, loss = _chunk_loss(x_c, weight, targets_c, mask_c)
+        logits, lse, loss = _chunk_loss(x_c, weight, targets_c, mask_c, rules)
         # d(loss)/d(logits) = softmax - one_hot(target), for unmasked tokens
         vocab_ids = jnp.arange(logits.shape[-1], dtype=targets_c.dtype)
         d_logits = (jnp.exp(logits - lse[..., None]) - (vocab_ids == targets_c[..., None])) * mask_c[..., None]
-        d_logits = nn.with_logical_constraint(d_logits.astype(x.dtype), LOGITS)
+        d_logits = nn.with_logical_constraint(d_logits.astype(x.dtype), LOGITS, rules=rules)
         d_x = jnp.einsum("btv,dv->btd", d_logits, weight, preferred_element_type=jnp.float32).astype(x.dtype)
         d_weight = d_weight + jnp.einsum("btd,btv->dv", x_c, d_logits, preferred_element_type=jnp.float32)
         return (total + loss, d_weight), d_x
@@ -108,7 +109,7 @@ def _fused_forward(x, weight, targets, mask, chunks):
     return total, (d_x, d_weight.astype(weight.dtype))
 
 
-def _fused_backward(chunks, residuals, d_total):
+def _fused_backward(chunks, rules, residuals, d_total):
     d_x, d_weight = residuals
     # The loss is linear in its cotangent: the gradients computed in the forward pass, scaled.
     return (d_x * d_total).astype(d_x.dtype), (d_weight * d_total).astype(d_weight.dtype), None, None

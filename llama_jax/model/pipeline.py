@@ -23,14 +23,12 @@ each stage as without pipelining.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from llama_jax.model import platform
 from llama_jax.model.stages import LayerOrder
 
 STAGE_AXIS = "pipeline"
@@ -86,20 +84,20 @@ def unmicrobatched(a: jax.Array) -> jax.Array:
     return a.swapaxes(0, 1).reshape(a.shape[0] * a.shape[1], *a.shape[2:])
 
 
-def by_owner(stages: int, microbatches: int) -> tuple[Callable, Callable]:
+def by_owner(stages: int, microbatches: int, rules: tuple, mesh_shape: Mapping[str, int]) -> tuple[Callable, Callable]:
     """(split, merge): [B, ...] -> [M/P, P, B/M, ...], micro-batch i·P + p kept by stage p (1F1B), and back.
 
     Where the batch is split over the data axes and then the stages (the logical-axis table's `batch` rule
     ends with the pipeline axis), micro-batch i·P + p is made of rows stage p already holds: of each data
     shard's p-th block, the rows r·M/P + i. Nothing moves between devices. Otherwise micro-batch m holds rows
-    m, m + M, ... (as `microbatched`), moved there."""
+    m, m + M, ... (as `microbatched`), moved there. rules, mesh_shape: the trace's (TraceContext)."""
     P, M = stages, microbatches
-    axes = dict(nn.get_logical_axis_rules()).get("batch")
+    axes = dict(rules).get("batch")
     axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
     if not axes or axes[-1] != STAGE_AXIS:
         return (lambda a: microbatched(a, M).reshape(M // P, P, a.shape[0] // M, *a.shape[1:]),
                 lambda a: unmicrobatched(a.reshape(M, *a.shape[2:])))
-    shards = math.prod(jax.sharding.get_abstract_mesh().shape[axis] for axis in axes[:-1])
+    shards = math.prod(mesh_shape[axis] for axis in axes[:-1])
     order = (2, 1, 3, 0)  # [shards, P, rows, M/P] -> [M/P, P, shards, rows]
 
     def split(a):
@@ -124,8 +122,8 @@ def stage_groups(layout: PipelineLayout, layer_params):
     return groups, lambda index, repeat: jnp.asarray(counts, jnp.int32)[index, repeat]
 
 
-def summed_dtype(dtype) -> jnp.dtype:
-    """The dtype of sums over the stages. XLA:CPU cannot compile a sum over a manual axis in bf16 (its
-    all-reduce promotion pass aborts on the reducer jax emits), so on CPUs they run in fp32."""
-    return jnp.float32 if platform.backend() == "cpu" and dtype == jnp.bfloat16 else dtype
+def summed_dtype(dtype, platform: str) -> jnp.dtype:
+    """The dtype of sums over the stages on `platform` (the trace's). XLA:CPU cannot compile a sum over a manual
+    axis in bf16 (its all-reduce promotion pass aborts on the reducer jax emits), so on CPUs they run in fp32."""
+    return jnp.float32 if platform == "cpu" and dtype == jnp.bfloat16 else dtype
 

@@ -29,8 +29,6 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from llama_jax.model import platform
-
 FP8_FORWARD = jnp.float8_e4m3fn  # activations and weights
 FP8_GRADIENT = jnp.float8_e5m2  # output gradients: two more exponent bits, one less mantissa bit
 
@@ -97,14 +95,15 @@ _fp8_project.defvjp(_fp8_project_forward, _fp8_project_backward)
 
 
 def uses_cpu_backward(platform: str, enabled: bool = True) -> bool:
-    """Whether projections use the CPU backward pass (model.cpu_projection; other platforms keep einsum's)."""
+    """Whether projections use the CPU backward pass (model.cpu_projection; other platforms keep einsum's):
+    what the model passes project() for the platform of its trace (TraceContext.platform)."""
     return enabled and platform == "cpu"
 
 
 def project(spec: str, x: jax.Array, kernel: jax.Array, cpu_backward: bool = True) -> jax.Array:
     """jnp.einsum(spec, x, kernel) for specs like "btd,dnh->btnh": x's trailing axes contract with the
-    kernel's leading ones."""
-    if not uses_cpu_backward(platform.backend(), cpu_backward):
+    kernel's leading ones; with cpu_backward (uses_cpu_backward), its backward pass is the one for CPUs."""
+    if not cpu_backward:
         return jnp.einsum(spec, x, kernel)
     return _project(x, kernel, contracted_axes(spec))
 

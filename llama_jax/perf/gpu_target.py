@@ -14,7 +14,8 @@ What such a compile cannot know, and what is done about it:
   memory;
 - cuDNN attention's workspace is not sized (u8[0]): cudnn_workspace_bytes() adds it from the sizes measured on
   an H100 (docs/performance.md), applied to the largest cuDNN attention call of the compiled step;
-- jax checks the local GPU while tracing cuDNN attention: model/platform.py answers for the target.
+- jax checks the local GPU while tracing cuDNN attention: model/jax_workarounds.py answers for the target (the
+  TraceContext's gpu, traced_gpu).
 The plugin registers only where its CUPTI check passes, which on a machine without a driver needs
 JAX_PLATFORMS=cpu before jax starts (the CLI sets it for --target; the compile needs no local GPU).
 """
@@ -29,7 +30,7 @@ import jax
 from jax.experimental import topologies
 
 from llama_jax.errors import InputError
-from llama_jax.model.platform import Gpu
+from llama_jax.model.context import Gpu
 from llama_jax.perf.hardware import GPU_SPECS, GpuSpec, table_bandwidth, table_key
 
 # --target names -> the hardware table (H100 and H200 SXM, A100 SXM 80GB, B200 as on an HGX board).
@@ -76,7 +77,8 @@ def spec(target: str) -> GpuSpec:
 
 
 def traced_gpu(device_kind: str) -> Gpu:
-    """What jax's cuDNN checks are told while tracing for a GPU of this kind that is not here (model/platform.py)."""
+    """What jax's cuDNN checks are told while tracing for a GPU of this kind that is not here (the TraceContext's
+    gpu: model/jax_workarounds.py)."""
     s = GPU_SPECS[table_key(device_kind)]
     major, minor, patch = (int(part) for part in (s.cudnn.split(".") + ["0", "0"])[:3])
     return Gpu(s.compute_capability, major * 10000 + minor * 100 + patch)

@@ -3,7 +3,8 @@
 A TrainProgram is what training, evaluation, `plan`, `tune` and the benchmarks all build (with
 `TrainProgram.for_config(config)`, or `build(config, mesh)` on a mesh they already have): the model, the
 state's shardings, and three jitted functions (init, train step, eval step) whose inputs and outputs are
-placed by the logical-axis table of sharding.py.
+placed by the logical-axis table of sharding.py. It chooses what the model is traced for, its TraceContext
+(model/context.py): the mesh's platform, the mesh and that table (trace_context).
 
 A peft run (peft.method != none) trains adapters on a frozen base model: its state is a PeftState, whose
 params and optimizer state are the adapters' only, with the base's params beside them, frozen.
@@ -33,8 +34,9 @@ from llama_jax.data.loader import Batches
 from llama_jax.distributed import sharding
 from llama_jax.errors import ConfigError
 from llama_jax.files import format_bytes
-from llama_jax.model import peft, platform
+from llama_jax.model import jax_workarounds, peft
 from llama_jax.model.attention import select_implementation, skips_masked_blocks
+from llama_jax.model.context import TraceContext
 from llama_jax.model.llama import Llama, matmul_param_count, train_flops_per_token
 from llama_jax.model.pipeline import PipelineLayout
 from llama_jax.model.stages import LayerOrder, to_storage_order
@@ -175,21 +177,23 @@ class TrainProgram:
         return cls.build(config, sharding.make_mesh(config, devices=devices))
 
     @classmethod
-    def build(cls, config: Config, mesh: Mesh) -> TrainProgram:
-        """The programs of `config` on `mesh`; train.microbatches=auto compiles the step for each count
-        in turn and keeps the first that fits the memory budget."""
+    def build(cls, config: Config, mesh: Mesh, context: TraceContext | None = None) -> TrainProgram:
+        """The programs of `config` on `mesh`, traced for `context` (default: trace_context(config, mesh));
+        train.microbatches=auto compiles the step for each count in turn and keeps the first that fits the
+        memory budget."""
+        context = context or trace_context(config, mesh)
         if config.train.microbatches == "auto":
-            return cls._fewest_microbatches_that_fit(config, mesh)
+            return cls._fewest_microbatches_that_fit(config, mesh, context)
         layout = pipeline_layout(config, mesh)
         model = Llama(config.model, remat_config=config.remat, load_balanced=config.mesh.load_balance,
-                      peft=config.peft, pipeline=layout)
+                      peft=config.peft, pipeline=layout, context=context)
         # With pipelining the micro-batches are the pipeline's (inside the model); the step accumulates the
         # gradient over the passes through it, if there are several.
         accumulate = config.train.microbatches // layout.microbatches if layout else config.train.microbatches
         adapting = config.peft.method != "none"
         optimizer = make_optimizer(config.train)
         schedule = learning_rate(config.train)
-        rules = sharding.axis_rules(config)
+        rules = context.rules
         # Fail on an impossible attention kernel now, not in the middle of tracing the first step.
         select_implementation(config.model.attention, mesh_platform(mesh), config.model.compute_dtype,
                               config.model.resolved_head_dim, config.train.seq_len)
@@ -208,8 +212,10 @@ class TrainProgram:
                              frozen=base)
 
         # Shapes and logical axis names of the whole state, computed without allocating it; the
-        # optimizer moments inherit their parameter's names, so they are sharded alike.
-        boxed_shapes = jax.eval_shape(init_state, jax.random.key(0))
+        # optimizer moments inherit their parameter's names, so they are sharded alike. Traced for the context
+        # (for a GPU that is not here, cuDNN attention asks jax's checks).
+        with jax_workarounds.cudnn_checks_answered_by(context.gpu):
+            boxed_shapes = jax.eval_shape(init_state, jax.random.key(0))
         state_shardings = sharding.logical_to_sharding(boxed_shapes, mesh, rules)
         batch_sharding = sharding.batch_sharding(mesh)
 
@@ -237,7 +243,7 @@ class TrainProgram:
         )
 
     @classmethod
-    def _fewest_microbatches_that_fit(cls, config: Config, mesh: Mesh) -> TrainProgram:
+    def _fewest_microbatches_that_fit(cls, config: Config, mesh: Mesh, context: TraceContext) -> TrainProgram:
         """The program with the fewest micro-batches whose compiled step fits the budget; else the most
         (one sequence per device at a time), which check_fits then refuses."""
         rows = config.train.batch_size // (mesh.shape["data"] * mesh.shape["fsdp"])  # per batch shard
@@ -252,7 +258,7 @@ class TrainProgram:
         for count in counts:
             program = cls.build(dataclasses.replace(config,
                                                     train=dataclasses.replace(config.train, microbatches=count)),
-                                mesh)
+                                mesh, context)
             if program.memory_bytes() <= budget:
                 break
         return program
@@ -270,8 +276,12 @@ class TrainProgram:
     @property
     def for_gpus_elsewhere(self) -> bool:
         """Whether the mesh is made of compile-only GPUs (`--target`): planned, never run here."""
-        device = self.mesh.devices.flat[0]
-        return device.platform == "gpu" and compile_only(device)
+        return gpus_elsewhere(self.mesh)
+
+    @property
+    def context(self) -> TraceContext:
+        """What the model is traced for (model/context.py)."""
+        return self.model.context
 
     def memory_bytes(self) -> int:
         """Per device, what the compiled step needs: step_memory_bytes, plus cuDNN attention's workspace on
@@ -304,11 +314,11 @@ class TrainProgram:
 
     @contextlib.contextmanager
     def activate(self):
-        """Context in which the steps may be traced: the mesh and logical rules are visible, and the model picks
-        its kernels for the mesh's platform (model/platform.py)."""
-        device = self.mesh.devices.flat[0]
-        gpu = gpu_target.traced_gpu(device.device_kind) if self.for_gpus_elsewhere else None
-        with sharding.activate(self.mesh, sharding.axis_rules(self.config)), platform.tracing_for(device.platform, gpu):
+        """Context in which the steps may be traced and run: the mesh and the logical rules are jax's and Flax's
+        (the shardings of the state and batch; the model reads its own from self.context), and for a GPU that is
+        not here jax's cuDNN checks answer for it (model/jax_workarounds.py)."""
+        with sharding.activate(self.mesh, self.context.rules), \
+                jax_workarounds.cudnn_checks_answered_by(self.context.gpu):
             yield
 
     def abstract_state(self) -> TrainState:
@@ -381,12 +391,26 @@ def lower_step(config: Config, platform_name: str, target: str = "h100", devices
     if config.train.microbatches == "auto":
         stages = sharding.mesh_shape(config.mesh, len(devices or jax.devices()))["pipeline"]
         config = dataclasses.replace(config, train=dataclasses.replace(config.train, microbatches=stages))
-    program = TrainProgram.for_config(config, devices)
+    mesh = sharding.make_mesh(config, devices=devices)
     gpu = gpu_target.traced_gpu(gpu_target.spec(target).name) if platform_name == "cuda" else None
-    with sharding.activate(program.mesh, sharding.axis_rules(config)), \
-            platform.tracing_for("gpu" if platform_name in ("cuda", "rocm") else platform_name, gpu):
+    traced_for = "gpu" if platform_name in ("cuda", "rocm") else platform_name
+    program = TrainProgram.build(config, mesh, TraceContext.on_mesh(mesh, sharding.axis_rules(config), traced_for, gpu))
+    with program.activate():
         traced = program.train_step.trace(program.abstract_state(), program.abstract_batch())
         return traced.lower(lowering_platforms=(platform_name,))
+
+
+def trace_context(config: Config, mesh: Mesh) -> TraceContext:
+    """What the model of `config` on `mesh` is traced for: the platform of the mesh's devices, the mesh, the
+    logical-axis table, and for compile-only GPUs (`--target`) what jax's cuDNN checks are told."""
+    gpu = gpu_target.traced_gpu(mesh.devices.flat[0].device_kind) if gpus_elsewhere(mesh) else None
+    return TraceContext.on_mesh(mesh, sharding.axis_rules(config), gpu=gpu)
+
+
+def gpus_elsewhere(mesh: Mesh) -> bool:
+    """Whether `mesh` is made of compile-only GPUs (`--target`): planned, never run here."""
+    device = mesh.devices.flat[0]
+    return device.platform == "gpu" and compile_only(device)
 
 
 def pipeline_layout(config: Config, mesh: Mesh) -> PipelineLayout | None:
@@ -424,13 +448,13 @@ def mesh_platform(mesh: Mesh) -> str:
 
 
 def model_flops_per_token(config: Config, platform_name: str | None = None) -> float:
-    """train_flops_per_token for the attention kernel this config runs on `platform_name` (default: the platform
-    traced for, model/platform.py). Under context parallelism only
+    """train_flops_per_token for the attention kernel this config runs on `platform_name` (default: this process's
+    backend). Under context parallelism only
     cuDNN's padded calls skip the masked keys; the XLA kernel in their place computes them all. A peft
     run's frozen weights take part in the forward pass and the input gradients (4 FLOPs per parameter)
     but have no weight gradient (the other 2 of the 6); the adapters' own FLOPs are left out."""
     m = config.model
-    kernel = select_implementation(m.attention, platform_name or platform.backend(), m.compute_dtype,
+    kernel = select_implementation(m.attention, platform_name or jax.default_backend(), m.compute_dtype,
                                    m.resolved_head_dim, config.train.seq_len)
     skips = skips_masked_blocks(kernel) and (config.mesh.sequence == 1 or kernel == "cudnn")
     frozen = 2 * matmul_param_count(m) if config.peft.method != "none" else 0

@@ -20,26 +20,19 @@ embedding and the output projection live on every stage (sharded over fsdp and t
 replicated over pipeline), used by stage 0 and by all stages' share of the loss respectively.
 
 Inside a stage the pipeline axis is manual (a shard_map over it alone); the other axes stay automatic,
-so fsdp, tensor (and sequence parallelism) and sequence work within each stage as without pipelining.
+so fsdp, tensor (and sequence parallelism) and sequence work within each stage as without pipelining. The
+stage's body is traced in its own context (Stack.inside_stage: the pipeline axis out of the rules).
 A stage runs its group of layers as grouped.py does; one with fewer layers than its places (uneven stages)
 skips the empty places' compute.
 """
 
 from __future__ import annotations
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from llama_jax.model.pipeline import (
-    STAGE_AXIS,
-    microbatched,
-    stage_groups,
-    summed_dtype,
-    unmicrobatched,
-    without_stage_axis,
-)
+from llama_jax.model.pipeline import STAGE_AXIS, microbatched, stage_groups, summed_dtype, unmicrobatched
 from llama_jax.model.stack.grouped import run_stage
 from llama_jax.model.stack.layer import Stack
 
@@ -47,15 +40,11 @@ from llama_jax.model.stack.layer import Stack
 def run_gpipe(stack: Stack, layer_params, x: jax.Array, segment_ids: jax.Array, positions: jax.Array) -> jax.Array:
     """The whole layer stack over a batch: x [B, T, D] (embeddings), segment_ids, positions [B, T] -> [B, T, D],
     its batch split over the stages too. layer_params: the stack's, each stage's groups in one block (stages.py)."""
-    layout, names = stack.pipeline, stack.names
+    layout = stack.pipeline
     stages, repeats, microbatches = layout.stages, layout.repeats, layout.microbatches
     take = lambda a, i: jax.lax.dynamic_index_in_dim(a, i, keepdims=False)  # noqa: E731
-    inner_rules = without_stage_axis(nn.get_logical_axis_rules())
-
-    def pin(a):
-        """Every micro-batch's activations sharded alike within a stage, whichever buffer holds them."""
-        return nn.with_logical_constraint(a, (None,) * (a.ndim - len(names)) + names, rules=inner_rules)
-
+    stage = stack.inside_stage()
+    pin = stage.constrain  # every micro-batch's activations sharded alike within a stage, whichever buffer holds them
     dtype = x.dtype
 
     def local(layer_params, inputs, segment_ids, positions):
@@ -75,9 +64,8 @@ def run_gpipe(stack: Stack, layer_params, x: jax.Array, segment_ids: jax.Array, 
             mine = (t - index) % microbatches
             repeat = jnp.clip((t - index) // microbatches, 0, repeats - 1)
             weights = jax.tree.map(lambda w: take(w, repeat), groups)
-            with nn.logical_axis_rules(inner_rules):
-                x = run_stage(stack, weights, layer_count(index, repeat), x, take(segment_ids, mine),
-                              take(positions, mine))
+            x = run_stage(stage, weights, layer_count(index, repeat), x, take(segment_ids, mine),
+                          take(positions, mine))
             x = jax.lax.ppermute(x, STAGE_AXIS, [(i, (i + 1) % stages) for i in range(stages)])
             return (pin(x), pin(kept)), None
 
@@ -92,7 +80,7 @@ def run_gpipe(stack: Stack, layer_params, x: jax.Array, segment_ids: jax.Array, 
 
     # Embeddings enter every stage whole (only stage 0 reads them): gathered over the stages here; their
     # gradient is summed over the stages in the backward pass (summed_dtype).
-    summed = summed_dtype(dtype)
+    summed = summed_dtype(dtype, stack.context.platform)
     x = pin(x).astype(summed)
     stage_specs = PartitionSpec(STAGE_AXIS)
     out = jax.shard_map(local, in_specs=(stage_specs, PartitionSpec(), PartitionSpec(), PartitionSpec()),

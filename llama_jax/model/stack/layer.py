@@ -4,13 +4,15 @@
                   one typed pytree, the same for every layer: nn.scan broadcasts it, a pipeline makes one per
                   micro-batch. Adding an input to Block is a field here (made in llama.layer_inputs).
     Stack         how the layers run, chosen from the config: one Block, the function making its inputs,
-                  the remat policy (and its every_n_layers) and the pipeline layout; `way` names the way.
+                  the trace's context, the remat policy (and its every_n_layers) and the pipeline layout; `way`
+                  names the way, inside_stage() is the stack as a pipeline stage's body runs it.
     apply_block   one layer on its own params: what the ways that run the layers themselves call per layer.
     Head          the loss after the layers, for the way that computes it inside the stack (1F1B).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -18,6 +20,7 @@ from typing import Any, NamedTuple
 import flax.linen as nn
 import jax
 
+from llama_jax.model.context import TraceContext
 from llama_jax.model.pipeline import PipelineLayout
 
 
@@ -37,6 +40,7 @@ class Stack:
     block: nn.Module  # one layer, unbound (llama.Block): what apply_block applies
     inputs: Callable[[jax.Array | None, jax.Array], LayerInputs]  # (segment_ids, positions) -> the layers' inputs
     names: tuple[str, ...]  # the logical axis names of the activations between layers
+    context: TraceContext  # what the trace is for (the block's too): platform, mesh, logical-axis rules
     policy: Callable | None = None  # remat: what a layer keeps for its backward pass (None: everything)
     every_n: int = 1  # under a policy, only layers 0, n, 2n, ... recompute (remat.every_n_layers)
     pipeline: PipelineLayout | None = None  # stages over the mesh's pipeline axis (mesh.pipeline > 1)
@@ -54,11 +58,22 @@ class Stack:
         loss runs on the last stage as soon as its forward pass ends, so that its backward pass can start)."""
         return self.way == "1f1b"
 
+    def inside_stage(self) -> Stack:
+        """This stack as a pipeline stage's shard_map body runs it: its block, and its own constraints, in the
+        stage's context (the stage axis manual, out of the rules)."""
+        inner = self.context.inside_stage()
+        return dataclasses.replace(self, block=self.block.clone(context=inner), context=inner)
+
+    def constrain(self, a: jax.Array) -> jax.Array:
+        """Activations between layers [..., batch, seq, embed] (any leading axes: micro-batches, buffers) sharded
+        as `names` say, by the context's rules."""
+        return self.context.constrain(a, (None,) * (a.ndim - len(self.names)) + self.names)
+
 
 class Head(NamedTuple):
     """The loss of the final activations, computed inside the stack where the stack computes the loss."""
 
-    loss: Callable  # (params, x [batch, seq, embed], targets, loss_mask) -> the summed loss, fp32
+    loss: Callable  # (params, x [batch, seq, embed], targets, loss_mask, context) -> the summed loss, fp32
     params: Any  # its params (differentiated like the layers')
     targets: jax.Array  # [batch, seq]
     loss_mask: jax.Array  # [batch, seq]

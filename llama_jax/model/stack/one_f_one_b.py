@@ -52,13 +52,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from llama_jax.model.pipeline import STAGE_AXIS, by_owner, stage_groups, summed_dtype, without_stage_axis
+from llama_jax.model.pipeline import STAGE_AXIS, by_owner, stage_groups, summed_dtype
 from llama_jax.model.residuals import data_dependent
 from llama_jax.model.stack.grouped import run_stage
 from llama_jax.model.stack.layer import Stack
@@ -170,9 +169,10 @@ def unpacked(a, dtype):
 def pipelined_loss(stack: Stack, head: Callable) -> Callable:
     """(layer_params, head_params, x, batch) -> the summed loss of the batch, through the 1F1B schedule.
 
-    head(head_params, x, targets, loss_mask) -> summed loss of a micro-batch's final activations. x [B, T, D] are
-    the embeddings; batch holds targets, loss_mask, segment_ids and positions [B, T]. Each stage runs its groups of
-    layers as stack says (grouped.run_stage). Differentiable in layer_params, head_params and x.
+    head(head_params, x, targets, loss_mask, context) -> summed loss of a micro-batch's final activations, traced in
+    the stage's context. x [B, T, D] are the embeddings; batch holds targets, loss_mask, segment_ids and positions
+    [B, T]. Each stage runs its groups of layers as stack says (grouped.run_stage). Differentiable in layer_params,
+    head_params and x.
     """
     @jax.custom_vjp
     def loss(layer_params, head_params, x, batch):
@@ -204,8 +204,8 @@ def _run(stack: Stack, head: Callable, backward: bool, layer_params, head_params
     # stage reads them) and the documents' ids and positions (every stage), micro-batch by micro-batch, to
     # every stage.
     owners = PartitionSpec(None, STAGE_AXIS)
-    split, merge = by_owner(P, M)
-    x = split(x).astype(summed_dtype(dtype))
+    split, merge = by_owner(P, M, stack.context.rules, stack.context.mesh_shape)
+    x = split(x).astype(summed_dtype(dtype, stack.context.platform))
     batch = {k: split(v).reshape(M, -1, *v.shape[1:]) for k, v in batch.items()}
     out_specs = whole if not backward else (whole, stage_specs, whole, owners)
     out = jax.shard_map(local, in_specs=(stage_specs, whole, owners, whole), out_specs=out_specs,
@@ -249,10 +249,10 @@ class _Stage:
 
     def __init__(self, stack: Stack, head: Callable, backward: bool, dtype, layer_params, head_params, owned, batch):
         layout = stack.pipeline
-        self.stack, self.head, self.backward, self.dtype = stack, head, backward, dtype
+        # Traced in the stage's context: the stage axis is manual here.
+        self.stack, self.head, self.backward, self.dtype = stack.inside_stage(), head, backward, dtype
         self.P, self.R = layout.stages, layout.repeats
         self.tables = schedule(layout.stages, layout.repeats, layout.microbatches, backward)
-        self.inner_rules = without_stage_axis(nn.get_logical_axis_rules())
         # With repeats the last stage feeds stage 0.
         self.ahead = [(i, (i + 1) % self.P) for i in range(self.P if self.R > 1 else self.P - 1)]
         self.behind = [(b, a) for a, b in self.ahead]
@@ -278,8 +278,7 @@ class _Stage:
 
     def pin(self, a):
         """Activations sharded alike within a stage, whichever buffer holds them."""
-        names = self.stack.names
-        return nn.with_logical_constraint(a, (None,) * (a.ndim - len(names)) + names, rules=self.inner_rules)
+        return self.stack.constrain(a)
 
     def row(self, table: str, t) -> list[jax.Array]:
         """This stage's entries of a table at iteration t."""
@@ -294,12 +293,10 @@ class _Stage:
 
     def with_vjp(self, w, layers, x, segment_ids, positions):
         """The stage's output and its VJP (a pytree whose leaves are the residuals)."""
-        with nn.logical_axis_rules(self.inner_rules):
-            return jax.vjp(lambda w, x: run_stage(self.stack, w, layers, x, segment_ids, positions), w, x)
+        return jax.vjp(lambda w, x: run_stage(self.stack, w, layers, x, segment_ids, positions), w, x)
 
     def run_head(self, params, y, m):
-        with nn.logical_axis_rules(self.inner_rules):
-            return self.head(params, y, self.microbatch(m)["targets"], self.microbatch(m)["loss_mask"])
+        return self.head(params, y, self.microbatch(m)["targets"], self.microbatch(m)["loss_mask"], self.stack.context)
 
     def run(self):
         """The loop, then (with backward) the last embeddings' gradients on their way to their owners: the summed

@@ -24,7 +24,7 @@ def run_stack(stack: Stack, layers: nn.Module, x: jax.Array, segment_ids: jax.Ar
     if layers.is_initializing() or stack.way == "scan":
         x = scan.run_scan(layers, x, stack.inputs(segment_ids, positions))
         return x if head is None or not stack.computes_loss else head.loss(head.params, x, head.targets,
-                                                                           head.loss_mask)
+                                                                           head.loss_mask, stack.context)
     params = layers.variables["params"]
     if stack.way == "grouped":
         return grouped.run_layers(stack, params, x, stack.inputs(segment_ids, positions), dropout_key)

@@ -1,0 +1,82 @@
+"""What a trace of the model is for, passed in one object: the platform, the mesh and the logical-axis rules.
+
+The model picks kernels by platform (cuDNN attention on GPUs, the projections' CPU backward pass on CPUs, fp32
+sums over pipeline stages on CPUs), decides by the mesh whether attention runs in a shard_map (context
+parallelism, more tensor shards than kv heads) and how a pipeline splits its batch, and names its activations'
+shardings through the logical-axis rules. All of it comes from a TraceContext, a field of the model chosen by
+whoever builds it, never from what happens to be active while tracing:
+
+    TrainProgram (training/step.py)  the mesh's platform (a compile-only GPU's, planned from a CPU: `--target`;
+                                     lower_step's CUDA on this machine's CPUs), the mesh, sharding.axis_rules(config)
+                                     and, for a GPU that is not here, what jax's cuDNN checks are told (`gpu`)
+    Generator (inference/)           the params' mesh and the decoding table, or this process on its own
+    TraceContext.local()             this process's platform, no mesh, no rules: decoding on one device, tests
+                                     and code that call the model directly
+
+A pipeline stage's body is traced in context.inside_stage(): the stage axis is manual there, so it leaves the
+rules and joins manual_axes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import flax.linen as nn
+import jax
+from jax.sharding import Mesh, PartitionSpec
+
+from llama_jax.model.pipeline import STAGE_AXIS, without_stage_axis
+
+
+@dataclass(frozen=True)
+class Gpu:
+    """What jax's cuDNN checks ask of a GPU that is not here (jax_workarounds.py)."""
+
+    compute_capability: str  # e.g. "9.0"
+    cudnn_version: int  # as cuDNN reports it: 9.19.0 -> 91900
+
+
+@dataclass(frozen=True)
+class TraceContext:
+    """The platform, mesh and logical-axis rules a trace is for. Frozen and hashable: a field of Flax modules."""
+
+    platform: str  # 'cpu', 'gpu' or 'tpu': of the devices the step will run on, not always this process's
+    mesh: Mesh | None = None  # None: one device, nothing sharded
+    rules: tuple = ()  # the logical-axis table (sharding.axis_rules); (): no sharding constraints
+    gpu: Gpu | None = None  # compiled for a GPU that is not here: what jax's cuDNN checks are told
+    manual_axes: tuple[str, ...] = ()  # mesh axes a shard_map made manual here (a pipeline stage's)
+
+    @classmethod
+    def local(cls) -> TraceContext:
+        """This process's platform, no mesh, no rules: the model run where it is called."""
+        return cls(jax.default_backend())
+
+    @classmethod
+    def on_mesh(cls, mesh: Mesh, rules: tuple, platform: str | None = None, gpu: Gpu | None = None) -> TraceContext:
+        """For `mesh` under `rules`; the platform is that of the mesh's devices unless given."""
+        return cls(platform or mesh.devices.flat[0].platform, mesh, tuple(rules), gpu)
+
+    @property
+    def mesh_shape(self) -> dict[str, int]:
+        """{mesh axis: devices along it}; {} without a mesh."""
+        return {} if self.mesh is None else dict(self.mesh.shape)
+
+    def axis_size(self, axes: str | tuple[str, ...] | None) -> int:
+        """How many devices the mesh axes `axes` span (1 without a mesh, or for None)."""
+        axes = () if axes is None else (axes,) if isinstance(axes, str) else axes
+        return math.prod(self.mesh_shape.get(a, 1) for a in axes)
+
+    def mesh_axes(self, names: tuple[str | None, ...]) -> PartitionSpec:
+        """The mesh axes of logical axis names, by the rules."""
+        return nn.logical_to_mesh_axes(names, self.rules)
+
+    def constrain(self, x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
+        """x sharded as its logical axis names say, by the rules (no-op without rules or outside a mesh)."""
+        return nn.with_logical_constraint(x, names, rules=self.rules)
+
+    def inside_stage(self) -> TraceContext:
+        """The context of a pipeline stage's shard_map body: the stage axis is manual there, out of the rules."""
+        return dataclasses.replace(self, rules=without_stage_axis(self.rules),
+                                   manual_axes=(*self.manual_axes, STAGE_AXIS))
