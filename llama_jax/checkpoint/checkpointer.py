@@ -107,13 +107,14 @@ class Checkpointer:
     a step restores (a step that fails on any one process is set aside by all)."""
 
     def __init__(self, tiers: Tiers, config: CheckpointConfig, identity: Identity | None = None,
-                 peers: Peers | None = None, log: Callable[[str], None] = print, injector: Injector = NO_INJECTION):
+                 peers: Peers | None = None, print_fn: Callable[[str], None] = print,
+                 injector: Injector = NO_INJECTION):
         """`tiers`: where the checkpoints are; `identity`: what steps are saved with and must hold (Identity; by
         default any step); `peers`: the other processes, every shared decision goes through them; `injector`
         (resilience/inject.py, testing only) may delay this process's saves or fail its writes."""
         identity = identity or Identity()
         run_dir = Path(tiers.run_dir)
-        self.config, self.meta, self.log, self.local = config, identity.meta, log, tiers.local
+        self.config, self.meta, self.print_fn, self.local = config, identity.meta, print_fn, tiers.local
         quiet_storage_noise()
         self.model, self.check = identity.model, identity.check or (lambda meta: None)
         self.layout = identity.layout  # the pipeline layout of this run: restored layers are put in its order
@@ -274,8 +275,8 @@ class Checkpointer:
                                                      f"(checkpoint.max_failed_saves={bound})")
             raise StorageFailure(f"{failed}; {why}: stopping (exit {EXIT_STORAGE}); {kept}{self._newer_local(newest)}; "
                                  "free space or fix the filesystem, then re-run the same command")
-        self.log(f"warning: {failed}; {kept}; training goes on and saves again at the next interval "
-                 f"({self.failed_in_a_row} of checkpoint.max_failed_saves={bound} failed saves in a row)")
+        self.print_fn(f"warning: {failed}; {kept}; training goes on and saves again at the next interval "
+                      f"({self.failed_in_a_row} of checkpoint.max_failed_saves={bound} failed saves in a row)")
 
     def _newer_local(self, durable: int) -> str:
         """Where the local tier holds a newer step than checkpoints/: what a restart resumes from."""
@@ -303,7 +304,7 @@ class Checkpointer:
 
     def _say(self, line: str | None) -> None:
         if line:
-            self.log(line)
+            self.print_fn(line)
 
     def advice(self, step_s: float) -> str:
         """The Young/Daly interval for the median save cost so far, next to the interval in use (per tier)."""
@@ -367,7 +368,8 @@ class Checkpointer:
             return {}
         meta = self.local.meta(next(iter(steps))) or {}
         if saved_layer_order(meta) != self.layout:
-            self.log("the local tier's steps were saved in another pipeline layer order; restoring from checkpoints/")
+            self.print_fn("the local tier's steps were saved in another pipeline layer order; restoring from "
+                          "checkpoints/")
             return {}
         self._check(meta, self.local.directory)
         return steps
@@ -387,7 +389,7 @@ class Checkpointer:
             warn(f"warning: {restored}; trying the next copy")
             return None
         state, data_state, copies = restored
-        self.log(f"restored step {step} from the local tier ({copies})")
+        self.print_fn(f"restored step {step} from the local tier ({copies})")
         return Restored(state=state, data=data_state, step=step, copies=copies, path=path)
 
     def _restore_durable(self, step, abstract_state, warn) -> Restored | None:

@@ -99,7 +99,7 @@ def cmd_doctor(ns: argparse.Namespace) -> int:
         if primary and not ns.json:
             print(line, flush=True)
 
-    report = preflight.check(config, mesh, peers, say=note)
+    report = preflight.check(config, mesh, peers, print_fn=note)
     if primary:
         print(preflight.report_json(report) if ns.json else preflight.format_report(report))
     # Unhealthy: exit 71, and the verdict goes into run.dir only if that exists (doctor starts no run).

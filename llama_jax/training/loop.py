@@ -57,51 +57,50 @@ def train(config: Config, print_fn: Callable[[str], None] = print, *, devices=No
                           "filesystem")
     config = processes.on_fewer_processes(config, jax.process_count())
     primary = jax.process_index() == 0
-    say = print_fn if primary else _warnings_only(print_fn)
+    print_fn = print_fn if primary else _warnings_only(print_fn)  # this process's voice
     if primary:
         print_fn(describe(config))
     if os.environ.get(LAUNCHED_BY) and not config.checkpoint.periodic:
-        say(f"warning: under {os.environ[LAUNCHED_BY]} a failed run restarts from its newest checkpoint, and this one "
-            "saves none until it ends (checkpoint.every_steps=0, no every_minutes, no local tier): every restart "
-            "starts again from step 0; set checkpoint.every_steps=auto")
+        print_fn(f"warning: under {os.environ[LAUNCHED_BY]} a failed run restarts from its newest checkpoint, and this "
+                 "one saves none until it ends (checkpoint.every_steps=0, no every_minutes, no local tier): every "
+                 "restart starts again from step 0; set checkpoint.every_steps=auto")
     f, injector = config.fault, Injector(config.inject, jax.process_index())
     peers = Peers(f.barrier_timeout_s, injected_stall_at=injector.stall_at)
     # What this process was last doing, published to the others: a hang names the process the run waits for.
     peers.recorder = FlightRecorder(Path(config.run.dir), peers.index, peers.count, processes.node_name(),
                                     capacity=f.flight_events, heartbeat_s=f.flight_heartbeat_s, client=peers.client)
     with peers.recorder:
-        return _train(config, peers, say, print_fn, devices, started_at)
+        return _train(config, peers, print_fn, devices, started_at)
 
 
-def _train(config: Config, peers: Peers, say: Callable[[str], None], print_fn: Callable[[str], None], devices,
-           started_at: float) -> dict:
+def _train(config: Config, peers: Peers, print_fn: Callable[[str], None], devices, started_at: float) -> dict:
     f = config.fault
     peers.recorder.record("setup", "building the mesh and opening the data")
     mesh = sharding.make_mesh(config, devices=devices)
     # Process 0 prepares raw sources into the cache first, so processes sharing it never race.
-    data = primary_first(lambda: open_data(config, log=say), (InputError,), peers)
+    data = primary_first(lambda: open_data(config, print_fn=print_fn), (InputError,), peers)
     if f.preflight:  # a slow or faulty device is named before the step compiles or a checkpoint restores (exit 71)
-        report = preflight.check(config, mesh, peers, say)
-        say(preflight.summary(report))
+        report = preflight.check(config, mesh, peers, print_fn)
+        print_fn(preflight.summary(report))
         preflight.enforce(report, Path(config.run.dir), create=True, peers=peers)  # a starting run: may make run.dir
     peers.recorder.record("setup", "compiling the train step")
     run = Run.setup(config, mesh, data, peers)
     if config.train.microbatches == "auto":
-        say(f"train.microbatches=auto: {run.config.train.microbatches}, the fewest whose step fits "
-            "run.device_memory_gb")
-    return execute(run, say, started_at)
+        print_fn(f"train.microbatches=auto: {run.config.train.microbatches}, the fewest whose step fits "
+                 "run.device_memory_gb")
+    return execute(run, print_fn, started_at)
 
 
 def _warnings_only(print_fn: Callable[[str], None]) -> Callable[[str], None]:
     """The voice of processes other than 0: their warnings (a straggler, a skipped step) still matter."""
     process = jax.process_index()
 
-    def say(line: str) -> None:
+    def warnings(line: str) -> None:
         if line.startswith("warning"):
             print_fn(f"[process {process}] {line}")
             sys.stdout.flush()  # several processes share a terminal or a log file
 
-    return say
+    return warnings
 
 
 def execute(run: Run, print_fn: Callable[[str], None] = print, started_at: float | None = None) -> dict:

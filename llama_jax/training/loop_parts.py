@@ -111,10 +111,10 @@ class Loop:
         try:
             c = config.checkpoint
             local = LocalTier(c.local_dir, run_dir, mesh, run.peers, c.local_keep, c.local_replicas,
-                              log=log.message) if c.local_dir else None
+                              print_fn=log.message) if c.local_dir else None
             identity = Identity(meta=run.metadata(), model=run.metadata()["config"]["model"], check=run.check_meta,
                                 layout=run.layer_order)
-            checkpointer = Checkpointer(Tiers(run_dir, local=local), c, identity, peers=run.peers, log=log.message,
+            checkpointer = Checkpointer(Tiers(run_dir, local=local), c, identity, peers=run.peers, print_fn=log.message,
                                         injector=injector)
             loop = cls(
                 run=run, log=log, checkpointer=checkpointer,
@@ -194,7 +194,7 @@ class Loop:
     def observe(self, done: Dispatched) -> str:
         """Read a dispatched step's metrics (waiting for it), account for it and log it when due; the guard's
         verdict: ok, skipped, spike or rollback. The only device-to-host transfer of a step."""
-        t, say, step, compiled = self.run.config.train, self.log.message, done.step, done.first
+        t, print_fn, step, compiled = self.run.config.train, self.log.message, done.step, done.first
         self._record("step", f"waiting for step {step}'s result")
         reading = time.perf_counter()
         metrics = {k: float(v) for k, v in jax.device_get(done.metrics).items()}
@@ -207,15 +207,15 @@ class Loop:
             self.meter.add(seconds, waited)
             self.checkpointer.step_timed(seconds)
             if warning := self.stragglers.observe(step, seconds, process=jax.process_index()):
-                say(warning)
+                print_fn(warning)
             self.hosts.add(seconds, max(0.0, seconds - blocked))
             if step % self.hosts.every == 0:
                 self._score_hosts(step)
         verdict = self.guard.observe(step, metrics["loss"], bool(metrics.pop("finite")))
         if verdict == "skipped":
-            say(f"warning: step {step} skipped: non-finite loss or gradient norm")
+            print_fn(f"warning: step {step} skipped: non-finite loss or gradient norm")
         elif verdict == "spike":
-            say(f"warning: step {step} loss spike: {metrics['loss']:.4f}")
+            print_fn(f"warning: step {step} loss spike: {metrics['loss']:.4f}")
         if verdict != "rollback" and (compiled or step % t.log_every == 0 or step == t.steps):
             record = {"step": step, **metrics, "skipped_total": self.guard.bad_steps_total, **self.meter.record()}
             self.log.log(record | ({"compile_s": seconds} if compiled else {}))
@@ -299,23 +299,23 @@ class Loop:
     def roll_back(self, state: TrainState, step: int, data_step: int) -> tuple[TrainState, int]:
         """After max_bad_steps bad steps in a row: back to the newest checkpoint before the first of them (a bad
         step is never saved), skipping the batches since."""
-        guard, say, config = self.guard, self.log.message, self.run.config
+        guard, print_fn, config = self.guard, self.log.message, self.run.config
         with self.watchdog.paused("rollback", config.checkpoint.timeout_s), self.goodput.pause(None):
             self.checkpointer.wait()
             # As at start-up: the newest step that restores on every process, one decision for all.
-            found = self.checkpointer.restore_newest(self.run.program.abstract_checkpoint(), say,
+            found = self.checkpointer.restore_newest(self.run.program.abstract_checkpoint(), print_fn,
                                                      before=guard.first_bad_step)
             if found.state is None:
-                say(f"warning: {guard.consecutive} bad steps in a row at step {step} and no checkpoint to roll "
-                    "back to")
+                print_fn(f"warning: {guard.consecutive} bad steps in a row at step {step} and no checkpoint to roll "
+                         "back to")
                 guard.reset()
                 return state, step
             back_step, back = found.step, found.state
             back = self.run.program.with_frozen(back, getattr(state, "frozen", None))  # the base stays as it is
         self.goodput.discard(back_step, step)
         self.held.clear()  # the bad run is gone with its held saves
-        say(f"warning: {guard.consecutive} bad steps in a row: rolled back from step {step} to {back_step}; "
-            f"the data continues at batch {data_step}, skipping the {step - back_step} batches since")
+        print_fn(f"warning: {guard.consecutive} bad steps in a row: rolled back from step {step} to {back_step}; "
+                 f"the data continues at batch {data_step}, skipping the {step - back_step} batches since")
         guard.reset()
         return back, back_step
 
