@@ -47,12 +47,12 @@ def bench_prepare(source: Path, text_bytes: int, vocab: int, work: Path) -> dict
         out = work / f"store-{workers}"
         start = time.perf_counter()
         prepare(PrepareOptions(inputs=(str(source),), out=str(out), tokenizer=str(tokenizer_path), workers=workers),
-                log=lambda _: None, progress=False)
+                print_fn=lambda _: None, progress=False)
         seconds = time.perf_counter() - start
         results[f"prepare_mb_per_s_{workers}_workers"] = text_bytes / 1e6 / seconds
         start = time.perf_counter()  # a re-run on the same inputs must be a no-op
         prepare(PrepareOptions(inputs=(str(source),), out=str(out), tokenizer=str(tokenizer_path), workers=workers),
-                log=lambda _: None, progress=False)
+                print_fn=lambda _: None, progress=False)
         results["prepare_rerun_s"] = time.perf_counter() - start
     results["store"] = str(out)
     return results
@@ -61,7 +61,7 @@ def bench_prepare(source: Path, text_bytes: int, vocab: int, work: Path) -> dict
 def bench_loader(config, batches: int) -> dict:
     from llama_jax.data.streams import open_data
 
-    data = open_data(config, log=lambda _: None)
+    data = open_data(config, print_fn=lambda _: None)
     tokens = config.train.batch_size * config.train.seq_len
     results = {}
     for threads in (0, config.data.loader_threads):

@@ -328,7 +328,7 @@ def loss_curve(config: Config, steps: int) -> list[float]:
     warmup = min(config.train.warmup_steps, max(1, steps // 5))
     plays = dataclasses.replace(config.data, sources=["shakespeare"], tokenizer="bpe", weights=[])
     config = dataclasses.replace(config, train=dataclasses.replace(config.train, warmup_steps=warmup), data=plays)
-    text = open_data(config, log=lambda message: None).train
+    text = open_data(config, print_fn=lambda message: None).train
     program = TrainProgram.for_config(config, devices=jax.devices()[:1])
     losses = []
     with program.activate():

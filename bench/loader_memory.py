@@ -113,7 +113,7 @@ def measure(args: argparse.Namespace) -> dict:
                                   f"train.seq_len={args.seq_len}", f"train.batch_size={args.batch_size}",
                                   f"model.max_seq_len={args.seq_len}"])
     start = time.perf_counter()
-    data = open_data(config, log=lambda _: None)
+    data = open_data(config, print_fn=lambda _: None)
     rows_per_epoch = data.train.components[0].rows_in_epoch(0)
     late = (rows_per_epoch + data.train.components[0].rows_in_epoch(1) // 2) // args.batch_size  # mid epoch 1
     batches = data.train.iterate(late, late + args.batches + 1, None, config.data.loader_threads, config.data.prefetch)

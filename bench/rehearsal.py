@@ -18,7 +18,7 @@ measure 0.8x the median by chance (the injected slow device runs 10x over: 0.1x)
 Faults: after the run is training (the newest attempt has timed a step), wait an exponentially distributed time
 (mean 3600 / --failures-per-hour seconds, seeded), then inject the next fault into a random process. The first six
 faults are the six kinds in a seeded order, so a short rehearsal sees each once; later ones are drawn from
-Llama 3's mix (llama_jax/training/goodput_projection.py: LLAMA3_MIX, plus its 47 planned interruptions):
+Llama 3's mix (llama_jax/training/goodput_model.py: LLAMA3_MIX, plus its 47 planned interruptions):
     crash               SIGKILL a trainer (software bug)
     hang                SIGSTOP a trainer: its peers' heartbeat (or watchdog, barriers) must end the attempt
     host_lost           SIGKILL a trainer and delete its node-local directory: its partner's copy must serve

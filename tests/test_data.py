@@ -137,7 +137,7 @@ def run_prepare(inputs, out, tokenizer, logs=None, **options):
     options.setdefault("workers", 1)
     logs = [] if logs is None else logs
     return prepare(PrepareOptions(inputs=tuple(str(i) for i in inputs), out=str(out), tokenizer=str(tokenizer),
-                                  **options), log=logs.append, progress=False)
+                                  **options), print_fn=logs.append, progress=False)
 
 
 # --------------------------------------------------------------------------------------------
@@ -277,8 +277,10 @@ def test_prepare_is_deterministic_across_runs_and_worker_counts(tmp_path, small_
     write_jsonl(tmp_path / "in" / "b.jsonl", [{"text": d} for d in make_documents(60, seed=2)])
     common = dict(inputs=(str(tmp_path / "in"),), train_vocab=290, read=ReadOptions(text_unit="paragraph"),
                   val_every_nth_doc=5)
-    one = prepare(PrepareOptions(out=str(tmp_path / "one"), workers=1, **common), log=lambda _: None, progress=False)
-    two = prepare(PrepareOptions(out=str(tmp_path / "two"), workers=2, **common), log=lambda _: None, progress=False)
+    one = prepare(PrepareOptions(out=str(tmp_path / "one"), workers=1, **common), print_fn=lambda _: None,
+                    progress=False)
+    two = prepare(PrepareOptions(out=str(tmp_path / "two"), workers=2, **common), print_fn=lambda _: None,
+                    progress=False)
     meta = TokenStore(one).meta
     assert meta["units"] > 2 and meta["fingerprint"] == TokenStore(two).meta["fingerprint"]
     assert not (one / ".prepare.json").exists() and not (two / ".prepare.json").exists()
@@ -632,16 +634,16 @@ def test_open_data_refuses_mismatched_or_short_stores(tmp_path, tok):
                         read=read)
     other_tok = train_bpe(make_documents(50, seed=7), 280).save(tmp_path / "other_tok")
     config = tiny_config(tmp_path, data=dict(sources=[str(store)], tokenizer=str(other_tok)))
-    one_line_error(lambda: open_data(config, log=lambda _: None), "another tokenizer than data.tokenizer",
+    one_line_error(lambda: open_data(config, print_fn=lambda _: None), "another tokenizer than data.tokenizer",
                    str(other_tok))
     config = tiny_config(tmp_path, data=dict(sources=[str(store)], tokenizer=str(tok)), model=dict(vocab_size=280))
-    one_line_error(lambda: open_data(config, log=lambda _: None), "300", "280")
+    one_line_error(lambda: open_data(config, print_fn=lambda _: None), "300", "280")
     short = run_prepare([write_paragraphs(tmp_path / "b.txt", make_documents(6))], tmp_path / "short", tok,
                         read=read, val_every_nth_doc=2)
     config = tiny_config(tmp_path, data=dict(sources=[str(short)], tokenizer=str(tok)))
-    one_line_error(lambda: open_data(config, log=lambda _: None), "fewer than one batch of 8 x 33")
+    one_line_error(lambda: open_data(config, print_fn=lambda _: None), "fewer than one batch of 8 x 33")
     config = tiny_config(tmp_path, data=dict(sources=[str(store)], tokenizer=str(tok)))
-    assert open_data(config, log=lambda _: None).train.batch(0)["tokens"].shape == (8, 32)
+    assert open_data(config, print_fn=lambda _: None).train.batch(0)["tokens"].shape == (8, 32)
 
 
 # --------------------------------------------------------------------------------------------
@@ -653,7 +655,7 @@ def test_open_data_prepares_once_into_the_cache(tmp_path):
     write_paragraphs(tmp_path / "corpus" / "b.txt", make_documents(250, seed=2))
     config = tiny_config(tmp_path, data=dict(sources=[str(tmp_path / "corpus")], text_unit="paragraph"))
     logs = []
-    data = open_data(config, log=logs.append)
+    data = open_data(config, print_fn=logs.append)
     assert data.tokenizer.vocab_size <= config.model.vocab_size
     for split in (data.train, data.val):
         batch = split.batch(1)
@@ -666,7 +668,7 @@ def test_open_data_prepares_once_into_the_cache(tmp_path):
     mtimes = {name: p.stat().st_mtime_ns for name, p in all_files(stores[0]).items()}
 
     logs = []
-    again = open_data(config, log=logs.append)
+    again = open_data(config, print_fn=logs.append)
     assert any("up to date" in line for line in logs)
     assert list((tmp_path / "cache" / "stores").iterdir()) == stores
     assert {name: p.stat().st_mtime_ns for name, p in all_files(stores[0]).items()} == mtimes
@@ -674,7 +676,7 @@ def test_open_data_prepares_once_into_the_cache(tmp_path):
     for step in (0, 3, 50):  # a fresh pipeline gives the same batches
         assert_batch_equal(again.train.batch(step), data.train.batch(step))
     assert_batch_equal(again.val.batch(0), data.val.batch(0))
-    reseeded = open_data(dataclasses.replace(config, seed=1), log=lambda _: None)
+    reseeded = open_data(dataclasses.replace(config, seed=1), print_fn=lambda _: None)
     assert reseeded.fingerprint != data.fingerprint
     assert not np.array_equal(reseeded.train.batch(0)["tokens"], data.train.batch(0)["tokens"])
     assert_batch_equal(reseeded.val.batch(0), data.val.batch(0))  # validation does not depend on the seed
@@ -686,7 +688,7 @@ def test_raw_sources_share_the_first_sources_tokenizer(tmp_path):
     second = write_paragraphs(tmp_path / "b" / "b.txt", alphabet_documents(300, HIGH, seed=2))
     config = tiny_config(tmp_path, data=dict(sources=[str(first), str(second)], weights=[1.0, 3.0],
                                              text_unit="paragraph"))
-    data = open_data(config, log=lambda _: None)
+    data = open_data(config, print_fn=lambda _: None)
     stores = sorted((tmp_path / "cache" / "stores").iterdir())
     assert len(stores) == 2
     hashes = {json.loads((s / "meta.json").read_text())["tokenizer"]["sha256"] for s in stores}
@@ -699,7 +701,7 @@ def test_validation_smaller_than_a_batch_repeats_its_rows(tmp_path, tok):
     store = run_prepare([write_paragraphs(tmp_path / "a.txt", make_documents(400))], tmp_path / "store", tok,
                         read=ReadOptions(text_unit="paragraph"), val_every_nth_doc=200)
     config = tiny_config(tmp_path, data=dict(sources=[str(store)], tokenizer=str(tok)))
-    data = open_data(config, log=lambda _: None)
+    data = open_data(config, print_fn=lambda _: None)
     assert data.val.components[0].documents.tokens < 8 * 33
     assert data.val.batches_per_epoch() == 1
     assert data.val.batch(0)["loss_mask"].sum() > 0

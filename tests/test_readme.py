@@ -173,7 +173,7 @@ def test_readme_data_guide_commands_build_and_train_on_stores(tmp_path, monkeypa
     from llama_jax.data.streams import open_data
 
     config = load_config(args[0], args[1:] + ["train.batch_size=2", "train.seq_len=32"])
-    data = open_data(config, log=lambda _: None)
+    data = open_data(config, print_fn=lambda _: None)
     assert data.train.batch(0)["tokens"].shape == (2, 32)
 
 

@@ -141,7 +141,7 @@ def test_resumed_run_is_bitwise_identical_to_straight_run(fp8, tmp_path, corpus)
     cfg = tiny_config(tmp_path, model=dict(fp8=fp8), train=dict(steps=8, lr=1e-2),
                       data=dict(sources=[str(corpus)], cache_dir=str(tmp_path / "cache")),
                       checkpoint=dict(every_steps=4))
-    prepared = open_data(cfg, log=lambda _: None)
+    prepared = open_data(cfg, print_fn=lambda _: None)
     mesh = one_device_mesh(cfg)
     run_dir = Path(cfg.run.dir)
 

@@ -7,9 +7,12 @@ between formats, and the one place that decides where a run starts.
     relayout.py      a local step on another process count or mesh, from the shards the hosts hold
     interval.py      Young/Daly: how often to save
     checkpointer.py  a run's Checkpointer: when a save is due, saving and restoring across tiers
+    storage_failures.py  a write's storage failures: which errors are the storage's, their one-line record, the
+                     room check before a save, Orbax's log records of them
     specs.py         model specs: hf:DIR, a run, a step -> architecture, params, tokenizer
     convert.py       `llama-jax convert`: Hugging Face <-> llama-jax, PEFT adapters
     average.py       `llama-jax average`: the mean of a run's checkpoints, a parameter at a time
+    start.py         where a run starts, decided in one place: its own steps, resume_from, init_from, a base
 
 Imports resilience/ (goodput's observed failures), interop/, distributed/, model/, data/ (tokenizers),
 config/, files.py and errors.py.

@@ -30,8 +30,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import errno
-import logging
 import shutil
 import statistics
 import time
@@ -41,48 +39,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import jax
 import orbax.checkpoint as ocp
 
 from llama_jax.checkpoint.durable import ITEMS, check_model, read_meta, read_step, saved_layer_order
 from llama_jax.checkpoint.interval import DEFAULT_MTBF_S, Figures, Interval
 from llama_jax.checkpoint.local import LocalTier, finished_steps
 from llama_jax.checkpoint.relayout import covered_steps, restore_moved
+from llama_jax.checkpoint.storage_failures import check_room, failure_record, quiet_storage_noise
 from llama_jax.config import CheckpointConfig
 from llama_jax.distributed.peers import Peers
 from llama_jax.errors import EXIT_STORAGE, ConfigError, StorageFailure
-from llama_jax.files import STORAGE_ERRNOS, describe_write_failure, free_bytes, storage_errno
 from llama_jax.model.stages import NATURAL, LayerOrder
 from llama_jax.resilience.goodput import observed_mtbf_s
 from llama_jax.resilience.inject import NO_INJECTION, Injector
 
 STEP_WINDOW = 50  # the latest step times an automatic interval takes the median of
-
-
-def _is_storage_failure(err: BaseException | None) -> bool:
-    while err is not None:
-        if storage_errno(err) in STORAGE_ERRNOS:
-            return True
-        err = err.__cause__ or err.__context__
-    return False
-
-
-class _ReportedHere(logging.Filter):
-    """Orbax logs one failed write from each of its threads, with a traceback (some 30 lines for one full disk);
-    the Checkpointer reports it in one line (which step, why, where, the free space), so those records go."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not (_is_storage_failure(record.exc_info[1] if record.exc_info else None)
-                    or "os_error_code=" in record.getMessage())
-
-
-def _quiet_storage_noise() -> None:
-    """Drop Orbax's records of the storage failures this module reports itself; everything else passes through.
-    (A write that fails midway can still leave TensorStore's 'Event loop is closed' tracebacks, printed from its
-    own threads: _check_room keeps the common case, a full disk, from starting such a write.)"""
-    absl = logging.getLogger("absl")
-    if not any(isinstance(f, _ReportedHere) for f in absl.filters):
-        absl.addFilter(_ReportedHere())
 
 
 @dataclass(frozen=True)
@@ -136,14 +107,15 @@ class Checkpointer:
     a step restores (a step that fails on any one process is set aside by all)."""
 
     def __init__(self, tiers: Tiers, config: CheckpointConfig, identity: Identity | None = None,
-                 peers: Peers | None = None, log: Callable[[str], None] = print, injector: Injector = NO_INJECTION):
+                 peers: Peers | None = None, print_fn: Callable[[str], None] = print,
+                 injector: Injector = NO_INJECTION):
         """`tiers`: where the checkpoints are; `identity`: what steps are saved with and must hold (Identity; by
         default any step); `peers`: the other processes, every shared decision goes through them; `injector`
         (resilience/inject.py, testing only) may delay this process's saves or fail its writes."""
         identity = identity or Identity()
         run_dir = Path(tiers.run_dir)
-        self.config, self.meta, self.log, self.local = config, identity.meta, log, tiers.local
-        _quiet_storage_noise()
+        self.config, self.meta, self.print_fn, self.local = config, identity.meta, print_fn, tiers.local
+        quiet_storage_noise()
         self.model, self.check = identity.model, identity.check or (lambda meta: None)
         self.layout = identity.layout  # the pipeline layout of this run: restored layers are put in its order
         self.peers = peers or Peers(timeout_s=600.0)
@@ -212,7 +184,7 @@ class Checkpointer:
         time.sleep(self.injector.save_delay_s)
         meta = {**self.meta, "step": step, "saved_at": datetime.datetime.now(datetime.UTC).isoformat()}
         try:
-            self._check_room(state)
+            check_room(state, self.directory)
             self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                             data=ocp.args.JsonSave(data_state),
                                                             meta=ocp.args.JsonSave(meta)), force=True)
@@ -221,16 +193,6 @@ class Checkpointer:
             self.failure = self._failure(step, err)
         self.last_save_time = time.monotonic()
         return self._measured(self.durable, time.perf_counter() - start, self._write_seconds)
-
-    def _check_room(self, state: Any) -> None:
-        """A save that cannot fit is not started: this process's share of the state (each array's shards whose
-        first replica it holds) against the free space, so a full disk fails before Orbax writes a partial step
-        (and before its threads report the failure many times over)."""
-        share = sum(shard.data.nbytes for leaf in jax.tree_util.tree_leaves(state) if isinstance(leaf, jax.Array)
-                    for shard in leaf.addressable_shards if shard.replica_id == 0)
-        free = free_bytes(self.directory)
-        if free is not None and share > free:
-            raise OSError(errno.ENOSPC, f"a checkpoint share of {share} bytes does not fit")
 
     def _write_seconds(self) -> float:
         """An automatic interval's first save: the seconds its write took (it is waited for here); a failed write
@@ -253,9 +215,7 @@ class Checkpointer:
         return failure
 
     def _failure(self, step: int | None, err: BaseException) -> dict:
-        if storage_errno(err) not in STORAGE_ERRNOS:
-            raise err
-        return {"step": step, "process": self.peers.index, "reason": describe_write_failure(err, self.directory)}
+        return failure_record(step, self.peers.index, err, self.directory)
 
     def finish_writes(self) -> float:
         """The end of a run: wait for every pending write, every process agreeing on the outcome; a last save that
@@ -315,8 +275,8 @@ class Checkpointer:
                                                      f"(checkpoint.max_failed_saves={bound})")
             raise StorageFailure(f"{failed}; {why}: stopping (exit {EXIT_STORAGE}); {kept}{self._newer_local(newest)}; "
                                  "free space or fix the filesystem, then re-run the same command")
-        self.log(f"warning: {failed}; {kept}; training goes on and saves again at the next interval "
-                 f"({self.failed_in_a_row} of checkpoint.max_failed_saves={bound} failed saves in a row)")
+        self.print_fn(f"warning: {failed}; {kept}; training goes on and saves again at the next interval "
+                      f"({self.failed_in_a_row} of checkpoint.max_failed_saves={bound} failed saves in a row)")
 
     def _newer_local(self, durable: int) -> str:
         """Where the local tier holds a newer step than checkpoints/: what a restart resumes from."""
@@ -344,7 +304,7 @@ class Checkpointer:
 
     def _say(self, line: str | None) -> None:
         if line:
-            self.log(line)
+            self.print_fn(line)
 
     def advice(self, step_s: float) -> str:
         """The Young/Daly interval for the median save cost so far, next to the interval in use (per tier)."""
@@ -408,7 +368,8 @@ class Checkpointer:
             return {}
         meta = self.local.meta(next(iter(steps))) or {}
         if saved_layer_order(meta) != self.layout:
-            self.log("the local tier's steps were saved in another pipeline layer order; restoring from checkpoints/")
+            self.print_fn("the local tier's steps were saved in another pipeline layer order; restoring from "
+                          "checkpoints/")
             return {}
         self._check(meta, self.local.directory)
         return steps
@@ -428,7 +389,7 @@ class Checkpointer:
             warn(f"warning: {restored}; trying the next copy")
             return None
         state, data_state, copies = restored
-        self.log(f"restored step {step} from the local tier ({copies})")
+        self.print_fn(f"restored step {step} from the local tier ({copies})")
         return Restored(state=state, data=data_state, step=step, copies=copies, path=path)
 
     def _restore_durable(self, step, abstract_state, warn) -> Restored | None:

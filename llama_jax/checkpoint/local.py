@@ -167,8 +167,8 @@ class LocalTier:
     checkpoint.local_every_steps, and restore decisions taken through `peers`)."""
 
     def __init__(self, local_dir: str, run_dir: Path, mesh: Mesh, peers: Peers, keep: int, replicas: int,
-                 log=print):
-        self.peers, self.keep, self.log = peers, keep, log
+                 print_fn=print):
+        self.peers, self.keep, self.print_fn = peers, keep, print_fn
         self.index, self.count = peers.index, peers.count
         self.host_dir = host_directory(local_dir, run_dir)
         self.directory = self.host_dir / f"process-{self.index}"
@@ -178,7 +178,8 @@ class LocalTier:
         self.partner = partners(hosts)  # partner[i] keeps process i's copy
         self.held = self.partner.index(self.index) if self.replicas else None  # whose copy is kept here
         if self.replicas and len(set(hosts)) == 1 and self.index == 0:
-            log("note: every process runs on one host, so a partner's copy survives a process's loss, not the host's")
+            print_fn("note: every process runs on one host, so a partner's copy survives a process's loss, not the "
+                     "host's")
         # The partners' copies travel as rows, one per device, on the run's devices in one line (`rows`):
         # a compiled ppermute sends each device's row to the partner's device at the same local position.
         # Rows, not the state's own shardings: every shard moves, replicas included, with one program for
@@ -271,8 +272,8 @@ class LocalTier:
             self._writer.join()
             self._writer = None
         if self._error is not None:
-            self.log(f"warning: process {self.index}: a local checkpoint write failed "
-                     f"({type(self._error).__name__}: {self._error}); the durable tier still holds the run")
+            self.print_fn(f"warning: process {self.index}: a local checkpoint write failed "
+                          f"({type(self._error).__name__}: {self._error}); the durable tier still holds the run")
             self._error = None
         return time.perf_counter() - start
 

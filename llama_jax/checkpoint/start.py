@@ -130,34 +130,34 @@ def meta_check(config: Config, base_reference: dict | None) -> Callable[[dict | 
     return check
 
 
-def restore(start: Start, checkpointer: Checkpointer, abstract: Any, say: Callable[[str], None]) -> Restored:
+def restore(start: Start, checkpointer: Checkpointer, abstract: Any, print_fn: Callable[[str], None]) -> Restored:
     """Carry the decision out, in `abstract`'s shapes and shardings (a checkpointed train state; a peft run's
     without the base). Every process calls it (the Checkpointer agrees with the others on each step). The result
     (checkpointer.Restored) keeps what trying run.dir's own steps cost, also when none restored."""
     if not start.step:
-        return _from_source(start, checkpointer, abstract, say)
-    found = checkpointer.restore_newest(abstract, say)
+        return _from_source(start, checkpointer, abstract, print_fn)
+    found = checkpointer.restore_newest(abstract, print_fn)
     if found.state is not None:
-        say(f"resumed from {found.path}")
+        print_fn(f"resumed from {found.path}")
         return found
-    say("warning: no checkpoint in run.dir restores; starting from scratch")
-    return dataclasses.replace(_from_source(start, checkpointer, abstract, say), seconds=found.seconds)
+    print_fn("warning: no checkpoint in run.dir restores; starting from scratch")
+    return dataclasses.replace(_from_source(start, checkpointer, abstract, print_fn), seconds=found.seconds)
 
 
-def _from_source(start: Start, checkpointer: Checkpointer, abstract: Any, say: Callable[[str], None]) -> Restored:
+def _from_source(start: Start, checkpointer: Checkpointer, abstract: Any, print_fn: Callable[[str], None]) -> Restored:
     """A run without a step of its own that restores: checkpoint.resume_from, init_from, a peft base, or none."""
     if start.source is None:
         return Restored()
     if start.adapting:
-        say(f"adapting {start.source.text} (peft.method={start.adapting}); its params stay frozen")
+        print_fn(f"adapting {start.source.text} (peft.method={start.adapting}); its params stay frozen")
         if start.adapters is None:
             return Restored()
-        say(f"continuing the adapters of {start.adapters.text}")
+        print_fn(f"continuing the adapters of {start.adapters.text}")
         return Restored(params=read_adapters(start.adapters, abstract.params))
     if start.resume:
         state, data = restore_step(start.source.step_dir, abstract, checkpointer.layout)
-        say(f"resumed from {start.source.text}")
+        print_fn(f"resumed from {start.source.text}")
         return Restored(state=state, data=data)
     params = load_params(start.source, target=abstract.params, layout=checkpointer.layout)
-    say(f"initialised the params from {start.source.text}")
+    print_fn(f"initialised the params from {start.source.text}")
     return Restored(params=params)

@@ -310,6 +310,6 @@ def stream_fingerprint(parts: list[Component], **settings) -> str:
     return hashlib.sha256(json.dumps([identity, settings], sort_keys=True).encode()).hexdigest()[:16]
 
 
-def log_components(parts: list[Component], log: Callable[[str], None]) -> None:
+def log_components(parts: list[Component], print_fn: Callable[[str], None]) -> None:
     if len(parts) > 1:
-        log("data mixture: " + ", ".join(f"{p.name} {p.weight:.1%}" for p in parts))
+        print_fn("data mixture: " + ", ".join(f"{p.name} {p.weight:.1%}" for p in parts))

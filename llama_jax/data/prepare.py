@@ -178,7 +178,7 @@ def _train_tokenizer(units: list[tuple[int, Unit]], options: PrepareOptions, dir
     return train_bpe(texts(), options.train_vocab).save(directory)
 
 
-def _open_directory(out: Path, digest: str, replace_stale: bool, log: Callable[[str], None]) -> bool:
+def _open_directory(out: Path, digest: str, replace_stale: bool, print_fn: Callable[[str], None]) -> bool:
     """Decide what to do with `out`: True if a complete store for these inputs is already there."""
     meta, marker = out / "meta.json", out / ".prepare.json"
     if meta.exists():
@@ -187,15 +187,15 @@ def _open_directory(out: Path, digest: str, replace_stale: bool, log: Callable[[
         if not replace_stale:
             raise DataError(f"{out} holds a token store prepared from other inputs or options; "
                             "choose another output directory or delete it")
-        log(f"the inputs of {out} changed since it was prepared; preparing it again")
+        print_fn(f"the inputs of {out} changed since it was prepared; preparing it again")
         _write_json(marker, {"fingerprint": "stale"})  # from here on the store is incomplete
         meta.unlink()
     if marker.exists():
         if json.loads(marker.read_text()).get("fingerprint") == digest:
             done = len(list((out / "shards").glob("*.json")))
-            log(f"resuming the interrupted prepare in {out} ({done} unit(s) done)")
+            print_fn(f"resuming the interrupted prepare in {out} ({done} unit(s) done)")
             return False
-        log(f"restarting the interrupted prepare in {out}: the inputs or options changed")
+        print_fn(f"restarting the interrupted prepare in {out}: the inputs or options changed")
         shutil.rmtree(out / "shards", ignore_errors=True)
         for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "spm.model"):
             (out / name).unlink(missing_ok=True)
@@ -204,7 +204,7 @@ def _open_directory(out: Path, digest: str, replace_stale: bool, log: Callable[[
     return False
 
 
-def prepare(options: PrepareOptions, log: Callable[[str], None] = print, progress: bool = True) -> Path:
+def prepare(options: PrepareOptions, print_fn: Callable[[str], None] = print, progress: bool = True) -> Path:
     """Build (or resume, or confirm) the token store at options.out; returns its directory."""
     check_options(options)
     out = Path(options.out).expanduser()
@@ -214,12 +214,13 @@ def prepare(options: PrepareOptions, log: Callable[[str], None] = print, progres
     units = _units(options)  # checks every input before anything is written
     identity = fingerprint(options)
     digest = _digest(identity)
-    if _open_directory(out, digest, options.replace_stale, log):
-        log(f"{out} is up to date ({json.loads((out / 'meta.json').read_text())['tokens']['train']:,} training tokens)")
+    if _open_directory(out, digest, options.replace_stale, print_fn):
+        tokens = json.loads((out / "meta.json").read_text())["tokens"]["train"]
+        print_fn(f"{out} is up to date ({tokens:,} training tokens)")
         return out
     created = not out.exists()
     try:
-        return _build(options, out, units, identity, digest, log, progress)
+        return _build(options, out, units, identity, digest, print_fn, progress)
     except OSError as err:  # a full, read-only or failing disk: what is written stays, and a re-run resumes from it
         if storage_errno(err) not in STORAGE_ERRNOS:
             raise
@@ -232,7 +233,7 @@ def prepare(options: PrepareOptions, log: Callable[[str], None] = print, progres
         raise
 
 
-def _build(options: PrepareOptions, out: Path, units, identity: dict, digest: str, log: Callable[[str], None],
+def _build(options: PrepareOptions, out: Path, units, identity: dict, digest: str, print_fn: Callable[[str], None],
            progress: bool) -> Path:
     start = time.perf_counter()
     shards = out / "shards"
@@ -262,9 +263,9 @@ def _build(options: PrepareOptions, out: Path, units, identity: dict, digest: st
     megabytes = sum(s["bytes"] for s in stats) / 1e6
     bad = (f", skipped {meta['bad_records']} bad record(s) (e.g. {meta['bad_examples'][0]})"
            if meta["bad_records"] else "")
-    log(f"prepared {sum(meta['documents'].values()):,} documents ({megabytes:.1f} MB, {meta['tokens']['train']:,} "
-        f"train / {meta['tokens']['val']:,} val tokens) in {seconds:.1f}s ({megabytes / seconds:.1f} MB/s){bad} "
-        f"-> {out}")
+    print_fn(f"prepared {sum(meta['documents'].values()):,} documents ({megabytes:.1f} MB, {meta['tokens']['train']:,} "
+             f"train / {meta['tokens']['val']:,} val tokens) in {seconds:.1f}s ({megabytes / seconds:.1f} MB/s){bad} "
+             f"-> {out}")
     return out
 
 

@@ -41,7 +41,7 @@ def is_store(spec: str) -> bool:
     return path.is_dir() and (os.path.exists(path / "meta.json") or os.path.exists(path / ".prepare.json"))
 
 
-def resolve_store(spec: str, data: DataConfig, vocab_size: int, tokenizer: str, log: Callable[[str], None]
+def resolve_store(spec: str, data: DataConfig, vocab_size: int, tokenizer: str, print_fn: Callable[[str], None]
                   ) -> TokenStore:
     """A token store for `spec`: the store itself, or the cached store prepared from the input with
     `tokenizer` (a file; "" trains a BPE of vocab_size tokens on it)."""
@@ -57,7 +57,8 @@ def resolve_store(spec: str, data: DataConfig, vocab_size: int, tokenizer: str, 
                       options.read.__dict__, options.val_every_nth_doc])
     name = re.sub(r"\W+", "_", Path(spec.removeprefix("hf:")).name or "input")[:40]
     out = cache_root(data.cache_dir) / "stores" / f"{name}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
-    return TokenStore(prepare(PrepareOptions(**{**options.__dict__, "out": str(out)}), log=log, progress=False))
+    options = PrepareOptions(**{**options.__dict__, "out": str(out)})
+    return TokenStore(prepare(options, print_fn=print_fn, progress=False))
 
 
 def check_sources(data: DataConfig) -> None:
@@ -81,7 +82,7 @@ class TrainData:
     fingerprint: str  # names the training batch stream; saved with checkpoints
 
 
-def open_data(config: Config, log: Callable[[str], None] = print) -> TrainData:
+def open_data(config: Config, print_fn: Callable[[str], None] = print) -> TrainData:
     """Raises DataError (one line) on bad data; writes only to the cache."""
     data, t = config.data, config.train
     check_sources(data)
@@ -89,7 +90,7 @@ def open_data(config: Config, log: Callable[[str], None] = print) -> TrainData:
     # with the first source's tokenizer (trained on that source when it is an input, not a store).
     stores, tokenizer_file = [], "" if data.tokenizer == "bpe" else data.tokenizer
     for spec in data.sources:
-        stores.append(resolve_store(spec, data, config.model.vocab_size, tokenizer_file, log))
+        stores.append(resolve_store(spec, data, config.model.vocab_size, tokenizer_file, print_fn))
         tokenizer_file = tokenizer_file or str(stores[0].tokenizer_path)
     identities = {s.tokenizer_sha256: s for s in stores}
     if len(identities) > 1:
@@ -105,7 +106,7 @@ def open_data(config: Config, log: Callable[[str], None] = print) -> TrainData:
     tokenizer = load_tokenizer(store.tokenizer_path)
     check_vocab(tokenizer, config.model.vocab_size)
     parts = components(stores, list(data.weights))
-    log_components(parts, log)
+    log_components(parts, print_fn)
     settings = dict(packing=data.packing, window=data.packing_window)
     if config.peft.virtual_tokens:  # room for the prompt in front of every document (loader.py)
         settings["prompt_tokens"] = config.peft.virtual_tokens

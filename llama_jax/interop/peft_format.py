@@ -10,7 +10,7 @@ directory `PeftModel.from_pretrained(base_model, DIR)` loads.
 
 An adapter's A has the input axes of the weight it adapts and B its output axes, so each one maps onto
 Hugging Face with a layout of hf.py's tensor map (q's B like q's weight, o's A like o's weight, the rest
-transposed), and is written by hf.py's streaming safetensors writer. P-tuning is written as prompt
+transposed), and is written by safetensors_files.py's streaming writer. P-tuning is written as prompt
 tuning: its encoder is dropped and the virtual tokens it makes are the prompt (PEFT saves a P-tuning
 adapter the same way, as `prompt_embeddings`).
 
@@ -38,6 +38,7 @@ from flax.traverse_util import flatten_dict
 from llama_jax.config import ModelConfig, PeftConfig
 from llama_jax.errors import ConfigError
 from llama_jax.interop import hf
+from llama_jax.interop.safetensors_files import SafetensorsReader, write_safetensors
 from llama_jax.model import peft
 from llama_jax.model.llama import param_shapes
 
@@ -87,7 +88,7 @@ def write_adapter(directory: Path, adapters: dict, cfg: ModelConfig, settings: P
         adapters = {"prompt": {"embedding": peft.prompt_table(adapters, cfg, settings)}}
         tensors = [hf.Tensor(("prompt", "embedding"), "prompt_embeddings", False, "same")]
     items = list(hf.hf_tensors(adapters, cfg, np_dtype, rotary, tensors=tensors))
-    hf.write_safetensors(directory, items, np_dtype, stem="adapter_model")
+    write_safetensors(directory, items, np_dtype, stem="adapter_model")
     if jax.process_index() == 0:
         config = adapter_config(cfg, settings, base_model)
         (directory / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
@@ -144,7 +145,7 @@ def read_settings(directory: Path, cfg: ModelConfig) -> PeftConfig:
         if config.get(key) not in ours:
             raise ConfigError(f"{where} uses {what.format(value=config.get(key))}, which llama-jax's LoRA does not "
                               "compute; merge it into the base with PEFT (merge_and_unload) and load that instead")
-    reader = hf.SafetensorsReader(where, stem="adapter_model")
+    reader = SafetensorsReader(where, stem="adapter_model")
     targets = _lora_targets(reader, cfg, where)
     rank = int(config.get("r", 0))
     if rank <= 0:
@@ -162,12 +163,12 @@ def _prompt_settings(config: dict, cfg: ModelConfig, where: Path) -> PeftConfig:
         raise ConfigError(f"{where} is a prompt for an encoder-decoder model (num_transformer_submodules: "
                           f"{config['num_transformer_submodules']}); a Llama takes a decoder's prompt")
     settings = PeftConfig(method="prompt", prompt_tokens=int(config.get("num_virtual_tokens", 0)))
-    reader = hf.SafetensorsReader(where, stem="adapter_model")
+    reader = SafetensorsReader(where, stem="adapter_model")
     _check_shapes(reader, adapter_tensors(cfg, settings, reader), cfg, settings, where)
     return settings
 
 
-def _lora_targets(reader: hf.SafetensorsReader, cfg: ModelConfig, where: Path) -> list[str]:
+def _lora_targets(reader: SafetensorsReader, cfg: ModelConfig, where: Path) -> list[str]:
     """The projections the file's LoRA tensors adapt, each on every layer (ConfigError otherwise)."""
     found: dict[str, set[int]] = {}
     for name in reader.files:
@@ -189,7 +190,7 @@ def _span(layers: set[int]) -> str:
     return f"{min(layers)}-{max(layers)}" if max(layers) - min(layers) + 1 == len(layers) else str(sorted(layers))
 
 
-def adapter_tensors(cfg: ModelConfig, settings: PeftConfig, reader: hf.SafetensorsReader | None = None
+def adapter_tensors(cfg: ModelConfig, settings: PeftConfig, reader: SafetensorsReader | None = None
                     ) -> list[hf.Tensor]:
     """The tensors of `settings`' adapters under the names `reader`'s file uses (PEFT's, with or without its
     `base_model.model.` prefix)."""
@@ -201,7 +202,7 @@ def adapter_tensors(cfg: ModelConfig, settings: PeftConfig, reader: hf.Safetenso
     return tensors
 
 
-def _check_shapes(reader: hf.SafetensorsReader, tensors: list[hf.Tensor], cfg: ModelConfig, settings: PeftConfig,
+def _check_shapes(reader: SafetensorsReader, tensors: list[hf.Tensor], cfg: ModelConfig, settings: PeftConfig,
                   where: Path) -> None:
     """Every tensor of `tensors` is in the file with the shape our adapter of `settings` on `cfg` has."""
     shapes = flatten_dict(peft.split(param_shapes(cfg, settings))[0])
@@ -225,5 +226,5 @@ def _what(settings: PeftConfig) -> str:
 def read_adapter(directory: Path, cfg: ModelConfig, settings: PeftConfig, target: Any) -> dict:
     """The adapters of a PEFT adapter directory (read_settings' `settings`) in our layout: a tree like
     peft.split's first half, each in the shape, dtype and sharding of `target`'s ShapeDtypeStruct."""
-    reader = hf.SafetensorsReader(Path(directory), stem="adapter_model")
+    reader = SafetensorsReader(Path(directory), stem="adapter_model")
     return hf.read_tensors(reader, adapter_tensors(cfg, settings, reader), cfg, target)

@@ -4,6 +4,7 @@ check read.
     hardware.py   peak FLOP/s, memory and link bandwidth per device (data sheets; measured on CPUs), budgets;
                   the published figures of the GPUs compiled for without them
     hlo.py        FLOPs (fp8 matmuls' apart), memory traffic and collective bytes per step from compiled HLO text
+    hlo_text.py   that text, read: computations, instructions, shapes and their bytes, collectives' device groups
     fmha.py       the FLOPs of cuDNN's fused attention calls in that text
     loops.py      how often a compiled while loop runs, as XLA:GPU's unrolling and pipelining leave it
     costmodel.py  tune's step-time model: a roofline over the compiled step plus exposed communication

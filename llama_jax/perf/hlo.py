@@ -44,14 +44,22 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from llama_jax.perf import fmha, loops
+from llama_jax.perf.hlo_text import (  # computations: read from here too
+    Computation,
+    DeviceGroups,
+    Instr,
+    arrays,
+    close_bracket,
+    computations,  # noqa: F401
+    device_groups,
+    parse_module,
+    shape_bytes,
+    split_top,
+    strip_comments,
+)
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
-# The devices of each group of a collective (positions in the program's device assignment).
-DeviceGroups = tuple[tuple[int, ...], ...]
 
-_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
-                "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
-                "token": 0, "opaque": 0}
 # Bytes each device sends per result byte, for a group of n (module docstring).
 _RING = {"all-gather": lambda n: (n - 1) / n, "reduce-scatter": lambda n: n - 1.0,
          "all-reduce": lambda n: 2 * (n - 1) / n, "all-to-all": lambda n: (n - 1) / n}
@@ -107,155 +115,22 @@ def _with_fp8(operation) -> tuple[float, float, float]:
     return (*operation, 0.0) if len(operation) == 2 else tuple(operation)
 
 
-@dataclass
-class _Instr:
-    name: str
-    shape: str
-    opcode: str
-    operands: list[str]
-    attrs: dict[str, str]
 
-
-@dataclass
-class _Computation:
-    name: str
-    shapes: dict[str, str] = field(default_factory=dict)  # parameter/instruction name -> result shape
-    instrs: list[_Instr] = field(default_factory=list)
-
-
-def _walk(text: str) -> Iterator[tuple[int, str, int]]:
-    """Yield (index, char, depth outside the char) for every character not inside quotes.
-    This is the whole tokenizer: HLO nests (), [], {} and strings; the rest splits at depth 0."""
-    depth, quote, escaped = 0, "", False
-    for i, ch in enumerate(text):
-        if quote:  # backend_config="{\"a\":1}" style strings escape their quotes
-            if escaped:
-                escaped = False
-            elif ch == "\\":
-                escaped = True
-            elif ch == quote:
-                quote = ""
-        elif ch in "\"'":
-            quote = ch
-        else:
-            if ch in ")]}":
-                depth -= 1
-            yield i, ch, depth
-            if ch in "([{":
-                depth += 1
-
-
-def _close(text: str, start: int) -> int:
-    """Index of the bracket closing the one at text[start]."""
-    for i, ch, depth in _walk(text[start:]):
-        if ch in ")]}" and depth == 0:
-            return start + i
-    raise ValueError(f"unbalanced brackets in {text[:80]!r}")
-
-
-def _split_top(text: str) -> list[str]:
-    """Split on commas that are outside brackets and quotes; drop empty pieces."""
-    cuts = [i for i, ch, depth in _walk(text) if ch == "," and depth == 0]
-    pieces = [text[a + 1:b] for a, b in zip([-1, *cuts], [*cuts, len(text)])]
-    return [p.strip() for p in pieces if p.strip()]
-
-
-def _strip_comments(text: str) -> str:
-    """Drop `/*index=5*/` markers that XLA puts inside long tuples."""
-    while "/*" in text:
-        a = text.index("/*")
-        text = text[:a] + text[text.index("*/", a) + 2:]
-    return text
-
-
-def _arrays(shape: str) -> list[tuple[str, list[int]]]:
-    """Flatten a (possibly nested tuple) shape into (dtype, dims) leaves."""
-    shape = _strip_comments(shape).strip()
-    if shape.startswith("("):
-        return [leaf for part in _split_top(shape[1:_close(shape, 0)]) for leaf in _arrays(part)]
-    dtype, _, rest = shape.partition("[")
-    dims = rest[:rest.index("]")] if rest else ""
-    # `<=N` marks a bounded dynamic dimension; N is the buffer size.
-    return [(dtype.strip(), [int(d.strip().removeprefix("<=")) for d in dims.split(",") if d.strip()])]
-
-
-def shape_bytes(shape: str) -> int:
-    """Bytes of an HLO shape, e.g. "f32[32,128]{1,0}" -> 16384 or "(f32[], bf16[2,3])" -> 16."""
-    total = 0
-    for dtype, dims in _arrays(shape):
-        # fp8 is one byte; sub-byte types (s4, f4e2m1fn, ...) are rounded up to one (upper bound).
-        size = 1 if dtype[:2] in ("f8", "f4", "s4", "u4", "s2", "u2") else _DTYPE_BYTES.get(dtype)
-        if size is None:
-            raise ValueError(f"unknown HLO element type {dtype!r} in {shape!r}")
-        total += size * math.prod(dims)
-    return total
-
-
-def _parse_instr(line: str) -> _Instr | None:
-    """`[ROOT] %name = <shape> <opcode>(<operands>), key=value, ...` -> _Instr."""
-    name, eq, rest = line.strip().removeprefix("ROOT ").partition(" = ")
-    if not eq:
-        return None
-    end = _close(rest, 0) + 1 if rest.startswith("(") else rest.index(" ")  # tuple shapes have spaces
-    shape, rest = rest[:end], rest[end:].strip()
-    paren = rest.index("(")
-    close = _close(rest, paren)
-    attrs = {}
-    for item in _split_top(rest[close + 1:]):
-        key, _, value = item.partition("=")
-        attrs[key.strip()] = value.strip()
-    operands = _split_top(_strip_comments(rest[paren + 1:close]))
-    return _Instr(name.lstrip("%"), shape, rest[:paren].strip(), operands, attrs)
-
-
-def _parse_module(text: str) -> tuple[dict[str, _Computation], str]:
-    """Split the module into computations; returns them and the ENTRY computation's name."""
-    comps: dict[str, _Computation] = {}
-    entry, current = "", None
-    for line in text.splitlines():
-        if current is None:
-            # Header lines start at column 0 and open a brace; module attributes and the
-            # FileNames/StackFrames tables after the computations never end in "{".
-            if line[:1].isspace() or not line.rstrip().endswith("{") or line.startswith("HloModule"):
-                continue
-            header = _strip_comments(line.strip())
-            is_entry = header.startswith("ENTRY ")
-            name, _, rest = header.removeprefix("ENTRY ").partition(" ")
-            current = comps[name.lstrip("%")] = _Computation(name.lstrip("%"))
-            entry = current.name if is_entry else entry
-            if rest.startswith("("):  # parameter shapes, for dots whose operands are parameters
-                for param in _split_top(rest[1:_close(rest, 0)]):
-                    pname, _, pshape = param.partition(":")
-                    current.shapes[pname.strip().lstrip("%")] = pshape.strip()
-        elif line.strip() == "}":
-            current = None
-        elif (instr := _parse_instr(line)) is not None:
-            current.instrs.append(instr)
-            current.shapes[instr.name] = instr.shape
-    return comps, entry
-
-
-def computations(hlo_text: str) -> dict[str, _Computation]:
-    """The module's computations by name, each with its instructions: name, result shape, opcode, operands and
-    attributes (`metadata`, `calls`, `custom_call_target`, ... as written)."""
-    return _parse_module(hlo_text)[0]
-
-
-def _callees(instr: _Instr, trip_count: int) -> Iterator[tuple[str, int]]:
+def _callees(instr: Instr, trip_count: int) -> Iterator[tuple[str, int]]:
     if instr.opcode.endswith("-done") or instr.opcode == "async-update":
         return  # these repeat the `calls=` of their async-start; counting both would double it
     for attr in _CALL_ATTRS:
-        for callee in _split_top(instr.attrs.get(attr, "").strip("{}")):
+        for callee in split_top(instr.attrs.get(attr, "").strip("{}")):
             yield callee.lstrip("%"), trip_count if attr in ("body", "condition") else 1
 
 
-def _operand_dims(comp: _Computation, operand: str) -> list[int]:
+def _operand_dims(comp: Computation, operand: str) -> list[int]:
     parts = operand.split()  # some XLA versions print "f32[2,3]{1,0} %x" for operands
     shape = parts[0] if len(parts) > 1 else comp.shapes[operand.lstrip("%")]
-    return _arrays(shape)[0][1]
+    return arrays(shape)[0][1]
 
 
-def _flops(comp: _Computation, instr: _Instr, fp8_only: bool = False) -> float:
+def _flops(comp: Computation, instr: Instr, fp8_only: bool = False) -> float:
     """An instruction's FLOPs; with fp8_only, only a matmul's whose operands are fp8 (others count 0)."""
     if fp8_only and not _fp8_matmul(comp, instr):
         return 0.0
@@ -263,7 +138,7 @@ def _flops(comp: _Computation, instr: _Instr, fp8_only: bool = False) -> float:
         return _library_call_flops(comp, instr)
     if instr.opcode not in ("dot", "convolution"):
         return 0.0
-    out = math.prod(_arrays(instr.shape)[0][1])
+    out = math.prod(arrays(instr.shape)[0][1])
     if instr.opcode == "dot":
         contracting = instr.attrs.get("lhs_contracting_dims", "{}").strip("{}")
         return _matmul_flops(comp, instr, [int(d) for d in contracting.split(",") if d.strip()])
@@ -273,85 +148,12 @@ def _flops(comp: _Computation, instr: _Instr, fp8_only: bool = False) -> float:
     return 2.0 * out * math.prod(d for d, label in zip(kernel, kernel_labels) if label != "o")
 
 
-def device_groups(attrs: dict[str, str], num_devices: int) -> DeviceGroups:
-    """The devices of each group a collective runs over, as positions in the program's device assignment:
-    for a jit over a Mesh, indices into mesh.devices.flat (SPMD programs number partitions, not device ids).
-    A collective-permute's groups are its (source, target) pairs."""
-    if "source_target_pairs" in attrs:
-        return _int_groups(attrs["source_target_pairs"])
-    groups = attrs.get("replica_groups", "{}")
-    if groups in ("{}", "{{}}"):  # empty means one group of all devices
-        return (tuple(range(num_devices)),)
-    if groups.startswith("mesh["):
-        return _mesh_groups(groups, attrs.get("device_ids", ""))
-    if groups.startswith("["):  # iota form [groups,size]<=[dims]T(perm): a group is a row
-        shape, _, order = groups.partition("<=")
-        size, ids = int(shape[1:shape.index("]")].split(",")[-1]), _iota(order)
-        return tuple(tuple(ids[i:i + size]) for i in range(0, len(ids), size))
-    return _int_groups(groups)  # explicit {{0,1},{2,3}}
 
-
-def _int_groups(text: str) -> DeviceGroups:
-    return tuple(tuple(int(d) for d in _split_top(g.strip().strip("{}"))) for g in _split_top(text.strip()[1:-1]))
-
-
-def _iota(order: str) -> list[int]:
-    """`[d0,d1,..]T(p0,p1,..)`: 0..N-1 laid out with dims d, transposed by p, read in row-major order."""
-    dims_text, _, perm_text = order.strip().partition("T")
-    dims = [int(d) for d in dims_text.strip().strip("[]").split(",")]
-    perm = [int(p) for p in perm_text.strip().strip("()").split(",")] if perm_text else list(range(len(dims)))
-    ids = []
-    for flat in range(math.prod(dims)):
-        index, rest = [0] * len(dims), flat
-        for axis in reversed(perm):  # the transposed array's last dim varies fastest
-            index[axis], rest = rest % dims[axis], rest // dims[axis]
-        ids.append(sum(i * math.prod(dims[a + 1:]) for a, i in enumerate(index)))
-    return ids
-
-
-def _mesh_groups(text: str, device_ids: str) -> DeviceGroups:
-    """`mesh['a'=4,'b'=2] {'a'}`: devices that differ only along the listed axes form a group. An axis
-    may be a sub-axis, 'b':(1)2 (Shardy's notation: the axis split major to minor into parts of size
-    1 (pre-size), 2 and the rest). The mesh's devices are 0..N-1 in row-major order unless it lists
-    `device_ids=(...)`, which the attribute splitter files under its own key, with the axes after it."""
-    axes_text, _, chosen = text[len("mesh["):].partition("]")
-    names, sizes = [], []
-    for axis in _split_top(axes_text):
-        name, _, size = axis.partition("=")
-        names.append(name.strip().strip("'\""))
-        sizes.append(int(size))
-    order = list(range(math.prod(sizes)))
-    if not chosen.strip() and "{" in device_ids:
-        ids_text, _, chosen = device_ids.rpartition("{")
-        chosen, ids_text = "{" + chosen, ids_text.strip().removeprefix("(").removesuffix(")")
-        listed = _iota(ids_text.partition("<=")[2]) if "<=" in ids_text else \
-            [int(d) for d in "".join(c if c.isdigit() else " " for c in ids_text).split()]
-        order = listed if len(listed) == len(order) else order
-    parts: dict[int, list[tuple[int, int]]] = {}  # mesh axis -> (pre-size, size) of each listed part
-    for axis in _split_top(chosen.strip().strip("{}")):
-        name, colon, sub = axis.partition(":")
-        i = names.index(name.strip().strip("'\""))
-        sub = sub.strip()
-        parts.setdefault(i, []).append((int(sub[1:sub.index(")")]), int(sub.partition(")")[2])) if colon
-                                       else (1, sizes[i]))
-    groups: dict[tuple[int, ...], list[int]] = {}
-    for position, device in enumerate(order):
-        coords, rest = [], position
-        for n in reversed(sizes):
-            coords.insert(0, rest % n)
-            rest //= n
-        # Zero the listed parts of each coordinate: what is left names the group.
-        key = tuple(c - sum((c // (n // (pre * size))) % size * (n // (pre * size)) for pre, size in parts.get(i, ()))
-                    for i, (c, n) in enumerate(zip(coords, sizes)))
-        groups.setdefault(key, []).append(device)
-    return tuple(tuple(g) for g in groups.values())
-
-
-def _output_shape(instr: _Instr) -> str:
+def _output_shape(instr: Instr) -> str:
     # all-gather-start / collective-permute-start return (operand, output[, contexts...]);
     # all-reduce-start returns just its output(s).
-    shape = _strip_comments(instr.shape).strip()
-    elements = _split_top(shape[1:_close(shape, 0)]) if shape.startswith("(") else [shape]
+    shape = strip_comments(instr.shape).strip()
+    elements = split_top(shape[1:close_bracket(shape, 0)]) if shape.startswith("(") else [shape]
     if instr.opcode.endswith("-start") and instr.opcode != "all-reduce-start" and len(elements) > 1:
         return elements[1]
     return instr.shape
@@ -360,7 +162,7 @@ def _output_shape(instr: _Instr) -> str:
 def analyze(hlo_text: str, num_devices: int, branch_runs: dict[str, float] | None = None) -> HloStats:
     """Per-step, per-device dot FLOPs and collective traffic of a compiled HLO module. `branch_runs`: for a
     conditional named under jax.named_scope(scope), the share of its runs that take the true branch."""
-    comps, entry = _parse_module(hlo_text)
+    comps, entry = parse_module(hlo_text)
     callers: dict[str, list[tuple[str, float]]] = defaultdict(list)
     unknown = 0
     for comp in comps.values():
@@ -378,7 +180,7 @@ def analyze(hlo_text: str, num_devices: int, branch_runs: dict[str, float] | Non
         callee.lstrip("%") for comp in comps.values() for instr in comp.instrs if instr.opcode != "fusion"
         for attr in ("body", "condition", "true_computation", "false_computation", "branch_computations")
         + (("to_apply",) if instr.opcode == "call" else ())
-        for callee in _split_top(instr.attrs.get(attr, "").strip("{}"))}
+        for callee in split_top(instr.attrs.get(attr, "").strip("{}"))}
 
     def runs(name: str) -> float:  # call graphs are DAGs, so this terminates; unreachable -> 0
         if name not in multiplicity:
@@ -425,7 +227,7 @@ def permute_loop_trips(hlo_text: str, num_devices: int, wanted: Callable[[Device
     (source, target) pairs that `wanted` accepts: e.g. the iterations of a pipeline schedule (pipeline.py;
     its forward and backward loops, permuting along the pipeline axis), as compiled (loops.py: unrolled loops
     count the iterations they stand for)."""
-    comps, _ = _parse_module(hlo_text)
+    comps, _ = parse_module(hlo_text)
     trips = []
     for comp in comps.values():
         for instr in comp.instrs:
@@ -438,14 +240,14 @@ def permute_loop_trips(hlo_text: str, num_devices: int, wanted: Callable[[Device
     return trips
 
 
-def _branch_weights(instr: _Instr, branch_runs: dict[str, float]) -> dict[str, float]:
+def _branch_weights(instr: Instr, branch_runs: dict[str, float]) -> dict[str, float]:
     """A two-way conditional (jax's lax.cond: branch 0 false, 1 true) named under one of branch_runs' scopes
     (the innermost, if nested): its branches' shares of its runs."""
     if instr.opcode != "conditional" or not branch_runs:
         return {}
     name = instr.attrs.get("metadata", "")
     found = [(name.rfind(f"/{scope}/"), scope) for scope in branch_runs if f"/{scope}/" in name]
-    branches = [b.strip().lstrip("%") for b in _split_top(instr.attrs.get("branch_computations", "").strip("{}"))]
+    branches = [b.strip().lstrip("%") for b in split_top(instr.attrs.get("branch_computations", "").strip("{}"))]
     if not found or len(branches) != 2:
         return {}
     share = branch_runs[max(found)[1]]
@@ -455,7 +257,7 @@ def _branch_weights(instr: _Instr, branch_runs: dict[str, float]) -> dict[str, f
 def named_buffer_bytes(hlo_text: str, scope: str) -> list[int]:
     """Per device, the bytes of each buffer written in place (dynamic-update-slice) by operations named under
     jax.named_scope(`scope`): e.g. the 1F1B schedule's residual slots (one_f_one_b.py), as compiled."""
-    comps, _ = _parse_module(hlo_text)
+    comps, _ = parse_module(hlo_text)
     return [shape_bytes(i.shape) for comp in comps.values() for i in comp.instrs
             if i.opcode == "dynamic-update-slice" and f"/{scope}/" in i.attrs.get("metadata", "")]
 
@@ -463,21 +265,21 @@ def named_buffer_bytes(hlo_text: str, scope: str) -> list[int]:
 def custom_calls(hlo_text: str) -> list[tuple[str, tuple[str, ...], str]]:
     """Every custom call of a module, fusion bodies included: (target, its operands' shapes, its result's shape).
     What a compiled program hands to libraries: e.g. which GEMMs XLA:GPU gave cuBLASLt's fp8 kernel."""
-    comps, _ = _parse_module(hlo_text)
+    comps, _ = parse_module(hlo_text)
     return [(i.attrs.get("custom_call_target", "").strip('"'),
              tuple(o.split()[0] if len(o.split()) > 1 else comp.shapes.get(o.lstrip("%"), "") for o in i.operands),
              i.shape)
             for comp in comps.values() for i in comp.instrs if i.opcode == "custom-call"]
 
 
-def _body_flops(comps: dict[str, _Computation], name: str, fp8_only: bool = False) -> float:
+def _body_flops(comps: dict[str, Computation], name: str, fp8_only: bool = False) -> float:
     """FLOPs inside a fusion body (dots, library calls), nested fusions included; fp8_only: of fp8 matmuls only."""
     comp = comps[name]
     return sum(_flops(comp, i, fp8_only) + (_body_flops(comps, i.attrs["calls"].lstrip("%"), fp8_only)
                                             if i.opcode == "fusion" else 0.0) for i in comp.instrs)
 
 
-def _fp8_matmul(comp: _Computation, instr: _Instr) -> bool:
+def _fp8_matmul(comp: Computation, instr: Instr) -> bool:
     """A dot or cuBLAS(Lt) GEMM whose two matrix operands are fp8 (f8e4m3fn, f8e5m2, ...): tensor cores run it at
     the fp8 rate. cuBLASLt's fp8 GEMM takes its scales as further operands."""
     if instr.opcode == "dot" or (instr.opcode == "custom-call"
@@ -486,13 +288,13 @@ def _fp8_matmul(comp: _Computation, instr: _Instr) -> bool:
     return False
 
 
-def _operand_dtype(comp: _Computation, operand: str) -> str:
+def _operand_dtype(comp: Computation, operand: str) -> str:
     parts = operand.split()  # some XLA versions print "f32[2,3]{1,0} %x" for operands
     shape = parts[0] if len(parts) > 1 else comp.shapes.get(operand.lstrip("%"), "")
-    return _arrays(shape)[0][0] if shape else ""
+    return arrays(shape)[0][0] if shape else ""
 
 
-def _operand_bytes(comp: _Computation, operand: str) -> int:
+def _operand_bytes(comp: Computation, operand: str) -> int:
     parts = operand.split()  # some XLA versions print "f32[2,3]{1,0} %x" for operands
     if len(parts) > 1:
         return shape_bytes(parts[0])
@@ -504,24 +306,24 @@ def _operand_bytes(comp: _Computation, operand: str) -> int:
 _GEMM_TARGETS = {"__cublas$gemm", "__cublas$lt$matmul", "__cublas$lt$matmul$f8", "__cublas$lt$matmul$mx"}
 
 
-def _result_bytes(instr: _Instr) -> int:
+def _result_bytes(instr: Instr) -> int:
     """Bytes an operation writes. cuBLAS and cuDNN calls end their result tuple with a workspace, s8[n] or
     u8[n]: scratch space the library may use, not data it must write."""
-    leaves = _split_top(_strip_comments(instr.shape).strip()[1:-1]) if instr.shape.startswith("(") else []
+    leaves = split_top(strip_comments(instr.shape).strip()[1:-1]) if instr.shape.startswith("(") else []
     target = instr.attrs.get("custom_call_target", "").strip('"')
     if len(leaves) > 1 and target.startswith(("__cublas$", "__cudnn$")) and leaves[-1][:3] in ("s8[", "u8["):
         return sum(shape_bytes(leaf) for leaf in leaves[:-1])
     return shape_bytes(instr.shape)
 
 
-def _matmul_flops(comp: _Computation, instr: _Instr, lhs_contracting: list[int]) -> float:
+def _matmul_flops(comp: Computation, instr: Instr, lhs_contracting: list[int]) -> float:
     """2 x output elements x contracted size. A library call's output is the first element of its result
     tuple (then an fp8 amax, then the workspace)."""
     lhs = _operand_dims(comp, instr.operands[0])
-    return 2.0 * math.prod(_arrays(instr.shape)[0][1]) * math.prod(lhs[d] for d in lhs_contracting)
+    return 2.0 * math.prod(arrays(instr.shape)[0][1]) * math.prod(lhs[d] for d in lhs_contracting)
 
 
-def _library_call_flops(comp: _Computation, instr: _Instr) -> float:
+def _library_call_flops(comp: Computation, instr: Instr) -> float:
     target = instr.attrs.get("custom_call_target", "").strip('"')
     try:
         if target in _GEMM_TARGETS:

@@ -8,8 +8,8 @@ loops in two ways that matter here:
 - the collective pipeliner moves one iteration's collectives out of the loop and peels that iteration; the loop
   it leaves may carry no known_trip_count, but still counts its induction variable from a constant up to a
   constant bound, which trip_count() reads from its condition.
-The functions take hlo.py's parsed instructions and computations (objects with name, opcode, operands, attrs
-and instrs), so this module needs nothing of hlo.py's.
+The functions take hlo_text.py's parsed instructions and computations (objects with name, opcode, operands, attrs
+and instrs), so this module needs nothing of hlo_text.py's.
 """
 
 from __future__ import annotations

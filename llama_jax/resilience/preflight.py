@@ -229,9 +229,10 @@ def judge(devices: list[dict], min_ratio: float) -> tuple[dict[str, float], list
     return medians, unhealthy
 
 
-def check(config: Config, mesh: Mesh, peers: Peers, say: Callable[[str], None] = lambda line: None) -> Report:
+def check(config: Config, mesh: Mesh, peers: Peers, print_fn: Callable[[str], None] = lambda line: None
+          ) -> Report:
     """Measure this process's devices and the mesh's collectives, gather every process's figures and judge
-    them, measure the slow ones again in rounds (fleet_rounds.py); every process returns the same Report. `say`:
+    them, measure the slow ones again in rounds (fleet_rounds.py); every process returns the same Report. `print_fn`:
     where the note that the rounds begin goes. Raises ConfigError for an injected device id not in the mesh."""
     start, f, injector = time.perf_counter(), config.fault, Injector(config.inject, jax.process_index())
     injector.check_devices(sorted(d.id for d in mesh.devices.flat))
@@ -247,9 +248,9 @@ def check(config: Config, mesh: Mesh, peers: Peers, say: Callable[[str], None] =
     slow = {d["device"] for d in flagged if d["arithmetic_ok"]}  # a wrong product is named at once: it is no accident
     rechecked = fleet_rounds.Recheck([], [], 0)
     if slow:
-        say(f"pre-flight check: {_devices(d for d in devices if d['device'] in slow)} below "
-            f"{f.preflight_min_ratio:g}x the median; measuring again in up to {fleet_rounds.ROUNDS} rounds, "
-            f"{fleet_rounds.ROUND_GAP_S:g} s apart, on every process at once")
+        print_fn(f"pre-flight check: {_devices(d for d in devices if d['device'] in slow)} below "
+                 f"{f.preflight_min_ratio:g}x the median; measuring again in up to {fleet_rounds.ROUNDS} rounds, "
+                 f"{fleet_rounds.ROUND_GAP_S:g} s apart, on every process at once")
         rate_once = probe.rate_once if probe else None  # a process with no device measures none
         rechecked = fleet_rounds.recheck(devices, slow, rate_once, peers, f.preflight_min_ratio, medians)
     records = {r["device"]: r for r in rechecked.suspects}

@@ -290,9 +290,23 @@ def format_remat_comparison(plans: dict[str, Plan]) -> str:
 
 
 def format_plan(plan: Plan) -> str:
-    ratio = plan.collective_total / plan.minimum_total if plan.minimum_total else math.nan
     stages = plan.mesh.get("pipeline", 1)
-    lines = [
+    lines = _memory_and_flops_lines(plan, stages)
+    if plan.predicted_step_s is not None:
+        against = f"MFU {plan.predicted_mfu:.1%}" + (f", {plan.predicted_mfu_fp8:.1%} of the fp8 peak"
+                                                     if plan.predicted_mfu_fp8 is not None else "")
+        fp8 = ", fp8 matmuls at the fp8 peak" if plan.fp8_flops else ""
+        lines.append(f"predicted step {plan.predicted_step_s * 1e3:10.1f} ms   ({against}; llama-jax tune's cost "
+                     f"model{fp8}; {plan.peaks})")
+    lines += _collective_lines(plan, stages)
+    if stages > 1:
+        lines += _pipeline_lines(plan, stages)
+    return "\n".join(line for line in lines if line)
+
+
+def _memory_and_flops_lines(plan: Plan, stages: int) -> list[str]:
+    """The plan's header, per-device memory, FLOPs per step and memory traffic (empty lines: left out)."""
+    return [
         f"mesh {plan.mesh} on {plan.devices} {plan.target or 'device(s)'} in {plan.hosts} host(s), compiled in "
         f"{plan.compile_seconds:.1f}s",
         "per device memory:" if stages == 1 else "per device memory (one pipeline stage):",
@@ -317,14 +331,13 @@ def format_plan(plan: Plan) -> str:
         f"{'' if plan.fp8_flops else '; this compiler computes them in a wider type'})"
         if plan.fp8 != "none" or plan.fp8_flops else "",
         f"memory traffic {format_bytes(plan.memory_traffic_bytes):>11}   (per device: bytes operations read and write)",
-        "collectives per device per step (ring cost model):",
     ]
-    if plan.predicted_step_s is not None:
-        against = f"MFU {plan.predicted_mfu:.1%}" + (f", {plan.predicted_mfu_fp8:.1%} of the fp8 peak"
-                                                     if plan.predicted_mfu_fp8 is not None else "")
-        fp8 = ", fp8 matmuls at the fp8 peak" if plan.fp8_flops else ""
-        lines[-1:-1] = [f"predicted step {plan.predicted_step_s * 1e3:10.1f} ms   ({against}; llama-jax tune's cost "
-                        f"model{fp8}; {plan.peaks})"]
+
+
+def _collective_lines(plan: Plan, stages: int) -> list[str]:
+    """Collective bytes per device per step: by kind, against the analytic minimum, by mesh axes and link tier."""
+    ratio = plan.collective_total / plan.minimum_total if plan.minimum_total else math.nan
+    lines = ["collectives per device per step (ring cost model):"]
     lines += [f"  {kind:<19}{format_bytes(b):>12}"
               + ("   (point to point: the pipeline)" if kind == "collective-permute" and stages > 1 else "")
               for kind, b in plan.collective_bytes.items()]
@@ -339,24 +352,28 @@ def format_plan(plan: Plan) -> str:
                   for t in plan.collective_by_axis]
         tiers = ", ".join(f"{tier} {format_bytes(b)}" for tier, b in plan.collective_tiers.items())
         lines.append(f"  {'total':<58}{format_bytes(plan.collective_total):>12}   ({tiers})")
-    if stages > 1:
-        passes = plan.microbatches // plan.pass_microbatches
-        lines.append(f"pipeline ({plan.schedule}): {stages} stages x {plan.pipeline_repeats} repeat(s) over "
-                     f"{plan.pass_microbatches} micro-batches per pass{f', {passes} passes' if passes > 1 else ''}: "
-                     f"bubble {plan.bubble:.1%} of the step ((P-1)/(M·R+P-1))")
-        if plan.compiled_bubble is not None:
-            turns = plan.pass_microbatches * plan.pipeline_repeats
-            how = (f"each stage's {turns} forward and {turns} backward passes, V-1 = "
-                   f"{stages * plan.pipeline_repeats - 1} iterations at each end running one kind only"
-                   if plan.schedule == "1f1b" else f"{turns} micro-batch turns per stage")
-            lines.append(f"  compiled: the stage loop runs {plan.pipeline_iterations} iterations for {how}: bubble "
-                         f"{plan.compiled_bubble:.1%}")
-        group = " groups of layers" if plan.pipeline_repeats > 1 else ""
-        lines.append(f"  {'stage':>7}{'layers':>8}{'in flight':>11}{'memory':>12}   (micro-batch{group} kept at once; "
-                     "memory per device)")
-        lines += [f"  {p:>7}{n:>8}{k:>11}{format_bytes(b):>12}"
-                  for p, (n, k, b) in enumerate(zip(plan.stage_layers, plan.in_flight, plan.stage_bytes))]
-    return "\n".join(line for line in lines if line)
+    return lines
+
+
+def _pipeline_lines(plan: Plan, stages: int) -> list[str]:
+    """A pipeline's schedule, its bubble (in theory and as compiled), and each stage's layers and memory."""
+    passes = plan.microbatches // plan.pass_microbatches
+    lines = [f"pipeline ({plan.schedule}): {stages} stages x {plan.pipeline_repeats} repeat(s) over "
+             f"{plan.pass_microbatches} micro-batches per pass{f', {passes} passes' if passes > 1 else ''}: "
+             f"bubble {plan.bubble:.1%} of the step ((P-1)/(M·R+P-1))"]
+    if plan.compiled_bubble is not None:
+        turns = plan.pass_microbatches * plan.pipeline_repeats
+        how = (f"each stage's {turns} forward and {turns} backward passes, V-1 = "
+               f"{stages * plan.pipeline_repeats - 1} iterations at each end running one kind only"
+               if plan.schedule == "1f1b" else f"{turns} micro-batch turns per stage")
+        lines.append(f"  compiled: the stage loop runs {plan.pipeline_iterations} iterations for {how}: bubble "
+                     f"{plan.compiled_bubble:.1%}")
+    group = " groups of layers" if plan.pipeline_repeats > 1 else ""
+    lines.append(f"  {'stage':>7}{'layers':>8}{'in flight':>11}{'memory':>12}   (micro-batch{group} kept at once; "
+                 "memory per device)")
+    lines += [f"  {p:>7}{n:>8}{k:>11}{format_bytes(b):>12}"
+              for p, (n, k, b) in enumerate(zip(plan.stage_layers, plan.in_flight, plan.stage_bytes))]
+    return lines
 
 
 def plan_dict(plan: Plan) -> dict:

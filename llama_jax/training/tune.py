@@ -25,10 +25,8 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import itertools
 import json
 import os
-import re
 import statistics
 import time
 from dataclasses import dataclass
@@ -43,160 +41,30 @@ from llama_jax.config import Config
 from llama_jax.distributed import sharding
 from llama_jax.errors import ConfigError
 from llama_jax.files import atomic_path, cache_root, format_bytes
-from llama_jax.perf.costmodel import (
-    INTER_HOST,
-    INTRA_HOST,
-    CostModel,
-    check_devices_per_host,
-    default_cost_model,
-    spearman,
-)
-from llama_jax.perf.hardware import MfuPeaks, compile_only, memory_budget, simulated_devices
+from llama_jax.perf.costmodel import CostModel, check_devices_per_host, default_cost_model, spearman
+from llama_jax.perf.hardware import compile_only, memory_budget, simulated_devices
 from llama_jax.training import plan
 from llama_jax.training.step import TrainProgram, model_flops_per_token, random_batch, time_train_steps
-
-SEARCHED_KEYS = ("mesh.pipeline", "mesh.pipeline_repeats", "mesh.pipeline_schedule", "mesh.pipeline_microbatches",
-                 "mesh.data", "mesh.fsdp", "mesh.tensor", "mesh.sequence", "mesh.sequence_parallel",
-                 "train.microbatches", "remat.policy", "remat.every_n_layers")
-DEFAULT_POLICIES = ("none", "save_dot_except_mlp", "selective", "full")
-
-
-@dataclass(frozen=True)
-class Candidate:
-    data: int
-    fsdp: int
-    tensor: int
-    sequence: int
-    sequence_parallel: bool
-    microbatches: int | str  # auto: the fewest that fit, as `llama-jax train` resolves it
-    policy: str
-    every_n_layers: int = 1
-    pipeline: int = 1
-    repeats: int = 1  # mesh.pipeline_repeats
-    schedule: str = "gpipe"  # mesh.pipeline_schedule
-    per_pass: int = 0  # mesh.pipeline_microbatches (0: all of them in one pass)
-
-    @property
-    def mesh_key(self) -> tuple:
-        return self.pipeline, self.repeats, self.data, self.fsdp, self.tensor, self.sequence, self.sequence_parallel
-
-    @property
-    def label(self) -> str:
-        sp = "+sp" if self.tensor > 1 and self.sequence_parallel else ""
-        every = f"/{self.every_n_layers}" if self.every_n_layers > 1 else ""
-        schedule = "-1f1b" if self.schedule == "1f1b" else ""
-        stages = f"p{self.pipeline}{f'x{self.repeats}' if self.repeats > 1 else ''}{schedule} " \
-            if self.pipeline > 1 else ""
-        passes = f"/{self.per_pass}" if self.per_pass else ""
-        return (f"{stages}d{self.data} f{self.fsdp} t{self.tensor}{sp} s{self.sequence} "
-                f"mb{self.microbatches}{passes} {self.policy}{every}")
-
-
-@dataclass
-class Result:
-    candidate: Candidate
-    config: Config | None = None
-    rejected: str | None = None  # why it cannot run (validator, mesh, memory)
-    memory_bytes: float | None = None  # per device, from the compiled step
-    hlo_flops: float | None = None  # per step, all devices
-    collective_bytes: float | None = None  # per device per step
-    tier_bytes: dict[str, float] | None = None  # the same by link tier (costmodel.TIERS)
-    predicted_s: float | None = None
-    measured_s: float | None = None
-
-
-def factorizations(n: int, parts: int = 5) -> list[tuple[int, ...]]:
-    """Every ordered way to write n as a product of `parts` positive factors."""
-    if parts == 1:
-        return [(n,)]
-    return [(d, *rest) for d in range(1, n + 1) if n % d == 0 for rest in factorizations(n // d, parts - 1)]
-
-
-def pinned(overrides: list[str]) -> dict[str, str]:
-    """The searched keys the user fixed with key=value."""
-    values = dict(item.split("=", 1) for item in overrides if "=" in item)
-    return {k: v.strip() for k, v in values.items() if k.strip() in SEARCHED_KEYS}
-
-
-def candidate_space(devices: int, overrides: list[str], policies: tuple[str, ...], microbatches: tuple[int, ...],
-                    every_n_layers: tuple[int, ...] = (1,), pipeline_repeats: tuple[int, ...] = (1, 2),
-                    schedules: tuple[str, ...] = ("gpipe", "1f1b"), passes: tuple[int, ...] = (0,)) -> list[Candidate]:
-    """Every combination of the searched values; key=value overrides pin a searched key. With a pipeline,
-    the micro-batch counts are multiples of its stages: each count times the stages; so are the micro-batches
-    per pass (`passes`; 0: one pass of all), kept where fewer than all."""
-    fixed = pinned(overrides)
-    out = []
-    for pipeline, data, fsdp, tensor, sequence in factorizations(devices):
-        sizes = {"mesh.pipeline": pipeline, "mesh.data": data, "mesh.fsdp": fsdp, "mesh.tensor": tensor,
-                 "mesh.sequence": sequence}
-        if any(k in fixed and int(fixed[k]) not in (v, -1) for k, v in sizes.items()):
-            continue
-        sp_values = [True, False] if tensor > 1 else [True]
-        if "mesh.sequence_parallel" in fixed:
-            sp_values = [fixed["mesh.sequence_parallel"].lower() == "true"]
-        mbs = [_microbatches(fixed["train.microbatches"])] if "train.microbatches" in fixed else \
-            [pipeline * n for n in microbatches]
-        pols = [fixed["remat.policy"]] if "remat.policy" in fixed else list(policies)
-        everys = [int(fixed["remat.every_n_layers"])] if "remat.every_n_layers" in fixed else list(every_n_layers)
-        repeats = [1] if pipeline == 1 else \
-            [int(fixed["mesh.pipeline_repeats"])] if "mesh.pipeline_repeats" in fixed else list(pipeline_repeats)
-        kinds = ["gpipe"] if pipeline == 1 else [fixed.get("mesh.pipeline_schedule", s) for s in schedules]
-        per_pass = [0] if pipeline == 1 else [int(fixed["mesh.pipeline_microbatches"])] \
-            if "mesh.pipeline_microbatches" in fixed else [pipeline * n for n in passes]
-        for sp, mb, policy, repeat, kind, size in itertools.product(sp_values, mbs, pols, repeats,
-                                                                    dict.fromkeys(kinds), per_pass):
-            if size and (size > mb or size == mb and "mesh.pipeline_microbatches" not in fixed):
-                continue  # passes of more than all the micro-batches, or of all: one pass (0)
-            # Without recomputation there is nothing to spread over every n-th layer.
-            for every in ([1] if policy == "none" else everys):
-                out.append(Candidate(data, fsdp, tensor, sequence, sp, mb, policy, every, pipeline, repeat, kind, size))
-    return out
-
-
-def _microbatches(value: str) -> int | str:
-    """A pinned train.microbatches: a count, or auto (resolved when the candidate compiles, as train does)."""
-    return "auto" if value.strip() == "auto" else int(value)
-
-
-def candidate_config(base: Config, candidate: Candidate) -> Config:
-    """The config `base` with the candidate's searched values, validated like `llama-jax train`'s."""
-    c = candidate
-    config = dataclasses.replace(
-        base,
-        mesh=dataclasses.replace(base.mesh, pipeline=c.pipeline, pipeline_repeats=c.repeats, data=c.data, fsdp=c.fsdp,
-                                 tensor=c.tensor, sequence=c.sequence, sequence_parallel=c.sequence_parallel,
-                                 pipeline_schedule=c.schedule, pipeline_microbatches=c.per_pass),
-        train=dataclasses.replace(base.train, microbatches=c.microbatches),
-        remat=dataclasses.replace(base.remat, policy=c.policy, every_n_layers=c.every_n_layers))
-    config_lib.validate(config)
-    return config
-
-
-def validate_candidates(base: Config, candidates: list[Candidate]) -> list[Result]:
-    """Each candidate with its Config, or the validator's / mesh checks' reason it cannot run."""
-    shape_checks: dict[tuple, str | None] = {}  # parameter shapes depend on the mesh sizes only
-    results = []
-    for candidate in candidates:
-        result = Result(candidate)
-        try:
-            config = candidate_config(base, candidate)
-            sizes = {"pipeline": candidate.pipeline, "data": candidate.data, "fsdp": candidate.fsdp,
-                     "tensor": candidate.tensor, "sequence": candidate.sequence}
-            sharding.check_divisibility(config, sizes)
-            key = tuple(sizes.values())
-            if key not in shape_checks:
-                try:
-                    sharding.check_parameter_shapes(config, sizes)
-                    shape_checks[key] = None
-                except ConfigError as err:
-                    shape_checks[key] = str(err)
-            if shape_checks[key]:
-                raise ConfigError(shape_checks[key])
-            result.config = config
-        except ConfigError as err:
-            result.rejected = str(err)
-        results.append(result)
-    return results
+from llama_jax.training.tune_report import (  # tune_report's and tune_space's names are read from here too
+    Report,
+    format_report,  # noqa: F401
+    report_json,  # noqa: F401
+    step_time,  # noqa: F401
+    write_winner,  # noqa: F401
+)
+from llama_jax.training.tune_space import (
+    DEFAULT_POLICIES,
+    SEARCHED_KEYS,
+    Candidate,
+    Result,
+    candidate_config,  # noqa: F401
+    candidate_space,
+    default_candidate,
+    factorizations,  # noqa: F401
+    format_candidates,  # noqa: F401
+    pinned,  # noqa: F401
+    validate_candidates,
+)
 
 
 def _source_digest() -> str:
@@ -313,38 +181,8 @@ class Options:
     progress: bool = True
 
 
-@dataclass
-class Report:
-    results: list[Result]
-    default: Result
-    winner: Result
-    model: CostModel
-    budget: float
-    measured: bool
-    correlation: float | None
-    tokens: int  # per step
-    model_flops: float  # per step
-    devices: int
-    hosts: int = 1
-    device_kind: str = ""
-    fp8: str = "none"  # model.fp8: MFU is also shown against the fp8 peak
-
-
 class TuneError(ConfigError):
     """No candidate can run (all invalid, or none fits the memory budget): a bad input, exit 2."""
-
-
-def default_candidate(config: Config, devices: int) -> Candidate:
-    """The config as `llama-jax train` would run it (train.microbatches=auto stays auto: it is resolved when the
-    candidate compiles, against the same budget), the baseline of every speed-up."""
-    sizes = sharding.mesh_shape(config.mesh, devices)
-    stages = sizes["pipeline"]
-    return Candidate(sizes["data"], sizes["fsdp"], sizes["tensor"], sizes["sequence"],
-                     config.mesh.sequence_parallel or sizes["tensor"] == 1, config.train.microbatches,
-                     config.remat.policy, config.remat.every_n_layers, stages,
-                     config.mesh.pipeline_repeats if stages > 1 else 1,
-                     config.mesh.pipeline_schedule if stages > 1 else "gpipe",
-                     config.mesh.pipeline_microbatches if stages > 1 else 0)
 
 
 def _cost_model(options: Options, cache: Cache, dtype: str, cache_dir: Path) -> CostModel:
@@ -383,78 +221,21 @@ def enumerate_candidates(source: str | None, overrides: list[str], options: Opti
     return base, default, results
 
 
-def format_candidates(results: list[Result]) -> str:
-    """`--dry-run`: each candidate, valid or the reason it is not."""
-    width = max(len(r.candidate.label) for r in results) + 2
-    lines = [f"{r.candidate.label:<{width}}{'valid' if r.config is not None else r.rejected}" for r in results]
-    valid = sum(r.config is not None for r in results)
-    return "\n".join([*lines, f"{len(results)} candidates: {valid} valid, {len(results) - valid} invalid"])
-
-
 def tune(source: str | None, overrides: list[str], options: Options = Options()) -> Report:
     base, default, results = enumerate_candidates(source, overrides, options)
     devices = len(options.devices) or jax.device_count()
     device = options.devices[0] if options.devices else None
-    valid = [r for r in results if r.config is not None]
     budget = memory_budget(options.memory_gb or base.run.device_memory_gb, device)
     root = cache_root(base.data.cache_dir)
     cache = Cache(root / "tune", base, options.devices_per_host, options.devices)
     model = _cost_model(options, cache, base.model.compute_dtype, root)
-    deadline = time.monotonic() + 60 * options.budget_min
-
-    quiet = None if options.progress else True  # None: a bar on terminals only
-
-    def score_all(batch: list[Result], stage: str) -> None:
-        todo = [r for r in batch if r.predicted_s is None and r.rejected is None]
-        with tqdm(total=len(todo), desc=stage, unit="candidate", disable=quiet, leave=False) as bar:
-            for result in todo:
-                if "tier_bytes" in cache.get(result.candidate) or time.monotonic() < deadline:
-                    score(result, cache, model, budget, options.devices_per_host, options.devices)
-                bar.update()
-
-    # Stage 1: every mesh once, with the default's micro-batching and recomputation where searched.
-    one_per_mesh: dict[tuple, Result] = {}
-    for r in valid:
-        c = r.candidate
-        like_default = (c.microbatches, c.policy, c.every_n_layers, c.schedule, c.per_pass) == \
-            (default.microbatches, default.policy, default.every_n_layers, default.schedule, default.per_pass)
-        if c.mesh_key not in one_per_mesh or like_default:
-            one_per_mesh[c.mesh_key] = r
-    stage1 = list(one_per_mesh.values())
-    score_all(stage1, "stage 1: meshes")
-    # Stage 2: every micro-batch count and policy on the best meshes (the leanest, if none fits).
-    scored = [r for r in stage1 if r.predicted_s is not None]
-    by_mesh = sorted(scored, key=lambda r: (r.rejected is not None, r.predicted_s if r.rejected is None
-                                            else r.memory_bytes))
-    best_meshes = list(dict.fromkeys(r.candidate.mesh_key for r in by_mesh))[:options.meshes]
-    best_meshes.append(default.mesh_key)  # the default mesh with other settings: the plainest alternative
-    score_all([r for r in valid if r.candidate.mesh_key in best_meshes], "stage 2: micro-batches x remat")
-    default_result = next(r for r in results if r.candidate == default)
-    if default_result.config is not None and default_result.predicted_s is None and default_result.rejected is None:
-        score(default_result, cache, model, budget, options.devices_per_host, options.devices)
-
-    fits = sorted((r for r in results if r.predicted_s is not None and r.rejected is None), key=lambda r: r.predicted_s)
-    if not fits:
-        over = [r for r in results if r.memory_bytes is not None]
-        if not over:
-            raise TuneError(f"no candidate was compiled within --budget-min {options.budget_min:g}; raise it")
-        leanest = min(over, key=lambda r: r.memory_bytes)
-        raise TuneError(f"no candidate fits the memory budget of {format_bytes(budget)} per device: the leanest, "
-                        f"{leanest.candidate.label}, needs {format_bytes(leanest.memory_bytes)}, "
-                        f"{format_bytes(leanest.memory_bytes - budget)} more; raise --memory-gb, lower "
-                        f"train.batch_size or train.seq_len, or use more devices")
-
+    scoring = _Scoring(cache, model, budget, options, deadline=time.monotonic() + 60 * options.budget_min)
+    default_result = _score_in_stages(results, default, scoring)
+    fits = _ranked(results, budget, options)
     # Compile-only GPUs cannot run; simulated CPU devices' timings say little about real ones.
     measuring = not options.devices and (options.measure if options.measure is not None else not simulated_devices())
     if measuring:
-        chosen = fits[:options.top_k] + ([default_result] if default_result in fits[options.top_k:] else [])
-        for result in tqdm(chosen, desc="measuring", unit="candidate", disable=quiet, leave=False):
-            measure(result, cache, options.steps)
-        timed = [r for r in fits if r.measured_s is not None]
-        if not timed:
-            raise TuneError(f"every measured candidate failed; the first: {chosen[0].rejected}")
-        winner = min(timed, key=lambda r: r.measured_s)
-        correlation = spearman([r.predicted_s for r in timed], [r.measured_s for r in timed])
+        winner, correlation = _measure_best(fits, default_result, cache, options)
     else:
         winner, correlation = fits[0], None
     t = base.train
@@ -468,83 +249,81 @@ def tune(source: str | None, overrides: list[str], options: Options = Options())
                   devices=devices, hosts=hosts, device_kind=device.device_kind, fp8=base.model.fp8)
 
 
-def step_time(result: Result) -> float | None:
-    return result.measured_s if result.measured_s is not None else result.predicted_s
+@dataclass(frozen=True)
+class _Scoring:
+    """What scoring a candidate needs: the cache, the cost model, the memory budget, the options, the deadline."""
+
+    cache: Cache
+    model: CostModel
+    budget: float
+    options: Options
+    deadline: float  # time.monotonic(): no new compilation after it (a cached candidate is still read)
+
+    def one(self, result: Result) -> None:
+        score(result, self.cache, self.model, self.budget, self.options.devices_per_host, self.options.devices)
+
+    def all(self, batch: list[Result], stage: str) -> None:
+        todo = [r for r in batch if r.predicted_s is None and r.rejected is None]
+        quiet = None if self.options.progress else True  # None: a bar on terminals only
+        with tqdm(total=len(todo), desc=stage, unit="candidate", disable=quiet, leave=False) as bar:
+            for result in todo:
+                if "tier_bytes" in self.cache.get(result.candidate) or time.monotonic() < self.deadline:
+                    self.one(result)
+                bar.update()
 
 
-def format_report(report: Report, rows: int = 20) -> str:
-    """The ranked table (by measured step time where measured, then by predicted), and a summary."""
-    results = report.results
-    fits = [r for r in results if r.predicted_s is not None and r.rejected is None]
-    ranked = sorted(fits, key=lambda r: (r.measured_s is None, step_time(r)))
-    shown = ranked[:rows] + ([report.default] if report.default in ranked[rows:] else [])
-    width = max(len(r.candidate.label) for r in shown) + 2
-    peaks = MfuPeaks.with_fp8(report.model.peak_flops, "the cost model's", report.fp8, report.device_kind)
-    lines = [(f"{'#':>3}  {'candidate':<{width}}{'memory':>10}{'predicted':>11}{'measured':>10}{'tokens/s':>11}"
-              f"{'MFU':>7}" + (f"{'of fp8':>8}" if peaks.fp8 else ""))]
-    for r in shown:
-        seconds = step_time(r)
-        mfu = peaks.fractions(report.model_flops / seconds, report.devices)
-        mark = " <- default" if r is report.default else ""
-        measured = f"{r.measured_s * 1e3:8.1f}ms" if r.measured_s is not None else f"{'-':>10}"
-        lines.append(f"{ranked.index(r) + 1:>3}  {r.candidate.label:<{width}}{r.memory_bytes / 2**20:8.0f}MiB"
-                     f"{r.predicted_s * 1e3:9.1f}ms{measured}{report.tokens / seconds:11,.0f}{mfu['mfu']:7.1%}"
-                     + (f"{mfu['mfu_fp8']:8.1%}" if peaks.fp8 else "") + mark)
-    invalid = [r for r in results if r.config is None]
-    over = [r for r in results if r.config is not None and (r.rejected or "").startswith("needs")]
-    failed = [r for r in results if r.config is not None and r.rejected and r not in over]
-    unscored = [r for r in results if r.config is not None and r.rejected is None and r.predicted_s is None]
-    reasons: dict[str, int] = {}
-    for r in invalid:  # counted by kind: the figures in parentheses differ from candidate to candidate
-        kind = re.sub(r"\([^)]*\)", "(..)", r.rejected.split(";")[0])
-        reasons[kind] = reasons.get(kind, 0) + 1
-    lines += [("candidate: pP(xR)(-1f1b) pipeline stages (x repeats; the 1F1B schedule, else GPipe), d/f/t/s mesh "
-               "sizes (data, fsdp, tensor, sequence; +sp: sequence parallelism), mb micro-batches (/k: k per pass "
-               "through the pipeline), remat policy (/n: on every n-th layer); tokens/s and MFU from the measured step "
-               "time where there is one, else the predicted"), "",
-              f"{len(results)} candidates: {len(invalid)} invalid, {len(over)} over the memory budget of "
-              f"{format_bytes(report.budget)}, {len(failed)} failed to compile or run, {len(unscored)} not compiled "
-              f"(staged search or time budget), {len(fits)} ranked"
-              + (f", {sum(r.measured_s is not None for r in fits)} measured" if report.measured else "")]
-    lines += [f"  {n:>4} x {reason}" for reason, n in sorted(reasons.items(), key=lambda kv: -kv[1])]
-    m = report.model
-    fp8_rate = f" + fp8 FLOPs / ({m.fp8_peak_flops / 1e12:.4g} TFLOP/s x {m.efficiency:g})" \
-        if m.fp8_peak_flops and report.fp8 != "none" else ""
-    lines.append(f"cost model, per device: sum over operations of max({'other ' if fp8_rate else ''}FLOPs / "
-                 f"({m.peak_flops / 1e12:.3g} TFLOP/s x {m.efficiency:g}){fp8_rate}, bytes / "
-                 f"{m.memory_bandwidth / 1e9:.3g} GB/s) + {1 - m.overlap:g} x (collective bytes within a host / "
-                 f"{m.bandwidth(INTRA_HOST) / 1e9:.3g} GB/s + between hosts / {m.bandwidth(INTER_HOST) / 1e9:.3g} "
-                 f"GB/s); {report.devices} devices on {report.hosts} host(s)")
-    if report.correlation is not None:
-        lines.append(f"Spearman correlation of predicted and measured step times: {report.correlation:+.2f}")
-    if report.default.rejected:
-        lines.append(f"the default configuration cannot run: {report.default.rejected}")
-    elif step_time(report.default):
-        basis = "measured" if report.winner.measured_s is not None and report.default.measured_s is not None \
-            else "predicted"
-        speedup = (getattr(report.default, f"{basis}_s") or 0) / getattr(report.winner, f"{basis}_s")
-        lines.append(f"winner {report.winner.candidate.label}: {speedup:.2f}x the default "
-                     f"({report.default.candidate.label}), {basis}")
-    return "\n".join(lines)
+def _score_in_stages(results: list[Result], default: Candidate, scoring: _Scoring) -> Result:
+    """Stage 1: every mesh once; stage 2: every micro-batch count and policy on the best meshes; and the default
+    candidate, whatever its stage left of it. Returns the default's result."""
+    valid = [r for r in results if r.config is not None]
+    # Stage 1: every mesh once, with the default's micro-batching and recomputation where searched.
+    one_per_mesh: dict[tuple, Result] = {}
+    for r in valid:
+        c = r.candidate
+        like_default = (c.microbatches, c.policy, c.every_n_layers, c.schedule, c.per_pass) == \
+            (default.microbatches, default.policy, default.every_n_layers, default.schedule, default.per_pass)
+        if c.mesh_key not in one_per_mesh or like_default:
+            one_per_mesh[c.mesh_key] = r
+    stage1 = list(one_per_mesh.values())
+    scoring.all(stage1, "stage 1: meshes")
+    # Stage 2: every micro-batch count and policy on the best meshes (the leanest, if none fits).
+    scored = [r for r in stage1 if r.predicted_s is not None]
+    by_mesh = sorted(scored, key=lambda r: (r.rejected is not None, r.predicted_s if r.rejected is None
+                                            else r.memory_bytes))
+    best_meshes = list(dict.fromkeys(r.candidate.mesh_key for r in by_mesh))[:scoring.options.meshes]
+    best_meshes.append(default.mesh_key)  # the default mesh with other settings: the plainest alternative
+    scoring.all([r for r in valid if r.candidate.mesh_key in best_meshes], "stage 2: micro-batches x remat")
+    default_result = next(r for r in results if r.candidate == default)
+    if default_result.config is not None and default_result.predicted_s is None and default_result.rejected is None:
+        scoring.one(default_result)
+    return default_result
 
 
-def write_winner(report: Report, out: Path) -> None:
-    r = report.winner
-    timing = f"measured {r.measured_s * 1e3:.1f} ms" if r.measured_s is not None else \
-        f"predicted {r.predicted_s * 1e3:.1f} ms"
-    header = (f"# Written by llama-jax tune for {report.devices} {report.device_kind} device(s): {r.candidate.label},\n"
-              f"# {timing} per step, {r.memory_bytes / 2**20:.0f} MiB per device. Train with: llama-jax train {out}\n")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_path(out) as tmp:
-        tmp.write_text(header + config_lib.to_yaml(r.config))
+def _ranked(results: list[Result], budget: float, options: Options) -> list[Result]:
+    """The candidates that fit, fastest predicted first; TuneError when none does (none compiled, or all over)."""
+    fits = sorted((r for r in results if r.predicted_s is not None and r.rejected is None), key=lambda r: r.predicted_s)
+    if not fits:
+        over = [r for r in results if r.memory_bytes is not None]
+        if not over:
+            raise TuneError(f"no candidate was compiled within --budget-min {options.budget_min:g}; raise it")
+        leanest = min(over, key=lambda r: r.memory_bytes)
+        raise TuneError(f"no candidate fits the memory budget of {format_bytes(budget)} per device: the leanest, "
+                        f"{leanest.candidate.label}, needs {format_bytes(leanest.memory_bytes)}, "
+                        f"{format_bytes(leanest.memory_bytes - budget)} more; raise --memory-gb, lower "
+                        f"train.batch_size or train.seq_len, or use more devices")
+    return fits
 
 
-def report_json(report: Report) -> str:
-    rows = [{"candidate": dataclasses.asdict(r.candidate), "label": r.candidate.label, "rejected": r.rejected,
-             "memory_bytes": r.memory_bytes, "hlo_flops": r.hlo_flops, "collective_bytes": r.collective_bytes,
-             "collective_tiers": r.tier_bytes,
-             "predicted_s": r.predicted_s, "measured_s": r.measured_s} for r in report.results]
-    return json.dumps({"devices": report.devices, "hosts": report.hosts, "budget_bytes": report.budget,
-                       "measured": report.measured, "cost_model": dataclasses.asdict(report.model),
-                       "spearman": report.correlation, "default": report.default.candidate.label,
-                       "winner": report.winner.candidate.label, "candidates": rows}, indent=1)
+def _measure_best(fits: list[Result], default_result: Result, cache: Cache, options: Options
+                  ) -> tuple[Result, float | None]:
+    """Time the top-k (and the default, when it fits) on the devices: (the fastest measured, the Spearman
+    correlation of predicted and measured step times)."""
+    quiet = None if options.progress else True
+    chosen = fits[:options.top_k] + ([default_result] if default_result in fits[options.top_k:] else [])
+    for result in tqdm(chosen, desc="measuring", unit="candidate", disable=quiet, leave=False):
+        measure(result, cache, options.steps)
+    timed = [r for r in fits if r.measured_s is not None]
+    if not timed:
+        raise TuneError(f"every measured candidate failed; the first: {chosen[0].rejected}")
+    winner = min(timed, key=lambda r: r.measured_s)
+    return winner, spearman([r.predicted_s for r in timed], [r.measured_s for r in timed])
