@@ -329,7 +329,7 @@ class Checkpointer:
         """The finished steps, newest first, as process 0 sees them (one list for all processes)."""
         return self.peers.broadcast("checkpoint steps", sorted(self.manager.all_steps(), reverse=True))
 
-    def restore_newest(self, abstract_state: Any, warn: Callable[[str], None], before: int | None = None
+    def restore_newest(self, abstract_state: Any, print_fn: Callable[[str], None], before: int | None = None
                        ) -> Restored:
         """The newest step that restores on every process, from the fastest tier holding it whole (the local
         tier, then checkpoints/); a Restored without a state if none (its `seconds` still say what trying cost).
@@ -347,8 +347,8 @@ class Checkpointer:
                 if step not in (local if tier == "local" else durable):
                     continue
                 start = time.perf_counter()
-                found = (self._restore_local(step, abstract_state, warn, local[step]) if tier == "local" else
-                         self._restore_durable(step, abstract_state, warn))
+                found = (self._restore_local(step, abstract_state, print_fn, local[step]) if tier == "local" else
+                         self._restore_durable(step, abstract_state, print_fn))
                 seconds[tier] = seconds.get(tier, 0.0) + time.perf_counter() - start
                 if found is not None:
                     return dataclasses.replace(found, tier=tier, seconds=seconds)
@@ -374,7 +374,7 @@ class Checkpointer:
         self._check(meta, self.local.directory)
         return steps
 
-    def _restore_local(self, step, abstract_state, warn, processes: int) -> Restored | None:
+    def _restore_local(self, step, abstract_state, print_fn, processes: int) -> Restored | None:
         """A local step: through the partners when it was saved on this mesh and every process is served so
         (LocalTier.agreed_steps), else laid out on this mesh from the shards the hosts hold."""
         meta = self.local.meta(step) or {}
@@ -386,13 +386,13 @@ class Checkpointer:
             restored = restore_moved(self.local, step, processes, abstract_state)
             path = f"{self.local.host_dir}/process-*/{step}"  # the process directories of each host
         if isinstance(restored, str):
-            warn(f"warning: {restored}; trying the next copy")
+            print_fn(f"warning: {restored}; trying the next copy")
             return None
         state, data_state, copies = restored
         self.print_fn(f"restored step {step} from the local tier ({copies})")
         return Restored(state=state, data=data_state, step=step, copies=copies, path=path)
 
-    def _restore_durable(self, step, abstract_state, warn) -> Restored | None:
+    def _restore_durable(self, step, abstract_state, print_fn) -> Restored | None:
         meta = read_meta(self.directory / str(step))
         if meta is not None:
             self._check(meta, self.directory)
@@ -412,7 +412,7 @@ class Checkpointer:
             return Restored(state=state, data=data_state, step=step, path=str(self.directory / str(step)))
         moved = self.set_aside(step)
         more = f" and {len(failures) - 1} more" if len(failures) > 1 else ""
-        warn(f"warning: checkpoint step {step} does not restore ({failures[0]}{more}); moved it to {moved} "
+        print_fn(f"warning: checkpoint step {step} does not restore ({failures[0]}{more}); moved it to {moved} "
              "and trying the previous one")
         return None
 

@@ -38,10 +38,10 @@ class Goodput:
     """
 
     def __init__(self, run_dir: Path, started_at: float, write: bool = True, now: Callable[[], float] = time.time,
-                 clock: Callable[[], float] = time.perf_counter, warn: Callable[[str], None] = print):
+                 clock: Callable[[], float] = time.perf_counter, print_fn: Callable[[str], None] = print):
         # now: wall time (attempts are compared across processes); clock: the monotonic step clock.
         self.path, self.write, self.now, self.clock = Path(run_dir) / "goodput.json", write, now, clock
-        self.warn, self.unwritable = warn, False  # a failed write warns once: bookkeeping never stops a run
+        self.print_fn, self.unwritable = print_fn, False  # a failed write warns once: bookkeeping never stops a run
         self.previous = _read_attempts(self.path)
         self.current: dict[str, Any] = {
             "started_at": started_at, "pid": os.getpid(), "resumed_step": None, "last_alive": started_at,
@@ -122,7 +122,7 @@ class Goodput:
         except OSError as err:
             if not self.unwritable:
                 self.unwritable = True
-                self.warn(f"warning: writing {self.path} failed ({err.strerror or err}); training goes on without it")
+                self.print_fn(f"warning: writing {self.path} failed ({err.strerror or err}); training goes on without it")
 
     def finish(self, preempted: bool = False) -> None:
         """The loop ended on its own terms: finished its steps, or saved and stopped on a signal."""

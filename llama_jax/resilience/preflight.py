@@ -229,12 +229,14 @@ def judge(devices: list[dict], min_ratio: float) -> tuple[dict[str, float], list
     return medians, unhealthy
 
 
-def check(config: Config, mesh: Mesh, peers: Peers, print_fn: Callable[[str], None] = lambda line: None
-          ) -> Report:
+def check(config: Config, mesh: Mesh, peers: Peers, print_fn: Callable[[str], None] = lambda line: None,
+          injector: Injector | None = None) -> Report:
     """Measure this process's devices and the mesh's collectives, gather every process's figures and judge
     them, measure the slow ones again in rounds (fleet_rounds.py); every process returns the same Report. `print_fn`:
-    where the note that the rounds begin goes. Raises ConfigError for an injected device id not in the mesh."""
-    start, f, injector = time.perf_counter(), config.fault, Injector(config.inject, jax.process_index())
+    where the note that the rounds begin goes; `injector`: the run's (testing only), else one from the config.
+    Raises ConfigError for an injected device id not in the mesh."""
+    start, f = time.perf_counter(), config.fault
+    injector = injector or Injector(config.inject, jax.process_index())
     injector.check_devices(sorted(d.id for d in mesh.devices.flat))
     mine = sorted((d for d in mesh.devices.flat if d.process_index == jax.process_index()), key=lambda d: d.id)
     sizes = SIZES["cpu" if (mine or jax.local_devices())[0].platform == "cpu" else "gpu"]

@@ -70,17 +70,18 @@ def train(config: Config, print_fn: Callable[[str], None] = print, *, devices=No
     peers.recorder = FlightRecorder(Path(config.run.dir), peers.index, peers.count, processes.node_name(),
                                     capacity=f.flight_events, heartbeat_s=f.flight_heartbeat_s, client=peers.client)
     with peers.recorder:
-        return _train(config, peers, print_fn, devices, started_at)
+        return _train(config, peers, print_fn, devices, started_at, injector)
 
 
-def _train(config: Config, peers: Peers, print_fn: Callable[[str], None], devices, started_at: float) -> dict:
+def _train(config: Config, peers: Peers, print_fn: Callable[[str], None], devices, started_at: float,
+           injector: Injector) -> dict:
     f = config.fault
     peers.recorder.record("setup", "building the mesh and opening the data")
     mesh = sharding.make_mesh(config, devices=devices)
     # Process 0 prepares raw sources into the cache first, so processes sharing it never race.
     data = primary_first(lambda: open_data(config, print_fn=print_fn), (InputError,), peers)
     if f.preflight:  # a slow or faulty device is named before the step compiles or a checkpoint restores (exit 71)
-        report = preflight.check(config, mesh, peers, print_fn)
+        report = preflight.check(config, mesh, peers, print_fn, injector)
         print_fn(preflight.summary(report))
         preflight.enforce(report, Path(config.run.dir), create=True, peers=peers)  # a starting run: may make run.dir
     peers.recorder.record("setup", "compiling the train step")
@@ -88,7 +89,7 @@ def _train(config: Config, peers: Peers, print_fn: Callable[[str], None], device
     if config.train.microbatches == "auto":
         print_fn(f"train.microbatches=auto: {run.config.train.microbatches}, the fewest whose step fits "
                  "run.device_memory_gb")
-    return execute(run, print_fn, started_at)
+    return execute(run, print_fn, started_at, injector)
 
 
 def _warnings_only(print_fn: Callable[[str], None]) -> Callable[[str], None]:
@@ -103,7 +104,8 @@ def _warnings_only(print_fn: Callable[[str], None]) -> Callable[[str], None]:
     return warnings
 
 
-def execute(run: Run, print_fn: Callable[[str], None] = print, started_at: float | None = None) -> dict:
+def execute(run: Run, print_fn: Callable[[str], None] = print, started_at: float | None = None,
+            injector: Injector | None = None) -> dict:
     """The training loop. Returns a summary: eval losses, throughput, MFU, goodput and the exit code
     (0, or EXIT_PREEMPTED after a SIGTERM/SIGINT made it save and stop)."""
     t, run_dir, wall_start = run.config.train, Path(run.config.run.dir), time.perf_counter()
@@ -111,7 +113,7 @@ def execute(run: Run, print_fn: Callable[[str], None] = print, started_at: float
     if run.start.step and run.start.step >= t.steps:
         print_fn(f"{run_dir} is already trained to step {run.start.step}; raise train.steps to continue")
         return summary
-    loop = Loop.open(run, print_fn, started_at or time.time())
+    loop = Loop.open(run, print_fn, started_at or time.time(), injector)
     try:
         with loop.watchdog, loop.preemption, run.program.activate(), loop.log, loop.profiler:
             state, data_step = loop.restore()

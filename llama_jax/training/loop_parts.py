@@ -91,8 +91,9 @@ class Loop:
     held: set[str] = field(default_factory=set)  # tiers whose save waits for a step the guard counts as good
 
     @classmethod
-    def open(cls, run: Run, print_fn: Callable[[str], None], started_at: float) -> Loop:
-        """Write the run's config and tokenizer and start every part (Run.setup has checked the input)."""
+    def open(cls, run: Run, print_fn: Callable[[str], None], started_at: float, injector: Injector | None = None) -> Loop:
+        """Write the run's config and tokenizer and start every part (Run.setup has checked the input). `injector`:
+        the one train() built, else one from the config."""
         config, mesh = run.config, run.program.mesh
         t, f, run_dir = config.train, config.fault, Path(config.run.dir)
         multi, primary = jax.process_count() > 1, jax.process_index() == 0
@@ -107,7 +108,7 @@ class Loop:
         host = socket.gethostname() + (f"-p{jax.process_index()}" if multi else "")
         log = MetricsLog(run_dir, total_steps=t.steps, start_step=run.start.step, tensorboard=config.run.tensorboard,
                          print_fn=print_fn, enabled=primary, wandb=WandbSettings.from_config(config))
-        injector = Injector(config.inject, jax.process_index())
+        injector = injector or Injector(config.inject, jax.process_index())
         try:
             c = config.checkpoint
             local = LocalTier(c.local_dir, run_dir, mesh, run.peers, c.local_keep, c.local_replicas,
@@ -118,7 +119,7 @@ class Loop:
                                         injector=injector)
             loop = cls(
                 run=run, log=log, checkpointer=checkpointer,
-                goodput=Goodput(run_dir, started_at, write=primary, warn=log.message),
+                goodput=Goodput(run_dir, started_at, write=primary, print_fn=log.message),
                 meter=ThroughputMeter(t.batch_size * t.seq_len, model_flops_per_token(config), peaks,
                                       mesh.devices.size),
                 guard=SpikeGuard(f.max_bad_steps, f.spike_zscore, f.spike_window),
