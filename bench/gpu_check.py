@@ -63,7 +63,8 @@ from llama_jax.model.llama import param_count
 from llama_jax.perf.hardware import SHORT_DTYPE, MfuPeaks, mfu_peaks
 from llama_jax.training.plan import make_plan
 from llama_jax.training.run import enable_compilation_cache
-from llama_jax.training.step import TrainProgram, random_batch, time_train_steps
+from llama_jax.training.step import TrainProgram
+from llama_jax.training.timing import random_batch, time_train_steps
 
 ROOT = Path(__file__).resolve().parents[1]
 GPU_ENV = ROOT / "launch" / "gpu_env.sh"

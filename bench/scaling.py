@@ -88,7 +88,8 @@ def analytic_activation_bytes(preset: str, mesh: dict[str, int]) -> float:
 def row(preset: str, devices: int, activations: float, mfu: float) -> dict:
     from llama_jax.config import load_config
     from llama_jax.config.choices import MESH_AXES
-    from llama_jax.model.llama import param_count, train_flops_per_token
+    from llama_jax.model.flops import train_flops_per_token
+    from llama_jax.model.llama import param_count
     from llama_jax.perf.costmodel import cluster_topology
     from llama_jax.training.plan import collective_minimum
 

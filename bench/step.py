@@ -5,7 +5,7 @@
                                    [--ablation] [--versus "key=value ..."]... [--json out.json] [key=value ...]
 
 Ours: the jitted train step (AdamW, clipping, the preset's remat policy and attention kernel) on random
-tokens, 2 warm-up steps, then the median of --steps. MFU = model FLOPs (llama_jax.model.llama.train_flops_per_token,
+tokens, 2 warm-up steps, then the median of --steps. MFU = model FLOPs (llama_jax.model.flops.train_flops_per_token,
 attention halved when the kernel skips the masked half) / (peak x devices); the peak is the data-sheet
 figure of a known accelerator, or on CPU the best fp32 matmul measured here, now. Peak memory is the
 compiled step's footprint (XLA's memory analysis) and, on accelerators, the device's peak in use.
@@ -60,7 +60,8 @@ def measure_ours(preset: str, overrides: list[str], steps: int, peak: tuple[floa
 
     from llama_jax.config import load_config
     from llama_jax.perf.hardware import MfuPeaks, measure_matmul_peak, table_peak_flops
-    from llama_jax.training.step import TrainProgram, model_flops_per_token, random_batch, time_train_steps
+    from llama_jax.training.step import TrainProgram, model_flops_per_token
+    from llama_jax.training.timing import random_batch, time_train_steps
 
     config = load_config(preset, overrides)
     program = TrainProgram.for_config(config)

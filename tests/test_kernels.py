@@ -16,7 +16,9 @@ from llama_jax.config import RematConfig, load_config
 from llama_jax.model import flash, projection, remat
 from llama_jax.model.attention import document_mask, skips_masked_blocks
 from llama_jax.model.cudnn import query_chunked_attention
-from llama_jax.model.llama import Block, rope_angles, train_flops_per_token
+from llama_jax.model.flops import train_flops_per_token
+from llama_jax.model.llama import Block
+from llama_jax.model.rope import rope_angles
 from llama_jax.model.stack import LayerInputs
 
 

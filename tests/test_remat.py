@@ -14,7 +14,8 @@ from llama_jax.config import PeftConfig, RematConfig, load_config
 from llama_jax.config.choices import REMAT_POLICIES, REMAT_TAGS
 from llama_jax.errors import ConfigError
 from llama_jax.model import remat
-from llama_jax.model.llama import Block, rope_angles
+from llama_jax.model.llama import Block
+from llama_jax.model.rope import rope_angles
 from llama_jax.model.stack import LayerInputs
 
 

@@ -41,6 +41,7 @@ from llama_jax.model.loss import LOGITS, fused_cross_entropy_sum
 from llama_jax.model.norm import rms_norm
 from llama_jax.model.pipeline import PipelineLayout
 from llama_jax.model.projection import fp8_project, project, quantized_input, uses_cpu_backward
+from llama_jax.model.rope import apply_rope, rope_angles
 from llama_jax.model.stack import Head, LayerInputs, Stack, run_stack
 from llama_jax.model.stack.scan import scanned
 
@@ -77,43 +78,6 @@ def init_normal(std: float, names: tuple[str, ...]):
 
 # ---------------------------------------------------------------------------------------------
 # Rotary position embeddings with Llama 3's frequency scaling
-
-
-def rope_inverse_frequencies(cfg: ModelConfig) -> np.ndarray:
-    """[head_dim / 2] rotation speeds, rescaled the way Llama 3 extends its context.
-
-    Llama 3 leaves the fast-rotating (short-wavelength) dimensions alone, divides the slow ones by
-    `factor`, and interpolates smoothly in between, with the boundaries set by how many wavelengths
-    fit into the original training context.
-    """
-    head_dim = cfg.resolved_head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
-    factor = cfg.rope_scaling_factor
-    if factor == 1.0:
-        return inv_freq.astype(np.float32)
-    wavelength = 2 * math.pi / inv_freq
-    # How many times each wavelength fits into the original context, mapped to [0, 1] between the
-    # low- and high-frequency boundaries: 0 = scale fully, 1 = leave unchanged.
-    periods_in_context = cfg.rope_original_max_len / wavelength
-    blend = np.clip(
-        (periods_in_context - cfg.rope_low_freq_factor) / (cfg.rope_high_freq_factor - cfg.rope_low_freq_factor),
-        0.0, 1.0,
-    )
-    scaled = (1 - blend) * inv_freq / factor + blend * inv_freq
-    return scaled.astype(np.float32)
-
-
-def rope_angles(positions: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
-    """positions [batch, seq] -> (cos, sin), each [batch, seq, 1, head_dim / 2], in fp32."""
-    angles = positions.astype(jnp.float32)[..., None] * rope_inverse_frequencies(cfg)
-    return jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
-
-
-def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Rotate pairs (x[i], x[i + head_dim/2]) — the Hugging Face "rotate_half" layout."""
-    first, second = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-    rotated = jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
-    return rotated.astype(x.dtype)
 
 
 def layer_inputs(cfg: ModelConfig, segment_ids: jax.Array | None, positions: jax.Array) -> LayerInputs:
@@ -495,27 +459,3 @@ def param_shapes(cfg: ModelConfig, peft: PeftConfig = PeftConfig()):
 def param_count(cfg: ModelConfig) -> int:
     leaves = jax.tree.leaves(param_shapes(cfg))
     return sum(int(np.prod(leaf.shape)) for leaf in leaves)
-
-
-def matmul_param_count(cfg: ModelConfig) -> int:
-    """Parameters that take part in a matmul per token: everything but the embedding lookup and norms.
-
-    The output projection is a matmul (it is the embedding table itself when tied).
-    """
-    head_dim = cfg.resolved_head_dim
-    attention = cfg.d_model * head_dim * (2 * cfg.n_heads + 2 * cfg.n_kv_heads)
-    mlp = 3 * cfg.d_model * cfg.ffn_dim
-    return cfg.n_layers * (attention + mlp) + cfg.d_model * cfg.vocab_size
-
-
-def train_flops_per_token(cfg: ModelConfig, seq_len: int, causal_skip: bool = False) -> float:
-    """Model FLOPs to train on one token (forward + backward), PaLM's definition.
-
-    6 x (parameters used in matmuls, including the output projection) plus the attention scores and
-    weighted sum, 12 x layers x heads x head_dim x seq. That is the full seq x seq attention (as PaLM
-    and MaxText's default count it), computed by XLA's kernel; a kernel that skips the causal mask's
-    future half (blocked or cuDNN flash attention: causal_skip) is credited with half of it.
-    Recomputation is not counted: it is overhead, not model work.
-    """
-    attention = 12 * cfg.n_layers * cfg.n_heads * cfg.resolved_head_dim * seq_len
-    return 6 * matmul_param_count(cfg) + (attention / 2 if causal_skip else attention)

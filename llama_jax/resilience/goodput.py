@@ -122,7 +122,8 @@ class Goodput:
         except OSError as err:
             if not self.unwritable:
                 self.unwritable = True
-                self.print_fn(f"warning: writing {self.path} failed ({err.strerror or err}); training goes on without it")
+                self.print_fn(f"warning: writing {self.path} failed ({err.strerror or err}); "
+                              "training goes on without it")
 
     def finish(self, preempted: bool = False) -> None:
         """The loop ended on its own terms: finished its steps, or saved and stopped on a signal."""

@@ -2,6 +2,7 @@
 before it starts.
 
     step.py        the train state; TrainProgram: the compiled init, train and eval steps of one config on one mesh
+    timing.py      timing train steps on random tokens (tune's measurements, bench/step.py, gpu-check)
     optimizer.py   AdamW, the lr schedule (warmup, cosine or WSD, decay phase), clipping, the weight-decay mask
     run.py         a run before its first step: everything the loop needs, built and checked before anything in
                    run.dir is written

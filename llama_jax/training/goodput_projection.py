@@ -17,7 +17,8 @@ from typing import Any
 
 from llama_jax.config import Config
 from llama_jax.errors import InputError
-from llama_jax.model.llama import param_count, train_flops_per_token
+from llama_jax.model.flops import train_flops_per_token
+from llama_jax.model.llama import param_count
 from llama_jax.perf.hardware import NIC_GBS, table_peak_flops
 from llama_jax.resilience.goodput import read_attempts, summarize
 from llama_jax.training.goodput_model import (  # the model's names are read from here too

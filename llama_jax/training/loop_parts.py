@@ -91,7 +91,8 @@ class Loop:
     held: set[str] = field(default_factory=set)  # tiers whose save waits for a step the guard counts as good
 
     @classmethod
-    def open(cls, run: Run, print_fn: Callable[[str], None], started_at: float, injector: Injector | None = None) -> Loop:
+    def open(cls, run: Run, print_fn: Callable[[str], None], started_at: float,
+             injector: Injector | None = None) -> Loop:
         """Write the run's config and tokenizer and start every part (Run.setup has checked the input). `injector`:
         the one train() built, else one from the config."""
         config, mesh = run.config, run.program.mesh

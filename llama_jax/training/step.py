@@ -16,7 +16,6 @@ import contextlib
 import dataclasses
 import functools
 import math
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -24,7 +23,6 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from flax import struct
 from jax.sharding import Mesh
@@ -37,7 +35,8 @@ from llama_jax.files import format_bytes
 from llama_jax.model import jax_workarounds, peft
 from llama_jax.model.attention import select_implementation, skips_masked_blocks
 from llama_jax.model.context import TraceContext
-from llama_jax.model.llama import Llama, matmul_param_count, train_flops_per_token
+from llama_jax.model.flops import matmul_param_count, train_flops_per_token
+from llama_jax.model.llama import Llama
 from llama_jax.model.pipeline import PipelineLayout
 from llama_jax.model.stages import LayerOrder, to_storage_order
 from llama_jax.perf import gpu_target
@@ -159,6 +158,27 @@ def make_train_step(model: Llama, optimizer: optax.GradientTransformation, sched
 
 
 @dataclass
+def make_init_state(model: Llama, optimizer: optax.GradientTransformation, config: Config, mesh: Mesh) -> Callable:
+    """rng -> the fresh TrainState (a PeftState for a peft run) of `model` on `mesh`, its params boxed with their
+    logical axis names."""
+    adapting = config.peft.method != "none"
+
+    def init_state(rng: jax.Array) -> TrainState:
+        # The dummy batch only fixes shapes (XLA drops the unused forward pass); one row per
+        # batch shard keeps it divisible by the mesh inside the context-parallel shard_map.
+        rows = mesh.shape["data"] * mesh.shape["fsdp"] * mesh.shape["pipeline"]
+        params = model.init(rng, jnp.zeros((rows, config.train.seq_len), jnp.int32))["params"]
+        if not adapting:
+            # Each pipeline stage's layers in one block (stages.py); the natural order without repeats.
+            params = to_storage_order(params, layer_order(config, mesh))
+            return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params))
+        adapters, base = peft.split(params)  # the optimizer sees the adapters only: no state for the base
+        return PeftState(step=jnp.zeros((), jnp.int32), params=adapters, opt_state=optimizer.init(adapters),
+                         frozen=base)
+
+    return init_state
+
+
 class TrainProgram:
     config: Config
     mesh: Mesh
@@ -198,18 +218,7 @@ class TrainProgram:
         select_implementation(config.model.attention, mesh_platform(mesh), config.model.compute_dtype,
                               config.model.resolved_head_dim, config.train.seq_len)
 
-        def init_state(rng: jax.Array) -> TrainState:
-            # The dummy batch only fixes shapes (XLA drops the unused forward pass); one row per
-            # batch shard keeps it divisible by the mesh inside the context-parallel shard_map.
-            rows = mesh.shape["data"] * mesh.shape["fsdp"] * mesh.shape["pipeline"]
-            params = model.init(rng, jnp.zeros((rows, config.train.seq_len), jnp.int32))["params"]
-            if not adapting:
-                # Each pipeline stage's layers in one block (stages.py); the natural order without repeats.
-                params = to_storage_order(params, layer_order(config, mesh))
-                return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params))
-            adapters, base = peft.split(params)  # the optimizer sees the adapters only: no state for the base
-            return PeftState(step=jnp.zeros((), jnp.int32), params=adapters, opt_state=optimizer.init(adapters),
-                             frozen=base)
+        init_state = make_init_state(model, optimizer, config, mesh)
 
         # Shapes and logical axis names of the whole state, computed without allocating it; the
         # optimizer moments inherit their parameter's names, so they are sharded alike. Traced for the context
@@ -459,31 +468,3 @@ def model_flops_per_token(config: Config, platform_name: str | None = None) -> f
     skips = skips_masked_blocks(kernel) and (config.mesh.sequence == 1 or kernel == "cudnn")
     frozen = 2 * matmul_param_count(m) if config.peft.method != "none" else 0
     return train_flops_per_token(m, config.train.seq_len, skips) - frozen
-
-
-# ---------------------------------------------------------------------------------------------
-# Timing steps (`llama-jax tune` and bench/step.py)
-
-
-def random_batch(config: Config) -> dict[str, np.ndarray]:
-    """One global batch of random tokens, one document per row: what timing a step needs."""
-    b, t, v = config.train.batch_size, config.train.seq_len, config.model.vocab_size
-    rng, prompt = np.random.default_rng(0), config.peft.virtual_tokens
-    tokens, loss_mask = rng.integers(0, v, (b, t), dtype=np.int32), np.ones((b, t), np.float32)
-    tokens[:, :prompt], loss_mask[:, :prompt] = -1 - np.arange(prompt), 0.0  # a learned prompt's slots (loader.py)
-    return {"tokens": tokens, "targets": rng.integers(0, v, (b, t), dtype=np.int32),
-            "segment_ids": np.ones((b, t), np.int32), "positions": np.tile(np.arange(t, dtype=np.int32), (b, 1)),
-            "loss_mask": loss_mask}
-
-
-def time_train_steps(program: TrainProgram, state, batch, steps: int, warmup: int) -> tuple[list[float], dict]:
-    """Seconds of each of `steps` train steps on a placed batch, after `warmup` untimed ones, and the
-    last step's metrics (within program.activate(); the state is donated step to step)."""
-    times = []
-    for i in range(warmup + steps):
-        start = time.perf_counter()
-        state, metrics = program.train_step(state, batch)
-        jax.block_until_ready(metrics)
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
-    return times, metrics

@@ -44,7 +44,8 @@ from llama_jax.files import atomic_path, cache_root, format_bytes
 from llama_jax.perf.costmodel import CostModel, check_devices_per_host, default_cost_model, spearman
 from llama_jax.perf.hardware import compile_only, memory_budget, simulated_devices
 from llama_jax.training import plan
-from llama_jax.training.step import TrainProgram, model_flops_per_token, random_batch, time_train_steps
+from llama_jax.training.step import TrainProgram, model_flops_per_token
+from llama_jax.training.timing import random_batch, time_train_steps
 from llama_jax.training.tune_report import (  # tune_report's and tune_space's names are read from here too
     Report,
     format_report,  # noqa: F401
