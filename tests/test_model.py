@@ -13,14 +13,9 @@ from conftest import TINY_MODEL
 from llama_jax.config import load_config
 from llama_jax.data.loader import model_inputs
 from llama_jax.model.attention import select_implementation
-from llama_jax.model.llama import (
-    Llama,
-    apply_rope,
-    param_count,
-    rope_angles,
-    rope_inverse_frequencies,
-    train_flops_per_token,
-)
+from llama_jax.model.flops import train_flops_per_token
+from llama_jax.model.llama import Llama, param_count
+from llama_jax.model.rope import apply_rope, rope_angles, rope_inverse_frequencies
 
 TOLERANCE = 1e-5  # fp32, absolute on logits of order 1
 
@@ -54,16 +49,21 @@ def test_packed_documents_match_documents_alone(params):
     bos = 1
     docs = [np.concatenate([[bos], rng.integers(3, TINY_MODEL.vocab_size, n)]) for n in (9, 13, 6)]
     docs.append(np.array([bos]))  # the next document's BOS, as a packed row ends
-    packed = model_inputs([{"tokens": np.concatenate(docs).astype(np.int32),
-                            "segment_ids": np.concatenate([np.full(len(d), i + 1, np.int32)
-                                                           for i, d in enumerate(docs)]),
-                            "positions": np.concatenate([np.arange(len(d), dtype=np.int32) for d in docs])}])
+    packed = model_inputs(
+        [
+            {
+                "tokens": np.concatenate(docs).astype(np.int32),
+                "segment_ids": np.concatenate([np.full(len(d), i + 1, np.int32) for i, d in enumerate(docs)]),
+                "positions": np.concatenate([np.arange(len(d), dtype=np.int32) for d in docs]),
+            }
+        ]
+    )
     docs.pop()
     together = logits_of(TINY_MODEL, params, packed["tokens"], packed["positions"], packed["segment_ids"])
     offset = 0
     for doc in docs:
         alone = logits_of(TINY_MODEL, params, doc[None])
-        np.testing.assert_allclose(together[0, offset:offset + len(doc)], alone[0], atol=TOLERANCE)
+        np.testing.assert_allclose(together[0, offset : offset + len(doc)], alone[0], atol=TOLERANCE)
         offset += len(doc)
 
 
@@ -77,8 +77,9 @@ def test_grouped_query_attention_equals_multi_head_with_repeated_kv_weights(para
         kernel = params["layers"]["attn"][name]["kernel"]  # [layers, embed, kv_heads, head_dim]
         mha_params["layers"]["attn"][name] = {"kernel": jnp.repeat(kernel, group, axis=2)}
     tokens = np.random.default_rng(2).integers(0, TINY_MODEL.vocab_size, (2, 16))
-    np.testing.assert_allclose(logits_of(TINY_MODEL, params, tokens), logits_of(mha_cfg, mha_params, tokens),
-                               atol=TOLERANCE)
+    np.testing.assert_allclose(
+        logits_of(TINY_MODEL, params, tokens), logits_of(mha_cfg, mha_params, tokens), atol=TOLERANCE
+    )
 
 
 @pytest.mark.parametrize("factor", [1.0, 8.0])
@@ -117,16 +118,25 @@ def reference_llama3_inverse_frequencies(head_dim, theta, factor, low, high, ori
 
 
 def test_llama3_scaling_matches_the_reference_formula():
-    cfg = dataclasses.replace(TINY_MODEL, d_model=512, n_heads=4, rope_theta=500000.0, rope_scaling_factor=8.0,
-                              rope_low_freq_factor=1.0, rope_high_freq_factor=4.0, rope_original_max_len=8192)
+    cfg = dataclasses.replace(
+        TINY_MODEL,
+        d_model=512,
+        n_heads=4,
+        rope_theta=500000.0,
+        rope_scaling_factor=8.0,
+        rope_low_freq_factor=1.0,
+        rope_high_freq_factor=4.0,
+        rope_original_max_len=8192,
+    )
     expected = reference_llama3_inverse_frequencies(128, 500000.0, 8.0, 1.0, 4.0, 8192)
     np.testing.assert_allclose(rope_inverse_frequencies(cfg), expected, rtol=1e-6)
 
 
 def test_llama3_scaling_keeps_high_frequencies_and_divides_low_ones():
     base = dataclasses.replace(TINY_MODEL, d_model=512, n_heads=4, rope_theta=500000.0)  # head_dim 128
-    scaled = dataclasses.replace(base, rope_scaling_factor=8.0, rope_low_freq_factor=1.0,
-                                 rope_high_freq_factor=4.0, rope_original_max_len=8192)
+    scaled = dataclasses.replace(
+        base, rope_scaling_factor=8.0, rope_low_freq_factor=1.0, rope_high_freq_factor=4.0, rope_original_max_len=8192
+    )
     plain, llama3 = rope_inverse_frequencies(base), rope_inverse_frequencies(scaled)
     wavelength = 2 * math.pi / plain
     high = wavelength < 8192 / 4.0
@@ -160,10 +170,16 @@ def test_every_parameter_carries_logical_axis_names():
     assert specs and all(len(spec) > 0 and set(spec) <= known for spec in specs)
 
 
-@pytest.mark.parametrize("preset, published", [
-    ("llama3_1b", 1.24e9), ("llama3_3b", 3.21e9), ("llama3_8b", 8.03e9),
-    ("llama3_70b", 70.6e9), ("llama3_405b", 405.9e9),
-])
+@pytest.mark.parametrize(
+    "preset, published",
+    [
+        ("llama3_1b", 1.24e9),
+        ("llama3_3b", 3.21e9),
+        ("llama3_8b", 8.03e9),
+        ("llama3_70b", 70.6e9),
+        ("llama3_405b", 405.9e9),
+    ],
+)
 def test_preset_parameter_counts_match_published_sizes(preset, published):
     count = param_count(load_config(preset).model)  # eval_shape: nothing is allocated
     assert abs(count - published) / published < 0.01
@@ -176,21 +192,24 @@ def test_train_flops_per_token_formula():
     assert train_flops_per_token(cfg, 8192) == pytest.approx(expected, rel=1e-3)
 
 
-@pytest.mark.parametrize("requested, platform, dtype, head_dim, seq_len, expected", [
-    ("auto", "gpu", jnp.bfloat16, 128, 4096, "cudnn"),
-    ("auto", "gpu", jnp.float16, 64, 4096, "cudnn"),
-    ("auto", "gpu", jnp.float32, 128, 4096, "blocked"),  # cuDNN flash attention needs 16-bit inputs
-    ("auto", "gpu", jnp.bfloat16, 260, 4096, "blocked"),  # head_dim above cuDNN's 256 limit
-    ("auto", "gpu", jnp.bfloat16, 60, 4096, "blocked"),  # not a multiple of 8
-    ("auto", "gpu", jnp.float32, 128, 128, "xla"),  # too short to split into blocks
-    ("auto", "cpu", jnp.float32, 64, 512, "blocked"),
-    ("auto", "cpu", jnp.float32, 64, 1000, "xla"),  # no block length divides it
-    ("auto", "cpu", jnp.bfloat16, 128, None, "blocked"),
-    ("auto", "tpu", jnp.bfloat16, 128, 4096, "xla"),
-    ("xla", "gpu", jnp.bfloat16, 128, 4096, "xla"),
-    ("cudnn", "gpu", jnp.bfloat16, 128, 4096, "cudnn"),
-    ("blocked", "gpu", jnp.bfloat16, 128, 4096, "blocked"),
-])
+@pytest.mark.parametrize(
+    "requested, platform, dtype, head_dim, seq_len, expected",
+    [
+        ("auto", "gpu", jnp.bfloat16, 128, 4096, "cudnn"),
+        ("auto", "gpu", jnp.float16, 64, 4096, "cudnn"),
+        ("auto", "gpu", jnp.float32, 128, 4096, "blocked"),  # cuDNN flash attention needs 16-bit inputs
+        ("auto", "gpu", jnp.bfloat16, 260, 4096, "blocked"),  # head_dim above cuDNN's 256 limit
+        ("auto", "gpu", jnp.bfloat16, 60, 4096, "blocked"),  # not a multiple of 8
+        ("auto", "gpu", jnp.float32, 128, 128, "xla"),  # too short to split into blocks
+        ("auto", "cpu", jnp.float32, 64, 512, "blocked"),
+        ("auto", "cpu", jnp.float32, 64, 1000, "xla"),  # no block length divides it
+        ("auto", "cpu", jnp.bfloat16, 128, None, "blocked"),
+        ("auto", "tpu", jnp.bfloat16, 128, 4096, "xla"),
+        ("xla", "gpu", jnp.bfloat16, 128, 4096, "xla"),
+        ("cudnn", "gpu", jnp.bfloat16, 128, 4096, "cudnn"),
+        ("blocked", "gpu", jnp.bfloat16, 128, 4096, "blocked"),
+    ],
+)
 def test_attention_implementation_selection(requested, platform, dtype, head_dim, seq_len, expected):
     assert select_implementation(requested, platform, dtype, head_dim, seq_len) == expected
 
