@@ -34,8 +34,9 @@ def segments_of(batch: int, seq: int, documents: int) -> np.ndarray:
 
 
 def dense_mask_cudnn(q, k, v, segments):
-    return jax.nn.dot_product_attention(q, k, v, mask=document_mask(segments, segments), is_causal=True,
-                                        implementation="cudnn")
+    return jax.nn.dot_product_attention(
+        q, k, v, mask=document_mask(segments, segments), is_causal=True, implementation="cudnn"
+    )
 
 
 def measure(fn, q, k, v, segments, steps: int) -> tuple[float, int]:
@@ -67,26 +68,37 @@ def main() -> None:
     def flops(segments) -> float:  # of the visible (query, key) pairs: causal, within documents
         lengths = np.unique(np.asarray(segments[0]), return_counts=True)[1]
         return 3 * 4 * HEADS * HEAD_DIM * b * float(np.sum(lengths * (lengths + 1) / 2))
+
     on_gpu = jax.default_backend() == "gpu"
-    rows = [(f"ours, cuDNN packed layout ({args.documents} documents/row)", "cudnn", packed),
-            ("ours, cuDNN plain causal (1 document/row)", "cudnn", single),
-            (f"ours, blocked kernel ({args.documents} documents/row)", "blocked", packed)]
-    print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}: B={b} T={t} heads {HEADS}/{KV_HEADS} "
-          f"head_dim {HEAD_DIM}, bf16, forward + backward")
+    rows = [
+        (f"ours, cuDNN packed layout ({args.documents} documents/row)", "cudnn", packed),
+        ("ours, cuDNN plain causal (1 document/row)", "cudnn", single),
+        (f"ours, blocked kernel ({args.documents} documents/row)", "blocked", packed),
+    ]
+    print(
+        f"{jax.devices()[0].device_kind}, jax {jax.__version__}: B={b} T={t} heads {HEADS}/{KV_HEADS} "
+        f"head_dim {HEAD_DIM}, bf16, forward + backward"
+    )
     for name, implementation, segments in rows:
         if implementation == "cudnn" and not on_gpu:
             continue
         ours = lambda q, k, v, s, i=implementation: attention(q, k, v, s, i, context=TraceContext.local())  # noqa: E731
         seconds, temporary = measure(ours, q, k, v, segments, args.steps)
-        print(f"{name:<52} {seconds * 1e3:9.2f} ms {flops(segments) / seconds / 1e12:8.1f} TFLOP/s "
-              f"{temporary / 2**30:7.2f} GiB temporary")
+        print(
+            f"{name:<52} {seconds * 1e3:9.2f} ms {flops(segments) / seconds / 1e12:8.1f} TFLOP/s "
+            f"{temporary / 2**30:7.2f} GiB temporary"
+        )
     seconds, temporary = measure(query_chunked_attention, q, k, v, packed, args.steps)
-    print(f"{'ours, XLA fallback (rows over attention_max_segments)':<52} {seconds * 1e3:9.2f} ms "
-          f"{flops(packed) / seconds / 1e12:8.1f} TFLOP/s {temporary / 2**30:7.2f} GiB temporary")
+    print(
+        f"{'ours, XLA fallback (rows over attention_max_segments)':<52} {seconds * 1e3:9.2f} ms "
+        f"{flops(packed) / seconds / 1e12:8.1f} TFLOP/s {temporary / 2**30:7.2f} GiB temporary"
+    )
     if on_gpu:
         seconds, temporary = measure(dense_mask_cudnn, q, k, v, packed, args.steps)
-        print(f"{'before: jax.nn cuDNN with a dense [B,1,T,T] mask':<52} {seconds * 1e3:9.2f} ms "
-              f"{flops(packed) / seconds / 1e12:8.1f} TFLOP/s {temporary / 2**30:7.2f} GiB temporary")
+        print(
+            f"{'before: jax.nn cuDNN with a dense [B,1,T,T] mask':<52} {seconds * 1e3:9.2f} ms "
+            f"{flops(packed) / seconds / 1e12:8.1f} TFLOP/s {temporary / 2**30:7.2f} GiB temporary"
+        )
 
 
 if __name__ == "__main__":

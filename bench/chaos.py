@@ -91,8 +91,11 @@ def chaos(supervisor: subprocess.Popen, args, rng: random.Random, sent: list[dic
             continue
         delay = rng.uniform(args.min_gap, args.max_gap)
         started = time.monotonic()
-        while (time.monotonic() - started < delay and supervisor.poll() is None
-               and trainer_pid(supervisor, victim, args.processes) == pid):
+        while (
+            time.monotonic() - started < delay
+            and supervisor.poll() is None
+            and trainer_pid(supervisor, victim, args.processes) == pid
+        ):
             time.sleep(0.02)
         if trainer_pid(supervisor, victim, args.processes) != pid:  # it ended (finished, or a peer failed) first
             continue
@@ -131,14 +134,29 @@ def losses(run_dir: Path) -> dict[int, float]:
 
 def supervised(train: list[str], run_dir: Path, args, local_dirs: list[Path]) -> tuple[float, list[dict]]:
     """The run under the supervisor, killed on the drill's schedule (the seed fixes the delays)."""
-    supervise = [*LLAMA_JAX, "supervise", "--backoff", str(args.backoff), "--max-backoff", str(4 * args.backoff),
-                 "--max-restarts", str(args.kills + 5), "--"]
+    supervise = [
+        *LLAMA_JAX,
+        "supervise",
+        "--backoff",
+        str(args.backoff),
+        "--max-backoff",
+        str(4 * args.backoff),
+        "--max-restarts",
+        str(args.kills + 5),
+        "--",
+    ]
     sent: list[dict] = []
     start = time.perf_counter()
-    supervisor = subprocess.Popen([*supervise, *train, f"run.dir={run_dir}"], env=environment(),
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    killer = threading.Thread(target=chaos, args=(supervisor, args, random.Random(args.seed), sent, local_dirs),
-                              daemon=True)
+    supervisor = subprocess.Popen(
+        [*supervise, *train, f"run.dir={run_dir}"],
+        env=environment(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    killer = threading.Thread(
+        target=chaos, args=(supervisor, args, random.Random(args.seed), sent, local_dirs), daemon=True
+    )
     killer.start()
     _, supervisor_log = supervisor.communicate()
     wall = time.perf_counter() - start
@@ -171,16 +189,32 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--backoff", type=float, default=1.0, help="the supervisor's first restart delay")
     parser.add_argument("--seed", type=int, default=0, help="seeds the kill times")
     parser.add_argument("--work", help="keep the run directories here (default: a temporary directory)")
-    parser.add_argument("--local-every", type=int, default=0,
-                        help="also run the drill with the node-local tier saving every N steps (0: durable only)")
-    parser.add_argument("--host-loss-every", type=int, default=0,
-                        help="every K-th kill also deletes the trainer's local checkpoint directory (0: never)")
-    parser.add_argument("--processes", type=int, default=1,
-                        help="run every run as this many one-device processes (hosts) on this machine")
-    parser.add_argument("--log-every", type=int, default=1,
-                        help="train.log_every of every run: goodput.json is flushed at each logged step, and a killed "
-                             "attempt's work after its last flush is charged to restart, not lost (1: lost is exact "
-                             "to the step)")
+    parser.add_argument(
+        "--local-every",
+        type=int,
+        default=0,
+        help="also run the drill with the node-local tier saving every N steps (0: durable only)",
+    )
+    parser.add_argument(
+        "--host-loss-every",
+        type=int,
+        default=0,
+        help="every K-th kill also deletes the trainer's local checkpoint directory (0: never)",
+    )
+    parser.add_argument(
+        "--processes",
+        type=int,
+        default=1,
+        help="run every run as this many one-device processes (hosts) on this machine",
+    )
+    parser.add_argument(
+        "--log-every",
+        type=int,
+        default=1,
+        help="train.log_every of every run: goodput.json is flushed at each logged step, and a killed "
+        "attempt's work after its last flush is charged to restart, not lost (1: lost is exact "
+        "to the step)",
+    )
     parser.add_argument("--json", help="also write the figures here")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides for both runs")
     args = parser.parse_args(argv)
@@ -196,23 +230,32 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(args.work or tmp)
-        config_args = [args.preset, f"train.steps={args.steps}", f"checkpoint.every_steps={args.every_steps}",
-                       f"checkpoint.keep={args.steps}", f"data.cache_dir={work / 'cache'}",
-                       f"run.compilation_cache={work / 'jax_cache'}", "run.tensorboard=false",
-                       f"train.log_every={args.log_every}", *args.overrides]
+        config_args = [
+            args.preset,
+            f"train.steps={args.steps}",
+            f"checkpoint.every_steps={args.every_steps}",
+            f"checkpoint.keep={args.steps}",
+            f"data.cache_dir={work / 'cache'}",
+            f"run.compilation_cache={work / 'jax_cache'}",
+            "run.tensorboard=false",
+            f"train.log_every={args.log_every}",
+            *args.overrides,
+        ]
         train = [*trainer_command(args.processes), "train", *config_args]
 
         print("warming the data and compilation caches ...", flush=True)
-        warm = subprocess.run([*train, f"run.dir={work / 'warm'}", "train.steps=2"], env=environment(),
-                              capture_output=True, text=True)
+        warm = subprocess.run(
+            [*train, f"run.dir={work / 'warm'}", "train.steps=2"], env=environment(), capture_output=True, text=True
+        )
         if warm.returncode != 0:
             sys.exit(f"warm-up failed:\n{warm.stderr}")
 
         print(f"uninterrupted: {args.steps} steps ...", flush=True)
         straight_dir = work / "straight"
         start = time.perf_counter()
-        straight = subprocess.run([*train, f"run.dir={straight_dir}"], env=environment(), capture_output=True,
-                                  text=True)
+        straight = subprocess.run(
+            [*train, f"run.dir={straight_dir}"], env=environment(), capture_output=True, text=True
+        )
         straight_wall = time.perf_counter() - start
         if straight.returncode != 0:
             sys.exit(f"the uninterrupted run failed:\n{straight.stderr}")
@@ -221,8 +264,10 @@ def main() -> None:
 
         drills = {"durable only": []}
         if args.local_every:
-            drills[f"+ local every {args.local_every}"] = [f"checkpoint.local_dir={work / 'local'}",
-                                                           f"checkpoint.local_every_steps={args.local_every}"]
+            drills[f"+ local every {args.local_every}"] = [
+                f"checkpoint.local_dir={work / 'local'}",
+                f"checkpoint.local_every_steps={args.local_every}",
+            ]
         runs = {"uninterrupted": (straight_wall, read_goodput(straight_dir), [])}
         bitwise, same_losses = True, True
         for name, tier in drills.items():
@@ -234,23 +279,32 @@ def main() -> None:
             bitwise, same_losses = bitwise and equal, same_losses and same
             runs[f"{args.kills} kills, {name}"] = (wall, read_goodput(chaos_dir), sent)
 
-    print(f"\n{args.preset}, {args.steps} steps, checkpoint every {args.every_steps} steps, "
-          f"{args.processes} process{'es' * (args.processes > 1)}, {os.cpu_count()} cores")
+    print(
+        f"\n{args.preset}, {args.steps} steps, checkpoint every {args.every_steps} steps, "
+        f"{args.processes} process{'es' * (args.processes > 1)}, {os.cpu_count()} cores"
+    )
     for name, (_, _, kills) in runs.items():
         if kills:
-            described = ", ".join(f"{k['after_s']}" + (f" (process {k['process']})" if args.processes > 1 else "")
-                                  + " (host lost)" * k["host_lost"] for k in kills)
+            described = ", ".join(
+                f"{k['after_s']}"
+                + (f" (process {k['process']})" if args.processes > 1 else "")
+                + " (host lost)" * k["host_lost"]
+                for k in kills
+            )
             print(f"{name}: seconds from each start to its kill: {described}")
     columns = ["wall_s", "goodput", *BUCKETS, "attempts"]
     print(f"{'run':<30}" + "".join(f"{c:>19}" if c == "checkpoint_restore" else f"{c:>16}" for c in columns))
-    results = {"preset": args.preset, "steps": args.steps, "bitwise_equal_params": bitwise,
-               "same_losses": same_losses}
+    results = {"preset": args.preset, "steps": args.steps, "bitwise_equal_params": bitwise, "same_losses": same_losses}
     for name, (wall, goodput, kills) in runs.items():
         row = {**goodput, "accounted_s": goodput["wall_s"], "wall_s": wall}
-        cells = [f"{100 * row[c]:.1f}%" if c == "goodput" else (f"{row[c]}" if c == "attempts" else f"{row[c]:.1f}")
-                 for c in columns]
-        print(f"{name:<30}" + "".join(f"{v:>19}" if c == "checkpoint_restore" else f"{v:>16}"
-                                      for c, v in zip(columns, cells)))
+        cells = [
+            f"{100 * row[c]:.1f}%" if c == "goodput" else (f"{row[c]}" if c == "attempts" else f"{row[c]:.1f}")
+            for c in columns
+        ]
+        print(
+            f"{name:<30}"
+            + "".join(f"{v:>19}" if c == "checkpoint_restore" else f"{v:>16}" for c, v in zip(columns, cells))
+        )
         row["kills"] = kills
         results[name] = row
         print(f"{'':<30}{format_goodput(goodput)}")
@@ -260,10 +314,12 @@ def main() -> None:
             failures = len(kills)
             per_failure = {k: goodput[k] / failures for k in ("lost", "restart", "checkpoint_restore")}
             row["per_failure_s"], row["redone_steps_per_failure"] = per_failure, goodput["redone_steps"] / failures
-            print(f"{'':<30}per failure: lost {per_failure['lost']:.2f}s ({goodput['redone_steps'] / failures:.1f} "
-                  f"steps redone), restart {per_failure['restart']:.2f}s, restore "
-                  f"{per_failure['checkpoint_restore']:.2f}s, total {sum(per_failure.values()):.2f}s over "
-                  f"{failures} failures")
+            print(
+                f"{'':<30}per failure: lost {per_failure['lost']:.2f}s ({goodput['redone_steps'] / failures:.1f} "
+                f"steps redone), restart {per_failure['restart']:.2f}s, restore "
+                f"{per_failure['checkpoint_restore']:.2f}s, total {sum(per_failure.values()):.2f}s over "
+                f"{failures} failures"
+            )
             served = "; ".join(f"{n} x {source}" for source, n in goodput["restores"].items())
             print(f"{'':<30}restores served by: {served or 'none (every restart began from scratch)'}")
     print(f"final params bitwise equal: {bitwise}; identical loss at every step: {same_losses}")

@@ -40,8 +40,16 @@ ROOT = Path(__file__).resolve().parents[1]
 def model_config(args):
     from llama_jax.config import ModelConfig
 
-    return ModelConfig(vocab_size=args.vocab, d_model=args.d_model, n_layers=args.layers, n_heads=args.heads,
-                       n_kv_heads=args.kv_heads, ffn_dim=args.ffn, max_seq_len=4096, compute_dtype="float32")
+    return ModelConfig(
+        vocab_size=args.vocab,
+        d_model=args.d_model,
+        n_layers=args.layers,
+        n_heads=args.heads,
+        n_kv_heads=args.kv_heads,
+        ffn_dim=args.ffn,
+        max_seq_len=4096,
+        compute_dtype="float32",
+    )
 
 
 def write_random_model(directory: Path, args) -> tuple[int, int]:
@@ -89,8 +97,11 @@ def child(step: str, directory: Path, args) -> None:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
     def started() -> dict:
-        return {"start": time.perf_counter(), "rss_at_start_bytes": rss(),
-                "peak_before_start_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+        return {
+            "start": time.perf_counter(),
+            "rss_at_start_bytes": rss(),
+            "peak_before_start_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        }
 
     spec = specs.resolve(f"hf:{directory / 'hf'}")
     config = specs.inference_config(spec.model, args.mesh, batches=False)
@@ -99,9 +110,12 @@ def child(step: str, directory: Path, args) -> None:
     if step == "import":
         jax.block_until_ready(hf.read_params(spec.hf_dir, spec.model, target, block_bytes=args.block_mb * 2**20))
     elif step == "export":
+
         def init(t):  # made in its shards, one parameter at a time: no temporaries beyond the parameter
-            values = jax.jit(lambda: 0.02 * jnp.sin(jax.lax.iota(jnp.float32, math.prod(t.shape)).reshape(t.shape)),
-                             out_shardings=t.sharding)()
+            values = jax.jit(
+                lambda: 0.02 * jnp.sin(jax.lax.iota(jnp.float32, math.prod(t.shape)).reshape(t.shape)),
+                out_shardings=t.sharding,
+            )()
             return values.astype(t.dtype).block_until_ready()
 
         params = jax.tree.map(init, target)
@@ -112,10 +126,28 @@ def child(step: str, directory: Path, args) -> None:
 
 
 def measure(step: str, directory: Path, args) -> dict:
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=" ".join(
-        f for f in (os.environ.get("XLA_FLAGS", ""), f"--xla_force_host_platform_device_count={args.devices}") if f))
-    command = [sys.executable, __file__, "--child", step, "--dir", str(directory), *_model_args(args),
-               "--devices", str(args.devices), "--block-mb", str(args.block_mb), "--mesh", *args.mesh]
+    env = dict(
+        os.environ,
+        JAX_PLATFORMS="cpu",
+        XLA_FLAGS=" ".join(
+            f for f in (os.environ.get("XLA_FLAGS", ""), f"--xla_force_host_platform_device_count={args.devices}") if f
+        ),
+    )
+    command = [
+        sys.executable,
+        __file__,
+        "--child",
+        step,
+        "--dir",
+        str(directory),
+        *_model_args(args),
+        "--devices",
+        str(args.devices),
+        "--block-mb",
+        str(args.block_mb),
+        "--mesh",
+        *args.mesh,
+    ]
     proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, text=True, cwd=ROOT)
     out = proc.stdout.read()
     _, status, usage = os.wait4(proc.pid, 0)
@@ -126,8 +158,20 @@ def measure(step: str, directory: Path, args) -> dict:
 
 
 def _model_args(args) -> list[str]:
-    return ["--layers", str(args.layers), "--d-model", str(args.d_model), "--ffn", str(args.ffn), "--vocab",
-            str(args.vocab), "--heads", str(args.heads), "--kv-heads", str(args.kv_heads)]
+    return [
+        "--layers",
+        str(args.layers),
+        "--d-model",
+        str(args.d_model),
+        "--ffn",
+        str(args.ffn),
+        "--vocab",
+        str(args.vocab),
+        "--heads",
+        str(args.heads),
+        "--kv-heads",
+        str(args.kv_heads),
+    ]
 
 
 def main() -> None:
@@ -140,10 +184,14 @@ def main() -> None:
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--devices", type=int, default=8, help="simulated CPU devices")
     parser.add_argument("--mesh", nargs="*", default=["mesh.fsdp=8"], help="mesh.* keys (default mesh.fsdp=8)")
-    parser.add_argument("--dir", help="work directory, kept (default: a temporary one, removed at the end); a model "
-                                      "written there by an earlier run with the same sizes is used again")
-    parser.add_argument("--block-mb", type=int, default=64, help="conversion block size in MiB (default 64: "
-                                                                     "hf.BLOCK_BYTES)")
+    parser.add_argument(
+        "--dir",
+        help="work directory, kept (default: a temporary one, removed at the end); a model "
+        "written there by an earlier run with the same sizes is used again",
+    )
+    parser.add_argument(
+        "--block-mb", type=int, default=64, help="conversion block size in MiB (default 64: hf.BLOCK_BYTES)"
+    )
     parser.add_argument("--steps", nargs="+", default=["import", "export"], choices=("import", "export"))
     parser.add_argument("--json", help="also write the figures here")
     parser.add_argument("--child", choices=("baseline", "import", "export"), help=argparse.SUPPRESS)
@@ -161,9 +209,11 @@ def main() -> None:
             total, largest = write_random_model(work / "hf", args)
             sizes.write_text(json.dumps({"args": _model_args(args), "total": total, "largest": largest}))
         total, largest = (json.loads(sizes.read_text())[k] for k in ("total", "largest"))
-        print(f"model: {args.layers} layers, d_model {args.d_model}, ffn {args.ffn}, vocab {args.vocab}: "
-              f"{total / 1e9:.2f} GB of float32, largest tensor {largest / 1e6:.0f} MB "
-              f"({time.perf_counter() - start:.0f}s to write); {args.devices} CPU devices, {' '.join(args.mesh)}")
+        print(
+            f"model: {args.layers} layers, d_model {args.d_model}, ffn {args.ffn}, vocab {args.vocab}: "
+            f"{total / 1e9:.2f} GB of float32, largest tensor {largest / 1e6:.0f} MB "
+            f"({time.perf_counter() - start:.0f}s to write); {args.devices} CPU devices, {' '.join(args.mesh)}"
+        )
         results = {"model_bytes": total, "largest_tensor_bytes": largest, "devices": args.devices, "mesh": args.mesh}
         for step in ("baseline", *args.steps):
             shutil.rmtree(work / "exported", ignore_errors=True)
@@ -174,10 +224,12 @@ def main() -> None:
                 # import creates the params (in the RSS on CPU devices); export starts with them
                 held = peak - at_start - (total if step == "import" else 0)
                 figures["held_bytes"] = held
-                line += (f", {at_start / 1e9:.2f} GB at the start{' + the model' if step == 'import' else ''}"
-                         f" + {held / 1e6:.0f} MB held by the conversion ({held / largest:.2f}x the largest "
-                         f"tensor), {figures['seconds']:.0f}s; peak before it "
-                         f"{figures['peak_before_start_bytes'] / 1e9:.2f} GB")
+                line += (
+                    f", {at_start / 1e9:.2f} GB at the start{' + the model' if step == 'import' else ''}"
+                    f" + {held / 1e6:.0f} MB held by the conversion ({held / largest:.2f}x the largest "
+                    f"tensor), {figures['seconds']:.0f}s; peak before it "
+                    f"{figures['peak_before_start_bytes'] / 1e9:.2f} GB"
+                )
             print(line, flush=True)
         if args.json:
             Path(args.json).write_text(json.dumps(results, indent=2) + "\n")

@@ -46,13 +46,19 @@ def bench_prepare(source: Path, text_bytes: int, vocab: int, work: Path) -> dict
     for workers in (1, os.cpu_count() or 1):
         out = work / f"store-{workers}"
         start = time.perf_counter()
-        prepare(PrepareOptions(inputs=(str(source),), out=str(out), tokenizer=str(tokenizer_path), workers=workers),
-                print_fn=lambda _: None, progress=False)
+        prepare(
+            PrepareOptions(inputs=(str(source),), out=str(out), tokenizer=str(tokenizer_path), workers=workers),
+            print_fn=lambda _: None,
+            progress=False,
+        )
         seconds = time.perf_counter() - start
         results[f"prepare_mb_per_s_{workers}_workers"] = text_bytes / 1e6 / seconds
         start = time.perf_counter()  # a re-run on the same inputs must be a no-op
-        prepare(PrepareOptions(inputs=(str(source),), out=str(out), tokenizer=str(tokenizer_path), workers=workers),
-                print_fn=lambda _: None, progress=False)
+        prepare(
+            PrepareOptions(inputs=(str(source),), out=str(out), tokenizer=str(tokenizer_path), workers=workers),
+            print_fn=lambda _: None,
+            progress=False,
+        )
         results["prepare_rerun_s"] = time.perf_counter() - start
     results["store"] = str(out)
     return results
@@ -114,15 +120,21 @@ def main() -> None:
         work = Path(tmp)
         source, text_bytes = stdlib_jsonl(work, args.text_mb)
         base = load_config(args.preset)
-        results = {"preset": args.preset, "text_mb": text_bytes / 1e6, "cpu_cores": os.cpu_count(),
-                   "jax": jax.__version__, "device": jax.devices()[0].device_kind}
+        results = {
+            "preset": args.preset,
+            "text_mb": text_bytes / 1e6,
+            "cpu_cores": os.cpu_count(),
+            "jax": jax.__version__,
+            "device": jax.devices()[0].device_kind,
+        }
         results.update(bench_prepare(source, text_bytes, base.model.vocab_size, work))
         config = load_config(args.preset, [f"data.sources=[{results.pop('store')}]", f"data.cache_dir={work}"])
         loader, data = bench_loader(config, args.batches)
         results.update(loader)
         results.update(bench_step(config, data, args.steps))
-    results["loader_over_step"] = results[f"loader_tokens_per_s_{config.data.loader_threads}_threads"] / \
-        results["step_tokens_per_s"]
+    results["loader_over_step"] = (
+        results[f"loader_tokens_per_s_{config.data.loader_threads}_threads"] / results["step_tokens_per_s"]
+    )
 
     print(f"{'measure':<40} {'value':>14}")
     for key, value in results.items():

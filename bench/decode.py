@@ -36,8 +36,14 @@ def main() -> None:
     cfg = cfg.__class__(**{**cfg.__dict__, "max_seq_len": max(cfg.max_seq_len, args.prompt + args.new)})
     params = nn.meta.unbox(Llama(cfg).init(jax.random.key(0), np.zeros((1, 8), np.int32))["params"])
     rng = np.random.default_rng(0)
-    results = {"preset": args.preset, "device": jax.devices()[0].device_kind, "jax": jax.__version__,
-               "prompt": args.prompt, "new_tokens": args.new, "kv_cache": {}}
+    results = {
+        "preset": args.preset,
+        "device": jax.devices()[0].device_kind,
+        "jax": jax.__version__,
+        "prompt": args.prompt,
+        "new_tokens": args.new,
+        "kv_cache": {},
+    }
 
     def timed(fn) -> float:
         fn()  # compiles
@@ -48,19 +54,24 @@ def main() -> None:
     for batch in args.batch:
         prompts = rng.integers(0, cfg.vocab_size, (batch, args.prompt)).tolist()
         generator = Generator(cfg, batch, args.prompt + args.new, GREEDY)
-        seconds = timed(lambda generator=generator, prompts=prompts:
-                        generator(params, prompts, args.new, jax.random.key(0)))
+        seconds = timed(
+            lambda generator=generator, prompts=prompts: generator(params, prompts, args.new, jax.random.key(0))
+        )
         results["kv_cache"][batch] = batch * args.new / seconds
     prompt = rng.integers(0, cfg.vocab_size, args.prompt).tolist()
     seconds = timed(lambda: generate_without_cache(cfg, params, prompt, args.new, jax.random.key(0), GREEDY))
     results["without_cache"] = args.new / seconds
 
-    print(f"{args.preset} ({cfg.n_layers} layers, d_model {cfg.d_model}, vocab {cfg.vocab_size}) on "
-          f"{results['device']}, prompt {args.prompt} + {args.new} new tokens, greedy:")
+    print(
+        f"{args.preset} ({cfg.n_layers} layers, d_model {cfg.d_model}, vocab {cfg.vocab_size}) on "
+        f"{results['device']}, prompt {args.prompt} + {args.new} new tokens, greedy:"
+    )
     print(f"  without a cache (batch 1): {results['without_cache']:8.1f} tokens/s")
     for batch, tokens_per_s in results["kv_cache"].items():
-        print(f"  KV cache, batch {batch:<3}:       {tokens_per_s:8.1f} tokens/s"
-              f"  ({tokens_per_s / results['without_cache']:.1f}x)")
+        print(
+            f"  KV cache, batch {batch:<3}:       {tokens_per_s:8.1f} tokens/s"
+            f"  ({tokens_per_s / results['without_cache']:.1f}x)"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
 

@@ -28,15 +28,26 @@ RECIPES = {"bf16": ["model.compute_dtype=bfloat16"], "fp8": ["model.compute_dtyp
 
 
 def train(preset: str, steps: int, overrides: list[str], run_dir: Path) -> dict:
-    command = [sys.executable, "-m", "llama_jax", "train", preset, f"train.steps={steps}", f"run.dir={run_dir}",
-               "checkpoint.every_steps=0", *overrides]
+    command = [
+        sys.executable,
+        "-m",
+        "llama_jax",
+        "train",
+        preset,
+        f"train.steps={steps}",
+        f"run.dir={run_dir}",
+        "checkpoint.every_steps=0",
+        *overrides,
+    ]
     proc = subprocess.run(command, capture_output=True, text=True)
     if proc.returncode != 0:
         sys.exit(f"failed (exit {proc.returncode}): {' '.join(command)}\n{proc.stderr[-3000:]}")
     records = read_metrics(run_dir / "metrics.jsonl")
-    return {"eval_loss": {r["step"]: r["eval_loss"] for r in records if "eval_loss" in r},
-            "loss": {r["step"]: r["loss"] for r in records if "loss" in r},
-            "tokens_per_s": statistics.median(r["tokens_per_s"] for r in records if r.get("tokens_per_s"))}
+    return {
+        "eval_loss": {r["step"]: r["eval_loss"] for r in records if "eval_loss" in r},
+        "loss": {r["step"]: r["loss"] for r in records if "loss" in r},
+        "tokens_per_s": statistics.median(r["tokens_per_s"] for r in records if r.get("tokens_per_s")),
+    }
 
 
 def main() -> None:
@@ -48,8 +59,10 @@ def main() -> None:
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory() as work:
-        runs = {name: train(args.preset, args.steps, [*settings, *args.overrides], Path(work) / name)
-                for name, settings in RECIPES.items()}
+        runs = {
+            name: train(args.preset, args.steps, [*settings, *args.overrides], Path(work) / name)
+            for name, settings in RECIPES.items()
+        }
     bf16, fp8 = runs["bf16"], runs["fp8"]
     last = max(bf16["eval_loss"])
     gap = (fp8["eval_loss"][last] - bf16["eval_loss"][last]) / bf16["eval_loss"][last]
@@ -59,9 +72,15 @@ def main() -> None:
         a, b = bf16["eval_loss"][step], fp8["eval_loss"].get(step, float("nan"))
         print(f"  {step:>6} {a:>15.4f} {b:>14.4f} {100 * (b - a) / a:>14.2f}%")
     print(f"  tokens/s (CPU, fp8 emulated): bf16 {bf16['tokens_per_s']:.1f}, fp8 {fp8['tokens_per_s']:.1f}")
-    result = {"preset": args.preset, "steps": args.steps, "overrides": args.overrides, "final_step": last,
-              "final_relative_gap": gap, "eval_loss": {k: v["eval_loss"] for k, v in runs.items()},
-              "tokens_per_s": {k: v["tokens_per_s"] for k, v in runs.items()}}
+    result = {
+        "preset": args.preset,
+        "steps": args.steps,
+        "overrides": args.overrides,
+        "final_step": last,
+        "final_relative_gap": gap,
+        "eval_loss": {k: v["eval_loss"] for k, v in runs.items()},
+        "tokens_per_s": {k: v["tokens_per_s"] for k, v in runs.items()},
+    }
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     print(json.dumps(result))

@@ -149,11 +149,11 @@ def context_parallel_on_one_device(q, k, v, segments, implementation: str, max_s
     turn, given its slice of the queries and the whole sequence's keys (what its all-gathers would bring)."""
     order = chunk_order(shards, balanced=True)
     size = q.shape[1] // len(order)
-    chunk = lambda x, c: x[:, c * size:(c + 1) * size]  # noqa: E731
+    chunk = lambda x, c: x[:, c * size : (c + 1) * size]  # noqa: E731
     in_chunk, kernel = context_parallel_kernels(implementation, max_segments, size)
     outs = {}
     for device in range(shards):
-        mine = order[2 * device:2 * device + 2]
+        mine = order[2 * device : 2 * device + 2]
         local = [jnp.concatenate([chunk(x, c) for c in mine], axis=1) for x in (q, k, v, segments)]
         out = device_attention(*local, k, v, segments, device, shards, True, in_chunk, kernel)
         outs.update({c: chunk(out, i) for i, c in enumerate(mine)})
@@ -164,8 +164,9 @@ def reference(q, k, v, segments):
     """XLA's attention in fp32 at full matmul precision (no TF32): what every kernel is compared with."""
     q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
     with jax.default_matmul_precision("highest"):
-        return jax.nn.dot_product_attention(q, k, v, mask=document_mask(segments, segments), is_causal=True,
-                                            implementation="xla")
+        return jax.nn.dot_product_attention(
+            q, k, v, mask=document_mask(segments, segments), is_causal=True, implementation="xla"
+        )
 
 
 def relative_error(got, want) -> float:
@@ -176,6 +177,7 @@ def relative_error(got, want) -> float:
 
 def outputs_and_gradients(fn, q, k, v, segments, weights):
     """fn(q, k, v, segments) and the gradients of sum(output * weights) by q, k and v: one compiled program."""
+
     def run(q, k, v, segments, weights):
         out, pullback = jax.vjp(lambda q, k, v: fn(q, k, v, segments), q, k, v)
         return out, pullback(weights.astype(out.dtype))
@@ -188,12 +190,14 @@ def attention_errors(case: ParityCase, shape: AttentionShape, references: dict |
     reference's results by document count, so cases on the same documents compute it once."""
     q, k, v, weights = attention_inputs(shape)
     segments = jnp.asarray(packed_segments(case.documents, shape))
-    if case.sequence_shards > 1:
-        ours = lambda q, k, v, s: context_parallel_on_one_device(  # noqa: E731
-            q, k, v, s, case.implementation, case.max_segments, case.sequence_shards)
-    else:
-        ours = lambda q, k, v, s: attention(q, k, v, s, case.implementation, case.max_segments,  # noqa: E731
-                                            context=TraceContext.local())
+
+    def ours(q, k, v, s):
+        if case.sequence_shards > 1:
+            return context_parallel_on_one_device(
+                q, k, v, s, case.implementation, case.max_segments, case.sequence_shards
+            )
+        return attention(q, k, v, s, case.implementation, case.max_segments, context=TraceContext.local())
+
     got, got_grads = outputs_and_gradients(ours, q, k, v, segments, weights)
     references = {} if references is None else references
     if case.documents not in references:
@@ -246,8 +250,9 @@ def attention_section(shape: AttentionShape, cudnn_available: bool) -> tuple[lis
     for case in PARITY_CASES:
         entry = {**dataclasses.asdict(case), "tolerance": BF16_TOLERANCE}
         if case.implementation == "cudnn" and not cudnn_available:
-            rows.append(Row("attention", case.label, "skipped: needs cuDNN", "",
-                            "no NVIDIA GPU: this path did not run"))
+            rows.append(
+                Row("attention", case.label, "skipped: needs cuDNN", "", "no NVIDIA GPU: this path did not run")
+            )
             figures.append({**entry, "status": "skipped"})
             continue
         note = kernel_ran(case) if cudnn_available else ""
@@ -258,10 +263,24 @@ def attention_section(shape: AttentionShape, cudnn_available: bool) -> tuple[lis
             figures.append({**entry, "status": "FAIL", "error": first_line(error)})
             continue
         status = "pass" if max(output_error, gradient_error) < BF16_TOLERANCE else "FAIL"
-        rows.append(Row("attention", case.label, status, f"out {output_error:.4f}, grad {gradient_error:.4f}",
-                        f"{tolerance}{'; ' + note if note else ''}"))
-        figures.append({**entry, "status": status, "output_error": output_error, "gradient_error": gradient_error,
-                        "kernel_note": note})
+        rows.append(
+            Row(
+                "attention",
+                case.label,
+                status,
+                f"out {output_error:.4f}, grad {gradient_error:.4f}",
+                f"{tolerance}{'; ' + note if note else ''}",
+            )
+        )
+        figures.append(
+            {
+                **entry,
+                "status": status,
+                "output_error": output_error,
+                "gradient_error": gradient_error,
+                "kernel_note": note,
+            }
+        )
     return rows, figures
 
 
@@ -277,13 +296,22 @@ def measure_train_step(config: Config, steps: int, warmup: int, earlier: dict | 
     devices = jax.devices()[:1]
     planned = make_plan(config, sharding.make_mesh(config, devices=devices))  # resolves microbatches=auto
     m, t = config.model, config.train
-    figures = {"batch_size": t.batch_size, "seq_len": t.seq_len, "layers": m.n_layers, "parameters": param_count(m),
-               "remat": config.remat.policy, "microbatches": planned.microbatches,
-               "attention": select_implementation(m.attention, jax.default_backend(), m.compute_dtype,
-                                                  m.resolved_head_dim, t.seq_len),
-               "planned_total_bytes": planned.total_bytes, "budget_bytes": planned.budget_bytes,
-               "hlo_flops": planned.hlo_flops, "model_flops": planned.model_flops,
-               "fits": planned.total_bytes <= planned.budget_bytes}
+    figures = {
+        "batch_size": t.batch_size,
+        "seq_len": t.seq_len,
+        "layers": m.n_layers,
+        "parameters": param_count(m),
+        "remat": config.remat.policy,
+        "microbatches": planned.microbatches,
+        "attention": select_implementation(
+            m.attention, jax.default_backend(), m.compute_dtype, m.resolved_head_dim, t.seq_len
+        ),
+        "planned_total_bytes": planned.total_bytes,
+        "budget_bytes": planned.budget_bytes,
+        "hlo_flops": planned.hlo_flops,
+        "model_flops": planned.model_flops,
+        "fits": planned.total_bytes <= planned.budget_bytes,
+    }
     if not figures["fits"]:
         return figures
     # The same program plan compiled: the persistent compilation cache hands its executable back, so the step
@@ -301,17 +329,34 @@ def measure_train_step(config: Config, steps: int, warmup: int, earlier: dict | 
         peak_bytes = None  # at most the earlier step's: not this step's own figure
     step_s = statistics.median(times)
     kind = devices[0].device_kind
-    peaks = MfuPeaks.with_fp8(earlier["peak_flops_per_device"], earlier["peak_source"], m.fp8, kind) if earlier \
+    peaks = (
+        MfuPeaks.with_fp8(earlier["peak_flops_per_device"], earlier["peak_source"], m.fp8, kind)
+        if earlier
         else mfu_peaks(m.compute_dtype, m.fp8, cache_root(config.data.cache_dir))
+    )
     achieved = planned.model_flops / step_s
-    return {**figures, "compute_dtype": m.compute_dtype, "fp8": m.fp8, "fp8_flops": planned.fp8_flops, "steps": steps,
-            "warmup": warmup,
-            "step_s": times, "step_s_median": step_s, "tokens_per_s": t.batch_size * t.seq_len / step_s,
-            "achieved_flops_per_s": achieved, "hlo_flops_per_s": planned.hlo_flops / step_s,
-            "peak_flops_per_device": peaks.compute, "peak_source": peaks.compute_source,
-            "fp8_peak_flops_per_device": peaks.fp8, "fp8_peak_source": peaks.fp8_source,
-            **peaks.fractions(achieved, 1), "loss": float(metrics["loss"]), "finite": bool(metrics["finite"]),
-            "peak_bytes_in_use": peak_bytes, "earlier_peak_bytes": earlier_peak_bytes}
+    return {
+        **figures,
+        "compute_dtype": m.compute_dtype,
+        "fp8": m.fp8,
+        "fp8_flops": planned.fp8_flops,
+        "steps": steps,
+        "warmup": warmup,
+        "step_s": times,
+        "step_s_median": step_s,
+        "tokens_per_s": t.batch_size * t.seq_len / step_s,
+        "achieved_flops_per_s": achieved,
+        "hlo_flops_per_s": planned.hlo_flops / step_s,
+        "peak_flops_per_device": peaks.compute,
+        "peak_source": peaks.compute_source,
+        "fp8_peak_flops_per_device": peaks.fp8,
+        "fp8_peak_source": peaks.fp8_source,
+        **peaks.fractions(achieved, 1),
+        "loss": float(metrics["loss"]),
+        "finite": bool(metrics["finite"]),
+        "peak_bytes_in_use": peak_bytes,
+        "earlier_peak_bytes": earlier_peak_bytes,
+    }
 
 
 def with_fp8(config: Config, recipe: str) -> Config:
@@ -351,54 +396,122 @@ def loss_gap(bf16: list[float], fp8: list[float]) -> tuple[float, float]:
 def fp8_section(config: Config, bf16: dict, steps: int, warmup: int, loss_steps: int) -> tuple[list[Row], dict]:
     """The bf16 train step's row again with model.fp8=tensorwise, and both steps' losses side by side."""
     if config.model.fp8 != "none":
-        return [Row("fp8 step", "model", "skipped: fp8 already on", f"model.fp8={config.model.fp8}",
-                    "the train step above is the fp8 one; pass model.fp8=none to compare it with bf16")], {}
+        return [
+            Row(
+                "fp8 step",
+                "model",
+                "skipped: fp8 already on",
+                f"model.fp8={config.model.fp8}",
+                "the train step above is the fp8 one; pass model.fp8=none to compare it with bf16",
+            )
+        ], {}
     if "tokens_per_s" not in bf16:
-        return [Row("fp8 step", "model", "skipped: no bf16 step", "model.fp8=tensorwise",
-                    "the bf16 train step above did not run: nothing to compare with")], {}
+        return [
+            Row(
+                "fp8 step",
+                "model",
+                "skipped: no bf16 step",
+                "model.fp8=tensorwise",
+                "the bf16 train step above did not run: nothing to compare with",
+            )
+        ], {}
     fp8 = measure_train_step(with_fp8(config, "tensorwise"), steps, warmup, bf16)
     if not fp8["fits"]:
         return fp8_rows(fp8, bf16), fp8
     # Each with the micro-batches its plan chose for the timed steps: the same programs, compiled once.
-    losses = {recipe: loss_curve(with_fp8(dataclasses.replace(config, train=dataclasses.replace(
-        config.train, microbatches=figures["microbatches"])), recipe), loss_steps)
-        for recipe, figures in (("none", bf16), ("tensorwise", fp8))}
+    losses = {
+        recipe: loss_curve(
+            with_fp8(
+                dataclasses.replace(
+                    config, train=dataclasses.replace(config.train, microbatches=figures["microbatches"])
+                ),
+                recipe,
+            ),
+            loss_steps,
+        )
+        for recipe, figures in (("none", bf16), ("tensorwise", fp8))
+    }
     finite = all(map(math.isfinite, losses["none"] + losses["tensorwise"]))
     tail, largest = loss_gap(losses["none"], losses["tensorwise"]) if finite else (math.nan, math.nan)
-    figures = {**fp8, "tokens_per_s_ratio": fp8["tokens_per_s"] / bf16["tokens_per_s"], "loss_steps": loss_steps,
-               "loss_bf16": losses["none"], "loss_fp8": losses["tensorwise"],
-               "loss_tail_steps": min(LOSS_TAIL, loss_steps), "loss_tail_relative_difference": tail,
-               "loss_max_relative_difference": largest}
+    figures = {
+        **fp8,
+        "tokens_per_s_ratio": fp8["tokens_per_s"] / bf16["tokens_per_s"],
+        "loss_steps": loss_steps,
+        "loss_bf16": losses["none"],
+        "loss_fp8": losses["tensorwise"],
+        "loss_tail_steps": min(LOSS_TAIL, loss_steps),
+        "loss_tail_relative_difference": tail,
+        "loss_max_relative_difference": largest,
+    }
     return fp8_rows(figures, bf16), figures
 
 
 def fp8_rows(f: dict, bf16: dict) -> list[Row]:
     base = f"{SHORT_DTYPE.get(bf16['compute_dtype'], bf16['compute_dtype'])} step"  # bf16 on GPUs, fp32 on a CPU
-    in_fp8 = f"fp8 operands in {100 * f['fp8_flops'] / f['hlo_flops']:.0f}% of the compiled step's HLO FLOPs" \
-        if f["fp8_flops"] else f"the {jax.default_backend()} compiler computes them in a wider type"
-    rows = [Row("fp8 step", "model", "info", "model.fp8=tensorwise",
-                f"the train step above with its 7 projections' matmuls in fp8: {in_fp8}")]
+    in_fp8 = (
+        f"fp8 operands in {100 * f['fp8_flops'] / f['hlo_flops']:.0f}% of the compiled step's HLO FLOPs"
+        if f["fp8_flops"]
+        else f"the {jax.default_backend()} compiler computes them in a wider type"
+    )
+    rows = [
+        Row(
+            "fp8 step",
+            "model",
+            "info",
+            "model.fp8=tensorwise",
+            f"the train step above with its 7 projections' matmuls in fp8: {in_fp8}",
+        )
+    ]
     if not f["fits"]:
-        return rows + [Row("fp8 step", "fits one device", "FAIL", format_bytes(f["planned_total_bytes"]),
-                           f"plan's step is over this device's budget of {format_bytes(f['budget_bytes'])}")]
-    fp8_mfu = f"{100 * f['mfu_fp8']:.1f}% of {format_flops(f['fp8_peak_flops_per_device'])} " \
-        f"({f['fp8_peak_source']})" if f["mfu_fp8"] is not None else f["fp8_peak_source"]
+        return rows + [
+            Row(
+                "fp8 step",
+                "fits one device",
+                "FAIL",
+                format_bytes(f["planned_total_bytes"]),
+                f"plan's step is over this device's budget of {format_bytes(f['budget_bytes'])}",
+            )
+        ]
+    fp8_mfu = (
+        f"{100 * f['mfu_fp8']:.1f}% of {format_flops(f['fp8_peak_flops_per_device'])} ({f['fp8_peak_source']})"
+        if f["mfu_fp8"] is not None
+        else f["fp8_peak_source"]
+    )
     curve = lambda losses: " ".join(f"{x:.3f}" for x in losses[:: max(1, len(losses) // 5)])  # noqa: E731
     rows += [
-        Row("fp8 step", "loss", "pass" if f["finite"] and math.isfinite(f["loss"]) else "FAIL", f"{f['loss']:.4f}",
-            f"finite after {f['warmup'] + f['steps']} steps on random tokens"),
-        Row("fp8 step", "tokens/s", "info", f"{f['tokens_per_s']:,.0f}",
+        Row(
+            "fp8 step",
+            "loss",
+            "pass" if f["finite"] and math.isfinite(f["loss"]) else "FAIL",
+            f"{f['loss']:.4f}",
+            f"finite after {f['warmup'] + f['steps']} steps on random tokens",
+        ),
+        Row(
+            "fp8 step",
+            "tokens/s",
+            "info",
+            f"{f['tokens_per_s']:,.0f}",
             f"{f['tokens_per_s_ratio']:.2f}x the {base}'s {bf16['tokens_per_s']:,.0f}; goal on one H100: >= "
-            f"{FP8_SPEEDUP_GOAL:g}x"),
-        Row("fp8 step", "MFU", "info", f"{100 * f['mfu']:.1f}%",
-            f"model FLOP/s over the {base}'s {format_flops(f['peak_flops_per_device'])}; fp8: {fp8_mfu}"),
+            f"{FP8_SPEEDUP_GOAL:g}x",
+        ),
+        Row(
+            "fp8 step",
+            "MFU",
+            "info",
+            f"{100 * f['mfu']:.1f}%",
+            f"model FLOP/s over the {base}'s {format_flops(f['peak_flops_per_device'])}; fp8: {fp8_mfu}",
+        ),
         peak_memory_row("fp8 step", f),
-        Row("fp8 step", "loss vs bf16", "pass" if f["loss_tail_relative_difference"] <= FP8_LOSS_TOLERANCE else "FAIL",
+        Row(
+            "fp8 step",
+            "loss vs bf16",
+            "pass" if f["loss_tail_relative_difference"] <= FP8_LOSS_TOLERANCE else "FAIL",
             f"{100 * f['loss_tail_relative_difference']:.2f}%",
             f"|fp8 - {base}| / {base}, mean loss of the last {f['loss_tail_steps']} of {f['loss_steps']} steps on the "
             f"bundled plays from the same weights, pass <= {100 * FP8_LOSS_TOLERANCE:g}% (largest of one step "
             f"{100 * f['loss_max_relative_difference']:.2f}%); {base} {curve(f['loss_bf16'])}, "
-            f"fp8 {curve(f['loss_fp8'])}"),
+            f"fp8 {curve(f['loss_fp8'])}",
+        ),
     ]
     return rows
 
@@ -407,38 +520,87 @@ def peak_memory_row(area: str, f: dict) -> Row:
     peak = f["peak_bytes_in_use"]
     planned = f"plan {format_bytes(f['planned_total_bytes'])}, budget {format_bytes(f['budget_bytes'])}"
     if peak:
-        return Row(area, "peak device memory", "info", format_bytes(peak),
-                   f"{planned}; measured / plan {peak / f['planned_total_bytes']:.3f}")
+        return Row(
+            area,
+            "peak device memory",
+            "info",
+            format_bytes(peak),
+            f"{planned}; measured / plan {peak / f['planned_total_bytes']:.3f}",
+        )
     if f.get("earlier_peak_bytes"):
-        return Row(area, "peak device memory", "info", f"<= {format_bytes(f['earlier_peak_bytes'])}",
-                   f"{planned}; no higher than the step before it (jax cannot reset the process's high-water mark)")
-    return Row(area, "peak device memory", "skipped: no stats", "",
-               f"the {jax.default_backend()} backend reports no device memory in use; {planned}")
+        return Row(
+            area,
+            "peak device memory",
+            "info",
+            f"<= {format_bytes(f['earlier_peak_bytes'])}",
+            f"{planned}; no higher than the step before it (jax cannot reset the process's high-water mark)",
+        )
+    return Row(
+        area,
+        "peak device memory",
+        "skipped: no stats",
+        "",
+        f"the {jax.default_backend()} backend reports no device memory in use; {planned}",
+    )
 
 
 def train_rows(f: dict, preset: str, overrides: list[str]) -> list[Row]:
     parameters = f"{f['parameters'] / 1e9:.2f}B" if f["parameters"] >= 1e9 else f"{f['parameters'] / 1e6:.1f}M"
-    shape = (f"{' '.join(overrides)}: {parameters} parameters, {f['batch_size']} x {f['seq_len']} tokens, "
-             f"{f['microbatches']} micro-batch(es), remat {f['remat']}, attention {f['attention']}")
+    shape = (
+        f"{' '.join(overrides)}: {parameters} parameters, {f['batch_size']} x {f['seq_len']} tokens, "
+        f"{f['microbatches']} micro-batch(es), remat {f['remat']}, attention {f['attention']}"
+    )
     rows = [Row("train step", "model", "info", preset, shape)]
     if not f["fits"]:
-        return rows + [Row("train step", "fits one device", "FAIL", format_bytes(f["planned_total_bytes"]),
-                           f"plan's step is over this device's budget of {format_bytes(f['budget_bytes'])}; "
-                           "pass smaller sizes, e.g. model.n_layers=2")]
+        return rows + [
+            Row(
+                "train step",
+                "fits one device",
+                "FAIL",
+                format_bytes(f["planned_total_bytes"]),
+                f"plan's step is over this device's budget of {format_bytes(f['budget_bytes'])}; "
+                "pass smaller sizes, e.g. model.n_layers=2",
+            )
+        ]
     ratio_hlo = f["hlo_flops"] / f["model_flops"]
     rows += [
-        Row("train step", "loss", "pass" if f["finite"] and math.isfinite(f["loss"]) else "FAIL", f"{f['loss']:.4f}",
-            f"finite after {f['warmup'] + f['steps']} steps on random tokens"),
-        Row("train step", "tokens/s", "info", f"{f['tokens_per_s']:,.0f}",
-            f"median of {f['steps']} steps after {f['warmup']} warm-up: {f['step_s_median']:.3f} s/step"),
-        Row("train step", "MFU", "info", f"{100 * f['mfu']:.1f}%",
+        Row(
+            "train step",
+            "loss",
+            "pass" if f["finite"] and math.isfinite(f["loss"]) else "FAIL",
+            f"{f['loss']:.4f}",
+            f"finite after {f['warmup'] + f['steps']} steps on random tokens",
+        ),
+        Row(
+            "train step",
+            "tokens/s",
+            "info",
+            f"{f['tokens_per_s']:,.0f}",
+            f"median of {f['steps']} steps after {f['warmup']} warm-up: {f['step_s_median']:.3f} s/step",
+        ),
+        Row(
+            "train step",
+            "MFU",
+            "info",
+            f"{100 * f['mfu']:.1f}%",
             f"model FLOP/s over {format_flops(f['peak_flops_per_device'])} ({f['peak_source']}); "
-            f"goal on an H100: >= {100 * MFU_GOAL:.0f}%"),
-        Row("train step", "achieved FLOP/s", "info", format_flops(f["achieved_flops_per_s"]),
+            f"goal on an H100: >= {100 * MFU_GOAL:.0f}%",
+        ),
+        Row(
+            "train step",
+            "achieved FLOP/s",
+            "info",
+            format_flops(f["achieved_flops_per_s"]),
             f"model FLOPs {f['model_flops']:.4g}/step; HLO FLOPs {f['hlo_flops']:.4g}/step = "
-            f"{format_flops(f['hlo_flops_per_s'])}"),
-        Row("train step", "HLO / model FLOPs", "info", f"{ratio_hlo:.3f}", "plan's compiled matmuls over "
-            "6 x params + attention per token (above 1: recomputation)"),
+            f"{format_flops(f['hlo_flops_per_s'])}",
+        ),
+        Row(
+            "train step",
+            "HLO / model FLOPs",
+            "info",
+            f"{ratio_hlo:.3f}",
+            "plan's compiled matmuls over 6 x params + attention per token (above 1: recomputation)",
+        ),
     ]
     rows.append(peak_memory_row("train step", f))
     return rows
@@ -452,8 +614,14 @@ def recommended_settings() -> dict[str, str]:
     """What launch/gpu_env.sh sets from a clean environment (executed rather than sourced, it prints KEY=VALUE
     lines), so this check follows the script as it changes; {} where bash or the script is missing."""
     try:
-        out = subprocess.run(["bash", str(GPU_ENV)], env={"PATH": os.environ.get("PATH", "")}, capture_output=True,
-                             text=True, check=True, timeout=60).stdout
+        out = subprocess.run(
+            ["bash", str(GPU_ENV)],
+            env={"PATH": os.environ.get("PATH", "")},
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=60,
+        ).stdout
     except (OSError, subprocess.SubprocessError):
         return {}
     return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
@@ -470,8 +638,11 @@ def gpu_env_applied(settings: dict[str, str]) -> tuple[bool, str]:
     if not missing and not unset:
         return True, ", ".join(f"{key}={os.environ[key]}" for key in settings if key != "XLA_FLAGS")
     switched_off = "; LLAMA_JAX_GPU_FLAGS=off" if os.environ.get("LLAMA_JAX_GPU_FLAGS") == "off" else ""
-    return False, f"missing {len(missing)} of its flags{', unset: ' + ', '.join(unset) if unset else ''}" \
-                  f"{switched_off}; `make gpu-check` sources it"
+    return (
+        False,
+        f"missing {len(missing)} of its flags{', unset: ' + ', '.join(unset) if unset else ''}"
+        f"{switched_off}; `make gpu-check` sources it",
+    )
 
 
 def cuda_versions() -> dict[str, str]:
@@ -481,8 +652,11 @@ def cuda_versions() -> dict[str, str]:
     except ImportError:
         versions = None
     found = {}
-    for name, decode in (("cuda_runtime_get_version", _cuda), ("cuda_driver_get_version", _cuda),
-                         ("cudnn_get_version", _cudnn)):
+    for name, decode in (
+        ("cuda_runtime_get_version", _cuda),
+        ("cuda_driver_get_version", _cuda),
+        ("cudnn_get_version", _cudnn),
+    ):
         try:
             found[name.removesuffix("_get_version")] = decode(int(getattr(versions, name)()))
         except Exception:  # an older plugin without this function, or no driver: report the others
@@ -495,8 +669,11 @@ def _cuda(version: int) -> str:  # 12080 -> 12.8
 
 
 def _cudnn(version: int) -> str:  # 91900 -> 9.19.0 (cuDNN 9 and later), 8907 -> 8.9.7
-    return f"{version // 10000}.{version % 10000 // 100}.{version % 100}" if version >= 90000 else \
-        f"{version // 1000}.{version % 1000 // 100}.{version % 100}"
+    return (
+        f"{version // 10000}.{version % 10000 // 100}.{version % 100}"
+        if version >= 90000
+        else f"{version // 1000}.{version % 1000 // 100}.{version % 100}"
+    )
 
 
 def environment_section() -> tuple[list[Row], dict]:
@@ -506,23 +683,48 @@ def environment_section() -> tuple[list[Row], dict]:
     device = jax.devices()[0]
     capability = getattr(device, "compute_capability", None)
     cuda = cuda_versions()
-    figures = {"xla_flags": xla_flags.split(), "gpu_env_applied": applied, "gpu_env_detail": applied_detail,
-               "jax": jax.__version__, "jaxlib": jaxlib.__version__, "plugins": plugins,
-               "python": platform.python_version(), "device_kind": device.device_kind,
-               "device_count": jax.device_count(), "platform_version": device.client.platform_version,
-               "compute_capability": capability, **cuda}
+    figures = {
+        "xla_flags": xla_flags.split(),
+        "gpu_env_applied": applied,
+        "gpu_env_detail": applied_detail,
+        "jax": jax.__version__,
+        "jaxlib": jaxlib.__version__,
+        "plugins": plugins,
+        "python": platform.python_version(),
+        "device_kind": device.device_kind,
+        "device_count": jax.device_count(),
+        "platform_version": device.client.platform_version,
+        "compute_capability": capability,
+        **cuda,
+    }
     cuda_text = ", ".join(f"{name.replace('_', ' ')} {v}" for name, v in cuda.items())
     rows = [
-        Row("environment", "XLA_FLAGS", "info", f"{len(xla_flags.split())} flags" if xla_flags else "(unset)",
-            xla_flags),
+        Row(
+            "environment", "XLA_FLAGS", "info", f"{len(xla_flags.split())} flags" if xla_flags else "(unset)", xla_flags
+        ),
         Row("environment", "launch/gpu_env.sh", "info", "applied" if applied else "not applied", applied_detail),
-        Row("environment", "versions", "info", f"jax {jax.__version__}, jaxlib {jaxlib.__version__}",
-            f"{', '.join(plugins) or 'no CUDA plugin'}; python {platform.python_version()}"),
-        Row("environment", "device", "info", device.device_kind,
+        Row(
+            "environment",
+            "versions",
+            "info",
+            f"jax {jax.__version__}, jaxlib {jaxlib.__version__}",
+            f"{', '.join(plugins) or 'no CUDA plugin'}; python {platform.python_version()}",
+        ),
+        Row(
+            "environment",
+            "device",
+            "info",
+            device.device_kind,
             f"{jax.device_count()} device(s), {device.client.platform_version}"
-            + (f", compute capability {capability}" if capability else "")),
-        Row("environment", "CUDA / cuDNN", "info", cuda_text or "n/a",
-            "as loaded by jax" if cuda else "jax loaded no CUDA plugin"),
+            + (f", compute capability {capability}" if capability else ""),
+        ),
+        Row(
+            "environment",
+            "CUDA / cuDNN",
+            "info",
+            cuda_text or "n/a",
+            "as loaded by jax" if cuda else "jax loaded no CUDA plugin",
+        ),
     ]
     return rows, figures
 
@@ -532,8 +734,11 @@ def environment_section() -> tuple[list[Row], dict]:
 
 def cuda_plugins() -> list[str]:
     """The installed jax CUDA plugins (jax-cuda13-plugin, jax-cuda12-pjrt, ...) with their versions."""
-    return sorted(f"{d.metadata['Name']} {d.version}" for d in importlib.metadata.distributions()
-                  if re.fullmatch(r"jax[-_]cuda\d+[-_](plugin|pjrt)", d.metadata["Name"] or "", re.IGNORECASE))
+    return sorted(
+        f"{d.metadata['Name']} {d.version}"
+        for d in importlib.metadata.distributions()
+        if re.fullmatch(r"jax[-_]cuda\d+[-_](plugin|pjrt)", d.metadata["Name"] or "", re.IGNORECASE)
+    )
 
 
 def nvidia_gpu() -> bool:
@@ -552,19 +757,26 @@ def no_gpu_reason() -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cpu-smoke", action="store_true",
-                        help="run every check on the CPU with small shapes (a test of this script, not of a GPU)")
+    parser.add_argument(
+        "--cpu-smoke",
+        action="store_true",
+        help="run every check on the CPU with small shapes (a test of this script, not of a GPU)",
+    )
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON, help=f"write the figures here ({DEFAULT_JSON})")
     parser.add_argument("--steps", type=int, help="timed train steps (default 20; 3 with --cpu-smoke)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed train steps first (compilation, autotuning)")
-    parser.add_argument("--loss-steps", type=int, help="steps of the bf16 and fp8 loss curves (default 50; 5 with "
-                        "--cpu-smoke)")
+    parser.add_argument(
+        "--loss-steps", type=int, help="steps of the bf16 and fp8 loss curves (default 50; 5 with --cpu-smoke)"
+    )
     parser.add_argument("--preset", help=f"the train step's preset ({GPU_PRESET}; {SMOKE_PRESET} with --cpu-smoke)")
     defaults = f"{' '.join(GPU_OVERRIDES)}; {' '.join(SMOKE_OVERRIDES)} with --cpu-smoke"
     parser.add_argument("overrides", nargs="*", metavar="key=value", help=f"after the defaults ({defaults})")
     args = parser.parse_args(argv)
-    if (args.steps is not None and args.steps < 1) or args.warmup < 0 or (args.loss_steps is not None
-                                                                          and args.loss_steps < 1):
+    if (
+        (args.steps is not None and args.steps < 1)
+        or args.warmup < 0
+        or (args.loss_steps is not None and args.loss_steps < 1)
+    ):
         print("gpu-check: error: --steps and --loss-steps must be at least 1 and --warmup at least 0", file=sys.stderr)
         return EXIT_BAD_INPUT
     if args.cpu_smoke:
@@ -606,14 +818,23 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = [*attention_rows, *step_rows, *fp8_step_rows, *environment_rows]
     counts = {s: sum(r.status.startswith(s) for r in rows) for s in ("pass", "FAIL", "skipped")}
-    print(f"gpu-check{' --cpu-smoke' if args.cpu_smoke else ''} on {jax.devices()[0].device_kind}: "
-          f"{counts['pass']} passed, {counts['FAIL']} failed, {counts['skipped']} skipped")
+    print(
+        f"gpu-check{' --cpu-smoke' if args.cpu_smoke else ''} on {jax.devices()[0].device_kind}: "
+        f"{counts['pass']} passed, {counts['FAIL']} failed, {counts['skipped']} skipped"
+    )
     print(format_table(rows))
-    report = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
-              "mode": "cpu-smoke" if args.cpu_smoke else "gpu", "passed": counts["pass"], "failed": counts["FAIL"],
-              "skipped": counts["skipped"], "rows": [dataclasses.asdict(r) for r in rows], "attention": parity,
-              "train_step": {"preset": preset, "overrides": overrides, **train}, "fp8_step": fp8,
-              "environment": environment}
+    report = {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "mode": "cpu-smoke" if args.cpu_smoke else "gpu",
+        "passed": counts["pass"],
+        "failed": counts["FAIL"],
+        "skipped": counts["skipped"],
+        "rows": [dataclasses.asdict(r) for r in rows],
+        "attention": parity,
+        "train_step": {"preset": preset, "overrides": overrides, **train},
+        "fp8_step": fp8,
+        "environment": environment,
+    }
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(report, indent=2) + "\n")
     print(f"figures: {args.json}")

@@ -78,12 +78,28 @@ def synthetic_store(directory: Path, documents: int, seed: int = 0) -> Path:
             totals[split][0] += len(mine)
             totals[split][1] += int(bounds[-1])
     tokens = {s: totals[s][1] for s in totals}
-    meta = {"format": 1, "fingerprint": f"synthetic-{documents}-{seed}", "identity": {"synthetic": documents},
-            "tokenizer": {**tokenizer_fingerprint(tokenizer), "file": tokenizer.name}, "dtype": "uint16",
-            "documents": {s: totals[s][0] for s in totals}, "tokens": tokens, "bytes": 0, "bad_records": 0,
-            "bad_examples": [], "units": units,
-            "sources": [{"input": "synthetic", "weight": None, "units": list(range(units)),
-                         "documents": {s: totals[s][0] for s in totals}, "tokens": tokens}]}
+    meta = {
+        "format": 1,
+        "fingerprint": f"synthetic-{documents}-{seed}",
+        "identity": {"synthetic": documents},
+        "tokenizer": {**tokenizer_fingerprint(tokenizer), "file": tokenizer.name},
+        "dtype": "uint16",
+        "documents": {s: totals[s][0] for s in totals},
+        "tokens": tokens,
+        "bytes": 0,
+        "bad_records": 0,
+        "bad_examples": [],
+        "units": units,
+        "sources": [
+            {
+                "input": "synthetic",
+                "weight": None,
+                "units": list(range(units)),
+                "documents": {s: totals[s][0] for s in totals},
+                "tokens": tokens,
+            }
+        ],
+    }
     (directory / "meta.json").write_text(json.dumps(meta))
     return directory
 
@@ -109,9 +125,17 @@ def measure(args: argparse.Namespace) -> dict:
 
     baseline, anon, files = rss_kib("VmRSS"), rss_kib("RssAnon"), rss_kib("RssFile")
     cache = tempfile.mkdtemp(prefix="llama-jax-plans-")  # a new plan cache: the plans are computed in this run
-    config = load_config("tiny", [f"data.sources=[{args.measure}]", f"data.cache_dir={cache}", "model.vocab_size=512",
-                                  f"train.seq_len={args.seq_len}", f"train.batch_size={args.batch_size}",
-                                  f"model.max_seq_len={args.seq_len}"])
+    config = load_config(
+        "tiny",
+        [
+            f"data.sources=[{args.measure}]",
+            f"data.cache_dir={cache}",
+            "model.vocab_size=512",
+            f"train.seq_len={args.seq_len}",
+            f"train.batch_size={args.batch_size}",
+            f"model.max_seq_len={args.seq_len}",
+        ],
+    )
     start = time.perf_counter()
     data = open_data(config, print_fn=lambda _: None)
     rows_per_epoch = data.train.components[0].rows_in_epoch(0)
@@ -122,14 +146,20 @@ def measure(args: argparse.Namespace) -> dict:
     start = time.perf_counter()
     for _ in range(args.batches):
         next(batches)
-    return {"documents": args.documents, "peak_rss_mib_above_baseline": (rss_kib("VmHWM") - baseline) / 1024,
-            # of what is resident at the end: the process's own memory, and pages of memory-mapped files (tokens,
-            # indices, plans: the kernel's page cache, shared by the processes of a host and reclaimable)
-            "anon_mib_above_baseline": (rss_kib("RssAnon") - anon) / 1024,
-            "file_mib_above_baseline": (rss_kib("RssFile") - files) / 1024,
-            "baseline_rss_mib": baseline / 1024, "first_batch_s": first_batch_s,
-            "batches_per_s": args.batches / (time.perf_counter() - start), "late_step": late,
-            "rows_per_epoch": rows_per_epoch, "code": args.code}
+    return {
+        "documents": args.documents,
+        "peak_rss_mib_above_baseline": (rss_kib("VmHWM") - baseline) / 1024,
+        # of what is resident at the end: the process's own memory, and pages of memory-mapped files (tokens,
+        # indices, plans: the kernel's page cache, shared by the processes of a host and reclaimable)
+        "anon_mib_above_baseline": (rss_kib("RssAnon") - anon) / 1024,
+        "file_mib_above_baseline": (rss_kib("RssFile") - files) / 1024,
+        "baseline_rss_mib": baseline / 1024,
+        "first_batch_s": first_batch_s,
+        "batches_per_s": args.batches / (time.perf_counter() - start),
+        "late_step": late,
+        "rows_per_epoch": rows_per_epoch,
+        "code": args.code,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -141,21 +171,38 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     synthetic_store(store, args.documents)
     print(f"store of {args.documents:,} documents at {store} ({time.perf_counter() - started:.0f}s)", flush=True)
-    env = {**os.environ,
-           "PYTHONPATH": os.pathsep.join([args.code, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
-           "JAX_PLATFORMS": "cpu"}
-    child = [sys.executable, __file__, "--documents", str(args.documents), "--seq-len", str(args.seq_len),
-             "--batch-size", str(args.batch_size), "--batches", str(args.batches), "--code", args.code,
-             "--measure", str(store)]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([args.code, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+        "JAX_PLATFORMS": "cpu",
+    }
+    child = [
+        sys.executable,
+        __file__,
+        "--documents",
+        str(args.documents),
+        "--seq-len",
+        str(args.seq_len),
+        "--batch-size",
+        str(args.batch_size),
+        "--batches",
+        str(args.batches),
+        "--code",
+        args.code,
+        "--measure",
+        str(store),
+    ]
     result = subprocess.run(child, env=env, capture_output=True, text=True)
     if result.returncode != 0:
         print(result.stderr, file=sys.stderr)
         return result.returncode
     figures = json.loads(result.stdout.strip().splitlines()[-1])
-    print(f"{figures['documents']:,} documents: peak {figures['peak_rss_mib_above_baseline']:,.0f} MiB above the "
-          f"baseline (at the end: {figures['anon_mib_above_baseline']:,.0f} MiB own, "
-          f"{figures['file_mib_above_baseline']:,.0f} MiB mapped files), first batch {figures['first_batch_s']:.1f}s, "
-          f"{figures['batches_per_s']:.1f} batches/s")
+    print(
+        f"{figures['documents']:,} documents: peak {figures['peak_rss_mib_above_baseline']:,.0f} MiB above the "
+        f"baseline (at the end: {figures['anon_mib_above_baseline']:,.0f} MiB own, "
+        f"{figures['file_mib_above_baseline']:,.0f} MiB mapped files), first batch {figures['first_batch_s']:.1f}s, "
+        f"{figures['batches_per_s']:.1f} batches/s"
+    )
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=2))
     print(json.dumps(figures))

@@ -18,9 +18,20 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 LOCAL = ROOT / "launch" / "local.sh"
-TINY = ["model.vocab_size=320", "model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
-        "model.ffn_dim=128", "train.batch_size=8", "train.seq_len=32", "train.log_every=1", "train.eval_every=0",
-        "train.sample_tokens=0", "run.tensorboard=false"]
+TINY = [
+    "model.vocab_size=320",
+    "model.d_model=64",
+    "model.n_layers=2",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "model.ffn_dim=128",
+    "train.batch_size=8",
+    "train.seq_len=32",
+    "train.log_every=1",
+    "train.eval_every=0",
+    "train.sample_tokens=0",
+    "run.tensorboard=false",
+]
 
 
 def environment() -> dict:
@@ -44,15 +55,33 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        common = [*TINY, f"data.cache_dir={work / 'cache'}", f"run.compilation_cache={work / 'jax_cache'}",
-                  *args.overrides]
+        common = [
+            *TINY,
+            f"data.cache_dir={work / 'cache'}",
+            f"run.compilation_cache={work / 'jax_cache'}",
+            *args.overrides,
+        ]
         runs = {}
         for processes in (1, 2):
             run_dir = work / f"p{processes}"
             start = time.perf_counter()
-            proc = subprocess.run([str(LOCAL), "--processes", str(processes), "--devices", str(8 // processes), "--",
-                                   "train", *common, f"train.steps={args.steps}", f"run.dir={run_dir}"],
-                                  env=environment(), capture_output=True, text=True)
+            proc = subprocess.run(
+                [
+                    str(LOCAL),
+                    "--processes",
+                    str(processes),
+                    "--devices",
+                    str(8 // processes),
+                    "--",
+                    "train",
+                    *common,
+                    f"train.steps={args.steps}",
+                    f"run.dir={run_dir}",
+                ],
+                env=environment(),
+                capture_output=True,
+                text=True,
+            )
             if proc.returncode:
                 sys.exit(f"{processes} process(es) failed:\n{proc.stderr}")
             runs[processes] = (losses(run_dir), time.perf_counter() - start)
@@ -65,10 +94,32 @@ def main() -> None:
         # Kill process 1 of 2 after a checkpoint; the survivor must stop on its own; the supervisor restarts both.
         run_dir, steps = work / "killed", 4 * args.steps
         supervisor = subprocess.Popen(
-            [sys.executable, "-m", "llama_jax", "supervise", "--backoff", "1", "--", str(LOCAL), "--processes", "2",
-             "--devices", "4", "--", "train", *common, f"train.steps={steps}", "checkpoint.every_steps=5",
-             f"run.heartbeat_timeout_s={args.heartbeat:g}", f"run.dir={run_dir}"],
-            env=environment(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            [
+                sys.executable,
+                "-m",
+                "llama_jax",
+                "supervise",
+                "--backoff",
+                "1",
+                "--",
+                str(LOCAL),
+                "--processes",
+                "2",
+                "--devices",
+                "4",
+                "--",
+                "train",
+                *common,
+                f"train.steps={steps}",
+                "checkpoint.every_steps=5",
+                f"run.heartbeat_timeout_s={args.heartbeat:g}",
+                f"run.dir={run_dir}",
+            ],
+            env=environment(),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         pids, lines = {}, []
         while len(pids) < 2:
             lines.append(supervisor.stderr.readline())
@@ -82,10 +133,12 @@ def main() -> None:
         log = "".join(lines) + rest
         died = float(re.search(r"process 1 exited with status 137 after ([\d.]+)s", log).group(1))
         survivor = re.search(r"process 0 exited with status (\d+) after ([\d.]+)s", log)
-        print(f"\nSIGKILL to process 1 of 2 (heartbeat timeout {args.heartbeat:g}s): process 0 stopped by itself "
-              f"{float(survivor.group(2)) - died:.1f}s later (status {survivor.group(1)}); the supervisor's restart "
-              f"reached step {max(losses(run_dir))} of {steps} {time.perf_counter() - killed_at:.1f}s after the kill "
-              f"(exit {supervisor.returncode})")
+        print(
+            f"\nSIGKILL to process 1 of 2 (heartbeat timeout {args.heartbeat:g}s): process 0 stopped by itself "
+            f"{float(survivor.group(2)) - died:.1f}s later (status {survivor.group(1)}); the supervisor's restart "
+            f"reached step {max(losses(run_dir))} of {steps} {time.perf_counter() - killed_at:.1f}s after the kill "
+            f"(exit {supervisor.returncode})"
+        )
 
 
 if __name__ == "__main__":

@@ -31,10 +31,19 @@ def model_dimensions(preset: str, overrides: list[str] | tuple[str, ...] = ()) -
     presets live where it looks for them (llama_jax/config/presets), and the defaults and types are the schema's."""
     config = load_config(preset, list(overrides))
     model, train = config.model, config.train
-    return {"vocab": model.vocab_size, "d_model": model.d_model, "layers": model.n_layers, "heads": model.n_heads,
-            "kv_heads": model.n_kv_heads, "ffn": model.ffn_dim, "head_dim": model.resolved_head_dim,
-            "tied": model.tie_embeddings, "rope_theta": model.rope_theta, "batch": train.batch_size,
-            "seq": train.seq_len}
+    return {
+        "vocab": model.vocab_size,
+        "d_model": model.d_model,
+        "layers": model.n_layers,
+        "heads": model.n_heads,
+        "kv_heads": model.n_kv_heads,
+        "ffn": model.ffn_dim,
+        "head_dim": model.resolved_head_dim,
+        "tied": model.tie_embeddings,
+        "rope_theta": model.rope_theta,
+        "batch": train.batch_size,
+        "seq": train.seq_len,
+    }
 
 
 def measure(dims: dict, steps: int, warmup: int, compiled: bool) -> dict:
@@ -43,11 +52,19 @@ def measure(dims: dict, steps: int, warmup: int, compiled: bool) -> dict:
 
     torch.manual_seed(0)
     torch.set_num_threads(os.cpu_count() or 1)
-    config = LlamaConfig(vocab_size=dims["vocab"], hidden_size=dims["d_model"], num_hidden_layers=dims["layers"],
-                         num_attention_heads=dims["heads"], num_key_value_heads=dims["kv_heads"],
-                         head_dim=dims["head_dim"], intermediate_size=dims["ffn"],
-                         max_position_embeddings=max(dims["seq"], 2048), rope_theta=dims["rope_theta"],
-                         tie_word_embeddings=dims["tied"], use_cache=False)
+    config = LlamaConfig(
+        vocab_size=dims["vocab"],
+        hidden_size=dims["d_model"],
+        num_hidden_layers=dims["layers"],
+        num_attention_heads=dims["heads"],
+        num_key_value_heads=dims["kv_heads"],
+        head_dim=dims["head_dim"],
+        intermediate_size=dims["ffn"],
+        max_position_embeddings=max(dims["seq"], 2048),
+        rope_theta=dims["rope_theta"],
+        tie_word_embeddings=dims["tied"],
+        use_cache=False,
+    )
     model = LlamaForCausalLM(config).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1)
     tokens = torch.randint(0, dims["vocab"], (dims["batch"], dims["seq"] + 1))
@@ -77,8 +94,12 @@ def measure(dims: dict, steps: int, warmup: int, compiled: bool) -> dict:
         step()
         times.append(time.perf_counter() - start)
     seconds = statistics.median(times)
-    return {"step_s": seconds, "tokens_per_s": dims["batch"] * dims["seq"] / seconds, "torch": torch.__version__,
-            "params": sum(p.numel() for p in model.parameters())}
+    return {
+        "step_s": seconds,
+        "tokens_per_s": dims["batch"] * dims["seq"] / seconds,
+        "torch": torch.__version__,
+        "params": sum(p.numel() for p in model.parameters()),
+    }
 
 
 def main() -> None:
@@ -94,9 +115,13 @@ def main() -> None:
     dims = model_dimensions(args.preset, args.overrides)  # first: a bad preset or key fails before torch is needed
     import transformers
 
-    results = {"preset": args.preset, "overrides": args.overrides, "dims": dims,
-               "transformers": transformers.__version__,
-               "eager": measure(dims, args.steps, args.warmup, compiled=False)}
+    results = {
+        "preset": args.preset,
+        "overrides": args.overrides,
+        "dims": dims,
+        "transformers": transformers.__version__,
+        "eager": measure(dims, args.steps, args.warmup, compiled=False),
+    }
     if args.compile:
         try:
             results["compiled"] = measure(dims, args.steps, args.warmup, compiled=True)
@@ -105,8 +130,10 @@ def main() -> None:
     for mode in ("eager", "compiled"):
         if mode in results and "tokens_per_s" in results[mode]:
             r = results[mode]
-            print(f"peer {mode}: transformers {results['transformers']} + torch {r['torch']}: "
-                  f"{r['tokens_per_s']:.1f} tokens/s ({r['step_s']:.3f} s/step)")
+            print(
+                f"peer {mode}: transformers {results['transformers']} + torch {r['torch']}: "
+                f"{r['tokens_per_s']:.1f} tokens/s ({r['step_s']:.3f} s/step)"
+            )
         elif mode in results:
             print(f"peer {mode}: failed: {results[mode]['error']}")
     if args.json:

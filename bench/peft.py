@@ -31,8 +31,13 @@ from pathlib import Path
 
 METHODS = {
     "full": ["peft.method=none", "train.lr=3e-4"],
-    "lora": ["peft.method=lora", "peft.rank=8", "peft.alpha=16", "peft.targets=[q,k,v,o,gate,up,down]",
-             "train.lr=3e-3"],
+    "lora": [
+        "peft.method=lora",
+        "peft.rank=8",
+        "peft.alpha=16",
+        "peft.targets=[q,k,v,o,gate,up,down]",
+        "train.lr=3e-3",
+    ],
     "prompt": ["peft.method=prompt", "peft.prompt_tokens=20", "train.lr=3e-2"],
     "ptuning": ["peft.method=ptuning", "peft.prompt_tokens=20", "peft.prompt_encoder=mlp", "train.lr=3e-3"],
 }
@@ -72,8 +77,10 @@ def state_sizes(preset: str, overrides: list[str]) -> tuple[int, int]:
 
     config = load_config(preset, overrides)
     shapes = TrainProgram.build(config, sharding.make_mesh(config)).state_shapes
-    return (sum(x.size for x in jax.tree.leaves(shapes.params)),
-            sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes.opt_state)))
+    return (
+        sum(x.size for x in jax.tree.leaves(shapes.params)),
+        sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes.opt_state)),
+    )
 
 
 def main() -> None:
@@ -91,20 +98,34 @@ def main() -> None:
     pretrain, play = write_corpus(out / "data", args.play)
     base = out / "base"
     common = ["train.sample_tokens=0", "run.tensorboard=false"]
-    api.train("tiny", [f"data.sources=[{pretrain}]", f"run.dir={base}", f"train.steps={args.pretrain_steps}", *common],
-              print_fn=lambda line: None)
-    adapt = [f"data.sources=[{play}]", f"data.tokenizer={base / 'tokenizer.json'}", "data.val_every_nth_doc=10",
-             f"checkpoint.init_from={base}", f"train.steps={args.steps}", "train.warmup_steps=10", "train.eval_every=0",
-             "train.log_every=10", *common]
+    api.train(
+        "tiny",
+        [f"data.sources=[{pretrain}]", f"run.dir={base}", f"train.steps={args.pretrain_steps}", *common],
+        print_fn=lambda line: None,
+    )
+    adapt = [
+        f"data.sources=[{play}]",
+        f"data.tokenizer={base / 'tokenizer.json'}",
+        "data.val_every_nth_doc=10",
+        f"checkpoint.init_from={base}",
+        f"train.steps={args.steps}",
+        "train.warmup_steps=10",
+        "train.eval_every=0",
+        "train.log_every=10",
+        *common,
+    ]
     rows = {}
     for name, settings in METHODS.items():
         overrides = [*adapt, *settings, f"run.dir={out / name}"]
         summary = api.train("tiny", overrides, print_fn=lambda line: None)
         trainable, optimizer_bytes = state_sizes("tiny", overrides)
-        rows[name] = {"eval_loss_before": summary.get("initial_eval_loss"),
-                      "eval_loss_after": summary["final_eval_loss"],
-                      "trainable_params": trainable, "optimizer_state_bytes": optimizer_bytes,
-                      "tokens_per_s": summary["tokens_per_s"]}
+        rows[name] = {
+            "eval_loss_before": summary.get("initial_eval_loss"),
+            "eval_loss_after": summary["final_eval_loss"],
+            "trainable_params": trainable,
+            "optimizer_state_bytes": optimizer_bytes,
+            "tokens_per_s": summary["tokens_per_s"],
+        }
         print(f"{name}: done ({out / name})", flush=True)
 
     full = rows["full"]
@@ -112,18 +133,23 @@ def main() -> None:
     print("| method | eval loss before | after | trainable params | optimizer state | tokens/s |")
     print("|---|---|---|---|---|---|")
     for name, r in rows.items():
-        print(f"| {name} | {r['eval_loss_before']:.3f} | {r['eval_loss_after']:.3f} | "
-              f"{r['trainable_params']:,} ({r['trainable_params'] / full['trainable_params']:.2%}) | "
-              f"{r['optimizer_state_bytes'] / 2**20:.2f} MiB "
-              f"({r['optimizer_state_bytes'] / full['optimizer_state_bytes']:.2%}) | "
-              f"{r['tokens_per_s']:,.0f} ({r['tokens_per_s'] / full['tokens_per_s']:.2f}x) |")
+        print(
+            f"| {name} | {r['eval_loss_before']:.3f} | {r['eval_loss_after']:.3f} | "
+            f"{r['trainable_params']:,} ({r['trainable_params'] / full['trainable_params']:.2%}) | "
+            f"{r['optimizer_state_bytes'] / 2**20:.2f} MiB "
+            f"({r['optimizer_state_bytes'] / full['optimizer_state_bytes']:.2%}) | "
+            f"{r['tokens_per_s']:,.0f} ({r['tokens_per_s'] / full['tokens_per_s']:.2f}x) |"
+        )
     init_from = "checkpoint.init_from=runs/bench"
     bench_full = state_sizes("bench", [])[1]
     for targets in ("[q,v]", "[q,k,v,o,gate,up,down]"):
         lora = state_sizes("bench", ["peft.method=lora", "peft.rank=8", f"peft.targets={targets}", init_from])[1]
         rows[f"bench_lora_r8_{targets}"] = {"optimizer_state_bytes": lora, "full_optimizer_state_bytes": bench_full}
-        print(f"\nbench preset, LoRA rank 8 on {targets}: optimizer state {lora / 2**20:.2f} MiB, "
-              f"{lora / bench_full:.2%} of full fine-tuning's {bench_full / 2**20:.1f} MiB", end="")
+        print(
+            f"\nbench preset, LoRA rank 8 on {targets}: optimizer state {lora / 2**20:.2f} MiB, "
+            f"{lora / bench_full:.2%} of full fine-tuning's {bench_full / 2**20:.1f} MiB",
+            end="",
+        )
     print()
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")

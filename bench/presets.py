@@ -63,15 +63,19 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     args = parser.parse_args()
     from llama_jax.config import load_config
+
     try:
         from llama_jax.perf.gpu_target import plugin_missing
+
         missing = plugin_missing()
     except ImportError:  # a llama_jax from before --target
         missing = "this llama_jax has no --target"
 
     print(f"{'':<62}{'XLA:GPU, ' + args.target:<40}{'XLA:CPU proxy':<24}")
-    print(f"{'preset':<12}{'GPUs':>6}  {'mesh':<22}{'remat.policy':<22}{'micro-batches':>13}{'GiB/device':>11}"
-          f"{'(cuDNN)':>8}{'compile':>8}{'micro-batches':>15}{'GiB/device':>11}  fits")
+    print(
+        f"{'preset':<12}{'GPUs':>6}  {'mesh':<22}{'remat.policy':<22}{'micro-batches':>13}{'GiB/device':>11}"
+        f"{'(cuDNN)':>8}{'compile':>8}{'micro-batches':>15}{'GiB/device':>11}  fits"
+    )
     for preset in args.presets.split(","):
         config = load_config(preset, args.overrides)
         cpu = plan(preset, args.overrides)
@@ -81,12 +85,16 @@ def main() -> None:
         if missing is None:
             gpu = plan(preset, args.overrides, args.target)
             gpu_gib = gpu["total_bytes"] / 2**30
-            gpu_columns = (f"{gpu['microbatches']:>13}{gpu_gib:>11.1f}{gpu['cudnn_workspace_bytes'] / 2**30:>8.1f}"
-                           f"{gpu['compile_seconds']:>6.0f} s")
+            gpu_columns = (
+                f"{gpu['microbatches']:>13}{gpu_gib:>11.1f}{gpu['cudnn_workspace_bytes'] / 2**30:>8.1f}"
+                f"{gpu['compile_seconds']:>6.0f} s"
+            )
             fits = gpu_gib <= gpu["budget_bytes"] / 2**30
-        print(f"{preset:<12}{cpu['devices']:>6}  {mesh:<22}{config.remat.policy:<22}{gpu_columns}"
-              f"{cpu.get('microbatches', config.train.microbatches):>15}{cpu_gib:>11.1f}  {'yes' if fits else 'NO'}",
-              flush=True)
+        print(
+            f"{preset:<12}{cpu['devices']:>6}  {mesh:<22}{config.remat.policy:<22}{gpu_columns}"
+            f"{cpu.get('microbatches', config.train.microbatches):>15}{cpu_gib:>11.1f}  {'yes' if fits else 'NO'}",
+            flush=True,
+        )
     if missing is not None:
         print(f"XLA:GPU column empty: {missing}")
 

@@ -57,9 +57,18 @@ from chaos import LLAMA_JAX, MULTIPROCESS, compare, environment, trainer_pid  # 
 ROOT = Path(__file__).resolve().parents[1]
 KINDS = ("crash", "hang", "host_lost", "slow_device", "damaged_checkpoint", "preemption")
 # CPU sizes: the model (as tests/test_multihost.py shrinks llama3_8b) and the run's shape.
-SHRUNK = ["model.n_layers=2", "model.d_model=64", "model.n_heads=4", "model.n_kv_heads=2", "model.head_dim=16",
-          "model.ffn_dim=128", "model.vocab_size=320", "model.compute_dtype=float32", "train.batch_size=8",
-          "train.seq_len=32"]
+SHRUNK = [
+    "model.n_layers=2",
+    "model.d_model=64",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "model.head_dim=16",
+    "model.ffn_dim=128",
+    "model.vocab_size=320",
+    "model.compute_dtype=float32",
+    "train.batch_size=8",
+    "train.seq_len=32",
+]
 
 
 def arguments(argv: list[str] | None = None) -> argparse.Namespace:
@@ -67,8 +76,12 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--preset", required=True, help="a llama3_* preset")
     parser.add_argument("--processes", type=int, required=True, help="processes (hosts), e.g. 2 or 4")
     parser.add_argument("--seed", type=int, default=0, help="seeds the fault schedule")
-    parser.add_argument("--failures-per-hour", type=float, required=True,
-                        help="mean fault rate while training (CPU: 30-120 so a few minutes see several)")
+    parser.add_argument(
+        "--failures-per-hour",
+        type=float,
+        required=True,
+        help="mean fault rate while training (CPU: 30-120 so a few minutes see several)",
+    )
     parser.add_argument("--steps", type=int, default=1500, help="train.steps of the shrunk recipe")
     parser.add_argument("--devices", type=int, default=2, help="simulated CPU devices per process")
     parser.add_argument("--max-faults", type=int, default=0, help="stop injecting after this many (0: no limit)")
@@ -78,8 +91,10 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     if not args.preset.startswith("llama3_"):
         parser.error(f"--preset {args.preset}: a rehearsal runs a llama3_* preset's recipe")
     if args.processes < 2 or args.devices < 1 or args.steps < 20 or args.failures_per_hour <= 0 or args.max_faults < 0:
-        parser.error("--processes must be >= 2 (a partner copy needs another host), --devices >= 1, --steps >= 20, "
-                     "--failures-per-hour > 0, --max-faults >= 0")
+        parser.error(
+            "--processes must be >= 2 (a partner copy needs another host), --devices >= 1, --steps >= 20, "
+            "--failures-per-hour > 0, --max-faults >= 0"
+        )
     return args
 
 
@@ -93,8 +108,13 @@ def run(command: list[str], **kwargs) -> subprocess.CompletedProcess:
 def launcher_defaults(local_dir: Path) -> list[str]:
     """The keys launch/defaults.sh adds to every training command (the node-local tier, pre-flight)."""
     script = 'source "$1"; shift; train_args "$@"; printf "%s\\0" "${TRAIN_ARGS[@]}"'
-    out = subprocess.run(["bash", "-c", script, "_", str(ROOT / "launch" / "defaults.sh")], capture_output=True,
-                         text=True, check=True, env=dict(os.environ, LLAMA_JAX_LOCAL_DIR=str(local_dir))).stdout
+    out = subprocess.run(
+        ["bash", "-c", script, "_", str(ROOT / "launch" / "defaults.sh")],
+        capture_output=True,
+        text=True,
+        check=True,
+        env=dict(os.environ, LLAMA_JAX_LOCAL_DIR=str(local_dir)),
+    ).stdout
     return [a for a in out.split("\0") if a]
 
 
@@ -102,13 +122,23 @@ def write_recipes(args, work: Path) -> tuple[Path, Path, Path]:
     """(recipe.yaml, the same with one device slow at pre-flight, the local tier's directory)."""
     store, local_dir = work / "store", work / "local"
     if not (store / "meta.json").exists() and not any(store.glob("*")):
-        run([*LLAMA_JAX, "prepare", "shakespeare", "--out", str(store), "--train-tokenizer", "300", "--workers", "1"],
-            timeout=600)
-    keys = [*launcher_defaults(local_dir), *SHRUNK, f"train.steps={args.steps}",
-            f"train.warmup_steps={max(1, args.steps // 100)}", f"data.sources=[{store}]",
-            f"data.cache_dir={work / 'cache'}", f"run.compilation_cache={work / 'jax_cache'}", "run.tensorboard=false",
-            f"checkpoint.mtbf_hours={1 / args.failures_per_hour:.6g}", "run.heartbeat_timeout_s=10",
-            "fault.preflight_min_ratio=0.5"]
+        run(
+            [*LLAMA_JAX, "prepare", "shakespeare", "--out", str(store), "--train-tokenizer", "300", "--workers", "1"],
+            timeout=600,
+        )
+    keys = [
+        *launcher_defaults(local_dir),
+        *SHRUNK,
+        f"train.steps={args.steps}",
+        f"train.warmup_steps={max(1, args.steps // 100)}",
+        f"data.sources=[{store}]",
+        f"data.cache_dir={work / 'cache'}",
+        f"run.compilation_cache={work / 'jax_cache'}",
+        "run.tensorboard=false",
+        f"checkpoint.mtbf_hours={1 / args.failures_per_hour:.6g}",
+        "run.heartbeat_timeout_s=10",
+        "fault.preflight_min_ratio=0.5",
+    ]
     recipe, slow = work / "recipe.yaml", work / "recipe-slow-device.yaml"
     for path, extra in ((recipe, []), (slow, ["inject.slow_device=0"])):
         printed = run([*LLAMA_JAX, "train", args.preset, *keys, *extra, "--print-config"]).stdout
@@ -117,8 +147,17 @@ def write_recipes(args, work: Path) -> tuple[Path, Path, Path]:
 
 
 def multiprocess(args) -> list[str]:
-    return [sys.executable, str(MULTIPROCESS), "--processes", str(args.processes), "--devices", str(args.devices),
-            "--grace", "9", "--"]
+    return [
+        sys.executable,
+        str(MULTIPROCESS),
+        "--processes",
+        str(args.processes),
+        "--devices",
+        str(args.devices),
+        "--grace",
+        "9",
+        "--",
+    ]
 
 
 def attempts_of(run_dir: Path) -> list[dict]:
@@ -154,10 +193,25 @@ class Rehearsal:
         return self.order[n] if n < len(self.order) else self.rng.choices(list(self.mix), list(self.mix.values()))[0]
 
     def supervisor(self) -> subprocess.Popen:
-        supervise = [*LLAMA_JAX, "supervise", "--backoff", "1", "--max-backoff", "4", "--reset-after", "60",
-                     "--max-restarts", "20", "--"]
-        return subprocess.Popen([*supervise, *multiprocess(self.args), "train", str(self.recipe),
-                                 f"run.dir={self.run_dir}"], env=environment(), stdout=self.log, stderr=self.log)
+        supervise = [
+            *LLAMA_JAX,
+            "supervise",
+            "--backoff",
+            "1",
+            "--max-backoff",
+            "4",
+            "--reset-after",
+            "60",
+            "--max-restarts",
+            "20",
+            "--",
+        ]
+        return subprocess.Popen(
+            [*supervise, *multiprocess(self.args), "train", str(self.recipe), f"run.dir={self.run_dir}"],
+            env=environment(),
+            stdout=self.log,
+            stderr=self.log,
+        )
 
     def go(self) -> float:
         start = time.time()
@@ -196,8 +250,11 @@ class Rehearsal:
             if args.max_faults and len(self.faults) >= args.max_faults:
                 supervisor.wait()
                 return
-            delay, kind, victim = self.rng.expovariate(args.failures_per_hour / 3600), self.next_kind(), \
-                self.rng.randrange(args.processes)
+            delay, kind, victim = (
+                self.rng.expovariate(args.failures_per_hour / 3600),
+                self.next_kind(),
+                self.rng.randrange(args.processes),
+            )
             victim = 0 if kind == "slow_device" else victim  # device 0's host: process 0 (device ids are JAX's)
             until = time.monotonic() + delay
             while time.monotonic() < until and supervisor.poll() is None:
@@ -211,8 +268,15 @@ class Rehearsal:
                 return
             attempts = len(attempts_of(self.run_dir))
             self.inject(kind, supervisor, pid, victim)
-            self.faults.append({"kind": kind, "process": victim, "after_s": round(delay, 2), "at": time.time(),
-                                "attempts_before": attempts})
+            self.faults.append(
+                {
+                    "kind": kind,
+                    "process": victim,
+                    "after_s": round(delay, 2),
+                    "at": time.time(),
+                    "attempts_before": attempts,
+                }
+            )
             print(f"  fault {len(self.faults)}: {kind} on process {victim} after {delay:.1f}s", flush=True)
 
     def inject(self, kind: str, supervisor: subprocess.Popen, pid: int, victim: int) -> None:
@@ -269,18 +333,28 @@ def lost_per_fault(run_dir: Path, faults: list[dict]) -> list[dict]:
         a, previous = attempts[index], attempts[index - 1]
         b = a["buckets"]
         gap = max(0.0, a["started_at"] - previous["last_alive"])
-        costs.append({"kind": fault["kind"], "gap_s": gap, "restart_s": b["restart"] + b["compile"],
-                      "restore_s": b["checkpoint_restore"], "lost_s": b["lost"],
-                      "total_s": b["restart"] + b["compile"] + b["checkpoint_restore"] + b["lost"],
-                      "restored_from": a.get("restored_from", ""), "redone_steps": a.get("redone_steps", 0)})
+        costs.append(
+            {
+                "kind": fault["kind"],
+                "gap_s": gap,
+                "restart_s": b["restart"] + b["compile"],
+                "restore_s": b["checkpoint_restore"],
+                "lost_s": b["lost"],
+                "total_s": b["restart"] + b["compile"] + b["checkpoint_restore"] + b["lost"],
+                "restored_from": a.get("restored_from", ""),
+                "redone_steps": a.get("redone_steps", 0),
+            }
+        )
     return costs
 
 
 def intervals_used(log: Path) -> tuple[int, int]:
     """The automatic intervals the rehearsal's trainer worked out (its last word on each), from its log."""
     text = log.read_text(errors="replace")
-    found = [re.findall(rf"checkpoint\.{key}=auto: .*? saving every (\d+) steps", text)
-             for key in ("every_steps", "local_every_steps")]
+    found = [
+        re.findall(rf"checkpoint\.{key}=auto: .*? saving every (\d+) steps", text)
+        for key in ("every_steps", "local_every_steps")
+    ]
     return tuple(int(f[-1]) if f else 0 for f in found)
 
 
@@ -303,16 +377,32 @@ def projected(args, recipe: Path, run_dir: Path, faults: list[dict], costs: list
         given["detect_s"] = statistics.median(gaps)
     if hang_gaps or gaps:  # a stopped process is found by its peers' heartbeat, as a crash is (not the watchdog)
         given["hang_detect_s"] = statistics.median(hang_gaps or gaps)
-    x = projection.inputs_for(config, devices, args.devices, projection.measured(run_dir),
-                              failures_per_gpu_hour=unexpected / wall_h / devices,
-                              planned_per_gpu_hour=kinds["preemption"] / wall_h / devices,
-                              mix={k: float(kinds[k]) for k in projection.LLAMA3_MIX}, **given)
+    x = projection.inputs_for(
+        config,
+        devices,
+        args.devices,
+        projection.measured(run_dir),
+        failures_per_gpu_hour=unexpected / wall_h / devices,
+        planned_per_gpu_hour=kinds["preemption"] / wall_h / devices,
+        mix={k: float(kinds[k]) for k in projection.LLAMA3_MIX},
+        **given,
+    )
     durable, local = intervals_used(log)
-    x = dataclasses.replace(x, durable_every=durable or x.durable_every, local_every=local or x.local_every,
-                            durable_auto=False, local_auto=False)
+    x = dataclasses.replace(
+        x,
+        durable_every=durable or x.durable_every,
+        local_every=local or x.local_every,
+        durable_auto=False,
+        local_auto=False,
+    )
     p = projection.project(x)
-    return {"goodput": p.goodput, "breakdown": p.breakdown, "durable_every": x.durable_every,
-            "local_every": x.local_every, "inputs": {k: getattr(x, k) for k in projection.INPUT_FIELDS}}
+    return {
+        "goodput": p.goodput,
+        "breakdown": p.breakdown,
+        "durable_every": x.durable_every,
+        "local_every": x.local_every,
+        "inputs": {k: getattr(x, k) for k in projection.INPUT_FIELDS},
+    }
 
 
 def main() -> None:
@@ -321,16 +411,27 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     from llama_jax.resilience.goodput import BUCKETS, format_goodput, read_goodput
 
-    print(f"rehearsal of {args.preset} on {args.processes} processes x {args.devices} devices, {args.steps} steps, "
-          f"{args.failures_per_hour:g} faults/hour, seed {args.seed}; work: {work}", flush=True)
+    print(
+        f"rehearsal of {args.preset} on {args.processes} processes x {args.devices} devices, {args.steps} steps, "
+        f"{args.failures_per_hour:g} faults/hour, seed {args.seed}; work: {work}",
+        flush=True,
+    )
     recipe, slow, local_dir = write_recipes(args, work)
     straight = work / "straight"
     done = attempts_of(straight)
     if not (done and done[-1].get("outcome") == "finished" and done[-1].get("highest_step") == args.steps):
         print("uninterrupted run ...", flush=True)
         shutil.rmtree(straight, ignore_errors=True)
-        run([*multiprocess(args), "train", str(recipe), f"run.dir={straight}",
-             f"checkpoint.local_dir={work / 'local-straight'}"], timeout=1800)
+        run(
+            [
+                *multiprocess(args),
+                "train",
+                str(recipe),
+                f"run.dir={straight}",
+                f"checkpoint.local_dir={work / 'local-straight'}",
+            ],
+            timeout=1800,
+        )
     rehearsal_dir = work / "rehearsal"
     shutil.rmtree(rehearsal_dir, ignore_errors=True)
     shutil.rmtree(local_dir, ignore_errors=True)
@@ -343,10 +444,12 @@ def main() -> None:
     measured, baseline = read_goodput(rehearsal_dir), read_goodput(straight)
     projection = projected(args, recipe, rehearsal_dir, rehearsal.faults, costs, work / "rehearsal.log")
 
-    print(f"\n{args.preset} recipe (model shrunk), {args.processes} processes x {args.devices} devices, {args.steps} "
-          f"steps, {len(rehearsal.faults)} faults in {wall:.0f}s "
-          f"({3600 * len(rehearsal.faults) / measured['wall_s']:.0f}"
-          f"/hour realised), {os.cpu_count()} cores")
+    print(
+        f"\n{args.preset} recipe (model shrunk), {args.processes} processes x {args.devices} devices, {args.steps} "
+        f"steps, {len(rehearsal.faults)} faults in {wall:.0f}s "
+        f"({3600 * len(rehearsal.faults) / measured['wall_s']:.0f}"
+        f"/hour realised), {os.cpu_count()} cores"
+    )
     print(f"uninterrupted: {format_goodput(baseline)}")
     print(f"rehearsal:     {format_goodput(measured)}")
     by_kind: dict[str, list[dict]] = {}
@@ -355,33 +458,65 @@ def main() -> None:
     print(f"{'kind':<20}{'n':>3}{'lost s/fault':>14}{'gap':>8}{'restart':>9}{'restore':>9}{'redone':>8}  served by")
     per_kind = {}
     for kind, entries in by_kind.items():
-        mean = {k: statistics.mean(e[k] for e in entries) for k in ("total_s", "gap_s", "restart_s", "restore_s",
-                                                                      "lost_s")}
-        per_kind[kind] = {"count": len(entries), **mean,
-                          "redone_steps": statistics.mean(e["redone_steps"] for e in entries),
-                          "restored_from": sorted({e["restored_from"] for e in entries})}
-        print(f"{kind:<20}{len(entries):>3}{mean['total_s']:>14.1f}{mean['gap_s']:>8.1f}{mean['restart_s']:>9.1f}"
-              f"{mean['restore_s']:>9.2f}{per_kind[kind]['redone_steps']:>8.1f}  "
-              f"{', '.join(per_kind[kind]['restored_from'])}")
-    print(f"projected (llama-jax goodput fed these costs, rate and mix; durable every {projection['durable_every']}, "
-          f"local every {projection['local_every']}): {100 * projection['goodput']:.1f}% vs measured "
-          f"{100 * measured['goodput']:.1f}%: "
-          + ", ".join(f"{k} {100 * v:.1f}%" for k, v in projection["breakdown"].items()))
+        mean = {
+            k: statistics.mean(e[k] for e in entries) for k in ("total_s", "gap_s", "restart_s", "restore_s", "lost_s")
+        }
+        per_kind[kind] = {
+            "count": len(entries),
+            **mean,
+            "redone_steps": statistics.mean(e["redone_steps"] for e in entries),
+            "restored_from": sorted({e["restored_from"] for e in entries}),
+        }
+        print(
+            f"{kind:<20}{len(entries):>3}{mean['total_s']:>14.1f}{mean['gap_s']:>8.1f}{mean['restart_s']:>9.1f}"
+            f"{mean['restore_s']:>9.2f}{per_kind[kind]['redone_steps']:>8.1f}  "
+            f"{', '.join(per_kind[kind]['restored_from'])}"
+        )
+    print(
+        f"projected (llama-jax goodput fed these costs, rate and mix; durable every {projection['durable_every']}, "
+        f"local every {projection['local_every']}): {100 * projection['goodput']:.1f}% vs measured "
+        f"{100 * measured['goodput']:.1f}%: "
+        + ", ".join(f"{k} {100 * v:.1f}%" for k, v in projection["breakdown"].items())
+    )
     print(f"final params bitwise equal: {bitwise}; identical loss at every step: {same_losses}")
-    result = {"preset": args.preset, "processes": args.processes, "devices": args.devices, "seed": args.seed,
-              "steps": args.steps, "failures_per_hour": args.failures_per_hour,
-              "failures_per_hour_realised": 3600 * len(rehearsal.faults) / measured["wall_s"],
-              "goodput_measured": measured["goodput"], "goodput_projected": projection["goodput"],
-              "params_bitwise_equal": bitwise, "same_losses": same_losses, "wall_s": wall,
-              "breakdown_measured": {b: measured[b] / measured["wall_s"] for b in BUCKETS},
-              "breakdown_projected": projection["breakdown"], "lost_per_kind": per_kind,
-              "faults": [{k: v for k, v in f.items() if k != "at"} for f in rehearsal.faults],
-              "goodput_uninterrupted": baseline["goodput"], "host_replacements": rehearsal.replacements,
-              "projection_inputs": projection["inputs"]}
+    result = {
+        "preset": args.preset,
+        "processes": args.processes,
+        "devices": args.devices,
+        "seed": args.seed,
+        "steps": args.steps,
+        "failures_per_hour": args.failures_per_hour,
+        "failures_per_hour_realised": 3600 * len(rehearsal.faults) / measured["wall_s"],
+        "goodput_measured": measured["goodput"],
+        "goodput_projected": projection["goodput"],
+        "params_bitwise_equal": bitwise,
+        "same_losses": same_losses,
+        "wall_s": wall,
+        "breakdown_measured": {b: measured[b] / measured["wall_s"] for b in BUCKETS},
+        "breakdown_projected": projection["breakdown"],
+        "lost_per_kind": per_kind,
+        "faults": [{k: v for k, v in f.items() if k != "at"} for f in rehearsal.faults],
+        "goodput_uninterrupted": baseline["goodput"],
+        "host_replacements": rehearsal.replacements,
+        "projection_inputs": projection["inputs"],
+    }
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps({k: result[k] for k in ("goodput_measured", "goodput_projected", "params_bitwise_equal",
-                                             "failures_per_hour_realised", "processes", "seed")}))
+    print(
+        json.dumps(
+            {
+                k: result[k]
+                for k in (
+                    "goodput_measured",
+                    "goodput_projected",
+                    "params_bitwise_equal",
+                    "failures_per_hour_realised",
+                    "processes",
+                    "seed",
+                )
+            }
+        )
+    )
     sys.exit(0 if bitwise else 1)
 
 

@@ -70,8 +70,8 @@ def bench_saves(preset: str, saves: int, work: Path, local_dir: Path) -> dict:
             results[f"{mode}_total_s"] = statistics.median(total)
             if mode == "async":
                 results["durable_restore_s"] = timed(
-                    lambda checkpointer=checkpointer: checkpointer.restore(saves, program.abstract_checkpoint()),
-                    saves)
+                    lambda checkpointer=checkpointer: checkpointer.restore(saves, program.abstract_checkpoint()), saves
+                )
         local = LocalTier(str(local_dir), work / f"{preset}-local", program.mesh, Peers(60.0), keep=2, replicas=0)
         blocking, total = [], []
         for step in range(1, saves + 1):
@@ -109,8 +109,9 @@ def first_step_seconds(command: list[str], run_dir: Path, step: int, timeout: fl
     try:
         while time.perf_counter() - start < timeout:
             if proc.poll() is not None:
-                raise SystemExit(f"{' '.join(command)} exited {proc.returncode} before step {step}:\n"
-                                 f"{proc.stderr.read()}")
+                raise SystemExit(
+                    f"{' '.join(command)} exited {proc.returncode} before step {step}:\n{proc.stderr.read()}"
+                )
             if path.exists() and any(r.get("step") == step and "loss" in r for r in read_metrics(path)):
                 return time.perf_counter() - start
             time.sleep(0.01)
@@ -122,12 +123,22 @@ def first_step_seconds(command: list[str], run_dir: Path, step: int, timeout: fl
 
 def bench_restarts(preset: str, restarts: int, work: Path) -> dict:
     steps, saved = 40, 20
-    common = [preset, f"train.steps={steps}", f"checkpoint.every_steps={saved}", f"data.cache_dir={work / 'cache'}",
-              "run.tensorboard=false", "train.eval_every=0"]
+    common = [
+        preset,
+        f"train.steps={steps}",
+        f"checkpoint.every_steps={saved}",
+        f"data.cache_dir={work / 'cache'}",
+        "run.tensorboard=false",
+        "train.eval_every=0",
+    ]
     warm_cache = work / "jax_cache_warm"
     original = work / "original"
-    first = subprocess.run([*LLAMA_JAX, "train", *common, f"run.dir={original}", f"run.compilation_cache={warm_cache}"],
-                           env=environment(), capture_output=True, text=True)
+    first = subprocess.run(
+        [*LLAMA_JAX, "train", *common, f"run.dir={original}", f"run.compilation_cache={warm_cache}"],
+        env=environment(),
+        capture_output=True,
+        text=True,
+    )
     if first.returncode != 0:
         raise SystemExit(f"the first run failed:\n{first.stderr}")
     shutil.rmtree(original / "checkpoints" / str(steps))  # resume from step `saved`
@@ -150,8 +161,11 @@ def main() -> None:
     parser.add_argument("--presets", nargs="+", default=["tiny", "bench"])
     parser.add_argument("--saves", type=int, default=5)
     parser.add_argument("--restarts", type=int, default=3)
-    parser.add_argument("--local-dir", default="/dev/shm" if Path("/dev/shm").is_dir() else None,
-                        help="node-local storage for the local tier's saves (default /dev/shm; else the work dir)")
+    parser.add_argument(
+        "--local-dir",
+        default="/dev/shm" if Path("/dev/shm").is_dir() else None,
+        help="node-local storage for the local tier's saves (default /dev/shm; else the work dir)",
+    )
     parser.add_argument("--json", help="also write the figures here")
     args = parser.parse_args()
 
@@ -166,18 +180,24 @@ def main() -> None:
         results["restart"] = {"preset": args.presets[0], **bench_restarts(args.presets[0], args.restarts, work)}
 
     print(f"checkpoint saves (median of {args.saves}, one CPU device, jax {jax.__version__}):")
-    print(f"{'preset':<8}{'params':>12}{'state MB':>10}{'async blocks':>14}{'async total':>13}"
-          f"{'sync blocks':>13}{'blocking ratio':>16}{'local blocks':>14}{'local total':>13}"
-          f"{'durable restore':>17}{'local restore':>15}")
+    print(
+        f"{'preset':<8}{'params':>12}{'state MB':>10}{'async blocks':>14}{'async total':>13}"
+        f"{'sync blocks':>13}{'blocking ratio':>16}{'local blocks':>14}{'local total':>13}"
+        f"{'durable restore':>17}{'local restore':>15}"
+    )
     for r in results["saves"]:
-        print(f"{r['preset']:<8}{r['params']:>12,}{r['state_mb']:>10.1f}{r['async_blocking_s']:>13.3f}s"
-              f"{r['async_total_s']:>12.3f}s{r['sync_blocking_s']:>12.3f}s"
-              f"{r['sync_blocking_s'] / r['async_blocking_s']:>15.1f}x{r['local_blocking_s']:>13.3f}s"
-              f"{r['local_total_s']:>12.3f}s{r['durable_restore_s']:>16.3f}s{r['local_restore_s']:>14.3f}s")
+        print(
+            f"{r['preset']:<8}{r['params']:>12,}{r['state_mb']:>10.1f}{r['async_blocking_s']:>13.3f}s"
+            f"{r['async_total_s']:>12.3f}s{r['sync_blocking_s']:>12.3f}s"
+            f"{r['sync_blocking_s'] / r['async_blocking_s']:>15.1f}x{r['local_blocking_s']:>13.3f}s"
+            f"{r['local_total_s']:>12.3f}s{r['durable_restore_s']:>16.3f}s{r['local_restore_s']:>14.3f}s"
+        )
     r = results["restart"]
-    print(f"\nrestart to first step, {r['preset']} (median of {args.restarts}): "
-          f"cold compilation cache {r['restart_to_first_step_cold_s']:.2f}s, "
-          f"warm {r['restart_to_first_step_warm_s']:.2f}s")
+    print(
+        f"\nrestart to first step, {r['preset']} (median of {args.restarts}): "
+        f"cold compilation cache {r['restart_to_first_step_cold_s']:.2f}s, "
+        f"warm {r['restart_to_first_step_warm_s']:.2f}s"
+    )
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
 

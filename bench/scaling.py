@@ -64,9 +64,18 @@ def activation_bytes(preset: str) -> float:
     full = load_config(preset)
     mesh = mesh_for(preset, jax.device_count())
     for n in layers:
-        config = load_config(preset, [f"model.n_layers={n}", f"train.seq_len={SEQ}", "remat.policy=full",
-                                      f"train.batch_size={mesh['fsdp']}", "model.compute_dtype=bfloat16",
-                                      "model.attention=blocked", *[f"mesh.{k}={v}" for k, v in mesh.items()]])
+        config = load_config(
+            preset,
+            [
+                f"model.n_layers={n}",
+                f"train.seq_len={SEQ}",
+                "remat.policy=full",
+                f"train.batch_size={mesh['fsdp']}",
+                "model.compute_dtype=bfloat16",
+                "model.attention=blocked",
+                *[f"mesh.{k}={v}" for k, v in mesh.items()],
+            ],
+        )
         plan = make_plan(config, sharding.make_mesh(config))
         gradients = 4 * param_count(config.model) / plan.devices  # fp32 gradient shards, counted with the state
         activations.append(plan.temporary_bytes - gradients)
@@ -107,12 +116,25 @@ def row(preset: str, devices: int, activations: float, mfu: float) -> dict:
     fsdp_time = traffic["fsdp"] / gpu.bandwidth(topology.axis_tier("fsdp"))
     tensor_time = traffic["tensor"] / gpu.bandwidth(topology.axis_tier("tensor"))
     step = max(compute, fsdp_time) + tensor_time
-    return {"preset": preset, "devices": devices, "mesh": mesh, "params": params, "memory_gib": memory / 2**30,
-            "activations_gib": analytic / 2**30, "activations_cpu_plan_gib": activations / 2**30,
-            "fits_80gb": memory < HBM, "compute_s": compute, "fsdp_comm_s": fsdp_time, "tensor_comm_s": tensor_time,
-            "step_s": step, "tokens_per_s_per_device": tokens_per_device / step,
-            "mfu_expected": flops / (step * gpu.peak_flops), "global_batch_tokens": SEQ * mesh["fsdp"],
-            "fsdp_tier": topology.axis_tier("fsdp"), "tensor_tier": topology.axis_tier("tensor")}
+    return {
+        "preset": preset,
+        "devices": devices,
+        "mesh": mesh,
+        "params": params,
+        "memory_gib": memory / 2**30,
+        "activations_gib": analytic / 2**30,
+        "activations_cpu_plan_gib": activations / 2**30,
+        "fits_80gb": memory < HBM,
+        "compute_s": compute,
+        "fsdp_comm_s": fsdp_time,
+        "tensor_comm_s": tensor_time,
+        "step_s": step,
+        "tokens_per_s_per_device": tokens_per_device / step,
+        "mfu_expected": flops / (step * gpu.peak_flops),
+        "global_batch_tokens": SEQ * mesh["fsdp"],
+        "fsdp_tier": topology.axis_tier("fsdp"),
+        "tensor_tier": topology.axis_tier("tensor"),
+    }
 
 
 def main() -> None:
@@ -132,17 +154,23 @@ def main() -> None:
     from llama_jax.perf.costmodel import INTER_HOST, INTRA_HOST
 
     gpu = h100_cost_model()
-    print(f"H100 SXM, bf16, seq {SEQ}, one sequence per data shard, remat full, assumed MFU {args.mfu:.0%} "
-          f"(compute), {GPUS_PER_HOST} GPUs per host, NVLink {gpu.bandwidth(INTRA_HOST) / 1e9:.0f} GB/s, "
-          f"NIC {gpu.bandwidth(INTER_HOST) / 1e9:.0f} GB/s per GPU")
-    print(f"{'model':<12}{'GPUs':>5}  {'mesh':<22}{'GiB/GPU':>9}{'(act.':>7}{' plan)':>7}{'fits':>6}{'compute':>9}"
-          f"{'fsdp comm':>10}{'tp comm':>9}{'step':>8}{'tok/s/GPU':>11}{'MFU':>6}")
+    print(
+        f"H100 SXM, bf16, seq {SEQ}, one sequence per data shard, remat full, assumed MFU {args.mfu:.0%} "
+        f"(compute), {GPUS_PER_HOST} GPUs per host, NVLink {gpu.bandwidth(INTRA_HOST) / 1e9:.0f} GB/s, "
+        f"NIC {gpu.bandwidth(INTER_HOST) / 1e9:.0f} GB/s per GPU"
+    )
+    print(
+        f"{'model':<12}{'GPUs':>5}  {'mesh':<22}{'GiB/GPU':>9}{'(act.':>7}{' plan)':>7}{'fits':>6}{'compute':>9}"
+        f"{'fsdp comm':>10}{'tp comm':>9}{'step':>8}{'tok/s/GPU':>11}{'MFU':>6}"
+    )
     for r in rows:
         mesh = f"fsdp={r['mesh']['fsdp']} tensor={r['mesh']['tensor']}"
-        print(f"{r['preset']:<12}{r['devices']:>5}  {mesh:<22}{r['memory_gib']:>9.1f}{r['activations_gib']:>7.1f}"
-              f"{r['activations_cpu_plan_gib']:>7.1f}{'yes' if r['fits_80gb'] else 'no':>6}"
-              f"{r['compute_s']:>8.2f}s{r['fsdp_comm_s']:>9.2f}s{r['tensor_comm_s']:>8.2f}s{r['step_s']:>7.2f}s"
-              f"{r['tokens_per_s_per_device']:>11.0f}{100 * r['mfu_expected']:>5.0f}%")
+        print(
+            f"{r['preset']:<12}{r['devices']:>5}  {mesh:<22}{r['memory_gib']:>9.1f}{r['activations_gib']:>7.1f}"
+            f"{r['activations_cpu_plan_gib']:>7.1f}{'yes' if r['fits_80gb'] else 'no':>6}"
+            f"{r['compute_s']:>8.2f}s{r['fsdp_comm_s']:>9.2f}s{r['tensor_comm_s']:>8.2f}s{r['step_s']:>7.2f}s"
+            f"{r['tokens_per_s_per_device']:>11.0f}{100 * r['mfu_expected']:>5.0f}%"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
 

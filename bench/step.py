@@ -47,8 +47,10 @@ def cpu_name() -> str:
 
 # The CPU fast path, one change at a time (--ablation): each row adds one to the row before.
 ABLATION = [
-    ("XLA attention, einsum backward, no recomputation",
-     ["model.attention=xla", "model.cpu_projection=false", "remat.policy=none"]),
+    (
+        "XLA attention, einsum backward, no recomputation",
+        ["model.attention=xla", "model.cpu_projection=false", "remat.policy=none"],
+    ),
     ("+ blocked (flash) attention", ["model.attention=auto", "model.cpu_projection=false", "remat.policy=none"]),
     ("+ CPU projection backward", ["model.attention=auto", "model.cpu_projection=true", "remat.policy=none"]),
     ("+ the preset's recomputation policy", []),
@@ -82,27 +84,55 @@ def measure_ours(preset: str, overrides: list[str], steps: int, peak: tuple[floa
     tokens_per_s = b * t / step_s
     flops = model_flops_per_token(config)
     stats = device.memory_stats() or {}
-    return {"preset": preset, "overrides": overrides, "devices": mesh.devices.size, "mesh": dict(mesh.shape),
-            "device": device.device_kind, "remat": config.remat.policy, "attention": config.model.attention,
-            "step_s": step_s, "tokens_per_s": tokens_per_s, "model_flops_per_token": flops,
-            "achieved_flops_per_s": tokens_per_s * flops, "peak_flops_per_device": peak, "peak_source": peak_source,
-            # mfu against the compute dtype's peak; under model.fp8 mfu_fp8 against the fp8 peak (None on a CPU)
-            **MfuPeaks.with_fp8(peak, peak_source, config.model.fp8, device.device_kind).fractions(
-                tokens_per_s * flops, mesh.devices.size),
-            "compiled_bytes": memory.argument_size_in_bytes + memory.temp_size_in_bytes + memory.output_size_in_bytes
-            - memory.alias_size_in_bytes,
-            "device_peak_bytes": stats.get("peak_bytes_in_use"),
-            "process_max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-            "loss": float(metrics["loss"]), "jax": jax.__version__}
+    return {
+        "preset": preset,
+        "overrides": overrides,
+        "devices": mesh.devices.size,
+        "mesh": dict(mesh.shape),
+        "device": device.device_kind,
+        "remat": config.remat.policy,
+        "attention": config.model.attention,
+        "step_s": step_s,
+        "tokens_per_s": tokens_per_s,
+        "model_flops_per_token": flops,
+        "achieved_flops_per_s": tokens_per_s * flops,
+        "peak_flops_per_device": peak,
+        "peak_source": peak_source,
+        # mfu against the compute dtype's peak; under model.fp8 mfu_fp8 against the fp8 peak (None on a CPU)
+        **MfuPeaks.with_fp8(peak, peak_source, config.model.fp8, device.device_kind).fractions(
+            tokens_per_s * flops, mesh.devices.size
+        ),
+        "compiled_bytes": memory.argument_size_in_bytes
+        + memory.temp_size_in_bytes
+        + memory.output_size_in_bytes
+        - memory.alias_size_in_bytes,
+        "device_peak_bytes": stats.get("peak_bytes_in_use"),
+        "process_max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "loss": float(metrics["loss"]),
+        "jax": jax.__version__,
+    }
 
 
 def run_peer(python: str, preset: str, overrides: list[str], steps: int, compiled: bool = True) -> dict:
     """bench/peer.py's figures for the model ours measured (the preset with the same overrides), or its error line."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "peer.json"
-        proc = subprocess.run([python, str(HERE / "peer.py"), "--preset", preset, "--steps", str(steps),
-                               *(["--compile"] if compiled else []), "--json", str(out), *overrides],
-                              capture_output=True, text=True)
+        proc = subprocess.run(
+            [
+                python,
+                str(HERE / "peer.py"),
+                "--preset",
+                preset,
+                "--steps",
+                str(steps),
+                *(["--compile"] if compiled else []),
+                "--json",
+                str(out),
+                *overrides,
+            ],
+            capture_output=True,
+            text=True,
+        )
         if proc.returncode != 0:
             return {"error": (proc.stderr.strip().splitlines() or ["failed"])[-1]}
         return json.loads(out.read_text())
@@ -114,11 +144,20 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--peer", action="store_true", help="also time the Hugging Face + PyTorch peer")
     parser.add_argument("--peer-python", default=sys.executable, help="interpreter with torch + transformers")
-    parser.add_argument("--no-peer-compile", dest="peer_compile", action="store_false",
-                        help="time only the peer's eager step (torch.compile takes minutes on a CPU)")
+    parser.add_argument(
+        "--no-peer-compile",
+        dest="peer_compile",
+        action="store_false",
+        help="time only the peer's eager step (torch.compile takes minutes on a CPU)",
+    )
     parser.add_argument("--ablation", action="store_true", help="also time the CPU fast path one change at a time")
-    parser.add_argument("--versus", action="append", default=[], metavar="'key=value ...'",
-                        help="also measure with these settings on top of the overrides (repeatable)")
+    parser.add_argument(
+        "--versus",
+        action="append",
+        default=[],
+        metavar="'key=value ...'",
+        help="also measure with these settings on top of the overrides (repeatable)",
+    )
     parser.add_argument("--json", help="also write the figures here")
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     args = parser.parse_args()
@@ -127,31 +166,43 @@ def main() -> None:
     results = {"date": datetime.date.today().isoformat(), "cpu": cpu_name(), "cores": os.cpu_count(), "ours": ours}
     if args.ablation:
         peak = (ours["peak_flops_per_device"], ours["peak_source"])
-        results["ablation"] = [{"change": name, **measure_ours(args.preset, [*overrides, *args.overrides], args.steps,
-                                                               peak)} for name, overrides in ABLATION]
+        results["ablation"] = [
+            {"change": name, **measure_ours(args.preset, [*overrides, *args.overrides], args.steps, peak)}
+            for name, overrides in ABLATION
+        ]
     if args.versus:
         peak = (ours["peak_flops_per_device"], ours["peak_source"])
-        results["versus"] = [measure_ours(args.preset, [*args.overrides, *settings.split()], args.steps, peak)
-                             for settings in args.versus]
+        results["versus"] = [
+            measure_ours(args.preset, [*args.overrides, *settings.split()], args.steps, peak)
+            for settings in args.versus
+        ]
     if args.peer:
         results["peer"] = run_peer(args.peer_python, args.preset, args.overrides, args.steps, args.peer_compile)
 
     gib = 2**30
-    print(f"{args.preset} {' '.join(args.overrides)} on {ours['devices']} x {ours['device']} ({results['cpu']}, "
-          f"{results['cores']} cores), jax {ours['jax']}, remat {ours['remat']}, attention {ours['attention']}")
-    print(f"  ours: {ours['tokens_per_s']:9.1f} tokens/s  {ours['step_s']:.3f} s/step  "
-          f"{ours['achieved_flops_per_s'] / 1e9:.1f} GFLOP/s = MFU {100 * ours['mfu']:.1f}% of "
-          f"{ours['peak_flops_per_device'] / 1e9:.1f} GFLOP/s per device ({ours['peak_source']})"
-          + (f", {100 * ours['mfu_fp8']:.1f}% of the fp8 peak" if ours["mfu_fp8"] is not None else ""))
-    print(f"        compiled step {ours['compiled_bytes'] / gib:.2f} GiB, process peak RSS "
-          f"{ours['process_max_rss_bytes'] / gib:.2f} GiB" +
-          (f", device peak {ours['device_peak_bytes'] / gib:.2f} GiB" if ours["device_peak_bytes"] else ""))
+    print(
+        f"{args.preset} {' '.join(args.overrides)} on {ours['devices']} x {ours['device']} ({results['cpu']}, "
+        f"{results['cores']} cores), jax {ours['jax']}, remat {ours['remat']}, attention {ours['attention']}"
+    )
+    print(
+        f"  ours: {ours['tokens_per_s']:9.1f} tokens/s  {ours['step_s']:.3f} s/step  "
+        f"{ours['achieved_flops_per_s'] / 1e9:.1f} GFLOP/s = MFU {100 * ours['mfu']:.1f}% of "
+        f"{ours['peak_flops_per_device'] / 1e9:.1f} GFLOP/s per device ({ours['peak_source']})"
+        + (f", {100 * ours['mfu_fp8']:.1f}% of the fp8 peak" if ours["mfu_fp8"] is not None else "")
+    )
+    print(
+        f"        compiled step {ours['compiled_bytes'] / gib:.2f} GiB, process peak RSS "
+        f"{ours['process_max_rss_bytes'] / gib:.2f} GiB"
+        + (f", device peak {ours['device_peak_bytes'] / gib:.2f} GiB" if ours["device_peak_bytes"] else "")
+    )
     for row, settings in zip(results.get("versus", []), args.versus):
         fp8 = f" ({100 * row['mfu_fp8']:.1f}% of fp8)" if row["mfu_fp8"] is not None else ""
-        print(f"  with {settings}: {row['tokens_per_s']:9.1f} tokens/s  {row['step_s']:.3f} s/step  MFU "
-              f"{100 * row['mfu']:.1f}%{fp8}, compiled step {row['compiled_bytes'] / gib:.2f} GiB, mesh {row['mesh']} "
-              "-> "
-              f"ours / this = {ours['tokens_per_s'] / row['tokens_per_s']:.2f}x")
+        print(
+            f"  with {settings}: {row['tokens_per_s']:9.1f} tokens/s  {row['step_s']:.3f} s/step  MFU "
+            f"{100 * row['mfu']:.1f}%{fp8}, compiled step {row['compiled_bytes'] / gib:.2f} GiB, mesh {row['mesh']} "
+            "-> "
+            f"ours / this = {ours['tokens_per_s'] / row['tokens_per_s']:.2f}x"
+        )
     previous = None
     for row in results.get("ablation", []):
         gain = f"  {row['tokens_per_s'] / previous - 1:+.0%}" if previous else ""
@@ -161,9 +212,11 @@ def main() -> None:
     for mode in ("eager", "compiled"):
         entry = peer.get(mode)
         if isinstance(entry, dict) and "tokens_per_s" in entry:
-            print(f"  peer ({mode}, transformers {peer['transformers']}, torch {entry['torch']}): "
-                  f"{entry['tokens_per_s']:9.1f} tokens/s -> ours / peer = "
-                  f"{ours['tokens_per_s'] / entry['tokens_per_s']:.2f}x")
+            print(
+                f"  peer ({mode}, transformers {peer['transformers']}, torch {entry['torch']}): "
+                f"{entry['tokens_per_s']:9.1f} tokens/s -> ours / peer = "
+                f"{ours['tokens_per_s'] / entry['tokens_per_s']:.2f}x"
+            )
         elif isinstance(entry, dict):
             print(f"  peer ({mode}): {entry.get('error')}")
     if "error" in peer:

@@ -101,23 +101,33 @@ def wait_for_hosts(path: Path, full: int, wait: float) -> list[str]:
         time.sleep(0.2)
     chosen = choose_hosts(up, full, hosts_up(ring_file(path)))
     if len(up) < full:
-        log(f"{len(up)} of {full} hosts up after waiting {wait:g}s for replacements (--replacement-wait): "
-            f"continuing on {len(chosen)} ({', '.join(chosen)})")
+        log(
+            f"{len(up)} of {full} hosts up after waiting {wait:g}s for replacements (--replacement-wait): "
+            f"continuing on {len(chosen)} ({', '.join(chosen)})"
+        )
     elif chosen:
         try:
             ring_file(path).write_text("".join(f"{host}\n" for host in chosen))
         except OSError as err:
-            log(f"warning: cannot record the hosts' order in {ring_file(path)} ({err}); on fewer hosts the "
-                "first ones are chosen")
+            log(
+                f"warning: cannot record the hosts' order in {ring_file(path)} ({err}); on fewer hosts the "
+                "first ones are chosen"
+            )
     return chosen
 
 
 def process_environment(base: dict, index: int, processes: int, devices: int, port: int) -> dict:
     flags = " ".join(f for f in (base.get("XLA_FLAGS", ""), f"--xla_force_host_platform_device_count={devices}") if f)
-    return {**base, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu", "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
-            "JAX_NUM_PROCESSES": str(processes), "JAX_PROCESS_ID": str(index),
-            # llama_jax.errors.LAUNCHED_BY: a run that saves no checkpoint periodically warns
-            "LLAMA_JAX_LAUNCHED_BY": base.get("LLAMA_JAX_LAUNCHED_BY", "launch/multiprocess.py")}
+    return {
+        **base,
+        "XLA_FLAGS": flags,
+        "JAX_PLATFORMS": "cpu",
+        "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
+        "JAX_NUM_PROCESSES": str(processes),
+        "JAX_PROCESS_ID": str(index),
+        # llama_jax.errors.LAUNCHED_BY: a run that saves no checkpoint periodically warns
+        "LLAMA_JAX_LAUNCHED_BY": base.get("LLAMA_JAX_LAUNCHED_BY", "launch/multiprocess.py"),
+    }
 
 
 def status_of(returncode: int) -> int:
@@ -134,12 +144,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--processes", type=int, default=2)
     parser.add_argument("--devices", type=int, default=4, help="simulated CPU devices per process")
     parser.add_argument("--port", type=int, default=0, help="coordinator port on 127.0.0.1 (default: a free one)")
-    parser.add_argument("--grace", type=float, default=90.0,
-                        help="after a process fails, seconds the others get to stop on their own before SIGKILL")
-    parser.add_argument("--hosts", type=Path, help="file listing the simulated hosts that are up, one a line: "
-                        "continue on fewer when some are gone, grow back when they return")
-    parser.add_argument("--replacement-wait", type=float, default=60.0,
-                        help="with --hosts: seconds a start waits for missing hosts before continuing on fewer")
+    parser.add_argument(
+        "--grace",
+        type=float,
+        default=90.0,
+        help="after a process fails, seconds the others get to stop on their own before SIGKILL",
+    )
+    parser.add_argument(
+        "--hosts",
+        type=Path,
+        help="file listing the simulated hosts that are up, one a line: "
+        "continue on fewer when some are gone, grow back when they return",
+    )
+    parser.add_argument(
+        "--replacement-wait",
+        type=float,
+        default=60.0,
+        help="with --hosts: seconds a start waits for missing hosts before continuing on fewer",
+    )
     parser.add_argument("--dry-run", action="store_true", help="print each process's command and exit")
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)

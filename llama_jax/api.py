@@ -43,12 +43,12 @@ from llama_jax.model.llama import Llama
 from llama_jax.training.loop import train as train_config
 from llama_jax.training.step import TrainProgram
 
-__all__ = ["ModelSpec", "convert", "evaluate", "generate_text", "load", "load_tokenizer", "logits", "resolve",
-           "train"]
+__all__ = ["ModelSpec", "convert", "evaluate", "generate_text", "load", "load_tokenizer", "logits", "resolve", "train"]
 
 
-def load(model: str | ModelSpec, compute_dtype: str | None = "float32", target=None, overrides: list[str] = (),
-         devices=None) -> tuple[ModelConfig, dict]:
+def load(
+    model: str | ModelSpec, compute_dtype: str | None = "float32", target=None, overrides: list[str] = (), devices=None
+) -> tuple[ModelConfig, dict]:
     """(config, params) of a Hugging Face directory or a llama-jax checkpoint. The params take the
     shapes, dtypes and shardings of `target` (a ShapeDtypeStruct tree, e.g. the params of
     TrainProgram.abstract_state()); without one they are sharded over the mesh of the mesh.* keys in
@@ -76,7 +76,7 @@ def logits(cfg: ModelConfig, params, tokens) -> np.ndarray:
     """tokens [batch, seq] -> logits [batch, seq, vocab] (numpy, in the compute dtype)."""
     adapters = inference_adapters(params)
     tokens = np.asarray(peft.with_prompt_slots(np.asarray(tokens).tolist(), adapters.virtual_tokens), np.int32)
-    return np.asarray(_forward(cfg, adapters)(params, jnp.asarray(tokens)))[:, adapters.virtual_tokens:]
+    return np.asarray(_forward(cfg, adapters)(params, jnp.asarray(tokens)))[:, adapters.virtual_tokens :]
 
 
 _forwards: dict[tuple[ModelConfig, int], Callable] = {}  # by model and prompt length
@@ -90,8 +90,15 @@ def _forward(cfg: ModelConfig, adapters: PeftConfig) -> Callable:
     return _forwards[key]
 
 
-def generate_text(cfg: ModelConfig, params, tokenizer: Tokenizer, prompts: list[str], max_new_tokens: int = 64,
-                  sampling: Sampling = Sampling(), seed: int = 0) -> list[str]:
+def generate_text(
+    cfg: ModelConfig,
+    params,
+    tokenizer: Tokenizer,
+    prompts: list[str],
+    max_new_tokens: int = 64,
+    sampling: Sampling = Sampling(),
+    seed: int = 0,
+) -> list[str]:
     """Continue each prompt (BOS added when the tokenizer has one); stops at EOS or max_new_tokens. On the
     mesh the params are sharded over, if any (the key/value cache is sharded alike)."""
     bos = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
@@ -107,15 +114,30 @@ def train(source: str | None = None, overrides: list[str] = (), print_fn: Callab
     return train_config(load_config(source, list(overrides)), print_fn=print_fn)
 
 
-def convert(source: str, out: str, overrides: list[str] = (), dtype: str = "float32", rotary: str = "half",
-            print_fn: Callable[[str], None] = print, devices=None, merge: bool = False) -> Path:
+def convert(
+    source: str,
+    out: str,
+    overrides: list[str] = (),
+    dtype: str = "float32",
+    rotary: str = "half",
+    print_fn: Callable[[str], None] = print,
+    devices=None,
+    merge: bool = False,
+) -> Path:
     """Hugging Face directory <-> llama-jax checkpoint, sharded over the mesh of `overrides`; a run with
     adapters -> a PEFT adapter directory, or with `merge` (LoRA) a Hugging Face model; see checkpoint/convert.py."""
     return conversion.convert(source, out, overrides, dtype, rotary, print_fn, devices, merge)
 
 
-def evaluate(model: str | ModelSpec, data: str, overrides: list[str] = (), max_batches: int = 0, split: str = "val",
-             print_fn: Callable[[str], None] = print, devices=None) -> dict:
+def evaluate(
+    model: str | ModelSpec,
+    data: str,
+    overrides: list[str] = (),
+    max_batches: int = 0,
+    split: str = "val",
+    print_fn: Callable[[str], None] = print,
+    devices=None,
+) -> dict:
     """Mean next-token loss and perplexity of `model` on `data`: a token store's `split` (made with the
     model's tokenizer), or text files (.txt/.md/.jsonl, scored whole). train.batch_size, train.seq_len
     and mesh.* come from `overrides`, over `devices` (default: all); max_batches 0 = one pass."""
@@ -126,15 +148,17 @@ def evaluate(model: str | ModelSpec, data: str, overrides: list[str] = (), max_b
     processes.initialize(config.run)
     t = config.train
     read = ReadOptions(config.data.text_field, config.data.text_unit, config.data.on_bad_record)
-    stream = evaluation_batches(data, specs.load_tokenizer(spec), t.batch_size, t.seq_len, split, spec.text,
-                                config.peft.virtual_tokens, read)
+    stream = evaluation_batches(
+        data, specs.load_tokenizer(spec), t.batch_size, t.seq_len, split, spec.text, config.peft.virtual_tokens, read
+    )
     program = TrainProgram.for_config(config, devices)
     params = specs.load_params(spec, target=program.abstract_params())
     with program.activate():
         n = min(max_batches or stream.batches_per_epoch(), stream.batches_per_epoch())
         loss = program.evaluate(params, stream, n)
-    result = {"loss": loss, "perplexity": float(np.exp(loss)), "batches": n,
-              "tokens": n * t.batch_size * t.seq_len}
-    print_fn(f"{spec.text} on {data}: loss {loss:.4f}, perplexity {result['perplexity']:.2f} "
-             f"({n} batch(es) of {t.batch_size} x {t.seq_len} tokens)")
+    result = {"loss": loss, "perplexity": float(np.exp(loss)), "batches": n, "tokens": n * t.batch_size * t.seq_len}
+    print_fn(
+        f"{spec.text} on {data}: loss {loss:.4f}, perplexity {result['perplexity']:.2f} "
+        f"({n} batch(es) of {t.batch_size} x {t.seq_len} tokens)"
+    )
     return result

@@ -40,15 +40,26 @@ def storage_errno(err: BaseException) -> int | None:
 
 
 # What a person must fix when a write fails with one of these; other errors are not storage's.
-STORAGE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.EACCES, errno.EPERM, errno.ENOENT,
-                  errno.ENOTDIR)
+STORAGE_ERRNOS = (
+    errno.ENOSPC,
+    errno.EDQUOT,
+    errno.EROFS,
+    errno.EIO,
+    errno.EACCES,
+    errno.EPERM,
+    errno.ENOENT,
+    errno.ENOTDIR,
+)
 
 
 def describe_write_failure(err: BaseException, where: Path) -> str:
     """'No space left on device (ENOSPC) in /runs/a/checkpoints, 0 B free there': why a write into `where` failed."""
     code = storage_errno(err)
-    reason = (f"{os.strerror(code)} ({errno.errorcode.get(code, code)})" if code else
-              (str(err).strip().splitlines() or [type(err).__name__])[0][:200])
+    reason = (
+        f"{os.strerror(code)} ({errno.errorcode.get(code, code)})"
+        if code
+        else (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+    )
     return f"{reason} in {where}, {free_space(where)} free there"
 
 

@@ -13,7 +13,8 @@ import threading
 # The tests' own llama-jax subprocesses get it too (subprocess_environment), without the device count.
 COMPILE_FLAGS = "--xla_backend_optimization_level=0"
 os.environ["XLA_FLAGS"] = " ".join(
-    [os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8", COMPILE_FLAGS]).strip()
+    [os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8", COMPILE_FLAGS]
+).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One persistent compilation cache for the whole session, shared by the xdist workers and the subprocesses
 # they start (all inherit the controller's environment): the suite compiles the same tiny programs in many
@@ -35,18 +36,37 @@ from llama_jax.config import Config, DataConfig, ModelConfig, RunConfig, TrainCo
 
 # A model small enough to compile in a second or two, with GQA (4 query heads, 2 kv heads).
 # Its vocab fits a byte-level BPE of 256 bytes + 2 special tokens + a few merges.
-TINY_MODEL = ModelConfig(vocab_size=320, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128,
-                         max_seq_len=128, rope_theta=10000.0, compute_dtype="float32")
+TINY_MODEL = ModelConfig(
+    vocab_size=320,
+    d_model=64,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    ffn_dim=128,
+    max_seq_len=128,
+    rope_theta=10000.0,
+    compute_dtype="float32",
+)
 
 
 def tiny_config(tmp_path=None, **sections) -> Config:
     """A Config built around TINY_MODEL; keyword arguments replace whole sections or fields,
     e.g. tiny_config(train=dict(steps=3), mesh=dict(fsdp=1))."""
-    base = Config(model=TINY_MODEL,
-                  train=TrainConfig(steps=4, batch_size=8, seq_len=32, warmup_steps=0, log_every=1,
-                                    eval_every=0, eval_batches=1, sample_tokens=0),
-                  data=DataConfig(cache_dir=str(tmp_path / "cache") if tmp_path else ""),
-                  run=RunConfig(dir=str(tmp_path / "run") if tmp_path else "runs/test", tensorboard=False))
+    base = Config(
+        model=TINY_MODEL,
+        train=TrainConfig(
+            steps=4,
+            batch_size=8,
+            seq_len=32,
+            warmup_steps=0,
+            log_every=1,
+            eval_every=0,
+            eval_batches=1,
+            sample_tokens=0,
+        ),
+        data=DataConfig(cache_dir=str(tmp_path / "cache") if tmp_path else ""),
+        run=RunConfig(dir=str(tmp_path / "run") if tmp_path else "runs/test", tensorboard=False),
+    )
     for section, fields in sections.items():
         base = dataclasses.replace(base, **{section: dataclasses.replace(getattr(base, section), **fields)})
     return base
@@ -60,8 +80,12 @@ def tiny():
 def subprocess_environment() -> dict:
     """The environment of a test's llama-jax subprocesses: CPU, the compile flags above, no device count (one
     device each, or the launcher's --devices), and this venv's llama-jax for launch/multiprocess.py."""
-    return dict(os.environ, XLA_FLAGS=COMPILE_FLAGS, JAX_PLATFORMS="cpu",
-                LLAMA_JAX=str(Path(sys.executable).parent / "llama-jax"))
+    return dict(
+        os.environ,
+        XLA_FLAGS=COMPILE_FLAGS,
+        JAX_PLATFORMS="cpu",
+        LLAMA_JAX=str(Path(sys.executable).parent / "llama-jax"),
+    )
 
 
 class Supervised:
@@ -71,8 +95,10 @@ class Supervised:
     def __init__(self, command: list[str], env: dict):
         self.process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.lines: list[str] = []
-        self.readers = [threading.Thread(target=lambda s=stream: self.lines.extend(iter(s.readline, "")), daemon=True)
-                        for stream in (self.process.stdout, self.process.stderr)]
+        self.readers = [
+            threading.Thread(target=lambda s=stream: self.lines.extend(iter(s.readline, "")), daemon=True)
+            for stream in (self.process.stdout, self.process.stderr)
+        ]
         for reader in self.readers:
             reader.start()
 
@@ -90,12 +116,23 @@ class Supervised:
 def write_tiny_yaml(root, **sections):
     """A config file around TINY_MODEL for subprocess runs, with the data store and compiled steps
     cached under root (shared by the runs of a module); sections update the defaults' fields."""
-    config = {"model": dataclasses.asdict(TINY_MODEL),
-              "train": {"steps": 12, "batch_size": 8, "seq_len": 32, "warmup_steps": 0, "log_every": 1,
-                        "eval_every": 0, "eval_batches": 1, "sample_tokens": 0, "lr": 1e-2},
-              "checkpoint": {"every_steps": 2, "keep": 20},
-              "data": {"cache_dir": str(root / "cache")},
-              "run": {"tensorboard": False, "compilation_cache": str(root / "jax_cache")}}
+    config = {
+        "model": dataclasses.asdict(TINY_MODEL),
+        "train": {
+            "steps": 12,
+            "batch_size": 8,
+            "seq_len": 32,
+            "warmup_steps": 0,
+            "log_every": 1,
+            "eval_every": 0,
+            "eval_batches": 1,
+            "sample_tokens": 0,
+            "lr": 1e-2,
+        },
+        "checkpoint": {"every_steps": 2, "keep": 20},
+        "data": {"cache_dir": str(root / "cache")},
+        "run": {"tensorboard": False, "compilation_cache": str(root / "jax_cache")},
+    }
     for section, fields in sections.items():
         config[section].update(fields)
     path = root / "tiny.yaml"
@@ -123,8 +160,14 @@ def pytest_sessionfinish(session):
 # The files whose real multi-process runs take a minute or more on CI's 2 cores, started first (the Makefile
 # turns off xdist's own order, most tests first, which left them for the end): the two workers then end on short
 # files and finish together, and those runs' waits (barriers, restarts, injected delays) overlap other work.
-STARTED_FIRST = ("test_slurm.py", "test_goodput_projection.py", "test_elastic.py", "test_flight.py",
-                 "test_multihost.py", "test_local_tier.py")
+STARTED_FIRST = (
+    "test_slurm.py",
+    "test_goodput_projection.py",
+    "test_elastic.py",
+    "test_flight.py",
+    "test_multihost.py",
+    "test_local_tier.py",
+)
 
 
 def pytest_collection_modifyitems(items):
@@ -134,5 +177,11 @@ def pytest_collection_modifyitems(items):
         count[item.path.name] = count.get(item.path.name, 0) + 1
     first = {name: rank for rank, name in enumerate(STARTED_FIRST)}
     order = {id(item): i for i, item in enumerate(items)}
-    items.sort(key=lambda item: (first.get(item.path.name, len(first)), -count[item.path.name], item.path.name,
-                                 order[id(item)]))
+    items.sort(
+        key=lambda item: (
+            first.get(item.path.name, len(first)),
+            -count[item.path.name],
+            item.path.name,
+            order[id(item)],
+        )
+    )

@@ -36,8 +36,9 @@ def params_of(step_dir: Path) -> dict:
 def mean_of(run: Path, steps: list[int]) -> dict:
     """The reference: each checkpoint restored on its own, summed in float32 in step order, divided by the count."""
     trees = [params_of(run / "checkpoints" / str(step)) for step in steps]
-    return jax.tree.map(lambda *leaves: np.sum(np.stack(leaves), axis=0, dtype=np.float32) / np.float32(len(leaves)),
-                        *trees)
+    return jax.tree.map(
+        lambda *leaves: np.sum(np.stack(leaves), axis=0, dtype=np.float32) / np.float32(len(leaves)), *trees
+    )
 
 
 def max_difference(a: dict, b: dict) -> float:
@@ -69,15 +70,29 @@ def test_an_averaged_checkpoint_starts_a_run_and_converts_to_hugging_face(run, t
     assert cli.main(["average", str(run), "--last", "2", "--out", str(averaged)]) == 0
     # checkpoint.init_from: a new run starts from the mean (one step at lr 1e-9 leaves it where it was).
     tuned = tmp_path / "tuned"
-    assert cli.main(["train", str(run / "config.yaml"), f"run.dir={tuned}", f"checkpoint.init_from={averaged}",
-                     "train.steps=1", "train.lr=1e-9", "train.weight_decay=0"]) == 0
+    assert (
+        cli.main(
+            [
+                "train",
+                str(run / "config.yaml"),
+                f"run.dir={tuned}",
+                f"checkpoint.init_from={averaged}",
+                "train.steps=1",
+                "train.lr=1e-9",
+                "train.weight_decay=0",
+            ]
+        )
+        == 0
+    )
     assert f"initialised the params from {averaged}" in capsys.readouterr().out
     assert max_difference(params_of(tuned / "checkpoints" / "1"), params_of(averaged / "checkpoints" / "0")) <= 1e-7
     # convert to Hugging Face and back: the same parameters.
     assert cli.main(["convert", str(averaged), str(tmp_path / "hf")]) == 0
     assert cli.main(["convert", f"hf:{tmp_path / 'hf'}", str(tmp_path / "back")]) == 0
-    assert max_difference(params_of(tmp_path / "back" / "checkpoints" / "0"),
-                          params_of(averaged / "checkpoints" / "0")) == 0
+    assert (
+        max_difference(params_of(tmp_path / "back" / "checkpoints" / "0"), params_of(averaged / "checkpoints" / "0"))
+        == 0
+    )
 
 
 def with_meta(run: Path, copy: Path, step: int, change) -> Path:
@@ -91,17 +106,26 @@ def with_meta(run: Path, copy: Path, step: int, change) -> Path:
 
 
 BAD = {
-    "no-checkpoints": (lambda run, tmp: tmp / "empty_run", ["--last", "1"], "is a run directory without a finished "
-                       "checkpoint"),
+    "no-checkpoints": (
+        lambda run, tmp: tmp / "empty_run",
+        ["--last", "1"],
+        "is a run directory without a finished checkpoint",
+    ),
     "not-a-run": (lambda run, tmp: tmp, ["--last", "1"], "is not a run directory (no checkpoints/<step>/ in it)"),
     "missing-step": (lambda run, tmp: run, ["--steps", "4,5"], "--steps names step 5, and"),
     "too-many": (lambda run, tmp: run, ["--last", "5"], "--last 5, and"),
     "twice": (lambda run, tmp: run, ["--steps", "4,4"], "--steps names a step twice (4,4)"),
     "none": (lambda run, tmp: run, ["--last", "0"], "either --steps A,B,... or --last N with N >= 1"),
-    "different-models": (lambda run, tmp: with_meta(run, tmp / "mixed", 8, lambda m: m["config"]["model"].update(
-        ffn_dim=256)), ["--last", "2"], "checkpoints 6 and 8 of"),
-    "adapters": (lambda run, tmp: with_meta(run, tmp / "lora", 8, lambda m: m["config"].update(
-        peft={"method": "lora"})), ["--last", "1"], "trains adapters (peft.method=lora)"),
+    "different-models": (
+        lambda run, tmp: with_meta(run, tmp / "mixed", 8, lambda m: m["config"]["model"].update(ffn_dim=256)),
+        ["--last", "2"],
+        "checkpoints 6 and 8 of",
+    ),
+    "adapters": (
+        lambda run, tmp: with_meta(run, tmp / "lora", 8, lambda m: m["config"].update(peft={"method": "lora"})),
+        ["--last", "1"],
+        "trains adapters (peft.method=lora)",
+    ),
 }
 
 

@@ -29,8 +29,11 @@ PATH_ARGUMENTS = {
     "generate MODEL": ("dir", "run", ["generate", "PATH", "--prompt", "To be"]),
     "generate ADAPTER@MODEL": ("dir", "adapter", ["generate", "PATH@hf:MODEL", "--prompt", "To be"]),
     "convert ADAPTER@MODEL": ("dir", "adapter", ["convert", "PATH@hf:MODEL", "OUT", "--merge"]),
-    "generate --tokenizer": ("file", "tokenizer.json", ["generate", "hf:MODEL", "--prompt", "To be", "--tokenizer",
-                                                        "PATH"]),
+    "generate --tokenizer": (
+        "file",
+        "tokenizer.json",
+        ["generate", "hf:MODEL", "--prompt", "To be", "--tokenizer", "PATH"],
+    ),
     "goodput --from": ("dir", "run", ["goodput", "--gpus", "8", "--from", "PATH"]),
     "report RUN_DIR": ("dir", "run", ["report", "PATH"]),
     "profile RUN_DIR": ("dir", "run", ["profile", "PATH"]),
@@ -44,8 +47,11 @@ PATH_ARGUMENTS = {
 # empty (the command makes or fills it), so there only the other kind in its place, or chmod 000, is bad.
 READ_CASES = ("missing", "empty", "wrong-kind", "chmod-000")
 WRITE_CASES = ("wrong-kind", "chmod-000")
-CASES = [(argument, case) for argument, (does, _, _) in PATH_ARGUMENTS.items()
-         for case in (WRITE_CASES if does.startswith("out-") else READ_CASES)]
+CASES = [
+    (argument, case)
+    for argument, (does, _, _) in PATH_ARGUMENTS.items()
+    for case in (WRITE_CASES if does.startswith("out-") else READ_CASES)
+]
 
 
 @functools.cache
@@ -112,8 +118,12 @@ def test_a_bad_path_is_one_line_exit_2_and_nothing_written(argument, case, model
     if case == "chmod-000":
         bad.chmod(0)
     try:
-        status = cli.main([str(values.get(part, part)).replace("hf:MODEL", f"hf:{model}").replace("PATH@", f"{bad}@")
-                           for part in command])
+        status = cli.main(
+            [
+                str(values.get(part, part)).replace("hf:MODEL", f"hf:{model}").replace("PATH@", f"{bad}@")
+                for part in command
+            ]
+        )
     except SystemExit as exit_:  # argparse's own errors
         status = exit_.code
     finally:
@@ -136,6 +146,7 @@ def test_convert_of_a_run_without_a_checkpoint_yet_says_so(tmp_path, capsys):
     (run / "metrics.jsonl").write_text("")
     assert cli.main(["convert", str(run), str(tmp_path / "out")]) == 2
     (line,) = capsys.readouterr().err.splitlines()
-    assert line.startswith(f"llama-jax: error: {run} is a run directory without a finished checkpoint yet (none in "
-                           f"{run / 'checkpoints'})")
+    assert line.startswith(
+        f"llama-jax: error: {run} is a run directory without a finished checkpoint yet (none in {run / 'checkpoints'})"
+    )
     assert not (tmp_path / "out").exists()

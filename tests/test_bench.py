@@ -38,9 +38,19 @@ def test_step_runs_the_peer_on_the_same_model():
         pytest.skip(f"{' and '.join(MISSING)} not installed here: the peer's PyTorch step is not run")
     assert "error" not in peer, peer["error"]
     config = load_config("tiny", SMALL)
-    assert peer["dims"] == {"vocab": 320, "d_model": 64, "layers": config.model.n_layers, "heads": 4, "kv_heads": 2,
-                            "ffn": 128, "head_dim": 16, "tied": False, "rope_theta": config.model.rope_theta,
-                            "batch": 8, "seq": 32}
+    assert peer["dims"] == {
+        "vocab": 320,
+        "d_model": 64,
+        "layers": config.model.n_layers,
+        "heads": 4,
+        "kv_heads": 2,
+        "ffn": 128,
+        "head_dim": 16,
+        "tied": False,
+        "rope_theta": config.model.rope_theta,
+        "batch": 8,
+        "seq": 32,
+    }
     assert peer["preset"] == "tiny" and peer["overrides"] == SMALL and "compiled" not in peer
     assert peer["eager"]["tokens_per_s"] > 0 and peer["eager"]["params"] > 0
 
@@ -48,17 +58,27 @@ def test_step_runs_the_peer_on_the_same_model():
 def test_peer_finds_every_preset_without_jax():
     """bench/peer.py's dimensions come from llama_jax.config, in a process that imports no JAX (the peer's interpreter
     may have none): every preset by name, with key=value overrides on top."""
-    probe = ("import json, runpy, sys; peer = runpy.run_path(sys.argv[1]); "
-             "print(json.dumps([peer['model_dimensions'](name) for name in sys.argv[2:]]"
-             " + [peer['model_dimensions']('bench', ['model.n_layers=2'])])); print('jax' in sys.modules)")
-    proc = subprocess.run([sys.executable, "-c", probe, str(ROOT / "bench" / "peer.py"), *preset_names()],
-                          capture_output=True, text=True, timeout=120)
+    probe = (
+        "import json, runpy, sys; peer = runpy.run_path(sys.argv[1]); "
+        "print(json.dumps([peer['model_dimensions'](name) for name in sys.argv[2:]]"
+        " + [peer['model_dimensions']('bench', ['model.n_layers=2'])])); print('jax' in sys.modules)"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", probe, str(ROOT / "bench" / "peer.py"), *preset_names()],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     *found, overridden = json.loads(proc.stdout.splitlines()[0])
     assert proc.stdout.splitlines()[1] == "False"
     for name, dims in zip(preset_names(), found):
         config = load_config(name)
         assert (dims["d_model"], dims["layers"], dims["head_dim"], dims["batch"], dims["seq"]) == (
-            config.model.d_model, config.model.n_layers, config.model.resolved_head_dim, config.train.batch_size,
-            config.train.seq_len), name
+            config.model.d_model,
+            config.model.n_layers,
+            config.model.resolved_head_dim,
+            config.train.batch_size,
+            config.train.seq_len,
+        ), name
     assert overridden["layers"] == 2

@@ -36,8 +36,16 @@ def test_report_of_a_non_run_exits_2(tmp_path):
 def test_default_train_end_to_end_and_resume(tmp_path):
     """The default preset trains, writes the run directory, reports, and resumes (no-op, then to more steps)."""
     run_dir = tmp_path / "run"
-    train = ["train", "train.steps=4", "train.warmup_steps=1", "train.eval_batches=2", "train.sample_tokens=8",
-             "train.log_every=2", f"run.dir={run_dir}", f"data.cache_dir={tmp_path / 'cache'}"]
+    train = [
+        "train",
+        "train.steps=4",
+        "train.warmup_steps=1",
+        "train.eval_batches=2",
+        "train.sample_tokens=8",
+        "train.log_every=2",
+        f"run.dir={run_dir}",
+        f"data.cache_dir={tmp_path / 'cache'}",
+    ]
 
     # 1. A fresh run.
     proc = llama_jax(*train)

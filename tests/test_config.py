@@ -84,8 +84,17 @@ def test_no_source_is_the_tiny_preset():
 
 def test_overrides_are_typed():
     """Override strings become the schema's types: float, bool, int, str."""
-    config = load_config("tiny", ["train.lr=1e-3", "model.tie_embeddings=true", "train.steps=12",
-                                  "train.warmup_steps=2", "remat.policy=full", "mesh.sequence_parallel=false"])
+    config = load_config(
+        "tiny",
+        [
+            "train.lr=1e-3",
+            "model.tie_embeddings=true",
+            "train.steps=12",
+            "train.warmup_steps=2",
+            "remat.policy=full",
+            "mesh.sequence_parallel=false",
+        ],
+    )
     assert isinstance(config.train.lr, float) and config.train.lr == 1e-3
     assert config.model.tie_embeddings is True
     assert isinstance(config.train.steps, int) and config.train.steps == 12
@@ -163,16 +172,29 @@ BAD_INPUTS = [
     case("kv-heads", ["model.n_kv_heads=3"], ["model.n_heads (4)", "model.n_kv_heads (3)"]),
     case("seq-len-above-max", ["train.seq_len=2048"], ["train.seq_len (2048)", "model.max_seq_len (1024)"]),
     case("microbatches", ["train.microbatches=3"], ["train.batch_size (16)", "train.microbatches (3)"]),
-    case("local-dir-without-interval", ["checkpoint.local_dir=/dev/shm/x"],
-         ["checkpoint.local_dir and checkpoint.local_every_steps go together"]),
-    case("local-replicas", ["checkpoint.local_dir=/dev/shm/x", "checkpoint.local_every_steps=5",
-                            "checkpoint.local_replicas=2"], ["checkpoint.local_replicas must be in [0, 1]", "got 2"]),
-    case("negative-mtbf", ["checkpoint.mtbf_hours=-1", "checkpoint.every_steps=auto"],
-         ["checkpoint.mtbf_hours must be positive or observed, got -1.0"]),
-    case("zero-mtbf", ["checkpoint.mtbf_hours=0", "checkpoint.every_steps=auto"],
-         ["checkpoint.mtbf_hours must be positive or observed, got 0.0"]),
-    case("word-mtbf", ["checkpoint.mtbf_hours=seen"],
-         ["checkpoint.mtbf_hours must be positive or observed, got 'seen'"]),
+    case(
+        "local-dir-without-interval",
+        ["checkpoint.local_dir=/dev/shm/x"],
+        ["checkpoint.local_dir and checkpoint.local_every_steps go together"],
+    ),
+    case(
+        "local-replicas",
+        ["checkpoint.local_dir=/dev/shm/x", "checkpoint.local_every_steps=5", "checkpoint.local_replicas=2"],
+        ["checkpoint.local_replicas must be in [0, 1]", "got 2"],
+    ),
+    case(
+        "negative-mtbf",
+        ["checkpoint.mtbf_hours=-1", "checkpoint.every_steps=auto"],
+        ["checkpoint.mtbf_hours must be positive or observed, got -1.0"],
+    ),
+    case(
+        "zero-mtbf",
+        ["checkpoint.mtbf_hours=0", "checkpoint.every_steps=auto"],
+        ["checkpoint.mtbf_hours must be positive or observed, got 0.0"],
+    ),
+    case(
+        "word-mtbf", ["checkpoint.mtbf_hours=seen"], ["checkpoint.mtbf_hours must be positive or observed, got 'seen'"]
+    ),
     case("zero-checkpoint-timeout", ["checkpoint.timeout_s=0"], ["checkpoint.timeout_s must be at least 1, got 0"]),
     case("unknown-preset", ["llama3_8"], ["unknown preset 'llama3_8'", "did you mean 'llama3_8b'"]),
     case("missing-yaml", ["{tmp}/missing.yaml"], ["missing.yaml", "does not exist"]),
@@ -180,20 +202,32 @@ BAD_INPUTS = [
     case("remat-policy", ["remat.policy=everything"], ["remat.policy", "everything", "none", "full", "selective"]),
     case("no-equals", ["train.steps=3", "model.n_layers"], ["'model.n_layers'", "key=value"]),
     case("two-fill-axes", ["mesh.data=-1", "mesh.fsdp=-1"], ["at most one mesh axis may be -1"]),
-    case("mesh-product", ["mesh.fsdp=3", "mesh.data=1", "mesh.tensor=1", "mesh.sequence=1"],
-         ["fsdp=3", "needs 3 devices", "8 are available"]),
+    case(
+        "mesh-product",
+        ["mesh.fsdp=3", "mesh.data=1", "mesh.tensor=1", "mesh.sequence=1"],
+        ["fsdp=3", "needs 3 devices", "8 are available"],
+    ),
     case("mesh-no-fill", ["mesh.data=3"], ["data=3", "does not divide the 8"]),
     case("batch-vs-mesh", ["mesh.fsdp=8", "train.batch_size=12"], ["train.batch_size (12)", "data×fsdp"]),
     case("heads-vs-tensor", ["mesh.tensor=8"], ["model.n_heads (4)", "mesh.tensor (8)"]),
     case("cudnn-on-cpu", ["model.attention=cudnn"], ["model.attention=cudnn needs a GPU", "model.attention=auto"]),
     case("float16", ["model.compute_dtype=float16"], ["model.compute_dtype", "float16"]),
     case("negative-rope-context", ["model.rope_original_max_len=-5"], ["model.rope_original_max_len", "-5"]),
-    case("vocab-vs-tensor", ["model.vocab_size=4097", "mesh.tensor=2", "mesh.fsdp=4"],
-         ["model.vocab_size (4097)", "tensor (2)", "pad it to 4098"]),
-    case("embed-vs-fsdp", ["model.d_model=250", "model.n_heads=5", "model.n_kv_heads=5", "train.batch_size=16"],
-         ["model.d_model (250)", "fsdp (8)"]),
-    case("batch-longer-than-corpus", ["train.batch_size=2048", "train.seq_len=1024", "model.max_seq_len=1024"],
-         ["training split", "fewer than one batch"]),
+    case(
+        "vocab-vs-tensor",
+        ["model.vocab_size=4097", "mesh.tensor=2", "mesh.fsdp=4"],
+        ["model.vocab_size (4097)", "tensor (2)", "pad it to 4098"],
+    ),
+    case(
+        "embed-vs-fsdp",
+        ["model.d_model=250", "model.n_heads=5", "model.n_kv_heads=5", "train.batch_size=16"],
+        ["model.d_model (250)", "fsdp (8)"],
+    ),
+    case(
+        "batch-longer-than-corpus",
+        ["train.batch_size=2048", "train.seq_len=1024", "model.max_seq_len=1024"],
+        ["training split", "fewer than one batch"],
+    ),
     case("missing-corpus", ["data.sources={tmp}/no_such_corpus"], ["{tmp}/no_such_corpus", "does not exist"]),
     case("unknown-packing", ["data.packing=zigzag"], ["data.packing", "concat, first_fit", "zigzag"]),
     case("weights-vs-sources", ["data.weights=[1,2]"], ["data.weights has 2 value(s) for 1 source(s)"]),
@@ -204,16 +238,19 @@ BAD_INPUTS = [
 @pytest.fixture
 def no_training(monkeypatch):
     """Fail fast instead of training for minutes if a bad input slips through validation."""
+
     def refuse(*args, **kwargs):
         raise AssertionError("bad input was accepted: training started")
+
     monkeypatch.setattr(llama_jax.training.loop, "execute", refuse)
 
 
 def snapshot(directory: Path):
     if not directory.exists():
         return None
-    return {str(p.relative_to(directory)): p.read_bytes() if p.is_file() else None
-            for p in sorted(directory.rglob("*"))}
+    return {
+        str(p.relative_to(directory)): p.read_bytes() if p.is_file() else None for p in sorted(directory.rglob("*"))
+    }
 
 
 @pytest.mark.parametrize("run_dir_exists", [False, True], ids=["new-run-dir", "existing-run-dir"])
@@ -245,9 +282,21 @@ def test_bad_input_exits_2_with_one_line(args, fragments, run_dir_exists, tmp_pa
 
 
 # The ten fault.inject_* keys moved to the testing section inject.* (schema.InjectConfig, resilience/inject.py).
-OLD_INJECT_KEYS = {f"fault.inject_{name}": f"inject.{name}" for name in (
-    "nan_steps", "save_failure_steps", "spike_steps", "hang_step", "process", "step_delay_s", "save_delay_s",
-    "stall_at", "slow_device", "wrong_device")}
+OLD_INJECT_KEYS = {
+    f"fault.inject_{name}": f"inject.{name}"
+    for name in (
+        "nan_steps",
+        "save_failure_steps",
+        "spike_steps",
+        "hang_step",
+        "process",
+        "step_delay_s",
+        "save_delay_s",
+        "stall_at",
+        "slow_device",
+        "wrong_device",
+    )
+}
 
 
 @pytest.mark.parametrize("old, new", sorted(OLD_INJECT_KEYS.items()))
@@ -275,9 +324,21 @@ def test_an_old_fault_inject_key_is_refused_in_one_line_naming_its_new_key(old, 
 def test_bad_input_in_a_subprocess(tmp_path):
     """`python -m llama_jax train train.steps=-1` exits with status 2 and one stderr line."""
     run_dir = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "llama_jax", "train", "train.steps=-1", f"run.dir={run_dir}",
-                           f"data.cache_dir={tmp_path / 'cache'}"],
-                          capture_output=True, text=True, env=dict(os.environ), timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "llama_jax",
+            "train",
+            "train.steps=-1",
+            f"run.dir={run_dir}",
+            f"data.cache_dir={tmp_path / 'cache'}",
+        ],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ),
+        timeout=300,
+    )
     assert proc.returncode == 2
     assert len(proc.stderr.splitlines()) == 1, proc.stderr
     assert proc.stderr.startswith("llama-jax: error: ") and "train.steps" in proc.stderr
@@ -318,23 +379,42 @@ def test_max_bad_steps_0_means_never_roll_back():
 
 
 def test_pipeline_microbatches_without_a_pipeline_is_refused():
-    with pytest.raises(ConfigError, match=r"mesh.pipeline_microbatches=4 sends a pipeline's micro-batches through in "
-                                          r"passes, and there is no pipeline \(mesh.pipeline=1\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"mesh.pipeline_microbatches=4 sends a pipeline's micro-batches through in "
+        r"passes, and there is no pipeline \(mesh.pipeline=1\)",
+    ):
         load_config("tiny", ["mesh.pipeline_microbatches=4"])
 
 
-@pytest.mark.parametrize("overrides, named", [
-    ([], "data.sources is empty: name the data to train on"),
-    (["data.sources=[shakespeare]"], "shakespeare is not a token store and data.tokenizer is not set"),
-])
+@pytest.mark.parametrize(
+    "overrides, named",
+    [
+        ([], "data.sources is empty: name the data to train on"),
+        (["data.sources=[shakespeare]"], "shakespeare is not a token store and data.tokenizer is not set"),
+    ],
+)
 def test_a_llama3_preset_without_its_data_is_refused_in_one_line(tmp_path, overrides, named):
     """`llama-jax train llama3_8b` (shrunk) without data.sources, or with raw text and no tokenizer, stops in one
     line saying which keys to set, exit 2, before anything is written."""
     run_dir = tmp_path / "run"
-    small = ["model.n_layers=2", "model.d_model=64", "model.n_heads=4", "model.n_kv_heads=2", "model.head_dim=16",
-             "model.ffn_dim=128", "train.batch_size=8", "train.seq_len=32", f"run.dir={run_dir}"]
-    proc = subprocess.run([sys.executable, "-m", "llama_jax", "train", "llama3_8b", *small, *overrides],
-                          capture_output=True, text=True, timeout=300)
+    small = [
+        "model.n_layers=2",
+        "model.d_model=64",
+        "model.n_heads=4",
+        "model.n_kv_heads=2",
+        "model.head_dim=16",
+        "model.ffn_dim=128",
+        "train.batch_size=8",
+        "train.seq_len=32",
+        f"run.dir={run_dir}",
+    ]
+    proc = subprocess.run(
+        [sys.executable, "-m", "llama_jax", "train", "llama3_8b", *small, *overrides],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 2, proc.stderr
     errors = [line for line in proc.stderr.splitlines() if line.startswith("llama-jax: error:")]
     assert len(errors) == 1 and named in errors[0] and "llama-jax prepare" in errors[0], proc.stderr
@@ -347,8 +427,11 @@ def test_a_llama3_preset_without_its_data_is_refused_in_one_line(tmp_path, overr
 
 def numeric_keys() -> set[str]:
     """The schema's keys that hold one number (or a count or auto)."""
-    return {key for key, kind in _leaf_types().items()
-            if kind in (int, float) or set(getattr(kind, "__args__", ())) in ({int, str}, {float, str})}
+    return {
+        key
+        for key, kind in _leaf_types().items()
+        if kind in (int, float) or set(getattr(kind, "__args__", ())) in ({int, str}, {float, str})
+    }
 
 
 def test_every_numeric_key_has_a_bound_or_a_reason_for_none():
@@ -369,8 +452,9 @@ def outside(bound) -> list[float]:
     return [v for v in values if v != bound.special]
 
 
-BOUNDED = [(key, bound, method) for method, keys in [("none", BOUNDS), *METHOD_BOUNDS.items()]
-           for key, bound in keys.items()]
+BOUNDED = [
+    (key, bound, method) for method, keys in [("none", BOUNDS), *METHOD_BOUNDS.items()] for key, bound in keys.items()
+]
 
 
 @pytest.mark.parametrize("key, bound, method", BOUNDED, ids=[f"{k}-{m}" if m != "none" else k for k, _, m in BOUNDED])
@@ -428,8 +512,10 @@ def schema_keys(node=Config, prefix=""):
 # are left out: their entries are axis names and remat actions, whose checks (test_sharding, test_remat) own them.
 STRING_KEYS = sorted(k for k, kind in schema_keys().items() if kind is str or kind == list[str])
 # Settings a key can only be given with (the node-local tier is a directory and an interval, or neither).
-COMPANIONS = {"checkpoint.local_dir": ["checkpoint.local_every_steps=5"],
-              "checkpoint.local_every_steps": ["checkpoint.local_dir=/dev/shm/llama-jax"]}
+COMPANIONS = {
+    "checkpoint.local_dir": ["checkpoint.local_every_steps=5"],
+    "checkpoint.local_every_steps": ["checkpoint.local_dir=/dev/shm/llama-jax"],
+}
 
 
 def as_override(key, text):
@@ -511,22 +597,38 @@ def test_a_number_or_word_key_refuses_other_words_as_typed(key):
 
 def test_numbers_are_decimal_and_booleans_are_true_or_false(tmp_path):
     """0123 is 123 (YAML 1.1: octal 83); hex, times and floats are not whole numbers; true/false in any case."""
-    settings = {"train.steps": ("0123", 123), "train.warmup_steps": ("1_0", 10), "train.lr": ("1e3", 1000.0),
-                "inject.nan_steps": ("[010, 3]", [10, 3]), "model.tie_embeddings": ("True", True),
-                "mesh.load_balance": ("FALSE", False)}
+    settings = {
+        "train.steps": ("0123", 123),
+        "train.warmup_steps": ("1_0", 10),
+        "train.lr": ("1e3", 1000.0),
+        "inject.nan_steps": ("[010, 3]", [10, 3]),
+        "model.tie_embeddings": ("True", True),
+        "mesh.load_balance": ("FALSE", False),
+    }
     config = load_config("tiny", [f"{key}={text}" for key, (text, _) in settings.items()])
     for key, (_, value) in settings.items():
         assert get(config, key) == value, key
     from_file = tmp_path / "c.yaml"
-    from_file.write_text("train:\n  steps: 0123\n  warmup_steps: 1_0\n  lr: 1e3\ninject:\n  nan_steps: [010, 3]\n"
-                         "model:\n  tie_embeddings: True\nmesh:\n  load_balance: FALSE\n")
+    from_file.write_text(
+        "train:\n  steps: 0123\n  warmup_steps: 1_0\n  lr: 1e3\ninject:\n  nan_steps: [010, 3]\n"
+        "model:\n  tie_embeddings: True\nmesh:\n  load_balance: FALSE\n"
+    )
     assert load_config(str(from_file)) == dataclasses.replace(
-        Config(), train=dataclasses.replace(Config().train, steps=123, warmup_steps=10, lr=1000.0),
+        Config(),
+        train=dataclasses.replace(Config().train, steps=123, warmup_steps=10, lr=1000.0),
         inject=dataclasses.replace(Config().inject, nan_steps=[10, 3]),
         model=dataclasses.replace(Config().model, tie_embeddings=True),
-        mesh=dataclasses.replace(Config().mesh, load_balance=False))
-    for key, text in [("train.steps", "0x10"), ("train.steps", "1:30"), ("train.steps", "1e3"), ("train.lr", "0x10"),
-                      ("model.tie_embeddings", "yes"), ("model.tie_embeddings", "1"), ("run.wandb", "off")]:
+        mesh=dataclasses.replace(Config().mesh, load_balance=False),
+    )
+    for key, text in [
+        ("train.steps", "0x10"),
+        ("train.steps", "1:30"),
+        ("train.steps", "1e3"),
+        ("train.lr", "0x10"),
+        ("model.tie_embeddings", "yes"),
+        ("model.tie_embeddings", "1"),
+        ("run.wandb", "off"),
+    ]:
         with pytest.raises(ConfigError, match=rf"^'{key}' must be .*, got '{re.escape(text)}'$"):
             load_config("tiny", [f"{key}={text}"])
 
@@ -534,8 +636,16 @@ def test_numbers_are_decimal_and_booleans_are_true_or_false(tmp_path):
 def test_text_that_yaml_would_change_survives_the_run_config(tmp_path):
     """A run's config.yaml (to_yaml) loads back to the same text: a prompt ending in ':', a trailing space,
     `${...}` (no interpolation), a quote, a float YAML writes as .inf."""
-    config = load_config("tiny", ["train.sample_prompt=ROMEO: ", "run.wandb_name=${oc.env:HOME}",
-                                  "data.text_field='body'", "run.compilation_cache=off", "fault.hang_factor=inf"])
+    config = load_config(
+        "tiny",
+        [
+            "train.sample_prompt=ROMEO: ",
+            "run.wandb_name=${oc.env:HOME}",
+            "data.text_field='body'",
+            "run.compilation_cache=off",
+            "fault.hang_factor=inf",
+        ],
+    )
     assert config.train.sample_prompt == "ROMEO: " and config.run.wandb_name == "${oc.env:HOME}"
     assert config.data.text_field == "'body'" and config.fault.hang_factor == float("inf")
     path = tmp_path / "config.yaml"
@@ -555,18 +665,40 @@ def test_compilation_cache_off_writes_no_cache_anywhere(tmp_path, corpus):
     env.update(HOME=str(home), XDG_CACHE_HOME=str(home / ".cache"), MPLCONFIGDIR=str(home / "mpl"))
     assert env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] == "0"
     # cli.main is the llama-jax console script's entry point; run so, the process can print jax's setting after it.
-    probe = ("import sys, jax; from llama_jax import cli; status = cli.main(sys.argv[1:]); "
-             "print('jax_compilation_cache_dir:', jax.config.jax_compilation_cache_dir); sys.exit(status)")
-    quick = ["train.steps=2", "train.warmup_steps=0", "train.batch_size=8", "train.seq_len=32", "train.eval_every=0",
-             "train.eval_batches=1", "train.sample_tokens=0", "model.vocab_size=320", "model.d_model=64",
-             "model.ffn_dim=128", "run.tensorboard=false", f"data.sources=[{corpus}]"]
-    proc = subprocess.run([sys.executable, "-c", probe, "train", "tiny", "run.compilation_cache=off", *quick,
-                           "run.dir=run"], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    probe = (
+        "import sys, jax; from llama_jax import cli; status = cli.main(sys.argv[1:]); "
+        "print('jax_compilation_cache_dir:', jax.config.jax_compilation_cache_dir); sys.exit(status)"
+    )
+    quick = [
+        "train.steps=2",
+        "train.warmup_steps=0",
+        "train.batch_size=8",
+        "train.seq_len=32",
+        "train.eval_every=0",
+        "train.eval_batches=1",
+        "train.sample_tokens=0",
+        "model.vocab_size=320",
+        "model.d_model=64",
+        "model.ffn_dim=128",
+        "run.tensorboard=false",
+        f"data.sources=[{corpus}]",
+    ]
+    proc = subprocess.run(
+        [sys.executable, "-c", probe, "train", "tiny", "run.compilation_cache=off", *quick, "run.dir=run"],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "jax_compilation_cache_dir: None" in proc.stdout, proc.stdout[-2000:]
     assert [p.name for p in cwd.iterdir()] == ["run"]  # no ./off, ./False
     assert load_config(str(cwd / "run" / "config.yaml")).run.compilation_cache == "off"
     assert (home / ".cache" / "llama_jax").is_dir()  # the data went to the user cache, the compiled steps did not
-    cached = [p for p in tmp_path.rglob("*")  # jax's entries: <key>-cache, <key>-atime
-              if p.name == "jax_compilation_cache" or p.name.endswith(("-cache", "-atime"))]
+    cached = [
+        p
+        for p in tmp_path.rglob("*")  # jax's entries: <key>-cache, <key>-atime
+        if p.name == "jax_compilation_cache" or p.name.endswith(("-cache", "-atime"))
+    ]
     assert not cached, cached

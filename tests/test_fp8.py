@@ -97,8 +97,9 @@ MICROBATCHES = 4
 
 
 def fp8_config(fp8="tensorwise", **sections):
-    return tiny_config(model=dict(dataclasses.asdict(FP8_MODEL), fp8=fp8),
-                       train=dict(lr=1e-2, microbatches=MICROBATCHES), **sections)
+    return tiny_config(
+        model=dict(dataclasses.asdict(FP8_MODEL), fp8=fp8), train=dict(lr=1e-2, microbatches=MICROBATCHES), **sections
+    )
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +119,9 @@ MESH_IDS = ["fsdp2xtensor2-sp", "fsdp2xsequence2", "gpipe-pipeline2xfsdp2", "1f1
 
 
 def mesh_devices(mesh: dict) -> list:
-    return jax.devices()[:int(np.prod([v for k, v in mesh.items() if k in ("pipeline", "fsdp", "tensor", "sequence")]))]
+    return jax.devices()[
+        : int(np.prod([v for k, v in mesh.items() if k in ("pipeline", "fsdp", "tensor", "sequence")]))
+    ]
 
 
 # The block's projections as the model lays them out (llama.py): spec, x's logical axes, the kernel's (the
@@ -156,8 +159,11 @@ def contractions(spec: str) -> dict[str, tuple[str, str, str]]:
     gradient dx = dy kernel and the kernel gradient dkernel = x dy."""
     x, kernel = spec.split("->")[0].split(",")
     y = spec.split("->")[1]
-    return {"y": (spec, "x", "kernel"), "dx": (f"{y},{kernel}->{x}", "dy", "kernel"),
-            "dkernel": (f"{x},{y}->{kernel}", "x", "dy")}
+    return {
+        "y": (spec, "x", "kernel"),
+        "dx": (f"{y},{kernel}->{x}", "dy", "kernel"),
+        "dkernel": (f"{x},{y}->{kernel}", "x", "dy"),
+    }
 
 
 def fp8_bytes(a, dtype):
@@ -179,8 +185,14 @@ def probe_projections(mesh: dict) -> dict:
         kernel = nn.with_logical_constraint(kernel, kernel_axes)
         y, vjp = jax.vjp(lambda a, b: fp8_project(spec, a, b), x, kernel)
         dx, dkernel = vjp(dy)
-        return dict(x8=fp8_bytes(x, FP8_FORWARD), kernel8=fp8_bytes(kernel, FP8_FORWARD),
-                    dy8=fp8_bytes(dy, FP8_GRADIENT), y=y, dx=dx, dkernel=dkernel)
+        return dict(
+            x8=fp8_bytes(x, FP8_FORWARD),
+            kernel8=fp8_bytes(kernel, FP8_FORWARD),
+            dy8=fp8_bytes(dy, FP8_GRADIENT),
+            y=y,
+            dx=dx,
+            dkernel=dkernel,
+        )
 
     def every(inputs):
         return {name: one(name, *args) for name, args in inputs.items()}
@@ -193,9 +205,19 @@ def probe_projections(mesh: dict) -> dict:
             def in_stage(inputs):
                 with nn.logical_axis_rules(inner_rules):
                     return every(inputs)
-            return jax.tree.map(np.asarray, jax.jit(jax.shard_map(
-                in_stage, in_specs=PartitionSpec(), out_specs=PartitionSpec(), axis_names={STAGE_AXIS},
-                check_vma=False))(inputs))
+
+            return jax.tree.map(
+                np.asarray,
+                jax.jit(
+                    jax.shard_map(
+                        in_stage,
+                        in_specs=PartitionSpec(),
+                        out_specs=PartitionSpec(),
+                        axis_names={STAGE_AXIS},
+                        check_vma=False,
+                    )
+                )(inputs),
+            )
         return jax.tree.map(np.asarray, jax.jit(every)(inputs))
 
 
@@ -217,7 +239,7 @@ def _reassociation_bound(spec: str, a8, a_scale, b8, b_scale, dtype) -> np.ndarr
     left, right = inputs.split(",")
     contracted = [c for c in left if c in right and c not in output]
     n = int(np.prod([a.shape[left.index(c)] for c in contracted]))
-    u = 2.0 ** -24
+    u = 2.0**-24
     gamma = n * u / (1 - n * u)
     exact = np.einsum(spec, a, b) * float(a_scale) * float(b_scale)
     return 2 * gamma * terms + 2 * u * np.abs(exact)
@@ -251,8 +273,13 @@ def test_one_devices_projections_are_fp8_products_within_the_formats_rounding(on
         operands = dict(zip(("x", "kernel", "dy"), projection_inputs(name)))
         for result, (rule, a, b) in contractions(spec).items():
             exact = np.einsum(rule, operands[a], operands[b])
-            bound = _product_bound(operands[a], _element_error(FP8_DTYPES[a], operands[a]),
-                                   operands[b], _element_error(FP8_DTYPES[b], operands[b]), rule)
+            bound = _product_bound(
+                operands[a],
+                _element_error(FP8_DTYPES[a], operands[a]),
+                operands[b],
+                _element_error(FP8_DTYPES[b], operands[b]),
+                rule,
+            )
             assert np.all(np.abs(one_device_projections[name][result] - exact) <= bound), (name, result)
 
 
@@ -277,8 +304,13 @@ def test_fp8_trains_near_one_devices_losses_on_every_mesh_and_schedule(mesh, one
 def test_fp8_with_lora_trains_the_adapters_and_leaves_the_base_bitwise_unchanged():
     """The frozen base projections run in fp8 (the input gradient flows through their fp8 backward); the adapters'
     low-rank update stays in the compute dtype and learns."""
-    cfg = tiny_config(model=dict(fp8="tensorwise"), peft=dict(method="lora", rank=2, targets=["q", "v", "down"]),
-                      checkpoint=dict(init_from="x"), mesh=dict(fsdp=2), train=dict(lr=1e-2))
+    cfg = tiny_config(
+        model=dict(fp8="tensorwise"),
+        peft=dict(method="lora", rank=2, targets=["q", "v", "down"]),
+        checkpoint=dict(init_from="x"),
+        mesh=dict(fsdp=2),
+        train=dict(lr=1e-2),
+    )
     program = TrainProgram.build(cfg, sharding.make_mesh(cfg, devices=jax.devices()[:2]))
     with program.activate():
         state = program.init_state(jax.random.key(0))
@@ -289,16 +321,20 @@ def test_fp8_with_lora_trains_the_adapters_and_leaves_the_base_bitwise_unchanged
             assert bool(metrics["finite"])
     for before, after in zip(jax.tree.leaves(base), jax.tree.leaves(state.frozen)):
         np.testing.assert_array_equal(np.asarray(after), before)
-    changed = [not np.array_equal(np.asarray(a), b) for a, b in zip(jax.tree.leaves(state.params),
-                                                                   jax.tree.leaves(adapters))]
+    changed = [
+        not np.array_equal(np.asarray(a), b) for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(adapters))
+    ]
     assert all(changed)
 
 
 def fp8_saved(policy: RematConfig) -> list[tuple[str, str]]:
     """(tag, dtype[shape]) of what one fp8 layer keeps for its backward under `policy`."""
     cfg = dataclasses.replace(TINY_MODEL, fp8="tensorwise", compute_dtype="bfloat16")
-    return [(m.group(2), m.group(1)) for line in residual_lines(policy, cfg=cfg)
-            if (m := re.match(r"(\S+) named '(\w+)'", line))]
+    return [
+        (m.group(2), m.group(1))
+        for line in residual_lines(policy, cfg=cfg)
+        if (m := re.match(r"(\S+) named '(\w+)'", line))
+    ]
 
 
 def test_a_policy_that_saves_a_projection_input_keeps_its_fp8_bytes_not_a_bf16_copy():
@@ -308,8 +344,16 @@ def test_a_policy_that_saves_a_projection_input_keeps_its_fp8_bytes_not_a_bf16_c
     assert sorted(dtype for tag, dtype in saved if tag == "attention_context") == ["f32[]", "u8[2,16,4,16]"], saved
     saving_inputs = {tag: "save" for tag in ("attn_norm", "mlp_norm", "mlp_hidden")}
     inputs = fp8_saved(RematConfig(policy="full", custom=saving_inputs))
-    assert sorted(inputs) == sorted([("attn_norm", "u8[2,16,64]"), ("attn_norm", "f32[]"), ("mlp_norm", "u8[2,16,64]"),
-                                     ("mlp_norm", "f32[]"), ("mlp_hidden", "u8[2,16,128]"), ("mlp_hidden", "f32[]")])
+    assert sorted(inputs) == sorted(
+        [
+            ("attn_norm", "u8[2,16,64]"),
+            ("attn_norm", "f32[]"),
+            ("mlp_norm", "u8[2,16,64]"),
+            ("mlp_norm", "f32[]"),
+            ("mlp_hidden", "u8[2,16,128]"),
+            ("mlp_hidden", "f32[]"),
+        ]
+    )
 
 
 def test_an_overflowing_fp8_step_is_skipped_by_the_guard():

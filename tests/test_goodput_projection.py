@@ -28,11 +28,29 @@ from llama_jax.training.goodput_projection import (
 
 def inputs(**changes) -> Inputs:
     """A durable-only run of 10,000 one-second steps on 64 GPUs, one-second saves, no failures."""
-    base = Inputs(gpus=64, gpus_per_host=8, steps=10_000, step_s=1.0, durable_every=100, local_every=0,
-                  local_replicas=1, save_durable_s=1.0, save_local_s=0.1, write_durable_s=0.0, write_local_s=0.0,
-                  restore_durable_s=30.0, restore_local_s=3.0, restart_s=60.0, first_start_s=0.0, detect_s=20.0,
-                  hang_detect_s=300.0, replacement_s=600.0, steady_overhead=0.0, failures_per_gpu_hour=0.0,
-                  planned_per_gpu_hour=0.0)
+    base = Inputs(
+        gpus=64,
+        gpus_per_host=8,
+        steps=10_000,
+        step_s=1.0,
+        durable_every=100,
+        local_every=0,
+        local_replicas=1,
+        save_durable_s=1.0,
+        save_local_s=0.1,
+        write_durable_s=0.0,
+        write_local_s=0.0,
+        restore_durable_s=30.0,
+        restore_local_s=3.0,
+        restart_s=60.0,
+        first_start_s=0.0,
+        detect_s=20.0,
+        hang_detect_s=300.0,
+        replacement_s=600.0,
+        steady_overhead=0.0,
+        failures_per_gpu_hour=0.0,
+        planned_per_gpu_hour=0.0,
+    )
     return dataclasses.replace(base, **changes)
 
 
@@ -98,8 +116,20 @@ def test_sensitivity_names_the_failure_rate_at_llama3_scale():
 
 
 def test_goodput_command_json_at_llama3_scale(capsys):
-    assert cli.main(["goodput", "llama3_405b", "checkpoint.local_dir=/dev/shm/llama-jax",
-                     "checkpoint.local_every_steps=auto", "--gpus", "16384", "--json"]) == 0
+    assert (
+        cli.main(
+            [
+                "goodput",
+                "llama3_405b",
+                "checkpoint.local_dir=/dev/shm/llama-jax",
+                "checkpoint.local_every_steps=auto",
+                "--gpus",
+                "16384",
+                "--json",
+            ]
+        )
+        == 0
+    )
     out = json.loads(capsys.readouterr().out)
     assert 0 < out["goodput"] < 1 and sum(out["breakdown"].values()) == pytest.approx(1.0, abs=1e-9)
     assert out["intervals"]["configured"]["local_every"] > 0 and out["intervals"]["best"]["goodput"] >= out["goodput"]
@@ -110,16 +140,20 @@ def test_goodput_command_json_at_llama3_scale(capsys):
     assert all(entry["source"] for entry in out["inputs"].values())
     assert out["most_sensitive"] in out["sensitivity"]
     shares = out["failures"]["shares"]
-    assert (shares["host_lost"] + shares["slow_device"]) / (1 - shares["preemption"]) == \
-        pytest.approx(LLAMA3_HOST_LOSS_SHARE)
+    assert (shares["host_lost"] + shares["slow_device"]) / (1 - shares["preemption"]) == pytest.approx(
+        LLAMA3_HOST_LOSS_SHARE
+    )
 
 
-@pytest.mark.parametrize("args, says", [
-    (["--gpus", "0"], "--gpus 0 must be positive"),
-    (["--gpus", "12"], "whole number of hosts"),
-    (["--gpus", "16", "--host-loss-share", "1.5"], "--host-loss-share in [0, 1]"),
-    (["--gpus", "16", "--from", "/nonexistent/run"], "--from /nonexistent/run does not exist"),
-])
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["--gpus", "0"], "--gpus 0 must be positive"),
+        (["--gpus", "12"], "whole number of hosts"),
+        (["--gpus", "16", "--host-loss-share", "1.5"], "--host-loss-share in [0, 1]"),
+        (["--gpus", "16", "--from", "/nonexistent/run"], "--from /nonexistent/run does not exist"),
+    ],
+)
 def test_goodput_command_refuses_bad_input_in_one_line(args, says, capsys):
     assert cli.main(["goodput", "tiny", *args]) == 2
     err = capsys.readouterr().err
@@ -134,17 +168,51 @@ def test_goodput_from_a_run_without_goodput_json_exits_2(tmp_path, capsys):
 def test_costs_measured_from_a_runs_goodput_json(tmp_path, capsys):
     """Two attempts: the first killed at 100 s (last sign of life), the second started 8 s later, 12 s of start-up
     before its first step (its restart bucket holds the 8 s gap too) and 3 s compile."""
-    buckets = dict.fromkeys(("productive", "compile", "checkpoint_save", "checkpoint_restore", "data_wait", "eval",
-                             "lost", "straggler", "restart", "other"), 0.0)
-    first = {"started_at": 0.0, "last_alive": 100.0, "outcome": "died", "highest_step": 80, "timed_steps": 80,
-             "step_seconds": 80.0, "buckets": {**buckets, "productive": 80.0, "compile": 10.0, "restart": 5.0,
-                                               "data_wait": 2.0},
-             "tiers": {"save_durable": {"count": 4, "seconds": 2.0, "bytes": 0},
-                       "save_local": {"count": 8, "seconds": 0.8, "bytes": 0}}}
-    second = {"started_at": 108.0, "last_alive": 200.0, "outcome": "finished", "highest_step": 160, "timed_steps": 90,
-              "step_seconds": 90.0, "buckets": {**buckets, "productive": 90.0, "compile": 3.0, "restart": 20.0,
-                                                "checkpoint_restore": 1.5, "lost": 10.0},
-              "tiers": {"restore_local": {"count": 1, "seconds": 1.5, "bytes": 0}}}
+    buckets = dict.fromkeys(
+        (
+            "productive",
+            "compile",
+            "checkpoint_save",
+            "checkpoint_restore",
+            "data_wait",
+            "eval",
+            "lost",
+            "straggler",
+            "restart",
+            "other",
+        ),
+        0.0,
+    )
+    first = {
+        "started_at": 0.0,
+        "last_alive": 100.0,
+        "outcome": "died",
+        "highest_step": 80,
+        "timed_steps": 80,
+        "step_seconds": 80.0,
+        "buckets": {**buckets, "productive": 80.0, "compile": 10.0, "restart": 5.0, "data_wait": 2.0},
+        "tiers": {
+            "save_durable": {"count": 4, "seconds": 2.0, "bytes": 0},
+            "save_local": {"count": 8, "seconds": 0.8, "bytes": 0},
+        },
+    }
+    second = {
+        "started_at": 108.0,
+        "last_alive": 200.0,
+        "outcome": "finished",
+        "highest_step": 160,
+        "timed_steps": 90,
+        "step_seconds": 90.0,
+        "buckets": {
+            **buckets,
+            "productive": 90.0,
+            "compile": 3.0,
+            "restart": 20.0,
+            "checkpoint_restore": 1.5,
+            "lost": 10.0,
+        },
+        "tiers": {"restore_local": {"count": 1, "seconds": 1.5, "bytes": 0}},
+    }
     (tmp_path / "goodput.json").write_text(json.dumps({"attempts": [first, second]}))
     found = {k: v for k, (v, _) in measured(tmp_path).items()}
     assert found["step_s"] == 1.0 and found["save_durable_s"] == 0.5 and found["save_local_s"] == 0.1
@@ -166,10 +234,34 @@ def test_readme_rehearsal_commands_parse_and_a_short_rehearsal_survives_a_lost_h
     commands = readme_commands(".venv/bin/python bench/rehearsal.py")
     assert {rehearsal.arguments(shlex.split(c)[2:]).processes for c in commands} >= {2, 4}
     out = tmp_path / "rehearsal.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "rehearsal.py"), "--preset", "llama3_8b",
-                           "--processes", "2", "--devices", "1", "--steps", "120", "--failures-per-hour", "3600",
-                           "--max-faults", "1", "--seed", "7", "--work", str(tmp_path / "work"), "--json", str(out)],
-                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "bench" / "rehearsal.py"),
+            "--preset",
+            "llama3_8b",
+            "--processes",
+            "2",
+            "--devices",
+            "1",
+            "--steps",
+            "120",
+            "--failures-per-hour",
+            "3600",
+            "--max-faults",
+            "1",
+            "--seed",
+            "7",
+            "--work",
+            str(tmp_path / "work"),
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     last = json.loads(proc.stdout.strip().splitlines()[-1])
     assert last["params_bitwise_equal"] is True

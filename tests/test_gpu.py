@@ -18,9 +18,11 @@ from gpu_check import BF16_TOLERANCE, GPU_SHAPE, PARITY_CASES, attention_errors 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs an NVIDIA GPU")
 
 
-@pytest.mark.parametrize("case", PARITY_CASES,
-                         ids=lambda case: f"{case.implementation}-{case.documents}-documents-"
-                                          f"{case.sequence_shards}-devices")
+@pytest.mark.parametrize(
+    "case",
+    PARITY_CASES,
+    ids=lambda case: f"{case.implementation}-{case.documents}-documents-{case.sequence_shards}-devices",
+)
 def test_attention_matches_xla_on_packed_documents(case):
     output_error, gradient_error = attention_errors(case, GPU_SHAPE)
     assert output_error < BF16_TOLERANCE

@@ -17,8 +17,10 @@ SCRIPT = ROOT / "bench" / "gpu_check.py"
 sys.path.insert(0, str(SCRIPT.parent))
 import gpu_check  # noqa: E402
 
-NO_GPU_LINE = re.compile(r"gpu-check: no NVIDIA GPU here \((jax has no CUDA plugin installed: "
-                         r"pip install -e '\.\[gpu\]'|jax backend: \w+)\); nothing to check")
+NO_GPU_LINE = re.compile(
+    r"gpu-check: no NVIDIA GPU here \((jax has no CUDA plugin installed: "
+    r"pip install -e '\.\[gpu\]'|jax backend: \w+)\); nothing to check"
+)
 TRAIN_CHECKS = ["model", "loss", "tokens/s", "MFU", "achieved FLOP/s", "HLO / model FLOPs", "peak device memory"]
 FP8_CHECKS = ["model", "loss", "tokens/s", "MFU", "peak device memory", "loss vs bf16"]
 ENVIRONMENT_CHECKS = ["XLA_FLAGS", "launch/gpu_env.sh", "versions", "device", "CUDA / cuDNN"]
@@ -34,9 +36,22 @@ def one_cpu_device_env() -> dict[str, str]:
 def smoke(tmp_path_factory):
     """One --cpu-smoke run: (its stdout, the JSON it wrote)."""
     out = tmp_path_factory.mktemp("gpu_check")
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--cpu-smoke", "--json", str(out / "figures.json"),
-                           f"data.cache_dir={out / 'cache'}", f"run.compilation_cache={out / 'jax_cache'}"],
-                          env=one_cpu_device_env(), cwd=out, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--cpu-smoke",
+            "--json",
+            str(out / "figures.json"),
+            f"data.cache_dir={out / 'cache'}",
+            f"run.compilation_cache={out / 'jax_cache'}",
+        ],
+        env=one_cpu_device_env(),
+        cwd=out,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout, json.loads((out / "figures.json").read_text())
 
@@ -49,7 +64,7 @@ def table_rows(stdout: str) -> list[dict[str, str]]:
     names = header.split()
     starts = [header.index(name) for name in names]
     rows = []
-    for line in lines[start + 1:]:
+    for line in lines[start + 1 :]:
         if line.startswith("figures: "):
             break
         cells = [line[a:b].strip() for a, b in zip(starts, [*starts[1:], None])]
@@ -58,8 +73,14 @@ def table_rows(stdout: str) -> list[dict[str, str]]:
 
 
 def test_without_a_gpu_it_prints_one_line_and_succeeds(tmp_path):
-    proc = subprocess.run([sys.executable, str(SCRIPT)], env=one_cpu_device_env(), cwd=tmp_path,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT)],
+        env=one_cpu_device_env(),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     (line,) = proc.stdout.splitlines()
     assert NO_GPU_LINE.fullmatch(line)
@@ -73,16 +94,22 @@ def test_readme_make_gpu_check_sources_the_gpu_settings_and_answers_in_one_line(
     (command,) = readme_commands("make gpu-check")  # docs/gpus.md
     venv = Path(sys.prefix)
     make = ["make", "--no-print-directory", "-o", f"{venv}/.installed", f"VENV={venv}"]
-    proc = subprocess.run([*make, *command.split()[1:]], cwd=ROOT, env=one_cpu_device_env(), capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run(
+        [*make, *command.split()[1:]], cwd=ROOT, env=one_cpu_device_env(), capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     # make echoes the recipe (the CUDA install only where nvidia-smi finds a GPU), then the check's one line.
     install, run, answer = proc.stdout.splitlines()
     assert install.startswith("if nvidia-smi -L") and "'.[gpu]'" in install
     assert "source launch/gpu_env.sh" in run and "bench/gpu_check.py" in run
     assert NO_GPU_LINE.fullmatch(answer)
-    dry_run = subprocess.run([*make, "-n", "gpu-check", "ARGS=--json out.json model.n_layers=2"], cwd=ROOT,
-                             capture_output=True, text=True, check=True).stdout
+    dry_run = subprocess.run(
+        [*make, "-n", "gpu-check", "ARGS=--json out.json model.n_layers=2"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     assert "bench/gpu_check.py --json out.json model.n_layers=2" in dry_run
 
 
@@ -120,8 +147,9 @@ def test_cpu_smoke_prints_one_table_of_every_check(smoke):
 def test_cpu_smoke_json_holds_the_table_and_its_figures(smoke):
     stdout, report = smoke
     assert report["mode"] == "cpu-smoke" and report["failed"] == 0
-    assert [(r["area"], r["check"], r["status"]) for r in report["rows"]] == \
-        [(r["area"], r["check"], r["status"]) for r in table_rows(stdout)]
+    assert [(r["area"], r["check"], r["status"]) for r in report["rows"]] == [
+        (r["area"], r["check"], r["status"]) for r in table_rows(stdout)
+    ]
     for entry in report["attention"]:
         if entry["status"] == "pass":
             assert 0 <= entry["output_error"] < entry["tolerance"] and 0 <= entry["gradient_error"] < entry["tolerance"]
@@ -130,8 +158,17 @@ def test_cpu_smoke_json_holds_the_table_and_its_figures(smoke):
     step = report["train_step"]
     assert step["preset"] == "tiny" and step["fits"]
     assert len(step["step_s"]) == step["steps"] == 3
-    for key in ("tokens_per_s", "achieved_flops_per_s", "hlo_flops_per_s", "peak_flops_per_device", "mfu",
-                "model_flops", "hlo_flops", "planned_total_bytes", "budget_bytes"):
+    for key in (
+        "tokens_per_s",
+        "achieved_flops_per_s",
+        "hlo_flops_per_s",
+        "peak_flops_per_device",
+        "mfu",
+        "model_flops",
+        "hlo_flops",
+        "planned_total_bytes",
+        "budget_bytes",
+    ):
         assert step[key] > 0, key
     assert step["achieved_flops_per_s"] == pytest.approx(step["model_flops"] / step["step_s_median"])
     assert step["mfu"] == pytest.approx(step["achieved_flops_per_s"] / step["peak_flops_per_device"])
@@ -147,9 +184,11 @@ def test_cpu_smoke_json_holds_the_table_and_its_figures(smoke):
     assert len(bf16_losses) == len(fp8_losses) == fp8["loss_steps"] == 5
     assert bf16_losses[-1] < bf16_losses[0] and fp8_losses[-1] < fp8_losses[0]
     assert fp8["loss_max_relative_difference"] == pytest.approx(
-        max(abs(b - f) / b for b, f in zip(bf16_losses, fp8_losses)))
+        max(abs(b - f) / b for b, f in zip(bf16_losses, fp8_losses))
+    )
     assert fp8["loss_tail_steps"] == 5 and fp8["loss_tail_relative_difference"] == pytest.approx(
-        abs(sum(fp8_losses) - sum(bf16_losses)) / sum(bf16_losses))
+        abs(sum(fp8_losses) - sum(bf16_losses)) / sum(bf16_losses)
+    )
     assert 0 < fp8["loss_tail_relative_difference"] <= gpu_check.FP8_LOSS_TOLERANCE
     environment = report["environment"]
     assert environment["jax"] == jax.__version__ and environment["device_kind"] == "cpu"
@@ -183,7 +222,7 @@ def test_packed_segments_give_each_row_its_documents_and_the_last_row_padding():
     segments = gpu_check.packed_segments(6, shape)
     assert segments.shape == (shape.batch, shape.seq)
     assert sorted(set(segments[0])) == [1, 2, 3, 4, 5, 6]
-    assert (segments[-1, -shape.padding:] == 0).all() and sorted(set(segments[-1])) == [0, 1, 2, 3, 4, 5, 6]
+    assert (segments[-1, -shape.padding :] == 0).all() and sorted(set(segments[-1])) == [0, 1, 2, 3, 4, 5, 6]
 
 
 @pytest.mark.parametrize("args", [["--steps", "0"], ["--warmup", "-1"]])

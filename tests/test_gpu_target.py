@@ -31,9 +31,18 @@ needs_plugin = pytest.mark.skipif(NO_PLUGIN is not None, reason=f"XLA:GPU cannot
 
 
 # A tiny bf16 model whose attention runs on cuDNN (head_dim 32), one 512-token sequence per GPU of 8.
-GPU_MODEL = ["model.d_model=128", "model.n_heads=4", "model.n_kv_heads=2", "model.n_layers=2", "model.ffn_dim=256",
-             "model.compute_dtype=bfloat16", f"model.max_seq_len={SEQ}", f"train.seq_len={SEQ}", "train.batch_size=8",
-             "train.microbatches=1"]
+GPU_MODEL = [
+    "model.d_model=128",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "model.n_layers=2",
+    "model.ffn_dim=256",
+    "model.compute_dtype=bfloat16",
+    f"model.max_seq_len={SEQ}",
+    f"train.seq_len={SEQ}",
+    "train.batch_size=8",
+    "train.microbatches=1",
+]
 
 
 def gpu_config(*overrides: str):
@@ -76,10 +85,14 @@ def test_the_target_config_is_written_from_the_data_sheet_table(target):
 def test_cudnn_workspace_is_the_measured_eight_bytes_per_document_head_token_and_dim():
     """8 bytes x documents x q's elements: 4 GiB for one 8K row of Llama 3 8B's 32 heads at 16 documents, 0.25 GiB
     per document, as an H100 measured (docs/performance.md); the largest call of the program counts."""
+
     def call(q: str, extra: str = "") -> str:
-        return (f'  %fmha = (bf16[{q}]{{3,1,2,0}}, u8[0]{{0}}) custom-call(%q, %k, %v{", %s, %s" if extra else ""}), '
-                f'custom_call_target="__cudnn$fmhaSoftmax", operand_layout_constraints={{bf16[{q}]{{3,2,1,0}}, '
-                f'bf16[1,8192,8,128]{{3,2,1,0}}, bf16[1,8192,8,128]{{3,2,1,0}}{extra}}}, api_version=X')
+        return (
+            f"  %fmha = (bf16[{q}]{{3,1,2,0}}, u8[0]{{0}}) custom-call(%q, %k, %v{', %s, %s' if extra else ''}), "
+            f'custom_call_target="__cudnn$fmhaSoftmax", operand_layout_constraints={{bf16[{q}]{{3,2,1,0}}, '
+            f"bf16[1,8192,8,128]{{3,2,1,0}}, bf16[1,8192,8,128]{{3,2,1,0}}{extra}}}, api_version=X"
+        )
+
     packed = call("1,8192,32,128", ", s32[1,16]{1,0}, s32[1,17]{1,0}")
     assert gpu_target.cudnn_workspace_bytes(packed) == 4 * 2**30
     assert gpu_target.cudnn_workspace_bytes(call("1,8192,32,128")) == 2**28  # one document per row
@@ -87,15 +100,23 @@ def test_cudnn_workspace_is_the_measured_eight_bytes_per_document_head_token_and
     assert gpu_target.cudnn_workspace_bytes("%d = bf16[8] add(%a, %b)") == 0
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--gpus", "8"], "--gpus and --gpus-per-host plan a cluster of --target GPUs, e.g. --target h100 --gpus 32"),
-    (["--target", "h100"], "--target h100 needs --gpus N: how many GPUs the run has"),
-    (["--target", "h900", "--gpus", "8"], "--target h900: unknown GPU; use one of h100, h200, a100, b200"),
-    (["--target", "h100", "--gpus", "12", "--gpus-per-host", "8"],
-     "--gpus 12 --gpus-per-host 8: the GPUs must fill whole hosts (--gpus a positive multiple of --gpus-per-host)"),
-    (["--target", "h100", "--gpus", "8", "--devices-per-host", "4"],
-     "--devices-per-host is for simulated devices; with --target the hosts are --gpus-per-host"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--gpus", "8"], "--gpus and --gpus-per-host plan a cluster of --target GPUs, e.g. --target h100 --gpus 32"),
+        (["--target", "h100"], "--target h100 needs --gpus N: how many GPUs the run has"),
+        (["--target", "h900", "--gpus", "8"], "--target h900: unknown GPU; use one of h100, h200, a100, b200"),
+        (
+            ["--target", "h100", "--gpus", "12", "--gpus-per-host", "8"],
+            "--gpus 12 --gpus-per-host 8: the GPUs must fill whole hosts "
+            "(--gpus a positive multiple of --gpus-per-host)",
+        ),
+        (
+            ["--target", "h100", "--gpus", "8", "--devices-per-host", "4"],
+            "--devices-per-host is for simulated devices; with --target the hosts are --gpus-per-host",
+        ),
+    ],
+)
 def test_bad_target_options_are_one_line_and_exit_2(args, message, capsys):
     assert cli.main(["plan", "tiny", *args]) == 2
     assert capsys.readouterr().err.strip().splitlines() == [f"llama-jax: error: {message}"]
@@ -108,13 +129,18 @@ def test_target_without_the_cuda_plugin_is_one_line_and_exit_2(monkeypatch, caps
         import importlib.util
 
         find_spec = importlib.util.find_spec
-        monkeypatch.setattr(importlib.util, "find_spec",
-                            lambda name, *a: None if name.startswith("jax_plugins") else find_spec(name, *a))
+        monkeypatch.setattr(
+            importlib.util,
+            "find_spec",
+            lambda name, *a: None if name.startswith("jax_plugins") else find_spec(name, *a),
+        )
     for command in ("plan", "tune"):
         assert cli.main([command, "tiny", "--target", "h100", "--gpus", "8"]) == 2
         (line,) = capsys.readouterr().err.strip().splitlines()
-        assert line.startswith("llama-jax: error: --target compiles the step with XLA:GPU, which needs jax's CUDA "
-                               "plugin") and "pip install -e '.[gpu]' (Python >= 3.12, jax >= 0.11.1)" in line
+        assert (
+            line.startswith("llama-jax: error: --target compiles the step with XLA:GPU, which needs jax's CUDA plugin")
+            and "pip install -e '.[gpu]' (Python >= 3.12, jax >= 0.11.1)" in line
+        )
 
 
 # --------------------------------------------------------------------------------------------
@@ -152,8 +178,13 @@ def test_the_step_fits_its_budget_with_cudnns_workspace_counted(eight_h100s):
     memory = program.compile_step().memory_analysis()
     workspace = program.cudnn_workspace_bytes()
     assert workspace == 8 * 16 * 1 * SEQ * 4 * 32
-    assert program.memory_bytes() == (memory.argument_size_in_bytes + memory.temp_size_in_bytes
-                                      + memory.output_size_in_bytes - memory.alias_size_in_bytes + workspace)
+    assert program.memory_bytes() == (
+        memory.argument_size_in_bytes
+        + memory.temp_size_in_bytes
+        + memory.output_size_in_bytes
+        - memory.alias_size_in_bytes
+        + workspace
+    )
     assert program.memory_bytes() < 128 * 2**20
     assert program.memory_budget() == 0.9 * 80 * 2**30
 
@@ -163,8 +194,9 @@ def test_a_pipeline_plan_compiles_for_four_hosts_with_its_permutes_along_the_pip
     """pipeline=4 over 4 hosts of 8 GPUs (1x4x8), fsdp=8 within each: the stages hand activations on with
     collective permutes along the pipeline axis, between hosts; XLA:GPU's double buffering unrolls the stage loop
     by 2 and peels an iteration, and the plan still counts the schedule's M + P - 1 iterations."""
-    config = gpu_config("model.n_layers=4", "mesh.pipeline=4", "mesh.fsdp=8", "train.batch_size=64",
-                        "train.microbatches=8")
+    config = gpu_config(
+        "model.n_layers=4", "mesh.pipeline=4", "mesh.fsdp=8", "train.batch_size=64", "train.microbatches=8"
+    )
     plan = planning.make_plan(config, sharding.make_mesh(config, gpu_target.devices("h100", 32)))
     assert plan.target.startswith("H100") and plan.hosts == 4 and plan.devices == 32
     permutes = [t for t in plan.collective_by_axis if t.kind == "collective-permute"]
@@ -179,8 +211,16 @@ def test_tune_ranks_candidates_compiled_for_the_target(tmp_path):
     never measured (they are not here)."""
     gpus = tuple(gpu_target.devices("h100", 8))
     options = tune.Options(policies=("none",), microbatches=(1,), every_n_layers=(1,), devices=gpus, progress=False)
-    pins = ["mesh.pipeline=1", "mesh.data=1", "mesh.fsdp=8", "mesh.tensor=1", "mesh.sequence=1", "train.microbatches=1",
-            "remat.policy=none", f"data.cache_dir={tmp_path}"]
+    pins = [
+        "mesh.pipeline=1",
+        "mesh.data=1",
+        "mesh.fsdp=8",
+        "mesh.tensor=1",
+        "mesh.sequence=1",
+        "train.microbatches=1",
+        "remat.policy=none",
+        f"data.cache_dir={tmp_path}",
+    ]
     report = tune.tune("tiny", [*GPU_MODEL, *pins], options)
     assert not report.measured and report.devices == 8 and report.device_kind == "NVIDIA H100 80GB HBM3"
     assert report.model.peak_flops == 989e12 and report.model.memory_bandwidth == 3350e9
@@ -227,16 +267,26 @@ def test_the_fp8_step_runs_every_projection_on_cublaslts_fp8_gemm_and_nothing_el
     fp8, bf16 = (hlo.analyze(texts[r], 1) for r in ("tensorwise", "none"))
     assert fp8.fp8_flops == projection_flops(config) and bf16.fp8_flops == 0
     assert fp8.dot_flops == bf16.dot_flops  # the same matmuls, in other types
-    calls = [(target, operands, result) for target, operands, result in hlo.custom_calls(texts["tensorwise"])
-             if target.startswith(("__cublas", "__cudnn"))]
-    f8 = [(tuple(o.split("[")[0] for o in operands[:2]), operands, result)
-          for target, operands, result in calls if target == "__cublas$lt$matmul$f8"]
+    calls = [
+        (target, operands, result)
+        for target, operands, result in hlo.custom_calls(texts["tensorwise"])
+        if target.startswith(("__cublas", "__cudnn"))
+    ]
+    f8 = [
+        (tuple(o.split("[")[0] for o in operands[:2]), operands, result)
+        for target, operands, result in calls
+        if target == "__cublas$lt$matmul$f8"
+    ]
     per_kind = {}
     for kinds, operands, result in f8:
         per_kind[kinds] = per_kind.get(kinds, 0.0) + gemm_flops(operands, result)
-    assert per_kind == pytest.approx({("f8e4m3fn", "f8e4m3fn"): projection_flops(config) / 3,  # forward
-                                      ("f8e5m2", "f8e4m3fn"): projection_flops(config) / 3,  # input gradient
-                                      ("f8e4m3fn", "f8e5m2"): projection_flops(config) / 3})  # weight gradient
+    assert per_kind == pytest.approx(
+        {
+            ("f8e4m3fn", "f8e4m3fn"): projection_flops(config) / 3,  # forward
+            ("f8e5m2", "f8e4m3fn"): projection_flops(config) / 3,  # input gradient
+            ("f8e4m3fn", "f8e5m2"): projection_flops(config) / 3,
+        }
+    )  # weight gradient
     others = [(target, " ".join(operands)) for target, operands, _ in calls if target != "__cublas$lt$matmul$f8"]
     assert not any("f8" in operands for _, operands in others)
     vocab = f",{config.model.vocab_size}]"  # the output projection's [d, vocab] kernel, its logits and gradients

@@ -56,11 +56,13 @@ def test_batched_prompts_of_different_lengths_decode_like_single_prompts(golden)
 def test_sampling_is_seeded_and_respects_top_k(golden):
     _, cfg, params, expected = golden
     prompt, sampling = [expected["prompt"].tolist()], Sampling(temperature=1.0, top_k=1)
-    assert generate(cfg, params, prompt, 6, jax.random.key(1), sampling) == \
-        generate(cfg, params, prompt, 6, jax.random.key(2), GREEDY)  # top-1 sampling is greedy
+    assert generate(cfg, params, prompt, 6, jax.random.key(1), sampling) == generate(
+        cfg, params, prompt, 6, jax.random.key(2), GREEDY
+    )  # top-1 sampling is greedy
     hot = Sampling(temperature=1.5, top_p=0.9)
-    assert generate(cfg, params, prompt, 6, jax.random.key(3), hot) == generate(cfg, params, prompt, 6,
-                                                                               jax.random.key(3), hot)
+    assert generate(cfg, params, prompt, 6, jax.random.key(3), hot) == generate(
+        cfg, params, prompt, 6, jax.random.key(3), hot
+    )
 
 
 def hf_tensors(directory: Path) -> dict[str, np.ndarray]:
@@ -89,14 +91,20 @@ def test_a_bfloat16_export_loads_with_the_same_logits_within_bfloat16_rounding(g
     assert {str(t.dtype) for t in hf_tensors(tmp_path / "bf16").values()} == {"bfloat16"}
     cfg16, params16 = api.load(f"hf:{tmp_path / 'bf16'}")
     rounded = jax.tree.map(lambda x: np.asarray(x).astype("bfloat16").astype(np.float32), params)
-    np.testing.assert_array_equal(api.logits(cfg16, params16, expected["tokens"]),
-                                  api.logits(cfg, rounded, expected["tokens"]))
+    np.testing.assert_array_equal(
+        api.logits(cfg16, params16, expected["tokens"]), api.logits(cfg, rounded, expected["tokens"])
+    )
 
 
 def test_both_config_formats_read_the_same(tmp_path):
     source = json.loads((GOLDEN / "gqa_llama3_untied" / "config.json").read_text())
-    rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 16}
+    rope = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16,
+    }
     common = {k: v for k, v in source.items() if k not in ("rope_theta", "rope_scaling", "rope_parameters")}
     old = {**common, "rope_theta": 500000.0, "rope_scaling": rope}  # transformers 4.x
     new = {**common, "rope_parameters": {**rope, "rope_theta": 500000.0}}  # transformers 5.x
@@ -122,6 +130,7 @@ def test_interleaved_rotary_layout_is_converted(golden, tmp_path):
             if name.endswith(("q_proj.weight", "k_proj.weight")):
                 tensors[name] = hf.half_to_interleaved(tensors[name], heads)
         from safetensors.numpy import save_file
+
         save_file(tensors, file, metadata={"format": "pt"})
     params = hf.read_params(meta_layout, cfg, rotary="interleaved")
     assert np.abs(api.logits(cfg, params, expected["tokens"]) - expected["logits"]).max() <= TOLERANCE
@@ -129,11 +138,14 @@ def test_interleaved_rotary_layout_is_converted(golden, tmp_path):
     np.testing.assert_array_equal(hf.interleaved_to_half(hf.half_to_interleaved(w, 4), 4), w)
 
 
-@pytest.mark.parametrize("damage, message", [
-    ("architecture", "architecture MistralForCausalLM is not supported"),
-    ("missing-tensor", "lacks tensor(s) model.layers.1.mlp.up_proj.weight"),
-    ("rope-type", "rope type 'yarn' is not supported"),
-])
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        ("architecture", "architecture MistralForCausalLM is not supported"),
+        ("missing-tensor", "lacks tensor(s) model.layers.1.mlp.up_proj.weight"),
+        ("rope-type", "rope type 'yarn' is not supported"),
+    ],
+)
 def test_unsupported_or_incomplete_models_exit_2_naming_what(damage, message, tmp_path, capsys):
     source = tmp_path / "model"
     shutil.copytree(GOLDEN / "gqa_llama3_untied", source)
@@ -145,6 +157,7 @@ def test_unsupported_or_incomplete_models_exit_2_naming_what(damage, message, tm
         config.pop("rope_parameters", None)
     else:
         from safetensors.numpy import save_file
+
         tensors = load_file(source / "model.safetensors")
         del tensors["model.layers.1.mlp.up_proj.weight"]
         save_file(tensors, source / "model.safetensors", metadata={"format": "pt"})
@@ -191,30 +204,73 @@ def test_generate_and_eval_commands_on_a_converted_model(tmp_path, capsys):
     texts = [" ".join(words[i:] + words[:i]) for i in range(len(words))] * 20
     train_bpe(texts, 300).save(ours)
     (tmp_path / "text.txt").write_text("\n".join(texts))
-    assert cli.main(["generate", str(ours), "--prompt", "the quick", "--prompt", "a lazy dog", "--max-new-tokens",
-                     "5", "--temperature", "0"]) == 0
+    assert (
+        cli.main(
+            [
+                "generate",
+                str(ours),
+                "--prompt",
+                "the quick",
+                "--prompt",
+                "a lazy dog",
+                "--max-new-tokens",
+                "5",
+                "--temperature",
+                "0",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert out.startswith("the quick") and "a lazy dog" in out
-    assert cli.main(["eval", str(ours), str(tmp_path / "text.txt"), "train.batch_size=8", "train.seq_len=16",
-                     "--batches", "2"]) == 0
+    assert (
+        cli.main(
+            ["eval", str(ours), str(tmp_path / "text.txt"), "train.batch_size=8", "train.seq_len=16", "--batches", "2"]
+        )
+        == 0
+    )
     line = capsys.readouterr().out.strip().splitlines()[-1]
     assert "perplexity" in line and "(2 batch(es) of 8 x 16 tokens)" in line
     # eval reads the field and the unit of text it is given: data.text_field, data.text_unit
     (tmp_path / "texts.jsonl").write_text("\n".join(json.dumps({"body": t}) for t in texts) + "\n")
-    assert cli.main(["eval", str(ours), str(tmp_path / "texts.jsonl"), "train.batch_size=8", "train.seq_len=16",
-                     "data.text_field=body", "--batches", "2"]) == 0
+    assert (
+        cli.main(
+            [
+                "eval",
+                str(ours),
+                str(tmp_path / "texts.jsonl"),
+                "train.batch_size=8",
+                "train.seq_len=16",
+                "data.text_field=body",
+                "--batches",
+                "2",
+            ]
+        )
+        == 0
+    )
     assert "(2 batch(es) of 8 x 16 tokens)" in capsys.readouterr().out
-    whole, lines = (api.evaluate(str(ours), str(tmp_path / "text.txt"),
-                                 ["train.batch_size=8", "train.seq_len=16", *unit], print_fn=lambda _: None)
-                    for unit in ([], ["data.text_unit=line"]))
+    whole, lines = (
+        api.evaluate(
+            str(ours),
+            str(tmp_path / "text.txt"),
+            ["train.batch_size=8", "train.seq_len=16", *unit],
+            print_fn=lambda _: None,
+        )
+        for unit in ([], ["data.text_unit=line"])
+    )
     assert lines["batches"] > whole["batches"]  # a document per line: BOS and EOS around every line
 
 
 def test_a_checkpoint_trained_with_sharding_converts_and_evaluates_on_one_device(tmp_path, corpus, tiny):
     from llama_jax.training.loop import train
 
-    cfg = tiny(tmp_path, train=dict(steps=3), mesh=dict(fsdp=8), data=dict(sources=[str(corpus)]),
-               checkpoint=dict(every_steps=0))
+    cfg = tiny(
+        tmp_path,
+        train=dict(steps=3),
+        mesh=dict(fsdp=8),
+        data=dict(sources=[str(corpus)]),
+        checkpoint=dict(every_steps=0),
+    )
     train(cfg, print_fn=lambda _: None)
     exported = tmp_path / "hf"
     api.convert(cfg.run.dir, str(exported), print_fn=lambda _: None)
@@ -224,9 +280,14 @@ def test_a_checkpoint_trained_with_sharding_converts_and_evaluates_on_one_device
     hf_cfg, hf_params = api.load(f"hf:{exported}")
     assert hf_cfg == dataclasses.replace(run_cfg, init_std=hf_cfg.init_std, attention=hf_cfg.attention)
     np.testing.assert_array_equal(api.logits(hf_cfg, hf_params, tokens), api.logits(run_cfg, run_params, tokens))
-    one_device = api.evaluate(f"hf:{exported}", str(corpus), ["mesh.fsdp=1", "train.batch_size=2", "train.seq_len=16",
-                                                              "model.compute_dtype=float32"],
-                              max_batches=2, print_fn=lambda _: None, devices=jax.devices()[:1])
+    one_device = api.evaluate(
+        f"hf:{exported}",
+        str(corpus),
+        ["mesh.fsdp=1", "train.batch_size=2", "train.seq_len=16", "model.compute_dtype=float32"],
+        max_batches=2,
+        print_fn=lambda _: None,
+        devices=jax.devices()[:1],
+    )
     assert np.isfinite(one_device["loss"]) and one_device["perplexity"] > 1
 
 
@@ -235,8 +296,13 @@ def test_init_from_hf_trains_from_those_weights(tmp_path, corpus, tiny):
 
     source = GOLDEN / "gqa_llama3_untied"  # its vocabulary (300) holds a byte-level BPE (>= 258)
     model = dataclasses.replace(hf.read_config(source), compute_dtype="float32", max_seq_len=128)
-    cfg = tiny(tmp_path, model=dataclasses.asdict(model), train=dict(steps=1, lr=1e-9, weight_decay=0.0),
-               data=dict(sources=[str(corpus)]), checkpoint=dict(init_from=f"hf:{source}"))
+    cfg = tiny(
+        tmp_path,
+        model=dataclasses.asdict(model),
+        train=dict(steps=1, lr=1e-9, weight_decay=0.0),
+        data=dict(sources=[str(corpus)]),
+        checkpoint=dict(init_from=f"hf:{source}"),
+    )
     messages = []
     train(cfg, print_fn=messages.append)
     assert f"initialised the params from hf:{source}" in messages
@@ -257,12 +323,14 @@ def test_colab_notebook_runs_on_every_device(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
-    NotebookClient(notebook, timeout=600, kernel_name="python3",
-                   resources={"metadata": {"path": str(tmp_path)}}).execute()
+    NotebookClient(
+        notebook, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
+    ).execute()
     outputs = ["".join(o.get("text", "") for o in cell.get("outputs", [])) for cell in notebook.cells]
     assert "on 8 x cpu" in outputs[2] and "final_eval_loss" in outputs[3]
-    assert any(o.get("output_type") == "display_data" and "image/png" in o.get("data", {})
-               for o in notebook.cells[4].outputs)
+    assert any(
+        o.get("output_type") == "display_data" and "image/png" in o.get("data", {}) for o in notebook.cells[4].outputs
+    )
     assert outputs[5].count("---") == 2 and outputs[5].startswith("ROMEO:")
 
 
@@ -275,14 +343,20 @@ def test_readme_hugging_face_guide_commands(tmp_path, monkeypatch, corpus, tiny,
     monkeypatch.chdir(tmp_path)
     cfg = tiny(tmp_path, train=dict(steps=2), data=dict(sources=[str(corpus)]), run=dict(dir="runs/tiny"))
     train(cfg, print_fn=lambda _: None)
-    commands = [c for verb in ("convert", "generate", "eval") for c in readme_commands(f"llama-jax {verb}")
-                if "mesh." not in c  # the sharded ones: test_inference.py; the adapter guide's: test_peft*.py
-                and not any(f" runs/{adapted} " in c for adapted in ("lora", "prompt", "ptuning"))
-                and " /adapters/" not in c]
+    commands = [
+        c
+        for verb in ("convert", "generate", "eval")
+        for c in readme_commands(f"llama-jax {verb}")
+        if "mesh." not in c  # the sharded ones: test_inference.py; the adapter guide's: test_peft*.py
+        and not any(f" runs/{adapted} " in c for adapted in ("lora", "prompt", "ptuning"))
+        and " /adapters/" not in c
+    ]
     assert len(commands) == 4
     for command in commands:
-        args = [a.replace("/models/Llama-3.2-1B", str(GOLDEN / "gqa_llama3_untied")).replace(
-            "path/to/texts/", str(corpus)) for a in llama_jax_args(command)]
+        args = [
+            a.replace("/models/Llama-3.2-1B", str(GOLDEN / "gqa_llama3_untied")).replace("path/to/texts/", str(corpus))
+            for a in llama_jax_args(command)
+        ]
         assert cli.main(args) == 0, (command, capsys.readouterr().err)
     assert (tmp_path / "exported" / "tiny-hf" / "model.safetensors").is_file()
     assert (tmp_path / "runs" / "llama3-1b" / "checkpoints" / "0" / "params").is_dir()

@@ -23,17 +23,30 @@ def module(*computations: str) -> str:
 
 def entry(*lines: str) -> str:
     body = "\n".join("  " + line for line in lines)
-    return f"ENTRY %main (p: f32[128], s: f32[]) -> f32[] {{\n  %p = f32[128]{{0}} parameter(0)\n" \
-           f"  %s = f32[] parameter(1)\n{body}\n  ROOT %r = f32[] copy(%s)\n}}\n"
+    return (
+        f"ENTRY %main (p: f32[128], s: f32[]) -> f32[] {{\n  %p = f32[128]{{0}} parameter(0)\n"
+        f"  %s = f32[] parameter(1)\n{body}\n  ROOT %r = f32[] copy(%s)\n}}\n"
+    )
 
 
-@pytest.mark.parametrize("shape, expected", [
-    ("f32[]", 4), ("s32[]", 4), ("pred[3]", 3), ("f32[32,128]{1,0}", 32 * 128 * 4), ("bf16[2,3]{1,0}", 12),
-    ("f8e4m3fn[10]", 10), ("c64[2]", 16), ("token[]", 0), ("u64[2]", 16),
-    ("(f32[], bf16[2,3])", 16),
-    ("(f32[], f32[320,64]{1,0}, s8[1], u8[1], /*index=4*/f16[2]{0})", 4 + 81920 + 2 + 4),
-    ("((f32[2]{0}, s32[]), /*index=1*/f64[1])", 8 + 4 + 8), ("f32[<=10]{0}", 40),
-])
+@pytest.mark.parametrize(
+    "shape, expected",
+    [
+        ("f32[]", 4),
+        ("s32[]", 4),
+        ("pred[3]", 3),
+        ("f32[32,128]{1,0}", 32 * 128 * 4),
+        ("bf16[2,3]{1,0}", 12),
+        ("f8e4m3fn[10]", 10),
+        ("c64[2]", 16),
+        ("token[]", 0),
+        ("u64[2]", 16),
+        ("(f32[], bf16[2,3])", 16),
+        ("(f32[], f32[320,64]{1,0}, s8[1], u8[1], /*index=4*/f16[2]{0})", 4 + 81920 + 2 + 4),
+        ("((f32[2]{0}, s32[]), /*index=1*/f64[1])", 8 + 4 + 8),
+        ("f32[<=10]{0}", 40),
+    ],
+)
 def test_shape_bytes(shape, expected):
     assert shape_bytes(shape) == expected
 
@@ -43,38 +56,86 @@ def test_shape_bytes_rejects_unknown_dtype():
         shape_bytes("q7[3]")
 
 
-@pytest.mark.parametrize("line, kind, buffer, moved", [
-    # mesh form: the group is the product of the listed axes
-    ("%c = f32[1024]{0} all-gather(%p), channel_id=1, replica_groups=mesh['x'=4,'y'=2] {'x','y'}, "
-     "dimensions={0}, use_global_device_ids=true", "all-gather", 4096, 4096 * 7 / 8),
-    ("%c = f32[256]{0} all-gather(%p), replica_groups=mesh['x'=4,'y'=2] {'y'}, dimensions={0}",
-     "all-gather", 1024, 1024 / 2),
-    # a sub-axis (jax >= 0.11, Shardy): 'tensor':(1)2 is a part of size 2 of the axis of 8
-    ("%c = f32[8,32,2,8]{3,1,0,2} all-gather(%p), channel_id=12, replica_groups=mesh['data'=1,'fsdp'=1,"
-     "'sequence'=1,'tensor'=8] {'tensor':(1)2}, dimensions={2}, use_global_device_ids=true",
-     "all-gather", 16384, 16384 / 2),
-    ("%c = f32[64]{0} all-reduce(%p), replica_groups=mesh['x'=2,'y'=8] {'x','y':(2)4}, to_apply=%add",
-     "all-reduce", 256, 2 * 7 / 8 * 256),
-    # explicit groups: size of the first group
-    ("%c = f32[128]{0} all-reduce(%p), replica_groups={{0,1,2,3},{4,5,6,7}}, to_apply=%add",
-     "all-reduce", 512, 2 * 3 / 4 * 512),
-    # iota forms: the last dim of the first bracket
-    ("%c = f32[16]{0} reduce-scatter(%p), replica_groups=[2,4]<=[8], dimensions={0}, to_apply=%add",
-     "reduce-scatter", 64, 3 * 64),
-    ("%c = f32[128]{0} all-to-all(%p), replica_groups=[4,2]<=[2,4]T(1,0), dimensions={0}",
-     "all-to-all", 512, 512 / 2),
-    # empty groups: all num_devices (8) devices
-    ("%c = f32[128]{0} all-reduce(%p), channel_id=3, replica_groups={}, to_apply=%add",
-     "all-reduce", 512, 2 * 7 / 8 * 512),
-    # groups of one move nothing
-    ("%c = f32[128]{0} all-reduce(%p), replica_groups={{0},{1},{2},{3},{4},{5},{6},{7}}, to_apply=%add",
-     "all-reduce", 512, 0.0),
-    ("%c = f32[128]{0} collective-permute(%p), channel_id=4, source_target_pairs={{0,1},{1,0}}",
-     "collective-permute", 512, 512.0),
-    # tuple results (a combined all-reduce) sum all their elements
-    ("%c = (f32[], /*index=1*/f32[128]{0}) all-reduce(%s, %p), replica_groups={}, to_apply=%add",
-     "all-reduce", 516, 2 * 7 / 8 * 516),
-])
+@pytest.mark.parametrize(
+    "line, kind, buffer, moved",
+    [
+        # mesh form: the group is the product of the listed axes
+        (
+            "%c = f32[1024]{0} all-gather(%p), channel_id=1, replica_groups=mesh['x'=4,'y'=2] {'x','y'}, "
+            "dimensions={0}, use_global_device_ids=true",
+            "all-gather",
+            4096,
+            4096 * 7 / 8,
+        ),
+        (
+            "%c = f32[256]{0} all-gather(%p), replica_groups=mesh['x'=4,'y'=2] {'y'}, dimensions={0}",
+            "all-gather",
+            1024,
+            1024 / 2,
+        ),
+        # a sub-axis (jax >= 0.11, Shardy): 'tensor':(1)2 is a part of size 2 of the axis of 8
+        (
+            "%c = f32[8,32,2,8]{3,1,0,2} all-gather(%p), channel_id=12, replica_groups=mesh['data'=1,'fsdp'=1,"
+            "'sequence'=1,'tensor'=8] {'tensor':(1)2}, dimensions={2}, use_global_device_ids=true",
+            "all-gather",
+            16384,
+            16384 / 2,
+        ),
+        (
+            "%c = f32[64]{0} all-reduce(%p), replica_groups=mesh['x'=2,'y'=8] {'x','y':(2)4}, to_apply=%add",
+            "all-reduce",
+            256,
+            2 * 7 / 8 * 256,
+        ),
+        # explicit groups: size of the first group
+        (
+            "%c = f32[128]{0} all-reduce(%p), replica_groups={{0,1,2,3},{4,5,6,7}}, to_apply=%add",
+            "all-reduce",
+            512,
+            2 * 3 / 4 * 512,
+        ),
+        # iota forms: the last dim of the first bracket
+        (
+            "%c = f32[16]{0} reduce-scatter(%p), replica_groups=[2,4]<=[8], dimensions={0}, to_apply=%add",
+            "reduce-scatter",
+            64,
+            3 * 64,
+        ),
+        (
+            "%c = f32[128]{0} all-to-all(%p), replica_groups=[4,2]<=[2,4]T(1,0), dimensions={0}",
+            "all-to-all",
+            512,
+            512 / 2,
+        ),
+        # empty groups: all num_devices (8) devices
+        (
+            "%c = f32[128]{0} all-reduce(%p), channel_id=3, replica_groups={}, to_apply=%add",
+            "all-reduce",
+            512,
+            2 * 7 / 8 * 512,
+        ),
+        # groups of one move nothing
+        (
+            "%c = f32[128]{0} all-reduce(%p), replica_groups={{0},{1},{2},{3},{4},{5},{6},{7}}, to_apply=%add",
+            "all-reduce",
+            512,
+            0.0,
+        ),
+        (
+            "%c = f32[128]{0} collective-permute(%p), channel_id=4, source_target_pairs={{0,1},{1,0}}",
+            "collective-permute",
+            512,
+            512.0,
+        ),
+        # tuple results (a combined all-reduce) sum all their elements
+        (
+            "%c = (f32[], /*index=1*/f32[128]{0}) all-reduce(%s, %p), replica_groups={}, to_apply=%add",
+            "all-reduce",
+            516,
+            2 * 7 / 8 * 516,
+        ),
+    ],
+)
 def test_collective_forms(line, kind, buffer, moved):
     stats = analyze(module(ADD, entry(line)), num_devices=8)
     assert set(stats.collectives) == set(KINDS)
@@ -86,15 +147,17 @@ def test_collective_forms(line, kind, buffer, moved):
 
 
 def test_async_pairs_count_the_start_and_its_output():
-    text = module(ADD, entry(
-        "%ags = (f32[128]{0}, f32[1024]{0}) all-gather-start(%p), channel_id=1, replica_groups={}, "
-        "dimensions={0}",
-        "%agd = f32[1024]{0} all-gather-done(%ags)",
-        "%ars = f32[128]{0} all-reduce-start(%p), channel_id=2, replica_groups={}, to_apply=%add",
-        "%ard = f32[128]{0} all-reduce-done(%ars)",
-        "%cps = (f32[128]{0}, f32[128]{0}, u32[], u32[]) collective-permute-start(%p), "
-        "source_target_pairs={{0,1}}",
-        "%cpd = f32[128]{0} collective-permute-done(%cps)"))
+    text = module(
+        ADD,
+        entry(
+            "%ags = (f32[128]{0}, f32[1024]{0}) all-gather-start(%p), channel_id=1, replica_groups={}, dimensions={0}",
+            "%agd = f32[1024]{0} all-gather-done(%ags)",
+            "%ars = f32[128]{0} all-reduce-start(%p), channel_id=2, replica_groups={}, to_apply=%add",
+            "%ard = f32[128]{0} all-reduce-done(%ars)",
+            "%cps = (f32[128]{0}, f32[128]{0}, u32[], u32[]) collective-permute-start(%p), source_target_pairs={{0,1}}",
+            "%cpd = f32[128]{0} collective-permute-done(%cps)",
+        ),
+    )
     c = analyze(text, num_devices=8).collectives
     assert (c["all-gather"].count, c["all-gather"].buffer_bytes) == (1, 4096)
     assert c["all-gather"].moved_bytes == pytest.approx(4096 * 7 / 8)
@@ -139,12 +202,16 @@ def while_line(name: str, body: str, trips: str) -> str:
 
 
 def loop_entry(*lines: str) -> str:
-    return f"""ENTRY %main (x: f32[16,32], w: f32[32,8]) -> f32[16,32] {{
+    return (
+        f"""ENTRY %main (x: f32[16,32], w: f32[32,8]) -> f32[16,32] {{
   %x = f32[16,32]{{1,0}} parameter(0)
   %w = f32[32,8]{{1,0}} parameter(1)
   %zero = s32[] constant(0)
   %init = {LOOP} tuple(%zero, %x, %w)
-""" + "\n".join("  " + line for line in lines) + "\n  ROOT %out = f32[16,32]{1,0} copy(%x)\n}\n"
+"""
+        + "\n".join("  " + line for line in lines)
+        + "\n  ROOT %out = f32[16,32]{1,0} copy(%x)\n}\n"
+    )
 
 
 def test_while_with_known_trip_count_multiplies_fused_dot_and_collectives():
@@ -158,8 +225,12 @@ def test_while_with_known_trip_count_multiplies_fused_dot_and_collectives():
 
 def test_nested_whiles_multiply():
     inner_while = while_line("inner", "inner_body", "5").replace("%init", "%loop.outer_body")
-    text = module(FUSED_DOT, loop_computations("inner_body"), loop_computations("outer_body", inner_while),
-                  loop_entry(while_line("outer", "outer_body", "2")))
+    text = module(
+        FUSED_DOT,
+        loop_computations("inner_body"),
+        loop_computations("outer_body", inner_while),
+        loop_entry(while_line("outer", "outer_body", "2")),
+    )
     stats = analyze(text, num_devices=8)
     assert stats.dot_flops == (2 + 2 * 5) * DOT_FLOPS
     assert stats.collectives["all-gather"].count == 2 + 2 * 5
@@ -188,10 +259,18 @@ def test_a_loop_whose_trip_count_xla_dropped_counts_to_its_conditions_bound():
 }}
 """
     body = loop_computations("body").split("%cond.body")[0]
-    line = (f"%loop = {LOOP} while(%start_tuple), condition=%cond.body, body=%body, "
-            'backend_config={"known_induction_variable":{"tuple_index":"0"},"dynamic_variables":[]}')
-    text = module(FUSED_DOT, body, condition, loop_entry(
-        "%one = s32[] constant(1)", "%from = s32[] copy(%one)", f"%start_tuple = {LOOP} tuple(%from, %x, %w)", line))
+    line = (
+        f"%loop = {LOOP} while(%start_tuple), condition=%cond.body, body=%body, "
+        'backend_config={"known_induction_variable":{"tuple_index":"0"},"dynamic_variables":[]}'
+    )
+    text = module(
+        FUSED_DOT,
+        body,
+        condition,
+        loop_entry(
+            "%one = s32[] constant(1)", "%from = s32[] copy(%one)", f"%start_tuple = {LOOP} tuple(%from, %x, %w)", line
+        ),
+    )
     stats = analyze(text, num_devices=8)
     assert stats.unknown_trip_counts == 0 and stats.dot_flops == 6 * DOT_FLOPS
 
@@ -202,18 +281,27 @@ def test_a_double_buffered_pipeline_loop_counts_the_iterations_it_stands_for():
     pairs = "source_target_pairs={{0,1},{1,2},{2,3},{3,0}}"
     permutes = "\n  ".join(f"%cp{i}.body = f32[16,32]{{1,0}} collective-permute(%x.body), {pairs}" for i in (1, 2))
     config = '{"known_trip_count":{"n":"5"},"known_init_step":{"init":"0","step":"2"}}'
-    text = module(FUSED_DOT, loop_computations("body", permutes), loop_entry(
-        f"%loop = {LOOP} while(%init), condition=%cond.body, body=%body, backend_config={config}",
-        f"%peeled = f32[16,32]{{1,0}} collective-permute(%x), {pairs}"))
+    text = module(
+        FUSED_DOT,
+        loop_computations("body", permutes),
+        loop_entry(
+            f"%loop = {LOOP} while(%init), condition=%cond.body, body=%body, backend_config={config}",
+            f"%peeled = f32[16,32]{{1,0}} collective-permute(%x), {pairs}",
+        ),
+    )
     assert permute_loop_trips(text, 4, lambda groups: True) == [11]
     assert analyze(text, num_devices=4).dot_flops == 5 * DOT_FLOPS  # each trip's body holds what it runs
 
 
 def test_quoted_backend_config_and_shared_callees_sum():
     line = while_line("loop", "body", "").replace(
-        "body=%body", 'body=%body, backend_config="{\\"known_trip_count\\":{\\"n\\":\\"4\\"}}"')
-    text = module(FUSED_DOT, loop_computations("body"), loop_entry(
-        line, "%f1 = f32[16,8]{1,0} fusion(%x, %w), kind=kOutput, calls=%fused_dot"))
+        "body=%body", 'body=%body, backend_config="{\\"known_trip_count\\":{\\"n\\":\\"4\\"}}"'
+    )
+    text = module(
+        FUSED_DOT,
+        loop_computations("body"),
+        loop_entry(line, "%f1 = f32[16,8]{1,0} fusion(%x, %w), kind=kOutput, calls=%fused_dot"),
+    )
     assert analyze(text, num_devices=8).dot_flops == (4 + 1) * DOT_FLOPS
 
 
@@ -224,17 +312,25 @@ def test_dot_operand_shapes_from_header_and_conditional_branches():
 rhs_contracting_dims={1}
 }
 """
-    text = module(branch, entry("%pr = pred[] constant(true)",
-                                "%cd = f32[4,6,3]{2,1,0} conditional(%pr, %s, %s), true_computation=%branch, "
-                                "false_computation=%branch"))
+    text = module(
+        branch,
+        entry(
+            "%pr = pred[] constant(true)",
+            "%cd = f32[4,6,3]{2,1,0} conditional(%pr, %s, %s), true_computation=%branch, false_computation=%branch",
+        ),
+    )
     assert analyze(text, num_devices=1).dot_flops == 2 * (2 * 4 * 6 * 3 * 10)  # both branches: upper bound
 
 
 def test_convolution_flops():
-    text = module(entry(
-        "%img = f32[1,8,8,4]{3,2,1,0} parameter(2)", "%k = f32[3,3,4,16]{3,2,1,0} parameter(3)",
-        "%conv = f32[1,8,8,16]{3,2,1,0} convolution(%img, %k), window={size=3x3 pad=1_1x1_1}, "
-        "dim_labels=b01f_01io->b01f"))
+    text = module(
+        entry(
+            "%img = f32[1,8,8,4]{3,2,1,0} parameter(2)",
+            "%k = f32[3,3,4,16]{3,2,1,0} parameter(3)",
+            "%conv = f32[1,8,8,16]{3,2,1,0} convolution(%img, %k), window={size=3x3 pad=1_1x1_1}, "
+            "dim_labels=b01f_01io->b01f",
+        )
+    )
     assert analyze(text, num_devices=1).dot_flops == 2 * (8 * 8 * 16) * (3 * 3 * 4)
 
 
@@ -265,6 +361,7 @@ def test_a_named_conditional_counts_its_branches_as_often_as_they_run():
             w, i = w_and_i
             with jax.named_scope("sometimes"):
                 return jax.lax.cond(i % 4 == 0, lambda c: jnp.tanh(c @ w), lambda c: c, c), None
+
         return jax.lax.scan(step, x, (ws, jnp.arange(steps)))[0]
 
     text = jax.jit(f).lower(jnp.ones((m, k)), jnp.ones((steps, k, k))).compile().as_text()
@@ -306,8 +403,9 @@ def test_operations_give_each_scheduled_instruction_its_flops_and_traffic():
     fusion = (DOT_FLOPS, 16 * 8 * 4 + 16 * 32 * 4 + 32 * 8 * 4)
     gather = (0.0, 256 * 4 + 32 * 8 * 4)
     copy = (0.0, 2 * 16 * 32 * 4)
-    assert sorted(stats.operations) == sorted([(3 * fusion[0], 3 * fusion[1], 0.0), (0.0, 3 * gather[1], 0.0),
-                                               (*copy, 0.0)])  # no fp8 matmul
+    assert sorted(stats.operations) == sorted(
+        [(3 * fusion[0], 3 * fusion[1], 0.0), (0.0, 3 * gather[1], 0.0), (*copy, 0.0)]
+    )  # no fp8 matmul
     assert stats.memory_bytes == 3 * fusion[1] + 3 * gather[1] + copy[1]
     # Roofline: the fusion is bound by whichever of its FLOPs and bytes takes longer.
     for flops_per_s, bytes_per_s in ((1e9, 1e12), (1e12, 1e9)):
@@ -324,12 +422,18 @@ def test_fp8_dots_are_counted_apart_and_priced_at_the_fp8_rate():
   ROOT %dot = f32[16,8]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
 }
 """
-    text = module(fused, entry(
-        "%x8 = f8e4m3fn[16,32]{1,0} parameter(2)", "%g8 = f8e5m2[32,8]{1,0} parameter(3)",
-        "%x = bf16[16,32]{1,0} parameter(4)", "%w = bf16[32,8]{1,0} parameter(5)",
-        "%f = f32[16,8]{1,0} fusion(%x8, %g8), kind=kOutput, calls=%fp8_fusion",
-        "%d = bf16[16,8]{1,0} dot(%x, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}",
-        "%m = bf16[16,8]{1,0} dot(%x8, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}"))
+    text = module(
+        fused,
+        entry(
+            "%x8 = f8e4m3fn[16,32]{1,0} parameter(2)",
+            "%g8 = f8e5m2[32,8]{1,0} parameter(3)",
+            "%x = bf16[16,32]{1,0} parameter(4)",
+            "%w = bf16[32,8]{1,0} parameter(5)",
+            "%f = f32[16,8]{1,0} fusion(%x8, %g8), kind=kOutput, calls=%fp8_fusion",
+            "%d = bf16[16,8]{1,0} dot(%x, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}",
+            "%m = bf16[16,8]{1,0} dot(%x8, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}",
+        ),
+    )
     stats = analyze(text, num_devices=1)
     flops = 2 * 16 * 8 * 32
     assert stats.dot_flops == 3 * flops and stats.fp8_flops == flops
@@ -351,44 +455,72 @@ def strings(dims) -> str:
 
 
 def dot_numbers(lhs_contracting, rhs_contracting, lhs_batch=(), rhs_batch=()) -> str:
-    return (f'{{"lhs_contracting_dimensions":[{strings(lhs_contracting)}],'
-            f'"rhs_contracting_dimensions":[{strings(rhs_contracting)}],'
-            f'"lhs_batch_dimensions":[{strings(lhs_batch)}],"rhs_batch_dimensions":[{strings(rhs_batch)}]}}')
+    return (
+        f'{{"lhs_contracting_dimensions":[{strings(lhs_contracting)}],'
+        f'"rhs_contracting_dimensions":[{strings(rhs_contracting)}],'
+        f'"lhs_batch_dimensions":[{strings(lhs_batch)}],"rhs_batch_dimensions":[{strings(rhs_batch)}]}}'
+    )
 
 
 def gemm_config(*numbers, epilogue="DEFAULT", damax=False) -> str:
-    return ('{"operation_queue_id":"0","wait_on_operation_queues":[],"gemm_backend_config":{"alpha_real":1,"beta":0,'
-            f'"dot_dimension_numbers":{dot_numbers(*numbers)},"alpha_imag":0,'
-            '"precision_config":{"operand_precision":["DEFAULT","DEFAULT"],"algorithm":"ALG_UNSET"},'
-            f'"epilogue":"{epilogue}","grad_x":false,"grad_y":false,"damax_output":{str(damax).lower()}}},'
-            '"force_earliest_schedule":false,"reification_cost":[]}')
+    return (
+        '{"operation_queue_id":"0","wait_on_operation_queues":[],"gemm_backend_config":{"alpha_real":1,"beta":0,'
+        f'"dot_dimension_numbers":{dot_numbers(*numbers)},"alpha_imag":0,'
+        '"precision_config":{"operand_precision":["DEFAULT","DEFAULT"],"algorithm":"ALG_UNSET"},'
+        f'"epilogue":"{epilogue}","grad_x":false,"grad_y":false,"damax_output":{str(damax).lower()}}},'
+        '"force_earliest_schedule":false,"reification_cost":[]}'
+    )
 
 
 GEMMS = {
     # XLA's NVPTX compiler test: the lhs contracts its dim 0, the rhs its dim 1
-    "gemm": (["%lhs = bf16[3072,512]{1,0} parameter(2)", "%rhs = bf16[3840,3072]{1,0} parameter(3)",
-              '%gemm = (bf16[512,3840]{0,1}, s8[26738688]{0}) custom-call(%lhs, %rhs), '
-              f'custom_call_target="__cublas$gemm", backend_config={gemm_config([0], [1])}'],
-             2 * 512 * 3840 * 3072, 2 * (3072 * 512 + 3840 * 3072 + 512 * 3840)),
+    "gemm": (
+        [
+            "%lhs = bf16[3072,512]{1,0} parameter(2)",
+            "%rhs = bf16[3840,3072]{1,0} parameter(3)",
+            "%gemm = (bf16[512,3840]{0,1}, s8[26738688]{0}) custom-call(%lhs, %rhs), "
+            f'custom_call_target="__cublas$gemm", backend_config={gemm_config([0], [1])}',
+        ],
+        2 * 512 * 3840 * 3072,
+        2 * (3072 * 512 + 3840 * 3072 + 512 * 3840),
+    ),
     # batch dim 0; operands printed with their shapes, as older XLA does
-    "batched": (["%a = f32[4,16,32]{2,1,0} parameter(2)", "%b = f32[4,32,8]{2,1,0} parameter(3)",
-                 "%gemm = (f32[4,16,8]{2,1,0}, s8[4194304]{0}) custom-call(f32[4,16,32]{2,1,0} %a, "
-                 'f32[4,32,8]{2,1,0} %b), custom_call_target="__cublas$gemm", '
-                 f"backend_config={gemm_config([2], [1], [0], [0])}"],
-                2 * 4 * 16 * 8 * 32, 4 * (4 * 16 * 32 + 4 * 32 * 8 + 4 * 16 * 8)),
-    "lt bias+gelu": (["%x = bf16[256,1024]{1,0} parameter(2)", "%w = bf16[1024,4096]{1,0} parameter(3)",
-                      "%bias = bf16[4096]{0} parameter(4)",
-                      "%gemm = (bf16[256,4096]{1,0}, s8[33554432]{0}) custom-call(%x, %w, %bias), "
-                      'custom_call_target="__cublas$lt$matmul", '
-                      f'backend_config={gemm_config([1], [0], epilogue="BIAS_GELU")}'],
-                     2 * 256 * 4096 * 1024, 2 * (256 * 1024 + 1024 * 4096 + 4096 + 256 * 4096)),
+    "batched": (
+        [
+            "%a = f32[4,16,32]{2,1,0} parameter(2)",
+            "%b = f32[4,32,8]{2,1,0} parameter(3)",
+            "%gemm = (f32[4,16,8]{2,1,0}, s8[4194304]{0}) custom-call(f32[4,16,32]{2,1,0} %a, "
+            'f32[4,32,8]{2,1,0} %b), custom_call_target="__cublas$gemm", '
+            f"backend_config={gemm_config([2], [1], [0], [0])}",
+        ],
+        2 * 4 * 16 * 8 * 32,
+        4 * (4 * 16 * 32 + 4 * 32 * 8 + 4 * 16 * 8),
+    ),
+    "lt bias+gelu": (
+        [
+            "%x = bf16[256,1024]{1,0} parameter(2)",
+            "%w = bf16[1024,4096]{1,0} parameter(3)",
+            "%bias = bf16[4096]{0} parameter(4)",
+            "%gemm = (bf16[256,4096]{1,0}, s8[33554432]{0}) custom-call(%x, %w, %bias), "
+            'custom_call_target="__cublas$lt$matmul", '
+            f"backend_config={gemm_config([1], [0], epilogue='BIAS_GELU')}",
+        ],
+        2 * 256 * 4096 * 1024,
+        2 * (256 * 1024 + 1024 * 4096 + 4096 + 256 * 4096),
+    ),
     # fp8: four f32 scales in, (output, amax, workspace) out
-    "lt f8 amax": (["%a = f8e4m3fn[128,512]{1,0} parameter(2)", "%b = f8e4m3fn[256,512]{1,0} parameter(3)",
-                    "%one = f32[] constant(1)",
-                    "%gemm = (f8e4m3fn[128,256]{1,0}, f32[], s8[33554432]{0}) "
-                    "custom-call(%a, %b, %one, %one, %one, %one), "
-                    f'custom_call_target="__cublas$lt$matmul$f8", backend_config={gemm_config([1], [1], damax=True)}'],
-                   2 * 128 * 256 * 512, 128 * 512 + 256 * 512 + 4 * 4 + 128 * 256 + 4),
+    "lt f8 amax": (
+        [
+            "%a = f8e4m3fn[128,512]{1,0} parameter(2)",
+            "%b = f8e4m3fn[256,512]{1,0} parameter(3)",
+            "%one = f32[] constant(1)",
+            "%gemm = (f8e4m3fn[128,256]{1,0}, f32[], s8[33554432]{0}) "
+            "custom-call(%a, %b, %one, %one, %one, %one), "
+            f'custom_call_target="__cublas$lt$matmul$f8", backend_config={gemm_config([1], [1], damax=True)}',
+        ],
+        2 * 128 * 256 * 512,
+        128 * 512 + 256 * 512 + 4 * 4 + 128 * 256 + 4,
+    ),
 }
 
 
@@ -404,60 +536,92 @@ def test_cublas_gemms_count_as_matmuls_and_their_workspace_is_not_traffic(lines,
 B, T, H, KV, D = 2, 1024, 8, 2, 64
 CAUSAL_PAIRS = T * (T + 1) // 2  # query i sees keys 0..i
 # jax's dot dimension numbers for the BTNH layout (llama_jax/cudnn.py) and for BNTH.
-FORWARD = {"BTNH": {"bmm1": ([3], [3], [0, 2], [0, 2]), "bmm2": ([3], [1], [0, 1], [0, 2])},
-           "BNTH": {"bmm1": ([3], [3], [0, 1], [0, 1]), "bmm2": ([3], [2], [0, 1], [0, 1])}}
-BACKWARD = {"BTNH": {"bmm1_grad_gemm1": ([2], [1], [0, 1], [0, 2]), "bmm1_grad_gemm2": ([3], [1], [0, 1], [0, 2]),
-                     "bmm2_grad_gemm1": ([2], [1], [0, 1], [0, 2]), "bmm2_grad_gemm2": ([3], [3], [0, 2], [0, 2])},
-            "BNTH": {"bmm1_grad_gemm1": ([2], [2], [0, 1], [0, 1]), "bmm1_grad_gemm2": ([3], [2], [0, 1], [0, 1]),
-                     "bmm2_grad_gemm1": ([2], [2], [0, 1], [0, 1]), "bmm2_grad_gemm2": ([3], [3], [0, 1], [0, 1])}}
-SHAPES = {"BTNH": (f"bf16[{B},{T},{H},{D}]{{3,2,1,0}}", f"bf16[{B},{T},{KV},{D}]{{3,2,1,0}}"),
-          "BNTH": (f"bf16[{B},{H},{T},{D}]{{3,2,1,0}}", f"bf16[{B},{KV},{T},{D}]{{3,2,1,0}}")}
+FORWARD = {
+    "BTNH": {"bmm1": ([3], [3], [0, 2], [0, 2]), "bmm2": ([3], [1], [0, 1], [0, 2])},
+    "BNTH": {"bmm1": ([3], [3], [0, 1], [0, 1]), "bmm2": ([3], [2], [0, 1], [0, 1])},
+}
+BACKWARD = {
+    "BTNH": {
+        "bmm1_grad_gemm1": ([2], [1], [0, 1], [0, 2]),
+        "bmm1_grad_gemm2": ([3], [1], [0, 1], [0, 2]),
+        "bmm2_grad_gemm1": ([2], [1], [0, 1], [0, 2]),
+        "bmm2_grad_gemm2": ([3], [3], [0, 2], [0, 2]),
+    },
+    "BNTH": {
+        "bmm1_grad_gemm1": ([2], [2], [0, 1], [0, 1]),
+        "bmm1_grad_gemm2": ([3], [2], [0, 1], [0, 1]),
+        "bmm2_grad_gemm1": ([2], [2], [0, 1], [0, 1]),
+        "bmm2_grad_gemm2": ([3], [3], [0, 1], [0, 1]),
+    },
+}
+SHAPES = {
+    "BTNH": (f"bf16[{B},{T},{H},{D}]{{3,2,1,0}}", f"bf16[{B},{T},{KV},{D}]{{3,2,1,0}}"),
+    "BNTH": (f"bf16[{B},{H},{T},{D}]{{3,2,1,0}}", f"bf16[{B},{KV},{T},{D}]{{3,2,1,0}}"),
+}
 
 
 def fmha_config(numbers: dict, mask: str = "CAUSAL", window: int = 0) -> str:
     bmms = ",".join(f'"{name}_dot_dimension_numbers":{dot_numbers(*n)}' for name, n in numbers.items())
-    return ('{"operation_queue_id":"0","wait_on_operation_queues":[],"cudnn_fmha_backend_config":{"algorithm":'
-            '{"algo_id":"0","math_type":"TENSOR_OP_MATH","tuning_knobs":{"17":"1","24":"0"},"is_cudnn_frontend":true,'
-            '"workspace_size":"0"},"fmha_scale":0.125,"intermediate_tensor_shape":{"element_type":"BF16",'
-            f'"dimensions":[{strings([B, H, T, T])}],"tuple_shapes":[],"layout":{{"dim_level_types":[],"dim_unique":[],'
-            '"dim_ordered":[],"minor_to_major":["3","2","1","0"],"tiles":[],"element_size_in_bits":"0",'
-            '"memory_space":"0",'
-            '"index_primitive_type":"PRIMITIVE_TYPE_INVALID","pointer_primitive_type":"PRIMITIVE_TYPE_INVALID",'
-            '"dynamic_shape_metadata_prefix_bytes":"0"},"is_dynamic_dimension":[false,false,false,false]},'
-            f'"is_flash_attention":true,"mask_type":"{mask}",{bmms},"dropout_rate":0.0,"seed":42,'
-            f'"sliding_window_length":{window},"max_seg_per_batch":1,"is_paged_attention":false}},'
-            '"force_earliest_schedule":false,"reification_cost":[]}')
+    return (
+        '{"operation_queue_id":"0","wait_on_operation_queues":[],"cudnn_fmha_backend_config":{"algorithm":'
+        '{"algo_id":"0","math_type":"TENSOR_OP_MATH","tuning_knobs":{"17":"1","24":"0"},"is_cudnn_frontend":true,'
+        '"workspace_size":"0"},"fmha_scale":0.125,"intermediate_tensor_shape":{"element_type":"BF16",'
+        f'"dimensions":[{strings([B, H, T, T])}],"tuple_shapes":[],"layout":{{"dim_level_types":[],"dim_unique":[],'
+        '"dim_ordered":[],"minor_to_major":["3","2","1","0"],"tiles":[],"element_size_in_bits":"0",'
+        '"memory_space":"0",'
+        '"index_primitive_type":"PRIMITIVE_TYPE_INVALID","pointer_primitive_type":"PRIMITIVE_TYPE_INVALID",'
+        '"dynamic_shape_metadata_prefix_bytes":"0"},"is_dynamic_dimension":[false,false,false,false]},'
+        f'"is_flash_attention":true,"mask_type":"{mask}",{bmms},"dropout_rate":0.0,"seed":42,'
+        f'"sliding_window_length":{window},"max_seg_per_batch":1,"is_paged_attention":false}},'
+        '"force_earliest_schedule":false,"reification_cost":[]}'
+    )
 
 
 def fmha_forward(q: str, k: str, v: str, layout: str = "BTNH", mask: str = "CAUSAL", window: int = 0) -> str:
     qs, ks = SHAPES[layout]
-    return (f"%fwd.{q} = (bf16[{B},{H},{T},{D}]{{3,1,2,0}}, f32[{B},{H},{T}]{{2,1,0}}, u8[0]{{0}}) "
-            f'custom-call(%{q}, %{k}, %{v}), custom_call_target="__cudnn$fmhaSoftmax", '
-            f"operand_layout_constraints={{{qs}, {ks}, {ks}}}, api_version=API_VERSION_STATUS_RETURNING, "
-            'metadata={op_name="jit(loss)/dot_product_attention_fwd" stack_frame_id=7}, '
-            f"backend_config={fmha_config(FORWARD[layout], mask, window)}")
+    return (
+        f"%fwd.{q} = (bf16[{B},{H},{T},{D}]{{3,1,2,0}}, f32[{B},{H},{T}]{{2,1,0}}, u8[0]{{0}}) "
+        f'custom-call(%{q}, %{k}, %{v}), custom_call_target="__cudnn$fmhaSoftmax", '
+        f"operand_layout_constraints={{{qs}, {ks}, {ks}}}, api_version=API_VERSION_STATUS_RETURNING, "
+        'metadata={op_name="jit(loss)/dot_product_attention_fwd" stack_frame_id=7}, '
+        f"backend_config={fmha_config(FORWARD[layout], mask, window)}"
+    )
 
 
 def fmha_backward(q: str, k: str, v: str, stats: str, grad: str, out: str, layout: str = "BTNH") -> str:
     qs, ks = SHAPES[layout]
-    return (f"%bwd.{q} = (bf16[{B},{H},{T},{D}]{{3,1,2,0}}, bf16[{B},{KV},{T},{D}]{{3,1,2,0}}, "
-            f"bf16[{B},{KV},{T},{D}]{{3,1,2,0}}, u8[4194304]{{0}}) "
-            f"custom-call(%{q}, %{k}, %{v}, %{stats}, %{grad}, %{out}), "
-            f'custom_call_target="__cudnn$fmhaSoftmaxBackward", operand_layout_constraints={{{qs}, {ks}, {ks}, '
-            f"f32[{B},{H},{T}]{{2,1,0}}, {qs}, {qs}}}, api_version=API_VERSION_STATUS_RETURNING, "
-            f"backend_config={fmha_config(BACKWARD[layout])}")
+    return (
+        f"%bwd.{q} = (bf16[{B},{H},{T},{D}]{{3,1,2,0}}, bf16[{B},{KV},{T},{D}]{{3,1,2,0}}, "
+        f"bf16[{B},{KV},{T},{D}]{{3,1,2,0}}, u8[4194304]{{0}}) "
+        f"custom-call(%{q}, %{k}, %{v}, %{stats}, %{grad}, %{out}), "
+        f'custom_call_target="__cudnn$fmhaSoftmaxBackward", operand_layout_constraints={{{qs}, {ks}, {ks}, '
+        f"f32[{B},{H},{T}]{{2,1,0}}, {qs}, {qs}}}, api_version=API_VERSION_STATUS_RETURNING, "
+        f"backend_config={fmha_config(BACKWARD[layout])}"
+    )
 
 
 def attention_operands(layout: str = "BTNH") -> list[str]:
     qs, ks = SHAPES[layout]
-    return [f"%q = {qs} parameter(2)", f"%k = {ks} parameter(3)", f"%v = {ks} parameter(4)",
-            f"%stats = f32[{B},{H},{T}]{{2,1,0}} parameter(5)", f"%do = {qs} parameter(6)", f"%o = {qs} parameter(7)"]
+    return [
+        f"%q = {qs} parameter(2)",
+        f"%k = {ks} parameter(3)",
+        f"%v = {ks} parameter(4)",
+        f"%stats = f32[{B},{H},{T}]{{2,1,0}} parameter(5)",
+        f"%do = {qs} parameter(6)",
+        f"%o = {qs} parameter(7)",
+    ]
 
 
-@pytest.mark.parametrize("mask, window, pairs", [
-    ("CAUSAL", 0, CAUSAL_PAIRS), ("PADDING_CAUSAL", 0, CAUSAL_PAIRS), ("NO_MASK", 0, T * T), ("PADDING", 0, T * T),
-    ("CAUSAL", 256, sum(min(i + 1, 256) for i in range(T))),  # each query sees its 256 latest keys
-])
+@pytest.mark.parametrize(
+    "mask, window, pairs",
+    [
+        ("CAUSAL", 0, CAUSAL_PAIRS),
+        ("PADDING_CAUSAL", 0, CAUSAL_PAIRS),
+        ("NO_MASK", 0, T * T),
+        ("PADDING", 0, T * T),
+        ("CAUSAL", 256, sum(min(i + 1, 256) for i in range(T))),  # each query sees its 256 latest keys
+    ],
+)
 def test_cudnn_attention_forward_counts_its_two_matmuls_over_the_visible_pairs(mask, window, pairs):
     text = module(entry(*attention_operands(), fmha_forward("q", "k", "v", mask=mask, window=window)))
     stats = analyze(text, num_devices=1)
@@ -479,8 +643,10 @@ def test_cudnn_attention_backward_recomputes_scores(layout):
     assert (bwd.dot_flops, traffic, 0.0) in bwd.operations
 
 
-LAYER = (f"(s32[], bf16[{B},{T},{H},{D}]{{3,2,1,0}}, bf16[{B},{T},{KV},{D}]{{3,2,1,0}}, bf16[2048,512]{{1,0}}, "
-         "bf16[512,512]{1,0})")
+LAYER = (
+    f"(s32[], bf16[{B},{T},{H},{D}]{{3,2,1,0}}, bf16[{B},{T},{KV},{D}]{{3,2,1,0}}, bf16[2048,512]{{1,0}}, "
+    "bf16[512,512]{1,0})"
+)
 
 
 def test_scanned_layers_multiply_library_calls():
@@ -531,12 +697,17 @@ def test_gemm_inside_a_fusion_counts_once():
 custom_call_target="__cublas$gemm", backend_config={gemm_config([1], [0])}
 }}
 """
-    text = module(fused, entry(
-        "%a = bf16[2,8,8]{2,1,0} parameter(2)", "%b = bf16[2,8,8]{2,1,0} parameter(3)",
-        "%address_computation = (bf16[8,8]{1,0}, s8[256]{0}) fusion(%a, %b), kind=kCustom, "
-        "calls=%dynamic-slice-fusion, backend_config={\"operation_queue_id\":\"0\",\"wait_on_operation_queues\":[],"
-        "\"fusion_backend_config\":{\"kind\":\"__custom_fusion\",\"custom_fusion_config\":"
-        "{\"name\":\"dynamic_address_computation\"}},\"force_earliest_schedule\":false}"))
+    text = module(
+        fused,
+        entry(
+            "%a = bf16[2,8,8]{2,1,0} parameter(2)",
+            "%b = bf16[2,8,8]{2,1,0} parameter(3)",
+            "%address_computation = (bf16[8,8]{1,0}, s8[256]{0}) fusion(%a, %b), kind=kCustom, "
+            'calls=%dynamic-slice-fusion, backend_config={"operation_queue_id":"0","wait_on_operation_queues":[],'
+            '"fusion_backend_config":{"kind":"__custom_fusion","custom_fusion_config":'
+            '{"name":"dynamic_address_computation"}},"force_earliest_schedule":false}',
+        ),
+    )
     stats = analyze(text, num_devices=1)
     assert stats.dot_flops == 2 * 8 * 8 * 8
     assert [op[0] for op in stats.operations if op[0]] == [2 * 8 * 8 * 8]
@@ -545,26 +716,30 @@ custom_call_target="__cublas$gemm", backend_config={gemm_config([1], [0])}
 # --------------------------------------------------------------------------------------------
 # Device groups: which devices each collective runs over (costmodel.py maps them to mesh axes and hosts)
 
+
 def _iota_groups(groups: int, size: int, dims: tuple, perm: tuple) -> tuple:
     return tuple(map(tuple, np.arange(np.prod(dims)).reshape(dims).transpose(perm).reshape(groups, size).tolist()))
 
 
-@pytest.mark.parametrize("groups, expected", [
-    ("{{0,2},{1,3},{4,6},{5,7}}", ((0, 2), (1, 3), (4, 6), (5, 7))),
-    ("{}", (tuple(range(8)),)),
-    ("[2,4]<=[8]", ((0, 1, 2, 3), (4, 5, 6, 7))),
-    ("[4,2]<=[2,4]T(1,0)", _iota_groups(4, 2, (2, 4), (1, 0))),
-    ("[2,4]<=[2,2,2]T(2,0,1)", _iota_groups(2, 4, (2, 2, 2), (2, 0, 1))),
-    # mesh form: devices 0..7 row-major over the mesh; a group varies the listed axes only
-    ("mesh['a'=4,'b'=2] {'a'}", ((0, 2, 4, 6), (1, 3, 5, 7))),
-    ("mesh['a'=4,'b'=2] {'b'}", ((0, 1), (2, 3), (4, 5), (6, 7))),
-    ("mesh['a'=4,'b'=2] {'a','b'}", (tuple(range(8)),)),
-    # sub-axes: 'x':(2)2 is the middle part of x=8 split major to minor as 2 x 2 x 2
-    ("mesh['x'=8] {'x':(2)2}", ((0, 2), (1, 3), (4, 6), (5, 7))),
-    ("mesh['x'=2,'y'=4] {'y':(1)2}", ((0, 2), (1, 3), (4, 6), (5, 7))),
-    # a mesh over a permuted device order (XLA's Mesh::ToString adds device_ids when not iota)
-    ("mesh['a'=2,'b'=4], device_ids=(3,6,0,5,1,7,2,4) {'b'}", ((3, 6, 0, 5), (1, 7, 2, 4))),
-])
+@pytest.mark.parametrize(
+    "groups, expected",
+    [
+        ("{{0,2},{1,3},{4,6},{5,7}}", ((0, 2), (1, 3), (4, 6), (5, 7))),
+        ("{}", (tuple(range(8)),)),
+        ("[2,4]<=[8]", ((0, 1, 2, 3), (4, 5, 6, 7))),
+        ("[4,2]<=[2,4]T(1,0)", _iota_groups(4, 2, (2, 4), (1, 0))),
+        ("[2,4]<=[2,2,2]T(2,0,1)", _iota_groups(2, 4, (2, 2, 2), (2, 0, 1))),
+        # mesh form: devices 0..7 row-major over the mesh; a group varies the listed axes only
+        ("mesh['a'=4,'b'=2] {'a'}", ((0, 2, 4, 6), (1, 3, 5, 7))),
+        ("mesh['a'=4,'b'=2] {'b'}", ((0, 1), (2, 3), (4, 5), (6, 7))),
+        ("mesh['a'=4,'b'=2] {'a','b'}", (tuple(range(8)),)),
+        # sub-axes: 'x':(2)2 is the middle part of x=8 split major to minor as 2 x 2 x 2
+        ("mesh['x'=8] {'x':(2)2}", ((0, 2), (1, 3), (4, 6), (5, 7))),
+        ("mesh['x'=2,'y'=4] {'y':(1)2}", ((0, 2), (1, 3), (4, 6), (5, 7))),
+        # a mesh over a permuted device order (XLA's Mesh::ToString adds device_ids when not iota)
+        ("mesh['a'=2,'b'=4], device_ids=(3,6,0,5,1,7,2,4) {'b'}", ((3, 6, 0, 5), (1, 7, 2, 4))),
+    ],
+)
 def test_collectives_keep_their_device_groups(groups, expected):
     line = f"%c = f32[64]{{0}} all-reduce(%p), replica_groups={groups}, to_apply=%add"
     stats = analyze(module(ADD, entry(line)), num_devices=8)
@@ -574,17 +749,22 @@ def test_collectives_keep_their_device_groups(groups, expected):
 
 
 def test_a_permute_groups_its_pairs_and_each_kind_sums_its_groups():
-    text = module(ADD, entry(
-        "%cp = f32[32]{0} collective-permute(%p), channel_id=1, source_target_pairs={{0,1},{1,2},{2,3},{3,0}}",
-        "%a1 = f32[64]{0} all-gather(%p), replica_groups={{0,1},{2,3},{4,5},{6,7}}, dimensions={0}",
-        "%a2 = f32[64]{0} all-gather(%p), replica_groups=[2,4]<=[8], dimensions={0}",
-        "%a3 = f32[64]{0} all-gather(%p), replica_groups={{0,1},{2,3},{4,5},{6,7}}, dimensions={0}"))
+    text = module(
+        ADD,
+        entry(
+            "%cp = f32[32]{0} collective-permute(%p), channel_id=1, source_target_pairs={{0,1},{1,2},{2,3},{3,0}}",
+            "%a1 = f32[64]{0} all-gather(%p), replica_groups={{0,1},{2,3},{4,5},{6,7}}, dimensions={0}",
+            "%a2 = f32[64]{0} all-gather(%p), replica_groups=[2,4]<=[8], dimensions={0}",
+            "%a3 = f32[64]{0} all-gather(%p), replica_groups={{0,1},{2,3},{4,5},{6,7}}, dimensions={0}",
+        ),
+    )
     stats = analyze(text, num_devices=8)
     pairs = ((0, 1), (1, 2), (2, 3), (3, 0))
     assert stats.collective_groups == {
         ("collective-permute", pairs): 128.0,
         ("all-gather", ((0, 1), (2, 3), (4, 5), (6, 7))): pytest.approx(2 * 256 / 2),  # the same groups add up
-        ("all-gather", ((0, 1, 2, 3), (4, 5, 6, 7))): pytest.approx(256 * 3 / 4)}
+        ("all-gather", ((0, 1, 2, 3), (4, 5, 6, 7))): pytest.approx(256 * 3 / 4),
+    }
     for kind, c in stats.collectives.items():
         assert sum(b for (k, _), b in stats.collective_groups.items() if k == kind) == pytest.approx(c.moved_bytes)
 
@@ -594,9 +774,11 @@ def test_compiled_groups_are_positions_in_the_mesh_device_order():
     permuted device list, a psum over 'b' groups positions 0-3 and 4-7."""
     devices = np.array(jax.devices())[[3, 6, 0, 5, 1, 7, 2, 4]].reshape(2, 4)
     mesh = jax.sharding.Mesh(devices, ("a", "b"))
-    psum = jax.shard_map(lambda v: jax.lax.psum(v, "b"), mesh=mesh, in_specs=P("a", "b"), out_specs=P("a"),
-                         check_vma=False)
+    psum = jax.shard_map(
+        lambda v: jax.lax.psum(v, "b"), mesh=mesh, in_specs=P("a", "b"), out_specs=P("a"), check_vma=False
+    )
     x = jax.device_put(np.ones((8, 16), np.float32), NamedSharding(mesh, P("a", "b")))
     stats = analyze(jax.jit(psum).lower(x).compile().as_text(), num_devices=8)
-    assert [groups for kind, groups in stats.collective_groups if kind == "all-reduce"] == \
-        [((0, 1, 2, 3), (4, 5, 6, 7))]
+    assert [groups for kind, groups in stats.collective_groups if kind == "all-reduce"] == [
+        ((0, 1, 2, 3), (4, 5, 6, 7))
+    ]

@@ -74,15 +74,27 @@ def test_a_sharded_model_and_cache_generate_the_tokens_of_one_device(mesh, one_d
     cfg, params = api.load(f"hf:{MODEL}", overrides=overrides)
     sizes = dict(params_mesh(params).shape)
     given = dict(o.removeprefix("mesh.").split("=") for o in overrides)
-    assert sizes == {"pipeline": 1, "data": 1, "fsdp": 1, "sequence": 1, "tensor": 1,
-                     **{k: int(v) for k, v in given.items()}}
+    assert sizes == {
+        "pipeline": 1,
+        "data": 1,
+        "fsdp": 1,
+        "sequence": 1,
+        "tensor": 1,
+        **{k: int(v) for k, v in given.items()},
+    }
     q = params["layers"]["attn"]["q_proj"]["kernel"]  # [layers, embed, heads, head_dim]
     assert len(q.devices()) == 8
-    assert q.addressable_shards[0].data.shape == (cfg.n_layers, cfg.d_model // sizes["fsdp"],
-                                                  cfg.n_heads // sizes["tensor"], cfg.resolved_head_dim)
+    assert q.addressable_shards[0].data.shape == (
+        cfg.n_layers,
+        cfg.d_model // sizes["fsdp"],
+        cfg.n_heads // sizes["tensor"],
+        cfg.resolved_head_dim,
+    )
     embedding = params["embed"]["embedding"]  # [vocab, embed]
-    assert embedding.addressable_shards[0].data.shape == (cfg.vocab_size // sizes["tensor"],
-                                                          cfg.d_model // sizes["fsdp"])
+    assert embedding.addressable_shards[0].data.shape == (
+        cfg.vocab_size // sizes["tensor"],
+        cfg.d_model // sizes["fsdp"],
+    )
 
     generator = Generator(cfg, len(prompts), 20, GREEDY, params_mesh(params))
     _, cache = generator.prefill(params, prompts, jax.random.key(0))
@@ -102,8 +114,14 @@ def test_evaluation_on_a_mesh_matches_one_device(with_tokenizer):
     model, text = with_tokenizer
     common = ["train.batch_size=8", "train.seq_len=16"]
     sharded = api.evaluate(f"hf:{model}", str(text), common + LAYOUT, max_batches=2, print_fn=lambda _: None)
-    single = api.evaluate(f"hf:{model}", str(text), common + ["mesh.fsdp=1"], max_batches=2,
-                          print_fn=lambda _: None, devices=jax.devices()[:1])
+    single = api.evaluate(
+        f"hf:{model}",
+        str(text),
+        common + ["mesh.fsdp=1"],
+        max_batches=2,
+        print_fn=lambda _: None,
+        devices=jax.devices()[:1],
+    )
     assert sharded["tokens"] == single["tokens"] == 2 * 8 * 16
     np.testing.assert_allclose(sharded["loss"], single["loss"], rtol=1e-5)
 
@@ -125,8 +143,9 @@ def test_import_reads_only_blocks_of_each_devices_shards(monkeypatch):
     target = specs.param_target(config, specs.inference_mesh(config))
     whole = hf.read_params(MODEL, spec.model, target)
     reads, read = [], hf.SafetensorsReader.read
-    monkeypatch.setattr(hf.SafetensorsReader, "read", lambda self, name, index: reads.append(
-        read(self, name, index)) or reads[-1])
+    monkeypatch.setattr(
+        hf.SafetensorsReader, "read", lambda self, name, index: reads.append(read(self, name, index)) or reads[-1]
+    )
     blocked = hf.read_params(MODEL, spec.model, target, block_bytes=256)
     unit = max(int(np.prod(t.sharding.shard_shape(t.shape)[1:])) * 4 for t in jax.tree.leaves(target))
     largest_tensor = max(t.nbytes for t in hf_tensors(MODEL).values())
@@ -158,8 +177,10 @@ def test_export_pulls_one_tensor_at_a_time_into_shard_files_that_round_trip_exac
 def test_interleaved_rotary_layout_round_trips_in_blocks(tmp_path):
     cfg, params = api.load(f"hf:{MODEL}", overrides=LAYOUT)
     hf.write_hf(tmp_path / "meta", params, cfg, rotary="interleaved", block_bytes=64)
-    assert not np.array_equal(hf_tensors(tmp_path / "meta")["model.layers.0.self_attn.q_proj.weight"],
-                              hf_tensors(MODEL)["model.layers.0.self_attn.q_proj.weight"])
+    assert not np.array_equal(
+        hf_tensors(tmp_path / "meta")["model.layers.0.self_attn.q_proj.weight"],
+        hf_tensors(MODEL)["model.layers.0.self_attn.q_proj.weight"],
+    )
     back = hf.read_params(tmp_path / "meta", cfg, rotary="interleaved", block_bytes=64)
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(back)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -175,8 +196,10 @@ def test_readme_sharded_commands(with_tokenizer, tmp_path, monkeypatch, capsys):
     commands = [c for verb in ("convert", "generate") for c in readme_commands(f"llama-jax {verb}") if "mesh." in c]
     assert len(commands) == 3
     for command in commands:
-        args = [a.replace("/models/Llama-3.1-70B", str(model)).replace("mesh.tensor=8", "mesh.tensor=4")
-                for a in llama_jax_args(command)]
+        args = [
+            a.replace("/models/Llama-3.1-70B", str(model)).replace("mesh.tensor=8", "mesh.tensor=4")
+            for a in llama_jax_args(command)
+        ]
         assert cli.main(args) == 0, (command, capsys.readouterr().err)
     assert "\nThe capital of France is" in capsys.readouterr().out
     assert (tmp_path / "runs" / "llama3-70b" / "checkpoints" / "0" / "params").is_dir()
@@ -229,9 +252,23 @@ def test_two_processes_convert_both_ways_and_generate_like_one(one_device, tmp_p
     script.write_text(SCRIPT)
     env = dict(subprocess_environment(), LLAMA_JAX=f"{sys.executable} {script}", PROMPTS=json.dumps(prompts[:2]))
     args = [f"hf:{MODEL}", str(tmp_path / "ours"), str(tmp_path / "back"), *LAYOUT]
-    proc = subprocess.run([sys.executable, str(ROOT / "launch" / "multiprocess.py"), "--processes", "2",
-                           "--devices", "4", "--", "train", *args], env=env, capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "launch" / "multiprocess.py"),
+            "--processes",
+            "2",
+            "--devices",
+            "4",
+            "--",
+            "train",
+            *args,
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     tokens = json.loads(proc.stdout.split("TOKENS", 1)[1])
     cfg, params = api.load(f"hf:{MODEL}")
@@ -239,20 +276,46 @@ def test_two_processes_convert_both_ways_and_generate_like_one(one_device, tmp_p
     original, returned = hf_tensors(MODEL), hf_tensors(tmp_path / "back")
     assert sorted(original) == sorted(returned)
     for name, tensor in original.items():
-        np.testing.assert_array_equal(returned[name].astype(np.float32),
-                                      tensor.astype("bfloat16").astype(np.float32), err_msg=name)
+        np.testing.assert_array_equal(
+            returned[name].astype(np.float32), tensor.astype("bfloat16").astype(np.float32), err_msg=name
+        )
 
 
 def test_convert_memory_benchmark_runs_on_a_small_model(tmp_path):
     """bench/convert_memory.py end to end on a 1 MB model (the figures themselves: docs in the script)."""
     out = tmp_path / "figures.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "convert_memory.py"), "--layers", "2", "--d-model",
-                           "64", "--ffn", "128", "--vocab", "256", "--heads", "4", "--kv-heads", "2", "--devices", "2",
-                           "--mesh", "mesh.tensor=2", "--json", str(out)],
-                          env=dict(os.environ, XLA_FLAGS=""), capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "bench" / "convert_memory.py"),
+            "--layers",
+            "2",
+            "--d-model",
+            "64",
+            "--ffn",
+            "128",
+            "--vocab",
+            "256",
+            "--heads",
+            "4",
+            "--kv-heads",
+            "2",
+            "--devices",
+            "2",
+            "--mesh",
+            "mesh.tensor=2",
+            "--json",
+            str(out),
+        ],
+        env=dict(os.environ, XLA_FLAGS=""),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     figures = json.loads(out.read_text())
     assert figures["model_bytes"] == 4 * (2 * 256 * 64 + 2 * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128 + 2 * 64) + 64)
-    assert all(figures[step]["peak_rss_bytes"] > figures["baseline"]["peak_rss_bytes"] / 2
-               for step in ("import", "export"))
+    assert all(
+        figures[step]["peak_rss_bytes"] > figures["baseline"]["peak_rss_bytes"] / 2 for step in ("import", "export")
+    )
     assert "held by the conversion" in proc.stdout

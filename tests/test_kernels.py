@@ -27,11 +27,14 @@ def reference_attention(q, k, v, segments):
     return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation="xla")
 
 
-@pytest.mark.parametrize("seq, heads, kv_heads, documents", [
-    (256, 4, 2, False),  # GQA, two blocks
-    (512, 4, 4, True),  # multi-head, packed documents crossing block edges
-    (1024, 8, 2, True),  # four query heads per kv head
-])
+@pytest.mark.parametrize(
+    "seq, heads, kv_heads, documents",
+    [
+        (256, 4, 2, False),  # GQA, two blocks
+        (512, 4, 4, True),  # multi-head, packed documents crossing block edges
+        (1024, 8, 2, True),  # four query heads per kv head
+    ],
+)
 def test_blocked_attention_matches_xla_forward_and_gradients(seq, heads, kv_heads, documents):
     rng = np.random.default_rng(seq)
     batch, head_dim = 2, 16
@@ -42,7 +45,7 @@ def test_blocked_attention_matches_xla_forward_and_gradients(seq, heads, kv_head
     if documents:
         ids = np.ones((batch, seq), np.int32)
         ids[0, 100:] = 2
-        ids[0, seq // 2 + 7:] = 3
+        ids[0, seq // 2 + 7 :] = 3
         ids[1, 129:] = 2
         segments = jnp.asarray(ids)
     weights = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
@@ -50,8 +53,9 @@ def test_blocked_attention_matches_xla_forward_and_gradients(seq, heads, kv_head
     def loss(fn):
         return lambda q, k, v: jnp.sum(fn(q, k, v, segments) * weights)
 
-    np.testing.assert_allclose(flash.blocked_attention(q, k, v, segments), reference_attention(q, k, v, segments),
-                               atol=1e-5)
+    np.testing.assert_allclose(
+        flash.blocked_attention(q, k, v, segments), reference_attention(q, k, v, segments), atol=1e-5
+    )
     expected = jax.grad(loss(reference_attention), argnums=(0, 1, 2))(q, k, v)
     got = jax.grad(loss(flash.blocked_attention), argnums=(0, 1, 2))(q, k, v)
     for g, e in zip(got, expected):
@@ -69,8 +73,12 @@ def test_query_chunked_attention_matches_xla_forward_and_gradients(chunk):
     segments, weights = jnp.asarray(ids), jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
     fallback = lambda q, k, v, s: query_chunked_attention(q, k, v, s, chunk)  # noqa: E731
     np.testing.assert_allclose(fallback(q, k, v, segments), reference_attention(q, k, v, segments), atol=1e-5)
-    for fn_grads in zip(*(jax.grad(lambda q, k, v, f=f: jnp.sum(f(q, k, v, segments) * weights), argnums=(0, 1, 2))(
-            q, k, v) for f in (fallback, reference_attention))):
+    for fn_grads in zip(
+        *(
+            jax.grad(lambda q, k, v, f=f: jnp.sum(f(q, k, v, segments) * weights), argnums=(0, 1, 2))(q, k, v)
+            for f in (fallback, reference_attention)
+        )
+    ):
         np.testing.assert_allclose(fn_grads[0], fn_grads[1], atol=1e-4, rtol=1e-5)
 
 
@@ -82,11 +90,14 @@ def test_block_sizes():
     assert flash.block_size(1000) is None
 
 
-@pytest.mark.parametrize("spec, x_shape, kernel_shape", [
-    ("btd,dnh->btnh", (2, 8, 16), (16, 4, 8)),
-    ("btnh,nhd->btd", (2, 8, 4, 8), (4, 8, 16)),
-    ("btd,df->btf", (2, 8, 16), (16, 48)),
-])
+@pytest.mark.parametrize(
+    "spec, x_shape, kernel_shape",
+    [
+        ("btd,dnh->btnh", (2, 8, 16), (16, 4, 8)),
+        ("btnh,nhd->btd", (2, 8, 4, 8), (4, 8, 16)),
+        ("btd,df->btf", (2, 8, 16), (16, 48)),
+    ],
+)
 def test_cpu_projection_equals_einsum_forward_and_gradients(spec, x_shape, kernel_shape):
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal(x_shape), jnp.float32)
@@ -125,8 +136,7 @@ def test_a_policy_that_keeps_attention_keeps_the_kernels_residuals_instead_of_re
         params = block.init(jax.random.key(0), x, inputs)
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
-            jax.ad_checkpoint.print_saved_residuals(
-                lambda p: block.apply(p, x, inputs)[0].sum(), params)
+            jax.ad_checkpoint.print_saved_residuals(lambda p: block.apply(p, x, inputs)[0].sum(), params)
         return out.getvalue()
 
     lse = f"f32[{batch},{cfg.n_kv_heads},{cfg.n_heads // cfg.n_kv_heads},{seq}] named 'attention_context'"

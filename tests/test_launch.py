@@ -97,8 +97,12 @@ def fakes(tmp_path):
     """A bin directory with the stand-ins; returns the environment that puts it first on PATH."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    for name, text in {"llama-jax": FAKE_LLAMA_JAX, "srun": FAKE_SRUN, "scontrol": FAKE_SCONTROL,
-                       "ssh": FAKE_SSH}.items():
+    for name, text in {
+        "llama-jax": FAKE_LLAMA_JAX,
+        "srun": FAKE_SRUN,
+        "scontrol": FAKE_SCONTROL,
+        "ssh": FAKE_SSH,
+    }.items():
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
@@ -106,8 +110,10 @@ def fakes(tmp_path):
 
 
 def processes_of(stdout: str) -> list[dict]:
-    return sorted((json.loads(line) for line in stdout.splitlines() if line.startswith("{")),
-                  key=lambda p: int(p["JAX_PROCESS_ID"]))
+    return sorted(
+        (json.loads(line) for line in stdout.splitlines() if line.startswith("{")),
+        key=lambda p: int(p["JAX_PROCESS_ID"]),
+    )
 
 
 def test_local_launcher_with_processes_dry_run():
@@ -117,8 +123,13 @@ def test_local_launcher_with_processes_dry_run():
     assert len(lines) == 2
     for i, line in enumerate(lines):
         words = shlex.split(line)
-        assert words[:5] == ["XLA_FLAGS=--xla_force_host_platform_device_count=4", "JAX_PLATFORMS=cpu",
-                             words[2], "JAX_NUM_PROCESSES=2", f"JAX_PROCESS_ID={i}"]
+        assert words[:5] == [
+            "XLA_FLAGS=--xla_force_host_platform_device_count=4",
+            "JAX_PLATFORMS=cpu",
+            words[2],
+            "JAX_NUM_PROCESSES=2",
+            f"JAX_PROCESS_ID={i}",
+        ]
         assert words[2].startswith("JAX_COORDINATOR_ADDRESS=127.0.0.1:")
         assert words[-3:] == ["train", "tiny", "run.dir=runs/mh"]
     assert shlex.split(lines[0])[2] == shlex.split(lines[1])[2]  # one coordinator
@@ -126,31 +137,72 @@ def test_local_launcher_with_processes_dry_run():
 
 # What the cluster launchers add after the preset, before the user's keys (launch/defaults.sh): the node-local
 # checkpoint tier on /dev/shm and the pre-flight check.
-LAUNCHER_DEFAULTS = ["checkpoint.local_dir=/dev/shm/llama-jax", "checkpoint.local_every_steps=auto",
-                     "fault.preflight=true"]
+LAUNCHER_DEFAULTS = [
+    "checkpoint.local_dir=/dev/shm/llama-jax",
+    "checkpoint.local_every_steps=auto",
+    "fault.preflight=true",
+]
 
 
 def test_launchers_put_the_local_tier_on_node_local_storage_and_run_the_pre_flight_check_by_default():
     """Every cluster launcher trains with the defaults after the preset (the user's later keys win); empty
     LLAMA_JAX_LOCAL_DIR and LLAMA_JAX_PREFLIGHT=false leave them out."""
+
     def dry(script, *args, env=None):
-        return subprocess.run(["bash", str(ROOT / "launch" / script), *args], capture_output=True, text=True,
-                              env={**os.environ, "LLAMA_JAX": "llama-jax", **(env or {})}, check=True).stdout
-    slurm = dry("slurm.sbatch", "--dry-run", "--nodes", "1", "--gpus-per-node", "1", "llama3_8b", "run.dir=/r",
-                "checkpoint.local_every_steps=50")
-    assert slurm.splitlines()[-1].endswith("train llama3_8b " + " ".join(LAUNCHER_DEFAULTS) +
-                                           " run.dir=/r checkpoint.local_every_steps=50")
+        return subprocess.run(
+            ["bash", str(ROOT / "launch" / script), *args],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "LLAMA_JAX": "llama-jax", **(env or {})},
+            check=True,
+        ).stdout
+
+    slurm = dry(
+        "slurm.sbatch",
+        "--dry-run",
+        "--nodes",
+        "1",
+        "--gpus-per-node",
+        "1",
+        "llama3_8b",
+        "run.dir=/r",
+        "checkpoint.local_every_steps=50",
+    )
+    assert slurm.splitlines()[-1].endswith(
+        "train llama3_8b " + " ".join(LAUNCHER_DEFAULTS) + " run.dir=/r checkpoint.local_every_steps=50"
+    )
     hosts = dry("multihost.sh", "--dry-run", "--hosts", "a", "--", "tiny", "run.dir=/r")
     assert " ".join(LAUNCHER_DEFAULTS) in shlex.split(hosts.splitlines()[-1])[2]
-    bare = dry("slurm.sbatch", "--dry-run", "--nodes", "1", "--gpus-per-node", "1", "tiny",
-               env={"LLAMA_JAX_LOCAL_DIR": "", "LLAMA_JAX_PREFLIGHT": "false"})
+    bare = dry(
+        "slurm.sbatch",
+        "--dry-run",
+        "--nodes",
+        "1",
+        "--gpus-per-node",
+        "1",
+        "tiny",
+        env={"LLAMA_JAX_LOCAL_DIR": "", "LLAMA_JAX_PREFLIGHT": "false"},
+    )
     assert bare.splitlines()[-1].endswith("train tiny")
 
 
 def test_slurm_dry_run_names_every_process():
-    result = subprocess.run(["bash", str(ROOT / "launch" / "slurm.sbatch"), "--dry-run", "--nodes", "3",
-                             "--gpus-per-node", "4", "llama3_8b", "run.dir=/shared/8b"],
-                            capture_output=True, text=True, env={**os.environ, "LLAMA_JAX": "llama-jax"})
+    result = subprocess.run(
+        [
+            "bash",
+            str(ROOT / "launch" / "slurm.sbatch"),
+            "--dry-run",
+            "--nodes",
+            "3",
+            "--gpus-per-node",
+            "4",
+            "llama3_8b",
+            "run.dir=/shared/8b",
+        ],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "LLAMA_JAX": "llama-jax"},
+    )
     assert result.returncode == 0, result.stderr
     header, supervised, *tasks = result.stdout.splitlines()
     assert header == "# 3 node(s) x 4 process(es) = 12 processes; coordinator node0:20000"
@@ -158,17 +210,29 @@ def test_slurm_dry_run_names_every_process():
     assert "/launch/slurm_step.sh 3 4 20000 llama-jax train llama3_8b " in supervised
     assert len(tasks) == 12
     for p, task in enumerate(tasks):
-        assert task.startswith(f"node{p // 4}: JAX_COORDINATOR_ADDRESS=node0:20000 JAX_NUM_PROCESSES=12 "
-                               f"JAX_PROCESS_ID={p} JAX_LOCAL_DEVICE_IDS={p % 4} llama-jax train llama3_8b "
-                               + " ".join(LAUNCHER_DEFAULTS))
+        assert task.startswith(
+            f"node{p // 4}: JAX_COORDINATOR_ADDRESS=node0:20000 JAX_NUM_PROCESSES=12 "
+            f"JAX_PROCESS_ID={p} JAX_LOCAL_DEVICE_IDS={p % 4} llama-jax train llama3_8b " + " ".join(LAUNCHER_DEFAULTS)
+        )
 
 
 def test_slurm_script_gives_each_task_its_place(tmp_path):
     """The batch script as Slurm runs it: 2 nodes x 2 tasks, job 4242 on gpu17 and gpu18."""
-    env = fakes(tmp_path) | {"SLURM_JOB_ID": "4242", "SLURM_JOB_NUM_NODES": "2", "SLURM_NTASKS_PER_NODE": "2(x2)",
-                             "SLURM_NTASKS": "4", "SLURM_JOB_NODELIST": "gpu[17-18]", "SLURM_SUBMIT_DIR": str(ROOT)}
-    result = subprocess.run(["bash", str(ROOT / "launch" / "slurm.sbatch"), "tiny", "run.dir=/shared/t"],
-                            capture_output=True, text=True, env=env, timeout=60)
+    env = fakes(tmp_path) | {
+        "SLURM_JOB_ID": "4242",
+        "SLURM_JOB_NUM_NODES": "2",
+        "SLURM_NTASKS_PER_NODE": "2(x2)",
+        "SLURM_NTASKS": "4",
+        "SLURM_JOB_NODELIST": "gpu[17-18]",
+        "SLURM_SUBMIT_DIR": str(ROOT),
+    }
+    result = subprocess.run(
+        ["bash", str(ROOT / "launch" / "slurm.sbatch"), "tiny", "run.dir=/shared/t"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
     assert result.returncode == 0, result.stderr
     tasks = processes_of(result.stdout)
     assert [t["JAX_PROCESS_ID"] for t in tasks] == ["0", "1", "2", "3"]
@@ -197,36 +261,68 @@ sys.exit(71)
 def test_slurm_script_resubmits_without_the_unhealthy_node(tmp_path):
     """Exit 71 (the pre-flight check named a device on gpu18): the script is submitted again with gpu18 excluded,
     beside the node the job already excluded, on as many nodes, with the same arguments."""
-    env = fakes(tmp_path) | {"SLURM_JOB_ID": "4242", "SLURM_JOB_NUM_NODES": "2", "SLURM_NTASKS_PER_NODE": "2(x2)",
-                             "SLURM_NTASKS": "4", "SLURM_JOB_NODELIST": "gpu[17-18]", "SLURM_SUBMIT_DIR": str(ROOT),
-                             "SLURM_JOB_PARTITION": "gpu"}
+    env = fakes(tmp_path) | {
+        "SLURM_JOB_ID": "4242",
+        "SLURM_JOB_NUM_NODES": "2",
+        "SLURM_NTASKS_PER_NODE": "2(x2)",
+        "SLURM_NTASKS": "4",
+        "SLURM_JOB_NODELIST": "gpu[17-18]",
+        "SLURM_SUBMIT_DIR": str(ROOT),
+        "SLURM_JOB_PARTITION": "gpu",
+    }
     bin_dir, calls = tmp_path / "bin", tmp_path / "calls"
     (bin_dir / "llama-jax").write_text(UNHEALTHY_LLAMA_JAX)
-    (bin_dir / "scontrol").write_text('#!/usr/bin/env bash\necho "scontrol $*" >> ' + str(calls) + '\n'
-                                      '[[ "$1 $2" == "show hostnames" ]] && printf "gpu17\\ngpu18\\n"\n'
-                                      '[[ "$1 $2" == "show job" ]] && echo "   ReqNodeList=(null) ExcNodeList=gpu3"\n'
-                                      'exit 0\n')
-    (bin_dir / "sbatch").write_text('#!/usr/bin/env bash\necho "sbatch $*" >> ' + str(calls) + '\n')
+    (bin_dir / "scontrol").write_text(
+        '#!/usr/bin/env bash\necho "scontrol $*" >> ' + str(calls) + "\n"
+        '[[ "$1 $2" == "show hostnames" ]] && printf "gpu17\\ngpu18\\n"\n'
+        '[[ "$1 $2" == "show job" ]] && echo "   ReqNodeList=(null) ExcNodeList=gpu3"\n'
+        "exit 0\n"
+    )
+    (bin_dir / "sbatch").write_text('#!/usr/bin/env bash\necho "sbatch $*" >> ' + str(calls) + "\n")
     (bin_dir / "sbatch").chmod(0o755)
     run_dir = tmp_path / "run"
     script = ROOT / "launch" / "slurm.sbatch"
-    result = subprocess.run(["bash", str(script), "tiny", f"run.dir={run_dir}", "fault.preflight=true"],
-                            capture_output=True, text=True, env=env, timeout=60)
+    result = subprocess.run(
+        ["bash", str(script), "tiny", f"run.dir={run_dir}", "fault.preflight=true"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
     assert result.returncode == 71, result.stderr
     assert "unhealthy node(s) gpu3,gpu18" in result.stderr
     submitted = [line for line in calls.read_text().splitlines() if line.startswith("sbatch")]
-    assert submitted == [f"sbatch --nodes 2 --exclude gpu3,gpu18 --partition gpu {script} tiny run.dir={run_dir} "
-                         "fault.preflight=true"]
+    assert submitted == [
+        f"sbatch --nodes 2 --exclude gpu3,gpu18 --partition gpu {script} tiny run.dir={run_dir} fault.preflight=true"
+    ]
     assert "requeue" not in calls.read_text()
 
 
 def test_kubernetes_manifest_is_an_indexed_job_with_a_headless_service():
     import yaml
 
-    result = subprocess.run(["bash", str(ROOT / "launch" / "k8s.sh"), "--image", "registry/llama-jax:1", "--name",
-                             "pretrain", "--processes", "4", "--gpus-per-pod", "8", "--port", "8476", "--dry-run",
-                             "llama3_8b", "run.dir=/runs/8b", 'train.sample_prompt=say "hi"'],
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        [
+            "bash",
+            str(ROOT / "launch" / "k8s.sh"),
+            "--image",
+            "registry/llama-jax:1",
+            "--name",
+            "pretrain",
+            "--processes",
+            "4",
+            "--gpus-per-pod",
+            "8",
+            "--port",
+            "8476",
+            "--dry-run",
+            "llama3_8b",
+            "run.dir=/runs/8b",
+            'train.sample_prompt=say "hi"',
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode == 0, result.stderr
     account, role, binding, service, job = yaml.safe_load_all(result.stdout)
     # The pods' service account may label nodes: the supervisor keeps the job off a node the pre-flight check named.
@@ -243,10 +339,20 @@ def test_kubernetes_manifest_is_an_indexed_job_with_a_headless_service():
     env = {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
     assert env["JAX_COORDINATOR_ADDRESS"] == "pretrain-0.pretrain:8476"
     assert env["JAX_NUM_PROCESSES"] == "4"
-    assert env["JAX_PROCESS_ID"] == {"fieldRef": {
-        "fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"}}
-    assert container["command"] == ["llama-jax", "supervise", "--", "llama-jax", "train", "llama3_8b",
-                                    *LAUNCHER_DEFAULTS, "run.dir=/runs/8b", 'train.sample_prompt=say "hi"']
+    assert env["JAX_PROCESS_ID"] == {
+        "fieldRef": {"fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"}
+    }
+    assert container["command"] == [
+        "llama-jax",
+        "supervise",
+        "--",
+        "llama-jax",
+        "train",
+        "llama3_8b",
+        *LAUNCHER_DEFAULTS,
+        "run.dir=/runs/8b",
+        'train.sample_prompt=say "hi"',
+    ]
     assert pod["serviceAccountName"] == "pretrain"
     assert env["LLAMA_JAX_LABEL_UNHEALTHY_NODES"] == "llama-jax.io/unhealthy=true"
     mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
@@ -262,16 +368,18 @@ def test_kubernetes_manifest_is_an_indexed_job_with_a_headless_service():
 
 
 def test_kubernetes_without_an_image_exits_2():
-    result = subprocess.run(["bash", str(ROOT / "launch" / "k8s.sh"), "--dry-run", "tiny"], capture_output=True,
-                            text=True)
+    result = subprocess.run(
+        ["bash", str(ROOT / "launch" / "k8s.sh"), "--dry-run", "tiny"], capture_output=True, text=True
+    )
     assert result.returncode == 2 and "--image is required" in result.stderr
 
 
 def test_multihost_script_starts_every_host_with_its_id(tmp_path):
     env = fakes(tmp_path)
     args = ["--hosts", "hostA,hostB,hostC", "--port", "5555", "--", "tiny", "run.dir=/shared/t"]
-    dry = subprocess.run(["bash", str(ROOT / "launch" / "multihost.sh"), "--dry-run", *args], capture_output=True,
-                         text=True, env=env)
+    dry = subprocess.run(
+        ["bash", str(ROOT / "launch" / "multihost.sh"), "--dry-run", *args], capture_output=True, text=True, env=env
+    )
     assert dry.returncode == 0, dry.stderr
     header, *lines = dry.stdout.splitlines()
     assert header == "# 3 processes, one per host; coordinator hostA:5555"
@@ -279,8 +387,9 @@ def test_multihost_script_starts_every_host_with_its_id(tmp_path):
     for i, line in enumerate(lines):
         remote = shlex.split(shlex.split(line)[2])
         assert f"JAX_PROCESS_ID={i}" in remote and "JAX_COORDINATOR_ADDRESS=hostA:5555" in remote
-    ran = subprocess.run(["bash", str(ROOT / "launch" / "multihost.sh"), *args], capture_output=True, text=True,
-                         env=env, timeout=60)
+    ran = subprocess.run(
+        ["bash", str(ROOT / "launch" / "multihost.sh"), *args], capture_output=True, text=True, env=env, timeout=60
+    )
     assert ran.returncode == 0, ran.stderr
     processes = processes_of(ran.stdout)
     assert [p["JAX_PROCESS_ID"] for p in processes] == ["0", "1", "2"]
@@ -289,8 +398,13 @@ def test_multihost_script_starts_every_host_with_its_id(tmp_path):
 
 
 def gpu_env_xla_flags() -> str:
-    flags = subprocess.run(["bash", str(ROOT / "launch" / "gpu_env.sh")], capture_output=True, text=True,
-                           env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}, check=True).stdout
+    flags = subprocess.run(
+        ["bash", str(ROOT / "launch" / "gpu_env.sh")],
+        capture_output=True,
+        text=True,
+        env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"},
+        check=True,
+    ).stdout
     return dict(line.split("=", 1) for line in flags.splitlines())["XLA_FLAGS"]
 
 
@@ -317,9 +431,14 @@ def test_recommended_gpu_flags_are_those_of_the_gpu_jaxlib():
     jax-cuda13-pjrt 0.12.0's binary, and against the installed CUDA plugin if any."""
     flags = gpu_env_xla_flags()
     names = [f.removeprefix("--").split("=", 1)[0] for f in flags.split()]
-    for maxtext in ("--xla_gpu_enable_triton_gemm=false", "--xla_gpu_enable_command_buffer=",
-                    "--xla_disable_hlo_passes=rematerialization", "--xla_gpu_enable_all_gather_combine_by_dim=false",
-                    "--xla_gpu_enable_reduce_scatter_combine_by_dim=false", "--xla_gpu_pipeline_all_gather=on"):
+    for maxtext in (
+        "--xla_gpu_enable_triton_gemm=false",
+        "--xla_gpu_enable_command_buffer=",
+        "--xla_disable_hlo_passes=rematerialization",
+        "--xla_gpu_enable_all_gather_combine_by_dim=false",
+        "--xla_gpu_enable_reduce_scatter_combine_by_dim=false",
+        "--xla_gpu_pipeline_all_gather=on",
+    ):
         assert maxtext in flags.split()
     golden = json.loads((ROOT / "tests/golden/xla_gpu_flags.json").read_text())
     assert golden["deprecated"]["xla_gpu_enable_pipelined_all_gather"] == "xla_gpu_pipeline_all_gather"
@@ -335,14 +454,19 @@ def test_recommended_gpu_flags_are_those_of_the_gpu_jaxlib():
         assert_known_and_current(names, checker.known_flags(checker.plugin_binary(binary)), str(binary))
 
 
-@pytest.mark.skipif(tuple(int(p) for p in jaxlib.__version__.split(".")[:3]) < (0, 11, 1),
-                    reason="gpu_env.sh's flags need jaxlib >= 0.11.1 (the gpu extra's floor); checked against the "
-                           "GPU plugin's flag list above")
+@pytest.mark.skipif(
+    tuple(int(p) for p in jaxlib.__version__.split(".")[:3]) < (0, 11, 1),
+    reason="gpu_env.sh's flags need jaxlib >= 0.11.1 (the gpu extra's floor); checked against the "
+    "GPU plugin's flag list above",
+)
 def test_recommended_gpu_flags_parse_in_the_installed_jaxlib():
     """This jaxlib (CPU) registers XLA's GPU flags too: a run with gpu_env.sh's XLA_FLAGS starts and computes."""
-    run = subprocess.run([sys.executable, "-c", "import jax.numpy as jnp; print(float((jnp.ones(2) + 1).sum()))"],
-                         capture_output=True, text=True, env={**os.environ, "XLA_FLAGS": gpu_env_xla_flags(),
-                                                              "JAX_PLATFORMS": "cpu"})
+    run = subprocess.run(
+        [sys.executable, "-c", "import jax.numpy as jnp; print(float((jnp.ones(2) + 1).sum()))"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "XLA_FLAGS": gpu_env_xla_flags(), "JAX_PLATFORMS": "cpu"},
+    )
     assert run.returncode == 0 and run.stdout.strip() == "4.0", run.stderr
 
 
@@ -350,8 +474,12 @@ def test_gpu_flags_on_an_older_jaxlib_are_one_line_and_exit_2(tmp_path):
     """Before jaxlib 0.11.1 XLA aborts on gpu_env.sh's pipelining flags with a fatal log: the CLI says so in one
     line first. On a newer jaxlib the same flags pass this check (the run then fails on its bad override)."""
     env = {**os.environ, "XLA_FLAGS": "--xla_gpu_pipeline_all_gather=on", "JAX_PLATFORMS": "cpu"}
-    run = subprocess.run([sys.executable, "-m", "llama_jax", "train", "tiny", f"run.dir={tmp_path / 'run'}",
-                          "train.no_such_key=1"], capture_output=True, text=True, env=env)
+    run = subprocess.run(
+        [sys.executable, "-m", "llama_jax", "train", "tiny", f"run.dir={tmp_path / 'run'}", "train.no_such_key=1"],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     assert run.returncode == 2 and len(run.stderr.strip().splitlines()) == 1, run.stderr
     old = tuple(int(p) for p in jaxlib.__version__.split(".")[:3]) < (0, 11, 1)
     assert ("LLAMA_JAX_GPU_FLAGS=off" in run.stderr) == old, run.stderr
@@ -360,8 +488,9 @@ def test_gpu_flags_on_an_older_jaxlib_are_one_line_and_exit_2(tmp_path):
 
 def test_gpu_flags_can_be_left_out():
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"LLAMA_JAX_GPU_FLAGS": "off"}
-    flags = subprocess.run(["bash", str(ROOT / "launch" / "gpu_env.sh")], capture_output=True, text=True, env=env,
-                           check=True).stdout
+    flags = subprocess.run(
+        ["bash", str(ROOT / "launch" / "gpu_env.sh")], capture_output=True, text=True, env=env, check=True
+    ).stdout
     assert flags.splitlines()[0] == "XLA_FLAGS="  # an older jaxlib on some host: nothing for XLA to abort on
 
 
@@ -376,7 +505,7 @@ def test_readme_cluster_commands_run_as_dry_runs():
     for command in commands:
         words = shlex.split(command)
         index = next(i for i, w in enumerate(words) if w.startswith("launch/"))
-        script, args = ROOT / words[index], words[index + 1:]
+        script, args = ROOT / words[index], words[index + 1 :]
         run_env = dict(env)
         if words[0] == "sbatch":  # sbatch --nodes N: inside the job Slurm says how many nodes it has
             run_env["SLURM_JOB_NUM_NODES"] = words[words.index("--nodes") + 1]
@@ -386,7 +515,12 @@ def test_readme_cluster_commands_run_as_dry_runs():
         assert result.returncode == 0, (command, result.stderr)
         if script.name == "k8s.sh":
             assert [d["kind"] for d in yaml.safe_load_all(result.stdout)] == [
-                "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Service", "Job"]  # the account labels nodes
+                "ServiceAccount",
+                "ClusterRole",
+                "ClusterRoleBinding",
+                "Service",
+                "Job",
+            ]  # the account labels nodes
         elif script.name == "slurm.sbatch":
             nodes = int(args[args.index("--nodes") + 1]) if "--nodes" in args else int(run_env["SLURM_JOB_NUM_NODES"])
             assert result.stdout.startswith(f"# {nodes} node(s) x 8 process(es) = {8 * nodes} processes")

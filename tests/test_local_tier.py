@@ -38,13 +38,33 @@ def config_path(tmp_path_factory):
 
 
 def command(config_path, run_dir, local_dir, *overrides):
-    return [sys.executable, str(LAUNCHER), "--processes", "2", "--devices", "2", "--grace", "2", "--", "train",
-            str(config_path), f"run.dir={run_dir}", f"checkpoint.local_dir={local_dir}", *TIERS, *overrides]
+    return [
+        sys.executable,
+        str(LAUNCHER),
+        "--processes",
+        "2",
+        "--devices",
+        "2",
+        "--grace",
+        "2",
+        "--",
+        "train",
+        str(config_path),
+        f"run.dir={run_dir}",
+        f"checkpoint.local_dir={local_dir}",
+        *TIERS,
+        *overrides,
+    ]
 
 
 def run(config_path, run_dir, local_dir, *overrides):
-    proc = subprocess.run(command(config_path, run_dir, local_dir, *overrides), env=subprocess_environment(),
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        command(config_path, run_dir, local_dir, *overrides),
+        env=subprocess_environment(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 
@@ -83,8 +103,13 @@ def killed(config_path, tmp_path_factory):
     process 1; the launcher stops process 0 after its grace. Its durable tier holds step 10 only."""
     root = tmp_path_factory.mktemp("killed")
     run_dir, local_dir = root / "run", root / "local"
-    launcher = subprocess.Popen(command(config_path, run_dir, local_dir, f"inject.hang_step={KILL_AT}"),
-                                env=subprocess_environment(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    launcher = subprocess.Popen(
+        command(config_path, run_dir, local_dir, f"inject.hang_step={KILL_AT}"),
+        env=subprocess_environment(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     pids: dict[int, int] = {}
     while len(pids) < 2:
         line = launcher.stderr.readline()
@@ -148,17 +173,23 @@ def test_a_corrupt_local_step_makes_every_process_fall_back_together(killed, str
         data[-100] ^= 0xFF  # one flipped byte in the last tensor: the file still parses, its CRC-32 does not match
         damaged.write_bytes(bytes(data))
     proc = run(config_path, run_dir, local_dir)
-    assert re.search(r"warning: local step 14 cannot be served to every process \(process 0: partner-1.safetensors "
-                     r"of step 14 fails its CRC-32 check; process 1: own.safetensors", proc.stdout), proc.stdout
+    assert re.search(
+        r"warning: local step 14 cannot be served to every process \(process 0: partner-1.safetensors "
+        r"of step 14 fails its CRC-32 check; process 1: own.safetensors",
+        proc.stdout,
+    ), proc.stdout
     assert "restored step 12 from the local tier (own copies)" in proc.stdout
-    assert [p.name.split("-")[:2] for d in dirs for p in d.iterdir() if p.name.startswith("corrupt")] == \
-        [["corrupt", "14"], ["corrupt", "14"]]
+    assert [p.name.split("-")[:2] for d in dirs for p in d.iterdir() if p.name.startswith("corrupt")] == [
+        ["corrupt", "14"],
+        ["corrupt", "14"],
+    ]
     assert_bitwise(final_state(run_dir, config_path), straight)
 
 
 @pytest.mark.slow
-def test_with_every_local_copy_gone_or_damaged_the_durable_tier_serves(killed, straight, straight_run, config_path,
-                                                                       tmp_path):
+def test_with_every_local_copy_gone_or_damaged_the_durable_tier_serves(
+    killed, straight, straight_run, config_path, tmp_path
+):
     """Process 0's host is gone with its local directory and process 1's own files of both local steps are damaged:
     no local step can be served, and the run restores step 10 from checkpoints/, ending bitwise equal. A restart
     of the undamaged run on another process count (one process of 4 devices) restores local step 14 all the same:
@@ -175,17 +206,36 @@ def test_with_every_local_copy_gone_or_damaged_the_durable_tier_serves(killed, s
     assert_bitwise(final_state(run_dir, config_path), straight)
 
     other, other_local = copy_of(killed, tmp_path / "other")
-    single = subprocess.run([sys.executable, str(LAUNCHER), "--processes", "1", "--devices", "4", "--", "train",
-                             str(config_path), f"run.dir={other}", f"checkpoint.local_dir={other_local}", *TIERS],
-                            env=subprocess_environment(), capture_output=True, text=True, timeout=300)
+    single = subprocess.run(
+        [
+            sys.executable,
+            str(LAUNCHER),
+            "--processes",
+            "1",
+            "--devices",
+            "4",
+            "--",
+            "train",
+            str(config_path),
+            f"run.dir={other}",
+            f"checkpoint.local_dir={other_local}",
+            *TIERS,
+        ],
+        env=subprocess_environment(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert single.returncode == 0, single.stderr[-3000:]
     moved = "restored step 14 from the local tier (the shards of 2 processes, read on process 0 of 1)"
     assert moved in single.stdout, single.stdout
     assert f"resumed from {host_directory(str(other_local), other)}/process-*/14" in single.stdout
-    got, want = ({r["step"]: r["loss"] for r in read_metrics(d / "metrics.jsonl") if "loss" in r}
-                 for d in (other, straight_run))
-    np.testing.assert_allclose([got[s] for s in range(15, STEPS + 1)], [want[s] for s in range(15, STEPS + 1)],
-                               rtol=1e-5)
+    got, want = (
+        {r["step"]: r["loss"] for r in read_metrics(d / "metrics.jsonl") if "loss" in r} for d in (other, straight_run)
+    )
+    np.testing.assert_allclose(
+        [got[s] for s in range(15, STEPS + 1)], [want[s] for s in range(15, STEPS + 1)], rtol=1e-5
+    )
 
 
 def test_the_partner_exchange_goes_in_batches_bounded_in_bytes_per_device():
@@ -207,8 +257,11 @@ def test_a_step_saved_on_one_mesh_is_laid_out_bit_for_bit_on_another(tmp_path):
     from llama_jax.distributed.peers import Peers
 
     rng = np.random.default_rng(0)
-    values = {"rows": rng.standard_normal((16, 3)).astype(np.float32),
-              "matrix": rng.standard_normal((8, 6)).astype(np.float32), "count": np.int32(7)}
+    values = {
+        "rows": rng.standard_normal((16, 3)).astype(np.float32),
+        "matrix": rng.standard_normal((8, 6)).astype(np.float32),
+        "count": np.int32(7),
+    }
     eight = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("a", "b"))
     saved_specs = {"rows": P(("a", "b")), "matrix": P("a", "b"), "count": P()}
     state = {k: jax.device_put(v, NamedSharding(eight, saved_specs[k])) for k, v in values.items()}
@@ -219,8 +272,9 @@ def test_a_step_saved_on_one_mesh_is_laid_out_bit_for_bit_on_another(tmp_path):
 
     two = Mesh(np.array(jax.devices()[:2]), ("x",))
     specs = {"rows": P(None, None), "matrix": P(None, "x"), "count": P()}
-    abstract = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(two, specs[k]))
-                for k, v in values.items()}
+    abstract = {
+        k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(two, specs[k])) for k, v in values.items()
+    }
     tier = LocalTier(str(tmp_path / "local"), tmp_path / "run", two, peers, keep=2, replicas=0)
     restored, data, copies = restore_moved(tier, 4, 1, abstract)
     assert data == {"next_step": 4} and copies == "the shards of 1 process, read on process 0 of 1"
@@ -230,5 +284,7 @@ def test_a_step_saved_on_one_mesh_is_laid_out_bit_for_bit_on_another(tmp_path):
 
     wider = dict(abstract, rows=jax.ShapeDtypeStruct((16, 4), np.float32, sharding=NamedSharding(two, P())))
     refused = restore_moved(tier, 4, 1, wider)
-    assert refused == "local step 4 cannot be laid out on this mesh: ['rows'] (its shards of dimension 1 are not " \
-        "equal parts of 4)", refused
+    assert (
+        refused == "local step 4 cannot be laid out on this mesh: ['rows'] (its shards of dimension 1 are not "
+        "equal parts of 4)"
+    ), refused

@@ -39,8 +39,9 @@ def test_fused_loss_and_gradients_equal_the_plain_formula(chunk_tokens, monkeypa
     def fused(x, w):
         return loss.fused_cross_entropy_sum(x, w, targets, mask)[0]
 
-    (want, want_grads), (got, got_grads) = (jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(x, weight)
-                                            for f in (plain, fused))
+    (want, want_grads), (got, got_grads) = (
+        jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(x, weight) for f in (plain, fused)
+    )
     assert abs(float(got - want)) / abs(float(want)) < RELATIVE
     for g, w in zip(got_grads, want_grads):
         assert relative_error(g, w) < RELATIVE
@@ -82,8 +83,9 @@ def test_rms_norm_backward_equals_autodiff_of_the_formula():
         return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-5) * scale
 
     want = jax.grad(lambda x, s: jnp.sum(formula(x, s) * weights), argnums=(0, 1))(x, scale)
-    got = jax.grad(lambda x, s: jnp.sum(rms_norm(x, s, 1e-5, jnp.dtype(jnp.float32)) * weights),
-                   argnums=(0, 1))(x, scale)
+    got = jax.grad(lambda x, s: jnp.sum(rms_norm(x, s, 1e-5, jnp.dtype(jnp.float32)) * weights), argnums=(0, 1))(
+        x, scale
+    )
     for g, w in zip(got, want):
         assert relative_error(g, w) < RELATIVE
 
@@ -97,8 +99,7 @@ def test_the_backward_pass_keeps_no_logits_and_no_fp32_norm_copies():
     params = nn.meta.unbox(model.init(jax.random.key(0), tokens)["params"])
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        jax.ad_checkpoint.print_saved_residuals(
-            lambda p: model.apply({"params": p}, tokens, targets=tokens)[0], params)
+        jax.ad_checkpoint.print_saved_residuals(lambda p: model.apply({"params": p}, tokens, targets=tokens)[0], params)
     saved = out.getvalue()
     assert f"{cfg.vocab_size}]" not in saved.replace(f"[{cfg.d_model},{cfg.vocab_size}]", "")  # only dW
     assert f"f32[{batch},{seq},{cfg.d_model}]" not in saved  # no fp32 copy of an activation

@@ -17,8 +17,11 @@ from llama_jax.training.step import TrainProgram, step_memory_bytes
 
 
 def with_budget(config, microbatches, gib):
-    return dataclasses.replace(config, train=dataclasses.replace(config.train, microbatches=microbatches),
-                               run=dataclasses.replace(config.run, device_memory_gb=gib))
+    return dataclasses.replace(
+        config,
+        train=dataclasses.replace(config.train, microbatches=microbatches),
+        run=dataclasses.replace(config.run, device_memory_gb=gib),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -26,8 +29,10 @@ def needs():
     """GiB per device of the tiny step with 1, 2 and 4 micro-batches (8 rows on one device)."""
     config = tiny_config(train=dict(batch_size=8, seq_len=64), mesh=dict(fsdp=1))
     mesh = make_mesh(config, devices=jax.devices()[:1])
-    return config, {n: step_memory_bytes(TrainProgram.build(with_budget(config, n, 0), mesh).compile_step()) / 2**30
-                    for n in (1, 2, 4)}
+    return config, {
+        n: step_memory_bytes(TrainProgram.build(with_budget(config, n, 0), mesh).compile_step()) / 2**30
+        for n in (1, 2, 4)
+    }
 
 
 def test_auto_micro_batches_are_the_fewest_that_fit(needs):
@@ -45,12 +50,16 @@ def test_auto_micro_batches_are_the_fewest_that_fit(needs):
 
 def test_a_step_over_the_budget_exits_before_writing_anything(needs, tmp_path, capsys):
     config, gib = needs
-    over = dataclasses.replace(with_budget(config, 1, gib[1] / 2),
-                               run=dataclasses.replace(config.run, dir=str(tmp_path / "run"),
-                                                       device_memory_gb=gib[1] / 2),
-                               data=dataclasses.replace(config.data, cache_dir=str(tmp_path / "cache")))
-    with pytest.raises(ConfigError, match=r"the train step .* needs .* per device, over the budget of .* "
-                                          r"\(run.device_memory_gb\); use train.microbatches=auto"):
+    over = dataclasses.replace(
+        with_budget(config, 1, gib[1] / 2),
+        run=dataclasses.replace(config.run, dir=str(tmp_path / "run"), device_memory_gb=gib[1] / 2),
+        data=dataclasses.replace(config.data, cache_dir=str(tmp_path / "cache")),
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"the train step .* needs .* per device, over the budget of .* "
+        r"\(run.device_memory_gb\); use train.microbatches=auto",
+    ):
         train(over, devices=jax.devices()[:1])
     assert not (tmp_path / "run").exists()
 

@@ -29,12 +29,21 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
 def _log_steps(run_dir: pathlib.Path, steps: range, lines: list[str], **kwargs) -> None:
-    with MetricsLog(run_dir, total_steps=600, start_step=steps.start, interactive=False,
-                    print_fn=lines.append, **kwargs) as log:
+    with MetricsLog(
+        run_dir, total_steps=600, start_step=steps.start, interactive=False, print_fn=lines.append, **kwargs
+    ) as log:
         for step in steps:
             # numpy scalars, as a train loop would produce them, must come out as plain JSON.
-            log.log({"step": np.int32(step), "loss": np.float32(4.0 - 0.01 * step),
-                     "tokens_per_s": 12345.6, "mfu": np.float64(0.412), "lr": 3e-4, "step_time_s": 0.5})
+            log.log(
+                {
+                    "step": np.int32(step),
+                    "loss": np.float32(4.0 - 0.01 * step),
+                    "tokens_per_s": 12345.6,
+                    "mfu": np.float64(0.412),
+                    "lr": 3e-4,
+                    "step_time_s": 0.5,
+                }
+            )
 
 
 def test_jsonl_lines_are_valid_and_appended_across_runs(tmp_path):
@@ -60,19 +69,16 @@ def test_plain_output_shows_step_loss_throughput_mfu(tmp_path):
 
 def test_eval_only_record_is_logged_and_shown(tmp_path):
     lines: list[str] = []
-    with MetricsLog(tmp_path, total_steps=10, interactive=False, print_fn=lines.append,
-                    tensorboard=False) as log:
+    with MetricsLog(tmp_path, total_steps=10, interactive=False, print_fn=lines.append, tensorboard=False) as log:
         log.log({"step": 5, "eval_loss": 4.25})
         log.log({"step": 6, "loss": float("nan")})  # a NaN loss must still be strict JSON
         log.message("hello")
     assert "eval_loss 4.2500" in lines[0] and lines[-1] == "hello"
-    assert read_metrics(tmp_path / "metrics.jsonl") == [{"step": 5, "eval_loss": 4.25},
-                                                        {"step": 6, "loss": None}]
+    assert read_metrics(tmp_path / "metrics.jsonl") == [{"step": 5, "eval_loss": 4.25}, {"step": 6, "loss": None}]
 
 
 def test_interactive_bar_does_not_crash(tmp_path, capsys):
-    with MetricsLog(tmp_path, total_steps=10, start_step=2, interactive=True,
-                    tensorboard=False) as log:
+    with MetricsLog(tmp_path, total_steps=10, start_step=2, interactive=True, tensorboard=False) as log:
         log.log({"step": 3, "loss": 3.0, "tokens_per_s": 100.0, "mfu": 0.5})
         log.log({"step": 4, "eval_loss": 3.5})
         log.message("checkpoint saved")
@@ -90,8 +96,7 @@ def test_read_metrics_skips_truncated_last_line_and_log_repairs_it(tmp_path):
     path.write_text('{"step": 1, "loss": 3.0}\n{"step": 2, "loss": 2.9}\n{"step": 3, "lo')
     assert [r["step"] for r in read_metrics(path)] == [1, 2]
     # A run resumed after the kill appends on a fresh line instead of gluing onto the fragment.
-    with MetricsLog(tmp_path, total_steps=5, interactive=False, print_fn=lambda s: None,
-                    tensorboard=False) as log:
+    with MetricsLog(tmp_path, total_steps=5, interactive=False, print_fn=lambda s: None, tensorboard=False) as log:
         log.log({"step": 3, "loss": 2.8})
     assert [r["step"] for r in read_metrics(path)] == [1, 2, 3]
     path.write_text('{"step": 1}\n{"st\n{"step": 3}\n')
@@ -100,15 +105,27 @@ def test_read_metrics_skips_truncated_last_line_and_log_repairs_it(tmp_path):
 
 
 # W&B in offline mode: no network, no account, files only under the test's directories.
-WANDB_ENV = {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_CONSOLE": "off", "WANDB_DISABLE_GIT": "true",
-             "WANDB_DISABLE_CODE": "true", "WANDB__DISABLE_STATS": "true", "WANDB__DISABLE_META": "true",
-             "WANDB__SAVE_REQUIREMENTS": "false"}
+WANDB_ENV = {
+    "WANDB_MODE": "offline",
+    "WANDB_SILENT": "true",
+    "WANDB_CONSOLE": "off",
+    "WANDB_DISABLE_GIT": "true",
+    "WANDB_DISABLE_CODE": "true",
+    "WANDB__DISABLE_STATS": "true",
+    "WANDB__DISABLE_META": "true",
+    "WANDB__SAVE_REQUIREMENTS": "false",
+}
 
 
 def _wandb_records(offline_run: pathlib.Path) -> list[dict]:
     """The records of an offline run's .wandb file, read by wandb's own reader (`wandb leet inspect`)."""
-    out = subprocess.run([sys.executable, "-m", "wandb", "leet", "inspect", "--json", str(offline_run)],
-                         capture_output=True, text=True, check=True, timeout=120).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "wandb", "leet", "inspect", "--json", str(offline_run)],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    ).stdout
     return [json.loads(line) for line in out.splitlines() if line.strip()]
 
 
@@ -127,8 +144,15 @@ def wandb_run(tmp_path_factory):
         for key in ("WANDB_DIR", "WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
             env.setenv(key, str(root / key.lower()))  # WANDB_DIR: dir=run_dir must win over it
         _log_steps(run_dir, range(0, 3), [], tensorboard=False, wandb=WandbSettings.from_config(config))
-        with MetricsLog(run_dir, total_steps=600, start_step=1, interactive=False, print_fn=lambda s: None,
-                        tensorboard=False, wandb=WandbSettings.from_config(config)) as log:
+        with MetricsLog(
+            run_dir,
+            total_steps=600,
+            start_step=1,
+            interactive=False,
+            print_fn=lambda s: None,
+            tensorboard=False,
+            wandb=WandbSettings.from_config(config),
+        ) as log:
             log.log({"step": 2, "loss": 3.5, "grad_norm": np.float32(0.25), "finite": True})
             log.log({"step": 2, "eval_loss": 3.75})
             log.log({"step": 3, "eval_loss": None})  # nothing to plot: no W&B row
@@ -153,8 +177,16 @@ def test_wandb_logs_the_scalars_tensorboard_gets_with_the_config(wandb_run):
     history = _history(runs[0])
     assert [h["step"] for h in history] == [0, 1, 2]
     for h in history:
-        assert h == pytest.approx({"step": h["step"], "loss": 4.0 - 0.01 * h["step"], "tokens_per_s": 12345.6,
-                                   "mfu": 0.412, "lr": 3e-4, "step_time_s": 0.5})
+        assert h == pytest.approx(
+            {
+                "step": h["step"],
+                "loss": 4.0 - 0.01 * h["step"],
+                "tokens_per_s": 12345.6,
+                "mfu": 0.412,
+                "lr": 3e-4,
+                "step_time_s": 0.5,
+            }
+        )
     (started,) = _of_type(runs[0], "run")
     assert started["project"] == "llama-jax-test" and started["display_name"] == "run"  # wandb_name "": run.dir's name
     assert started["config"]["update"]["model"]["n_layers"] == config.model.n_layers
@@ -199,15 +231,15 @@ def test_wandb_settings_only_when_enabled_and_disabled_log_starts_no_wandb_run(t
 
 
 def _records(with_eval: bool) -> list[dict]:
-    out = [{"step": s, "loss": 5.0 / (s + 1), "tokens_per_s": 1000.0 + s, "mfu": 0.3}
-           for s in range(1, 21)]
+    out = [{"step": s, "loss": 5.0 / (s + 1), "tokens_per_s": 1000.0 + s, "mfu": 0.3} for s in range(1, 21)]
     if with_eval:
         out += [{"step": s, "eval_loss": 5.5 / (s + 1)} for s in (10, 20)]
     return out
 
 
-@pytest.mark.parametrize("records", [_records(True), _records(False), [{"step": 1, "loss": 4.0}],
-                                     [{"step": 3, "eval_loss": None}]])
+@pytest.mark.parametrize(
+    "records", [_records(True), _records(False), [{"step": 1, "loss": 4.0}], [{"step": 3, "eval_loss": None}]]
+)
 def test_write_report_writes_png(tmp_path, records):
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     out = write_report(tmp_path)
@@ -249,6 +281,7 @@ def test_a_measured_peak_is_the_best_seen_so_a_busy_moment_cannot_lower_it(tmp_p
 def test_an_unknown_gpu_is_measured_with_a_large_matmul(tmp_path, monkeypatch):
     """A GPU missing from the data-sheet table gets an 8192^3 matmul, labelled measured: a small one is
     bound by kernel launches and would inflate MFU."""
+
     class FutureGpu:
         platform, device_kind = "gpu", "NVIDIA Z999"
 
@@ -257,8 +290,11 @@ def test_an_unknown_gpu_is_measured_with_a_large_matmul(tmp_path, monkeypatch):
     monkeypatch.setattr(hardware, "measure_matmul_peak", lambda dtype, size, repeats: sizes.append(size) or 7e14)
     peak, source = device_peak_flops("bfloat16", tmp_path)
     assert (peak, sizes) == (7e14, [8192]) and source.startswith("measured bf16 8192^3 matmul on NVIDIA Z999")
-    monkeypatch.setattr(hardware.jax, "local_devices", lambda: [type("H100", (), {"platform": "gpu",
-                                                                 "device_kind": "NVIDIA H100 80GB HBM3"})()])
+    monkeypatch.setattr(
+        hardware.jax,
+        "local_devices",
+        lambda: [type("H100", (), {"platform": "gpu", "device_kind": "NVIDIA H100 80GB HBM3"})()],
+    )
     assert device_peak_flops("bfloat16", tmp_path) == (989e12, "H100 table, bfloat16 dense") and sizes == [8192]
 
 
@@ -308,8 +344,9 @@ def test_mfu_is_against_the_compute_peak_and_under_fp8_also_the_fp8_peak(tmp_pat
     # A CPU has no fp8 peak: MFU against it is not reported, and the description says why.
     cpu = mfu_peaks("float32", "tensorwise", tmp_path)
     assert cpu.fp8 is None and cpu.fractions(1e9, 1)["mfu_fp8"] is None
-    assert cpu.describe().endswith(f"no fp8 peak for {jax.local_devices()[0].device_kind}: MFU against fp8 not "
-                                   "reported")
+    assert cpu.describe().endswith(
+        f"no fp8 peak for {jax.local_devices()[0].device_kind}: MFU against fp8 not reported"
+    )
 
 
 def test_throughput_meter_reports_its_window_and_the_run_medians():
@@ -319,8 +356,9 @@ def test_throughput_meter_reports_its_window_and_the_run_medians():
     meter.add(0.5, data_wait=0.1)
     meter.add(1.5, data_wait=0.3)
     first = meter.record()  # 2 steps in 2 s
-    assert first == pytest.approx({"tokens_per_s": 1000.0, "step_time_s": 1.0, "mfu": 1000 * 6e6 / 2e12,
-                                   "data_wait_s": 0.2})
+    assert first == pytest.approx(
+        {"tokens_per_s": 1000.0, "step_time_s": 1.0, "mfu": 1000 * 6e6 / 2e12, "data_wait_s": 0.2}
+    )
     meter.add(0.25, data_wait=0.0)  # a new window: the first one's steps are gone
     assert meter.record()["tokens_per_s"] == 4000.0
     meter.add(0.5, data_wait=0.0)

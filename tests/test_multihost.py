@@ -43,8 +43,22 @@ def launch(processes, devices, *args, timeout=300, command=None):
     """launch/local.sh, as the README's multi-host guide runs it (it hands several processes to LAUNCHER),
     each process running `command train ARGS` (default: the llama-jax CLI)."""
     env = subprocess_environment() | ({"LLAMA_JAX": command} if command else {})
-    return subprocess.run([str(ROOT / "launch" / "local.sh"), "--processes", str(processes), "--devices", str(devices),
-                           "--", "train", *map(str, args)], env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [
+            str(ROOT / "launch" / "local.sh"),
+            "--processes",
+            str(processes),
+            "--devices",
+            str(devices),
+            "--",
+            "train",
+            *map(str, args),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def losses(run_dir):
@@ -66,8 +80,10 @@ def two_processes(config_path, tmp_path_factory):
     process calling the Python API's train, which joins the run from the JAX_* variables the launcher sets."""
     root = tmp_path_factory.mktemp("two")
     script = root / "train_with_api.py"
-    script.write_text("import sys\nfrom llama_jax import api\n"  # argv: train CONFIG key=value ...
-                      "sys.exit(api.train(sys.argv[2], sys.argv[3:])['exit_code'])\n")
+    script.write_text(
+        "import sys\nfrom llama_jax import api\n"  # argv: train CONFIG key=value ...
+        "sys.exit(api.train(sys.argv[2], sys.argv[3:])['exit_code'])\n"
+    )
     proc = launch(2, 4, config_path, f"run.dir={root / 'run'}", "train.steps=10", command=f"{sys.executable} {script}")
     assert proc.returncode == 0, proc.stderr
     return root / "run", proc
@@ -91,8 +107,9 @@ def test_two_processes_via_the_api_train_like_one_and_only_process_0_writes_the_
 
 
 @pytest.mark.parametrize("processes", [1, 4])
-def test_a_two_process_checkpoint_resumes_with_another_process_count(processes, two_processes, one_process,
-                                                                    config_path, tmp_path):
+def test_a_two_process_checkpoint_resumes_with_another_process_count(
+    processes, two_processes, one_process, config_path, tmp_path
+):
     saved, _ = two_processes
     run_dir = tmp_path / "run"
     shutil.copytree(saved, run_dir)
@@ -105,12 +122,29 @@ def test_a_two_process_checkpoint_resumes_with_another_process_count(processes, 
 def test_sigterm_to_every_process_saves_one_agreed_step(config_path, tmp_path):
     """Preemption: both processes get SIGTERM (at slightly different steps) and save the same step."""
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen([str(ROOT / "launch" / "local.sh"), "--processes", "2", "--devices", "4", "--", "train",
-                             str(config_path), f"run.dir={run_dir}", "train.steps=2000", "checkpoint.every_steps=0"],
-                            env=subprocess_environment(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            str(ROOT / "launch" / "local.sh"),
+            "--processes",
+            "2",
+            "--devices",
+            "4",
+            "--",
+            "train",
+            str(config_path),
+            f"run.dir={run_dir}",
+            "train.steps=2000",
+            "checkpoint.every_steps=0",
+        ],
+        env=subprocess_environment(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.time() + 240
-    while (time.time() < deadline
-           and max(losses(run_dir) if (run_dir / "metrics.jsonl").exists() else [], default=0) < 5):
+    while (
+        time.time() < deadline and max(losses(run_dir) if (run_dir / "metrics.jsonl").exists() else [], default=0) < 5
+    ):
         assert proc.poll() is None, proc.communicate()
         time.sleep(0.1)
     proc.send_signal(signal.SIGTERM)  # the launcher forwards it to both processes
@@ -128,9 +162,25 @@ def test_sigterm_to_every_process_saves_one_agreed_step(config_path, tmp_path):
 
 def launcher(processes, devices, *args, grace=90, timeout=300):
     """launch/multiprocess.py directly, for its --grace (how long the others get after one fails)."""
-    return subprocess.run([sys.executable, str(LAUNCHER), "--processes", str(processes), "--devices", str(devices),
-                           "--grace", str(grace), "--", "train", *map(str, args)],
-                          env=subprocess_environment(), capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [
+            sys.executable,
+            str(LAUNCHER),
+            "--processes",
+            str(processes),
+            "--devices",
+            str(devices),
+            "--grace",
+            str(grace),
+            "--",
+            "train",
+            *map(str, args),
+        ],
+        env=subprocess_environment(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 @pytest.fixture
@@ -168,14 +218,31 @@ def test_resuming_with_another_rope_theta_exits_2_naming_it_and_changes_nothing(
 def llama3_store(config_path, corpus):
     """A token store of the test corpus with its own byte-level BPE: the data a Llama 3 preset must be given."""
     store = config_path.parent / "store"
-    subprocess.run([sys.executable, "-m", "llama_jax", "prepare", str(corpus), "--out", str(store), "--train-tokenizer",
-                    "300", "--workers", "1"], env=subprocess_environment(), check=True, capture_output=True,
-                   timeout=300)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "llama_jax",
+            "prepare",
+            str(corpus),
+            "--out",
+            str(store),
+            "--train-tokenizer",
+            "300",
+            "--workers",
+            "1",
+        ],
+        env=subprocess_environment(),
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     return store
 
 
 def test_a_llama3_recipe_on_two_processes_saves_at_young_daly_and_a_kill_loses_at_most_one_interval(
-        config_path, llama3_store, tmp_path):
+    config_path, llama3_store, tmp_path
+):
     """The llama3_8b preset as launched (only the model shrunk, its data named) on 2 processes under the supervisor.
     Process 1 is slow twice over: its saves take 0.6 s and each of its steps starts 0.3 s late.
     - The automatic interval is agreed by both processes (each alone would choose another: they would save at
@@ -186,19 +253,60 @@ def test_a_llama3_recipe_on_two_processes_saves_at_young_daly_and_a_kill_loses_a
       peer), the supervisor restarts both, which lose at most one interval."""
     run_dir = tmp_path / "run"
     step_s, save_s, mtbf_hours, steps = 0.3, 0.6, 0.002, 36
-    overrides = ["model.n_layers=2", "model.d_model=64", "model.n_heads=4", "model.n_kv_heads=2", "model.head_dim=16",
-                 "model.ffn_dim=128", "model.vocab_size=320", "model.compute_dtype=float32", "train.batch_size=8",
-                 "train.seq_len=32", f"train.steps={steps}", "train.warmup_steps=2", "train.eval_every=0",
-                 "train.sample_tokens=0",
-                 f"data.sources=[{llama3_store}]", f"data.cache_dir={config_path.parent / 'cache'}",
-                 f"run.compilation_cache={config_path.parent / 'jax_cache'}", "run.tensorboard=false",
-                 f"checkpoint.mtbf_hours={mtbf_hours}", "checkpoint.keep=50", "fault.straggler_every_steps=3",
-                 "inject.process=1", f"inject.save_delay_s={save_s}",
-                 f"inject.step_delay_s={step_s}", "fault.barrier_timeout_s=60", "run.heartbeat_timeout_s=10"]
+    overrides = [
+        "model.n_layers=2",
+        "model.d_model=64",
+        "model.n_heads=4",
+        "model.n_kv_heads=2",
+        "model.head_dim=16",
+        "model.ffn_dim=128",
+        "model.vocab_size=320",
+        "model.compute_dtype=float32",
+        "train.batch_size=8",
+        "train.seq_len=32",
+        f"train.steps={steps}",
+        "train.warmup_steps=2",
+        "train.eval_every=0",
+        "train.sample_tokens=0",
+        f"data.sources=[{llama3_store}]",
+        f"data.cache_dir={config_path.parent / 'cache'}",
+        f"run.compilation_cache={config_path.parent / 'jax_cache'}",
+        "run.tensorboard=false",
+        f"checkpoint.mtbf_hours={mtbf_hours}",
+        "checkpoint.keep=50",
+        "fault.straggler_every_steps=3",
+        "inject.process=1",
+        f"inject.save_delay_s={save_s}",
+        f"inject.step_delay_s={step_s}",
+        "fault.barrier_timeout_s=60",
+        "run.heartbeat_timeout_s=10",
+    ]
     supervisor = subprocess.Popen(
-        [sys.executable, "-m", "llama_jax", "supervise", "--backoff", "0.5", "--", sys.executable, str(LAUNCHER),
-         "--processes", "2", "--devices", "4", "--", "train", "llama3_8b", f"run.dir={run_dir}", *overrides],
-        env=subprocess_environment(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-m",
+            "llama_jax",
+            "supervise",
+            "--backoff",
+            "0.5",
+            "--",
+            sys.executable,
+            str(LAUNCHER),
+            "--processes",
+            "2",
+            "--devices",
+            "4",
+            "--",
+            "train",
+            "llama3_8b",
+            f"run.dir={run_dir}",
+            *overrides,
+        ],
+        env=subprocess_environment(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     pids, log_lines = {}, []
     while len(pids) < 2:
         line = supervisor.stderr.readline()
@@ -207,8 +315,9 @@ def test_a_llama3_recipe_on_two_processes_saves_at_young_daly_and_a_kill_loses_a
         if match := re.match(r"multiprocess: process (\d) started \(pid (\d+)\)", line):
             pids[int(match.group(1))] = int(match.group(2))
     deadline = time.time() + 300
-    while (time.time() < deadline
-           and max(losses(run_dir) if (run_dir / "metrics.jsonl").exists() else [], default=0) < 23):
+    while (
+        time.time() < deadline and max(losses(run_dir) if (run_dir / "metrics.jsonl").exists() else [], default=0) < 23
+    ):
         assert supervisor.poll() is None, supervisor.communicate()
         time.sleep(0.1)
     killed_at = max(losses(run_dir))
@@ -222,8 +331,11 @@ def test_a_llama3_recipe_on_two_processes_saves_at_young_daly_and_a_kill_loses_a
     assert survivor - died < 60, err  # no hang in a collective waiting for the dead peer
     assert "still running" not in err  # it stopped by itself, the launcher did not have to kill it
 
-    derived = re.search(r"checkpoint.every_steps=auto: sqrt\(2 x save ([\d.]+)s x MTBF \S+ h\) = \d+s at ([\d.]+)s a "
-                        r"step -> saving every (\d+) steps", out)
+    derived = re.search(
+        r"checkpoint.every_steps=auto: sqrt\(2 x save ([\d.]+)s x MTBF \S+ h\) = \d+s at ([\d.]+)s a "
+        r"step -> saving every (\d+) steps",
+        out,
+    )
     save, step, every = float(derived.group(1)), float(derived.group(2)), int(derived.group(3))
     # Process 1's figures are the agreed ones (its delays are in them); the rest of a step is this machine's
     # compute, longer when the machine is busy, so the interval is checked against the figures it measured.
@@ -233,8 +345,11 @@ def test_a_llama3_recipe_on_two_processes_saves_at_young_daly_and_a_kill_loses_a
     assert attempts[-1]["redone_steps"] <= every, (killed_at, attempts[-1]["redone_steps"], every)
     assert max(losses(run_dir)) == steps
 
-    line = re.search(r"warning: straggler host: process 1 on \S+ \(devices \d+-\d+\) costs the fleet ([\d.]+) s of "
-                     r"each ([\d.]+) s step over steps \d+-\d+ \(score ([\d.]+) > .*", out)
+    line = re.search(
+        r"warning: straggler host: process 1 on \S+ \(devices \d+-\d+\) costs the fleet ([\d.]+) s of "
+        r"each ([\d.]+) s step over steps \d+-\d+ \(score ([\d.]+) > .*",
+        out,
+    )
     assert line, out
     cost, _, score = map(float, line.groups())
     assert 0.25 < cost < 0.45 and score > 0.1  # the injected 0.3 s less the other host's few ms
@@ -245,8 +360,16 @@ def test_a_llama3_recipe_on_two_processes_saves_at_young_daly_and_a_kill_loses_a
 
 def test_a_process_that_never_reaches_a_barrier_is_named_by_the_others(config_path, tmp_path):
     run_dir = tmp_path / "run"
-    proc = launcher(2, 4, config_path, f"run.dir={run_dir}", "inject.process=1",
-                    "inject.stall_at=restore", "fault.barrier_timeout_s=5", grace=5)
+    proc = launcher(
+        2,
+        4,
+        config_path,
+        f"run.dir={run_dir}",
+        "inject.process=1",
+        "inject.stall_at=restore",
+        "fault.barrier_timeout_s=5",
+        grace=5,
+    )
     assert "'restore': process 1 of 2 did not arrive within 5s" in proc.stderr, proc.stderr
     assert f"on {socket.gethostname()} (process 1)" in proc.stderr  # where to look for it
     assert re.search(r"process 0 exited with status 76 after", proc.stderr), proc.stderr

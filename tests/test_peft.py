@@ -86,12 +86,19 @@ def test_lora_starts_as_the_base_model_bitwise_and_recomputing_layers_changes_no
         model = Llama(TINY_MODEL, remat_config=remat, peft=LORA)
 
         def loss(a):
-            return model.apply({"params": peft.merge(a, base)}, batch["tokens"], batch["positions"],
-                               batch["segment_ids"], targets=batch["targets"], loss_mask=batch["loss_mask"])[0]
+            return model.apply(
+                {"params": peft.merge(a, base)},
+                batch["tokens"],
+                batch["positions"],
+                batch["segment_ids"],
+                targets=batch["targets"],
+                loss_mask=batch["loss_mask"],
+            )[0]
 
         def run(a):
             moved = jax.tree.map(lambda x: x + 0.01, a)  # every gradient informative
             return model.apply({"params": peft.merge(a, base)}, batch["tokens"]), jax.grad(loss)(moved)
+
         return jax.jit(run)(adapters)
 
     logits, kept = logits_and_gradients(RematConfig())
@@ -107,6 +114,7 @@ def test_every_remat_policy_keeps_its_tags_and_nothing_of_the_adapters(policy, m
     from test_remat import saved_residuals
 
     from llama_jax.model import remat
+
     monkeypatch.setattr(remat, "host_offload_supported", lambda: True)
     assert saved_residuals(RematConfig(policy=policy), LORA) == saved_residuals(RematConfig(policy=policy))
 
@@ -130,12 +138,17 @@ def test_a_lora_step_computes_no_weight_gradient_of_the_base_and_leaves_it_bitwi
     a skipped non-finite one among them, change the adapters and leave the base's bits alone."""
     flops = {}
     for method in ("none", "lora"):
-        cfg = tiny_config(peft=dict(method=method, rank=1, targets=["q"]), checkpoint=dict(init_from="x"),
-                          mesh=dict(fsdp=1), train=dict(lr=1e-2))
+        cfg = tiny_config(
+            peft=dict(method=method, rank=1, targets=["q"]),
+            checkpoint=dict(init_from="x"),
+            mesh=dict(fsdp=1),
+            train=dict(lr=1e-2),
+        )
         program = TrainProgram.build(cfg, sharding.make_mesh(cfg, devices=jax.devices()[:1]))
         with program.activate():
-            flops[method] = program.train_step.lower(program.abstract_state(), program.abstract_batch()) \
-                .cost_analysis()["flops"]
+            flops[method] = program.train_step.lower(
+                program.abstract_state(), program.abstract_batch()
+            ).cost_analysis()["flops"]
     assert flops["lora"] < 0.75 * flops["none"]
     with program.activate():  # the LoRA program
         state = program.init_state(jax.random.key(0))
@@ -147,8 +160,9 @@ def test_a_lora_step_computes_no_weight_gradient_of_the_base_and_leaves_it_bitwi
             assert bool(metrics["finite"]) == (step != 1)
     for before, after in zip(jax.tree.leaves(base), jax.tree.leaves(state.frozen)):
         np.testing.assert_array_equal(np.asarray(after), before)
-    assert not np.array_equal(np.asarray(state.params["layers"]["attn"]["q_proj"]["lora_b"]),
-                              adapters["layers"]["attn"]["q_proj"]["lora_b"])
+    assert not np.array_equal(
+        np.asarray(state.params["layers"]["attn"]["q_proj"]["lora_b"]), adapters["layers"]["attn"]["q_proj"]["lora_b"]
+    )
 
 
 def test_lora_rank_8_on_bench_keeps_under_5_percent_of_full_fine_tunings_optimizer_state():
@@ -157,8 +171,9 @@ def test_lora_rank_8_on_bench_keeps_under_5_percent_of_full_fine_tunings_optimiz
         return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(program.state_shapes.opt_state))
 
     full = optimizer_bytes([])
-    lora = optimizer_bytes(["peft.method=lora", "peft.rank=8", "peft.targets=[q,k,v,o,gate,up,down]",
-                            "checkpoint.init_from=runs/bench"])
+    lora = optimizer_bytes(
+        ["peft.method=lora", "peft.rank=8", "peft.targets=[q,k,v,o,gate,up,down]", "checkpoint.init_from=runs/bench"]
+    )
     assert 0 < lora <= 0.05 * full
 
 
@@ -169,8 +184,9 @@ def test_prompt_tuning_gives_each_packed_document_its_logits_alone(base_params):
     lengths = np.array([9, 13, 6])
     tokens = np.random.default_rng(1).integers(3, TINY_MODEL.vocab_size, lengths.sum()).astype(np.int32)
     docs = Documents.in_memory(np.split(tokens, np.cumsum(lengths)[:-1]))
-    forward = jax.jit(lambda inputs: model.apply({"params": params}, inputs["tokens"], inputs["positions"],
-                                                 inputs["segment_ids"])[0])
+    forward = jax.jit(
+        lambda inputs: model.apply({"params": params}, inputs["tokens"], inputs["positions"], inputs["segment_ids"])[0]
+    )
     packed = PackedRows(docs, 3 * 3 + lengths.sum() + 1, 0, 0, "first_fit", 8, prompt_tokens=3)
     (row,) = [packed[r] for r in range(packed.rows_in_epoch(0))]  # all three in one row
     together = np.asarray(forward(model_inputs([row])))
@@ -181,9 +197,10 @@ def test_prompt_tuning_gives_each_packed_document_its_logits_alone(base_params):
         # The document alone, at the start of a row of the same length (padding after it: segment 0).
         alone = {k: np.zeros_like(v) for k, v in row.items()}
         for k in alone:
-            alone[k][:len(where)] = row[k][where]
-        np.testing.assert_allclose(together[where[:-1]], np.asarray(forward(model_inputs([alone])))[:len(where) - 1],
-                                   atol=1e-5)
+            alone[k][: len(where)] = row[k][where]
+        np.testing.assert_allclose(
+            together[where[:-1]], np.asarray(forward(model_inputs([alone])))[: len(where) - 1], atol=1e-5
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -199,9 +216,15 @@ def adapter_config(root, corpus, name, settings, **sections):
     """A run of `settings` adapting the Hugging Face golden model: 4 steps, a checkpoint every 2 (unless told)."""
     model = dataclasses.replace(hf.read_config(HF_BASE), compute_dtype="float32", max_seq_len=128)
     sections = {"checkpoint": dict(init_from=f"hf:{HF_BASE}", every_steps=2, keep=10), **sections}
-    return tiny_config(root, model=dataclasses.asdict(model), peft=settings, data=dict(sources=[str(corpus)]),
-                       run=dict(dir=str(root / name)), train=dict(steps=STEPS, lr=1e-2, **sections.pop("train", {})),
-                       **sections)
+    return tiny_config(
+        root,
+        model=dataclasses.asdict(model),
+        peft=settings,
+        data=dict(sources=[str(corpus)]),
+        run=dict(dir=str(root / name)),
+        train=dict(steps=STEPS, lr=1e-2, **sections.pop("train", {})),
+        **sections,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -211,14 +234,28 @@ def runs(tmp_path_factory, corpus):
     with a NaN injected at its third step and fault.max_bad_steps=1, so it rolls back to step 2."""
     root = tmp_path_factory.mktemp("peft")
     lora = dict(method="lora", rank=4, targets=ALL_TARGETS, dropout=0.1)
-    configs = {"lora": adapter_config(root, corpus, "lora", lora,
-                                      checkpoint=dict(init_from=f"hf:{HF_BASE}", every_steps=1, keep=10),
-                                      mesh=dict(fsdp=2, tensor=2)),
-               "ptuning": adapter_config(root, corpus, "ptuning", dict(method="ptuning", prompt_tokens=4),
-                                         fault=dict(max_bad_steps=1), inject=dict(nan_steps=[2]))}
+    configs = {
+        "lora": adapter_config(
+            root,
+            corpus,
+            "lora",
+            lora,
+            checkpoint=dict(init_from=f"hf:{HF_BASE}", every_steps=1, keep=10),
+            mesh=dict(fsdp=2, tensor=2),
+        ),
+        "ptuning": adapter_config(
+            root,
+            corpus,
+            "ptuning",
+            dict(method="ptuning", prompt_tokens=4),
+            fault=dict(max_bad_steps=1),
+            inject=dict(nan_steps=[2]),
+        ),
+    }
     messages = {name: [] for name in configs}
-    summaries = {name: train(cfg, print_fn=messages[name].append, devices=DEVICES[name])
-                 for name, cfg in configs.items()}
+    summaries = {
+        name: train(cfg, print_fn=messages[name].append, devices=DEVICES[name]) for name, cfg in configs.items()
+    }
     return root, configs, messages, summaries
 
 
@@ -227,8 +264,11 @@ def test_a_run_adapts_its_base_and_checkpoints_hold_the_adapters_and_a_reference
     assert f"adapting hf:{HF_BASE} (peft.method=lora); its params stay frozen" in messages["lora"]
     assert summaries["lora"]["final_eval_loss"] < summaries["lora"]["initial_eval_loss"]
     state, _ = load_checkpoint(configs["lora"], STEPS, devices=DEVICES["lora"])
-    names = {path[-1] for path in jax.tree_util.tree_flatten_with_path(state.params)[0] for path in [
-        [getattr(k, "key", "") for k in path[0]]]}
+    names = {
+        path[-1]
+        for path in jax.tree_util.tree_flatten_with_path(state.params)[0]
+        for path in [[getattr(k, "key", "") for k in path[0]]]
+    }
     assert names == {"lora_a", "lora_b"}  # no base weight, and no optimizer moment of one
     meta = json.loads((root / "lora" / "checkpoints" / str(STEPS) / "meta" / "metadata").read_text())
     assert meta["base"]["path"] == f"hf:{HF_BASE.absolute()}"
@@ -237,8 +277,9 @@ def test_a_run_adapts_its_base_and_checkpoints_hold_the_adapters_and_a_reference
 
 def test_p_tuning_rolls_back_past_a_bad_step(runs):
     _, _, messages, summaries = runs
-    assert any("bad steps in a row: rolled back from step" in m and " to 2;" in m for m in messages["ptuning"]), \
+    assert any("bad steps in a row: rolled back from step" in m and " to 2;" in m for m in messages["ptuning"]), (
         messages["ptuning"]
+    )
     assert np.isfinite(summaries["ptuning"]["final_eval_loss"]) and summaries["ptuning"]["skipped_steps"] == 1
 
 
@@ -268,8 +309,12 @@ def test_readme_adapter_guide_commands_on_lora_and_p_tuning_runs(runs, tmp_path,
     (tmp_path / "runs").mkdir()
     (tmp_path / "runs" / "lora").symlink_to(root / "lora")
     (tmp_path / "runs" / "prompt").symlink_to(root / "ptuning")
-    commands = [c for verb in ("convert", "generate", "eval") for c in readme_commands(f"llama-jax {verb}")
-                if any(f" runs/{adapted} " in c for adapted in ("lora", "prompt"))]
+    commands = [
+        c
+        for verb in ("convert", "generate", "eval")
+        for c in readme_commands(f"llama-jax {verb}")
+        if any(f" runs/{adapted} " in c for adapted in ("lora", "prompt"))
+    ]
     assert len(commands) == 4
     for command in commands:
         args = [a.replace("path/to/texts/", str(corpus)) for a in llama_jax_args(command)]
@@ -321,8 +366,9 @@ def our_logits(maker, name):
 def test_adapters_we_write_are_the_goldens_peft_loaded_and_give_its_logits(name, tmp_path):
     maker = golden_maker()
     maker.write(name, tmp_path / name)
-    assert json.loads((tmp_path / name / "adapter_config.json").read_text()) == \
-        json.loads((GOLDEN / name / "adapter_config.json").read_text())
+    assert json.loads((tmp_path / name / "adapter_config.json").read_text()) == json.loads(
+        (GOLDEN / name / "adapter_config.json").read_text()
+    )
     written, golden = (load_file(d / name / "adapter_model.safetensors") for d in (tmp_path, GOLDEN))
     assert sorted(written) == sorted(golden)
     for key in golden:
@@ -345,20 +391,27 @@ def test_folded_lora_gives_the_adapter_models_logits():
     _, settings, adapters = maker.adapters("lora_all_targets")
     cfg, base = api.load(f"hf:{maker.BASE}")
     folded = peft.fold_lora(peft.merge(adapters, base), settings)
-    assert np.abs(api.logits(cfg, folded, maker.tokens()) - our_logits(maker, "lora_all_targets")).max() \
-        <= MERGE_TOLERANCE
+    assert (
+        np.abs(api.logits(cfg, folded, maker.tokens()) - our_logits(maker, "lora_all_targets")).max() <= MERGE_TOLERANCE
+    )
 
 
 # ---------------------------------------------------------------------------------------------
 # Bad input: one line, exit 2, nothing in run.dir touched
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["peft.method=lora", "peft.targets=[q,qkv]"], "peft.targets: unknown target 'qkv'; choose from q, k, v, o, gate"),
-    (["peft.method=lora", "peft.rank=0"], "peft.rank must be positive, got 0"),
-    (["peft.method=prompt", "peft.prompt_tokens=128"], "peft.prompt_tokens (128) must be positive and leave room"),
-    (["peft.method=ptuning", "peft.prompt_encoder=gru"], "peft.prompt_encoder must be one of mlp, lstm, got 'gru'"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["peft.method=lora", "peft.targets=[q,qkv]"],
+            "peft.targets: unknown target 'qkv'; choose from q, k, v, o, gate",
+        ),
+        (["peft.method=lora", "peft.rank=0"], "peft.rank must be positive, got 0"),
+        (["peft.method=prompt", "peft.prompt_tokens=128"], "peft.prompt_tokens (128) must be positive and leave room"),
+        (["peft.method=ptuning", "peft.prompt_encoder=gru"], "peft.prompt_encoder must be one of mlp, lstm, got 'gru'"),
+    ],
+)
 def test_bad_peft_settings_exit_2_with_one_line(overrides, message, tmp_path, capsys):
     args = ["train", "tiny", f"run.dir={tmp_path / 'run'}", "checkpoint.init_from=runs/base", *overrides]
     assert cli.main(args) == 2
@@ -369,10 +422,13 @@ def test_bad_peft_settings_exit_2_with_one_line(overrides, message, tmp_path, ca
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.parametrize("change, message", [
-    ("base", "holds adapters trained on another base model"),
-    ("rank", "holds checkpoints of other adapters (peft.rank 4 (saved) vs 2)"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ("base", "holds adapters trained on another base model"),
+        ("rank", "holds checkpoints of other adapters (peft.rank 4 (saved) vs 2)"),
+    ],
+)
 def test_resuming_on_another_base_or_other_adapters_exits_2_touching_nothing(change, message, runs, tmp_path, capsys):
     root, configs, _, _ = runs
     shutil.copytree(root / "lora", tmp_path / "lora")

@@ -62,16 +62,24 @@ def test_live_an_adapter_peft_makes_now_gives_its_logits(tmp_path):
 def test_tensor_names_without_pefts_prefix_read_the_same(adapter):
     """Some tools save PEFT adapters without `base_model.model.` in front of the names."""
     tensors = load_file(adapter / "adapter_model.safetensors")
-    save_file({k.removeprefix(peft_format.LORA_PREFIX): v for k, v in tensors.items()},
-              adapter / "adapter_model.safetensors")
+    save_file(
+        {k.removeprefix(peft_format.LORA_PREFIX): v for k, v in tensors.items()}, adapter / "adapter_model.safetensors"
+    )
     _, with_prefix = api.load(f"{GOLDEN / 'peft_made_lora'}@{BASE}")
     _, without = api.load(f"{adapter}@{BASE}")
     for a, b in zip(jax.tree.leaves(with_prefix), jax.tree.leaves(without), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-@pytest.mark.parametrize("name, dtype", [("lora_all_targets", "float32"), ("lora_all_targets", "bfloat16"),
-                                         ("lora_all_targets", "float16"), ("prompt_tuning", "float32")])
+@pytest.mark.parametrize(
+    "name, dtype",
+    [
+        ("lora_all_targets", "float32"),
+        ("lora_all_targets", "bfloat16"),
+        ("lora_all_targets", "float16"),
+        ("prompt_tuning", "float32"),
+    ],
+)
 def test_our_adapters_written_then_read_back_are_bitwise_the_same(name, dtype, tmp_path):
     """Ours -> PEFT's format (in dtype) -> read: identical to the adapters rounded to dtype once."""
     cfg, settings, adapters = golden_maker().adapters(name)
@@ -93,8 +101,12 @@ def test_the_guides_commands_on_an_adapter_made_by_peft(adapter, tmp_path, corpu
     commands = [c for verb in ("generate", "eval", "convert") for c in readme_commands(f"llama-jax {verb} /adapters/")]
     assert len(commands) == 3
     for command in commands:
-        args = [a.replace("/adapters/my-lora", str(adapter)).replace("/models/Llama-3.2-1B", str(HF_BASE))
-                .replace("path/to/texts/", str(corpus)) for a in llama_jax_args(command)]
+        args = [
+            a.replace("/adapters/my-lora", str(adapter))
+            .replace("/models/Llama-3.2-1B", str(HF_BASE))
+            .replace("path/to/texts/", str(corpus))
+            for a in llama_jax_args(command)
+        ]
         assert cli.main(args) == 0, (command, capsys.readouterr().err)
     assert "perplexity" in capsys.readouterr().out
     assert (tmp_path / "exported" / "my-lora-merged" / "tokenizer.json").is_file()  # the adapter's went along
@@ -135,12 +147,20 @@ def test_continuing_an_adapter_with_other_peft_settings_says_which_to_set(tmp_pa
     config = tmp_path / "config.yaml"
     model = dataclasses.asdict(specs.resolve(BASE).model)
     config.write_text(json.dumps({"model": model}))
-    args = ["train", str(config), f"run.dir={tmp_path / 'run'}", "peft.method=lora", "peft.rank=8",
-            f"checkpoint.init_from={GOLDEN / 'peft_made_rslora_bf16'}@{BASE}"]
+    args = [
+        "train",
+        str(config),
+        f"run.dir={tmp_path / 'run'}",
+        "peft.method=lora",
+        "peft.rank=8",
+        f"checkpoint.init_from={GOLDEN / 'peft_made_rslora_bf16'}@{BASE}",
+    ]
     assert cli.main(args) == 2
     (line,) = capsys.readouterr().err.splitlines()
-    assert "holds adapters with other settings than peft.*; to continue training them set peft.rank=2 " \
-           "peft.alpha=4.242640687119286 peft.targets=[q,v,down]" in line, line
+    assert (
+        "holds adapters with other settings than peft.*; to continue training them set peft.rank=2 "
+        "peft.alpha=4.242640687119286 peft.targets=[q,v,down]" in line
+    ), line
     assert not (tmp_path / "run").exists()
 
 
@@ -150,17 +170,22 @@ def edited(adapter: Path, **changes) -> Path:
     return adapter
 
 
-@pytest.mark.parametrize("change, message", [
-    (dict(use_dora=True), "uses DoRA (use_dora: true), which llama-jax's LoRA does not compute"),
-    (dict(bias="lora_only"), "uses trained biases (bias: lora_only)"),
-    (dict(rank_pattern={"q_proj": 8}), "uses per-module ranks (rank_pattern)"),
-    (dict(layers_to_transform=[0]), "uses adapters on some layers only (layers_to_transform)"),
-    (dict(modules_to_save=["lm_head"]), "uses fully trained modules (modules_to_save: ['lm_head'])"),
-    (dict(peft_type="IA3"), "holds a PEFT adapter of type IA3; llama-jax reads LORA and PROMPT_TUNING"),
-    (dict(r=8), "has shape [4, 32] where a rank-8 LoRA on this base model has [8, 32]"),
-    (dict(base_model_name_or_path="meta-llama/Llama-3.2-1B"), "adapts meta-llama/Llama-3.2-1B, which is not a model "
-                                                              "on this machine; name the base: "),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(use_dora=True), "uses DoRA (use_dora: true), which llama-jax's LoRA does not compute"),
+        (dict(bias="lora_only"), "uses trained biases (bias: lora_only)"),
+        (dict(rank_pattern={"q_proj": 8}), "uses per-module ranks (rank_pattern)"),
+        (dict(layers_to_transform=[0]), "uses adapters on some layers only (layers_to_transform)"),
+        (dict(modules_to_save=["lm_head"]), "uses fully trained modules (modules_to_save: ['lm_head'])"),
+        (dict(peft_type="IA3"), "holds a PEFT adapter of type IA3; llama-jax reads LORA and PROMPT_TUNING"),
+        (dict(r=8), "has shape [4, 32] where a rank-8 LoRA on this base model has [8, 32]"),
+        (
+            dict(base_model_name_or_path="meta-llama/Llama-3.2-1B"),
+            "adapts meta-llama/Llama-3.2-1B, which is not a model on this machine; name the base: ",
+        ),
+    ],
+)
 def test_an_adapter_we_cannot_compute_the_same_way_is_one_line_exit_2(change, message, adapter, tmp_path, capsys):
     edited(adapter, **change)
     spec = str(adapter) if "base_model_name_or_path" in change else f"{adapter}@{BASE}"
@@ -186,4 +211,4 @@ def test_an_adapter_for_another_base_or_with_other_tensors_is_refused(adapter, t
 
 def test_the_adapter_settings_read_are_the_ones_peft_wrote():
     settings = specs.resolve(f"{GOLDEN / 'peft_made_rslora_bf16'}@{BASE}").adapters
-    assert settings == PeftConfig(method="lora", rank=2, alpha=3 * 2 ** 0.5, targets=["q", "v", "down"])
+    assert settings == PeftConfig(method="lora", rank=2, alpha=3 * 2**0.5, targets=["q", "v", "down"])

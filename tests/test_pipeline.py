@@ -38,20 +38,43 @@ def one_device():
     return losses(cfg, jax.devices()[:1])
 
 
-@pytest.mark.parametrize("mesh, remat", [
-    (dict(pipeline=4, fsdp=2), {}),
-    (dict(pipeline=2, tensor=2, fsdp=2, sequence_parallel=True, pipeline_microbatches=2, pipeline_stage_layers=[1, 3]),
-     {}),  # 2 passes
-    (dict(pipeline=2, fsdp=2, sequence=2, pipeline_schedule="1f1b", pipeline_stage_layers=[3, 1]), {}),
-    (dict(pipeline=2, tensor=2, fsdp=2, sequence_parallel=True, pipeline_microbatches=2, pipeline_schedule="1f1b"),
-     {}),
-    (dict(pipeline=2, pipeline_repeats=2, fsdp=2, pipeline_schedule="1f1b"), dict(policy="full")),
-], ids=["pipeline4xfsdp2", "pipeline2xtensor2-sp-two-passes-uneven", "1f1b-pipeline2xfsdp2xsequence2-uneven",
-        "1f1b-pipeline2xtensor2-sp-two-passes", "1f1b-pipeline2-repeats2-remat-full"])
+@pytest.mark.parametrize(
+    "mesh, remat",
+    [
+        (dict(pipeline=4, fsdp=2), {}),
+        (
+            dict(
+                pipeline=2,
+                tensor=2,
+                fsdp=2,
+                sequence_parallel=True,
+                pipeline_microbatches=2,
+                pipeline_stage_layers=[1, 3],
+            ),
+            {},
+        ),  # 2 passes
+        (dict(pipeline=2, fsdp=2, sequence=2, pipeline_schedule="1f1b", pipeline_stage_layers=[3, 1]), {}),
+        (
+            dict(
+                pipeline=2, tensor=2, fsdp=2, sequence_parallel=True, pipeline_microbatches=2, pipeline_schedule="1f1b"
+            ),
+            {},
+        ),
+        (dict(pipeline=2, pipeline_repeats=2, fsdp=2, pipeline_schedule="1f1b"), dict(policy="full")),
+    ],
+    ids=[
+        "pipeline4xfsdp2",
+        "pipeline2xtensor2-sp-two-passes-uneven",
+        "1f1b-pipeline2xfsdp2xsequence2-uneven",
+        "1f1b-pipeline2xtensor2-sp-two-passes",
+        "1f1b-pipeline2-repeats2-remat-full",
+    ],
+)
 def test_pipelined_losses_match_one_device(mesh, remat, one_device):
     """First 5 losses (fp32, packed documents) within 1e-5 relative of one device, under both schedules."""
-    cfg = tiny_config(model=dataclasses.asdict(MODEL), train=dict(lr=1e-2, microbatches=MICROBATCHES),
-                      mesh=mesh, remat=remat)
+    cfg = tiny_config(
+        model=dataclasses.asdict(MODEL), train=dict(lr=1e-2, microbatches=MICROBATCHES), mesh=mesh, remat=remat
+    )
     devices = int(np.prod([v for k, v in mesh.items() if k in ("pipeline", "fsdp", "tensor", "sequence")]))
     np.testing.assert_allclose(losses(cfg, jax.devices()[:devices]), one_device, rtol=1e-5)
 
@@ -82,8 +105,9 @@ def test_1f1b_tables_keep_the_dependencies_and_at_most_2p_micro_batches_in_fligh
     if repeats == 1:
         assert tables.in_flight == tuple(min(2 * (stages - p) - 1, microbatches) for p in range(stages))
     assert tables.iterations == one_f_one_b.iterations(stages, repeats, microbatches)
-    assert one_f_one_b.compiled_bubble(stages, repeats, microbatches, tables.iterations) == \
-        pytest.approx(pipeline.bubble_fraction(stages, microbatches, repeats))
+    assert one_f_one_b.compiled_bubble(stages, repeats, microbatches, tables.iterations) == pytest.approx(
+        pipeline.bubble_fraction(stages, microbatches, repeats)
+    )
     drained = tables.drain[..., 0] * tables.drain[..., 2]  # every gradient of the embeddings reaches its owner
     assert drained.sum() == microbatches and (drained.sum(axis=0) == microbatches // stages).all()
 
@@ -91,6 +115,7 @@ def test_1f1b_tables_keep_the_dependencies_and_at_most_2p_micro_batches_in_fligh
 def test_weight_only_residuals_are_told_apart():
     """A VJP's residuals computed from the weights alone (a weight cast, the weight itself) do not depend on the
     data; the activations do, through a scan's carry too."""
+
     def residuals(w, x):
         step = lambda x, w: (jnp.tanh(x @ w.astype(jnp.bfloat16).astype(jnp.float32)), None)  # noqa: E731
         return jax.tree.leaves(jax.vjp(lambda w, x: jax.lax.scan(step, x, w)[0], w, x)[1])
@@ -110,16 +135,25 @@ def saved_on_pipeline2x2(tmp_path_factory, corpus):
     common = dict(model=dataclasses.asdict(MODEL), train=dict(steps=8, min_lr_ratio=1.0, microbatches=MICROBATCHES))
     straight = config_for(root / "straight", corpus, **common, mesh=dict(fsdp=1))
     train_quietly(straight, devices=jax.devices()[:1])
-    half = config_for(root / "half", corpus, **{**common, "train": {**common["train"], "steps": 4}},
-                      mesh=dict(pipeline=2, pipeline_repeats=2, fsdp=2))
+    half = config_for(
+        root / "half",
+        corpus,
+        **{**common, "train": {**common["train"], "steps": 4}},
+        mesh=dict(pipeline=2, pipeline_repeats=2, fsdp=2),
+    )
     train_quietly(half, devices=jax.devices()[:4])
     return logged_losses(straight.run.dir), half
 
 
-@pytest.mark.parametrize("mesh", [
-    dict(pipeline=1, fsdp=1), dict(pipeline=4, pipeline_repeats=1, fsdp=2),
-    dict(pipeline=2, pipeline_repeats=1, fsdp=2, pipeline_schedule="1f1b", pipeline_stage_layers=[3, 1]),
-], ids=["to-one-device", "to-pipeline4", "to-1f1b-uneven"])
+@pytest.mark.parametrize(
+    "mesh",
+    [
+        dict(pipeline=1, fsdp=1),
+        dict(pipeline=4, pipeline_repeats=1, fsdp=2),
+        dict(pipeline=2, pipeline_repeats=1, fsdp=2, pipeline_schedule="1f1b", pipeline_stage_layers=[3, 1]),
+    ],
+    ids=["to-one-device", "to-pipeline4", "to-1f1b-uneven"],
+)
 def test_a_pipelined_checkpoint_resumes_on_another_layout_with_the_same_losses(mesh, tmp_path, saved_on_pipeline2x2):
     """Saved under GPipe with repeats (layers stored 0-1, 4-5 | 2-3, 6-7); resumed on one device, on 4 stages, and
     under 1F1B on uneven stages (stored 0-2 | 3, two empty places: another length)."""
@@ -128,9 +162,12 @@ def test_a_pipelined_checkpoint_resumes_on_another_layout_with_the_same_losses(m
         np.testing.assert_allclose(logged_losses(half.run.dir)[step], expected[step], rtol=1e-5)
     run_dir = tmp_path / "run"
     shutil.copytree(half.run.dir, run_dir)
-    moved = dataclasses.replace(half, run=dataclasses.replace(half.run, dir=str(run_dir)),
-                                train=dataclasses.replace(half.train, steps=8),
-                                mesh=dataclasses.replace(half.mesh, **mesh))
+    moved = dataclasses.replace(
+        half,
+        run=dataclasses.replace(half.run, dir=str(run_dir)),
+        train=dataclasses.replace(half.train, steps=8),
+        mesh=dataclasses.replace(half.mesh, **mesh),
+    )
     messages = []
     devices = mesh["pipeline"] * mesh["fsdp"]
     train_quietly(moved, devices=jax.devices()[:devices], messages=messages)
@@ -139,15 +176,26 @@ def test_a_pipelined_checkpoint_resumes_on_another_layout_with_the_same_losses(m
     np.testing.assert_allclose([got[s] for s in (5, 6, 7, 8)], [expected[s] for s in (5, 6, 7, 8)], rtol=1e-5)
 
 
-@pytest.mark.parametrize("stages, microbatches, repeats, per_pass, schedule", [
-    (2, 2, 1, 2, "1f1b"), (2, 4, 2, 2, "1f1b"), (4, 8, 1, 8, "gpipe")])
-def test_plan_reports_the_bubble_of_the_schedule_and_of_the_compiled_loop(stages, microbatches, repeats, per_pass,
-                                                                         schedule, capsys):
+@pytest.mark.parametrize(
+    "stages, microbatches, repeats, per_pass, schedule",
+    [(2, 2, 1, 2, "1f1b"), (2, 4, 2, 2, "1f1b"), (4, 8, 1, 8, "gpipe")],
+)
+def test_plan_reports_the_bubble_of_the_schedule_and_of_the_compiled_loop(
+    stages, microbatches, repeats, per_pass, schedule, capsys
+):
     """per_pass < microbatches: passes through the pipeline, the gradient accumulated over them. bf16, as on GPUs
     (XLA:CPU once aborted compiling the stages' sums, and converts 16-bit buffers it updates in place)."""
-    overrides = ["model.n_layers=4", f"mesh.pipeline={stages}", f"mesh.pipeline_repeats={repeats}", "mesh.fsdp=1",
-                 f"train.microbatches={microbatches}", "train.batch_size=16", f"mesh.pipeline_microbatches={per_pass}",
-                 f"mesh.pipeline_schedule={schedule}", "model.compute_dtype=bfloat16"]
+    overrides = [
+        "model.n_layers=4",
+        f"mesh.pipeline={stages}",
+        f"mesh.pipeline_repeats={repeats}",
+        "mesh.fsdp=1",
+        f"train.microbatches={microbatches}",
+        "train.batch_size=16",
+        f"mesh.pipeline_microbatches={per_pass}",
+        f"mesh.pipeline_schedule={schedule}",
+        "model.compute_dtype=bfloat16",
+    ]
     devices = jax.devices()[:stages]
     if stages == 4:  # the command, as users run it (on all 8 devices: fsdp fills the rest)
         assert cli.main(["plan", "tiny", *overrides[:3], "mesh.fsdp=2", *overrides[4:], "--json"]) == 0
@@ -157,36 +205,62 @@ def test_plan_reports_the_bubble_of_the_schedule_and_of_the_compiled_loop(stages
         plan = dataclasses.asdict(make_plan(cfg, sharding.make_mesh(cfg, devices=devices)))
     formula = (stages - 1) / (per_pass * repeats + stages - 1)
     assert plan["mesh"]["pipeline"] == stages and plan["bubble"] == pytest.approx(formula)
-    iterations = per_pass * repeats + stages - 1 if schedule == "gpipe" else \
-        one_f_one_b.iterations(stages, repeats, per_pass)
+    iterations = (
+        per_pass * repeats + stages - 1 if schedule == "gpipe" else one_f_one_b.iterations(stages, repeats, per_pass)
+    )
     assert plan["pipeline_iterations"] == iterations  # as compiled, read from the HLO
     assert plan["compiled_bubble"] == pytest.approx(formula)
     assert plan["collective_bytes"]["collective-permute"] > 0
-    in_flight = one_f_one_b.schedule(stages, repeats, per_pass).in_flight if schedule == "1f1b" else \
-        (per_pass,) * stages
+    in_flight = (
+        one_f_one_b.schedule(stages, repeats, per_pass).in_flight if schedule == "1f1b" else (per_pass,) * stages
+    )
     assert plan["schedule"] == schedule and list(plan["in_flight"]) == list(in_flight)
     assert max(plan["stage_bytes"]) == plan["total_bytes"] and len(plan["stage_bytes"]) == stages
     if schedule == "1f1b":  # the last stage keeps fewest in flight: least memory
         assert plan["stage_bytes"][-1] < plan["stage_bytes"][0]
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["mesh.pipeline=4", "mesh.fsdp=2", "train.microbatches=4", "train.batch_size=8"],
-     "model.n_layers (2) must be divisible by mesh.pipeline × mesh.pipeline_repeats (4 × 1)"),
-    (["model.n_layers=4", "mesh.pipeline=2", "mesh.pipeline_repeats=4", "mesh.fsdp=4", "train.microbatches=2"],
-     "model.n_layers (4) must be divisible by mesh.pipeline × mesh.pipeline_repeats (2 × 4)"),
-    (["model.n_layers=4", "mesh.pipeline=4", "mesh.fsdp=2", "train.microbatches=2", "train.batch_size=8"],
-     "mesh.pipeline=4 needs train.microbatches to be a multiple of 4"),
-    (["model.n_layers=4", "mesh.pipeline=2", "mesh.fsdp=4", "train.microbatches=2", "mesh.pipeline_microbatches=4"],
-     "train.microbatches (2) must be a multiple of mesh.pipeline_microbatches (4)"),
-    (["mesh.pipeline=0"], "mesh.pipeline must be positive, got 0"),
-    (["model.n_layers=4", "mesh.pipeline=2", "mesh.pipeline_stage_layers=[1,2]"],
-     "mesh.pipeline_stage_layers [1, 2] must be positive layer counts adding up to model.n_layers (4); they add up "
-     "to 3"),
-    (["model.n_layers=4", "mesh.pipeline=2", "mesh.pipeline_stage_layers=[1,1,2]"],
-     "mesh.pipeline_stage_layers has 3 entries; it needs one per stage: mesh.pipeline (2) = 2"),
-    (["mesh.pipeline=2", "mesh.pipeline_schedule=zb"], "mesh.pipeline_schedule must be one of gpipe, 1f1b, got 'zb'"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["mesh.pipeline=4", "mesh.fsdp=2", "train.microbatches=4", "train.batch_size=8"],
+            "model.n_layers (2) must be divisible by mesh.pipeline × mesh.pipeline_repeats (4 × 1)",
+        ),
+        (
+            ["model.n_layers=4", "mesh.pipeline=2", "mesh.pipeline_repeats=4", "mesh.fsdp=4", "train.microbatches=2"],
+            "model.n_layers (4) must be divisible by mesh.pipeline × mesh.pipeline_repeats (2 × 4)",
+        ),
+        (
+            ["model.n_layers=4", "mesh.pipeline=4", "mesh.fsdp=2", "train.microbatches=2", "train.batch_size=8"],
+            "mesh.pipeline=4 needs train.microbatches to be a multiple of 4",
+        ),
+        (
+            [
+                "model.n_layers=4",
+                "mesh.pipeline=2",
+                "mesh.fsdp=4",
+                "train.microbatches=2",
+                "mesh.pipeline_microbatches=4",
+            ],
+            "train.microbatches (2) must be a multiple of mesh.pipeline_microbatches (4)",
+        ),
+        (["mesh.pipeline=0"], "mesh.pipeline must be positive, got 0"),
+        (
+            ["model.n_layers=4", "mesh.pipeline=2", "mesh.pipeline_stage_layers=[1,2]"],
+            "mesh.pipeline_stage_layers [1, 2] must be positive layer counts adding up to model.n_layers (4); "
+            "they add up to 3",
+        ),
+        (
+            ["model.n_layers=4", "mesh.pipeline=2", "mesh.pipeline_stage_layers=[1,1,2]"],
+            "mesh.pipeline_stage_layers has 3 entries; it needs one per stage: mesh.pipeline (2) = 2",
+        ),
+        (
+            ["mesh.pipeline=2", "mesh.pipeline_schedule=zb"],
+            "mesh.pipeline_schedule must be one of gpipe, 1f1b, got 'zb'",
+        ),
+    ],
+)
 def test_bad_pipeline_layouts_exit_2_with_one_line(overrides, message, capsys):
     assert cli.main(["plan", "tiny", *overrides]) == 2
     err = capsys.readouterr().err.strip()

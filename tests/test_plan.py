@@ -86,17 +86,30 @@ def test_analytic_minimum_formulas():
     assert all(v == 0 for v in nothing.values())
     data = collective_minimum(cfg, {"data": 8, "fsdp": 1, "tensor": 1, "sequence": 1})
     from llama_jax.model.llama import param_count
+
     assert data["data"] == pytest.approx(2 * 7 / 8 * param_count(cfg.model) * 4)
 
 
 def test_plan_command_prints_json(tmp_path, capsys):
     assert cli.main(["plan", "tiny", "model.n_layers=2", "mesh.fsdp=8", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
-    for key in ("argument_bytes", "temporary_bytes", "total_bytes", "hlo_flops", "model_flops",
-                "collective_bytes", "collective_minimum"):
+    for key in (
+        "argument_bytes",
+        "temporary_bytes",
+        "total_bytes",
+        "hlo_flops",
+        "model_flops",
+        "collective_bytes",
+        "collective_minimum",
+    ):
         assert key in report
-    assert set(report["collective_bytes"]) == {"all-gather", "reduce-scatter", "all-reduce", "all-to-all",
-                                               "collective-permute"}
+    assert set(report["collective_bytes"]) == {
+        "all-gather",
+        "reduce-scatter",
+        "all-reduce",
+        "all-to-all",
+        "collective-permute",
+    }
 
 
 def test_plan_command_rejects_a_bad_mesh(capsys):
@@ -115,8 +128,11 @@ def test_vocab_parallel_loss_never_gathers_the_full_vocabulary():
     with program.activate():
         text = program.train_step.lower(program.abstract_state(), program.abstract_batch()).compile().as_text()
     vocab = cfg.model.vocab_size
-    collectives = [line for line in text.splitlines()
-                   if any(f" {kind}(" in line for kind in ("all-gather", "all-reduce", "reduce-scatter"))]
+    collectives = [
+        line
+        for line in text.splitlines()
+        if any(f" {kind}(" in line for kind in ("all-gather", "all-reduce", "reduce-scatter"))
+    ]
     assert collectives and jax.device_count() == 8
     # The embedding/lm_head weights' own gradient all-reduce is [vocab/2, embed]; logits would be [.., vocab].
     assert not [line for line in collectives if f",{vocab}]" in line.split("=")[1].split("(")[0]]
@@ -125,6 +141,7 @@ def test_vocab_parallel_loss_never_gathers_the_full_vocabulary():
 def test_selective_recomputes_only_the_attention_core():
     """selective's extra HLO FLOPs are the attention core's forward, q·kᵀ and p·v of every layer:
     4·b·s²·heads·head_dim·layers; full recomputes much more."""
+
     def remat_plan(policy):
         cfg = tiny_config(model=MODEL, remat=dict(policy=policy), mesh=dict(data=1, fsdp=8, tensor=1, sequence=1))
         return make_plan(cfg, sharding.make_mesh(cfg))
@@ -148,8 +165,13 @@ def test_compare_remat_plans_policies_that_run_alike_on_these_devices_once(monke
     from llama_jax.training import plan
 
     compiled, lines = [], []
-    monkeypatch.setattr(plan, "make_plan", lambda config, mesh, devices_per_host=0: compiled.append(
-                        config.remat.policy) or types.SimpleNamespace(compile_seconds=1.0))
+    monkeypatch.setattr(
+        plan,
+        "make_plan",
+        lambda config, mesh, devices_per_host=0: (
+            compiled.append(config.remat.policy) or types.SimpleNamespace(compile_seconds=1.0)
+        ),
+    )
     plans = plan.compare_remat(tiny_config(), mesh=None, print_fn=lines.append)
     assert list(plans) == list(REMAT_POLICIES)
     assert compiled == [p for p in REMAT_POLICIES if p not in ("minimal_offload", "qkv_proj_offload")]
@@ -195,8 +217,10 @@ def test_plan_prints_and_writes_bytes_by_axis_and_tier(two_host_plan, capsys):
     assert any(r.split()[:3] == ["fsdp", "all-gather", "inter-host"] for r in rows)
     report = json.loads(planning.plan_json(two_host_plan))
     assert report["hosts"] == 2
-    assert report["collective_by_axis"] == [{"axes": list(t.axes), "kind": t.kind, "tier": t.tier, "bytes": t.bytes}
-                                            for t in two_host_plan.collective_by_axis]
+    assert report["collective_by_axis"] == [
+        {"axes": list(t.axes), "kind": t.kind, "tier": t.tier, "bytes": t.bytes}
+        for t in two_host_plan.collective_by_axis
+    ]
     assert report["collective_tiers"] == pytest.approx(two_host_plan.collective_tiers)
 
 
@@ -210,5 +234,6 @@ def test_one_process_plans_one_host(capsys):
 def test_devices_per_host_that_does_not_divide_the_devices_exits_2(capsys):
     assert cli.main(["plan", "tiny", "mesh.fsdp=8", "--devices-per-host", "3"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.splitlines() == ["llama-jax: error: --devices-per-host 3 does not divide the 8 devices into hosts; "
-                                "use one of 1, 2, 4, 8"]
+    assert err.splitlines() == [
+        "llama-jax: error: --devices-per-host 3 does not divide the 8 devices into hosts; use one of 1, 2, 4, 8"
+    ]

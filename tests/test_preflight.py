@@ -82,21 +82,28 @@ def test_doctor_names_an_injected_wrong_device_and_writes_the_verdict_into_an_ex
 
 
 def test_train_with_preflight_stops_before_writing_anything_but_the_verdict(tmp_path, corpus):
-    config = tiny_config(tmp_path, data=dict(sources=[str(corpus)], cache_dir=str(tmp_path / "cache")),
-                         fault=dict(preflight=True, preflight_min_ratio=0.5), inject=dict(wrong_device=2))
+    config = tiny_config(
+        tmp_path,
+        data=dict(sources=[str(corpus)], cache_dir=str(tmp_path / "cache")),
+        fault=dict(preflight=True, preflight_min_ratio=0.5),
+        inject=dict(wrong_device=2),
+    )
     with pytest.raises(UnhealthyDevice, match=r"device 2 \(process 0 on .*wrong matmul result") as caught:
         train(config, print_fn=lambda line: None)
     assert caught.value.exit_code == EXIT_UNHEALTHY
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["unhealthy.json"]  # no config, no checkpoint
 
 
-@pytest.mark.parametrize("override, message", [
-    ("fault.preflight_min_ratio=1.5", "fault.preflight_min_ratio must be in (0, 1]"),
-    ("fault.preflight_min_ratio=0", "fault.preflight_min_ratio must be in (0, 1]"),
-    ("inject.slow_device=-2", "inject.slow_device must be >= -1 (-1: none), got -2"),  # the config's range
-    ("inject.slow_device=9", "inject.slow_device=9 is not a device of this run's mesh (ids 0-7)"),
-    ("inject.wrong_device=8", "inject.wrong_device=8 is not a device of this run's mesh (ids 0-7)"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("fault.preflight_min_ratio=1.5", "fault.preflight_min_ratio must be in (0, 1]"),
+        ("fault.preflight_min_ratio=0", "fault.preflight_min_ratio must be in (0, 1]"),
+        ("inject.slow_device=-2", "inject.slow_device must be >= -1 (-1: none), got -2"),  # the config's range
+        ("inject.slow_device=9", "inject.slow_device=9 is not a device of this run's mesh (ids 0-7)"),
+        ("inject.wrong_device=8", "inject.wrong_device=8 is not a device of this run's mesh (ids 0-7)"),
+    ],
+)
 def test_bad_settings_are_one_line_and_exit_2(tmp_path, capsys, override, message):
     run_dir = tmp_path / "run"
     assert cli.main(["doctor", "tiny", override, f"run.dir={run_dir}"]) == EXIT_BAD_INPUT
@@ -149,19 +156,40 @@ def test_two_processes_name_a_slow_device_on_every_process(tmp_path, corpus):
     config = write_tiny_yaml(tmp_path, data={"sources": [str(corpus)]})
 
     def launch(*args):
-        return subprocess.run([sys.executable, str(ROOT / "launch" / "multiprocess.py"), "--processes", "2",
-                               "--devices", "2", "--grace", "30", "--", *map(str, args)],
-                              env=env, capture_output=True, text=True, timeout=240)
+        return subprocess.run(
+            [
+                sys.executable,
+                str(ROOT / "launch" / "multiprocess.py"),
+                "--processes",
+                "2",
+                "--devices",
+                "2",
+                "--grace",
+                "30",
+                "--",
+                *map(str, args),
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
 
     healthy = launch("doctor", config, "fault.preflight_min_ratio=0.35", "--json")
     assert healthy.returncode == 0, healthy.stderr
-    report = json.loads(healthy.stdout[healthy.stdout.index('{\n  "devices"'):])  # after gloo's notes on stdout
+    report = json.loads(healthy.stdout[healthy.stdout.index('{\n  "devices"') :])  # after gloo's notes on stdout
     assert report["healthy"] and len(report["devices"]) == 4 and set(report["collectives"]) == {"fsdp"}
     slow = min(d["device"] for d in report["devices"] if d["process"] == 1)
 
     run_dir = tmp_path / "run"
-    result = launch("train", config, f"run.dir={run_dir}", "fault.preflight=true", "fault.preflight_min_ratio=0.35",
-                    f"inject.slow_device={slow}")
+    result = launch(
+        "train",
+        config,
+        f"run.dir={run_dir}",
+        "fault.preflight=true",
+        "fault.preflight_min_ratio=0.35",
+        f"inject.slow_device={slow}",
+    )
     assert result.returncode == EXIT_UNHEALTHY, result.stderr
     errors = [line for line in result.stderr.splitlines() if line.startswith("llama-jax: error: pre-flight check")]
     assert len(errors) == 2 and all(named(line) == [slow] and "(process 1 on " in line for line in errors)
@@ -199,8 +227,10 @@ class Fleet:
 
 def first_look(rates: dict[int, float]) -> list[dict]:
     """2 hosts: node-a is process 0 (devices 0 and 1), node-b is process 1 (devices 2 and 3)."""
-    return [{"host": f"node-{'ab'[d // 2]}", "process": d // 2, "device": d, "arithmetic_ok": True} | figures(rates[d])
-            for d in range(4)]
+    return [
+        {"host": f"node-{'ab'[d // 2]}", "process": d // 2, "device": d, "arithmetic_ok": True} | figures(rates[d])
+        for d in range(4)
+    ]
 
 
 @pytest.mark.parametrize("busy_rounds, rounds", [((), 2), ((1,), 3)])
@@ -216,10 +246,12 @@ def test_a_host_busy_for_part_of_the_check_is_reported_loaded_not_named(monkeypa
     fleet = Fleet(lambda d, r: figures(0.25 if d < 2 and r in busy_rounds else 1.0), theirs=[2])
     result = fleet_rounds.recheck(devices, {0, 1}, lambda d: fleet.rate(d, fleet.round), fleet, 0.35, medians)
     assert result.named == set() and result.rounds == fleet.round == rounds  # stopped once most rounds were normal
-    assert [s["ratios"]["matmul"] for s in result.suspects] == [[0.333] + [0.25 if r in busy_rounds else 1.0
-                                                                          for r in range(1, rounds + 1)]] * 2
-    assert result.loaded == [{"host": "node-a", "processes": [0], "devices": [0, 1],
-                              "loaded_rounds": [0, *busy_rounds], "rounds": rounds}]
+    assert [s["ratios"]["matmul"] for s in result.suspects] == [
+        [0.333] + [0.25 if r in busy_rounds else 1.0 for r in range(1, rounds + 1)]
+    ] * 2
+    assert result.loaded == [
+        {"host": "node-a", "processes": [0], "devices": [0, 1], "loaded_rounds": [0, *busy_rounds], "rounds": rounds}
+    ]
 
 
 def test_a_slow_device_is_named_while_the_whole_fleet_slows_down_and_its_host_is_busy(monkeypatch):
@@ -269,9 +301,25 @@ def test_two_processes_name_nobody_when_one_host_is_busy_for_part_of_the_check(t
     processes, burners, log = [], [], tmp_path / "process1.log"
     for i, output in enumerate((subprocess.PIPE, log.open("w"))):
         env = multiprocess.process_environment(base, i, 2, 2, port) | {"LLAMA_JAX_NODE_NAME": f"node-{'ab'[i]}"}
-        processes.append(subprocess.Popen(
-            ["taskset", "-c", str(cores[i]), sys.executable, "-m", "llama_jax", "doctor", "tiny",
-             "fault.preflight_min_ratio=0.35"], env=env, stdout=output, stderr=subprocess.STDOUT, text=True))
+        processes.append(
+            subprocess.Popen(
+                [
+                    "taskset",
+                    "-c",
+                    str(cores[i]),
+                    sys.executable,
+                    "-m",
+                    "llama_jax",
+                    "doctor",
+                    "tiny",
+                    "fault.preflight_min_ratio=0.35",
+                ],
+                env=env,
+                stdout=output,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
     output.close()  # process 1's copy stays open
     watchdog = threading.Timer(240, lambda: [p.kill() for p in processes + burners])
     watchdog.start()
@@ -280,8 +328,10 @@ def test_two_processes_name_nobody_when_one_host_is_busy_for_part_of_the_check(t
         for line in processes[0].stdout:
             lines.append(line)
             if line.startswith("joining the run") and not burners:
-                burners = [subprocess.Popen(["taskset", "-c", str(cores[0]), sys.executable, "-c", "while True: pass"])
-                           for _ in range(BURNERS)]
+                burners = [
+                    subprocess.Popen(["taskset", "-c", str(cores[0]), sys.executable, "-c", "while True: pass"])
+                    for _ in range(BURNERS)
+                ]
             if "measuring again" in line:  # the first look is over: the burst ends
                 for burner in burners:
                     burner.kill()
@@ -298,8 +348,12 @@ def test_two_processes_name_nobody_when_one_host_is_busy_for_part_of_the_check(t
     note = next((line for line in lines if "measuring again" in line), "")
     suspects = re.findall(r"device (\d+) \(process (\d) on (node-\w)\)", note)
     for device, process, host in suspects:
-        assert re.search(rf"^{host} +{process} +{device} .*<- slow at first; slow in [01] of \d rounds measured again: "
-                         "cleared$", out, flags=re.MULTILINE), out
+        assert re.search(
+            rf"^{host} +{process} +{device} .*<- slow at first; slow in [01] of \d rounds measured again: "
+            "cleared$",
+            out,
+            flags=re.MULTILINE,
+        ), out
     if [(p, h) for _, p, h in suspects] == [("0", "node-a")] * 2:
         assert "host node-a (process 0) was loaded during the check: every device slow in the first look" in out
     print(f"\nsuspects measured again and cleared: {suspects}")

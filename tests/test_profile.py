@@ -31,8 +31,13 @@ def profiled(tmp_path_factory) -> Path:
     run_dir = root / "run"
     preset, *overrides = documented("train")[1:]
     assert preset == "tiny" and overrides == ["run.profile_steps=[5,7]"]
-    subprocess.run([sys.executable, "-m", "llama_jax", "train", str(config), *overrides, "train.steps=7",
-                    f"run.dir={run_dir}"], check=True, capture_output=True, env=subprocess_environment(), timeout=300)
+    subprocess.run(
+        [sys.executable, "-m", "llama_jax", "train", str(config), *overrides, "train.steps=7", f"run.dir={run_dir}"],
+        check=True,
+        capture_output=True,
+        env=subprocess_environment(),
+        timeout=300,
+    )
     return run_dir
 
 
@@ -81,8 +86,19 @@ def test_a_run_dir_without_a_profile_is_one_line_exit_2(tmp_path, capsys):
 @pytest.mark.parametrize("steps", ["[3,2]", "[0,2]", "[2,5]", "[2]", "[1,2,3]"])
 def test_bad_profile_steps_are_one_line_exit_2_and_write_nothing(tmp_path, capsys, steps):
     run_dir = tmp_path / "run"
-    assert cli.main(["train", "tiny", "train.steps=4", "train.warmup_steps=0", f"run.profile_steps={steps}",
-                     f"run.dir={run_dir}"]) == 2
+    assert (
+        cli.main(
+            [
+                "train",
+                "tiny",
+                "train.steps=4",
+                "train.warmup_steps=0",
+                f"run.profile_steps={steps}",
+                f"run.dir={run_dir}",
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "run.profile_steps must be [FIRST, LAST]" in err
     assert not run_dir.exists()
@@ -129,58 +145,97 @@ ENTRY %main (a: bf16[4,8], b: bf16[8,4], c: f32[4,8], d: f8e4m3fn[4,8], e: f8e4m
   ROOT %sort.13 = f32[4,8]{1,0} sort(%add_fusion), dimensions={1}, to_apply=%fused_add
 }
 """.replace("PROJECTION", 'metadata={op_name="jit(step)/jvp(Llama)/layers/attn/q_proj/dot_general"}').replace(
-    "SCORES", 'metadata={op_name="jit(step)/transpose(jvp(Llama))/layers/attn/vmap(BTNH,BSNH->BNTS)/dot_general"}')
+    "SCORES", 'metadata={op_name="jit(step)/transpose(jvp(Llama))/layers/attn/vmap(BTNH,BSNH->BNTS)/dot_general"}'
+)
 
 
 def test_each_op_is_classified_by_what_the_hlo_says_it_is():
     classes, sources = profile.op_classes(HLO)
-    assert {name: classes[name] for name in (
-        "dot.5", "dot.6", "fp8_fusion", "gemm.7", "gemm.8", "fmha.9", "all-reduce-start.10", "all-reduce-done.11",
-        "copy_fusion", "transpose.12", "add_fusion", "sort.13")} == {
-        "dot.5": "matmul bf16", "dot.6": "attention", "fp8_fusion": "matmul fp8", "gemm.7": "matmul fp32",
-        "gemm.8": "matmul fp8", "fmha.9": "attention", "all-reduce-start.10": "collective",
-        "all-reduce-done.11": "collective", "copy_fusion": "copy/transpose", "transpose.12": "copy/transpose",
-        "add_fusion": "fusion", "sort.13": "other"}
+    assert {
+        name: classes[name]
+        for name in (
+            "dot.5",
+            "dot.6",
+            "fp8_fusion",
+            "gemm.7",
+            "gemm.8",
+            "fmha.9",
+            "all-reduce-start.10",
+            "all-reduce-done.11",
+            "copy_fusion",
+            "transpose.12",
+            "add_fusion",
+            "sort.13",
+        )
+    } == {
+        "dot.5": "matmul bf16",
+        "dot.6": "attention",
+        "fp8_fusion": "matmul fp8",
+        "gemm.7": "matmul fp32",
+        "gemm.8": "matmul fp8",
+        "fmha.9": "attention",
+        "all-reduce-start.10": "collective",
+        "all-reduce-done.11": "collective",
+        "copy_fusion": "copy/transpose",
+        "transpose.12": "copy/transpose",
+        "add_fusion": "fusion",
+        "sort.13": "other",
+    }
     assert sources["dot.5"] == "layers/attn/q_proj/dot_general"
     assert sources["dot.6"] == "backward layers/attn/vmap(BTNH,BSNH->BNTS)/dot_general"
     assert profile.module_name(HLO) == "jit_step"
 
 
 def test_without_the_hlo_the_names_decide():
-    assert [profile.class_by_name(n) for n in ("dot.3", "cublas_gemm", "all-gather-start", "copy.2", "loop_fusion",
-                                               "while.1")] == [
-        "matmul", "matmul", "collective", "copy/transpose", "fusion", "other"]
+    assert [
+        profile.class_by_name(n)
+        for n in ("dot.3", "cublas_gemm", "all-gather-start", "copy.2", "loop_fusion", "while.1")
+    ] == ["matmul", "matmul", "collective", "copy/transpose", "fusion", "other"]
 
 
 # -- the trace arithmetic, on a trace written by hand ------------------------------------------------------------
 
+
 def _trace(run_dir: Path, events: list[dict]) -> None:
     session = run_dir / "profile" / "plugins" / "profile" / "2026_01_01_00_00_00"
     session.mkdir(parents=True)
-    meta = [{"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/device:GPU:0"}},
-            {"ph": "M", "pid": 1, "tid": 7, "name": "thread_name", "args": {"name": "Stream #7"}},
-            {"ph": "M", "pid": 1, "tid": 8, "name": "thread_name", "args": {"name": "Stream #8"}},
-            {"ph": "M", "pid": 1, "tid": 9, "name": "thread_name", "args": {"name": "XLA Ops"}},
-            {"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "/host:CPU"}}]
+    meta = [
+        {"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+        {"ph": "M", "pid": 1, "tid": 7, "name": "thread_name", "args": {"name": "Stream #7"}},
+        {"ph": "M", "pid": 1, "tid": 8, "name": "thread_name", "args": {"name": "Stream #8"}},
+        {"ph": "M", "pid": 1, "tid": 9, "name": "thread_name", "args": {"name": "XLA Ops"}},
+        {"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "/host:CPU"}},
+    ]
     with gzip.open(session / "host.trace.json.gz", "wt") as stream:
         json.dump({"displayTimeUnit": "ns", "traceEvents": meta + events}, stream)
     (run_dir / "profile" / "step.hlo.txt").write_text(HLO)
 
 
 def _op(name: str, start: float, duration: float, run: str, tid: int = 7, pid: int = 1, kernel: str = "") -> dict:
-    return {"ph": "X", "pid": pid, "tid": tid, "ts": start, "dur": duration, "name": kernel or name,
-            "args": {"hlo_op": name, "hlo_module": "jit_step(3)", "run_id": run}}
+    return {
+        "ph": "X",
+        "pid": pid,
+        "tid": tid,
+        "ts": start,
+        "dur": duration,
+        "name": kernel or name,
+        "args": {"hlo_op": name, "hlo_module": "jit_step(3)", "run_id": run},
+    }
 
 
 def test_times_per_step_idle_and_collectives_not_hidden(tmp_path):
-    events = [{"ph": "X", "pid": 2, "tid": 1, "ts": 0, "dur": 5, "name": "train", "args": {"step_num": "7"}},
-              {"ph": "X", "pid": 2, "tid": 1, "ts": 1000, "dur": 5, "name": "train", "args": {"step_num": "8"}}]
+    events = [
+        {"ph": "X", "pid": 2, "tid": 1, "ts": 0, "dur": 5, "name": "train", "args": {"step_num": "7"}},
+        {"ph": "X", "pid": 2, "tid": 1, "ts": 1000, "dur": 5, "name": "train", "args": {"step_num": "8"}},
+    ]
     for run, t0 in (("1", 0.0), ("2", 1000.0)):
-        events += [_op("gemm.7", t0 + 10, 400, run, kernel="sm90_xmma_gemm"),  # 10-410
-                   _op("add_fusion", t0 + 500, 100, run),  # 500-600, after 90 us of idle
-                   _op("all-reduce-start.10", t0 + 300, 400, run, tid=8),  # 300-700: 100 us hidden by nothing
-                   _op("gemm.7", t0 + 10, 400, run, tid=9),  # the derived XLA Ops lane: not counted again
-                   _op("dot.5", t0, 10, run, pid=2)]  # the host's launch: not the device's time
+        events += [
+            _op("gemm.7", t0 + 10, 400, run, kernel="sm90_xmma_gemm"),  # 10-410
+            _op("add_fusion", t0 + 500, 100, run),  # 500-600, after 90 us of idle
+            _op("all-reduce-start.10", t0 + 300, 400, run, tid=8),  # 300-700: 100 us hidden by nothing
+            _op("gemm.7", t0 + 10, 400, run, tid=9),  # the derived XLA Ops lane: not counted again
+            _op("dot.5", t0, 10, run, pid=2),
+        ]  # the host's launch: not the device's time
     _trace(tmp_path, events)
     found = profile.profile_run(tmp_path, top=2)
     assert found["module"] == "jit_step" and found["classified_by"] == "hlo"

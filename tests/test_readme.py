@@ -42,7 +42,7 @@ def llama_jax_args(command: str) -> list[str]:
     """The arguments after `llama-jax` in a README command line (environment prefix dropped)."""
     words = shlex.split(command)
     index = next(i for i, w in enumerate(words) if w.endswith("llama-jax"))
-    return words[index + 1:]
+    return words[index + 1 :]
 
 
 def test_readme_has_the_two_setup_commands_and_ci_runs_the_test_one():
@@ -53,16 +53,25 @@ def test_readme_has_the_two_setup_commands_and_ci_runs_the_test_one():
 
 def test_make_passes_args_to_the_trainer():
     assert 'make train ARGS="train.steps=100 run.dir=runs/short"' in readme_commands("make train ARGS=")
-    dry_run = subprocess.run(["make", "-n", "-W", ".venv/.installed", "train",
-                              "ARGS=train.steps=100 run.dir=runs/short"],
-                             cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    dry_run = subprocess.run(
+        ["make", "-n", "-W", ".venv/.installed", "train", "ARGS=train.steps=100 run.dir=runs/short"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     assert "llama-jax train train.steps=100 run.dir=runs/short" in dry_run
 
 
-@pytest.mark.parametrize("command", [c for c in readme_commands("llama-jax train")
-                                     + readme_commands(".venv/bin/llama-jax train")  # the installed command
-                                     if "train.step=5" not in c and "llama-jax supervise" not in c
-                                     and "tune.yaml" not in c])  # written by `llama-jax tune`: test_tune.py
+@pytest.mark.parametrize(
+    "command",
+    [
+        c
+        for c in readme_commands("llama-jax train")
+        + readme_commands(".venv/bin/llama-jax train")  # the installed command
+        if "train.step=5" not in c and "llama-jax supervise" not in c and "tune.yaml" not in c
+    ],
+)  # written by `llama-jax tune`: test_tune.py
 def test_readme_train_commands_resolve_to_valid_configs(command, tmp_path, capsys):
     args = [a.replace("path/to/texts/", str(tmp_path)) for a in llama_jax_args(command)]
     assert cli.main(args + ["--print-config"]) == 0
@@ -92,8 +101,9 @@ def test_readme_report_command_plots_a_run(tmp_path):
     subcommand, run_dir = llama_jax_args(command)
     run = tmp_path / run_dir
     run.mkdir(parents=True)
-    (run / "metrics.jsonl").write_text('{"step": 0, "eval_loss": 8.3}\n'
-                                       '{"step": 10, "loss": 7.0, "tokens_per_s": 5000.0, "mfu": 0.3}\n')
+    (run / "metrics.jsonl").write_text(
+        '{"step": 0, "eval_loss": 8.3}\n{"step": 10, "loss": 7.0, "tokens_per_s": 5000.0, "mfu": 0.3}\n'
+    )
     assert cli.main([subcommand, str(run)]) == 0
     assert (run / "report.png").read_bytes().startswith(b"\x89PNG")
 
@@ -139,8 +149,14 @@ def test_readme_tune_commands_enumerate_their_candidates(command):
     """Each README tune command, as a --dry-run on its XLA_FLAGS devices (the search itself: test_tune.py)."""
     flags = re.search(r"XLA_FLAGS=(\S+)", command)
     env = {**os.environ, "XLA_FLAGS": flags.group(1) if flags else ""}
-    result = subprocess.run([sys.executable, "-m", "llama_jax", *llama_jax_args(command), "--dry-run"], env=env,
-                            cwd=ROOT, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-m", "llama_jax", *llama_jax_args(command), "--dry-run"],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr
     summary = result.stdout.strip().splitlines()[-1]
     total, valid = map(int, re.match(r"(\d+) candidates: (\d+) valid", summary).groups())
@@ -182,10 +198,14 @@ def test_readme_supervise_command_runs_its_train_command(tmp_path):
     (command,) = readme_commands("llama-jax supervise")
     args = llama_jax_args(command)
     split = args.index("--")
-    child = [sys.executable, "-m", "llama_jax", *llama_jax_args(" ".join(args[split + 1:]))]
+    child = [sys.executable, "-m", "llama_jax", *llama_jax_args(" ".join(args[split + 1 :]))]
     child = [a.replace("run.dir=runs/", f"run.dir={tmp_path}/") for a in child]
-    proc = subprocess.run([sys.executable, "-m", "llama_jax", *args[:split + 1], *child, "--print-config"],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "llama_jax", *args[: split + 1], *child, "--print-config"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "checkpoint:\n  every_steps: 20" in proc.stdout and "start #1" in proc.stderr
 
@@ -235,7 +255,7 @@ def bench_arguments(command: str, monkeypatch) -> argparse.Namespace:
     parse = argparse.ArgumentParser.parse_args
 
     def parse_and_stop(parser, args=None, namespace=None):
-        raise Parsed(parse(parser, words[index + 1:], namespace))
+        raise Parsed(parse(parser, words[index + 1 :], namespace))
 
     monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_and_stop)
     with pytest.raises(Parsed) as parsed:
@@ -258,17 +278,25 @@ def test_readme_bench_commands_parse(command, monkeypatch):
 # Every command line of a bash block in README.md or docs/*.md, and the test that runs it (or, for what cannot
 # run here, parses it or runs it as a dry run): the first pattern a command matches claims it.
 CLAIMS = [
-    (r"^llama-jax (plan|tune) .*--target ",
-     "test_gpu_target.py::test_readme_target_commands_compile_for_the_gpus_or_say_what_is_missing"),
+    (
+        r"^llama-jax (plan|tune) .*--target ",
+        "test_gpu_target.py::test_readme_target_commands_compile_for_the_gpus_or_say_what_is_missing",
+    ),
     (r"^make (train|test)$", "test_readme.py::test_readme_has_the_two_setup_commands_and_ci_runs_the_test_one"),
     (r"^make train ARGS=", "test_readme.py::test_make_passes_args_to_the_trainer"),
-    (r"^make gpu-check$",
-     "test_gpu_check.py::test_readme_make_gpu_check_sources_the_gpu_settings_and_answers_in_one_line"),
-    (r"^\.venv/bin/llama-jax (prepare|generate|train .*data\.sources=)",
-     "test_readme.py::test_readme_your_own_data_in_three_commands"),
+    (
+        r"^make gpu-check$",
+        "test_gpu_check.py::test_readme_make_gpu_check_sources_the_gpu_settings_and_answers_in_one_line",
+    ),
+    (
+        r"^\.venv/bin/llama-jax (prepare|generate|train .*data\.sources=)",
+        "test_readme.py::test_readme_your_own_data_in_three_commands",
+    ),
     (r"^\.venv/bin/llama-jax train ", "test_readme.py::test_readme_train_commands_resolve_to_valid_configs"),
-    (r"^llama-jax supervise .* -- llama-jax train ",
-     "test_readme.py::test_readme_supervise_command_runs_its_train_command"),
+    (
+        r"^llama-jax supervise .* -- llama-jax train ",
+        "test_readme.py::test_readme_supervise_command_runs_its_train_command",
+    ),
     (r"^llama-jax (train .*run\.profile_steps=|profile )", "test_profile.py::test_the_documented_profile_commands"),
     (r"^llama-jax train \S+-tune\.yaml$", "test_readme.py::test_readme_trains_the_file_tune_writes"),
     (r"^(XLA_FLAGS=\S+ )?llama-jax train ", "test_readme.py::test_readme_train_commands_resolve_to_valid_configs"),
@@ -279,19 +307,29 @@ CLAIMS = [
     (r"^XLA_FLAGS=\S+ llama-jax doctor ", "test_readme.py::test_readme_doctor_commands_check_the_devices"),
     (r"^(XLA_FLAGS=\S+ )?llama-jax tune ", "test_readme.py::test_readme_tune_commands_enumerate_their_candidates"),
     (r"^llama-jax (convert|generate) .*mesh\.", "test_inference.py::test_readme_sharded_commands"),
-    (r"^llama-jax (convert|generate|eval) runs/(lora|prompt) ",
-     "test_peft.py::test_readme_adapter_guide_commands_on_lora_and_p_tuning_runs"),
-    (r"^llama-jax (convert|generate|eval) /adapters/",
-     "test_peft_read.py::test_the_guides_commands_on_an_adapter_made_by_peft"),
+    (
+        r"^llama-jax (convert|generate|eval) runs/(lora|prompt) ",
+        "test_peft.py::test_readme_adapter_guide_commands_on_lora_and_p_tuning_runs",
+    ),
+    (
+        r"^llama-jax (convert|generate|eval) /adapters/",
+        "test_peft_read.py::test_the_guides_commands_on_an_adapter_made_by_peft",
+    ),
     (r"^llama-jax (convert|generate|eval) ", "test_hf.py::test_readme_hugging_face_guide_commands"),
     (r"^launch/local\.sh ", "test_launch.py::test_readme_local_commands_dry_run"),
-    (r"^launch/slurm\.sbatch --dry-run .* llama3_405b ",
-     "test_pipeline.py::test_the_readme_405b_layout_passes_the_mesh_checks"),  # and, as a dry run, test_launch.py
-    (r"^(sbatch --nodes \d+ )?launch/(slurm\.sbatch|k8s\.sh|multihost\.sh) ",
-     "test_launch.py::test_readme_cluster_commands_run_as_dry_runs"),  # sbatch's: the script's own --dry-run
+    (
+        r"^launch/slurm\.sbatch --dry-run .* llama3_405b ",
+        "test_pipeline.py::test_the_readme_405b_layout_passes_the_mesh_checks",
+    ),  # and, as a dry run, test_launch.py
+    (
+        r"^(sbatch --nodes \d+ )?launch/(slurm\.sbatch|k8s\.sh|multihost\.sh) ",
+        "test_launch.py::test_readme_cluster_commands_run_as_dry_runs",
+    ),  # sbatch's: the script's own --dry-run
     (r"^\.venv/bin/python bench/chaos\.py ", "test_readme.py::test_readme_chaos_drill_commands_parse"),
-    (r"^\.venv/bin/python bench/rehearsal\.py ",
-     "test_goodput_projection.py::test_readme_rehearsal_commands_parse_and_a_short_rehearsal_survives_a_lost_host"),
+    (
+        r"^\.venv/bin/python bench/rehearsal\.py ",
+        "test_goodput_projection.py::test_readme_rehearsal_commands_parse_and_a_short_rehearsal_survives_a_lost_host",
+    ),
     (r"^llama-jax goodput ", "test_goodput_projection.py::test_readme_goodput_commands_run"),
     (r"^(XLA_FLAGS=\S+ )?\.venv/bin/python bench/\w+\.py( |$)", "test_readme.py::test_readme_bench_commands_parse"),
 ]
@@ -318,8 +356,10 @@ def test_readme_is_a_front_door_and_its_links_resolve():
 
     def headings(text: str) -> set[str]:
         prose = re.sub(r"```.*?```", "", text, flags=re.DOTALL)  # a `# comment` in a code block is no heading
-        return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
-                for h in re.findall(r"^#+ (.+)$", prose, flags=re.MULTILINE)}
+        return {
+            re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
+            for h in re.findall(r"^#+ (.+)$", prose, flags=re.MULTILINE)
+        }
 
     broken = []
     for page in PAGES + LOGS:

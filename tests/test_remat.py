@@ -26,11 +26,13 @@ def residual_lines(remat_config: RematConfig, peft: PeftConfig = PeftConfig(), c
     segments = jnp.ones((2, 16), jnp.int32)
     inputs = LayerInputs(*rope_angles(positions, cfg), segments, positions)
     policy = remat.checkpoint_policy(remat_config)
-    block = Block(cfg, peft=peft) if policy is None else \
-        nn.remat(Block, policy=policy, prevent_cse=False)(cfg, peft=peft)
+    block = (
+        Block(cfg, peft=peft) if policy is None else nn.remat(Block, policy=policy, prevent_cse=False)(cfg, peft=peft)
+    )
     # Shapes are all the printer needs: an eager init of a remat layer would compile op by op (seconds).
-    params = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
-                          jax.eval_shape(block.init, jax.random.key(0), x, inputs))
+    params = jax.tree.map(
+        lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(block.init, jax.random.key(0), x, inputs)
+    )
 
     def loss(params, x):
         return block.apply(params, x, inputs)[0].sum()
@@ -41,15 +43,22 @@ def residual_lines(remat_config: RematConfig, peft: PeftConfig = PeftConfig(), c
     return out.getvalue().splitlines()
 
 
-def saved_residuals(remat_config: RematConfig, peft: PeftConfig = PeftConfig()
-                    ) -> tuple[dict[str, str], list[str], list[str]]:
+def saved_residuals(
+    remat_config: RematConfig, peft: PeftConfig = PeftConfig()
+) -> tuple[dict[str, str], list[str], list[str]]:
     """What one layer (with `peft`'s adapters) keeps for its backward: {tag: shape} on the device, shapes
     offloaded to the host, and descriptions of any unnamed intermediate kept on the device."""
     lines = residual_lines(remat_config, peft)
     named = {m.group(2): m.group(1) for line in lines if (m := re.match(r"(\S+) named '(\w+)'", line))}
     host = sorted(line.split()[0].replace("<host>", "") for line in lines if "<host>" in line)
-    unnamed = [line for line in lines if "named '" not in line and "<host>" not in line
-               and "from the argument" not in line and "from a constant" not in line]
+    unnamed = [
+        line
+        for line in lines
+        if "named '" not in line
+        and "<host>" not in line
+        and "from the argument" not in line
+        and "from a constant" not in line
+    ]
     return named, host, unnamed
 
 
@@ -99,13 +108,16 @@ def test_offload_falls_back_to_saving_without_host_memory(monkeypatch):
     assert "query_proj" in named and host == []
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["remat.policy=most"], "valid policies: none, full, selective"),
-    (["remat.policy=full", "remat.custom.qproj=save"], "unknown tag; valid tags: attn_norm"),
-    (["remat.policy=full", "remat.custom.query_proj=keep"], "must be one of save, offload, recompute"),
-    (["remat.policy=none", "remat.custom.query_proj=save"], "set remat.policy to one of"),
-    (["remat.policy=full", "remat.every_n_layers=3"], "positive divisor of model.n_layers"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["remat.policy=most"], "valid policies: none, full, selective"),
+        (["remat.policy=full", "remat.custom.qproj=save"], "unknown tag; valid tags: attn_norm"),
+        (["remat.policy=full", "remat.custom.query_proj=keep"], "must be one of save, offload, recompute"),
+        (["remat.policy=none", "remat.custom.query_proj=save"], "set remat.policy to one of"),
+        (["remat.policy=full", "remat.every_n_layers=3"], "positive divisor of model.n_layers"),
+    ],
+)
 def test_bad_remat_config(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config("tiny", overrides)

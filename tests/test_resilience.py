@@ -39,8 +39,9 @@ class FakeExit:
 
 
 def fast_watchdog(tmp_path, exit_fn, **kwargs):
-    options = dict(factor=2.0, min_timeout_s=0.2, startup_timeout_s=0.5, poll_s=0.01,
-                   describe=lambda: "all-reduce x 4 over fsdp")
+    options = dict(
+        factor=2.0, min_timeout_s=0.2, startup_timeout_s=0.5, poll_s=0.01, describe=lambda: "all-reduce x 4 over fsdp"
+    )
     return HangWatchdog(tmp_path, "node-7", exit_fn=exit_fn, **{**options, **kwargs})
 
 
@@ -240,8 +241,9 @@ def test_goodput_across_a_death_and_a_resume(tmp_path):
     assert s["wall_s"] == 120.0 and s["attempts"] == 2 and s["redone_steps"] == 2
     assert s["goodput"] == 12.0 / 120.0
     assert sum(s[b] for b in ("productive", "compile", "checkpoint_restore", "lost", "restart", "other")) == 120.0
-    assert format_goodput(second.summary()).startswith("goodput 10.0% of 120 s over 2 attempts: productive 12 s, "
-                                                       "compile 5.0 s")
+    assert format_goodput(second.summary()).startswith(
+        "goodput 10.0% of 120 s over 2 attempts: productive 12 s, compile 5.0 s"
+    )
     second.finish()
     record = json.loads((tmp_path / "goodput.json").read_text())
     assert [a["outcome"] for a in record["attempts"]] == ["died", "finished"]
@@ -394,8 +396,13 @@ def test_spike_rule_off_by_default_and_needs_history():
 
 
 def report(host_s, step_s=1.0, steps=5, process=0):
-    return {"host_s": host_s, "step_s": step_s, "steps": steps, "host": f"node-{process}",
-            "devices": list(range(8 * process, 8 * process + 8))}
+    return {
+        "host_s": host_s,
+        "step_s": step_s,
+        "steps": steps,
+        "host": f"node-{process}",
+        "devices": list(range(8 * process, 8 * process + 8)),
+    }
 
 
 def test_host_scores_name_a_host_slow_two_windows_running_with_its_devices():
@@ -408,31 +415,51 @@ def test_host_scores_name_a_host_slow_two_windows_running_with_its_devices():
     assert waited == pytest.approx(0.3 * 5) and warnings == []  # one window is not yet persistent
     ranked, _, warnings = scores.observe((11, 15), fleet)
     assert ranked[0]["straggler"] and ranked[0]["vs_own_best"] == pytest.approx(16.0)
-    assert warnings == ["warning: straggler host: process 3 on node-3 (devices 24-31) costs the fleet 0.3 s of each "
-                        "1 s step over steps 11-15 (score 0.30 > fault.straggler_host_threshold 0.1, 2 windows "
-                        "running; 16.00x its own best)"]
+    assert warnings == [
+        "warning: straggler host: process 3 on node-3 (devices 24-31) costs the fleet 0.3 s of each "
+        "1 s step over steps 11-15 (score 0.30 > fault.straggler_host_threshold 0.1, 2 windows "
+        "running; 16.00x its own best)"
+    ]
     fleet[3] = report(0.02, process=3)  # recovered: no longer named
     assert scores.observe((16, 20), fleet)[2] == []
     assert HostScores(0.1).observe((1, 5), {0: report(9.0)}) == ([], 0.0, [])  # one process: nothing to compare
 
 
 def test_ranges_keep_a_list_of_processes_or_devices_short():
-    assert (format_ranges([0, 1, 2, 3, 7, 9, 10]) == "0-3, 7, 9-10" and format_ranges([5]) == "5"
-            and format_ranges([]) == "")
+    assert (
+        format_ranges([0, 1, 2, 3, 7, 9, 10]) == "0-3, 7, 9-10"
+        and format_ranges([5]) == "5"
+        and format_ranges([]) == ""
+    )
 
 
 def test_a_checkpoint_of_another_function_is_refused_unless_allowed():
-    saved = {"d_model": 64, "rope_theta": 10000.0, "norm_eps": 1e-5, "rope_scaling_factor": 1.0,
-             "rope_low_freq_factor": 1.0, "rope_high_freq_factor": 4.0, "rope_original_max_len": 8192}
+    saved = {
+        "d_model": 64,
+        "rope_theta": 10000.0,
+        "norm_eps": 1e-5,
+        "rope_scaling_factor": 1.0,
+        "rope_low_freq_factor": 1.0,
+        "rope_high_freq_factor": 4.0,
+        "rope_original_max_len": 8192,
+    }
     assert model_differences(saved, dict(saved, rope_original_max_len=2048)) == []  # no scaling: unused
     assert model_differences(saved, dict(saved, rope_scaling_factor=8.0, rope_original_max_len=2048)) == [
-        "rope_scaling_factor", "rope_original_max_len"]
-    with pytest.raises(ConfigError, match=r"model.rope_theta 10000.0 \(saved\) vs 20000.0.*"
-                       r"checkpoint.allow_model_changes=\[rope_theta\]"):
+        "rope_scaling_factor",
+        "rope_original_max_len",
+    ]
+    with pytest.raises(
+        ConfigError,
+        match=r"model.rope_theta 10000.0 \(saved\) vs 20000.0.*"
+        r"checkpoint.allow_model_changes=\[rope_theta\]",
+    ):
         check_model(saved, dict(saved, rope_theta=20000.0), "runs/x")
     check_model(saved, dict(saved, rope_theta=20000.0), "runs/x", allowed=["rope_theta"])
-    with pytest.raises(ConfigError, match=r"model.d_model 64 \(saved\) vs 128\); use another run.dir or the saved "
-                       r"model settings$"):  # shapes cannot be allowed
+    with pytest.raises(
+        ConfigError,
+        match=r"model.d_model 64 \(saved\) vs 128\); use another run.dir or the saved "
+        r"model settings$",
+    ):  # shapes cannot be allowed
         check_model(saved, dict(saved, d_model=128), "runs/x", allowed=["rope_theta"])
 
 

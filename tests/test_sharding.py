@@ -27,10 +27,13 @@ MESHES = [(8, 1, 1, 1), (1, 8, 1, 1), (1, 1, 8, 1), (1, 1, 1, 8), (2, 2, 2, 1), 
 def mesh_cases():
     for shape in MESHES:
         tensor, sequence = shape[2], shape[3]
-        for sequence_parallel in ([True, False] if tensor > 1 else [True]):
-            for load_balance in ([True, False] if sequence > 1 else [True]):
-                name = "x".join(map(str, shape)) + ("" if tensor == 1 else "-sp" if sequence_parallel else "-nosp") \
+        for sequence_parallel in [True, False] if tensor > 1 else [True]:
+            for load_balance in [True, False] if sequence > 1 else [True]:
+                name = (
+                    "x".join(map(str, shape))
+                    + ("" if tensor == 1 else "-sp" if sequence_parallel else "-nosp")
                     + ("" if sequence == 1 else "-balanced" if load_balance else "-inorder")
+                )
                 yield pytest.param(shape, sequence_parallel, load_balance, MESH_MODEL, id=name)
     yield pytest.param((1, 1, 8, 1), True, True, MESH_MODEL_KV8, id="1x1x8x1-sp-kv8")
     # kv heads (2) fewer than tensor shards (4) are replicated, also inside context parallelism.
@@ -55,8 +58,9 @@ _reference_cache = {}
 
 def single_device_losses(model):
     if model not in _reference_cache:
-        _reference_cache[model] = losses(tiny_config(model=dataclasses.asdict(model), train=dict(lr=1e-2)),
-                                         jax.devices()[:1])
+        _reference_cache[model] = losses(
+            tiny_config(model=dataclasses.asdict(model), train=dict(lr=1e-2)), jax.devices()[:1]
+        )
     return _reference_cache[model]
 
 
@@ -64,16 +68,28 @@ def single_device_losses(model):
 def test_mesh_matches_single_device(shape, sequence_parallel, load_balance, model):
     """First 5 losses (fp32) on an 8-device mesh equal the 1-device run within 1e-5 relative."""
     data, fsdp, tensor, sequence = shape
-    cfg = tiny_config(model=dataclasses.asdict(model), train=dict(lr=1e-2),
-                      mesh=dict(data=data, fsdp=fsdp, tensor=tensor, sequence=sequence,
-                                sequence_parallel=sequence_parallel, load_balance=load_balance))
+    cfg = tiny_config(
+        model=dataclasses.asdict(model),
+        train=dict(lr=1e-2),
+        mesh=dict(
+            data=data,
+            fsdp=fsdp,
+            tensor=tensor,
+            sequence=sequence,
+            sequence_parallel=sequence_parallel,
+            load_balance=load_balance,
+        ),
+    )
     np.testing.assert_allclose(losses(cfg, jax.devices()), single_device_losses(model), rtol=1e-5)
 
 
 def test_microbatches_on_a_mesh_match_single_device():
     """Gradient accumulation over 2 microbatches on fsdp×tensor×sequence gives the 1-device losses."""
-    cfg = tiny_config(model=dataclasses.asdict(MESH_MODEL), train=dict(lr=1e-2, microbatches=2),
-                      mesh=dict(data=1, fsdp=2, tensor=2, sequence=2))
+    cfg = tiny_config(
+        model=dataclasses.asdict(MESH_MODEL),
+        train=dict(lr=1e-2, microbatches=2),
+        mesh=dict(data=1, fsdp=2, tensor=2, sequence=2),
+    )
     np.testing.assert_allclose(losses(cfg, jax.devices()), single_device_losses(MESH_MODEL), rtol=1e-5)
 
 
@@ -88,8 +104,8 @@ def test_parameter_shardings_follow_the_table():
     cfg = tiny_config(model=dataclasses.asdict(MESH_MODEL), mesh=dict(data=1, fsdp=4, tensor=2, sequence=1))
     params = TrainProgram.build(cfg, sharding.make_mesh(cfg)).state_shardings.params
     spec = lambda s: s.spec  # noqa: E731
-    assert spec(params["embed"]["embedding"]) == P("tensor", "fsdp")          # [vocab, embed]
-    assert spec(params["lm_head"]["kernel"]) == P("fsdp", "tensor")           # [embed, vocab]
+    assert spec(params["embed"]["embedding"]) == P("tensor", "fsdp")  # [vocab, embed]
+    assert spec(params["lm_head"]["kernel"]) == P("fsdp", "tensor")  # [embed, vocab]
     # the layers axis goes to the pipeline stages (here one)
     assert spec(params["layers"]["attn"]["q_proj"]["kernel"]) == P("pipeline", "fsdp", "tensor", None)
     assert spec(params["layers"]["attn"]["o_proj"]["kernel"]) == P("pipeline", "tensor", None, "fsdp")
@@ -114,8 +130,10 @@ def test_sequence_parallelism_splits_the_residual_stream_over_tensor():
 
 
 def per_device_bytes(tree, shardings):
-    return sum(math.prod(s.shard_shape(x.shape)) * x.dtype.itemsize
-               for x, s in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings)))
+    return sum(
+        math.prod(s.shard_shape(x.shape)) * x.dtype.itemsize
+        for x, s in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings))
+    )
 
 
 def test_fsdp_state_per_device_is_an_eighth_of_the_total():
@@ -133,23 +151,31 @@ def test_balanced_layout_pairs_early_and_late_chunks():
     assert balanced[0].tolist() == [0, 1, 14, 15, 2, 3, 12, 13, 4, 5, 10, 11, 6, 7, 8, 9]
 
 
-@pytest.mark.parametrize("shape, hosts, expected", [
-    ((8, 1, 1, 1), 2, ((4, 1, 1, 1), (2, 1, 1, 1))),
-    ((2, 4, 1, 8), 4, ((1, 2, 1, 8), (2, 2, 1, 1))),  # data first, then fsdp, cross hosts
-    ((1, 16, 1, 8), 16, ((1, 1, 1, 8), (1, 16, 1, 1))),
-    ((1, 1, 1, 8), 3, None),
-])
+@pytest.mark.parametrize(
+    "shape, hosts, expected",
+    [
+        ((8, 1, 1, 1), 2, ((4, 1, 1, 1), (2, 1, 1, 1))),
+        ((2, 4, 1, 8), 4, ((1, 2, 1, 8), (2, 2, 1, 1))),  # data first, then fsdp, cross hosts
+        ((1, 16, 1, 8), 16, ((1, 1, 1, 8), (1, 16, 1, 1))),
+        ((1, 1, 1, 8), 3, None),
+    ],
+)
 def test_outer_axes_cross_hosts(shape, hosts, expected):
     assert sharding.split_over_hosts(shape, hosts) == expected
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["mesh.sequence=8", "train.seq_len=20"], "divisible by 8 = mesh.sequence"),
-    (["mesh.sequence=4", "train.seq_len=36"], "divisible by 8 = 2 × mesh.sequence"),
-    (["mesh.tensor=2", "mesh.sequence=2", "train.seq_len=31"], "divisible by 2 = mesh.sequence"),
-    (["mesh.tensor=2", "mesh.sequence=2", "train.seq_len=34", "mesh.load_balance=false"],
-     "mesh.sequence × mesh.tensor"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["mesh.sequence=8", "train.seq_len=20"], "divisible by 8 = mesh.sequence"),
+        (["mesh.sequence=4", "train.seq_len=36"], "divisible by 8 = 2 × mesh.sequence"),
+        (["mesh.tensor=2", "mesh.sequence=2", "train.seq_len=31"], "divisible by 2 = mesh.sequence"),
+        (
+            ["mesh.tensor=2", "mesh.sequence=2", "train.seq_len=34", "mesh.load_balance=false"],
+            "mesh.sequence × mesh.tensor",
+        ),
+    ],
+)
 def test_sequence_length_must_fit_the_sequence_sharding(overrides, message):
     cfg = load_config("tiny", overrides + ["mesh.fsdp=-1"])
     with pytest.raises(ConfigError, match=message):

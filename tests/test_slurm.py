@@ -40,17 +40,24 @@ class Cluster:
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     directory = tmp_path_factory.mktemp("slurm")
-    up = subprocess.run(["bash", str(SCRIPT), "up", str(directory), str(NODES)], capture_output=True, text=True,
-                        timeout=600)
+    up = subprocess.run(
+        ["bash", str(SCRIPT), "up", str(directory), str(NODES)], capture_output=True, text=True, timeout=600
+    )
     if up.returncode == 3:
         pytest.skip(up.stderr.strip())
     assert up.returncode == 0, up.stderr
-    env = {**os.environ, "SLURM_CONF": str(directory / "slurm.conf"), "LLAMA_JAX_HOME": str(ROOT),
-           "LLAMA_JAX": str(Path(os.sys.executable).parent / "llama-jax"), "LLAMA_JAX_GPU_FLAGS": "off",
-           "LLAMA_JAX_RESTART_BACKOFF": "1", "LLAMA_JAX_LOCAL_DIR": str(directory / "local"),
-           # Two processes sharing two cores time each other's matmuls: the pre-flight check (tested on its own in
-           # test_preflight.py) would name a loaded "node" now and then.
-           "LLAMA_JAX_PREFLIGHT": "false"}
+    env = {
+        **os.environ,
+        "SLURM_CONF": str(directory / "slurm.conf"),
+        "LLAMA_JAX_HOME": str(ROOT),
+        "LLAMA_JAX": str(Path(os.sys.executable).parent / "llama-jax"),
+        "LLAMA_JAX_GPU_FLAGS": "off",
+        "LLAMA_JAX_RESTART_BACKOFF": "1",
+        "LLAMA_JAX_LOCAL_DIR": str(directory / "local"),
+        # Two processes sharing two cores time each other's matmuls: the pre-flight check (tested on its own in
+        # test_preflight.py) would name a loaded "node" now and then.
+        "LLAMA_JAX_PREFLIGHT": "false",
+    }
     env.pop("XLA_FLAGS", None)  # one CPU device per process, as one GPU per task
     yield Cluster(directory, env)
     subprocess.run(["bash", str(SCRIPT), "down", str(directory)], capture_output=True, timeout=120)
@@ -59,12 +66,30 @@ def cluster(tmp_path_factory):
 def submit(cluster: Cluster, run_dir: Path, spares: int = 0) -> str:
     """slurm.sbatch on 2 nodes (+ `spares`), one process each: the tiny preset, 16 steps, a durable checkpoint every
     4. Process 0 sleeps 0.3 s before each batch, so a test has time to act mid-run (it changes no number)."""
-    args = ["tiny", "train.steps=16", "train.batch_size=4", "train.seq_len=64", "train.log_every=1",
-            "checkpoint.every_steps=4", "inject.process=0", "inject.step_delay_s=0.3", f"run.dir={run_dir}"]
+    args = [
+        "tiny",
+        "train.steps=16",
+        "train.batch_size=4",
+        "train.seq_len=64",
+        "train.log_every=1",
+        "checkpoint.every_steps=4",
+        "inject.process=0",
+        "inject.step_delay_s=0.3",
+        f"run.dir={run_dir}",
+    ]
     keep = ["--no-kill"] if spares else []  # the allocation outlives a failed node: its spare takes its place
-    out = cluster.run("sbatch", "--parsable", f"--nodes={2 + spares}", "--ntasks-per-node=1", "--gpus-per-node=0",
-                      *keep, f"--output={run_dir}.out", str(ROOT / "launch" / "slurm.sbatch"),
-                      *(["--spares", str(spares)] if spares else []), *args)
+    out = cluster.run(
+        "sbatch",
+        "--parsable",
+        f"--nodes={2 + spares}",
+        "--ntasks-per-node=1",
+        "--gpus-per-node=0",
+        *keep,
+        f"--output={run_dir}.out",
+        str(ROOT / "launch" / "slurm.sbatch"),
+        *(["--spares", str(spares)] if spares else []),
+        *args,
+    )
     return out.strip().split(";")[0]
 
 
@@ -99,8 +124,12 @@ def task_pid(run_dir: Path, process: int) -> int | None:
             environ = (entry / "environ").read_bytes().split(b"\0")
         except (OSError, ValueError):
             continue
-        if f"run.dir={run_dir}".encode() in cmdline and b"train" in cmdline and \
-                f"JAX_PROCESS_ID={process}".encode() in environ and b"SLURM_JOB_ID" in b"".join(environ):
+        if (
+            f"run.dir={run_dir}".encode() in cmdline
+            and b"train" in cmdline
+            and f"JAX_PROCESS_ID={process}".encode() in environ
+            and b"SLURM_JOB_ID" in b"".join(environ)
+        ):
             return int(entry.name)
     return None
 
@@ -130,8 +159,7 @@ def test_a_run_under_slurm_sbatch_trains_one_process_per_node(uninterrupted):
     assert uninterrupted[16] < uninterrupted[1]
 
 
-def test_a_killed_task_restarts_the_step_inside_the_allocation_and_resumes_exactly(cluster, uninterrupted,
-                                                                                   tmp_path):
+def test_a_killed_task_restarts_the_step_inside_the_allocation_and_resumes_exactly(cluster, uninterrupted, tmp_path):
     run_dir = tmp_path / "killed"
     job_id = submit(cluster, run_dir)
     wait_for(lambda: saved(run_dir, 8), 180, "step 8's checkpoint")
@@ -159,8 +187,9 @@ def test_sigterm_to_the_batch_script_saves_requeues_and_the_job_resumes_exactly(
     assert losses(run_dir) == uninterrupted
 
 
-def test_a_node_down_is_replaced_by_a_spare_inside_the_allocation_and_the_run_resumes_exactly(cluster, uninterrupted,
-                                                                                             tmp_path):
+def test_a_node_down_is_replaced_by_a_spare_inside_the_allocation_and_the_run_resumes_exactly(
+    cluster, uninterrupted, tmp_path
+):
     """sbatch --nodes 3 --no-kill, slurm.sbatch --spares 1: the step trains on n1 and n2; n2 goes DOWN (its
     process killed with it), and the restarted step runs on n1 and the spare n3, in the same job."""
     run_dir = tmp_path / "spare"

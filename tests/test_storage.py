@@ -26,8 +26,13 @@ def config_path(tmp_path_factory):
 
 
 def llama_jax(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "llama_jax", *map(str, args)], env=subprocess_environment(),
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "llama_jax", *map(str, args)],
+        env=subprocess_environment(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def errors(stderr: str) -> list[str]:
@@ -54,18 +59,25 @@ def tmpfs(path: Path, size: str):
 def test_a_failed_durable_save_warns_in_one_line_removes_the_step_and_the_run_goes_on(tmp_path, corpus):
     """The save of step 4 fails (no space, injected): one warning naming the step, the reason, the directory and its
     free space; step 4 is removed, step 2 stays, training goes on and saves 6 and 8."""
-    cfg = tiny_config(tmp_path, train=dict(steps=8), data=dict(sources=[str(corpus)]),
-                      checkpoint=dict(every_steps=2, keep=10),
-                      inject=dict(process=0, save_failure_steps=[4]))
+    cfg = tiny_config(
+        tmp_path,
+        train=dict(steps=8),
+        data=dict(sources=[str(corpus)]),
+        checkpoint=dict(every_steps=2, keep=10),
+        inject=dict(process=0, save_failure_steps=[4]),
+    )
     messages = []
     summary = train(cfg, print_fn=messages.append)
     assert summary["exit_code"] == 0
     (warning,) = [m for m in messages if "checkpoint save of step 4 failed" in m]
     checkpoints = Path(cfg.run.dir) / "checkpoints"
-    assert re.match(rf"warning: checkpoint save of step 4 failed on process 0: No space left on device \(ENOSPC\) in "
-                    rf"{re.escape(str(checkpoints.absolute()))}, [\d.]+ \w+ free there; the newest complete checkpoint "
-                    r"is step 2; training goes on and saves again at the next interval \(1 of "
-                    r"checkpoint.max_failed_saves=2 failed saves in a row\)$", warning), warning
+    assert re.match(
+        rf"warning: checkpoint save of step 4 failed on process 0: No space left on device \(ENOSPC\) in "
+        rf"{re.escape(str(checkpoints.absolute()))}, [\d.]+ \w+ free there; the newest complete checkpoint "
+        r"is step 2; training goes on and saves again at the next interval \(1 of "
+        r"checkpoint.max_failed_saves=2 failed saves in a row\)$",
+        warning,
+    ), warning
     assert step_directories(checkpoints) == [2, 6, 8] and not leftovers(Path(cfg.run.dir))
 
 
@@ -73,14 +85,28 @@ def test_failed_saves_in_a_row_stop_with_exit_74_and_the_supervisor_does_not_res
     """Three failed saves in a row with checkpoint.max_failed_saves=2: exit 74 in one line saying what failed, where,
     the free space and the newest complete step; the supervisor stops at once (the storage needs a person)."""
     run_dir = tmp_path / "run"
-    proc = llama_jax("supervise", "--backoff", "0.05", "--", sys.executable, "-m", "llama_jax", "train", config_path,
-                     f"run.dir={run_dir}", "train.steps=12", "inject.process=0",
-                     "inject.save_failure_steps=[4,6,8]")
+    proc = llama_jax(
+        "supervise",
+        "--backoff",
+        "0.05",
+        "--",
+        sys.executable,
+        "-m",
+        "llama_jax",
+        "train",
+        config_path,
+        f"run.dir={run_dir}",
+        "train.steps=12",
+        "inject.process=0",
+        "inject.save_failure_steps=[4,6,8]",
+    )
     assert proc.returncode == EXIT_STORAGE, proc.stderr
     (line,) = errors(proc.stderr)
     assert "checkpoint save of step 8 failed on process 0: No space left on device (ENOSPC)" in line
-    assert "free there; 3 saves failed in a row (checkpoint.max_failed_saves=2): stopping (exit 74); the newest " \
-           "complete checkpoint is step 2; free space or fix the filesystem, then re-run the same command" in line
+    assert (
+        "free there; 3 saves failed in a row (checkpoint.max_failed_saves=2): stopping (exit 74); the newest "
+        "complete checkpoint is step 2; free space or fix the filesystem, then re-run the same command" in line
+    )
     assert proc.stderr.count("llama-jax supervise: start #") == 1
     assert "#1 checkpoint storage failing (exit 74)" in proc.stderr and "not restarting" in proc.stderr
     assert step_directories(run_dir / "checkpoints") == [2] and not leftovers(run_dir)
@@ -90,10 +116,29 @@ def test_two_processes_agree_on_a_save_that_failed_on_one_of_them(config_path, t
     """Process 1's save of step 4 fails (max_failed_saves=0: stop at the first): both processes stop with exit 74
     and the same line, and the newest complete step is the same for both: 2."""
     run_dir = tmp_path / "run"
-    proc = subprocess.run([sys.executable, str(LAUNCHER), "--processes", "2", "--devices", "4", "--grace", "10", "--",
-                           "train", str(config_path), f"run.dir={run_dir}", "checkpoint.max_failed_saves=0",
-                           "inject.process=1", "inject.save_failure_steps=[4]"],
-                          env=subprocess_environment(), capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(LAUNCHER),
+            "--processes",
+            "2",
+            "--devices",
+            "4",
+            "--grace",
+            "10",
+            "--",
+            "train",
+            str(config_path),
+            f"run.dir={run_dir}",
+            "checkpoint.max_failed_saves=0",
+            "inject.process=1",
+            "inject.save_failure_steps=[4]",
+        ],
+        env=subprocess_environment(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == EXIT_STORAGE, proc.stderr
     lines = errors(proc.stderr)
     assert len(lines) == 2 and lines[0] == lines[1], proc.stderr  # one line per process, the same on both
@@ -109,12 +154,21 @@ def test_a_real_full_tmpfs_stops_the_run_in_one_line_and_its_logs_only_warn(conf
     checkpoint.max_failed_saves=1, leaving step 2 valid and no partial step."""
     with tmpfs(tmp_path / "disk", "2m") as disk:
         run_dir = disk / "run"
-        proc = llama_jax("train", config_path, f"run.dir={run_dir}", "checkpoint.max_failed_saves=1",
-                         "checkpoint.keep=10", "train.steps=12")
+        proc = llama_jax(
+            "train",
+            config_path,
+            f"run.dir={run_dir}",
+            "checkpoint.max_failed_saves=1",
+            "checkpoint.keep=10",
+            "train.steps=12",
+        )
         assert proc.returncode == EXIT_STORAGE, proc.stderr
         (line,) = errors(proc.stderr)
-        assert re.search(r"checkpoint save of step \d+ failed on process 0: No space left on device \(ENOSPC\) in "
-                         rf"{re.escape(str(run_dir / 'checkpoints'))}, [\d.]+ \w+ free there", line), line
+        assert re.search(
+            r"checkpoint save of step \d+ failed on process 0: No space left on device \(ENOSPC\) in "
+            rf"{re.escape(str(run_dir / 'checkpoints'))}, [\d.]+ \w+ free there",
+            line,
+        ), line
         assert step_directories(run_dir / "checkpoints")[0] == 2 and not leftovers(run_dir)
         assert "Traceback" not in proc.stderr
 
@@ -181,7 +235,9 @@ def test_metrics_that_cannot_be_written_warn_once_and_training_goes_on(tmp_path,
     summary = train(cfg, print_fn=messages.append)
     assert summary["exit_code"] == 0 and step_directories(Path(cfg.run.dir) / "checkpoints") == [4]
     warnings = [m for m in messages if m.startswith("warning: writing") and "sample or report" not in m]
-    assert warnings == ["warning: writing metrics.jsonl failed (No space left on device); training goes on without "
-                        "it until it can be written again",
-                        "warning: writing TensorBoard failed (No space left on device); training goes on without it "
-                        "until it can be written again"], messages
+    assert warnings == [
+        "warning: writing metrics.jsonl failed (No space left on device); training goes on without "
+        "it until it can be written again",
+        "warning: writing TensorBoard failed (No space left on device); training goes on without it "
+        "until it can be written again",
+    ], messages

@@ -58,8 +58,9 @@ def scripted(tmp_path):
 
     def run(capsys, plan: str, *options: str, extra: tuple[str, ...] = ()) -> tuple[int, int, str]:
         counter.unlink(missing_ok=True)
-        status = cli.main(["supervise", "--backoff", "0.05", *options, "--",
-                           sys.executable, str(child), str(counter), plan, *extra])
+        status = cli.main(
+            ["supervise", "--backoff", "0.05", *options, "--", sys.executable, str(child), str(counter), plan, *extra]
+        )
         return status, int(counter.read_text()), capsys.readouterr().err
 
     return run
@@ -107,8 +108,9 @@ def test_an_attempt_that_wrote_a_pre_flight_verdict_is_not_restarted_whatever_it
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (tmp_path / "child.py").write_text(VERDICT_CHILD)
-    status = cli.main(["supervise", "--backoff", "0.05", "--", sys.executable, str(tmp_path / "child.py"),
-                       f"run.dir={run_dir}", code])
+    status = cli.main(
+        ["supervise", "--backoff", "0.05", "--", sys.executable, str(tmp_path / "child.py"), f"run.dir={run_dir}", code]
+    )
     err = capsys.readouterr().err
     assert status == EXIT_UNHEALTHY, err
     assert "this attempt's pre-flight check wrote" in err and "not restarting" in err.splitlines()[-1]
@@ -177,9 +179,25 @@ def start_supervisor(tmp_path: Path, *options: str, child_args: tuple[str, ...] 
     """`python -m llama_jax supervise` around SIGNALLED_CHILD, returned once the child is ready."""
     child = tmp_path / "child.py"
     child.write_text(SIGNALLED_CHILD)
-    proc = subprocess.Popen([sys.executable, "-m", "llama_jax", "supervise", "--backoff", "0.05", *options, "--",
-                             sys.executable, str(child), str(tmp_path), *child_args],
-                            cwd=REPO, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "llama_jax",
+            "supervise",
+            "--backoff",
+            "0.05",
+            *options,
+            "--",
+            sys.executable,
+            str(child),
+            str(tmp_path),
+            *child_args,
+        ],
+        cwd=REPO,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + 20
     while not (tmp_path / "ready").exists():
         assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
@@ -212,9 +230,24 @@ def test_child_ignoring_sigterm_is_killed_after_the_grace_period(tmp_path):
 def test_signal_during_backoff_stops_without_another_start(tmp_path):
     child = tmp_path / "child.py"
     child.write_text(SCRIPTED_CHILD)
-    proc = subprocess.Popen([sys.executable, "-m", "llama_jax", "supervise", "--backoff", "30", "--",
-                             sys.executable, str(child), str(tmp_path / "starts"), "1"],
-                            cwd=REPO, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "llama_jax",
+            "supervise",
+            "--backoff",
+            "30",
+            "--",
+            sys.executable,
+            str(child),
+            str(tmp_path / "starts"),
+            "1",
+        ],
+        cwd=REPO,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     for line in proc.stderr:  # wait until it is backing off
         if "restart 1 of" in line:
             break
@@ -227,9 +260,11 @@ def test_signal_during_backoff_stops_without_another_start(tmp_path):
 def test_processes_left_behind_by_the_child_are_killed(tmp_path, capsys):
     pid_file = tmp_path / "orphan.pid"
     child = tmp_path / "child.py"
-    child.write_text("import subprocess, sys\n"
-                     "orphan = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)'])\n"
-                     f"open({str(pid_file)!r}, 'w').write(str(orphan.pid))\n")
+    child.write_text(
+        "import subprocess, sys\n"
+        "orphan = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)'])\n"
+        f"open({str(pid_file)!r}, 'w').write(str(orphan.pid))\n"
+    )
     assert cli.main(["supervise", "--", sys.executable, str(child)]) == EXIT_OK
     assert "killed processes the command left behind" in capsys.readouterr().err
     pid = int(pid_file.read_text())
@@ -273,19 +308,24 @@ def test_on_kubernetes_the_supervisor_labels_the_nodes_a_pre_flight_verdict_name
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     child = tmp_path / "child.py"
-    child.write_text("import json, sys\nfrom pathlib import Path\n"
-                     "Path(sys.argv[1], 'unhealthy.json').write_text(json.dumps({'hosts': ['gpu-7', 'forbidden']}))\n"
-                     "sys.exit(71)\n")
+    child.write_text(
+        "import json, sys\nfrom pathlib import Path\n"
+        "Path(sys.argv[1], 'unhealthy.json').write_text(json.dumps({'hosts': ['gpu-7', 'forbidden']}))\n"
+        "sys.exit(71)\n"
+    )
     try:
-        status = cli.main(["supervise", "--backoff", "0.05", "--", sys.executable, str(child), str(run_dir),
-                           f"run.dir={run_dir}"])
+        status = cli.main(
+            ["supervise", "--backoff", "0.05", "--", sys.executable, str(child), str(run_dir), f"run.dir={run_dir}"]
+        )
     finally:
         server.shutdown()
     err = capsys.readouterr().err
     assert status == EXIT_UNHEALTHY, err
     assert [p[0] for p in patches] == ["/api/v1/nodes/gpu-7", "/api/v1/nodes/forbidden"]
-    assert patches[0][1:] == ("application/merge-patch+json",
-                              {"metadata": {"labels": {"llama-jax.io/unhealthy": "true"}}})
+    assert patches[0][1:] == (
+        "application/merge-patch+json",
+        {"metadata": {"labels": {"llama-jax.io/unhealthy": "true"}}},
+    )
     assert "labelled node gpu-7 llama-jax.io/unhealthy=true: the job's pods stay off it" in err
     assert "could not label node forbidden (HTTP Error 403" in err
     assert "kubectl label node forbidden llama-jax.io/unhealthy=true" in err
@@ -295,14 +335,42 @@ def test_a_supervised_run_that_saves_no_checkpoint_during_training_warns_at_star
     """Under the supervisor (or a launcher) a crash restarts the run from its newest checkpoint; one that saves none
     until it ends would start again from step 0 after every failure, so it says so once, at start."""
     run_dir = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "llama_jax", "supervise", "--", sys.executable, "-m", "llama_jax",
-                           "train", "tiny", f"run.dir={run_dir}", "train.steps=1", "train.warmup_steps=0",
-                           "model.n_layers=1", "model.d_model=32", "model.n_heads=2", "model.n_kv_heads=1",
-                           "model.ffn_dim=64", "train.seq_len=16", "train.batch_size=8", "train.sample_tokens=0",
-                           "model.vocab_size=320", f"data.sources=[{corpus}]", f"data.cache_dir={tmp_path / 'cache'}"],
-                          env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "llama_jax",
+            "supervise",
+            "--",
+            sys.executable,
+            "-m",
+            "llama_jax",
+            "train",
+            "tiny",
+            f"run.dir={run_dir}",
+            "train.steps=1",
+            "train.warmup_steps=0",
+            "model.n_layers=1",
+            "model.d_model=32",
+            "model.n_heads=2",
+            "model.n_kv_heads=1",
+            "model.ffn_dim=64",
+            "train.seq_len=16",
+            "train.batch_size=8",
+            "train.sample_tokens=0",
+            "model.vocab_size=320",
+            f"data.sources=[{corpus}]",
+            f"data.cache_dir={tmp_path / 'cache'}",
+        ],
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     warnings = [line for line in proc.stdout.splitlines() if "saves none until it ends" in line]
-    assert warnings == ["warning: under llama-jax supervise a failed run restarts from its newest checkpoint, and this "
-                        "one saves none until it ends (checkpoint.every_steps=0, no every_minutes, no local tier): "
-                        "every restart starts again from step 0; set checkpoint.every_steps=auto"], proc.stdout
+    assert warnings == [
+        "warning: under llama-jax supervise a failed run restarts from its newest checkpoint, and this "
+        "one saves none until it ends (checkpoint.every_steps=0, no every_minutes, no local tier): "
+        "every restart starts again from step 0; set checkpoint.every_steps=auto"
+    ], proc.stdout

@@ -18,10 +18,21 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 from llama_jax.data.corpus import DataError
 from llama_jax.data.tokenizer import BOS, EOS, Tokenizer, check_vocab, load_tokenizer, train_bpe
 
-SENTENCES = ["the quick brown fox jumps over the lazy dog", "héllo wörld, naïve café", "日本語 中文 and 🦙 too",
-             "seven wizards quietly hex jolly bards", "the end of the text"] * 8
-ROUND_TRIP = ["the quick brown fox", "café naïve é", "中文 日本語", "emoji 🦙🔥👩‍👩‍👧",
-              "  two  spaces\tand\nlines\n", ""]
+SENTENCES = [
+    "the quick brown fox jumps over the lazy dog",
+    "héllo wörld, naïve café",
+    "日本語 中文 and 🦙 too",
+    "seven wizards quietly hex jolly bards",
+    "the end of the text",
+] * 8
+ROUND_TRIP = [
+    "the quick brown fox",
+    "café naïve é",
+    "中文 日本語",
+    "emoji 🦙🔥👩‍👩‍👧",
+    "  two  spaces\tand\nlines\n",
+    "",
+]
 MERGES = [b"th", b"the", b" the"]  # ranks 256, 257, 258 after the 256 single bytes
 
 
@@ -30,9 +41,15 @@ def write_hf(path, specials, config=None):
     hf = tokenizers.Tokenizer(models.BPE())
     hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     hf.decoder = decoders.ByteLevel()
-    hf.train_from_iterator(SENTENCES, trainers.BpeTrainer(
-        vocab_size=300, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False))
+    hf.train_from_iterator(
+        SENTENCES,
+        trainers.BpeTrainer(
+            vocab_size=300,
+            special_tokens=specials,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        ),
+    )
     hf.save(str(path))
     if config is not None:
         (path.parent / "tokenizer_config.json").write_text(json.dumps(config))
@@ -50,9 +67,17 @@ def write_spm(path, **options):
     """A tiny sentencepiece BPE with byte fallback and no normalization, so any text round-trips exactly."""
     model = io.BytesIO()
     sentencepiece.SentencePieceTrainer.train(
-        sentence_iterator=iter(SENTENCES), model_writer=model, vocab_size=300, model_type="bpe",
-        byte_fallback=True, normalization_rule_name="identity", remove_extra_whitespaces=False,
-        hard_vocab_limit=False, minloglevel=2, **options)
+        sentence_iterator=iter(SENTENCES),
+        model_writer=model,
+        vocab_size=300,
+        model_type="bpe",
+        byte_fallback=True,
+        normalization_rule_name="identity",
+        remove_extra_whitespaces=False,
+        hard_vocab_limit=False,
+        minloglevel=2,
+        **options,
+    )
     path.write_bytes(model.getvalue())
     return path
 
@@ -64,11 +89,14 @@ def files(tmp_path_factory):
     for name in ("bpe", "hf", "tiktoken", "spm"):
         (root / name).mkdir()
     train_bpe(SENTENCES, 300).save(root / "bpe")
-    return {"bpe": root / "bpe" / "tokenizer.json",
-            "hf": write_hf(root / "hf" / "tokenizer.json", [BOS, EOS, "<s>", "</s>"], {"bos_token": "<s>",
-                                                                                     "eos_token": "</s>"}),
-            "tiktoken": write_tiktoken(root / "tiktoken" / "tokenizer.model"),
-            "spm": write_spm(root / "spm" / "spm.model")}
+    return {
+        "bpe": root / "bpe" / "tokenizer.json",
+        "hf": write_hf(
+            root / "hf" / "tokenizer.json", [BOS, EOS, "<s>", "</s>"], {"bos_token": "<s>", "eos_token": "</s>"}
+        ),
+        "tiktoken": write_tiktoken(root / "tiktoken" / "tokenizer.model"),
+        "spm": write_spm(root / "spm" / "spm.model"),
+    }
 
 
 KINDS = {"bpe": "hf", "hf": "hf", "tiktoken": "tiktoken", "spm": "sentencepiece"}
@@ -147,12 +175,15 @@ def test_tiktoken_large_vocab_streams_as_uint32(tmp_path):
     np.testing.assert_array_equal(stream, [65536, ord("h"), ord("i"), 65537])
 
 
-@pytest.mark.parametrize("config, bos, eos", [
-    ({"bos_token": "<s>", "eos_token": "</s>"}, 2, 3),
-    ({"bos_token": {"content": "<s>", "special": True}, "eos_token": {"content": "</s>"}}, 2, 3),
-    ({"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": False}, None, 3),
-    (None, 0, 1),  # no config: the Llama 3 names win among the known specials
-])
+@pytest.mark.parametrize(
+    "config, bos, eos",
+    [
+        ({"bos_token": "<s>", "eos_token": "</s>"}, 2, 3),
+        ({"bos_token": {"content": "<s>", "special": True}, "eos_token": {"content": "</s>"}}, 2, 3),
+        ({"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": False}, None, 3),
+        (None, 0, 1),  # no config: the Llama 3 names win among the known specials
+    ],
+)
 def test_hf_specials_from_config_or_known_names(tmp_path, config, bos, eos):
     tok = load_tokenizer(write_hf(tmp_path / "tokenizer.json", [BOS, EOS, "<s>", "</s>"], config))
     assert (tok.bos_id, tok.eos_id, tok.vocab_size) == (bos, eos, 300)
@@ -163,11 +194,14 @@ def test_hf_specials_from_config_or_known_names(tmp_path, config, bos, eos):
 
 def test_no_bos_documents_end_with_eos_only(tmp_path):
     """A tokenizer without BOS (tokenizer.json, or sentencepiece with bos_id=-1) wraps docs as doc + [EOS]."""
-    for tok in (load_tokenizer(write_hf(tmp_path / "tokenizer.json", ["</s>"])),
-                load_tokenizer(write_spm(tmp_path / "spm.model", bos_id=-1))):
+    for tok in (
+        load_tokenizer(write_hf(tmp_path / "tokenizer.json", ["</s>"])),
+        load_tokenizer(write_spm(tmp_path / "spm.model", bos_id=-1)),
+    ):
         assert tok.bos_id is None
-        np.testing.assert_array_equal(tok.encode_documents(["ab", "c"]),
-                                      tok.encode("ab") + [tok.eos_id] + tok.encode("c") + [tok.eos_id])
+        np.testing.assert_array_equal(
+            tok.encode_documents(["ab", "c"]), tok.encode("ab") + [tok.eos_id] + tok.encode("c") + [tok.eos_id]
+        )
 
 
 def test_directory_spec_picks_the_file(files, tmp_path):
@@ -219,5 +253,6 @@ def test_check_vocab_names_both_numbers(files):
     check_vocab(tok, 515)
     with pytest.raises(DataError) as caught:
         check_vocab(tok, 512)
-    assert str(caught.value) == ("the tokenizer has 515 tokens but model.vocab_size is 512; "
-                                 "raise model.vocab_size to at least 515")
+    assert str(caught.value) == (
+        "the tokenizer has 515 tokens but model.vocab_size is 512; raise model.vocab_size to at least 515"
+    )

@@ -21,8 +21,11 @@ H100 = Gpu("9.0", 91000)
 
 def grad_jaxpr(model: Llama, seq: int = 32) -> str:
     """The jaxpr of the gradient of the model's loss on one batch, as text (traced, nothing compiled)."""
-    params = jax.tree.map(lambda p: p.unbox() if hasattr(p, "unbox") else p, abstract_params(model.cfg),
-                          is_leaf=lambda p: hasattr(p, "unbox"))
+    params = jax.tree.map(
+        lambda p: p.unbox() if hasattr(p, "unbox") else p,
+        abstract_params(model.cfg),
+        is_leaf=lambda p: hasattr(p, "unbox"),
+    )
     tokens = jnp.zeros((2, seq), jnp.int32)
 
     def loss(params):
@@ -60,8 +63,13 @@ def test_nothing_under_model_reads_ambient_trace_state():
     logical-axis rules read under model/, and jax's private module patched in one place only."""
     sources = {p.relative_to(MODEL_DIR).as_posix(): p.read_text() for p in MODEL_DIR.rglob("*.py")}
     for name, text in sources.items():
-        for read in ("contextvars", "get_abstract_mesh", "get_logical_axis_rules", "logical_axis_rules(",
-                     "default_backend()"):
+        for read in (
+            "contextvars",
+            "get_abstract_mesh",
+            "get_logical_axis_rules",
+            "logical_axis_rules(",
+            "default_backend()",
+        ):
             assert read not in text or (name, read) == ("context.py", "default_backend()"), (name, read)
         assert "setattr(" not in text or name == "jax_workarounds.py", name
 
@@ -72,7 +80,8 @@ def test_jaxs_cudnn_checks_still_ask_this_process_so_the_workaround_still_applie
     target's answers and drop jax_workarounds.cudnn_checks_answered_by."""
     assert jax_workarounds.applies(jax.__version__), (
         f"jax {jax.__version__} is outside {jax_workarounds.CUDNN_CHECKS_APPLY_TO}: check whether jax's cuDNN checks "
-        "still read the local backend, then update the range (or drop the workaround)")
+        "still read the local backend, then update the range (or drop the workaround)"
+    )
     assert not jax_workarounds.applies("0.9.2") and not jax_workarounds.applies("0.13.0")
     if jax.default_backend() != "cpu":
         pytest.skip("the limitation shows on a machine without a GPU")

@@ -36,8 +36,13 @@ def random_batch(cfg, seed=0, batch=8, seq=32, documents_per_row=3):
     index, rows = np.arange(seq + 1), []
     for row in tokens:
         starts = row == 1
-        rows.append({"tokens": row.astype(np.int32), "segment_ids": (np.cumsum(starts) + 1).astype(np.int32),
-                     "positions": (index - np.maximum.accumulate(np.where(starts, index, 0))).astype(np.int32)})
+        rows.append(
+            {
+                "tokens": row.astype(np.int32),
+                "segment_ids": (np.cumsum(starts) + 1).astype(np.int32),
+                "positions": (index - np.maximum.accumulate(np.where(starts, index, 0))).astype(np.int32),
+            }
+        )
     return {k: jnp.asarray(v) for k, v in model_inputs(rows).items()}
 
 
@@ -111,8 +116,9 @@ def first_losses(cfg, devices, steps=4):
     with program.activate():
         state = program.init_state(jax.random.key(0))
         for step in range(steps):
-            state, metrics = program.train_step(state, program.put(
-                {k: np.asarray(v) for k, v in random_batch(cfg, seed=10 + step).items()}))
+            state, metrics = program.train_step(
+                state, program.put({k: np.asarray(v) for k, v in random_batch(cfg, seed=10 + step).items()})
+            )
             losses.append(float(metrics["loss"]))
     return np.array(losses)
 
@@ -138,9 +144,13 @@ def test_fsdp_shards_parameters_and_optimizer_state():
 def test_resumed_run_is_bitwise_identical_to_straight_run(fp8, tmp_path, corpus):
     """Losing the last checkpoint and re-running resumes from step 4 and reproduces step 8 bit for bit; with fp8
     projections too (current scaling: the scales are computed from the step's tensors, no state to save)."""
-    cfg = tiny_config(tmp_path, model=dict(fp8=fp8), train=dict(steps=8, lr=1e-2),
-                      data=dict(sources=[str(corpus)], cache_dir=str(tmp_path / "cache")),
-                      checkpoint=dict(every_steps=4))
+    cfg = tiny_config(
+        tmp_path,
+        model=dict(fp8=fp8),
+        train=dict(steps=8, lr=1e-2),
+        data=dict(sources=[str(corpus)], cache_dir=str(tmp_path / "cache")),
+        checkpoint=dict(every_steps=4),
+    )
     prepared = open_data(cfg, print_fn=lambda _: None)
     mesh = one_device_mesh(cfg)
     run_dir = Path(cfg.run.dir)
@@ -206,8 +216,12 @@ def test_the_host_reads_each_step_after_dispatching_the_next(tmp_path, corpus, m
     """The devices never wait for the host between steps: after dispatching step n the loop places batch n + 1
     and then reads step n - 1's metrics, the step's only device-to-host transfer. A step that is saved is read
     before its save (its verdict may roll back); every step is logged."""
-    cfg = tiny_config(tmp_path, train=dict(steps=8), checkpoint=dict(every_steps=4),
-                      data=dict(sources=[str(corpus)], cache_dir=str(tmp_path / "cache")))
+    cfg = tiny_config(
+        tmp_path,
+        train=dict(steps=8),
+        checkpoint=dict(every_steps=4),
+        data=dict(sources=[str(corpus)], cache_dir=str(tmp_path / "cache")),
+    )
     events, metric_steps, kept = [], {}, []  # id of a metrics array -> the step that made it
     array_type = type(jnp.zeros(()))
     value = array_type._value  # every device-to-host read of a jax.Array goes through it (np.asarray, float, ...)
@@ -236,18 +250,18 @@ def test_the_host_reads_each_step_after_dispatching_the_next(tmp_path, corpus, m
     monkeypatch.setattr(Run, "setup", classmethod(setup))
     monkeypatch.setattr(array_type, "_value", property(counted_value))
     train(cfg, print_fn=lambda _: None, devices=jax.devices()[:1])
-    loop = events[next(i for i, e in enumerate(events) if e[0] == "dispatch"):]
+    loop = events[next(i for i, e in enumerate(events) if e[0] == "dispatch") :]
 
     def after_dispatching(n):  # the events after dispatching step n, up to dispatching step n + 1
         start = loop.index(("dispatch", n))
         end = loop.index(("dispatch", n + 1)) if ("dispatch", n + 1) in loop else len(loop)
-        return loop[start + 1:end]
+        return loop[start + 1 : end]
 
     put, metrics_of = [("put", None)], lambda n: [("read", n)] * 4  # loss, grad_norm, lr, finite
     for n in (2, 3, 6, 7):  # steady state: place the next batch, then read the step before
         assert after_dispatching(n) == put + metrics_of(n - 1), n
     assert after_dispatching(4) == put + metrics_of(3) + metrics_of(4)  # saved: read before the save
     assert after_dispatching(8)[:8] == metrics_of(7) + metrics_of(8)  # the last step: then saved and evaluated
-    assert ("read", "other") not in loop[:loop.index(("dispatch", 8))]  # no other transfer while training
+    assert ("read", "other") not in loop[: loop.index(("dispatch", 8))]  # no other transfer while training
     records = [r for r in read_metrics(Path(cfg.run.dir) / "metrics.jsonl") if "loss" in r]
     assert [r["step"] for r in records] == list(range(1, 9))

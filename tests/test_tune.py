@@ -15,12 +15,24 @@ from llama_jax.training import plan, tune
 from llama_jax.training.step import TrainProgram
 
 # The end-to-end search pins tensor and sequence to 1 to keep compilations few: 4 meshes.
-PINNED = ["mesh.pipeline=1", "mesh.tensor=1", "mesh.sequence=1",
-          "train.batch_size=16"]  # 16: 2 micro-batches on 8 shards
+PINNED = [
+    "mesh.pipeline=1",
+    "mesh.tensor=1",
+    "mesh.sequence=1",
+    "train.batch_size=16",
+]  # 16: 2 micro-batches on 8 shards
 SEARCH = ["--policies", "none,full", "--microbatches", "1,2", "--every-n-layers", "1", "--meshes", "1"]
 UNITS = {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
-OPTIONS = tune.Options(policies=("none", "full"), microbatches=(1, 2), every_n_layers=(1,), meshes=1, top_k=2,
-                       steps=2, measure=True, progress=False)
+OPTIONS = tune.Options(
+    policies=("none", "full"),
+    microbatches=(1, 2),
+    every_n_layers=(1,),
+    meshes=1,
+    top_k=2,
+    steps=2,
+    measure=True,
+    progress=False,
+)
 
 
 def test_candidate_space_is_complete_and_every_rejection_has_a_reason(tmp_path):
@@ -29,11 +41,17 @@ def test_candidate_space_is_complete_and_every_rejection_has_a_reason(tmp_path):
     # An independent enumeration: every 5-tuple of sizes whose product is 8, pipeline repeats 1 and 2 and both
     # schedules with a pipeline, sequence parallelism both ways when tensor > 1, every micro-batch count (times the
     # stages), every policy, every-n only when recomputing.
-    expected = {tune.Candidate(d, f, t, s, sp, p * mb, policy, every, p, r, schedule)
-                for p, d, f, t, s in itertools.product(range(1, 9), repeat=5) if p * d * f * t * s == 8
-                for r in ((1, 2) if p > 1 else (1,)) for schedule in (("gpipe", "1f1b") if p > 1 else ("gpipe",))
-                for sp in ((True, False) if t > 1 else (True,))
-                for mb in (1, 2) for policy in ("none", "full") for every in ((1,) if policy == "none" else (1, 2))}
+    expected = {
+        tune.Candidate(d, f, t, s, sp, p * mb, policy, every, p, r, schedule)
+        for p, d, f, t, s in itertools.product(range(1, 9), repeat=5)
+        if p * d * f * t * s == 8
+        for r in ((1, 2) if p > 1 else (1,))
+        for schedule in (("gpipe", "1f1b") if p > 1 else ("gpipe",))
+        for sp in ((True, False) if t > 1 else (True,))
+        for mb in (1, 2)
+        for policy in ("none", "full")
+        for every in ((1,) if policy == "none" else (1, 2))
+    }
     assert len([c for c in space if c.pipeline == 1]) == 30 * 2 * 3  # the meshes without a pipeline
     assert len(space) == len(set(space)) == len(expected)
     assert set(space) == expected
@@ -46,33 +64,61 @@ def test_candidate_space_is_complete_and_every_rejection_has_a_reason(tmp_path):
     assert all(r.rejected and r.config is None for r in rejected)  # a reason for each one
     for r in valid:  # each valid candidate's config is the candidate
         c, cfg = r.candidate, r.config
-        assert (cfg.mesh.pipeline, cfg.mesh.pipeline_repeats, cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor,
-                cfg.mesh.sequence) == (c.pipeline, c.repeats, c.data, c.fsdp, c.tensor, c.sequence)
-        assert (cfg.train.microbatches, cfg.remat.policy, cfg.remat.every_n_layers) == (c.microbatches, c.policy,
-                                                                                          c.every_n_layers)
+        assert (
+            cfg.mesh.pipeline,
+            cfg.mesh.pipeline_repeats,
+            cfg.mesh.data,
+            cfg.mesh.fsdp,
+            cfg.mesh.tensor,
+            cfg.mesh.sequence,
+        ) == (c.pipeline, c.repeats, c.data, c.fsdp, c.tensor, c.sequence)
+        assert (cfg.train.microbatches, cfg.remat.policy, cfg.remat.every_n_layers) == (
+            c.microbatches,
+            c.policy,
+            c.every_n_layers,
+        )
         assert (cfg.mesh.pipeline_schedule, cfg.mesh.pipeline_microbatches) == (c.schedule, c.per_pass)
     # The tiny model has 2 layers, 4 query / 2 kv heads and a batch of 8: tensor=8, data x fsdp x micro-batches
     # above 8 and more pipeline stages x repeats than layers are refused with the mesh checks' own words.
     reasons = {r.candidate: r.rejected for r in rejected}
     assert all("mesh.tensor (8)" in reasons[c] for c in space if c.tensor == 8)
-    assert all("data×fsdp×microbatches" in reasons[c] or "not divisible by train.microbatches" in reasons[c]
-               for c in space if c.tensor != 8 and c.data * c.fsdp * c.microbatches > 8)
-    assert all("mesh.pipeline × mesh.pipeline_repeats" in reasons[c] for c in space
-               if c.tensor != 8 and c.data * c.fsdp * c.microbatches <= 8 and c.pipeline * c.repeats > 2)
-    assert {c for c in space if c.tensor != 8 and c.data * c.fsdp * c.microbatches <= 8 and c.pipeline * c.repeats <= 2
-            and (c.pipeline == 1 or 2 // (c.pipeline * c.repeats) % c.every_n_layers == 0)  # every-n within a stage
-            and 32 % (c.sequence * (c.tensor if c.sequence_parallel else 1) * (2 if c.sequence > 1 else 1)) == 0} \
-        == {r.candidate for r in valid}
+    assert all(
+        "data×fsdp×microbatches" in reasons[c] or "not divisible by train.microbatches" in reasons[c]
+        for c in space
+        if c.tensor != 8 and c.data * c.fsdp * c.microbatches > 8
+    )
+    assert all(
+        "mesh.pipeline × mesh.pipeline_repeats" in reasons[c]
+        for c in space
+        if c.tensor != 8 and c.data * c.fsdp * c.microbatches <= 8 and c.pipeline * c.repeats > 2
+    )
+    assert {
+        c
+        for c in space
+        if c.tensor != 8
+        and c.data * c.fsdp * c.microbatches <= 8
+        and c.pipeline * c.repeats <= 2
+        and (c.pipeline == 1 or 2 // (c.pipeline * c.repeats) % c.every_n_layers == 0)  # every-n within a stage
+        and 32 % (c.sequence * (c.tensor if c.sequence_parallel else 1) * (2 if c.sequence > 1 else 1)) == 0
+    } == {r.candidate for r in valid}
 
 
 def test_searched_keys_given_on_the_command_line_are_pinned():
-    space = tune.candidate_space(8, ["mesh.tensor=2", "remat.policy=full", "train.microbatches=2"],
-                                 ("none", "full"), (1, 2, 4), (1, 2))
+    space = tune.candidate_space(
+        8, ["mesh.tensor=2", "remat.policy=full", "train.microbatches=2"], ("none", "full"), (1, 2, 4), (1, 2)
+    )
     assert space and all(c.tensor == 2 and c.policy == "full" and c.microbatches == 2 for c in space)
     assert {c.every_n_layers for c in space} == {1, 2}
     # With a pipeline: the schedules, and passes of P micro-batches where fewer than all (here: 2 stages, 4).
-    space = tune.candidate_space(8, ["mesh.pipeline=2", "mesh.pipeline_schedule=1f1b", "train.microbatches=4"],
-                                 ("full",), (1,), (1,), (1,), passes=(0, 1, 2))
+    space = tune.candidate_space(
+        8,
+        ["mesh.pipeline=2", "mesh.pipeline_schedule=1f1b", "train.microbatches=4"],
+        ("full",),
+        (1,),
+        (1,),
+        (1,),
+        passes=(0, 1, 2),
+    )
     assert {(c.schedule, c.per_pass) for c in space} == {("1f1b", 0), ("1f1b", 2)}
     assert "p2-1f1b" in space[0].label and any("mb4/2 " in c.label for c in space)
 
@@ -102,11 +148,17 @@ def test_search_scores_every_mesh_then_the_best_with_every_setting(searched):
     _, _, report, _ = searched
     scored = [r for r in report.results if r.predicted_s is not None]
     assert {r.candidate.mesh_key for r in scored} == {(1, 1, d, 8 // d, 1, 1, True) for d in (1, 2, 4, 8)}
-    best = min((r for r in scored if r.candidate.microbatches == 1 and r.candidate.policy == "none"),
-               key=lambda r: r.predicted_s).candidate.mesh_key
+    best = min(
+        (r for r in scored if r.candidate.microbatches == 1 and r.candidate.policy == "none"),
+        key=lambda r: r.predicted_s,
+    ).candidate.mesh_key
     for mesh in {best, report.default.candidate.mesh_key}:
-        assert {(r.candidate.microbatches, r.candidate.policy) for r in scored if r.candidate.mesh_key == mesh} \
-            == {(1, "none"), (1, "full"), (2, "none"), (2, "full")}
+        assert {(r.candidate.microbatches, r.candidate.policy) for r in scored if r.candidate.mesh_key == mesh} == {
+            (1, "none"),
+            (1, "full"),
+            (2, "none"),
+            (2, "full"),
+        }
     assert all(r.memory_bytes > 0 and r.hlo_flops > 0 and r.predicted_s > 0 for r in scored)
 
 
@@ -137,8 +189,9 @@ def test_a_memory_budget_below_the_smallest_candidate_exits_2_saying_by_how_much
     root, source, report, _ = searched
     out = root / "too_small.yaml"
     budget = 100 * 2**10  # 100 KiB, below the tiny model's ~1 MiB
-    code = cli.main(["tune", source, *PINNED, *SEARCH, "--memory-gb", str(budget / 2**30), "--no-measure",
-                     "--out", str(out)])
+    code = cli.main(
+        ["tune", source, *PINNED, *SEARCH, "--memory-gb", str(budget / 2**30), "--no-measure", "--out", str(out)]
+    )
     assert code == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "memory budget of 100.00 KiB" in err
@@ -150,14 +203,19 @@ def test_a_memory_budget_below_the_smallest_candidate_exits_2_saying_by_how_much
     assert not out.exists()
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--policies", "none,fastest"], "unknown remat policy 'fastest'"),
-    (["modle.n_layers=2"], "model.n_layers"),
-    (["--top-k", "0"], "--top-k"),
-    (["--devices-per-host", "3"],
-     "--devices-per-host 3 does not divide the 8 devices into hosts; use one of 1, 2, 4, 8"),
-    (["--nic-gbs", "-1"], "--nic-gbs"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--policies", "none,fastest"], "unknown remat policy 'fastest'"),
+        (["modle.n_layers=2"], "model.n_layers"),
+        (["--top-k", "0"], "--top-k"),
+        (
+            ["--devices-per-host", "3"],
+            "--devices-per-host 3 does not divide the 8 devices into hosts; use one of 1, 2, 4, 8",
+        ),
+        (["--nic-gbs", "-1"], "--nic-gbs"),
+    ],
+)
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, args, message):
     out = tmp_path / "tune.yaml"
     assert cli.main(["tune", str(write_tiny_yaml(tmp_path)), *args, "--out", str(out)]) == 2
@@ -167,16 +225,23 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, args, message):
 
 
 def test_cost_model_is_a_roofline_plus_exposed_communication_on_each_tier():
-    model = CostModel(peak_flops=100.0, memory_bandwidth=10.0, link_bandwidth=5.0, nic_bandwidth=2.0,
-                      efficiency=0.5, overlap=0.4)
+    model = CostModel(
+        peak_flops=100.0, memory_bandwidth=10.0, link_bandwidth=5.0, nic_bandwidth=2.0, efficiency=0.5, overlap=0.4
+    )
     operations = [(100.0, 10.0), (0.0, 30.0)]  # compute-bound: 2 s; memory-bound: 3 s
     assert model.predict(operations, {INTRA_HOST: 50.0, INTER_HOST: 8.0}) == pytest.approx(2 + 3 + 0.6 * (10 + 4))
     # Between hosts the bytes also cross the device's own link: a NIC faster than the link does not help.
     fast_nic = CostModel(peak_flops=100.0, memory_bandwidth=10.0, link_bandwidth=5.0, nic_bandwidth=50.0)
     assert fast_nic.bandwidth(INTER_HOST) == 5.0
     # fp8 matmuls' FLOPs (an operation's third figure) at the fp8 peak, the others at the compute dtype's.
-    fp8 = CostModel(peak_flops=100.0, memory_bandwidth=10.0, link_bandwidth=5.0, nic_bandwidth=2.0, efficiency=0.5,
-                    fp8_peak_flops=200.0)
+    fp8 = CostModel(
+        peak_flops=100.0,
+        memory_bandwidth=10.0,
+        link_bandwidth=5.0,
+        nic_bandwidth=2.0,
+        efficiency=0.5,
+        fp8_peak_flops=200.0,
+    )
     assert fp8.compute_seconds([(100.0, 10.0, 60.0), (0.0, 30.0, 0.0)]) == pytest.approx(40 / 50 + 60 / 100 + 3)
     assert model.compute_seconds([(100.0, 10.0, 60.0)]) == pytest.approx(2)  # no fp8 peak: all at the same rate
 
@@ -275,8 +340,9 @@ def test_planned_hosts_are_where_make_mesh_puts_a_multi_host_run(shape, hosts):
         device_kind: str = "cpu"
 
     devices = [Device(i, i * hosts // math.prod(shape)) for i in range(math.prod(shape))]
-    grid = mesh_utils.create_hybrid_device_mesh(*sharding.split_over_hosts(shape, hosts), devices,
-                                                process_is_granule=True)
+    grid = mesh_utils.create_hybrid_device_mesh(
+        *sharding.split_over_hosts(shape, hosts), devices, process_is_granule=True
+    )
     planned = costmodel.cluster_topology(MESH_AXES, shape, math.prod(shape) // hosts)
     assert planned.hosts == tuple(d.process_index for d in grid.flat)
 
@@ -298,8 +364,10 @@ def test_collectives_are_priced_at_the_tier_their_groups_cross():
     h100 = CostModel(peak_flops=989e12, memory_bandwidth=3350e9, link_bandwidth=450e9, nic_bandwidth=50e9)
     assert h100.communication_seconds(tiers) == pytest.approx((4096 + 2048) / 450e9 + (3072 + 1792) / 50e9)
     one_host = costmodel.cluster_topology(MESH_AXES, (1, 4, 1, 2), devices_per_host=8)
-    assert costmodel.tier_totals(costmodel.traffic_by_axis(analyze(HLO, 8).collective_groups, one_host)) == \
-        {INTRA_HOST: 4096 + 3072 + 2048 + 1792, INTER_HOST: 0}
+    assert costmodel.tier_totals(costmodel.traffic_by_axis(analyze(HLO, 8).collective_groups, one_host)) == {
+        INTRA_HOST: 4096 + 3072 + 2048 + 1792,
+        INTER_HOST: 0,
+    }
 
 
 def test_one_process_is_one_host():
@@ -325,8 +393,9 @@ def test_auto_micro_batches_are_searched_as_train_resolves_them(tmp_path):
     assert baseline.config is not None and baseline.config.train.microbatches == "auto"
     _, _, pinned = tune.enumerate_candidates(source, PINNED + ["train.microbatches=auto"], OPTIONS)
     assert {r.candidate.microbatches for r in pinned} == {"auto"} and any(r.config is not None for r in pinned)
-    options = tune.Options(policies=("none",), microbatches=(1, 2), every_n_layers=(1,), meshes=1, measure=False,
-                           progress=False)
+    options = tune.Options(
+        policies=("none",), microbatches=(1, 2), every_n_layers=(1,), meshes=1, measure=False, progress=False
+    )
     report = tune.tune(source, overrides, options)
     resolved = TrainProgram.for_config(baseline.config)  # what train runs: the fewest micro-batches that fit
     assert report.default.candidate.microbatches == "auto"

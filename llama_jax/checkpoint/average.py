@@ -34,22 +34,31 @@ def chosen_steps(run_dir: Path, steps: tuple[int, ...] = (), last: int = 0) -> l
     """The steps to average: `steps` as named (each must be a finished checkpoint of the run), or the newest `last`."""
     saved = step_directories(run_dir / "checkpoints")
     if not saved:
-        kind = "a run directory without a finished checkpoint" if (run_dir / "config.yaml").is_file() else \
-            "not a run directory (no checkpoints/<step>/ in it)"
+        kind = (
+            "a run directory without a finished checkpoint"
+            if (run_dir / "config.yaml").is_file()
+            else "not a run directory (no checkpoints/<step>/ in it)"
+        )
         raise ConfigError(f"average: {run_dir} is {kind}; name the run.dir of a run that has saved checkpoints")
     listed = ", ".join(map(str, saved))
     if bool(steps) == (last != 0) or last < 0:
-        raise ConfigError(f"average: name the checkpoints to average, either --steps A,B,... or --last N with N >= 1 "
-                          f"(the run has {listed})")
+        raise ConfigError(
+            f"average: name the checkpoints to average, either --steps A,B,... or --last N with N >= 1 "
+            f"(the run has {listed})"
+        )
     if last:
         if last > len(saved):
-            raise ConfigError(f"average: --last {last}, and {run_dir} has {len(saved)} checkpoint(s) ({listed}); "
-                              f"ask for at most {len(saved)}")
+            raise ConfigError(
+                f"average: --last {last}, and {run_dir} has {len(saved)} checkpoint(s) ({listed}); "
+                f"ask for at most {len(saved)}"
+            )
         return saved[-last:]
     missing = [s for s in steps if s not in saved]
     if missing:
-        raise ConfigError(f"average: --steps names step {missing[0]}, and {run_dir} has no checkpoint there; its "
-                          f"checkpoints: {listed}")
+        raise ConfigError(
+            f"average: --steps names step {missing[0]}, and {run_dir} has no checkpoint there; its "
+            f"checkpoints: {listed}"
+        )
     if len(set(steps)) < len(steps):
         raise ConfigError(f"average: --steps names a step twice ({','.join(map(str, steps))}); name each once")
     return sorted(steps)
@@ -62,18 +71,24 @@ def checked_model(run_dir: Path, steps: list[int]) -> ModelConfig:
     for step in steps:
         meta = read_meta(run_dir / "checkpoints" / str(step))
         if meta is None:
-            raise ConfigError(f"average: {run_dir / 'checkpoints' / str(step)} has no readable meta item: it is not a "
-                              "llama-jax checkpoint or it is damaged; leave that step out")
+            raise ConfigError(
+                f"average: {run_dir / 'checkpoints' / str(step)} has no readable meta item: it is not a "
+                "llama-jax checkpoint or it is damaged; leave that step out"
+            )
         method = meta["config"].get("peft", {}).get("method", "none")
         if method != "none":
-            raise ConfigError(f"average: {run_dir} trains adapters (peft.method={method}), whose mean is not the mean "
-                              "of the adapted models; average the runs that train whole models")
+            raise ConfigError(
+                f"average: {run_dir} trains adapters (peft.method={method}), whose mean is not the mean "
+                "of the adapted models; average the runs that train whole models"
+            )
         models.append(meta["config"]["model"])
     for step, model in zip(steps[1:], models[1:]):
         if differ := model_differences(models[0], model):
-            raise ConfigError(f"average: checkpoints {steps[0]} and {step} of {run_dir} hold different models ("
-                              f"{'; '.join(f'model.{k} {models[0][k]} vs {model[k]}' for k in differ)}); average "
-                              "checkpoints of one model")
+            raise ConfigError(
+                f"average: checkpoints {steps[0]} and {step} of {run_dir} hold different models ("
+                f"{'; '.join(f'model.{k} {models[0][k]} vs {model[k]}' for k in differ)}); average "
+                "checkpoints of one model"
+            )
     names = {f.name for f in dataclasses.fields(ModelConfig)}
     return ModelConfig(**{k: v for k, v in models[0].items() if k in names})
 
@@ -107,8 +122,15 @@ def mean_params(step_dirs: list[Path], target: Any) -> Any:
     return jax.tree_util.tree_map_with_path(mean, target)
 
 
-def average(run_dir: str, out: str, overrides: list[str] = (), steps: tuple[int, ...] = (), last: int = 0,
-            print_fn: Callable[[str], None] = print, devices=None) -> Path:
+def average(
+    run_dir: str,
+    out: str,
+    overrides: list[str] = (),
+    steps: tuple[int, ...] = (),
+    last: int = 0,
+    print_fn: Callable[[str], None] = print,
+    devices=None,
+) -> Path:
     """Average the checkpoints `steps` (or the newest `last`) of `run_dir` into a parameters-only checkpoint in
     `out` (new or empty), sharded over the mesh of `overrides` (mesh.* keys; default all devices on fsdp) while it
     is computed. The run's tokenizer goes along. Every process of a multi-process run runs it."""
@@ -126,8 +148,13 @@ def average(run_dir: str, out: str, overrides: list[str] = (), steps: tuple[int,
     Peers(config.fault.barrier_timeout_s).barrier("llama-jax average")  # every process has checked `out`
     step_dirs = [(run / "checkpoints" / str(step)).absolute() for step in chosen]
     params = mean_params(step_dirs, param_target(config, inference_mesh(config, devices)))
-    meta = {"config": {"model": dataclasses.asdict(model)}, "source": str(run.absolute()),
-            "averaged_steps": chosen, "llama_jax": __version__, "jax": jax.__version__}
+    meta = {
+        "config": {"model": dataclasses.asdict(model)},
+        "source": str(run.absolute()),
+        "averaged_steps": chosen,
+        "llama_jax": __version__,
+        "jax": jax.__version__,
+    }
     done = save_params(target, params, meta)
     if jax.process_index() == 0:
         copy_tokenizer(run, target)

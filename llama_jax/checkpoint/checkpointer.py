@@ -106,9 +106,15 @@ class Checkpointer:
     (Peers, bounded waits): when to save, the auto interval, which steps exist, and whether
     a step restores (a step that fails on any one process is set aside by all)."""
 
-    def __init__(self, tiers: Tiers, config: CheckpointConfig, identity: Identity | None = None,
-                 peers: Peers | None = None, print_fn: Callable[[str], None] = print,
-                 injector: Injector = NO_INJECTION):
+    def __init__(
+        self,
+        tiers: Tiers,
+        config: CheckpointConfig,
+        identity: Identity | None = None,
+        peers: Peers | None = None,
+        print_fn: Callable[[str], None] = print,
+        injector: Injector = NO_INJECTION,
+    ):
         """`tiers`: where the checkpoints are; `identity`: what steps are saved with and must hold (Identity; by
         default any step); `peers`: the other processes, every shared decision goes through them; `injector`
         (resilience/inject.py, testing only) may delay this process's saves or fail its writes."""
@@ -137,8 +143,11 @@ class Checkpointer:
 
     def _open(self) -> ocp.CheckpointManager:
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=self.config.keep, keep_period=self.config.keep_every or None,
-            enable_async_checkpointing=self.config.async_save, create=True)
+            max_to_keep=self.config.keep,
+            keep_period=self.config.keep_every or None,
+            enable_async_checkpointing=self.config.async_save,
+            create=True,
+        )
         return ocp.CheckpointManager(self.directory, options=options, item_names=ITEMS)
 
     def step_timed(self, seconds: float) -> None:
@@ -185,9 +194,13 @@ class Checkpointer:
         meta = {**self.meta, "step": step, "saved_at": datetime.datetime.now(datetime.UTC).isoformat()}
         try:
             check_room(state, self.directory)
-            self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                            data=ocp.args.JsonSave(data_state),
-                                                            meta=ocp.args.JsonSave(meta)), force=True)
+            self.manager.save(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state), meta=ocp.args.JsonSave(meta)
+                ),
+                force=True,
+            )
             self.pending = step
         except Exception as err:  # the save could not even start: reported with the next save's outcome
             self.failure = self._failure(step, err)
@@ -247,8 +260,14 @@ class Checkpointer:
         (interval.py), and a failed write is handled alike everywhere (_failed_saves)."""
         step_s = statistics.median(self.step_times) if self.step_times else 0.0
         mine = {"figures": [step_s, interval.costs[-1] if interval.costs else 0.0, 0.0], "failed": failed}
-        agreed = self.peers.reduce(what, mine, lambda all_: {"figures": Figures.slowest([v["figures"] for v in all_]),
-                                                             "failed": [v["failed"] for v in all_ if v["failed"]]})
+        agreed = self.peers.reduce(
+            what,
+            mine,
+            lambda all_: {
+                "figures": Figures.slowest([v["figures"] for v in all_]),
+                "failed": [v["failed"] for v in all_ if v["failed"]],
+            },
+        )
         if agreed["failed"]:
             self._failed_saves(agreed["failed"])
         elif interval is self.durable and interval.costs:
@@ -265,24 +284,35 @@ class Checkpointer:
         self._discard(step)
         self.failed_in_a_row += 1
         more = f" and {len(failures) - 1} more process(es)" if len(failures) > 1 else ""
-        failed = (f"checkpoint save of step {step} failed on process {failures[0]['process']}{more}: "
-                  f"{failures[0]['reason']}")
+        failed = (
+            f"checkpoint save of step {step} failed on process {failures[0]['process']}{more}: {failures[0]['reason']}"
+        )
         newest = max(self.manager.all_steps(), default=0)
         kept = f"the newest complete checkpoint is step {newest}" if newest else "no complete checkpoint exists"
         bound = self.config.max_failed_saves
         if last or self.failed_in_a_row > bound:
-            why = "the run's last save" if last else (f"{self.failed_in_a_row} saves failed in a row "
-                                                     f"(checkpoint.max_failed_saves={bound})")
-            raise StorageFailure(f"{failed}; {why}: stopping (exit {EXIT_STORAGE}); {kept}{self._newer_local(newest)}; "
-                                 "free space or fix the filesystem, then re-run the same command")
-        self.print_fn(f"warning: {failed}; {kept}; training goes on and saves again at the next interval "
-                      f"({self.failed_in_a_row} of checkpoint.max_failed_saves={bound} failed saves in a row)")
+            why = (
+                "the run's last save"
+                if last
+                else (f"{self.failed_in_a_row} saves failed in a row (checkpoint.max_failed_saves={bound})")
+            )
+            raise StorageFailure(
+                f"{failed}; {why}: stopping (exit {EXIT_STORAGE}); {kept}{self._newer_local(newest)}; "
+                "free space or fix the filesystem, then re-run the same command"
+            )
+        self.print_fn(
+            f"warning: {failed}; {kept}; training goes on and saves again at the next interval "
+            f"({self.failed_in_a_row} of checkpoint.max_failed_saves={bound} failed saves in a row)"
+        )
 
     def _newer_local(self, durable: int) -> str:
         """Where the local tier holds a newer step than checkpoints/: what a restart resumes from."""
         local = max(finished_steps(self.local.directory), default=0) if self.local is not None else 0
-        return f"; the local tier holds step {local}, which a restart on the same hosts resumes from" \
-            if local > durable else ""
+        return (
+            f"; the local tier holds step {local}, which a restart on the same hosts resumes from"
+            if local > durable
+            else ""
+        )
 
     def _discard(self, step: int) -> None:
         """Remove every trace of a step some process failed to write: Orbax's temporary directories, and the step
@@ -329,8 +359,9 @@ class Checkpointer:
         """The finished steps, newest first, as process 0 sees them (one list for all processes)."""
         return self.peers.broadcast("checkpoint steps", sorted(self.manager.all_steps(), reverse=True))
 
-    def restore_newest(self, abstract_state: Any, print_fn: Callable[[str], None], before: int | None = None
-                       ) -> Restored:
+    def restore_newest(
+        self, abstract_state: Any, print_fn: Callable[[str], None], before: int | None = None
+    ) -> Restored:
         """The newest step that restores on every process, from the fastest tier holding it whole (the local
         tier, then checkpoints/); a Restored without a state if none (its `seconds` still say what trying cost).
         A copy that does not restore is set aside in its tier (a durable step's damage may be in one process's
@@ -347,8 +378,11 @@ class Checkpointer:
                 if step not in (local if tier == "local" else durable):
                     continue
                 start = time.perf_counter()
-                found = (self._restore_local(step, abstract_state, print_fn, local[step]) if tier == "local" else
-                         self._restore_durable(step, abstract_state, print_fn))
+                found = (
+                    self._restore_local(step, abstract_state, print_fn, local[step])
+                    if tier == "local"
+                    else self._restore_durable(step, abstract_state, print_fn)
+                )
                 seconds[tier] = seconds.get(tier, 0.0) + time.perf_counter() - start
                 if found is not None:
                     return dataclasses.replace(found, tier=tier, seconds=seconds)
@@ -368,8 +402,9 @@ class Checkpointer:
             return {}
         meta = self.local.meta(next(iter(steps))) or {}
         if saved_layer_order(meta) != self.layout:
-            self.print_fn("the local tier's steps were saved in another pipeline layer order; restoring from "
-                          "checkpoints/")
+            self.print_fn(
+                "the local tier's steps were saved in another pipeline layer order; restoring from checkpoints/"
+            )
             return {}
         self._check(meta, self.local.directory)
         return steps
@@ -412,8 +447,10 @@ class Checkpointer:
             return Restored(state=state, data=data_state, step=step, path=str(self.directory / str(step)))
         moved = self.set_aside(step)
         more = f" and {len(failures) - 1} more" if len(failures) > 1 else ""
-        print_fn(f"warning: checkpoint step {step} does not restore ({failures[0]}{more}); moved it to {moved} "
-             "and trying the previous one")
+        print_fn(
+            f"warning: checkpoint step {step} does not restore ({failures[0]}{more}); moved it to {moved} "
+            "and trying the previous one"
+        )
         return None
 
     def _check(self, meta: dict, where: Path) -> None:

@@ -28,8 +28,16 @@ from llama_jax.files import unwritable
 from llama_jax.interop import hf, peft_format
 
 
-def convert(source: str, out: str, overrides: list[str] = (), dtype: str = "float32", rotary: str = "half",
-            print_fn: Callable[[str], None] = print, devices=None, merge: bool = False) -> Path:
+def convert(
+    source: str,
+    out: str,
+    overrides: list[str] = (),
+    dtype: str = "float32",
+    rotary: str = "half",
+    print_fn: Callable[[str], None] = print,
+    devices=None,
+    merge: bool = False,
+) -> Path:
     """Hugging Face directory -> llama-jax checkpoint (params only), or a llama-jax checkpoint -> Hugging
     Face directory (safetensors in `dtype`). A run with adapters (peft) becomes a PEFT adapter directory
     (peft_format.py), or with `merge` (LoRA) its base with the adapters folded in, as a Hugging Face
@@ -49,8 +57,12 @@ def convert(source: str, out: str, overrides: list[str] = (), dtype: str = "floa
     if spec.hf_dir is None and dtype not in ("float32", "bfloat16", "float16"):
         raise ConfigError(f"--dtype must be float32, bfloat16 or float16, got '{dtype}'")
     if merge and (spec.adapters is None or spec.adapters.method != "lora"):
-        kind = "has no adapters" if spec.adapters is None else f"adds a learned prompt (peft.method=" \
+        kind = (
+            "has no adapters"
+            if spec.adapters is None
+            else f"adds a learned prompt (peft.method="
             f"{spec.adapters.method}), which a Llama checkpoint cannot hold; convert it without --merge"
+        )
         raise ConfigError(f"--merge folds a run's LoRA adapters into its base model, and {source} {kind}")
     config = inference_config(spec.model, overrides, batches=False)
     processes.initialize(config.run)
@@ -63,8 +75,12 @@ def convert(source: str, out: str, overrides: list[str] = (), dtype: str = "floa
         peft_format.write_adapter(target, adapters, spec.model, spec.adapters, base_model, dtype, rotary)
         done = f"{target} (PEFT adapter, peft.method={spec.adapters.method}, {dtype})"
     elif spec.hf_dir is not None:  # Hugging Face -> llama-jax
-        meta = {"config": {"model": dataclasses.asdict(spec.model)}, "source": str(spec.hf_dir),
-                "llama_jax": __version__, "jax": jax.__version__}
+        meta = {
+            "config": {"model": dataclasses.asdict(spec.model)},
+            "source": str(spec.hf_dir),
+            "llama_jax": __version__,
+            "jax": jax.__version__,
+        }
         done = str(save_params(target, load_params(spec, param_target(config, mesh), rotary), meta))
     else:  # llama-jax -> Hugging Face (a LoRA run: its base with the adapters folded in)
         hf.write_hf(target, load_params(spec, param_target(config, mesh)), spec.model, dtype, rotary)

@@ -28,6 +28,7 @@ from llama_jax.model.stages import NATURAL, LayerOrder, in_order, relayout
 
 ITEMS = ("state", "data", "meta")
 
+
 def step_directories(directory: Path) -> list[int]:
     """Finished step numbers in a checkpoints directory, read without creating anything.
 
@@ -36,9 +37,11 @@ def step_directories(directory: Path) -> list[int]:
     """
     return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit()) if directory.is_dir() else []
 
+
 def latest_checkpoint_step(run_dir: Path) -> int:
     """Newest finished checkpoint step in run_dir (0 if none)."""
     return max(step_directories(Path(run_dir) / "checkpoints"), default=0)
+
 
 def read_meta(step_dir: Path) -> dict | None:
     """The meta item of a step directory, or None if it is missing or unreadable."""
@@ -47,12 +50,17 @@ def read_meta(step_dir: Path) -> dict | None:
     except (OSError, ValueError):
         return None
 
+
 def saved_layer_order(meta: dict | None) -> LayerOrder:
     """The pipeline layout a step was saved with: the order of its layers (model/stages.py)."""
     meta = meta or {}
     mesh = meta.get("config", {}).get("mesh", {})
-    return LayerOrder(int(meta.get("mesh", {}).get("pipeline", 1)), int(mesh.get("pipeline_repeats", 1)),
-                      tuple(mesh.get("pipeline_stage_layers", ())))
+    return LayerOrder(
+        int(meta.get("mesh", {}).get("pipeline", 1)),
+        int(mesh.get("pipeline_repeats", 1)),
+        tuple(mesh.get("pipeline_stage_layers", ())),
+    )
+
 
 def model_differences(saved: dict, model: dict) -> list[str]:
     """The architecture fields (choices.ARCHITECTURE_FIELDS) in which two model configs differ. The
@@ -62,17 +70,26 @@ def model_differences(saved: dict, model: dict) -> list[str]:
     ignored = set() if scaled else {"rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_len"}
     return [k for k in ARCHITECTURE_FIELDS if k not in ignored and k in saved and saved[k] != model[k]]
 
+
 def check_model(saved: dict, model: dict, where: Path | str, allowed: tuple[str, ...] | list[str] = ()) -> None:
     """A checkpoint must hold this model: the same shapes and the same function. Names every field that
     differs (exit 2, nothing touched); `allowed` (checkpoint.allow_model_changes) lets function fields differ."""
     differ = [k for k in model_differences(saved, model) if k not in allowed]
     if differ:
-        hint = "" if set(differ) - set(FUNCTION_FIELDS) else (
-            f"; to change it on purpose (e.g. new RoPE scaling for a longer context) add "
-            f"checkpoint.allow_model_changes=[{','.join(differ)}]")
+        hint = (
+            ""
+            if set(differ) - set(FUNCTION_FIELDS)
+            else (
+                f"; to change it on purpose (e.g. new RoPE scaling for a longer context) add "
+                f"checkpoint.allow_model_changes=[{','.join(differ)}]"
+            )
+        )
         fields = "; ".join(f"model.{k} {saved[k]} (saved) vs {model[k]}" for k in differ)
-        raise ConfigError(f"{where} holds checkpoints of a different model ({fields}); "
-                          f"use another run.dir or the saved model settings{hint}")
+        raise ConfigError(
+            f"{where} holds checkpoints of a different model ({fields}); "
+            f"use another run.dir or the saved model settings{hint}"
+        )
+
 
 def resolve_step_dir(path: str) -> Path:
     """`checkpoint.resume_from` / `init_from`: a step directory, or a run dir / checkpoints dir (its newest
@@ -85,9 +102,12 @@ def resolve_step_dir(path: str) -> Path:
     if p.name.isdigit() and p.is_dir():
         return p
     if (p / "config.yaml").is_file() or (p / "metrics.jsonl").is_file():  # a run that has not saved yet
-        raise ConfigError(f"{path} is a run directory without a finished checkpoint yet (none in "
-                          f"{p / 'checkpoints'}); a run saves one every checkpoint.every_steps steps and at its end")
+        raise ConfigError(
+            f"{path} is a run directory without a finished checkpoint yet (none in "
+            f"{p / 'checkpoints'}); a run saves one every checkpoint.every_steps steps and at its end"
+        )
     raise ConfigError(f"{path} holds no finished checkpoint; give a run dir, its checkpoints/ or a step directory")
+
 
 def _is_abandoned_read_callback(unraisable) -> bool:
     """Whether an unraisable exception is a TensorStore read landing on Orbax's closed event loop: when one array
@@ -98,8 +118,12 @@ def _is_abandoned_read_callback(unraisable) -> bool:
     error, frames = unraisable.exc_value, unraisable.exc_traceback
     while frames is not None and frames.tb_next is not None:
         frames = frames.tb_next
-    return (isinstance(error, RuntimeError) and str(error) == "Event loop is closed" and frames is not None
-            and frames.tb_frame.f_code.co_name == "_check_closed")
+    return (
+        isinstance(error, RuntimeError)
+        and str(error) == "Event loop is closed"
+        and frames is not None
+        and frames.tb_frame.f_code.co_name == "_check_closed"
+    )
 
 
 def _drop_abandoned_read_callbacks() -> None:
@@ -112,6 +136,7 @@ def _drop_abandoned_read_callbacks() -> None:
     def hook(unraisable):
         if not _is_abandoned_read_callback(unraisable):
             previous(unraisable)
+
     hook.drops_abandoned_reads = True
     sys.unraisablehook = hook
 
@@ -123,17 +148,23 @@ def read_step(step_dir: Path, abstract_state: Any, layout: LayerOrder) -> tuple[
     saved = saved_layer_order(read_meta(step_dir))
     handler = ocp.CompositeCheckpointHandler()
     try:
-        restored = handler.restore(step_dir, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(in_order(abstract_state, layout, saved)), data=ocp.args.JsonRestore()))
+        restored = handler.restore(
+            step_dir,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(in_order(abstract_state, layout, saved)), data=ocp.args.JsonRestore()
+            ),
+        )
     finally:
         handler.close()
     return relayout(restored["state"], saved, layout, abstract_state), dict(restored["data"])
+
 
 def restore_step(step_dir: Path, abstract_state: Any, layout: LayerOrder = NATURAL) -> tuple[Any, dict]:
     """(train state, loader state) of a step directory of another run (resume_from / init_from),
     read without opening a manager on that run, so nothing there can be touched. `layout`: the pipeline
     layout whose layer order the state is wanted in."""
     return read_step(Path(step_dir).absolute(), abstract_state, layout)
+
 
 def restore_params(step_dir: Path, abstract_params: Any, layout: LayerOrder = NATURAL) -> Any:
     """The parameters of a step directory: a converted checkpoint's `params` item, or the `params`
@@ -144,22 +175,35 @@ def restore_params(step_dir: Path, abstract_params: Any, layout: LayerOrder = NA
     saved = saved_layer_order(read_meta(step_dir))
     stored = in_order({"params": abstract_params}, layout, saved)
     target = stored["params"] if has_params_item else stored
-    restore_args = jax.tree.map(lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding, global_shape=a.shape,
-                                                               dtype=a.dtype), target)
+    restore_args = jax.tree.map(
+        lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding, global_shape=a.shape, dtype=a.dtype), target
+    )
     checkpointer = ocp.Checkpointer(ocp.CompositeCheckpointHandler())
     try:
-        restored = checkpointer.restore(step_dir, args=ocp.args.Composite(**{item: ocp.args.PyTreeRestore(
-            item=target, restore_args=restore_args, partial_restore=not has_params_item)}))
+        restored = checkpointer.restore(
+            step_dir,
+            args=ocp.args.Composite(
+                **{
+                    item: ocp.args.PyTreeRestore(
+                        item=target, restore_args=restore_args, partial_restore=not has_params_item
+                    )
+                }
+            ),
+        )
     finally:
         checkpointer.close()
     params = restored[item] if has_params_item else restored[item]["params"]
     return relayout({"params": params}, saved, layout, {"params": abstract_params})["params"]
 
+
 def save_params(directory: Path, params: Any, meta: dict) -> Path:
     """A parameters-only checkpoint (e.g. converted from Hugging Face): <directory>/checkpoints/0/ with
     items `params` and `meta`. `checkpoint.init_from`, `llama-jax generate` and `eval` read it."""
-    manager = ocp.CheckpointManager(Path(directory).absolute() / "checkpoints", item_names=("params", "meta"),
-                                    options=ocp.CheckpointManagerOptions(create=True))
+    manager = ocp.CheckpointManager(
+        Path(directory).absolute() / "checkpoints",
+        item_names=("params", "meta"),
+        options=ocp.CheckpointManagerOptions(create=True),
+    )
     try:
         manager.save(0, args=ocp.args.Composite(params=ocp.args.StandardSave(params), meta=ocp.args.JsonSave(meta)))
         manager.wait_until_finished()

@@ -52,8 +52,10 @@ class Figures:
 
     def moved(self, other: Figures) -> bool:
         """Whether the step time or the save cost moved by more than REDERIVE_FACTOR from `self`."""
+
         def far(a: float, b: float) -> bool:
             return min(a, b) > 0 and max(a, b) / min(a, b) > REDERIVE_FACTOR
+
         return far(self.step_s, other.step_s) or far(self.save_s, other.save_s)
 
 
@@ -91,22 +93,32 @@ class Interval:
             return None
         before, self.figures = self.figures, figures
         self.every = auto_checkpoint_steps(figures.save_s, self.mtbf_s, figures.step_s, figures.write_s)
-        why = "" if before is None else (f" (worked out again: step {before.step_s:.3g}s -> {figures.step_s:.3g}s, "
-                                         f"save {before.save_s:.3g}s -> {figures.save_s:.3g}s)")
+        why = (
+            ""
+            if before is None
+            else (
+                f" (worked out again: step {before.step_s:.3g}s -> {figures.step_s:.3g}s, "
+                f"save {before.save_s:.3g}s -> {figures.save_s:.3g}s)"
+            )
+        )
         return f"{self.key}=auto: {self._derivation(figures.save_s, figures.step_s, figures.write_s)}{why}"
 
     def advice(self, step_s: float) -> str:
         """The end-of-run line: the Young/Daly interval for the median save cost so far, next to the one in use."""
         cost = statistics.median(self.costs)
         steps = auto_checkpoint_steps(cost, self.mtbf_s, step_s)
-        return (f"checkpoint interval advice (Young/Daly): "
-                f"sqrt(2 x save {cost:.2f}s x MTBF {self.mtbf_s / 3600:.2g} h) = "
-                f"{young_daly_interval_s(cost, self.mtbf_s):.0f}s = {steps} steps; "
-                f"{self.key} is {'auto, ' if self.auto else ''}{self.every or 'only at the end'}")
+        return (
+            f"checkpoint interval advice (Young/Daly): "
+            f"sqrt(2 x save {cost:.2f}s x MTBF {self.mtbf_s / 3600:.2g} h) = "
+            f"{young_daly_interval_s(cost, self.mtbf_s):.0f}s = {steps} steps; "
+            f"{self.key} is {'auto, ' if self.auto else ''}{self.every or 'only at the end'}"
+        )
 
     def _derivation(self, save_s: float, step_s: float, write_s: float) -> str:
         optimum = young_daly_interval_s(save_s, self.mtbf_s)
         floor = f", at least one write of {write_s:.2f}s" if write_s > optimum else ""
-        return (f"sqrt(2 x save {save_s:.2f}s x MTBF {self.mtbf_s / 3600:.2g} h) = "
-                f"{optimum:.0f}s{floor} at {step_s:.3f}s a step -> saving every "
-                f"{self.every} steps")
+        return (
+            f"sqrt(2 x save {save_s:.2f}s x MTBF {self.mtbf_s / 3600:.2g} h) = "
+            f"{optimum:.0f}s{floor} at {step_s:.3f}s a step -> saving every "
+            f"{self.every} steps"
+        )

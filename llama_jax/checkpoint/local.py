@@ -137,8 +137,10 @@ def _shards(array: jax.Array) -> dict[str, jax.Array]:
 
 def _checksums(tensors: dict[str, np.ndarray]) -> dict[str, int]:
     """CRC-32 of each tensor's bytes, on a thread per core: zlib releases the GIL on large buffers."""
+
     def crc(t: np.ndarray) -> int:
         return zlib.crc32(np.ascontiguousarray(t).view(np.uint8).reshape(-1))
+
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
         return dict(zip(tensors, pool.map(crc, tensors.values())))
 
@@ -146,10 +148,12 @@ def _checksums(tensors: dict[str, np.ndarray]) -> dict[str, int]:
 def _outside_the_mesh(method):
     """The run's mesh context (the run's order of devices) must not reach the arrays of rows, which live on
     single devices or on lines of devices in other orders: jax would refuse to compute on them."""
+
     @functools.wraps(method)
     def wrapped(*args, **kwargs):
         with jax.set_mesh(None):
             return method(*args, **kwargs)
+
     return wrapped
 
 
@@ -166,27 +170,29 @@ class LocalTier:
     every process calls them for the same steps, as the train loop does (steps divisible by
     checkpoint.local_every_steps, and restore decisions taken through `peers`)."""
 
-    def __init__(self, local_dir: str, run_dir: Path, mesh: Mesh, peers: Peers, keep: int, replicas: int,
-                 print_fn=print):
+    def __init__(
+        self, local_dir: str, run_dir: Path, mesh: Mesh, peers: Peers, keep: int, replicas: int, print_fn=print
+    ):
         self.peers, self.keep, self.print_fn = peers, keep, print_fn
         self.index, self.count = peers.index, peers.count
         self.host_dir = host_directory(local_dir, run_dir)
         self.directory = self.host_dir / f"process-{self.index}"
-        hosts = peers.reduce("local tier hosts", [self.index, node_name()],
-                             lambda all_: [h for _, h in sorted(all_)])
+        hosts = peers.reduce("local tier hosts", [self.index, node_name()], lambda all_: [h for _, h in sorted(all_)])
         self.replicas = replicas if self.count > 1 else 0
         self.partner = partners(hosts)  # partner[i] keeps process i's copy
         self.held = self.partner.index(self.index) if self.replicas else None  # whose copy is kept here
         if self.replicas and len(set(hosts)) == 1 and self.index == 0:
-            print_fn("note: every process runs on one host, so a partner's copy survives a process's loss, not the "
-                     "host's")
+            print_fn(
+                "note: every process runs on one host, so a partner's copy survives a process's loss, not the host's"
+            )
         # The partners' copies travel as rows, one per device, on the run's devices in one line (`rows`):
         # a compiled ppermute sends each device's row to the partner's device at the same local position.
         # Rows, not the state's own shardings: every shard moves, replicas included, with one program for
         # many leaves, and no reshard between device orders (which jax 0.12 logs a warning for per leaf).
         self.devices = devices = list(mesh.devices.flat)
-        self.local_devices = local = {p: sorted((d for d in devices if d.process_index == p), key=lambda d: d.id)
-                                      for p in range(self.count)}
+        self.local_devices = local = {
+            p: sorted((d for d in devices if d.process_index == p), key=lambda d: d.id) for p in range(self.count)
+        }
         to_partner = {d: local[self.partner[d.process_index]][local[d.process_index].index(d)] for d in devices}
         self.owner_of = {moved: d for d, moved in to_partner.items()}  # a device -> the device whose rows it keeps
         line = Mesh(np.array(devices), ("devices",))
@@ -215,11 +221,18 @@ class LocalTier:
         files = {OWN: _to_host(own)}
         if self.replicas:
             files[f"partner-{self.held}.safetensors"] = self._partner_tensors(leaves)
-        manifest = {"step": step, "process": self.index, "processes": self.count, "holds": self.held,
-                    "data": data_state, "meta": meta}
+        manifest = {
+            "step": step,
+            "process": self.index,
+            "processes": self.count,
+            "holds": self.held,
+            "data": data_state,
+            "meta": meta,
+        }
         self.save_seconds.append(time.perf_counter() - start)
-        self._writer = threading.Thread(target=self._write, args=(step, files, manifest), daemon=True,
-                                        name=f"local-checkpoint-{step}")
+        self._writer = threading.Thread(
+            target=self._write, args=(step, files, manifest), daemon=True, name=f"local-checkpoint-{step}"
+        )
         self._writer.start()
         return self.save_seconds[-1]
 
@@ -228,8 +241,10 @@ class LocalTier:
         once). The leaves go in batches of EXCHANGE_BYTES per device, each batch on the host before the next
         is sent, which bounds the device memory the exchange takes."""
         out: dict[str, np.ndarray] = {}
+
         def shard_bytes(item) -> int:
             return math.prod(item[1].sharding.shard_shape(item[1].shape)) * item[1].dtype.itemsize
+
         for batch in _batches(leaves, shard_bytes, EXCHANGE_BYTES):
             rows = []
             for _, leaf in batch:
@@ -258,7 +273,7 @@ class LocalTier:
             final = self.directory / str(step)
             shutil.rmtree(final, ignore_errors=True)  # an older save of this step (before a rollback)
             os.rename(tmp, final)
-            for old in finished_steps(self.directory)[:-self.keep]:
+            for old in finished_steps(self.directory)[: -self.keep]:
                 shutil.rmtree(self.directory / str(old), ignore_errors=True)
         except BaseException as err:  # reported by the next wait(): a thread cannot stop the loop itself
             self._error = err
@@ -272,8 +287,10 @@ class LocalTier:
             self._writer.join()
             self._writer = None
         if self._error is not None:
-            self.print_fn(f"warning: process {self.index}: a local checkpoint write failed "
-                          f"({type(self._error).__name__}: {self._error}); the durable tier still holds the run")
+            self.print_fn(
+                f"warning: process {self.index}: a local checkpoint write failed "
+                f"({type(self._error).__name__}: {self._error}); the durable tier still holds the run"
+            )
             self._error = None
         return time.perf_counter() - start
 
@@ -311,10 +328,18 @@ class LocalTier:
         """The run meta saved with a local step, as the first process holding it read it (its own copy's, else
         any on its host: a process whose directory was lost has none of its own); None if no process can read it."""
         manifest = read_manifest(self.directory / str(step)) or next(
-            (m for saved, _, _, where, _ in host_pieces(self.host_dir) if saved == step
-             and (m := read_manifest(Path(where)))), {})
-        return self.peers.reduce(f"local meta of step {step}", [self.index, manifest.get("meta")],
-                                 lambda all_: next((m for _, m in sorted(all_, key=lambda v: v[0]) if m), None))
+            (
+                m
+                for saved, _, _, where, _ in host_pieces(self.host_dir)
+                if saved == step and (m := read_manifest(Path(where)))
+            ),
+            {},
+        )
+        return self.peers.reduce(
+            f"local meta of step {step}",
+            [self.index, manifest.get("meta")],
+            lambda all_: next((m for _, m in sorted(all_, key=lambda v: v[0]) if m), None),
+        )
 
     @_outside_the_mesh
     def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict, str] | str:
@@ -327,8 +352,9 @@ class LocalTier:
         own, own_failure = self._read(step_dir, OWN, manifest, leaves, _place_own)
         held, held_failure = None, ""
         if self.replicas:
-            held, held_failure = self._read(step_dir, f"partner-{self.held}.safetensors", manifest, leaves,
-                                            self._place_held)
+            held, held_failure = self._read(
+                step_dir, f"partner-{self.held}.safetensors", manifest, leaves, self._place_held
+            )
         report = [self.index, own is not None, held is not None, own_failure, held_failure, manifest.get("data")]
         verdicts = self.peers.reduce(f"local step {step}", report, sorted)
         data = next((v[5] for v in verdicts if v[5]), {})
@@ -342,26 +368,33 @@ class LocalTier:
         missing = sorted(set(range(self.count)) - owners)
         if missing:  # every process joins the collectives that send the kept copies back to their owners
             if held is None:  # nothing kept here: zeros stand in, and what comes back to this process is unused
-                held = [self._place_held(leaf, lambda _, shape, leaf=leaf: np.zeros(shape, leaf.dtype))
-                        for _, leaf in leaves]
+                held = [
+                    self._place_held(leaf, lambda _, shape, leaf=leaf: np.zeros(shape, leaf.dtype))
+                    for _, leaf in leaves
+                ]
             back = []
             for batch in _batches(list(zip(leaves, held)), lambda item: item[1].nbytes // len(item[1]), EXCHANGE_BYTES):
                 for ((_, leaf), _), returned in zip(batch, self._send_back(*(rows for _, rows in batch))):
-                    back.append(jax.make_array_from_single_device_arrays(
-                        leaf.shape, leaf.sharding, [row.data[0] for row in returned.addressable_shards]))
+                    back.append(
+                        jax.make_array_from_single_device_arrays(
+                            leaf.shape, leaf.sharding, [row.data[0] for row in returned.addressable_shards]
+                        )
+                    )
             own = own if own is not None else back
-        source = "own copies" if not missing else (
-            f"own copies, and the partner's copy for process{'es' * (len(missing) > 1)} {', '.join(map(str, missing))}")
+        processes = f"process{'es' * (len(missing) > 1)} {', '.join(map(str, missing))}"
+        source = f"own copies, and the partner's copy for {processes}" if missing else "own copies"
         return jax.tree_util.tree_unflatten(treedef, own), dict(data), source
 
     def _place_held(self, leaf, data_at) -> jax.Array:
         """The rows of the process whose copy this one keeps, each on the device that received it."""
         places, shape = leaf.sharding.devices_indices_map(leaf.shape), leaf.sharding.shard_shape(leaf.shape)
-        return _rows(self.rows,
-                     lambda device: data_at(_index_key(places[self.owner_of[device]], leaf.shape), shape)[None])
+        return _rows(
+            self.rows, lambda device: data_at(_index_key(places[self.owner_of[device]], leaf.shape), shape)[None]
+        )
 
-    def _read(self, step_dir: Path, name: str, manifest: dict, leaves: list, place
-              ) -> tuple[list[jax.Array] | None, str]:
+    def _read(
+        self, step_dir: Path, name: str, manifest: dict, leaves: list, place
+    ) -> tuple[list[jax.Array] | None, str]:
         """The arrays of one file, placed by place(leaf, data_at), checked against the manifest's CRC-32s
         and the wanted shapes and dtypes; (None, why) when damaged, (None, '') when simply absent."""
         sums = manifest.get("files", {}).get(name)
@@ -378,6 +411,7 @@ class LocalTier:
                     if data.shape != shape or data.dtype != leaf.dtype:
                         raise ValueError(f"{path} is {data.dtype}{list(data.shape)}, not {leaf.dtype}{list(shape)}")
                     return data
+
                 return data_at
 
             return [place(leaf, stored(path, leaf)) for path, leaf in leaves], ""
@@ -396,8 +430,9 @@ class LocalTier:
 def _place_own(leaf, data_at) -> jax.Array:
     """`leaf` as the run shards it, with this process's shards from data_at(place, shard shape)."""
     places, shape = leaf.sharding.devices_indices_map(leaf.shape), leaf.sharding.shard_shape(leaf.shape)
-    pieces = [jax.device_put(data_at(_index_key(places[d], leaf.shape), shape), d)
-              for d in leaf.sharding.addressable_devices]
+    pieces = [
+        jax.device_put(data_at(_index_key(places[d], leaf.shape), shape), d) for d in leaf.sharding.addressable_devices
+    ]
     return jax.make_array_from_single_device_arrays(leaf.shape, leaf.sharding, pieces)
 
 
@@ -405,15 +440,18 @@ def _rows(sharding: NamedSharding, row_on) -> jax.Array:
     """An array of rows, one per device of a line of devices, from this process's rows (row_on(device),
     each of shape [1, ...])."""
     pieces = [jax.device_put(row_on(device), device) for device in sharding.addressable_devices]
-    return jax.make_array_from_single_device_arrays((sharding.mesh.devices.size, *pieces[0].shape[1:]), sharding,
-                                                    pieces)
+    return jax.make_array_from_single_device_arrays(
+        (sharding.mesh.devices.size, *pieces[0].shape[1:]), sharding, pieces
+    )
 
 
 def _permutation(line: Mesh, pairs: list[tuple[int, int]]):
     """A compiled function sending each row of its arguments (arrays of rows on `line`) from device
     position a to position b for each (a, b) in pairs: one ppermute per argument, in one program."""
+
     def send(*rows):
         return [jax.lax.ppermute(row, "devices", pairs) for row in rows]
+
     return jax.jit(jax.shard_map(send, mesh=line, in_specs=P("devices"), out_specs=P("devices")))
 
 

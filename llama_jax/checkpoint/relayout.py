@@ -78,8 +78,11 @@ def restore_moved(tier: LocalTier, step: int, processes: int, abstract_state: An
     mesh) onto the processes and shardings of `tier`'s run, or why it cannot be (one string for all processes). A
     collective: every process calls it. Which process reads which saved process's shards is chosen alike
     everywhere from what every host reported (the least loaded holder)."""
-    pieces = {owner: (Path(directory), name) for s, count, owner, directory, name in host_pieces(tier.host_dir)
-              if s == step and count == processes}
+    pieces = {
+        owner: (Path(directory), name)
+        for s, count, owner, directory, name in host_pieces(tier.host_dir)
+        if s == step and count == processes
+    }
     manifests = {where: read_manifest(where) or {} for where, _ in pieces.values()}
     holding = {str(owner): sorted(manifests[where]["files"][name]) for owner, (where, name) in pieces.items()}
     reports = tier.peers.reduce(f"pieces of local step {step}", [tier.index, holding], sorted)
@@ -115,8 +118,9 @@ def restore_moved(tier: LocalTier, step: int, processes: int, abstract_state: An
                 failure = f"{where / name} fails its CRC-32 check"
             for key, tensor in tensors[owner].items():
                 if (want := wanted.get(key.rpartition("@")[0])) and (tensor.dtype, tensor.shape) != want:
-                    failure = (f"{key} in {where / name} is {tensor.dtype}{list(tensor.shape)}, "
-                               f"not {want[0]}{list(want[1])}")
+                    failure = (
+                        f"{key} in {where / name} is {tensor.dtype}{list(tensor.shape)}, not {want[0]}{list(want[1])}"
+                    )
         except Exception as err:  # a truncated or garbled file: safetensors raises several types
             failure = f"{where / name} does not read ({type(err).__name__}: {str(err)[:120]})"
     data = next((manifests[pieces[owner][0]].get("data") for owner in sorted(mine)), None)
@@ -127,24 +131,34 @@ def restore_moved(tier: LocalTier, step: int, processes: int, abstract_state: An
     data = next((d for _, _, d in verdicts if d), {})
     rows = []
     for (path, leaf), (order, _, size) in zip(leaves, plans):
-        rows.append(_rows_of(tier, leaf.dtype, size, [(places[path][place], f"{path}@{place}") for place in order],
-                             tensors))
+        rows.append(
+            _rows_of(tier, leaf.dtype, size, [(places[path][place], f"{path}@{place}") for place in order], tensors)
+        )
     state = []  # in batches of EXCHANGE_BYTES per device: XLA may gather an array whole on a device
     whole = [math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize for _, leaf in leaves]
     for batch in _batches(list(zip(leaves, plans, rows, whole)), lambda item: item[3], EXCHANGE_BYTES):
-        specs = tuple((tuple(row_of), grid, size, tuple(leaf.shape))
-                      for (_, leaf), (_, grid, size), (_, row_of), _ in batch)
+        specs = tuple(
+            (tuple(row_of), grid, size, tuple(leaf.shape)) for (_, leaf), (_, grid, size), (_, row_of), _ in batch
+        )
         assemble = _assembly(specs, tier.rows, tuple(leaf.sharding for (_, leaf), _, _, _ in batch))
         state.extend(assemble(*(array for _, _, (array, _), _ in batch)))
     readers = sorted({q for q in provider.values()})
     saved = f"{processes} process{'es' * (processes > 1)}"
-    return (jax.tree_util.tree_unflatten(treedef, state), dict(data),
-            f"the shards of {saved}, read on process{'es' * (len(readers) > 1)} "
-            f"{', '.join(map(str, readers))} of {tier.count}")
+    return (
+        jax.tree_util.tree_unflatten(treedef, state),
+        dict(data),
+        f"the shards of {saved}, read on process{'es' * (len(readers) > 1)} "
+        f"{', '.join(map(str, readers))} of {tier.count}",
+    )
 
 
-def _rows_of(tier: LocalTier, dtype, size: tuple[int, ...], shards: list[tuple[tuple[int, int], str]],
-             tensors: dict[int, dict[str, np.ndarray]]) -> tuple[jax.Array, list[int]]:
+def _rows_of(
+    tier: LocalTier,
+    dtype,
+    size: tuple[int, ...],
+    shards: list[tuple[tuple[int, int], str]],
+    tensors: dict[int, dict[str, np.ndarray]],
+) -> tuple[jax.Array, list[int]]:
     """An array's shards, in grid order (each: (process reading it, saved process), its key), as rows on the
     run's devices: each process puts those it read on its own devices, k a device. (The rows, and the row
     of each shard.)"""
@@ -173,6 +187,7 @@ def _assembly(specs: tuple, rows: NamedSharding, shardings: tuple):
     """A compiled function from arrays of rows (one per array: its shards, by row numbers) to the arrays,
     in `shardings`: each spec is (the rows of the shards in grid order, the grid, a shard's shape, the array's
     shape). A gather of rows, a reshape and a transpose: XLA moves each shard where the sharding wants it."""
+
     def assemble(*arrays):
         out = []
         for rows_in, (row_of, grid, size, shape) in zip(arrays, specs):
@@ -180,4 +195,5 @@ def _assembly(specs: tuple, rows: NamedSharding, shardings: tuple):
             interleaved = [axis for d in range(len(shape)) for axis in (d, len(shape) + d)]
             out.append(shards.transpose(interleaved).reshape(shape))
         return out
+
     return jax.jit(assemble, in_shardings=tuple(rows for _ in specs), out_shardings=list(shardings))

@@ -51,6 +51,7 @@ from llama_jax.model.stages import NATURAL, LayerOrder, in_order, relayout
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "spm.model")
 ADAPTER_ON = "@"  # ADAPTER@BASE: a PEFT adapter directory on a base model
 
+
 @dataclass(frozen=True)
 class ModelSpec:
     text: str  # as the user wrote it, for messages
@@ -84,12 +85,14 @@ class ModelSpec:
             return resolve(self.base["path"]).home
         return self.hf_dir if self.hf_dir is not None else self.step_dir.parent.parent  # <run.dir>/checkpoints/<N>
 
+
 def hf_directory(text: str) -> Path | None:
     """The directory of a Hugging Face model spec ("hf:DIR", or a directory holding config.json)."""
     directory = Path(text.removeprefix("hf:")).expanduser()
     if text.startswith("hf:") or (directory / "config.json").is_file():
         return directory
     return None
+
 
 def resolve(text: str | ModelSpec) -> ModelSpec:
     """The spec a user typed, resolved (a ModelSpec passes through). Raises ConfigError, one line."""
@@ -114,8 +117,14 @@ def resolve(text: str | ModelSpec) -> ModelSpec:
     if settings.get("method", "none") == "none":
         return ModelSpec(text, model, step_dir=step_dir)
     fields = {f.name for f in dataclasses.fields(PeftConfig)}
-    return ModelSpec(text, model, step_dir=step_dir, adapters=PeftConfig(**{k: v for k, v in settings.items()
-                                                                            if k in fields}), base=meta.get("base"))
+    return ModelSpec(
+        text,
+        model,
+        step_dir=step_dir,
+        adapters=PeftConfig(**{k: v for k, v in settings.items() if k in fields}),
+        base=meta.get("base"),
+    )
+
 
 def _peft_adapter(text: str) -> ModelSpec | None:
     """ADAPTER@BASE or ADAPTER (a directory holding adapter_config.json) resolved; None for other specs."""
@@ -125,21 +134,28 @@ def _peft_adapter(text: str) -> ModelSpec | None:
             return None
         adapter, on, base_text = text.partition(ADAPTER_ON)
         if not (Path(adapter).expanduser() / peft_format.ADAPTER_CONFIG).is_file():
-            raise ConfigError(f"{adapter} is not a PEFT adapter directory (no {peft_format.ADAPTER_CONFIG}): "
-                              f"ADAPTER{ADAPTER_ON}BASE is a PEFT adapter and the base model it adapts")
+            raise ConfigError(
+                f"{adapter} is not a PEFT adapter directory (no {peft_format.ADAPTER_CONFIG}): "
+                f"ADAPTER{ADAPTER_ON}BASE is a PEFT adapter and the base model it adapts"
+            )
     directory = Path(adapter).expanduser()
     if not on:
         base_text = str(peft_format.read_config(directory).get("base_model_name_or_path") or "")
         if not base_text or unreadable(Path(base_text.removeprefix("hf:")).expanduser(), "directory"):
-            raise ConfigError(f"{adapter} adapts {base_text or 'a base it does not name'}, which is not a model on "
-                              f"this machine; name the base: {adapter}{ADAPTER_ON}BASE (hf:DIR or a llama-jax run)")
+            raise ConfigError(
+                f"{adapter} adapts {base_text or 'a base it does not name'}, which is not a model on "
+                f"this machine; name the base: {adapter}{ADAPTER_ON}BASE (hf:DIR or a llama-jax run)"
+            )
     base = resolve(base_text)
     if base.adapters is not None:
-        raise ConfigError(f"{base_text} has adapters of its own; the base of {adapter} must be a model (hf:DIR, a run "
-                          "without peft.method, or a merged export)")
+        raise ConfigError(
+            f"{base_text} has adapters of its own; the base of {adapter} must be a model (hf:DIR, a run "
+            "without peft.method, or a merged export)"
+        )
     settings = peft_format.read_settings(directory, base.model)
-    return ModelSpec(text, base.model, adapter_dir=directory, adapters=settings,
-                     base={"spec": base_text, "path": base.location})
+    return ModelSpec(
+        text, base.model, adapter_dir=directory, adapters=settings, base={"spec": base_text, "path": base.location}
+    )
 
 
 def load_params(spec: ModelSpec, target: Any = None, rotary: str = "half", layout: LayerOrder = NATURAL) -> Any:
@@ -156,9 +172,11 @@ def load_params(spec: ModelSpec, target: Any = None, rotary: str = "half", layou
         return _adapted(spec, target)
     if spec.hf_dir is not None:
         natural = in_order({"params": target}, layout, NATURAL)["params"]
-        return relayout({"params": hf.read_params(spec.hf_dir, spec.model, natural, rotary)}, NATURAL, layout,
-                        {"params": target})["params"]
+        return relayout(
+            {"params": hf.read_params(spec.hf_dir, spec.model, natural, rotary)}, NATURAL, layout, {"params": target}
+        )["params"]
     return restore_params(spec.step_dir, target, layout)
+
 
 def load_adapters(spec: ModelSpec, placement: jax.sharding.Sharding | None = None) -> dict:
     """The adapters of a peft run as trained (peft.split's first half), replicated on `placement`'s devices
@@ -167,8 +185,9 @@ def load_adapters(spec: ModelSpec, placement: jax.sharding.Sharding | None = Non
     if isinstance(placement, jax.sharding.NamedSharding):
         placement = jax.sharding.NamedSharding(placement.mesh, jax.sharding.PartitionSpec())
     shapes = peft.split(param_shapes(spec.model, spec.adapters))[0]
-    return read_adapters(spec, jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=placement),
-                                            shapes))
+    return read_adapters(
+        spec, jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=placement), shapes)
+    )
 
 
 def read_adapters(spec: ModelSpec, target: Any) -> dict:
@@ -178,47 +197,63 @@ def read_adapters(spec: ModelSpec, target: Any) -> dict:
         return peft_format.read_adapter(spec.adapter_dir, spec.model, spec.adapters, target)
     return restore_params(spec.step_dir, target)
 
+
 def _adapted(spec: ModelSpec, target: Any) -> Any:
     """A peft run's inference params: its base (which must still be the one it was trained on) with its
     adapters, as peft.inference_params leaves them, in the shapes and shardings of `target`."""
     try:
         base_spec = resolve(spec.base["path"])
     except (ConfigError, KeyError, TypeError) as err:
-        raise ConfigError(f"{spec.text} adapts a base model that cannot be read ({err}); its checkpoints name "
-                          f"{(spec.base or {}).get('path')}") from None
+        raise ConfigError(
+            f"{spec.text} adapts a base model that cannot be read ({err}); its checkpoints name "
+            f"{(spec.base or {}).get('path')}"
+        ) from None
     base_target = {k: v for k, v in target.items() if k not in peft.PROMPTS}
     base = load_params(base_spec, base_target)
     peft.check_base(spec.base, peft.base_reference(base_spec.text, base_spec.location, base), spec.text)
     adapters = load_adapters(spec, jax.tree.leaves(base)[0].sharding)
     params = peft.inference_params(peft.merge(adapters, base), spec.model, spec.adapters)
     placed = {k: params[k] for k in target if k in peft.PROMPTS}  # the prompt, where the target wants it
-    return params | jax.tree.map(lambda value, spec: jax.device_put(value, spec.sharding), placed,
-                                 {k: target[k] for k in placed})
+    return params | jax.tree.map(
+        lambda value, spec: jax.device_put(value, spec.sharding), placed, {k: target[k] for k in placed}
+    )
+
 
 def names_a_mesh(overrides: list[str]) -> bool:
     """Whether `overrides` set any mesh.* key: what places a model on a mesh instead of one device."""
     return any(o.split("=", 1)[0].strip().startswith("mesh.") for o in overrides)
+
 
 def inference_mesh(config: Config, devices=None) -> Mesh:
     """The mesh of config's mesh.* keys over `devices` (default: all), for inference and conversion: the
     checks of training batches against it (batch size, sequence length) do not apply."""
     devices = jax.devices() if devices is None else devices
     if config.mesh.pipeline > 1:
-        raise ConfigError(f"mesh.pipeline={config.mesh.pipeline}: pipeline parallelism is for training; place a model "
-                          "for inference or conversion with mesh.fsdp, mesh.tensor and mesh.data")
+        raise ConfigError(
+            f"mesh.pipeline={config.mesh.pipeline}: pipeline parallelism is for training; place a model "
+            "for inference or conversion with mesh.fsdp, mesh.tensor and mesh.data"
+        )
     sizes = sharding.mesh_shape(config.mesh, len(devices))
-    train = dataclasses.replace(config.train, batch_size=sizes["data"] * sizes["fsdp"], microbatches=1,
-                                seq_len=2 * sizes["sequence"] * sizes["tensor"])
+    train = dataclasses.replace(
+        config.train,
+        batch_size=sizes["data"] * sizes["fsdp"],
+        microbatches=1,
+        seq_len=2 * sizes["sequence"] * sizes["tensor"],
+    )
     return sharding.make_mesh(dataclasses.replace(config, train=train), devices)
+
 
 def param_target(config: Config, mesh: Mesh) -> Any:
     """Shapes, dtypes and shardings of the model's parameters on `mesh`: a target for load_params."""
     return _placed(config.model, sharding.param_shardings(config, mesh))
 
+
 def _placed(model: ModelConfig, shardings: Any) -> Any:
     """The model's abstract parameters, each with its sharding from `shardings`."""
-    return jax.tree.map(lambda s, placement: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=placement),
-                        param_shapes(model), shardings)
+    return jax.tree.map(
+        lambda s, placement: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=placement), param_shapes(model), shardings
+    )
+
 
 def copy_tokenizer(home: Path, target: Path) -> None:
     """The tokenizer files of `home` (a model's home, a run directory) copied into `target`, beside the weights
@@ -233,6 +268,7 @@ def load_tokenizer(spec: ModelSpec) -> Tokenizer:
     keeps in its run directory."""
     return load_tokenizer_file(spec.home)
 
+
 def inference_config(model: ModelConfig, overrides: list[str] = (), batches: bool = True) -> Config:
     """A full Config around a loaded model: the mesh, batch and sequence settings of `overrides`, and
     the model settings that do not change its weights (model.compute_dtype, model.attention, ...).
@@ -241,11 +277,14 @@ def inference_config(model: ModelConfig, overrides: list[str] = (), batches: boo
     base = load_config(None, list(overrides))
     changed = {o.split("=", 1)[0].strip().removeprefix("model.") for o in overrides if o.startswith("model.")}
     if changed & set(SHAPE_FIELDS):
-        raise ConfigError(f"model.{sorted(changed & set(SHAPE_FIELDS))[0]} is fixed by the loaded weights; "
-                          "only settings such as model.compute_dtype or model.attention can change")
+        raise ConfigError(
+            f"model.{sorted(changed & set(SHAPE_FIELDS))[0]} is fixed by the loaded weights; "
+            "only settings such as model.compute_dtype or model.attention can change"
+        )
     config = dataclasses.replace(base, model=dataclasses.replace(model, **{k: getattr(base.model, k) for k in changed}))
     if not batches:
-        config = dataclasses.replace(config, train=dataclasses.replace(
-            config.train, seq_len=min(config.train.seq_len, config.model.max_seq_len)))
+        config = dataclasses.replace(
+            config, train=dataclasses.replace(config.train, seq_len=min(config.train.seq_len, config.model.max_seq_len))
+        )
     validate(config)
     return config

@@ -66,8 +66,11 @@ def decide(config: Config, peers: Peers) -> Start:
         if covered and covered[0][0] > step:
             step = covered[0][0]
             mine = next((Path(where) for saved, _, _, where, _ in host_pieces(host) if saved == step), None)
-            meta = peers.reduce(f"meta of local step {step}", (read_manifest(mine) or {}).get("meta") if mine else None,
-                                lambda all_: next((m for m in all_ if m), None))
+            meta = peers.reduce(
+                f"meta of local step {step}",
+                (read_manifest(mine) or {}).get("meta") if mine else None,
+                lambda all_: next((m for m in all_ if m), None),
+            )
     if meta is not None:  # an unreadable one is set aside at restore time
         check_model(meta["config"]["model"], model, run_dir, allowed)
         peft.check_adapters(meta["config"].get("peft", {}), config.peft, run_dir)
@@ -77,15 +80,19 @@ def decide(config: Config, peers: Peers) -> Start:
         if source.adapters is not None and source.adapters.method == config.peft.method:
             return Start(step, meta, _base_of(source, config), adapting=config.peft.method, adapters=source)
         if source.adapters is not None and source.adapters.virtual_tokens:
-            raise ConfigError(f"{source.text} is a prompt-tuned run, not a model to adapt; set "
-                              f"checkpoint.init_from to its base, {source.base['spec']}")
+            raise ConfigError(
+                f"{source.text} is a prompt-tuned run, not a model to adapt; set "
+                f"checkpoint.init_from to its base, {source.base['spec']}"
+            )
         return Start(step, meta, source, adapting=config.peft.method)
     if step or not (config.checkpoint.resume_from or config.checkpoint.init_from):
         return Start(step, meta)
     source = resolve(config.checkpoint.resume_from or config.checkpoint.init_from)
     if config.checkpoint.resume_from and source.params_only:
-        raise ConfigError(f"{source.text} holds parameters only (no optimizer state or data position) and "
-                          "cannot be resumed; start from it with checkpoint.init_from")
+        raise ConfigError(
+            f"{source.text} holds parameters only (no optimizer state or data position) and "
+            "cannot be resumed; start from it with checkpoint.init_from"
+        )
     check_model(dataclasses.asdict(source.model), model, source.text, allowed)
     return Start(step, meta, source, resume=bool(config.checkpoint.resume_from))
 
@@ -95,8 +102,9 @@ def _base_of(adapted: ModelSpec, config: Config) -> ModelSpec:
     saved = dataclasses.asdict(adapted.adapters)
     if differ := peft.differing_fields(saved, config.peft):
         settings = " ".join(f"peft.{k}={_override(saved[k])}" for k in differ)
-        raise ConfigError(f"{adapted.text} holds adapters with other settings than peft.*; to continue training them "
-                          f"set {settings}")
+        raise ConfigError(
+            f"{adapted.text} holds adapters with other settings than peft.*; to continue training them set {settings}"
+        )
     return resolve(adapted.base["path"])
 
 

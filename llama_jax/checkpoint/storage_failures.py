@@ -29,8 +29,10 @@ class _ReportedHere(logging.Filter):
     the Checkpointer reports it in one line (which step, why, where, the free space), so those records go."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not (is_storage_failure(record.exc_info[1] if record.exc_info else None)
-                    or "os_error_code=" in record.getMessage())
+        return not (
+            is_storage_failure(record.exc_info[1] if record.exc_info else None)
+            or "os_error_code=" in record.getMessage()
+        )
 
 
 def quiet_storage_noise() -> None:
@@ -46,8 +48,13 @@ def check_room(state: Any, directory: Path) -> None:
     """A save that cannot fit is not started: this process's share of the state (each array's shards whose
     first replica it holds) against the free space, so a full disk fails before Orbax writes a partial step
     (and before its threads report the failure many times over)."""
-    share = sum(shard.data.nbytes for leaf in jax.tree_util.tree_leaves(state) if isinstance(leaf, jax.Array)
-                for shard in leaf.addressable_shards if shard.replica_id == 0)
+    share = sum(
+        shard.data.nbytes
+        for leaf in jax.tree_util.tree_leaves(state)
+        if isinstance(leaf, jax.Array)
+        for shard in leaf.addressable_shards
+        if shard.replica_id == 0
+    )
     free = free_bytes(directory)
     if free is not None and share > free:
         raise OSError(errno.ENOSPC, f"a checkpoint share of {share} bytes does not fit")

@@ -35,9 +35,20 @@ def _error(message: str) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="llama-jax", description="Pre-train Llama 3 models with JAX.")
     commands = parser.add_subparsers(dest="command", required=True)
-    for add in (train.add_train, train.add_prepare, planning.add_plan, train.add_doctor, planning.add_tune,
-                records.add_report, models.add_convert, models.add_average, models.add_generate, models.add_eval,
-                train.add_supervise, planning.add_goodput):
+    for add in (
+        train.add_train,
+        train.add_prepare,
+        planning.add_plan,
+        train.add_doctor,
+        planning.add_tune,
+        records.add_report,
+        models.add_convert,
+        models.add_average,
+        models.add_generate,
+        models.add_eval,
+        train.add_supervise,
+        planning.add_goodput,
+    ):
         add(commands)
     return parser
 
@@ -53,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.parse_args(argv)  # argparse's own error for what it does not know
     ns.started_at = started_at
     from llama_jax.perf.xla_flags import check_xla_flags  # here, not at the top: `--help` answers without jaxlib
+
     try:
         check_xla_flags()
         return ns.func(ns)

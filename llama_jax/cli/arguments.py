@@ -8,9 +8,11 @@ import os
 
 from llama_jax.errors import InputError
 
-DEVICES_PER_HOST_HELP = ("devices per host, to tell which collectives cross the network between hosts; must divide "
-                         "the device count (default: the processes the devices belong to, one per host as launch/ "
-                         "starts them; e.g. 8 plans a cluster of 8-GPU hosts on simulated devices)")
+DEVICES_PER_HOST_HELP = (
+    "devices per host, to tell which collectives cross the network between hosts; must divide "
+    "the device count (default: the processes the devices belong to, one per host as launch/ "
+    "starts them; e.g. 8 plans a cluster of 8-GPU hosts on simulated devices)"
+)
 
 
 def split_source(args: list[str]) -> tuple[str | None, list[str]]:
@@ -49,8 +51,10 @@ def target_gpus(ns: argparse.Namespace) -> tuple:
 
 
 def add_target(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", help="h100, h200, a100 or b200: compile with XLA:GPU for a cluster of these "
-                        "GPUs, on any machine (needs the gpu extra: Python >= 3.12)")
+    parser.add_argument(
+        "--target",
+        help="h100, h200, a100 or b200: compile with XLA:GPU for a cluster of these "
+        "GPUs, on any machine (needs the gpu extra: Python >= 3.12)",
+    )
     parser.add_argument("--gpus", type=int, default=0, help="with --target: the GPUs of the run")
     parser.add_argument("--gpus-per-host", type=int, default=0, help="with --target: GPUs per host (default 8)")
-

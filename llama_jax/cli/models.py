@@ -15,24 +15,38 @@ def cmd_convert(ns: argparse.Namespace) -> int:
     api.convert(ns.source, ns.out, ns.overrides, ns.dtype, ns.rotary, merge=ns.merge)
     return 0
 
+
 def add_convert(commands) -> None:
     parser = commands.add_parser(
-        "convert", help="Hugging Face Llama directory <-> llama-jax checkpoint",
+        "convert",
+        help="Hugging Face Llama directory <-> llama-jax checkpoint",
         description="llama-jax convert SOURCE OUT [key=value ...] [--merge]. SOURCE is a Hugging Face directory "
-                    "(config.json + safetensors; written as a parameters-only checkpoint in OUT) or a llama-jax run / "
-                    "checkpoint (written as a Hugging Face directory, in safetensors files of at most 5 GiB; a run "
-                    "with adapters as a PEFT adapter directory, or with --merge its base with the LoRA adapters folded "
-                    "in). Either way the model is loaded sharded over the mesh of the mesh.* keys (default: all "
-                    "devices on fsdp) and streamed through the host a block at a time. Tokenizer files go along.")
+        "(config.json + safetensors; written as a parameters-only checkpoint in OUT) or a llama-jax run / "
+        "checkpoint (written as a Hugging Face directory, in safetensors files of at most 5 GiB; a run "
+        "with adapters as a PEFT adapter directory, or with --merge its base with the LoRA adapters folded "
+        "in). Either way the model is loaded sharded over the mesh of the mesh.* keys (default: all "
+        "devices on fsdp) and streamed through the host a block at a time. Tokenizer files go along.",
+    )
     parser.add_argument("source", metavar="SOURCE")
     parser.add_argument("out", metavar="OUT")
     parser.add_argument("overrides", nargs="*", metavar="key=value")
-    parser.add_argument("--dtype", default="float32", help="safetensors dtype when writing Hugging Face: "
-                        "float32 (default), bfloat16 or float16")
-    parser.add_argument("--rotary", default="half", help="q/k layout of the Hugging Face side: half (transformers' "
-                        "rotate_half, default) or interleaved (Meta's original)")
-    parser.add_argument("--merge", action="store_true", help="a run with LoRA adapters: write its base with the "
-                        "adapters folded into the weights, as a Hugging Face model (default: a PEFT adapter directory)")
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        help="safetensors dtype when writing Hugging Face: float32 (default), bfloat16 or float16",
+    )
+    parser.add_argument(
+        "--rotary",
+        default="half",
+        help="q/k layout of the Hugging Face side: half (transformers' "
+        "rotate_half, default) or interleaved (Meta's original)",
+    )
+    parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="a run with LoRA adapters: write its base with the "
+        "adapters folded into the weights, as a Hugging Face model (default: a PEFT adapter directory)",
+    )
     parser.set_defaults(func=cmd_convert)
 
 
@@ -42,10 +56,14 @@ def cmd_average(ns: argparse.Namespace) -> int:
     average(ns.run_dir, ns.out, ns.overrides, ns.steps or (), ns.last or 0)
     return 0
 
+
 def add_average(commands) -> None:
-    parser = commands.add_parser("average", help="average a run's checkpoints into a parameters-only checkpoint",
-                                 description="llama-jax average RUN_DIR (--steps A,B,... | --last N) --out DIR "
-                                             "[mesh.* keys]: the mean of the parameters, a tensor at a time.")
+    parser = commands.add_parser(
+        "average",
+        help="average a run's checkpoints into a parameters-only checkpoint",
+        description="llama-jax average RUN_DIR (--steps A,B,... | --last N) --out DIR "
+        "[mesh.* keys]: the mean of the parameters, a tensor at a time.",
+    )
     parser.add_argument("run_dir", metavar="RUN_DIR")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="mesh.* keys: where the mean is computed")
     which = parser.add_mutually_exclusive_group(required=True)
@@ -74,16 +92,20 @@ def cmd_generate(ns: argparse.Namespace) -> int:
             print()
     return 0
 
+
 def add_generate(commands) -> None:
     parser = commands.add_parser(
-        "generate", help="continue prompts with a trained or converted model (KV cache)",
+        "generate",
+        help="continue prompts with a trained or converted model (KV cache)",
         description="llama-jax generate MODEL [key=value ...] --prompt TEXT [--prompt TEXT ...]. MODEL is a run "
-                    "dir, a checkpoint, or a Hugging Face directory (hf:DIR). Without mesh.* keys the model goes "
-                    "on one device; with them (e.g. mesh.tensor=8) it is sharded over that mesh of all devices, "
-                    "and so is the key/value cache.")
+        "dir, a checkpoint, or a Hugging Face directory (hf:DIR). Without mesh.* keys the model goes "
+        "on one device; with them (e.g. mesh.tensor=8) it is sharded over that mesh of all devices, "
+        "and so is the key/value cache.",
+    )
     parser.add_argument("model", metavar="MODEL")
-    parser.add_argument("overrides", nargs="*", metavar="key=value",
-                        help="mesh.* keys; model.compute_dtype, model.attention")
+    parser.add_argument(
+        "overrides", nargs="*", metavar="key=value", help="mesh.* keys; model.compute_dtype, model.attention"
+    )
     parser.add_argument("--prompt", action="append", required=True, help="a prompt; repeat for a batch")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
@@ -101,16 +123,18 @@ def cmd_eval(ns: argparse.Namespace) -> int:
     api.evaluate(ns.model, ns.data, ns.overrides, ns.batches, ns.split)
     return 0
 
+
 def add_eval(commands) -> None:
     parser = commands.add_parser(
-        "eval", help="perplexity of a model on a token store or text files",
+        "eval",
+        help="perplexity of a model on a token store or text files",
         description="llama-jax eval MODEL DATA [key=value ...]. DATA is a token store made with the model's "
-                    "tokenizer (its validation split is scored) or text/jsonl files (scored whole); "
-                    "train.batch_size, train.seq_len and mesh.* keys apply.")
+        "tokenizer (its validation split is scored) or text/jsonl files (scored whole); "
+        "train.batch_size, train.seq_len and mesh.* keys apply.",
+    )
     parser.add_argument("model", metavar="MODEL")
     parser.add_argument("data", metavar="DATA")
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     parser.add_argument("--batches", type=int, default=0, help="at most this many batches (0: one pass)")
     parser.add_argument("--split", default="val", choices=("val", "train"), help="token store split (default val)")
     parser.set_defaults(func=cmd_eval)
-

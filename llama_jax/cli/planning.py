@@ -22,24 +22,34 @@ def cmd_plan(ns: argparse.Namespace) -> int:
     config = load_config(*split_source(ns.args))
     mesh = sharding.make_mesh(config, list(gpus) or None)
     if ns.compare_remat:
-        plans = planning.compare_remat(config, mesh, print_fn=None if ns.json else print,
-                                       devices_per_host=ns.devices_per_host)
-        print(json.dumps({k: planning.plan_dict(p) for k, p in plans.items()}, indent=2) if ns.json
-              else planning.format_remat_comparison(plans))
+        plans = planning.compare_remat(
+            config, mesh, print_fn=None if ns.json else print, devices_per_host=ns.devices_per_host
+        )
+        print(
+            json.dumps({k: planning.plan_dict(p) for k, p in plans.items()}, indent=2)
+            if ns.json
+            else planning.format_remat_comparison(plans)
+        )
         return 0
     plan = planning.make_plan(config, mesh, ns.devices_per_host)
     print(planning.plan_json(plan) if ns.json else planning.format_plan(plan))
     return 0
 
+
 def add_plan(commands) -> None:
     parser = commands.add_parser(
-        "plan", help="compile the train step ahead of time and report memory, FLOPs and communication",
+        "plan",
+        help="compile the train step ahead of time and report memory, FLOPs and communication",
         description="llama-jax plan [PRESET|CONFIG.yaml] [key=value ...] [--json]. Runs nothing and allocates "
-                    "nothing; simulate devices with XLA_FLAGS=--xla_force_host_platform_device_count=N.")
+        "nothing; simulate devices with XLA_FLAGS=--xla_force_host_platform_device_count=N.",
+    )
     parser.add_argument("args", nargs="*", metavar="PRESET|CONFIG|key=value")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
-    parser.add_argument("--compare-remat", action="store_true",
-                        help="plan every remat policy side by side (memory and HLO FLOPs relative to none)")
+    parser.add_argument(
+        "--compare-remat",
+        action="store_true",
+        help="plan every remat policy side by side (memory and HLO FLOPs relative to none)",
+    )
     parser.add_argument("--devices-per-host", type=int, default=0, help=DEVICES_PER_HOST_HELP)
     add_target(parser)
     parser.set_defaults(func=cmd_plan)
@@ -55,12 +65,16 @@ def cmd_tune(ns: argparse.Namespace) -> int:
         raise InputError(f"--policies: unknown remat policy '{unknown[0]}'; valid: {', '.join(REMAT_POLICIES)}")
     schedules = tuple(ns.pipeline_schedules.split(","))
     if any(s not in PIPELINE_SCHEDULES for s in schedules):
-        raise InputError(f"--pipeline-schedules: choose from {', '.join(PIPELINE_SCHEDULES)}, got "
-                         f"'{ns.pipeline_schedules}'")
+        raise InputError(
+            f"--pipeline-schedules: choose from {', '.join(PIPELINE_SCHEDULES)}, got '{ns.pipeline_schedules}'"
+        )
     if ns.memory_gb < 0 or ns.budget_min <= 0 or ns.top_k < 1 or ns.steps < 1 or ns.meshes < 1:
         raise InputError("tune: --memory-gb must be >= 0, and --budget-min, --top-k, --steps, --meshes positive")
-    if not 0 <= ns.efficiency <= 1 or min(ns.bandwidth_gbs, ns.nic_gbs) < 0 or \
-            not (ns.overlap == -1 or 0 <= ns.overlap <= 1):
+    if (
+        not 0 <= ns.efficiency <= 1
+        or min(ns.bandwidth_gbs, ns.nic_gbs) < 0
+        or not (ns.overlap == -1 or 0 <= ns.overlap <= 1)
+    ):
         raise InputError("tune: --efficiency and --overlap must be in [0, 1], --bandwidth-gbs and --nic-gbs >= 0")
     out = Path(ns.out)
     if problem := unwritable(out, "file"):
@@ -69,11 +83,26 @@ def cmd_tune(ns: argparse.Namespace) -> int:
     from llama_jax.training import tune
 
     options = tune.Options(
-        memory_gb=ns.memory_gb, budget_min=ns.budget_min, top_k=ns.top_k, measure=ns.measure, steps=ns.steps,
-        meshes=ns.meshes, policies=policies, microbatches=ns.microbatches, every_n_layers=ns.every_n_layers,
-        pipeline_repeats=ns.pipeline_repeats, pipeline_schedules=schedules, pass_microbatches=ns.pass_microbatches,
-        efficiency=ns.efficiency, bandwidth_gbs=ns.bandwidth_gbs, overlap=ns.overlap, nic_gbs=ns.nic_gbs,
-        devices_per_host=ns.devices_per_host, devices=gpus, progress=not ns.json)
+        memory_gb=ns.memory_gb,
+        budget_min=ns.budget_min,
+        top_k=ns.top_k,
+        measure=ns.measure,
+        steps=ns.steps,
+        meshes=ns.meshes,
+        policies=policies,
+        microbatches=ns.microbatches,
+        every_n_layers=ns.every_n_layers,
+        pipeline_repeats=ns.pipeline_repeats,
+        pipeline_schedules=schedules,
+        pass_microbatches=ns.pass_microbatches,
+        efficiency=ns.efficiency,
+        bandwidth_gbs=ns.bandwidth_gbs,
+        overlap=ns.overlap,
+        nic_gbs=ns.nic_gbs,
+        devices_per_host=ns.devices_per_host,
+        devices=gpus,
+        progress=not ns.json,
+    )
     if ns.dry_run:
         print(tune.format_candidates(tune.enumerate_candidates(source, overrides, options)[2]))
         return 0
@@ -84,71 +113,128 @@ def cmd_tune(ns: argparse.Namespace) -> int:
         print(f"wrote {out}: llama-jax train {out}")
     return 0
 
+
 def add_tune(commands) -> None:
     parser = commands.add_parser(
-        "tune", help="search mesh x micro-batches x remat for the fastest configuration that fits in memory",
+        "tune",
+        help="search mesh x micro-batches x remat for the fastest configuration that fits in memory",
         description="llama-jax tune [PRESET|CONFIG.yaml] [key=value ...]. Compiles candidates ahead of time, ranks "
-                    "them with a cost model, measures the best few on real devices and writes the winner's "
-                    "config. A key=value on a searched key (mesh.*, train.microbatches, remat.policy, "
-                    "remat.every_n_layers) pins it. Cached: a re-run is instant.")
+        "them with a cost model, measures the best few on real devices and writes the winner's "
+        "config. A key=value on a searched key (mesh.*, train.microbatches, remat.policy, "
+        "remat.every_n_layers) pins it. Cached: a re-run is instant.",
+    )
     parser.add_argument("args", nargs="*", metavar="PRESET|CONFIG|key=value")
-    parser.add_argument("--memory-gb", type=float, default=0.0, help="per-device memory budget in GiB (default: "
-                        "run.device_memory_gb, else the device's memory minus 10%%)")
+    parser.add_argument(
+        "--memory-gb",
+        type=float,
+        default=0.0,
+        help="per-device memory budget in GiB (default: run.device_memory_gb, else the device's memory minus 10%%)",
+    )
     parser.add_argument("--budget-min", type=float, default=10.0, help="minutes of compiling, at most (default 10)")
     parser.add_argument("--top-k", type=int, default=3, help="candidates to measure (default 3)")
-    parser.add_argument("--measure", action=argparse.BooleanOptionalAction, default=None,
-                        help="time the top-k for a few steps (default: on, except on simulated CPU devices)")
+    parser.add_argument(
+        "--measure",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="time the top-k for a few steps (default: on, except on simulated CPU devices)",
+    )
     parser.add_argument("--steps", type=int, default=3, help="timed steps per measured candidate (default 3)")
-    parser.add_argument("--meshes", type=int, default=3,
-                        help="the best N meshes of stage 1 get every micro-batch count and policy (default 3)")
+    parser.add_argument(
+        "--meshes",
+        type=int,
+        default=3,
+        help="the best N meshes of stage 1 get every micro-batch count and policy (default 3)",
+    )
     _add_search_space(parser)
     _add_cost_model(parser)
     parser.add_argument("--rows", type=int, default=20, help="table rows to print (default 20)")
     parser.add_argument("--out", default="tune.yaml", help="the winner's config file (default tune.yaml)")
     parser.add_argument("--json", action="store_true", help="print every candidate as JSON")
-    parser.add_argument("--dry-run", action="store_true",
-                        help="list the candidates and why the invalid ones are refused; compile nothing")
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="list the candidates and why the invalid ones are refused; compile nothing",
+    )
     add_target(parser)
     parser.set_defaults(func=cmd_tune)
 
 
 def _add_search_space(parser: argparse.ArgumentParser) -> None:
     """tune's searched values: remat policies, micro-batch counts, pipeline repeats, schedules and passes."""
-    parser.add_argument("--policies", default="none,save_dot_except_mlp,selective,full",
-                        help="remat policies to try, comma-separated (default none,save_dot_except_mlp,selective,full)")
-    parser.add_argument("--microbatches", type=int_list, default=(1, 2, 4),
-                        help="micro-batch counts (default 1,2,4; with P pipeline stages, these times P)")
-    parser.add_argument("--pipeline-repeats", type=int_list, default=(1, 2),
-                        help="mesh.pipeline_repeats tried with a pipeline (default 1,2)")
-    parser.add_argument("--pipeline-schedules", default="gpipe,1f1b", help="mesh.pipeline_schedule values tried "
-                        "with a pipeline, comma-separated (default gpipe,1f1b)")
-    parser.add_argument("--pass-microbatches", type=lambda text: int_list(text, least=0), default=(0,),
-                        help="micro-batches per pass through a pipeline of P stages, these times P (0: one pass of "
-                             "all; default 0)")
-    parser.add_argument("--every-n-layers", type=int_list, default=(1, 2),
-                        help="remat.every_n_layers values for recomputing policies (default 1,2)")
+    parser.add_argument(
+        "--policies",
+        default="none,save_dot_except_mlp,selective,full",
+        help="remat policies to try, comma-separated (default none,save_dot_except_mlp,selective,full)",
+    )
+    parser.add_argument(
+        "--microbatches",
+        type=int_list,
+        default=(1, 2, 4),
+        help="micro-batch counts (default 1,2,4; with P pipeline stages, these times P)",
+    )
+    parser.add_argument(
+        "--pipeline-repeats",
+        type=int_list,
+        default=(1, 2),
+        help="mesh.pipeline_repeats tried with a pipeline (default 1,2)",
+    )
+    parser.add_argument(
+        "--pipeline-schedules",
+        default="gpipe,1f1b",
+        help="mesh.pipeline_schedule values tried with a pipeline, comma-separated (default gpipe,1f1b)",
+    )
+    parser.add_argument(
+        "--pass-microbatches",
+        type=lambda text: int_list(text, least=0),
+        default=(0,),
+        help="micro-batches per pass through a pipeline of P stages, these times P (0: one pass of all; default 0)",
+    )
+    parser.add_argument(
+        "--every-n-layers",
+        type=int_list,
+        default=(1, 2),
+        help="remat.every_n_layers values for recomputing policies (default 1,2)",
+    )
 
 
 def _add_cost_model(parser: argparse.ArgumentParser) -> None:
     """The cost model's figures tune ranks candidates with, where the defaults do not fit."""
-    parser.add_argument("--efficiency", type=float, default=0.0, help="cost model: fraction of peak FLOP/s reached "
-                        "(default 0.7 on GPUs, 0.8 on CPUs)")
-    parser.add_argument("--bandwidth-gbs", type=float, default=0.0,
-                        help="cost model: collective GB/s per device within a host (default: the data sheet's NVLink "
-                             "or PCIe figure on known GPUs, e.g. 450 on an H100 SXM; measured on CPUs)")
-    parser.add_argument("--nic-gbs", type=float, default=0.0,
-                        help="cost model: collective GB/s per device between hosts (default 50: one 400 Gb/s NIC per "
-                             "GPU; at most the link within a host)")
+    parser.add_argument(
+        "--efficiency",
+        type=float,
+        default=0.0,
+        help="cost model: fraction of peak FLOP/s reached (default 0.7 on GPUs, 0.8 on CPUs)",
+    )
+    parser.add_argument(
+        "--bandwidth-gbs",
+        type=float,
+        default=0.0,
+        help="cost model: collective GB/s per device within a host (default: the data sheet's NVLink "
+        "or PCIe figure on known GPUs, e.g. 450 on an H100 SXM; measured on CPUs)",
+    )
+    parser.add_argument(
+        "--nic-gbs",
+        type=float,
+        default=0.0,
+        help="cost model: collective GB/s per device between hosts (default 50: one 400 Gb/s NIC per "
+        "GPU; at most the link within a host)",
+    )
     parser.add_argument("--devices-per-host", type=int, default=0, help=DEVICES_PER_HOST_HELP)
-    parser.add_argument("--overlap", type=float, default=-1.0,
-                        help="cost model: fraction of communication hidden by compute (default 0.5 GPU, 0 CPU)")
+    parser.add_argument(
+        "--overlap",
+        type=float,
+        default=-1.0,
+        help="cost model: fraction of communication hidden by compute (default 0.5 GPU, 0 CPU)",
+    )
 
 
 def cmd_goodput(ns: argparse.Namespace) -> int:
     rates = (ns.failures_per_gpu_hour, ns.planned_per_gpu_hour, ns.replacement_s, ns.restart_s)
     if any(v is not None and v < 0 for v in rates) or not (ns.host_loss_share is None or 0 <= ns.host_loss_share <= 1):
-        raise InputError("goodput: --failures-per-gpu-hour, --planned-per-gpu-hour, --replacement-s and --restart-s "
-                         "must be >= 0, --host-loss-share in [0, 1]")
+        raise InputError(
+            "goodput: --failures-per-gpu-hour, --planned-per-gpu-hour, --replacement-s and --restart-s "
+            "must be >= 0, --host-loss-share in [0, 1]"
+        )
     if ns.run_dir and (problem := unreadable(Path(ns.run_dir), "directory")):
         raise InputError(f"goodput: --from {problem}; name the run.dir of a run")
     from llama_jax.config import load_config
@@ -158,35 +244,58 @@ def cmd_goodput(ns: argparse.Namespace) -> int:
     config = load_config(source, overrides)
     given = {k: v for k, v in (("replacement_s", ns.replacement_s), ("restart_s", ns.restart_s)) if v is not None}
     inputs = projection.inputs_for(
-        config, ns.gpus, ns.gpus_per_host, projection.measured(Path(ns.run_dir)) if ns.run_dir else None,
-        failures_per_gpu_hour=ns.failures_per_gpu_hour, planned_per_gpu_hour=ns.planned_per_gpu_hour,
-        host_loss_share=ns.host_loss_share, **given)
+        config,
+        ns.gpus,
+        ns.gpus_per_host,
+        projection.measured(Path(ns.run_dir)) if ns.run_dir else None,
+        failures_per_gpu_hour=ns.failures_per_gpu_hour,
+        planned_per_gpu_hour=ns.planned_per_gpu_hour,
+        host_loss_share=ns.host_loss_share,
+        **given,
+    )
     report = projection.report(inputs)
     print(projection.report_json(report) if ns.json else projection.format_report(report, source or "tiny", inputs))
     return 0
 
+
 def add_goodput(commands) -> None:
     parser = commands.add_parser(
-        "goodput", help="project the effective training time of a run under failures, and the best checkpoint "
-                        "intervals",
+        "goodput",
+        help="project the effective training time of a run under failures, and the best checkpoint intervals",
         description="llama-jax goodput [PRESET|CONFIG.yaml] [key=value ...] --gpus N [--gpus-per-host 8] "
-                    "[--from RUN_DIR] [--json]. Failures as Poisson at Llama 3's rate and mix by default; costs "
-                    "measured by the run in --from (its goodput.json), else stated defaults, each printed with "
-                    "its source (docs/fault-tolerance.md).")
+        "[--from RUN_DIR] [--json]. Failures as Poisson at Llama 3's rate and mix by default; costs "
+        "measured by the run in --from (its goodput.json), else stated defaults, each printed with "
+        "its source (docs/fault-tolerance.md).",
+    )
     parser.add_argument("args", nargs="*", metavar="PRESET|CONFIG|key=value")
     parser.add_argument("--gpus", type=int, required=True, help="GPUs of the run")
     parser.add_argument("--gpus-per-host", type=int, default=8, help="GPUs per host (default 8)")
-    parser.add_argument("--from", dest="run_dir", metavar="RUN_DIR",
-                        help="a run.dir whose goodput.json gives the measured costs (step, saves, restores, restarts)")
-    parser.add_argument("--failures-per-gpu-hour", type=float,
-                        help="unexpected interruptions per GPU-hour (default Llama 3's: 419 / (16,384 x 54 x 24 h))")
-    parser.add_argument("--planned-per-gpu-hour", type=float,
-                        help="planned interruptions (preemptions) per GPU-hour (default Llama 3's 47 / the same)")
-    parser.add_argument("--host-loss-share", type=float,
-                        help="share of the unexpected interruptions that lose a host (default Llama 3's, 0.84)")
+    parser.add_argument(
+        "--from",
+        dest="run_dir",
+        metavar="RUN_DIR",
+        help="a run.dir whose goodput.json gives the measured costs (step, saves, restores, restarts)",
+    )
+    parser.add_argument(
+        "--failures-per-gpu-hour",
+        type=float,
+        help="unexpected interruptions per GPU-hour (default Llama 3's: 419 / (16,384 x 54 x 24 h))",
+    )
+    parser.add_argument(
+        "--planned-per-gpu-hour",
+        type=float,
+        help="planned interruptions (preemptions) per GPU-hour (default Llama 3's 47 / the same)",
+    )
+    parser.add_argument(
+        "--host-loss-share",
+        type=float,
+        help="share of the unexpected interruptions that lose a host (default Llama 3's, 0.84)",
+    )
     parser.add_argument("--replacement-s", type=float, help="seconds to get a replacement host (default 600)")
     parser.add_argument("--restart-s", type=float, help="seconds from a process start to its first step")
-    parser.add_argument("--json", action="store_true",
-                        help="print an object with goodput, breakdown, intervals, and the inputs with sources")
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="print an object with goodput, breakdown, intervals, and the inputs with sources",
+    )
     parser.set_defaults(func=cmd_goodput)
-

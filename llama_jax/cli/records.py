@@ -22,11 +22,13 @@ def cmd_report(ns: argparse.Namespace) -> int:
         raise InputError(str(err)) from None
     return 0
 
+
 def cmd_profile(ns: argparse.Namespace) -> int:
     from llama_jax.perf.profile import report
 
     print(report(Path(ns.run_dir), top=ns.top, as_json=ns.json))
     return 0
+
 
 def add_report(commands) -> None:  # and profile: both read what a run wrote
     parser = commands.add_parser("report", help="plot loss, eval loss and throughput of a run to RUN_DIR/report.png")
@@ -37,4 +39,3 @@ def add_report(commands) -> None:  # and profile: both read what a run wrote
     parser.add_argument("--json", action="store_true", help="print the breakdown as JSON")
     parser.add_argument("--top", type=int, default=10, help="ops to list, the longest first (default 10)")
     parser.set_defaults(func=cmd_profile)
-

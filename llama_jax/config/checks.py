@@ -126,8 +126,10 @@ BOUNDS: dict[str, Bound] = {
     "mesh.pipeline": POSITIVE,
     "mesh.pipeline_repeats": POSITIVE,
     "mesh.pipeline_microbatches": Bound(0, means="all of train.microbatches in one pass"),
-    **{f"mesh.{axis}": Bound(0, above=True, special=-1, means="fill the devices left over")
-       for axis in ("data", "fsdp", "tensor", "sequence")},
+    **{
+        f"mesh.{axis}": Bound(0, above=True, special=-1, means="fill the devices left over")
+        for axis in ("data", "fsdp", "tensor", "sequence")
+    },
     "remat.every_n_layers": POSITIVE,  # and a divisor of model.n_layers (_check_remat)
     "checkpoint.every_steps": Bound(0, means="only at the end", word="auto"),
     "checkpoint.every_minutes": Bound(0, means="off"),
@@ -234,11 +236,17 @@ def validate(config: Config) -> None:
     )
     _check_schedule(t)
     _check_data(config.data)
-    mesh_axes = {"mesh.data": config.mesh.data, "mesh.fsdp": config.mesh.fsdp,
-                 "mesh.tensor": config.mesh.tensor, "mesh.sequence": config.mesh.sequence}
-    _require(config.mesh.pipeline_microbatches == 0 or config.mesh.pipeline > 1,
-             f"mesh.pipeline_microbatches={config.mesh.pipeline_microbatches} sends a pipeline's micro-batches through "
-             "in passes, and there is no pipeline (mesh.pipeline=1); set mesh.pipeline > 1 or leave it at 0")
+    mesh_axes = {
+        "mesh.data": config.mesh.data,
+        "mesh.fsdp": config.mesh.fsdp,
+        "mesh.tensor": config.mesh.tensor,
+        "mesh.sequence": config.mesh.sequence,
+    }
+    _require(
+        config.mesh.pipeline_microbatches == 0 or config.mesh.pipeline > 1,
+        f"mesh.pipeline_microbatches={config.mesh.pipeline_microbatches} sends a pipeline's micro-batches through "
+        "in passes, and there is no pipeline (mesh.pipeline=1); set mesh.pipeline > 1 or leave it at 0",
+    )
     _require(
         sum(v == -1 for v in mesh_axes.values()) <= 1,
         "at most one mesh axis may be -1 (fill the remaining devices)",
@@ -249,45 +257,66 @@ def validate(config: Config) -> None:
     _check_profile_steps(config.run.profile_steps, t.steps)
     _check_remat(config.remat, m.n_layers)
     _check_peft(config)
-    _require(config.peft.method == "none" or config.mesh.pipeline == 1,
-             f"peft.method={config.peft.method} with mesh.pipeline={config.mesh.pipeline}: adapters train without "
-             "pipeline stages; shard the frozen model with mesh.fsdp and mesh.tensor")
+    _require(
+        config.peft.method == "none" or config.mesh.pipeline == 1,
+        f"peft.method={config.peft.method} with mesh.pipeline={config.mesh.pipeline}: adapters train without "
+        "pipeline stages; shard the frozen model with mesh.fsdp and mesh.tensor",
+    )
+
 
 def _check_schedule(t: TrainConfig) -> None:
     """Warmup, the schedule between, and the decay phase fit in the run, each given in steps or as a fraction."""
     _require(t.schedule in LR_SCHEDULES, f"train.schedule must be one of {', '.join(LR_SCHEDULES)}, got '{t.schedule}'")
-    _require(t.steps == 0 or t.warmup_steps < t.steps,
-             f"train.warmup_steps ({t.warmup_steps}) is not below train.steps ({t.steps}): the learning rate would "
-             f"never reach train.lr nor decay; warm up for a fraction of the run instead (train.warmup_steps=-1: "
-             f"train.warmup_fraction, {t.warmup_fraction:g} here) or raise train.steps")
+    _require(
+        t.steps == 0 or t.warmup_steps < t.steps,
+        f"train.warmup_steps ({t.warmup_steps}) is not below train.steps ({t.steps}): the learning rate would "
+        f"never reach train.lr nor decay; warm up for a fraction of the run instead (train.warmup_steps=-1: "
+        f"train.warmup_fraction, {t.warmup_fraction:g} here) or raise train.steps",
+    )
     warmup, decay = t.resolved_warmup_steps, t.resolved_decay_steps
-    _require(t.schedule != "wsd" or t.steps == 0 or decay > 0,
-             f"train.schedule=wsd holds train.lr until a decay phase, and it has none (train.decay_steps={decay}); set "
-             "train.decay_fraction (e.g. 0.2) or train.decay_steps")
-    given = {"warmup": "train.warmup_steps" if t.warmup_steps >= 0 else f"train.warmup_fraction={t.warmup_fraction:g}",
-             "decay": "train.decay_steps" if t.decay_steps >= 0 else f"train.decay_fraction={t.decay_fraction:g}"}
-    _require(warmup + decay <= t.steps or t.steps == 0,
-             f"warmup ({warmup} steps, {given['warmup']}) and decay ({decay} steps, {given['decay']}) add up to more "
-             f"than train.steps ({t.steps}); shorten one of them or raise train.steps")
+    _require(
+        t.schedule != "wsd" or t.steps == 0 or decay > 0,
+        f"train.schedule=wsd holds train.lr until a decay phase, and it has none (train.decay_steps={decay}); set "
+        "train.decay_fraction (e.g. 0.2) or train.decay_steps",
+    )
+    given = {
+        "warmup": "train.warmup_steps" if t.warmup_steps >= 0 else f"train.warmup_fraction={t.warmup_fraction:g}",
+        "decay": "train.decay_steps" if t.decay_steps >= 0 else f"train.decay_fraction={t.decay_fraction:g}",
+    }
+    _require(
+        warmup + decay <= t.steps or t.steps == 0,
+        f"warmup ({warmup} steps, {given['warmup']}) and decay ({decay} steps, {given['decay']}) add up to more "
+        f"than train.steps ({t.steps}); shorten one of them or raise train.steps",
+    )
 
 
 def _check_profile_steps(steps: list[int], train_steps: int) -> None:
-    _require(not steps or (len(steps) == 2 and 1 <= steps[0] <= steps[1] <= train_steps),
-             f"run.profile_steps must be [FIRST, LAST] with 1 <= FIRST <= LAST <= train.steps ({train_steps}), or [] "
-             f"for none; got {steps}; e.g. run.profile_steps=[{min(5, train_steps)},{min(7, train_steps)}]")
+    _require(
+        not steps or (len(steps) == 2 and 1 <= steps[0] <= steps[1] <= train_steps),
+        f"run.profile_steps must be [FIRST, LAST] with 1 <= FIRST <= LAST <= train.steps ({train_steps}), or [] "
+        f"for none; got {steps}; e.g. run.profile_steps=[{min(5, train_steps)},{min(7, train_steps)}]",
+    )
+
 
 def _check_data(d: DataConfig) -> None:
-    _require(not d.weights or len(d.weights) == len(d.sources),
-             f"data.weights has {len(d.weights)} value(s) for {len(d.sources)} source(s); give one per source or none")
+    _require(
+        not d.weights or len(d.weights) == len(d.sources),
+        f"data.weights has {len(d.weights)} value(s) for {len(d.sources)} source(s); give one per source or none",
+    )
     _require(all(w > 0 for w in d.weights), f"data.weights must all be > 0, got {d.weights}")
-    for key, value, allowed in [("data.packing", d.packing, PACKINGS), ("data.text_unit", d.text_unit, TEXT_UNITS),
-                                ("data.on_bad_record", d.on_bad_record, BAD_RECORD_ACTIONS)]:
+    for key, value, allowed in [
+        ("data.packing", d.packing, PACKINGS),
+        ("data.text_unit", d.text_unit, TEXT_UNITS),
+        ("data.on_bad_record", d.on_bad_record, BAD_RECORD_ACTIONS),
+    ]:
         _require(value in allowed, f"{key} must be one of {', '.join(allowed)}, got '{value}'")
+
 
 def parse_axes(value: str) -> str | tuple[str, ...] | None:
     """A `mesh.rules` value: 'none' -> None, 'tensor' -> 'tensor', 'data,fsdp' -> ('data', 'fsdp')."""
     axes = tuple(a.strip() for a in value.split(",") if a.strip() and a.strip().lower() != "none")
     return None if not axes else axes[0] if len(axes) == 1 else axes
+
 
 def check_rule(logical: str, value: str) -> None:
     """Validate one `mesh.rules.<logical>=<axes>` override."""
@@ -297,24 +326,36 @@ def check_rule(logical: str, value: str) -> None:
     axes = (parsed,) if isinstance(parsed, str) else parsed or ()
     bad = [a for a in axes if a not in MESH_AXES]
     if bad:
-        raise ConfigError(f"mesh.rules.{logical}={value}: unknown mesh axis '{bad[0]}'; use a comma-separated "
-                          f"list of {', '.join(MESH_AXES)}, or none")
+        raise ConfigError(
+            f"mesh.rules.{logical}={value}: unknown mesh axis '{bad[0]}'; use a comma-separated "
+            f"list of {', '.join(MESH_AXES)}, or none"
+        )
+
 
 def _check_pipeline(mesh: MeshConfig, n_layers: int, every_n_layers: int) -> None:
-    _require(mesh.pipeline_schedule in PIPELINE_SCHEDULES, f"mesh.pipeline_schedule must be one of "
-             f"{', '.join(PIPELINE_SCHEDULES)}, got '{mesh.pipeline_schedule}'")
+    _require(
+        mesh.pipeline_schedule in PIPELINE_SCHEDULES,
+        f"mesh.pipeline_schedule must be one of {', '.join(PIPELINE_SCHEDULES)}, got '{mesh.pipeline_schedule}'",
+    )
     layers = mesh.pipeline_stage_layers
     if not layers:
         return
     groups = mesh.pipeline * mesh.pipeline_repeats
     repeats = f" × mesh.pipeline_repeats ({mesh.pipeline_repeats})" if mesh.pipeline_repeats > 1 else ""
-    _require(len(layers) == groups, f"mesh.pipeline_stage_layers has {len(layers)} entries; it needs one per stage"
-             f"{' and repeat' if repeats else ''}: mesh.pipeline ({mesh.pipeline}){repeats} = {groups}")
-    _require(all(isinstance(n, int) and n > 0 for n in layers) and sum(layers) == n_layers,
-             f"mesh.pipeline_stage_layers {list(layers)} must be positive layer counts adding up to model.n_layers "
-             f"({n_layers}); they add up to {sum(layers)}")
-    _require(all(n % every_n_layers == 0 for n in layers), f"remat.every_n_layers ({every_n_layers}) must divide "
-             f"every entry of mesh.pipeline_stage_layers {list(layers)}")
+    _require(
+        len(layers) == groups,
+        f"mesh.pipeline_stage_layers has {len(layers)} entries; it needs one per stage"
+        f"{' and repeat' if repeats else ''}: mesh.pipeline ({mesh.pipeline}){repeats} = {groups}",
+    )
+    _require(
+        all(isinstance(n, int) and n > 0 for n in layers) and sum(layers) == n_layers,
+        f"mesh.pipeline_stage_layers {list(layers)} must be positive layer counts adding up to model.n_layers "
+        f"({n_layers}); they add up to {sum(layers)}",
+    )
+    _require(
+        all(n % every_n_layers == 0 for n in layers),
+        f"remat.every_n_layers ({every_n_layers}) must divide every entry of mesh.pipeline_stage_layers {list(layers)}",
+    )
 
 
 def _check_remat(remat: RematConfig, n_layers: int) -> None:
@@ -326,48 +367,75 @@ def _check_remat(remat: RematConfig, n_layers: int) -> None:
         if action not in REMAT_ACTIONS:
             raise ConfigError(f"remat.custom.{tag}={action}: the action must be one of {', '.join(REMAT_ACTIONS)}")
     if remat.custom and remat.policy == "none":
-        raise ConfigError("remat.custom refines a recomputation policy; set remat.policy to one of "
-                          f"{', '.join(p for p in REMAT_POLICIES if p != 'none')} (e.g. full: recompute all but your "
-                          "tags)")
+        raise ConfigError(
+            "remat.custom refines a recomputation policy; set remat.policy to one of "
+            f"{', '.join(p for p in REMAT_POLICIES if p != 'none')} (e.g. full: recompute all but your "
+            "tags)"
+        )
     if n_layers % remat.every_n_layers:  # positive: BOUNDS
-        raise ConfigError(f"remat.every_n_layers ({remat.every_n_layers}) must be a positive divisor of "
-                          f"model.n_layers ({n_layers})")
+        raise ConfigError(
+            f"remat.every_n_layers ({remat.every_n_layers}) must be a positive divisor of model.n_layers ({n_layers})"
+        )
 
 
 def _check_checkpoint(c: CheckpointConfig) -> None:
     _require(not (c.resume_from and c.init_from), "set checkpoint.resume_from or checkpoint.init_from, not both")
-    _require(bool(c.local_dir.strip()) == (c.local_every_steps != 0), "checkpoint.local_dir and checkpoint."
-             "local_every_steps go together: set both (e.g. local_dir=/dev/shm/llama-jax local_every_steps=50) or "
-             "neither")
+    _require(
+        bool(c.local_dir.strip()) == (c.local_every_steps != 0),
+        "checkpoint.local_dir and checkpoint."
+        "local_every_steps go together: set both (e.g. local_dir=/dev/shm/llama-jax local_every_steps=50) or "
+        "neither",
+    )
     bad = sorted(set(c.allow_model_changes) - set(FUNCTION_FIELDS))
-    _require(not bad, f"checkpoint.allow_model_changes: {', '.join(bad)} cannot change under a checkpoint; "
-             f"allowed: {', '.join(FUNCTION_FIELDS)}")
+    _require(
+        not bad,
+        f"checkpoint.allow_model_changes: {', '.join(bad)} cannot change under a checkpoint; "
+        f"allowed: {', '.join(FUNCTION_FIELDS)}",
+    )
 
 
 def _check_peft(config: Config) -> None:
     """A method's own keys are checked only when it is chosen (a prompt length never refuses a LoRA run)."""
-    peft, seq_len, init_from, resume_from = (config.peft, config.train.seq_len, config.checkpoint.init_from,
-                                             config.checkpoint.resume_from)
+    peft, seq_len, init_from, resume_from = (
+        config.peft,
+        config.train.seq_len,
+        config.checkpoint.init_from,
+        config.checkpoint.resume_from,
+    )
     _require(peft.method in PEFT_METHODS, f"peft.method must be one of {', '.join(PEFT_METHODS)}, got '{peft.method}'")
     if peft.method == "none":
         return
     check_bounds(config, METHOD_BOUNDS[peft.method])
-    _require(bool(init_from), f"peft.method={peft.method} adapts a trained model: set checkpoint.init_from to its run "
-                             "directory, checkpoint or hf:DIR")
-    _require(not resume_from, "checkpoint.resume_from does not apply to peft runs; re-run the same command on the "
-                             "same run.dir to resume (checkpoint.init_from names the base model)")
+    _require(
+        bool(init_from),
+        f"peft.method={peft.method} adapts a trained model: set checkpoint.init_from to its run "
+        "directory, checkpoint or hf:DIR",
+    )
+    _require(
+        not resume_from,
+        "checkpoint.resume_from does not apply to peft runs; re-run the same command on the "
+        "same run.dir to resume (checkpoint.init_from names the base model)",
+    )
     if peft.method == "lora":
         unknown = [t for t in peft.targets if t not in LORA_TARGETS]
-        _require(not unknown, f"peft.targets: unknown target '{unknown[0] if unknown else ''}'; "
-                             f"choose from {', '.join(LORA_TARGETS)}")
-        _require(len(peft.targets) > 0 and len(set(peft.targets)) == len(peft.targets),
-                f"peft.targets must name each projection at most once, and at least one, got {peft.targets}")
+        _require(
+            not unknown,
+            f"peft.targets: unknown target '{unknown[0] if unknown else ''}'; choose from {', '.join(LORA_TARGETS)}",
+        )
+        _require(
+            len(peft.targets) > 0 and len(set(peft.targets)) == len(peft.targets),
+            f"peft.targets must name each projection at most once, and at least one, got {peft.targets}",
+        )
         return
-    _require(peft.prompt_tokens < seq_len,
-            f"peft.prompt_tokens ({peft.prompt_tokens}) must be positive and leave room for text in train.seq_len "
-            f"({seq_len}); lower peft.prompt_tokens or raise train.seq_len")
-    _require(peft.prompt_encoder in PROMPT_ENCODERS,
-            f"peft.prompt_encoder must be one of {', '.join(PROMPT_ENCODERS)}, got '{peft.prompt_encoder}'")
+    _require(
+        peft.prompt_tokens < seq_len,
+        f"peft.prompt_tokens ({peft.prompt_tokens}) must be positive and leave room for text in train.seq_len "
+        f"({seq_len}); lower peft.prompt_tokens or raise train.seq_len",
+    )
+    _require(
+        peft.prompt_encoder in PROMPT_ENCODERS,
+        f"peft.prompt_encoder must be one of {', '.join(PROMPT_ENCODERS)}, got '{peft.prompt_encoder}'",
+    )
 
 
 def _divisors(n: int) -> str:

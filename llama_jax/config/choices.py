@@ -23,15 +23,30 @@ LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 PROMPT_ENCODERS = ("mlp", "lstm")
 
 # Model fields that change the shape or type of a saved array: a checkpoint must agree on every one.
-SHAPE_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim",
-                "tie_embeddings", "param_dtype")
+SHAPE_FIELDS = (
+    "vocab_size",
+    "d_model",
+    "n_layers",
+    "n_heads",
+    "n_kv_heads",
+    "head_dim",
+    "ffn_dim",
+    "tie_embeddings",
+    "param_dtype",
+)
 # ... and those that change the function the same arrays compute. Resuming or initialising from a
 # checkpoint that differs in one is refused unless checkpoint.allow_model_changes names it (e.g. a
 # longer context with new RoPE scaling). Left out on purpose: compute_dtype, attention (the same
 # function by another kernel), max_seq_len (positions beyond it are never used), init_std (unused once
 # weights exist), cpu_projection, fp8 (the same function at another matmul precision).
-FUNCTION_FIELDS = ("norm_eps", "rope_theta", "rope_scaling_factor", "rope_low_freq_factor",
-                   "rope_high_freq_factor", "rope_original_max_len")
+FUNCTION_FIELDS = (
+    "norm_eps",
+    "rope_theta",
+    "rope_scaling_factor",
+    "rope_low_freq_factor",
+    "rope_high_freq_factor",
+    "rope_original_max_len",
+)
 ARCHITECTURE_FIELDS = SHAPE_FIELDS + FUNCTION_FIELDS
 
 # Mesh axes, outermost (slowest links) to innermost (fastest); sharding.py builds the mesh.
@@ -41,23 +56,41 @@ PIPELINE_SCHEDULES = ("gpipe", "1f1b")
 
 # Logical axis names the model gives its parameters and activations; sharding.LOGICAL_AXIS_RULES maps
 # each onto mesh axes, and `mesh.rules.<name>=<axes>` overrides one entry.
-LOGICAL_AXES = ("layers", "vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "norm",  # parameters
-                "lora_rank", "virtual_tokens", "prompt_hidden",  # adapters' parameters (peft.*)
-                "batch", "seq", "residual_seq", "act_embed", "act_heads", "act_kv_heads", "act_mlp", "act_vocab")
+LOGICAL_AXES = (
+    "layers",
+    "vocab",
+    "embed",
+    "heads",
+    "kv_heads",
+    "head_dim",
+    "mlp",
+    "norm",  # parameters
+    "lora_rank",
+    "virtual_tokens",
+    "prompt_hidden",  # adapters' parameters (peft.*)
+    "batch",
+    "seq",
+    "residual_seq",
+    "act_embed",
+    "act_heads",
+    "act_kv_heads",
+    "act_mlp",
+    "act_vocab",
+)
 
 # Every activation the model tags for recomputation policies (remat.py), in the order a layer computes them.
 REMAT_TAGS = (
-    "attn_norm",          # RMSNorm output before attention        [batch, seq, embed]
-    "query_proj",         # q = x Wq                                [batch, seq, heads, head_dim]
-    "key_proj",           # k = x Wk                                [batch, seq, kv_heads, head_dim]
-    "value_proj",         # v = x Wv                                [batch, seq, kv_heads, head_dim]
+    "attn_norm",  # RMSNorm output before attention        [batch, seq, embed]
+    "query_proj",  # q = x Wq                                [batch, seq, heads, head_dim]
+    "key_proj",  # k = x Wk                                [batch, seq, kv_heads, head_dim]
+    "value_proj",  # v = x Wv                                [batch, seq, kv_heads, head_dim]
     "attention_context",  # softmax(q kᵀ) v, the attention core     [batch, seq, heads, head_dim]
-    "attention_out",      # context Wo                              [batch, seq, embed]
-    "mlp_norm",           # RMSNorm output before the MLP           [batch, seq, embed]
-    "mlp_gate",           # x Wgate                                 [batch, seq, mlp]
-    "mlp_up",             # x Wup                                   [batch, seq, mlp]
-    "mlp_hidden",         # silu(gate) * up                         [batch, seq, mlp]
-    "mlp_out",            # hidden Wdown                            [batch, seq, embed]
+    "attention_out",  # context Wo                              [batch, seq, embed]
+    "mlp_norm",  # RMSNorm output before the MLP           [batch, seq, embed]
+    "mlp_gate",  # x Wgate                                 [batch, seq, mlp]
+    "mlp_up",  # x Wup                                   [batch, seq, mlp]
+    "mlp_hidden",  # silu(gate) * up                         [batch, seq, mlp]
+    "mlp_out",  # hidden Wdown                            [batch, seq, embed]
 )
 # What a policy does with a tag: keep it in device memory, move it to pinned host memory, or recompute it.
 REMAT_ACTIONS = ("save", "offload", "recompute")

@@ -37,14 +37,17 @@ def preset_dir() -> Path:
 def preset_names() -> list[str]:
     return sorted(p.stem for p in preset_dir().glob("*.yaml"))
 
+
 def all_keys() -> list[str]:
     """Every dotted key of the schema, e.g. ``train.lr``."""
     return list(_leaf_types())
+
 
 def _load_text(text: str) -> Any:
     """YAML's structure (mappings, lists) with every scalar left as the text written: BaseLoader resolves no
     type and builds no object, so a string key can get back exactly what was typed (quotes removed)."""
     return yaml.load(text, Loader=yaml.BaseLoader)
+
 
 def _read_yaml(path: Path) -> dict:
     try:
@@ -52,11 +55,14 @@ def _read_yaml(path: Path) -> dict:
     except (OSError, yaml.YAMLError) as err:
         raise ConfigError(f"cannot read config file {path}: {str(err).splitlines()[0]}") from None
     if data is None:  # an empty file, or only comments: most likely not the file meant (a preset is never empty)
-        raise ConfigError(f"config file {path} holds no keys (it is empty or all comments); put the keys to set in "
-                          "it, e.g. `train: {steps: 100}`, or name a preset")
+        raise ConfigError(
+            f"config file {path} holds no keys (it is empty or all comments); put the keys to set in "
+            "it, e.g. `train: {steps: 100}`, or name a preset"
+        )
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path} must hold a mapping of keys, not {type(data).__name__}")
     return data
+
 
 def _resolve_source(source: str | None) -> tuple[str, dict]:
     """A preset name or a YAML path -> (its name, its contents)."""
@@ -74,6 +80,7 @@ def _resolve_source(source: str | None) -> tuple[str, dict]:
         raise ConfigError(f"unknown preset '{source}'; {hint}presets: {', '.join(preset_names())}")
     return source, _read_yaml(preset_dir() / f"{source}.yaml")
 
+
 @functools.cache
 def _leaf_types(node: Any = Config, prefix: str = "") -> dict[str, Any]:
     """Dotted key -> its Python type, for every leaf of the schema."""
@@ -85,6 +92,7 @@ def _leaf_types(node: Any = Config, prefix: str = "") -> dict[str, Any]:
             types[prefix + name] = kind
     return types
 
+
 def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
     flat: dict[str, Any] = {}
     for key, value in tree.items():
@@ -94,11 +102,13 @@ def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
             flat[f"{prefix}{key}"] = value
     return flat
 
+
 # Decimal only: YAML 1.1 read 0123 as octal 83, 0x10 as 16 and 1:30 as 90.
 _INT = re.compile(r"[+-]?[0-9]+(?:_[0-9]+)*")
 # How yaml.safe_dump (to_yaml) writes the floats float() cannot read, so a run's config.yaml loads back.
 _YAML_FLOATS = {".inf": math.inf, "+.inf": math.inf, "-.inf": -math.inf, ".nan": math.nan}
 _TYPE_NAMES = {bool: "true or false", int: "a whole number", float: "a number", str: "one value (not a list)"}
+
 
 def _is_union(kind: Any) -> bool:
     """`int | str` (types.UnionType) or `Union[int, str]` (typing.Union): the schema may spell it either way."""
@@ -136,6 +146,7 @@ def _parse(key: str, kind: Any, value: Any, origin: str) -> Any:
     names = [_TYPE_NAMES[k] for k in typing.get_args(kind) or (kind,)]
     raise ConfigError(f"{origin}'{key}' must be {' or '.join(names)}, got '{value}'")
 
+
 def _as_list(key: str, value: Any, origin: str) -> list:
     """A list key's items: a YAML list, `[a, b]` (YAML's flow syntax, quotes allowed), or one value, a list of
     one (`data.sources=notes/`); nothing (`data.sources=`) is the empty list."""
@@ -150,11 +161,25 @@ def _as_list(key: str, value: Any, origin: str) -> list:
     except yaml.YAMLError as err:
         raise ConfigError(f"{origin}'{key}': cannot read the list {value}: {str(err).splitlines()[0]}") from None
 
+
 # Keys that moved: the old name is refused in one line naming the new one. The fault.inject_* keys became the
 # testing section inject.* (schema.InjectConfig), so a production section holds no test hooks.
-MOVED_KEYS = {f"fault.inject_{name}": f"inject.{name}" for name in (
-    "nan_steps", "save_failure_steps", "spike_steps", "hang_step", "process", "step_delay_s", "save_delay_s",
-    "stall_at", "slow_device", "wrong_device")}
+MOVED_KEYS = {
+    f"fault.inject_{name}": f"inject.{name}"
+    for name in (
+        "nan_steps",
+        "save_failure_steps",
+        "spike_steps",
+        "hang_step",
+        "process",
+        "step_delay_s",
+        "save_delay_s",
+        "stall_at",
+        "slow_device",
+        "wrong_device",
+    )
+}
+
 
 def _set(values: dict[str, Any], key: str, value: Any, origin: str) -> None:
     """Check `key`, parse `value` as its type and record it in `values` (dotted key -> typed value); an entry
@@ -169,8 +194,10 @@ def _set(values: dict[str, Any], key: str, value: Any, origin: str) -> None:
         values.setdefault(table, dict(_default(table)))[entry] = text
         return
     if key in {k.rsplit(".", 1)[0] for k in types if "." in k}:
-        raise ConfigError(f"{origin}'{key}' is a section, not a value; set its fields, e.g. "
-                          f"{next(k for k in types if k.startswith(key + '.'))}=...")
+        raise ConfigError(
+            f"{origin}'{key}' is a section, not a value; set its fields, e.g. "
+            f"{next(k for k in types if k.startswith(key + '.'))}=..."
+        )
     if key in MOVED_KEYS:
         raise ConfigError(f"{origin}{key} moved to {MOVED_KEYS[key]} (the testing section)")
     if key not in types:
@@ -190,8 +217,10 @@ def _set(values: dict[str, Any], key: str, value: Any, origin: str) -> None:
         return
     values[key] = _parse(key, types[key], value, origin)
 
+
 def _default(key: str) -> Any:
     return functools.reduce(getattr, key.split("."), Config())
+
 
 def _build(node: Any, values: dict[str, Any], prefix: str = "") -> Any:
     """The frozen dataclasses, with `values` (dotted key -> typed value) in place of the schema's defaults."""
@@ -202,6 +231,7 @@ def _build(node: Any, values: dict[str, Any], prefix: str = "") -> Any:
         elif prefix + name in values:
             fields[name] = values[prefix + name]
     return node(**fields)
+
 
 def load_config(source: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Build a validated Config from a preset name or YAML path plus ``key=value`` overrides."""
@@ -218,11 +248,14 @@ def load_config(source: str | None = None, overrides: list[str] | tuple[str, ...
     validate(config)
     return config
 
+
 def to_dict(config: Config) -> dict:
     return dataclasses.asdict(config)
 
+
 def to_yaml(config: Config) -> str:
     return yaml.safe_dump(to_dict(config), sort_keys=False)
+
 
 def summary(config: Config) -> str:
     """A one-screen description of what will run."""

@@ -56,6 +56,7 @@ class ModelConfig:
     def resolved_head_dim(self) -> int:
         return self.head_dim or self.d_model // self.n_heads
 
+
 @dataclass(frozen=True)
 class TrainConfig:
     steps: int = 360
@@ -127,6 +128,7 @@ class DataConfig:
     loader_threads: int = 2  # Grain threads preparing batches ahead of the step (0: none, made when the step asks)
     prefetch: int = 4  # batches prepared ahead (0: none)
 
+
 @dataclass(frozen=True)
 class MeshConfig:
     # Pipeline stages (pipeline.py), the outermost axis: it crosses hosts. train.microbatches are the
@@ -156,6 +158,7 @@ class MeshConfig:
     # Expert override of the logical-axis table (sharding.LOGICAL_AXIS_RULES, names in LOGICAL_AXES), e.g.
     # mesh.rules.embed=none or mesh.rules.batch=data,fsdp.
     rules: dict[str, str] = field(default_factory=dict)
+
 
 @dataclass(frozen=True)
 class RematConfig:
@@ -201,6 +204,7 @@ class CheckpointConfig:
     def mtbf_setting_s(self) -> float:
         """checkpoint.mtbf_hours in seconds; 0 when it is "observed" (what the trainer measures decides)."""
         return 0.0 if self.mtbf_hours == "observed" else float(self.mtbf_hours) * 3600
+
 
 @dataclass(frozen=True)
 class FaultConfig:

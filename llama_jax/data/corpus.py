@@ -131,8 +131,9 @@ def input_files(spec: str) -> list[Path]:
     if spec.startswith("hf:"):
         directory = Path(spec[3:]).expanduser()
         if problem := unreadable(directory, "directory"):
-            raise DataError(f"{spec}: {problem}; give hf:DIR, a dataset saved with save_to_disk or a local dataset "
-                            "folder")
+            raise DataError(
+                f"{spec}: {problem}; give hf:DIR, a dataset saved with save_to_disk or a local dataset folder"
+            )
         return sorted(f for f in directory.rglob("*") if f.is_file())
     files = _expand(spec)
     if not files and not glob.has_magic(spec) and os.path.isdir(os.path.expanduser(spec)):
@@ -140,8 +141,9 @@ def input_files(spec: str) -> list[Path]:
         problem = unreadable(Path(spec), "directory") or f"{spec} holds no .txt/.md/.jsonl/.json/.parquet file"
         raise DataError(f"{problem}; name a directory of text files, the files themselves or a glob")
     if not files:
-        raise DataError(f"{spec} does not exist or matches no .txt/.md/.jsonl/.json/.parquet file; "
-                        "check the path or glob")
+        raise DataError(
+            f"{spec} does not exist or matches no .txt/.md/.jsonl/.json/.parquet file; check the path or glob"
+        )
     for f in files:
         if f.suffix not in TEXT_SUFFIXES + JSONL_SUFFIXES + PARQUET_SUFFIXES:
             raise DataError(f"{f}: unknown format '{f.suffix}'; use .txt/.md, .jsonl/.json or .parquet")
@@ -206,8 +208,10 @@ def _hf_dataset(path: str):
         else:
             loaded = datasets.load_dataset(str(directory), split="train")
     except Exception as e:
-        raise DataError(f"hf:{path} could not be loaded offline ({type(e).__name__}: {e}); save the dataset "
-                        "with save_to_disk or point to a folder of data files") from None
+        raise DataError(
+            f"hf:{path} could not be loaded offline ({type(e).__name__}: {e}); save the dataset "
+            "with save_to_disk or point to a folder of data files"
+        ) from None
     if isinstance(loaded, datasets.DatasetDict):
         if "train" not in loaded:
             raise DataError(f"hf:{path} has splits {sorted(loaded)} but no 'train'; save the split you want")
@@ -218,8 +222,9 @@ def _hf_dataset(path: str):
 def _hf_units(path: str, text_field: str) -> list[Unit]:
     dataset = _hf_dataset(path)
     if text_field not in dataset.column_names:
-        raise DataError(f"hf:{path} has no column '{text_field}' (columns: {', '.join(dataset.column_names)}); "
-                        "set the text field")
+        raise DataError(
+            f"hf:{path} has no column '{text_field}' (columns: {', '.join(dataset.column_names)}); set the text field"
+        )
     rows = 50_000
     return [Unit("hf", path, a, min(a + rows, len(dataset))) for a in range(0, len(dataset), rows)]
 
@@ -307,8 +312,10 @@ def _parquet_documents(unit: Unit, options: ReadOptions) -> Iterator[str]:
 
     file = pq.ParquetFile(unit.path)
     if options.text_field not in file.schema_arrow.names:
-        raise DataError(f"{unit.path} has no column '{options.text_field}' (columns: "
-                        f"{', '.join(file.schema_arrow.names)}); set the text field")
+        raise DataError(
+            f"{unit.path} has no column '{options.text_field}' (columns: "
+            f"{', '.join(file.schema_arrow.names)}); set the text field"
+        )
     for group in range(unit.start, unit.stop):
         column = file.read_row_group(group, columns=[options.text_field]).column(0)
         yield from (t for t in column.to_pylist() if isinstance(t, str))

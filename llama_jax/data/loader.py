@@ -60,7 +60,7 @@ class Documents:
     def read(self, doc: int, offset: int, count: int) -> np.ndarray:
         unit = int(np.searchsorted(self.first, doc, side="right")) - 1
         begin = int(self.bounds[unit][doc - self.first[unit]]) + offset
-        return self.shards[unit][begin:begin + count]
+        return self.shards[unit][begin : begin + count]
 
     def __len__(self) -> int:
         return int(self.first[-1])
@@ -69,7 +69,7 @@ class Documents:
         """Every document's token count (int32, 4 bytes a document): what a plan is computed from."""
         out = np.empty(len(self), np.int32)
         for unit, bounds in enumerate(self.bounds):
-            out[self.first[unit]:self.first[unit + 1]] = np.diff(bounds)
+            out[self.first[unit] : self.first[unit + 1]] = np.diff(bounds)
             advise(bounds, "done")  # read once, front to back: its pages need not stay in this process
         return out
 
@@ -96,8 +96,10 @@ class TokenStore:
         meta = self.directory / "meta.json"
         if not meta.exists():
             if (self.directory / ".prepare.json").exists():
-                raise DataError(f"{self.directory} is an unfinished token store; re-run the same `llama-jax prepare` "
-                                "command to finish it (it resumes)")
+                raise DataError(
+                    f"{self.directory} is an unfinished token store; re-run the same `llama-jax prepare` "
+                    "command to finish it (it resumes)"
+                )
             raise DataError(f"{self.directory} is not a token store (no meta.json); make one with `llama-jax prepare`")
         self.meta = json.loads(meta.read_text())
         self.tokenizer_path = self.directory / self.meta["tokenizer"]["file"]
@@ -111,14 +113,20 @@ class TokenStore:
             path = self.directory / "shards" / f"{unit:05d}.{split}.bin"
             expected = int(index[-1]) * np.dtype(self.meta["dtype"]).itemsize
             if path.stat().st_size != expected:
-                raise DataError(f"{path} has {path.stat().st_size} bytes, its index says {expected}; "
-                                "the store is damaged: prepare it again into a new directory")
+                raise DataError(
+                    f"{path} has {path.stat().st_size} bytes, its index says {expected}; "
+                    "the store is damaged: prepare it again into a new directory"
+                )
             shards.append(np.memmap(path, self.meta["dtype"], "r") if expected else np.zeros(0, self.meta["dtype"]))
             advise(shards[-1], "random"), advise(index, "random")
             bounds.append(index)
             first.append(first[-1] + len(index) - 1)
-        return Documents(tuple(shards), tuple(bounds), np.array(first, np.int64),
-                         identity=f"{self.meta['fingerprint']}/{split}/{source}")
+        return Documents(
+            tuple(shards),
+            tuple(bounds),
+            np.array(first, np.int64),
+            identity=f"{self.meta['fingerprint']}/{split}/{source}",
+        )
 
 
 # --------------------------------------------------------------------------------------------
@@ -133,8 +141,17 @@ class PackedRows:
     under Grain's reader threads.
     """
 
-    def __init__(self, documents: Documents, row_len: int, seed: int, salt: int, packing: str, window: int,
-                 prompt_tokens: int = 0, plans: Path | None = None):
+    def __init__(
+        self,
+        documents: Documents,
+        row_len: int,
+        seed: int,
+        salt: int,
+        packing: str,
+        window: int,
+        prompt_tokens: int = 0,
+        plans: Path | None = None,
+    ):
         if packing not in PACKINGS:
             raise DataError(f"data.packing '{packing}' is unknown; use concat or first_fit")
         self.documents, self.row_len, self.seed, self.salt = documents, row_len, seed, salt
@@ -146,8 +163,16 @@ class PackedRows:
 
     def _key(self) -> str:
         """Everything a plan depends on, hashed: its directory under `plans`."""
-        identity = [self.documents.identity, self.seed, self.salt, self.packing, self.window, self.row_len,
-                    self.prompt_tokens, PLAN_VERSION]
+        identity = [
+            self.documents.identity,
+            self.seed,
+            self.salt,
+            self.packing,
+            self.window,
+            self.row_len,
+            self.prompt_tokens,
+            PLAN_VERSION,
+        ]
         return hashlib.sha256(json.dumps(identity).encode()).hexdigest()[:24]
 
     def __len__(self) -> int:
@@ -165,10 +190,18 @@ class PackedRows:
             key = [self.seed, self.salt, epoch]
             self._plans = {e: p for e, p in self._plans.items() if e >= epoch - 1}
             self._plans[epoch] = (
-                compute_plan(self.documents.lengths(), self.row_len, self.packing, self.window, key,
-                             self.prompt_tokens) if self.directory is None else
-                stored_plan(self.directory / f"epoch-{epoch}", self.documents.lengths, self.row_len, self.packing,
-                            self.window, key, self.prompt_tokens))
+                compute_plan(self.documents.lengths(), self.row_len, self.packing, self.window, key, self.prompt_tokens)
+                if self.directory is None
+                else stored_plan(
+                    self.directory / f"epoch-{epoch}",
+                    self.documents.lengths,
+                    self.row_len,
+                    self.packing,
+                    self.window,
+                    key,
+                    self.prompt_tokens,
+                )
+            )
         return self._plans[epoch]
 
     def rows_in_epoch(self, epoch: int) -> int:
@@ -190,9 +223,9 @@ class PackedRows:
         at, prompt = 0, -1 - np.arange(self.prompt_tokens, dtype=np.int32)  # the prompt's slots: -1, -2, ...
         for segment, p in enumerate(range(plan.row_ptr[r], plan.row_ptr[r + 1]), start=1):
             n, start = int(plan.length[p]), at
-            tokens[at:at + len(prompt)] = prompt
+            tokens[at : at + len(prompt)] = prompt
             at += len(prompt)
-            tokens[at:at + n] = self.documents.read(int(plan.doc[p]), int(plan.offset[p]), n)
+            tokens[at : at + n] = self.documents.read(int(plan.doc[p]), int(plan.offset[p]), n)
             at += n
             segments[start:at] = segment
             positions[start:at] = np.arange(at - start)
@@ -210,8 +243,13 @@ def model_inputs(rows: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
     tokens, segments, positions = (np.stack([r[k] for r in rows]) for k in ("tokens", "segment_ids", "positions"))
     text = tokens >= 0  # prompt slots hold negative ids
     same = (segments[:, :-1] == segments[:, 1:]) & (segments[:, 1:] > 0) & text[:, :-1] & text[:, 1:]
-    return {"tokens": tokens[:, :-1], "targets": np.maximum(tokens[:, 1:], 0), "segment_ids": segments[:, :-1],
-            "positions": positions[:, :-1], "loss_mask": same.astype(np.float32)}
+    return {
+        "tokens": tokens[:, :-1],
+        "targets": np.maximum(tokens[:, 1:], 0),
+        "segment_ids": segments[:, :-1],
+        "positions": positions[:, :-1],
+        "loss_mask": same.astype(np.float32),
+    }
 
 
 # --------------------------------------------------------------------------------------------
@@ -233,8 +271,9 @@ class Batches:
         first = step * self.batch_size
         return model_inputs([self.rows[first + i] for i in (range(self.batch_size) if rows is None else rows)])
 
-    def iterate(self, start: int, stop: int, rows: Sequence[int] | None = None, threads: int = 2,
-                prefetch: int = 4) -> Iterator[dict[str, np.ndarray]]:
+    def iterate(
+        self, start: int, stop: int, rows: Sequence[int] | None = None, threads: int = 2, prefetch: int = 4
+    ) -> Iterator[dict[str, np.ndarray]]:
         """Batches start..stop-1, prepared ahead by Grain's reader threads."""
         steps = grain.MapDataset.range(start, stop).map(functools.partial(self.batch, rows=rows))
         if threads == 0:
@@ -275,8 +314,17 @@ def components(stores: list[TokenStore], weights: list[float]) -> list[Component
     return result
 
 
-def batches(parts: list[Component], split: str, batch_size: int, seq_len: int, seed: int, packing: str,
-            window: int, prompt_tokens: int = 0, plans: Path | None = None) -> Batches:
+def batches(
+    parts: list[Component],
+    split: str,
+    batch_size: int,
+    seq_len: int,
+    seed: int,
+    packing: str,
+    window: int,
+    prompt_tokens: int = 0,
+    plans: Path | None = None,
+) -> Batches:
     """The batches of `parts` mixed by weight; `plans`: the directory the packing plans are written to and
     memory-mapped from (None: in memory)."""
     rows = []
@@ -288,8 +336,10 @@ def batches(parts: list[Component], split: str, batch_size: int, seq_len: int, s
     tokens = sum(r.documents.tokens for r in rows)
     # Validation may be smaller than a batch (its rows repeat); training on repeats would mislead.
     if split == "train" and tokens < batch_size * (seq_len + 1):
-        raise DataError(f"the training split has {tokens} tokens, fewer than one batch of {batch_size} x "
-                        f"{seq_len + 1}; lower train.batch_size or train.seq_len, or use a larger corpus")
+        raise DataError(
+            f"the training split has {tokens} tokens, fewer than one batch of {batch_size} x "
+            f"{seq_len + 1}; lower train.batch_size or train.seq_len, or use a larger corpus"
+        )
     return Batches(mixture(rows, [p.weight for p in parts]), batch_size, seq_len, rows)
 
 
@@ -297,8 +347,9 @@ def document_batches(documents: list[np.ndarray], batch_size: int, seq_len: int,
     """Batches of in-memory token documents (e.g. a text file to score), concatenated and split."""
     docs = Documents.in_memory(documents)
     if docs.tokens < seq_len + 1:
-        raise DataError(f"the text has {docs.tokens} tokens, fewer than one row of {seq_len + 1}; "
-                        "lower --seq-len or give more text")
+        raise DataError(
+            f"the text has {docs.tokens} tokens, fewer than one row of {seq_len + 1}; lower --seq-len or give more text"
+        )
     rows = PackedRows(docs, seq_len + 1, seed=0, salt=0, packing="concat", window=1, prompt_tokens=prompt_tokens)
     return Batches(grain.MapDataset.source(rows), batch_size, seq_len, [rows])
 

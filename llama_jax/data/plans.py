@@ -96,8 +96,9 @@ def _mix(z: np.ndarray) -> np.ndarray:
 # The packings, one block of documents at a time
 
 
-def concat_plan(lengths: np.ndarray, order: np.ndarray, row_len: int, start: int = 0
-                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def concat_plan(
+    lengths: np.ndarray, order: np.ndarray, row_len: int, start: int = 0
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Documents in `order`, concatenated after `start` tokens already placed, cut every row_len tokens
     (vectorised: O(documents)). Returns (doc, offset, length, starts_row) per piece; starts_row marks the
     pieces that begin a row."""
@@ -110,8 +111,9 @@ def concat_plan(lengths: np.ndarray, order: np.ndarray, row_len: int, start: int
     return (order[index], points - starts[index], np.diff(np.append(points, end)), points % row_len == 0)
 
 
-def first_fit_plan(lengths: np.ndarray, order: np.ndarray, row_len: int, window: int,
-                   rng: np.random.Generator, prompt_tokens: int = 0) -> Plan:
+def first_fit_plan(
+    lengths: np.ndarray, order: np.ndarray, row_len: int, window: int, rng: np.random.Generator, prompt_tokens: int = 0
+) -> Plan:
     """First-fit decreasing within windows of documents; longer documents are cut into full rows first.
     Every piece takes prompt_tokens slots more than its tokens."""
     rows: list[list[tuple[int, int, int]]] = []
@@ -119,7 +121,7 @@ def first_fit_plan(lengths: np.ndarray, order: np.ndarray, row_len: int, window:
     for w in range(0, len(order), window):
         window_rows: list[list[tuple[int, int, int]]] = []
         rest: list[tuple[int, int, int]] = []
-        for doc in order[w:w + window]:
+        for doc in order[w : w + window]:
             full, tail = divmod(int(lengths[doc]), capacity)
             window_rows += [[(int(doc), k * capacity, capacity)] for k in range(full)]
             if tail:
@@ -128,7 +130,7 @@ def first_fit_plan(lengths: np.ndarray, order: np.ndarray, row_len: int, window:
         space = np.zeros(len(rest), np.int64)
         bins: list[list[tuple[int, int, int]]] = []
         for piece in rest:
-            fits = np.flatnonzero(space[:len(bins)] >= piece[2] + prompt_tokens)
+            fits = np.flatnonzero(space[: len(bins)] >= piece[2] + prompt_tokens)
             if len(fits):
                 bins[fits[0]].append(piece)
                 space[fits[0]] -= piece[2] + prompt_tokens
@@ -171,8 +173,9 @@ def _plan_of_rows(rows: list[list[tuple[int, int, int]]]) -> Plan:
     return Plan(row_ptr, doc, offset, length)
 
 
-def pieces_of(lengths: np.ndarray, row_len: int, packing: str, window: int, key: list[int], prompt_tokens: int
-              ) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
+def pieces_of(
+    lengths: np.ndarray, row_len: int, packing: str, window: int, key: list[int], prompt_tokens: int
+) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
     """One epoch's pieces, a block of documents at a time: (doc, offset, length, starts_row) per block."""
     n = len(lengths)
     order_of, rng = Shuffle(n, key), np.random.default_rng(key)  # rng: first_fit's row shuffles
@@ -196,8 +199,9 @@ def pieces_of(lengths: np.ndarray, row_len: int, packing: str, window: int, key:
 # Plans in memory, or on disk and memory-mapped
 
 
-def compute_plan(lengths: np.ndarray, row_len: int, packing: str, window: int, key: list[int],
-                 prompt_tokens: int = 0) -> Plan:
+def compute_plan(
+    lengths: np.ndarray, row_len: int, packing: str, window: int, key: list[int], prompt_tokens: int = 0
+) -> Plan:
     """One epoch's plan in memory (small corpora, tests)."""
     blocks = list(pieces_of(lengths, row_len, packing, window, key, prompt_tokens))
     doc, offset, length, starts_row = (np.concatenate([b[i] for b in blocks]) for i in range(4))
@@ -205,8 +209,15 @@ def compute_plan(lengths: np.ndarray, row_len: int, packing: str, window: int, k
     return Plan(row_ptr, doc.astype(np.int32), offset.astype(np.int32), length.astype(np.int32))
 
 
-def stored_plan(directory: Path, lengths: Callable[[], np.ndarray], row_len: int, packing: str, window: int,
-                key: list[int], prompt_tokens: int = 0) -> Plan:
+def stored_plan(
+    directory: Path,
+    lengths: Callable[[], np.ndarray],
+    row_len: int,
+    packing: str,
+    window: int,
+    key: list[int],
+    prompt_tokens: int = 0,
+) -> Plan:
     """One epoch's plan, memory-mapped from `directory`: computed and written there first by whichever process
     gets the lock (a block at a time, renamed into place when complete), read by every other."""
     if not (directory / "plan.json").is_file():
@@ -224,12 +235,15 @@ def stored_plan(directory: Path, lengths: Callable[[], np.ndarray], row_len: int
         advise(array, "random")  # a row reads a few entries
         return array
 
-    return Plan(mapped("row_ptr", np.int64, counts["rows"] + 1),
-                *(mapped(name, np.int32, counts["pieces"]) for name in PIECE_FIELDS))
+    return Plan(
+        mapped("row_ptr", np.int64, counts["rows"] + 1),
+        *(mapped(name, np.int32, counts["pieces"]) for name in PIECE_FIELDS),
+    )
 
 
-def _write_plan(directory: Path, lengths: np.ndarray, row_len: int, packing: str, window: int, key: list[int],
-                prompt_tokens: int) -> None:
+def _write_plan(
+    directory: Path, lengths: np.ndarray, row_len: int, packing: str, window: int, key: list[int], prompt_tokens: int
+) -> None:
     tmp = directory.with_name(f"{directory.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)

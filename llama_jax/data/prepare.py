@@ -60,8 +60,9 @@ def check_options(options: PrepareOptions) -> None:
     if not options.inputs:
         raise DataError("prepare needs at least one input: a file, directory, glob, hf:DIR or shakespeare")
     if bool(options.tokenizer) == (options.train_vocab > 0):
-        raise DataError("name a tokenizer (--tokenizer PATH) or train one (--train-tokenizer VOCAB), "
-                        "not both or neither")
+        raise DataError(
+            "name a tokenizer (--tokenizer PATH) or train one (--train-tokenizer VOCAB), not both or neither"
+        )
     if options.read.text_unit not in TEXT_UNITS:
         raise DataError(f"text unit '{options.read.text_unit}' is unknown; use one of {', '.join(TEXT_UNITS)}")
     if options.read.on_bad_record not in BAD_RECORD_ACTIONS:
@@ -83,8 +84,13 @@ def fingerprint(options: PrepareOptions) -> dict:
         tokenizer = {"sha256": load_tokenizer(options.tokenizer).fingerprint()["sha256"]}
     else:
         tokenizer = {"train_bpe": options.train_vocab, "sample_mb": options.tokenizer_sample_mb}
-    return {"format": FORMAT, "inputs": inputs, "read": asdict(options.read), "tokenizer": tokenizer,
-            "val_every_nth_doc": options.val_every_nth_doc}
+    return {
+        "format": FORMAT,
+        "inputs": inputs,
+        "read": asdict(options.read),
+        "tokenizer": tokenizer,
+        "val_every_nth_doc": options.val_every_nth_doc,
+    }
 
 
 def _digest(value: dict) -> str:
@@ -106,8 +112,7 @@ def _split_documents(unit: Unit, options: ReadOptions, every: int, bad: BadRecor
         yield ("val" if j % every == every - 1 else "train"), document
 
 
-def tokenize_unit(index: int, unit: Unit, tokenizer_path: str, options: ReadOptions, every: int,
-                  shards: Path) -> dict:
+def tokenize_unit(index: int, unit: Unit, tokenizer_path: str, options: ReadOptions, every: int, shards: Path) -> dict:
     """Tokenize one unit into its shard files; returns its counts (also written as the done marker)."""
     tokenizer = load_tokenizer(tokenizer_path)
     dtype = token_dtype(tokenizer.vocab_size)
@@ -157,8 +162,11 @@ def _quiet_worker() -> None:
 
 def _units(options: PrepareOptions) -> list[tuple[int, Unit]]:
     """(source index, unit) for every input, in input order."""
-    return [(source, unit) for source, spec in enumerate(options.inputs)
-            for unit in plan_units(parse_input(spec)[0], options.read)]
+    return [
+        (source, unit)
+        for source, spec in enumerate(options.inputs)
+        for unit in plan_units(parse_input(spec)[0], options.read)
+    ]
 
 
 def _train_tokenizer(units: list[tuple[int, Unit]], options: PrepareOptions, directory: Path) -> Path:
@@ -185,8 +193,10 @@ def _open_directory(out: Path, digest: str, replace_stale: bool, print_fn: Calla
         if json.loads(meta.read_text()).get("fingerprint") == digest:
             return True
         if not replace_stale:
-            raise DataError(f"{out} holds a token store prepared from other inputs or options; "
-                            "choose another output directory or delete it")
+            raise DataError(
+                f"{out} holds a token store prepared from other inputs or options; "
+                "choose another output directory or delete it"
+            )
         print_fn(f"the inputs of {out} changed since it was prepared; preparing it again")
         _write_json(marker, {"fingerprint": "stale"})  # from here on the store is incomplete
         meta.unlink()
@@ -209,8 +219,10 @@ def prepare(options: PrepareOptions, print_fn: Callable[[str], None] = print, pr
     check_options(options)
     out = Path(options.out).expanduser()
     if problem := unwritable(out):
-        raise DataError(f"the token store {out} cannot be written: {problem}; choose another output directory "
-                        "(--out, or data.cache_dir for the stores a run prepares)")
+        raise DataError(
+            f"the token store {out} cannot be written: {problem}; choose another output directory "
+            "(--out, or data.cache_dir for the stores a run prepares)"
+        )
     units = _units(options)  # checks every input before anything is written
     identity = fingerprint(options)
     digest = _digest(identity)
@@ -224,17 +236,25 @@ def prepare(options: PrepareOptions, print_fn: Callable[[str], None] = print, pr
     except OSError as err:  # a full, read-only or failing disk: what is written stays, and a re-run resumes from it
         if storage_errno(err) not in STORAGE_ERRNOS:
             raise
-        raise DataError(f"writing the token store {out} failed: {describe_write_failure(err, out)}; the units "
-                        "tokenized so far are kept: re-run the same command once there is room and it resumes"
-                        ) from None
+        raise DataError(
+            f"writing the token store {out} failed: {describe_write_failure(err, out)}; the units "
+            "tokenized so far are kept: re-run the same command once there is room and it resumes"
+        ) from None
     except DataError:
         if created:  # bad data found while tokenizing: leave nothing behind
             shutil.rmtree(out, ignore_errors=True)
         raise
 
 
-def _build(options: PrepareOptions, out: Path, units, identity: dict, digest: str, print_fn: Callable[[str], None],
-           progress: bool) -> Path:
+def _build(
+    options: PrepareOptions,
+    out: Path,
+    units,
+    identity: dict,
+    digest: str,
+    print_fn: Callable[[str], None],
+    progress: bool,
+) -> Path:
     start = time.perf_counter()
     shards = out / "shards"
     shards.mkdir(parents=True, exist_ok=True)
@@ -254,23 +274,29 @@ def _build(options: PrepareOptions, out: Path, units, identity: dict, digest: st
     stats = [json.loads((shards / f"{i:05d}.json").read_text()) for i in range(len(units))]
     meta = _metadata(options, identity, digest, units, stats, tokenizer, tokenizer_path)
     if meta["documents"]["train"] == 0 or meta["documents"]["val"] == 0:
-        raise DataError(f"the inputs hold {sum(meta['documents'].values())} non-empty document(s), too few to hold "
-                        f"out every {options.val_every_nth_doc}th for validation and train on the rest; "
-                        "add documents or lower val_every_nth_doc")
+        raise DataError(
+            f"the inputs hold {sum(meta['documents'].values())} non-empty document(s), too few to hold "
+            f"out every {options.val_every_nth_doc}th for validation and train on the rest; "
+            "add documents or lower val_every_nth_doc"
+        )
     _write_json(out / "meta.json", meta)  # last: the store is complete
     (out / ".prepare.json").unlink()
     seconds = time.perf_counter() - start
     megabytes = sum(s["bytes"] for s in stats) / 1e6
-    bad = (f", skipped {meta['bad_records']} bad record(s) (e.g. {meta['bad_examples'][0]})"
-           if meta["bad_records"] else "")
-    print_fn(f"prepared {sum(meta['documents'].values()):,} documents ({megabytes:.1f} MB, {meta['tokens']['train']:,} "
-             f"train / {meta['tokens']['val']:,} val tokens) in {seconds:.1f}s ({megabytes / seconds:.1f} MB/s){bad} "
-             f"-> {out}")
+    bad = (
+        f", skipped {meta['bad_records']} bad record(s) (e.g. {meta['bad_examples'][0]})" if meta["bad_records"] else ""
+    )
+    print_fn(
+        f"prepared {sum(meta['documents'].values()):,} documents ({megabytes:.1f} MB, {meta['tokens']['train']:,} "
+        f"train / {meta['tokens']['val']:,} val tokens) in {seconds:.1f}s ({megabytes / seconds:.1f} MB/s){bad} "
+        f"-> {out}"
+    )
     return out
 
 
-def _run_units(units, todo: list[int], tokenizer_path: str, options: PrepareOptions, shards: Path,
-               progress: bool) -> None:
+def _run_units(
+    units, todo: list[int], tokenizer_path: str, options: PrepareOptions, shards: Path, progress: bool
+) -> None:
     workers = min(options.workers or os.cpu_count() or 1, len(todo))
     jobs = [(i, units[i][1], tokenizer_path, options.read, options.val_every_nth_doc, shards) for i in todo]
     bar = tqdm(total=len(jobs), unit="unit", desc="tokenizing", disable=not progress or not jobs)
@@ -293,13 +319,19 @@ def _metadata(options, identity, digest, units, stats, tokenizer: Tokenizer, tok
     for source, spec in enumerate(options.inputs):
         path, weight = parse_input(spec)
         mine = [i for i, (s, _) in enumerate(units) if s == source]
-        sources.append({
-            "input": path, "weight": weight, "units": mine,
-            "documents": {s: sum(stats[i][s]["documents"] for i in mine) for s in SPLITS},
-            "tokens": {s: sum(stats[i][s]["tokens"] for i in mine) for s in SPLITS},
-        })
+        sources.append(
+            {
+                "input": path,
+                "weight": weight,
+                "units": mine,
+                "documents": {s: sum(stats[i][s]["documents"] for i in mine) for s in SPLITS},
+                "tokens": {s: sum(stats[i][s]["tokens"] for i in mine) for s in SPLITS},
+            }
+        )
     return {
-        "format": FORMAT, "fingerprint": digest, "identity": identity,
+        "format": FORMAT,
+        "fingerprint": digest,
+        "identity": identity,
         "tokenizer": {**tokenizer.fingerprint(), "file": tokenizer_path.name},
         "dtype": token_dtype(tokenizer.vocab_size).name,
         "documents": {s: sum(x[s]["documents"] for x in stats) for s in SPLITS},
@@ -307,5 +339,6 @@ def _metadata(options, identity, digest, units, stats, tokenizer: Tokenizer, tok
         "bytes": sum(x["bytes"] for x in stats),
         "bad_records": sum(x["bad_records"] for x in stats),
         "bad_examples": [e for x in stats for e in x["bad_examples"]][:5],
-        "sources": sources, "units": len(units),
+        "sources": sources,
+        "units": len(units),
     }

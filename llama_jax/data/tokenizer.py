@@ -34,11 +34,23 @@ KNOWN_BOS = (BOS, "<s>", "<bos>")
 KNOWN_EOS = (EOS, "</s>", "<eos>", "<|endoftext|>")
 
 # Llama 3's pre-tokenizer split (from Meta's reference tokenizer.py); the rank file does not carry it.
-LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
-LLAMA3_SPECIALS = [BOS, EOS, "<|reserved_special_token_0|>", "<|reserved_special_token_1|>",
-                   "<|finetune_right_pad_id|>", "<|step_id|>", "<|start_header_id|>", "<|end_header_id|>",
-                   "<|eom_id|>", "<|eot_id|>", "<|python_tag|>"]
+LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+LLAMA3_SPECIALS = [
+    BOS,
+    EOS,
+    "<|reserved_special_token_0|>",
+    "<|reserved_special_token_1|>",
+    "<|finetune_right_pad_id|>",
+    "<|step_id|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eom_id|>",
+    "<|eot_id|>",
+    "<|python_tag|>",
+]
 LLAMA3_SPECIALS += [f"<|reserved_special_token_{i}|>" for i in range(2, 247)]  # 256 in all
 
 # One line of a tiktoken rank file; sniffing the first line tells it apart from a binary sentencepiece proto.
@@ -83,8 +95,13 @@ class Tokenizer:
         return np.concatenate(pieces) if pieces else np.zeros(0, dtype)
 
     def fingerprint(self) -> dict:
-        return {"kind": self.kind, "sha256": hashlib.sha256(self.data).hexdigest(),
-                "vocab_size": self.vocab_size, "bos_id": self.bos_id, "eos_id": self.eos_id}
+        return {
+            "kind": self.kind,
+            "sha256": hashlib.sha256(self.data).hexdigest(),
+            "vocab_size": self.vocab_size,
+            "bos_id": self.bos_id,
+            "eos_id": self.eos_id,
+        }
 
     def save(self, target: Path) -> Path:
         """Write the file's exact bytes to `target`: a directory (or a suffix-less path, created) gets the
@@ -111,15 +128,18 @@ class HFTokenizer(Tokenizer):
         try:
             self.hf = tokenizers.Tokenizer.from_str(data.decode("utf-8"))
         except Exception as e:  # the library raises bare Exception for malformed JSON
-            raise DataError(f"{where} is not a valid tokenizer.json ({_one_line(e)}); re-export it with "
-                            "tokenizers' Tokenizer.save") from None
+            raise DataError(
+                f"{where} is not a valid tokenizer.json ({_one_line(e)}); re-export it with tokenizers' Tokenizer.save"
+            ) from None
         # Without this, specials written in the text are matched as specials, so a corpus could forge BOS/EOS.
         self.hf.encode_special_tokens = True
         self.config = config
         bos, eos = self._specials(where, config)
         if eos is None:
-            raise DataError(f"{where} has no end-of-text token (looked for {', '.join(KNOWN_EOS)}); add one as a "
-                            "special token or name it as eos_token in a tokenizer_config.json beside it")
+            raise DataError(
+                f"{where} has no end-of-text token (looked for {', '.join(KNOWN_EOS)}); add one as a "
+                "special token or name it as eos_token in a tokenizer_config.json beside it"
+            )
         super().__init__(path, data, self.hf.get_vocab_size(with_added_tokens=True), bos, eos)
 
     def _specials(self, where, config: bytes | None) -> tuple[int | None, int | None]:
@@ -129,8 +149,9 @@ class HFTokenizer(Tokenizer):
                 settings = json.loads(config)
                 assert isinstance(settings, dict)
             except (ValueError, AssertionError):
-                raise DataError(f"the tokenizer_config.json beside {where} is not a JSON object; fix or "
-                                "delete it") from None
+                raise DataError(
+                    f"the tokenizer_config.json beside {where} is not a JSON object; fix or delete it"
+                ) from None
 
         def pick(key: str, known: tuple[str, ...]) -> int | None:
             if key not in settings:  # no config says otherwise: the first known special this vocab has
@@ -140,8 +161,10 @@ class HFTokenizer(Tokenizer):
             if token is None:
                 return None
             if self.hf.token_to_id(token) is None:
-                raise DataError(f"tokenizer_config.json beside {where} names {key} {token!r}, which is not in "
-                                "the vocabulary; fix the config")
+                raise DataError(
+                    f"tokenizer_config.json beside {where} names {key} {token!r}, which is not in "
+                    "the vocabulary; fix the config"
+                )
             return self.hf.token_to_id(token)
 
         bos = pick("bos_token", KNOWN_BOS)
@@ -175,23 +198,33 @@ class TiktokenTokenizer(Tokenizer):
                 continue
             match = _RANK_LINE.fullmatch(line)
             if not match:
-                raise DataError(f"{path} line {number} is not '<base64 token> <rank>'; the tiktoken file is "
-                                "damaged, download it again")
+                raise DataError(
+                    f"{path} line {number} is not '<base64 token> <rank>'; the tiktoken file is "
+                    "damaged, download it again"
+                )
             try:
                 ranks[base64.b64decode(match[1], validate=True)] = int(match[2])
             except binascii.Error:
-                raise DataError(f"{path} line {number} has bad base64; the tiktoken file is damaged, "
-                                "download it again") from None
+                raise DataError(
+                    f"{path} line {number} has bad base64; the tiktoken file is damaged, download it again"
+                ) from None
         n = len(ranks)
         # Specials are numbered from n, so ranks must be exactly 0..n-1; and every byte must have a rank
         # or text containing it could not be encoded.
         if sorted(ranks.values()) != list(range(n)) or any(bytes([b]) not in ranks for b in range(256)):
-            raise DataError(f"{path} is not a complete tiktoken rank file (ranks must be 0..N-1 and cover all "
-                            "256 bytes); download it again")
+            raise DataError(
+                f"{path} is not a complete tiktoken rank file (ranks must be 0..N-1 and cover all "
+                "256 bytes); download it again"
+            )
         specials = {name: n + i for i, name in enumerate(LLAMA3_SPECIALS)}
         self.n_ranks = n
-        self.enc = tiktoken.Encoding(path.stem, pat_str=LLAMA3_SPLIT, mergeable_ranks=ranks,
-                                     special_tokens=specials, explicit_n_vocab=n + len(specials))
+        self.enc = tiktoken.Encoding(
+            path.stem,
+            pat_str=LLAMA3_SPLIT,
+            mergeable_ranks=ranks,
+            special_tokens=specials,
+            explicit_n_vocab=n + len(specials),
+        )
         super().__init__(path, data, n + len(specials), specials[BOS], specials[EOS])
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
@@ -209,8 +242,10 @@ class SentencePieceTokenizer(Tokenizer):
         try:
             self.sp = sentencepiece.SentencePieceProcessor(model_proto=data)
         except (RuntimeError, OSError, ValueError, TypeError):
-            raise DataError(f"{path} is not a tokenizer.json, a tiktoken rank file or a sentencepiece model; "
-                            "point at a valid tokenizer file") from None
+            raise DataError(
+                f"{path} is not a tokenizer.json, a tiktoken rank file or a sentencepiece model; "
+                "point at a valid tokenizer file"
+            ) from None
         if self.sp.eos_id() < 0:
             raise DataError(f"{path} has no end-of-sentence token; retrain it with eos_id set")
         bos = self.sp.bos_id()
@@ -233,8 +268,10 @@ def _pick_file(directory: Path) -> Path:
     if len(models_found) == 1:
         return models_found[0]
     found = ", ".join(p.name for p in models_found) or "none"
-    raise DataError(f"directory {directory} holds no single tokenizer file (tokenizer.json, tokenizer.model or "
-                    f"one *.model; found {found}); pass the file path instead")
+    raise DataError(
+        f"directory {directory} holds no single tokenizer file (tokenizer.json, tokenizer.model or "
+        f"one *.model; found {found}); pass the file path instead"
+    )
 
 
 def load_tokenizer(spec: str | Path) -> Tokenizer:
@@ -246,8 +283,10 @@ def load_tokenizer(spec: str | Path) -> Tokenizer:
             raise DataError(f"tokenizer {problem}; pass a readable tokenizer file or its directory")
         path = _pick_file(path)
     if not path.is_file():
-        raise DataError(f"tokenizer {path} does not exist; pass a tokenizer.json, tokenizer.model or "
-                        "sentencepiece .model file, or a directory holding one")
+        raise DataError(
+            f"tokenizer {path} does not exist; pass a tokenizer.json, tokenizer.model or "
+            "sentencepiece .model file, or a directory holding one"
+        )
     try:
         data = path.read_bytes()
     except OSError as e:
@@ -285,5 +324,7 @@ Tokenizer.train_bpe = staticmethod(train_bpe)  # existing callers use Tokenizer.
 def check_vocab(tokenizer: Tokenizer, vocab_size: int) -> None:
     """A model whose embedding is smaller than the tokenizer would index out of range."""
     if tokenizer.vocab_size > vocab_size:
-        raise DataError(f"the tokenizer has {tokenizer.vocab_size} tokens but model.vocab_size is {vocab_size}; "
-                        f"raise model.vocab_size to at least {tokenizer.vocab_size}")
+        raise DataError(
+            f"the tokenizer has {tokenizer.vocab_size} tokens but model.vocab_size is {vocab_size}; "
+            f"raise model.vocab_size to at least {tokenizer.vocab_size}"
+        )

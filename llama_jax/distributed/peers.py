@@ -20,6 +20,7 @@ from llama_jax.files import format_ranges
 
 T = TypeVar("T")
 
+
 class Peers:
     """The processes of a run agreeing outside the jitted step, through JAX's coordination service (its
     barriers and key-value store, the same service `jax.distributed` joined), every wait bounded.
@@ -84,14 +85,18 @@ class Peers:
             arrived = set(range(1, self.count)) if self.index else set()
         missing = sorted(set(range(self.count)) - arrived)
         if not missing:  # all came, but one of them had given up already and failed the barrier for all
-            return PeerTimeout(f"'{name}': the barrier failed: a process gave up waiting before all arrived "
-                               f"(fault.barrier_timeout_s {self.timeout_s:g}s); stopping so that a restart brings "
-                               "every process back together")
+            return PeerTimeout(
+                f"'{name}': the barrier failed: a process gave up waiting before all arrived "
+                f"(fault.barrier_timeout_s {self.timeout_s:g}s); stopping so that a restart brings "
+                "every process back together"
+            )
         absent = f"process{'es' * (len(missing) != 1)} {format_ranges(missing)}"
         return PeerTimeout(
             f"'{name}': {absent} of {self.count} did not arrive within {self.timeout_s:g}s (fault.barrier_timeout_s), "
             f"on {self._where(missing)}; process {self.index} stops too, so a restart (llama-jax supervise) brings "
-            "every process back together; look for a hang report or an error in the absent processes' logs", missing)
+            "every process back together; look for a hang report or an error in the absent processes' logs",
+            missing,
+        )
 
     def _record(self, kind: str, what: str) -> None:
         if self.recorder is not None:
@@ -106,8 +111,9 @@ class Peers:
         by_host: dict[str, list[int]] = {}
         for process in processes:
             by_host.setdefault(hosts.get(process, "an unknown host"), []).append(process)
-        return ", ".join(f"{host} (process{'es' * (len(ids) > 1)} {format_ranges(ids)})"
-                         for host, ids in by_host.items())
+        return ", ".join(
+            f"{host} (process{'es' * (len(ids) > 1)} {format_ranges(ids)})" for host, ids in by_host.items()
+        )
 
     def broadcast(self, name: str, value: Any) -> Any:
         """Process 0's `value` (JSON-serialisable) on every process: one decision for all."""
@@ -122,9 +128,10 @@ class Peers:
         try:
             return json.loads(self.client.blocking_key_value_get(f"{key}/value", int(self.timeout_s * 1000)))
         except Exception:
-            raise PeerTimeout(f"'{name}': process 0 did not decide within {self.timeout_s:g}s "
-                              "(fault.barrier_timeout_s); stopping so that a restart brings every process back"
-                              ) from None
+            raise PeerTimeout(
+                f"'{name}': process 0 did not decide within {self.timeout_s:g}s "
+                "(fault.barrier_timeout_s); stopping so that a restart brings every process back"
+            ) from None
 
     def reduce(self, name: str, value: Any, combine: Callable[[list], Any]) -> Any:
         """combine(every process's value), computed once by process 0 and returned on every process."""
@@ -181,6 +188,7 @@ class Peers:
         posts = self.client.key_value_dir_get(f"{self._prefix}/posts/{topic}/")
         self.client.key_value_delete(f"{self._prefix}/posts/{topic}")
         return {int(k.rsplit("/", 1)[1]): json.loads(v) for k, v in posts}
+
 
 def primary_first(fn: Callable[[], T], errors: tuple[type[Exception], ...], peers: Peers) -> T:
     """fn() on process 0, then on the others: work with a shared side effect, such as preparing the data

@@ -78,8 +78,13 @@ def axis_rules(config: Config) -> tuple:
 
 def mesh_shape(mesh: MeshConfig, n_devices: int) -> dict[str, int]:
     """Resolve -1 and check the product against the device count."""
-    sizes = {"pipeline": mesh.pipeline, "data": mesh.data, "fsdp": mesh.fsdp, "sequence": mesh.sequence,
-             "tensor": mesh.tensor}
+    sizes = {
+        "pipeline": mesh.pipeline,
+        "data": mesh.data,
+        "fsdp": mesh.fsdp,
+        "sequence": mesh.sequence,
+        "tensor": mesh.tensor,
+    }
     fixed = math.prod(v for v in sizes.values() if v != -1)
     fill = [k for k, v in sizes.items() if v == -1]
     if fill:
@@ -117,31 +122,40 @@ def check_divisibility(config: Config, sizes: dict[str, int]) -> None:
         )
     uneven = config.mesh.pipeline_stage_layers  # checked against the stages in config/checks.py
     if not uneven and m.n_layers % (stages * repeats):
-        raise ConfigError(f"model.n_layers ({m.n_layers}) must be divisible by mesh.pipeline × mesh.pipeline_repeats "
-                          f"({stages} × {repeats}): every stage runs the same number of layers per repeat, unless "
-                          "mesh.pipeline_stage_layers says how many each runs")
+        raise ConfigError(
+            f"model.n_layers ({m.n_layers}) must be divisible by mesh.pipeline × mesh.pipeline_repeats "
+            f"({stages} × {repeats}): every stage runs the same number of layers per repeat, unless "
+            "mesh.pipeline_stage_layers says how many each runs"
+        )
     per_pass = config.mesh.pipeline_microbatches or microbatches
     if stages > 1 and per_pass % stages:
         key = "mesh.pipeline_microbatches" if config.mesh.pipeline_microbatches else "train.microbatches"
-        raise ConfigError(f"mesh.pipeline={stages} needs {key} to be a multiple of {stages} (at least one "
-                          f"micro-batch per stage; got {per_pass}); try {key}={2 * stages} (the "
-                          f"bubble is (P-1)/(M·R+P-1) of the step: more micro-batches, smaller bubble)")
+        raise ConfigError(
+            f"mesh.pipeline={stages} needs {key} to be a multiple of {stages} (at least one "
+            f"micro-batch per stage; got {per_pass}); try {key}={2 * stages} (the "
+            f"bubble is (P-1)/(M·R+P-1) of the step: more micro-batches, smaller bubble)"
+        )
     if stages > 1 and microbatches % per_pass:
-        raise ConfigError(f"train.microbatches ({microbatches}) must be a multiple of mesh.pipeline_microbatches "
-                          f"({per_pass}): the step accumulates the gradient over whole passes through the pipeline")
+        raise ConfigError(
+            f"train.microbatches ({microbatches}) must be a multiple of mesh.pipeline_microbatches "
+            f"({per_pass}): the step accumulates the gradient over whole passes through the pipeline"
+        )
     layers_per_group = m.n_layers // (stages * repeats)
     if stages > 1 and not uneven and layers_per_group % config.remat.every_n_layers:
-        raise ConfigError(f"remat.every_n_layers ({config.remat.every_n_layers}) must divide the {layers_per_group} "
-                          "layers of each pipeline stage's group "
-                          "(model.n_layers / (mesh.pipeline × mesh.pipeline_repeats))")
+        raise ConfigError(
+            f"remat.every_n_layers ({config.remat.every_n_layers}) must divide the {layers_per_group} "
+            "layers of each pipeline stage's group "
+            "(model.n_layers / (mesh.pipeline × mesh.pipeline_repeats))"
+        )
     tensor = sizes["tensor"]
     # Query heads split evenly over `tensor`; kv heads either split too or, when there are fewer
     # of them than shards, are replicated (which needs tensor to be a multiple of kv heads).
-    ok = [d for d in range(1, m.n_heads + 1)
-          if m.n_heads % d == 0 and (m.n_kv_heads % d == 0 or d % m.n_kv_heads == 0)]
+    ok = [d for d in range(1, m.n_heads + 1) if m.n_heads % d == 0 and (m.n_kv_heads % d == 0 or d % m.n_kv_heads == 0)]
     if tensor not in ok:
-        raise ConfigError(f"model.n_heads ({m.n_heads}) and model.n_kv_heads ({m.n_kv_heads}) do not fit "
-                          f"mesh.tensor ({tensor}); tensor sizes that work: {ok}")
+        raise ConfigError(
+            f"model.n_heads ({m.n_heads}) and model.n_kv_heads ({m.n_kv_heads}) do not fit "
+            f"mesh.tensor ({tensor}); tensor sizes that work: {ok}"
+        )
     needs = {sizes["sequence"]: "mesh.sequence"}
     if config.mesh.sequence_parallel and sizes["tensor"] > 1:
         needs[sizes["sequence"] * sizes["tensor"]] = "mesh.sequence × mesh.tensor (sequence parallelism)"
@@ -149,13 +163,21 @@ def check_divisibility(config: Config, sizes: dict[str, int]) -> None:
         needs[2 * sizes["sequence"]] = "2 × mesh.sequence (load-balanced context parallelism)"
     for divisor, reason in needs.items():
         if t.seq_len % divisor:
-            raise ConfigError(f"train.seq_len ({t.seq_len}) must be divisible by {divisor} = {reason}; "
-                              f"try train.seq_len={t.seq_len // divisor * divisor or divisor}")
+            raise ConfigError(
+                f"train.seq_len ({t.seq_len}) must be divisible by {divisor} = {reason}; "
+                f"try train.seq_len={t.seq_len // divisor * divisor or divisor}"
+            )
 
 
 # The config key behind each logical parameter axis, for error messages.
-_AXIS_KEYS = {"vocab": "model.vocab_size", "embed": "model.d_model", "mlp": "model.ffn_dim",
-              "heads": "model.n_heads", "kv_heads": "model.n_kv_heads", "head_dim": "model.head_dim"}
+_AXIS_KEYS = {
+    "vocab": "model.vocab_size",
+    "embed": "model.d_model",
+    "mlp": "model.ffn_dim",
+    "heads": "model.n_heads",
+    "kv_heads": "model.n_kv_heads",
+    "head_dim": "model.head_dim",
+}
 
 
 def check_parameter_shapes(config: Config, sizes: dict[str, int]) -> None:
@@ -173,8 +195,10 @@ def check_parameter_shapes(config: Config, sizes: dict[str, int]) -> None:
             shards = math.prod(sizes[a] for a in axes)
             if dim % shards:
                 fix = f"pad it to {-(-dim // shards) * shards}" if name == "vocab" else "change it"
-                raise ConfigError(f"{_AXIS_KEYS.get(name, name)} ({dim}) must be divisible by {'×'.join(axes)} "
-                                  f"({shards}) to shard the '{name}' axis; {fix} or choose another mesh")
+                raise ConfigError(
+                    f"{_AXIS_KEYS.get(name, name)} ({dim}) must be divisible by {'×'.join(axes)} "
+                    f"({shards}) to shard the '{name}' axis; {fix} or choose another mesh"
+                )
 
 
 def split_over_hosts(shape: tuple[int, ...], n_hosts: int) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
@@ -254,12 +278,12 @@ def process_rows(mesh: Mesh, batch_size: int, seq_len: int) -> list[int]:
     return sorted({row for index in indices.values() for row in range(*index[0].indices(batch_size))})
 
 
-def put_batch(batch: dict[str, np.ndarray], mesh: Mesh, batch_size: int, load_balance: bool = True
-              ) -> dict[str, jax.Array]:
+def put_batch(
+    batch: dict[str, np.ndarray], mesh: Mesh, batch_size: int, load_balance: bool = True
+) -> dict[str, jax.Array]:
     """This process's rows (see process_rows) of a [batch, seq] batch -> global sharded arrays."""
     sharding = batch_sharding(mesh)
     shards = mesh.shape["sequence"]
     if load_balance and shards > 1:
         batch = {k: balance_sequence(v, shards) for k, v in batch.items()}
-    return {k: jax.make_array_from_process_local_data(sharding, v, (batch_size, v.shape[1]))
-            for k, v in batch.items()}
+    return {k: jax.make_array_from_process_local_data(sharding, v, (batch_size, v.shape[1])) for k, v in batch.items()}

@@ -50,8 +50,10 @@ class Sampling:
 
     def check(self) -> None:
         if self.temperature < 0 or self.top_k < 0 or not 0 < self.top_p <= 1:
-            raise ConfigError(f"sampling needs temperature >= 0, top_k >= 0 and 0 < top_p <= 1, got "
-                              f"temperature {self.temperature}, top_k {self.top_k}, top_p {self.top_p}")
+            raise ConfigError(
+                f"sampling needs temperature >= 0, top_k >= 0 and 0 < top_p <= 1, got "
+                f"temperature {self.temperature}, top_k {self.top_k}, top_p {self.top_p}"
+            )
 
 
 GREEDY = Sampling(temperature=0.0)
@@ -84,8 +86,10 @@ def params_mesh(params) -> Mesh | None:
 def default_rules(cfg: ModelConfig, mesh: Mesh) -> tuple:
     """The logical-axis table (sharding.axis_rules) of a run of this model on this mesh."""
     if sorted(mesh.axis_names) != sorted(MESH_AXES):
-        raise ConfigError(f"generation needs a mesh with the axes {', '.join(MESH_AXES)} (sharding.make_mesh), "
-                          f"got {', '.join(mesh.axis_names)}")
+        raise ConfigError(
+            f"generation needs a mesh with the axes {', '.join(MESH_AXES)} (sharding.make_mesh), "
+            f"got {', '.join(mesh.axis_names)}"
+        )
     return sharding.axis_rules(Config(model=cfg, mesh=MeshConfig(**dict(mesh.shape))))
 
 
@@ -108,11 +112,21 @@ class Generator:
     cache length, on one device or on `mesh` (where the params must be) under the logical-axis table `rules`
     (default: the standard table for the mesh, as decoding_rules adapts it to the batch)."""
 
-    def __init__(self, cfg: ModelConfig, batch: int, cache_len: int, sampling: Sampling = GREEDY,
-                 mesh: Mesh | None = None, rules: tuple | None = None, adapters: PeftConfig = PeftConfig()):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        batch: int,
+        cache_len: int,
+        sampling: Sampling = GREEDY,
+        mesh: Mesh | None = None,
+        rules: tuple | None = None,
+        adapters: PeftConfig = PeftConfig(),
+    ):
         if cache_len > cfg.max_seq_len:
-            raise ConfigError(f"prompt + new tokens = {cache_len} exceed model.max_seq_len {cfg.max_seq_len}; "
-                              "generate fewer tokens or shorten the prompt")
+            raise ConfigError(
+                f"prompt + new tokens = {cache_len} exceed model.max_seq_len {cfg.max_seq_len}; "
+                "generate fewer tokens or shorten the prompt"
+            )
         sampling.check()
         self.cfg, self.batch, self.cache_len, self.sampling, self.mesh = cfg, batch, cache_len, sampling, mesh
         self.rules = None if mesh is None else decoding_rules(rules or default_rules(cfg, mesh), mesh, batch)
@@ -120,14 +134,20 @@ class Generator:
         self.model = Llama(cfg, decode=True, peft=adapters, context=context)
         # Cache shapes from an abstract init; the cache starts as zeros, made in its shards.
         shapes = jax.eval_shape(self.model.init, jax.random.key(0), jnp.zeros((batch, cache_len), jnp.int32))
-        self.cache_shardings = None if mesh is None else jax.tree.map(
-            lambda _: nn.logical_to_mesh_sharding(PartitionSpec(*CACHE_AXES), mesh, self.rules), shapes["cache"])
-        self._empty_cache = jax.jit(lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes["cache"]),
-                                    out_shardings=self.cache_shardings)
+        self.cache_shardings = (
+            None
+            if mesh is None
+            else jax.tree.map(
+                lambda _: nn.logical_to_mesh_sharding(PartitionSpec(*CACHE_AXES), mesh, self.rules), shapes["cache"]
+            )
+        )
+        self._empty_cache = jax.jit(
+            lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes["cache"]),
+            out_shardings=self.cache_shardings,
+        )
 
         def step(params, cache, tokens, positions, last, rng):
-            logits, updated = self.model.apply({"params": params, "cache": cache}, tokens, positions,
-                                               mutable=["cache"])
+            logits, updated = self.model.apply({"params": params, "cache": cache}, tokens, positions, mutable=["cache"])
             chosen = jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]  # [batch, vocab]
             return sample_next(chosen, rng, self.sampling), updated["cache"]
 
@@ -153,18 +173,22 @@ class Generator:
         lengths = np.array([len(p) for p in prompts], np.int32)
         tokens = np.zeros((self.batch, int(lengths.max())), np.int32)
         for row, prompt in enumerate(prompts):
-            tokens[row, :len(prompt)] = prompt
+            tokens[row, : len(prompt)] = prompt
         positions = np.broadcast_to(np.arange(tokens.shape[1], dtype=np.int32), tokens.shape)
-        return self._run(params, self._empty_cache(), self._put(tokens), self._put(positions),
-                         self._put(lengths - 1), rng)
+        return self._run(
+            params, self._empty_cache(), self._put(tokens), self._put(positions), self._put(lengths - 1), rng
+        )
 
-    def __call__(self, params, prompts: list[list[int]], max_new_tokens: int, rng: jax.Array,
-                 stop_token: int | None = None) -> list[list[int]]:
+    def __call__(
+        self, params, prompts: list[list[int]], max_new_tokens: int, rng: jax.Array, stop_token: int | None = None
+    ) -> list[list[int]]:
         """The new tokens of each prompt: up to max_new_tokens, ending before stop_token if produced."""
         lengths = np.array([len(p) for p in prompts], np.int32)
         if lengths.max(initial=0) + max_new_tokens > self.cache_len:
-            raise ConfigError(f"the longest prompt ({lengths.max()}) + {max_new_tokens} new tokens exceed the "
-                              f"cache of {self.cache_len}")
+            raise ConfigError(
+                f"the longest prompt ({lengths.max()}) + {max_new_tokens} new tokens exceed the "
+                f"cache of {self.cache_len}"
+            )
         rng, step_rng = jax.random.split(rng)
         token, cache = self.prefill(params, prompts, step_rng)
         produced = np.zeros((self.batch, max_new_tokens), np.int32)
@@ -177,13 +201,14 @@ class Generator:
             if done.all() or i == max_new_tokens - 1:
                 break
             rng, step_rng = jax.random.split(rng)
-            token, cache = self._run(params, cache, token[:, None], self._put((lengths + i)[:, None]),
-                                     self._put(last), step_rng)
-        return [_until(list(row[:i + 1]), stop_token) for row in produced]
+            token, cache = self._run(
+                params, cache, token[:, None], self._put((lengths + i)[:, None]), self._put(last), step_rng
+            )
+        return [_until(list(row[: i + 1]), stop_token) for row in produced]
 
 
 def _until(tokens: list[int], stop_token: int | None) -> list[int]:
-    return tokens[:tokens.index(stop_token)] if stop_token in tokens else tokens
+    return tokens[: tokens.index(stop_token)] if stop_token in tokens else tokens
 
 
 def inference_adapters(params) -> PeftConfig:
@@ -192,9 +217,17 @@ def inference_adapters(params) -> PeftConfig:
     return PeftConfig(method="prompt", prompt_tokens=prompt_tokens) if prompt_tokens else PeftConfig()
 
 
-def generate(cfg: ModelConfig, params, prompts: list[list[int]], max_new_tokens: int, rng: jax.Array,
-             sampling: Sampling = GREEDY, stop_token: int | None = None, rules: tuple | None = None,
-             adapters: PeftConfig | None = None) -> list[list[int]]:
+def generate(
+    cfg: ModelConfig,
+    params,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    rng: jax.Array,
+    sampling: Sampling = GREEDY,
+    stop_token: int | None = None,
+    rules: tuple | None = None,
+    adapters: PeftConfig | None = None,
+) -> list[list[int]]:
     """KV-cache generation for a batch of prompts (compiles a Generator for this shape), on the mesh the
     params are sharded over, if any, under `rules` (default: the standard table for that mesh). `adapters`
     (default: what the params hold, inference_adapters) with a learned prompt put its slots in front."""
@@ -205,8 +238,15 @@ def generate(cfg: ModelConfig, params, prompts: list[list[int]], max_new_tokens:
     return generator(params, prompts, max_new_tokens, rng, stop_token)
 
 
-def generate_without_cache(cfg: ModelConfig, params, prompt: list[int], max_new_tokens: int, rng: jax.Array,
-                           sampling: Sampling = GREEDY, stop_token: int | None = None) -> list[int]:
+def generate_without_cache(
+    cfg: ModelConfig,
+    params,
+    prompt: list[int],
+    max_new_tokens: int,
+    rng: jax.Array,
+    sampling: Sampling = GREEDY,
+    stop_token: int | None = None,
+) -> list[int]:
     """The reference: every new token re-runs the model over the whole sequence so far (one compiled
     shape of prompt + max_new_tokens; the causal mask keeps the padding after it unseen)."""
     adapters = inference_adapters(params)
@@ -219,7 +259,7 @@ def generate_without_cache(cfg: ModelConfig, params, prompt: list[int], max_new_
         return sample_next(logits[:, length - 1], rng, sampling)
 
     tokens = np.zeros((1, window), np.int32)
-    tokens[0, :len(prompt)] = prompt
+    tokens[0, : len(prompt)] = prompt
     produced = []
     for length in range(len(prompt), window):
         rng, step_rng = jax.random.split(rng)
@@ -238,9 +278,17 @@ def sample_text(config: Config, params, tokenizer) -> str:
     params = relayout({"params": params}, order, NATURAL)["params"]
     bos = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
     new_tokens = min(config.train.sample_tokens, config.model.max_seq_len - 1)
-    prompt = [*bos, *tokenizer.encode(config.train.sample_prompt)][-(config.model.max_seq_len - new_tokens):]
+    prompt = [*bos, *tokenizer.encode(config.train.sample_prompt)][-(config.model.max_seq_len - new_tokens) :]
     new_tokens = min(new_tokens, config.model.max_seq_len - len(prompt) - config.peft.virtual_tokens)
-    (new,) = generate(config.model, params, [prompt], new_tokens, jax.random.key(config.seed),
-                      Sampling(temperature=0.8, top_k=40), stop_token=tokenizer.eos_id,
-                      rules=sharding.axis_rules(config), adapters=config.peft)
+    (new,) = generate(
+        config.model,
+        params,
+        [prompt],
+        new_tokens,
+        jax.random.key(config.seed),
+        Sampling(temperature=0.8, top_k=40),
+        stop_token=tokenizer.eos_id,
+        rules=sharding.axis_rules(config),
+        adapters=config.peft,
+    )
     return config.train.sample_prompt + tokenizer.decode(new)

@@ -74,15 +74,20 @@ def read_config(directory: Path) -> ModelConfig:
         raise ConfigError(f"{path} is not valid JSON ({err})") from None
     architectures = hf.get("architectures") or [hf.get("model_type", "?")]
     if "LlamaForCausalLM" not in architectures and hf.get("model_type") != "llama":
-        raise ConfigError(f"{path}: architecture {architectures[0]} is not supported; llama-jax converts "
-                          "LlamaForCausalLM (model_type llama)")
+        raise ConfigError(
+            f"{path}: architecture {architectures[0]} is not supported; llama-jax converts "
+            "LlamaForCausalLM (model_type llama)"
+        )
     unsupported = [k for k in ("attention_bias", "mlp_bias") if hf.get(k)]
     if hf.get("hidden_act", "silu") != "silu":
         unsupported.append(f"hidden_act={hf['hidden_act']}")
     if unsupported:
         raise ConfigError(f"{path}: {', '.join(unsupported)} is not supported (Llama 3 has no biases and uses SiLU)")
-    missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                           "intermediate_size") if k not in hf]
+    missing = [
+        k
+        for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+        if k not in hf
+    ]
     if missing:
         raise ConfigError(f"{path} lacks {', '.join(missing)}")
     # transformers 4.x: rope_theta + rope_scaling; 5.x: rope_parameters (holding rope_theta too).
@@ -97,32 +102,53 @@ def read_config(directory: Path) -> ModelConfig:
     if head_dim * hf["num_attention_heads"] == hf["hidden_size"]:
         head_dim = 0
     return ModelConfig(
-        vocab_size=hf["vocab_size"], d_model=hf["hidden_size"], n_layers=hf["num_hidden_layers"],
-        n_heads=hf["num_attention_heads"], n_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
-        head_dim=head_dim, ffn_dim=hf["intermediate_size"],
-        max_seq_len=hf.get("max_position_embeddings", 2048), norm_eps=hf.get("rms_norm_eps", 1e-5),
-        rope_theta=float(theta), rope_scaling_factor=float(rope.get("factor", 1.0)) if llama3 else 1.0,
+        vocab_size=hf["vocab_size"],
+        d_model=hf["hidden_size"],
+        n_layers=hf["num_hidden_layers"],
+        n_heads=hf["num_attention_heads"],
+        n_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+        head_dim=head_dim,
+        ffn_dim=hf["intermediate_size"],
+        max_seq_len=hf.get("max_position_embeddings", 2048),
+        norm_eps=hf.get("rms_norm_eps", 1e-5),
+        rope_theta=float(theta),
+        rope_scaling_factor=float(rope.get("factor", 1.0)) if llama3 else 1.0,
         rope_low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
         rope_high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
         rope_original_max_len=int(rope.get("original_max_position_embeddings", 8192)),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)))
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+    )
 
 
 def hf_config(cfg: ModelConfig, dtype: str) -> dict:
     """config.json for transformers: the 4.x keys (rope_theta, rope_scaling), which 5.x also reads."""
     config = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.d_model, "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
-        "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.resolved_head_dim,
-        "intermediate_size": cfg.ffn_dim, "max_position_embeddings": cfg.max_seq_len,
-        "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta, "tie_word_embeddings": cfg.tie_embeddings,
-        "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "torch_dtype": dtype,
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.d_model,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads,
+        "head_dim": cfg.resolved_head_dim,
+        "intermediate_size": cfg.ffn_dim,
+        "max_position_embeddings": cfg.max_seq_len,
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "torch_dtype": dtype,
     }
     if cfg.rope_scaling_factor != 1.0:
         config["rope_scaling"] = {
-            "rope_type": "llama3", "factor": cfg.rope_scaling_factor, "low_freq_factor": cfg.rope_low_freq_factor,
+            "rope_type": "llama3",
+            "factor": cfg.rope_scaling_factor,
+            "low_freq_factor": cfg.rope_low_freq_factor,
             "high_freq_factor": cfg.rope_high_freq_factor,
-            "original_max_position_embeddings": cfg.rope_original_max_len}
+            "original_max_position_embeddings": cfg.rope_original_max_len,
+        }
     return config
 
 
@@ -140,6 +166,7 @@ class Tensor:
         heads_in    ours[d, n, h] == hf[n * head_dim + h, d]     q, k, v projections
         heads_out   ours[n, h, d] == hf[d, n * head_dim + h]     o projection
     """
+
     path: tuple[str, ...]  # in our params tree
     hf_name: str  # with {i} for the layer index when per_layer
     per_layer: bool
@@ -176,8 +203,13 @@ class Tensor:
             return w.reshape(w.shape[0], -1).T
         return w.reshape(-1, w.shape[-1]).T
 
-    def from_hf(self, read: Callable[[tuple[slice, ...]], np.ndarray], index: tuple[slice, ...], head_dim: int,
-                interleaved: bool) -> np.ndarray:
+    def from_hf(
+        self,
+        read: Callable[[tuple[slice, ...]], np.ndarray],
+        index: tuple[slice, ...],
+        head_dim: int,
+        interleaved: bool,
+    ) -> np.ndarray:
         """ours[index] (one layer; slices with start and stop), reading only the Hugging Face rows and
         columns it needs with read(hf_index)."""
         if self.layout == "same":
@@ -233,16 +265,15 @@ def half_to_interleaved(w: np.ndarray, n_heads: int) -> np.ndarray:
 # Reading
 
 
-
 def single_device_target(cfg: ModelConfig) -> Any:
     """The params' shapes and param_dtype on this process's first device: where a model goes without a mesh."""
     device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=device),
-                        param_shapes(cfg))
+    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=device), param_shapes(cfg))
 
 
-def read_params(directory: Path, cfg: ModelConfig, target: Any = None, rotary: str = "half",
-                block_bytes: int = BLOCK_BYTES) -> dict:
+def read_params(
+    directory: Path, cfg: ModelConfig, target: Any = None, rotary: str = "half", block_bytes: int = BLOCK_BYTES
+) -> dict:
     """Our params tree from a Hugging Face directory, each parameter in the shape, dtype and sharding of
     `target` (ShapeDtypeStructs in a tree like the params; None: single_device_target), read and placed
     block by block (module docstring)."""
@@ -256,17 +287,26 @@ def read_params(directory: Path, cfg: ModelConfig, target: Any = None, rotary: s
     missing = [n for n in expected if n not in reader.files]
     if missing:
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
-        raise ConfigError(f"{directory} lacks tensor(s) {', '.join(missing[:3])}{more} that a Llama with this "
-                          "config.json needs")
+        raise ConfigError(
+            f"{directory} lacks tensor(s) {', '.join(missing[:3])}{more} that a Llama with this config.json needs"
+        )
     wrong = [n for n, shape in expected.items() if reader.shapes[n] != shape]
     if wrong:
-        raise ConfigError(f"{directory}: {wrong[0]} has shape {list(reader.shapes[wrong[0]])} but config.json "
-                          f"implies {list(expected[wrong[0]])}")
+        raise ConfigError(
+            f"{directory}: {wrong[0]} has shape {list(reader.shapes[wrong[0]])} but config.json "
+            f"implies {list(expected[wrong[0]])}"
+        )
     return read_tensors(reader, tensor_map(cfg), cfg, target, rotary, block_bytes)
 
 
-def read_tensors(reader: SafetensorsReader, tensors: list[Tensor], cfg: ModelConfig, target: Any,
-                 rotary: str = "half", block_bytes: int = BLOCK_BYTES) -> dict:
+def read_tensors(
+    reader: SafetensorsReader,
+    tensors: list[Tensor],
+    cfg: ModelConfig,
+    target: Any,
+    rotary: str = "half",
+    block_bytes: int = BLOCK_BYTES,
+) -> dict:
     """The params tree of `tensors` (names and shapes checked by the caller), each parameter in the shape,
     dtype and sharding of `target`, read from `reader` and placed block by block."""
     params: dict = {}
@@ -275,9 +315,11 @@ def read_tensors(reader: SafetensorsReader, tensors: list[Tensor], cfg: ModelCon
 
         def read(index, tensor=tensor, dtype=spec.dtype):  # ours[index], in dtype
             def one(name, index):
-                block = tensor.from_hf(partial(reader.read, name), index, cfg.resolved_head_dim,
-                                       rotary == "interleaved")
+                block = tensor.from_hf(
+                    partial(reader.read, name), index, cfg.resolved_head_dim, rotary == "interleaved"
+                )
                 return block.astype(dtype, copy=False)
+
             if not tensor.per_layer:
                 return one(tensor.hf_name, index)
             layers = range(index[0].start, index[0].stop)
@@ -290,8 +332,13 @@ def read_tensors(reader: SafetensorsReader, tensors: list[Tensor], cfg: ModelCon
     return params
 
 
-def place(shape: tuple[int, ...], dtype, sharding, read: Callable[[tuple[slice, ...]], np.ndarray],
-          block_bytes: int = BLOCK_BYTES) -> jax.Array:
+def place(
+    shape: tuple[int, ...],
+    dtype,
+    sharding,
+    read: Callable[[tuple[slice, ...]], np.ndarray],
+    block_bytes: int = BLOCK_BYTES,
+) -> jax.Array:
     """A jax.Array of `shape` in `sharding` whose values are read(index) (slices with start and stop):
     each addressable device's shard is filled in blocks of at most block_bytes along axis 0, so the host
     holds one block at a time; a shard that several devices hold is read once and copied."""
@@ -340,10 +387,14 @@ def _set(tree: dict, path, value) -> None:
 # Writing
 
 
-
-
-def hf_tensors(params: dict, cfg: ModelConfig, dtype, rotary: str = "half", block_bytes: int = BLOCK_BYTES,
-               tensors: list[Tensor] | None = None) -> Iterator[Item]:
+def hf_tensors(
+    params: dict,
+    cfg: ModelConfig,
+    dtype,
+    rotary: str = "half",
+    block_bytes: int = BLOCK_BYTES,
+    tensors: list[Tensor] | None = None,
+) -> Iterator[Item]:
     """(name, shape, blocks) per Hugging Face tensor of `tensors` (default: the model's, tensor_map), in
     their order. blocks() pulls the tensor (one layer of a stacked parameter) off the devices and yields its
     rows as numpy in `dtype`, in blocks of at most block_bytes, on process 0; the other processes of a
@@ -352,13 +403,31 @@ def hf_tensors(params: dict, cfg: ModelConfig, dtype, rotary: str = "half", bloc
         value = _get(params, tensor.path)
         layer_shape = value.shape[1:] if tensor.per_layer else value.shape
         for i in range(cfg.n_layers) if tensor.per_layer else [None]:
-            yield (tensor.hf_name.format(i=i), tensor.hf_shape(layer_shape),
-                   partial(_hf_blocks, tensor, value, i, cfg.resolved_head_dim, np.dtype(dtype),
-                           rotary == "interleaved", block_bytes))
+            yield (
+                tensor.hf_name.format(i=i),
+                tensor.hf_shape(layer_shape),
+                partial(
+                    _hf_blocks,
+                    tensor,
+                    value,
+                    i,
+                    cfg.resolved_head_dim,
+                    np.dtype(dtype),
+                    rotary == "interleaved",
+                    block_bytes,
+                ),
+            )
 
 
-def _hf_blocks(tensor: Tensor, value: jax.Array, layer: int | None, head_dim: int, dtype: np.dtype,
-               interleaved: bool, block_bytes: int) -> Iterator[np.ndarray | None]:
+def _hf_blocks(
+    tensor: Tensor,
+    value: jax.Array,
+    layer: int | None,
+    head_dim: int,
+    dtype: np.dtype,
+    interleaved: bool,
+    block_bytes: int,
+) -> Iterator[np.ndarray | None]:
     ours = pull(value, layer)
     if ours is None:
         yield None
@@ -368,7 +437,7 @@ def _hf_blocks(tensor: Tensor, value: jax.Array, layer: int | None, head_dim: in
         rows = half_to_interleaved(rows, rows.shape[0] // head_dim)
     step = max(1, block_bytes // max(1, rows[:1].size * max(rows.dtype.itemsize, dtype.itemsize)))
     for start in range(0, rows.shape[0], step):
-        yield rows[start:start + step].astype(dtype, order="C")
+        yield rows[start : start + step].astype(dtype, order="C")
 
 
 def pull(value: jax.Array, layer: int | None) -> np.ndarray | None:
@@ -394,17 +463,22 @@ def _copy(value: jax.Array) -> jax.Array:
     return value * 1
 
 
-
-def write_hf(directory: Path, params: dict, cfg: ModelConfig, dtype: str = "float32", rotary: str = "half",
-             shard_bytes: int = SHARD_BYTES, block_bytes: int = BLOCK_BYTES) -> Path:
+def write_hf(
+    directory: Path,
+    params: dict,
+    cfg: ModelConfig,
+    dtype: str = "float32",
+    rotary: str = "half",
+    shard_bytes: int = SHARD_BYTES,
+    block_bytes: int = BLOCK_BYTES,
+) -> Path:
     """A Hugging Face Llama directory (config.json + safetensors) from our params, which may be sharded
     over a mesh; in a multi-process run every process calls it and process 0 writes."""
     directory = Path(directory)
     if jax.process_index() == 0:
         directory.mkdir(parents=True, exist_ok=True)
     np_dtype = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}[dtype]
-    write_safetensors(directory, list(hf_tensors(params, cfg, np_dtype, rotary, block_bytes)), np_dtype,
-                      shard_bytes)
+    write_safetensors(directory, list(hf_tensors(params, cfg, np_dtype, rotary, block_bytes)), np_dtype, shard_bytes)
     if jax.process_index() == 0:
         (directory / "config.json").write_text(json.dumps(hf_config(cfg, dtype), indent=2) + "\n")
     return directory

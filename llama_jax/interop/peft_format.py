@@ -56,8 +56,10 @@ def lora_tensors(cfg: ModelConfig, settings: PeftConfig) -> list[hf.Tensor]:
         name = LORA_PREFIX + base.hf_name.removesuffix(".weight")
         a_layout = "heads_out" if base.layout == "heads_out" else "transposed"
         b_layout = "heads_in" if base.layout == "heads_in" else "transposed"
-        tensors += [hf.Tensor(base.path[:-1] + ("lora_a",), name + ".lora_A.weight", True, a_layout),
-                    hf.Tensor(base.path[:-1] + ("lora_b",), name + ".lora_B.weight", True, b_layout)]
+        tensors += [
+            hf.Tensor(base.path[:-1] + ("lora_a",), name + ".lora_A.weight", True, a_layout),
+            hf.Tensor(base.path[:-1] + ("lora_b",), name + ".lora_B.weight", True, b_layout),
+        ]
     return tensors
 
 
@@ -65,17 +67,40 @@ def adapter_config(cfg: ModelConfig, settings: PeftConfig, base_model: str) -> d
     """adapter_config.json: the keys PEFT needs to rebuild the adapters (it fills in the rest)."""
     common = {"task_type": "CAUSAL_LM", "base_model_name_or_path": base_model, "inference_mode": True}
     if settings.method == "lora":
-        return {**common, "peft_type": "LORA", "r": settings.rank, "lora_alpha": settings.alpha,
-                "lora_dropout": settings.dropout, "target_modules": [f"{t}_proj" for t in settings.targets],
-                "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
-                "init_lora_weights": True}
-    return {**common, "peft_type": "PROMPT_TUNING", "num_virtual_tokens": settings.prompt_tokens,
-            "token_dim": cfg.d_model, "num_transformer_submodules": 1, "num_attention_heads": cfg.n_heads,
-            "num_layers": cfg.n_layers, "prompt_tuning_init": "RANDOM"}
+        return {
+            **common,
+            "peft_type": "LORA",
+            "r": settings.rank,
+            "lora_alpha": settings.alpha,
+            "lora_dropout": settings.dropout,
+            "target_modules": [f"{t}_proj" for t in settings.targets],
+            "bias": "none",
+            "fan_in_fan_out": False,
+            "use_rslora": False,
+            "use_dora": False,
+            "init_lora_weights": True,
+        }
+    return {
+        **common,
+        "peft_type": "PROMPT_TUNING",
+        "num_virtual_tokens": settings.prompt_tokens,
+        "token_dim": cfg.d_model,
+        "num_transformer_submodules": 1,
+        "num_attention_heads": cfg.n_heads,
+        "num_layers": cfg.n_layers,
+        "prompt_tuning_init": "RANDOM",
+    }
 
 
-def write_adapter(directory: Path, adapters: dict, cfg: ModelConfig, settings: PeftConfig, base_model: str,
-                  dtype: str = "float32", rotary: str = "half") -> Path:
+def write_adapter(
+    directory: Path,
+    adapters: dict,
+    cfg: ModelConfig,
+    settings: PeftConfig,
+    base_model: str,
+    dtype: str = "float32",
+    rotary: str = "half",
+) -> Path:
     """A PEFT adapter directory from a peft run's adapters (peft.split's first half, possibly sharded); in a
     multi-process run every process calls it and process 0 writes."""
     directory = Path(directory)
@@ -124,8 +149,10 @@ def read_config(directory: Path) -> dict:
     try:
         config = json.loads(path.read_text())
     except (OSError, ValueError) as err:
-        raise ConfigError(f"{path} cannot be read as JSON ({err}); a PEFT adapter directory holds "
-                          f"{ADAPTER_CONFIG} and adapter_model.safetensors") from None
+        raise ConfigError(
+            f"{path} cannot be read as JSON ({err}); a PEFT adapter directory holds "
+            f"{ADAPTER_CONFIG} and adapter_model.safetensors"
+        ) from None
     if not isinstance(config, dict):
         raise ConfigError(f"{path} is not a JSON object; a PEFT adapter directory holds {ADAPTER_CONFIG}")
     return config
@@ -139,20 +166,28 @@ def read_settings(directory: Path, cfg: ModelConfig) -> PeftConfig:
     if kind == "PROMPT_TUNING":
         return _prompt_settings(config, cfg, where)
     if kind != "LORA":
-        raise ConfigError(f"{where} holds a PEFT adapter of type {kind}; llama-jax reads LORA and PROMPT_TUNING "
-                          "adapters")
+        raise ConfigError(
+            f"{where} holds a PEFT adapter of type {kind}; llama-jax reads LORA and PROMPT_TUNING adapters"
+        )
     for key, (ours, what) in UNSUPPORTED.items():
         if config.get(key) not in ours:
-            raise ConfigError(f"{where} uses {what.format(value=config.get(key))}, which llama-jax's LoRA does not "
-                              "compute; merge it into the base with PEFT (merge_and_unload) and load that instead")
+            raise ConfigError(
+                f"{where} uses {what.format(value=config.get(key))}, which llama-jax's LoRA does not "
+                "compute; merge it into the base with PEFT (merge_and_unload) and load that instead"
+            )
     reader = SafetensorsReader(where, stem="adapter_model")
     targets = _lora_targets(reader, cfg, where)
     rank = int(config.get("r", 0))
     if rank <= 0:
         raise ConfigError(f"{where / ADAPTER_CONFIG}: r must be a positive rank, got {config.get('r')}")
     alpha = float(config.get("lora_alpha", rank))
-    settings = PeftConfig(method="lora", rank=rank, alpha=alpha * math.sqrt(rank) if config.get("use_rslora")
-                          else alpha, targets=targets, dropout=float(config.get("lora_dropout") or 0.0))
+    settings = PeftConfig(
+        method="lora",
+        rank=rank,
+        alpha=alpha * math.sqrt(rank) if config.get("use_rslora") else alpha,
+        targets=targets,
+        dropout=float(config.get("lora_dropout") or 0.0),
+    )
     _check_shapes(reader, adapter_tensors(cfg, settings, reader), cfg, settings, where)
     return settings
 
@@ -160,8 +195,10 @@ def read_settings(directory: Path, cfg: ModelConfig) -> PeftConfig:
 def _prompt_settings(config: dict, cfg: ModelConfig, where: Path) -> PeftConfig:
     """A prompt-tuning adapter: its virtual tokens, for a decoder (one transformer submodule) of our width."""
     if config.get("num_transformer_submodules", 1) != 1:
-        raise ConfigError(f"{where} is a prompt for an encoder-decoder model (num_transformer_submodules: "
-                          f"{config['num_transformer_submodules']}); a Llama takes a decoder's prompt")
+        raise ConfigError(
+            f"{where} is a prompt for an encoder-decoder model (num_transformer_submodules: "
+            f"{config['num_transformer_submodules']}); a Llama takes a decoder's prompt"
+        )
     settings = PeftConfig(method="prompt", prompt_tokens=int(config.get("num_virtual_tokens", 0)))
     reader = SafetensorsReader(where, stem="adapter_model")
     _check_shapes(reader, adapter_tensors(cfg, settings, reader), cfg, settings, where)
@@ -174,13 +211,17 @@ def _lora_targets(reader: SafetensorsReader, cfg: ModelConfig, where: Path) -> l
     for name in reader.files:
         match = _LORA_NAME.fullmatch(name.removeprefix(LORA_PREFIX))
         if match is None or match.group(2) not in PROJECTIONS:
-            raise ConfigError(f"{where}: tensor {name} is not the LoRA A or B of a Llama projection (llama-jax "
-                              f"adapts {', '.join(f'{p}_proj' for p in PROJECTIONS)})")
+            raise ConfigError(
+                f"{where}: tensor {name} is not the LoRA A or B of a Llama projection (llama-jax "
+                f"adapts {', '.join(f'{p}_proj' for p in PROJECTIONS)})"
+            )
         found.setdefault(match.group(2), set()).add(int(match.group(1)))
     for target, layers in found.items():
         if layers != set(range(cfg.n_layers)):
-            raise ConfigError(f"{where} adapts {target}_proj on layers {_span(layers)} but the base model has "
-                              f"{cfg.n_layers} layers: the adapter was made for another base model")
+            raise ConfigError(
+                f"{where} adapts {target}_proj on layers {_span(layers)} but the base model has "
+                f"{cfg.n_layers} layers: the adapter was made for another base model"
+            )
     if not found:
         raise ConfigError(f"{where}: adapter_model.safetensors holds no LoRA tensors")
     return [p for p in PROJECTIONS if p in found]
@@ -190,8 +231,7 @@ def _span(layers: set[int]) -> str:
     return f"{min(layers)}-{max(layers)}" if max(layers) - min(layers) + 1 == len(layers) else str(sorted(layers))
 
 
-def adapter_tensors(cfg: ModelConfig, settings: PeftConfig, reader: SafetensorsReader | None = None
-                    ) -> list[hf.Tensor]:
+def adapter_tensors(cfg: ModelConfig, settings: PeftConfig, reader: SafetensorsReader | None = None) -> list[hf.Tensor]:
     """The tensors of `settings`' adapters under the names `reader`'s file uses (PEFT's, with or without its
     `base_model.model.` prefix)."""
     if settings.method != "lora":
@@ -202,8 +242,9 @@ def adapter_tensors(cfg: ModelConfig, settings: PeftConfig, reader: SafetensorsR
     return tensors
 
 
-def _check_shapes(reader: SafetensorsReader, tensors: list[hf.Tensor], cfg: ModelConfig, settings: PeftConfig,
-                  where: Path) -> None:
+def _check_shapes(
+    reader: SafetensorsReader, tensors: list[hf.Tensor], cfg: ModelConfig, settings: PeftConfig, where: Path
+) -> None:
     """Every tensor of `tensors` is in the file with the shape our adapter of `settings` on `cfg` has."""
     shapes = flatten_dict(peft.split(param_shapes(cfg, settings))[0])
     for tensor in tensors:
@@ -214,9 +255,11 @@ def _check_shapes(reader: SafetensorsReader, tensors: list[hf.Tensor], cfg: Mode
             if name not in reader.shapes:
                 raise ConfigError(f"{where} lacks tensor {name}")
             if reader.shapes[name] != expected:
-                raise ConfigError(f"{where}: {name} has shape {list(reader.shapes[name])} where a {_what(settings)} on "
-                                  f"this base model has {list(expected)}: the adapter was made for another base "
-                                  "model (or its adapter_config.json does not match its tensors)")
+                raise ConfigError(
+                    f"{where}: {name} has shape {list(reader.shapes[name])} where a {_what(settings)} on "
+                    f"this base model has {list(expected)}: the adapter was made for another base "
+                    "model (or its adapter_config.json does not match its tensors)"
+                )
 
 
 def _what(settings: PeftConfig) -> str:

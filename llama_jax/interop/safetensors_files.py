@@ -66,15 +66,16 @@ class SafetensorsReader:
             part = self._read(name, (slice(start, min(start + step, rows.stop)), *rest))
             if out is None:
                 out = np.empty((rows.stop - rows.start, *part.shape[1:]), part.dtype)
-            out[start - rows.start:start - rows.start + len(part)] = part
+            out[start - rows.start : start - rows.start + len(part)] = part
         return out
 
     def _read(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
         return safe_open(str(self.files[name]), framework="numpy").get_slice(name)[index]
 
 
-def write_safetensors(directory: Path, items: list[Item], dtype, shard_bytes: int = SHARD_BYTES,
-                      stem: str = "model") -> list[str]:
+def write_safetensors(
+    directory: Path, items: list[Item], dtype, shard_bytes: int = SHARD_BYTES, stem: str = "model"
+) -> list[str]:
     """Write tensors as safetensors files of at most shard_bytes (one file if it fits: <stem>.safetensors),
     streaming each tensor's blocks; with several files, also <stem>.safetensors.index.json. Only process
     0 writes (the others pull with it). Returns the file names."""
@@ -89,8 +90,11 @@ def write_safetensors(directory: Path, items: list[Item], dtype, shard_bytes: in
         current.append((item, size))
         used += size
     groups.append(current)
-    names = [f"{stem}.safetensors"] if len(groups) == 1 else \
-        [f"{stem}-{k + 1:05d}-of-{len(groups):05d}.safetensors" for k in range(len(groups))]
+    names = (
+        [f"{stem}.safetensors"]
+        if len(groups) == 1
+        else [f"{stem}-{k + 1:05d}-of-{len(groups):05d}.safetensors" for k in range(len(groups))]
+    )
     primary = jax.process_index() == 0
     weight_map = {}
     for name, group in zip(names, groups):
@@ -115,6 +119,7 @@ def write_safetensors(directory: Path, items: list[Item], dtype, shard_bytes: in
                 if f is not None and written != size:
                     raise RuntimeError(f"{tensor_name}: wrote {written} bytes, its header says {size}")
     if len(names) > 1 and primary:
-        (directory / f"{stem}.safetensors.index.json").write_text(json.dumps(
-            {"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}, indent=2) + "\n")
+        (directory / f"{stem}.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}, indent=2) + "\n"
+        )
     return names

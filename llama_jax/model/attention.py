@@ -36,8 +36,9 @@ from llama_jax.model.flash import MIN_BLOCK, block_size, blocked_attention
 CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
 
 
-def select_implementation(requested: str, platform: str, dtype, head_dim: int, seq_len: int | None = None,
-                          strict: bool = True) -> str:
+def select_implementation(
+    requested: str, platform: str, dtype, head_dim: int, seq_len: int | None = None, strict: bool = True
+) -> str:
     """Pick 'cudnn', 'blocked' (flash.py, plain JAX) or 'xla'.
 
     'auto' picks cuDNN where it can run: a GPU, a 16-bit dtype and a head_dim that is a multiple of
@@ -45,8 +46,9 @@ def select_implementation(requested: str, platform: str, dtype, head_dim: int, s
     sequence splits into blocks (seq_len None: assume it does); otherwise XLA's. Asking for a kernel where it cannot run
     is an error rather than a silent fallback, so a benchmark never measures the wrong kernel.
     """
-    cudnn_ok = platform == "gpu" and jnp.dtype(dtype) in map(jnp.dtype, CUDNN_DTYPES) \
-        and head_dim % 8 == 0 and head_dim <= 256
+    cudnn_ok = (
+        platform == "gpu" and jnp.dtype(dtype) in map(jnp.dtype, CUDNN_DTYPES) and head_dim % 8 == 0 and head_dim <= 256
+    )
     blocked_ok = platform in ("cpu", "gpu") and (seq_len is None or block_size(seq_len) is not None)
     if requested == "auto":
         return "cudnn" if cudnn_ok else "blocked" if blocked_ok else "xla"
@@ -59,9 +61,11 @@ def select_implementation(requested: str, platform: str, dtype, head_dim: int, s
     if requested == "blocked" and not blocked_ok:
         if not strict:  # an input shorter than training's (init's dummy batch, a prompt): XLA's kernel
             return "xla"
-        raise ConfigError(f"model.attention=blocked needs a CPU or GPU and train.seq_len >= {2 * MIN_BLOCK} divisible "
-                          f"by its block length (have platform {platform}, seq_len {seq_len}); "
-                          "use model.attention=auto")
+        raise ConfigError(
+            f"model.attention=blocked needs a CPU or GPU and train.seq_len >= {2 * MIN_BLOCK} divisible "
+            f"by its block length (have platform {platform}, seq_len {seq_len}); "
+            "use model.attention=auto"
+        )
     return requested
 
 
@@ -88,14 +92,26 @@ def _query_heads_split_from_kv_heads(context: TraceContext) -> bool:
     return q_axes != kv_axes and context.axis_size(q_axes) > 1
 
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None, implementation: str,
-              max_segments: int = 16, balanced: bool = True, *, context: TraceContext) -> jax.Array:
+def attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    segment_ids: jax.Array | None,
+    implementation: str,
+    max_segments: int = 16,
+    balanced: bool = True,
+    *,
+    context: TraceContext,
+) -> jax.Array:
     """Causal attention with document masking. q [b,t,n,h], k/v [b,t,kv,h] -> [b,t,n,h].
 
     balanced: under context parallelism, whether the sequence is laid out by sharding.balance_sequence.
     context: the trace's mesh and rules, which say whether attention runs per device in a shard_map."""
-    if context.axis_size(SEQUENCE_AXIS) > 1 or _query_heads_split_from_kv_heads(context) or \
-            (implementation == "cudnn" and _in_manual_region(context)):
+    if (
+        context.axis_size(SEQUENCE_AXIS) > 1
+        or _query_heads_split_from_kv_heads(context)
+        or (implementation == "cudnn" and _in_manual_region(context))
+    ):
         return _per_device(q, k, v, segment_ids, implementation, max_segments, balanced, context)
     return _tokens_in_order(q, k, v, segment_ids, implementation, max_segments)
 
@@ -115,6 +131,7 @@ def _keeping_residuals(kernel):
     """A flash kernel whose backward-pass residuals (its inputs, output and per-query softmax
     statistics: O(T) memory) carry the tag "attention_context", so a remat policy that keeps the
     attention's output keeps them too and never re-runs the kernel's forward pass."""
+
     @jax.custom_vjp
     def run(q, k, v, segment_ids):
         return kernel(q, k, v, segment_ids)
@@ -128,6 +145,7 @@ def _keeping_residuals(kernel):
 
     run.defvjp(forward, backward)
     return run
+
 
 def cached_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positions: jax.Array) -> jax.Array:
     """Decoding: queries at `positions` [b, t] attend to the cache slots at or before them.
@@ -161,11 +179,13 @@ def _per_device(q, k, v, segment_ids, implementation, max_segments, balanced, co
     # Over the trace's mesh; inside a pipeline stage, over the stage's (jax's, its pipeline axis manual there).
     mesh = None if context.manual_axes else context.mesh
     return jax.shard_map(local, mesh=mesh, in_specs=(heads, kv_heads, kv_heads, tokens), out_specs=heads)(
-        q, k, v, segment_ids)
+        q, k, v, segment_ids
+    )
 
 
-def context_parallel_attention(q, k, v, segments, implementation: str, max_segments: int, shards: int,
-                               balanced: bool) -> jax.Array:
+def context_parallel_attention(
+    q, k, v, segments, implementation: str, max_segments: int, shards: int, balanced: bool
+) -> jax.Array:
     """One device's share of context-parallel attention, inside a shard_map over the `sequence` axis of
     `shards` devices: q [b, t, n, h], k/v [b, t, kv, h], segments [b, t] -> [b, t, n, h]."""
     in_chunk, kernel = context_parallel_kernels(implementation, max_segments, q.shape[1] // (2 if balanced else 1))

@@ -78,5 +78,6 @@ class TraceContext:
 
     def inside_stage(self) -> TraceContext:
         """The context of a pipeline stage's shard_map body: the stage axis is manual there, out of the rules."""
-        return dataclasses.replace(self, rules=without_stage_axis(self.rules),
-                                   manual_axes=(*self.manual_axes, STAGE_AXIS))
+        return dataclasses.replace(
+            self, rules=without_stage_axis(self.rules), manual_axes=(*self.manual_axes, STAGE_AXIS)
+        )

@@ -82,7 +82,7 @@ def _grouped_scores(q, k, q_len, kv_len, causal):
     b, tq, n, h = q.shape
     kv = k.shape[2]
     q = q.reshape(b, tq, kv, n // kv, h)
-    scores = jnp.einsum("bqkgh,bskh->bkgqs", q, k, preferred_element_type=jnp.float32) * h ** -0.5
+    scores = jnp.einsum("bqkgh,bskh->bkgqs", q, k, preferred_element_type=jnp.float32) * h**-0.5
     rows, cols = jnp.arange(tq)[:, None], jnp.arange(k.shape[1])[None, :]
     visible = (rows < q_len[:, None, None]) & (cols < kv_len[:, None, None])
     if causal:
@@ -110,7 +110,7 @@ def _xla_backward(q, k, v, q_len, kv_len, causal, out, lse, d_out):
     dv = jnp.einsum("bkgqs,bqkgh->bskh", p, d_out)
     dp = jnp.einsum("bqkgh,bskh->bkgqs", d_out, v.astype(jnp.float32))
     delta = jnp.einsum("bqkgh,bqkgh->bkgq", d_out, out)
-    ds = p * (dp - delta[..., None]) * h ** -0.5
+    ds = p * (dp - delta[..., None]) * h**-0.5
     dq = jnp.einsum("bkgqs,bskh->bqkgh", ds, k.astype(jnp.float32)).reshape(q.shape)
     dk = jnp.einsum("bkgqs,bqkgh->bskh", ds, grouped(q))
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
@@ -150,8 +150,9 @@ def _combined_forward(kernel, causal, q, keys, values, q_lens, kv_lens):
     out = sum(o * weight(part_lse) for o, part_lse in zip(outs, lses)).astype(q.dtype)
     # Tagged like the other flash kernels' residuals (attention.py): a remat policy that keeps the
     # attention keeps these and never re-runs the forward pass.
-    residuals = jax.tree.map(lambda r: checkpoint_name(r, "attention_context"),
-                             (q, keys, values, q_lens, kv_lens, out, lse))
+    residuals = jax.tree.map(
+        lambda r: checkpoint_name(r, "attention_context"), (q, keys, values, q_lens, kv_lens, out, lse)
+    )
     return out, residuals
 
 
@@ -162,8 +163,17 @@ def _combined_backward(kernel, causal, residuals, d_out):
     d_keys, d_values = [], []
     for k, v, q_len, kv_len, is_causal in zip(keys, values, q_lens, kv_lens, causal):
         covered = _rows_covered(q_len, kv_len, t)[:, :, None, None]
-        part_dq, dk, dv = kernel.backward(q, k, v, q_len, jnp.maximum(kv_len, 1), is_causal, out, lse,
-                                          jnp.where(covered, d_out, 0).astype(d_out.dtype))
+        part_dq, dk, dv = kernel.backward(
+            q,
+            k,
+            v,
+            q_len,
+            jnp.maximum(kv_len, 1),
+            is_causal,
+            out,
+            lse,
+            jnp.where(covered, d_out, 0).astype(d_out.dtype),
+        )
         # What a kernel leaves in rows and keys outside its lengths is unspecified: zero it.
         dq += jnp.where(covered, part_dq.astype(jnp.float32), 0.0)
         keys_used = (jnp.arange(k.shape[1])[None, :] < kv_len[:, None])[:, :, None, None]
@@ -179,8 +189,9 @@ combined_attention.defvjp(_combined_forward, _combined_backward)
 # One chunk, and the whole of this device's slice
 
 
-def chunk_attention(q, k, v, segments, all_keys, all_values, all_segments, start, in_chunk: Callable,
-                    kernel: PaddedKernel) -> jax.Array:
+def chunk_attention(
+    q, k, v, segments, all_keys, all_values, all_segments, start, in_chunk: Callable, kernel: PaddedKernel
+) -> jax.Array:
     """Causal document attention of one chunk of queries q [b, C, n, h] that begins at token `start`
     (traced) of the sequence. k/v [b, C, kv, h] and segments [b, C] are the chunk's own; all_* are the
     whole sequence's in token order. in_chunk(q, k, v, segments) is exact causal document attention
@@ -212,18 +223,43 @@ def chunk_attention(q, k, v, segments, all_keys, all_values, all_segments, start
     return jax.lax.switch(branch, [own_chunk, first_document, both])
 
 
-def sequence_sharded_attention(q, k, v, segments, shards: int, balanced: bool, in_chunk: Callable,
-                               kernel: PaddedKernel) -> jax.Array:
+def sequence_sharded_attention(
+    q, k, v, segments, shards: int, balanced: bool, in_chunk: Callable, kernel: PaddedKernel
+) -> jax.Array:
     """Inside a shard_map over SEQUENCE_AXIS: this device's queries q [b, t, n, h] (t = T / shards),
     keys/values [b, t, kv, h] and segment ids [b, t] -> its attention output [b, t, n, h]."""
     order = chunk_order(shards, balanced)
     gather = lambda x: _to_token_order(jax.lax.all_gather(x, SEQUENCE_AXIS, axis=1, tiled=True), order)  # noqa: E731
-    return device_attention(q, k, v, segments, gather(k), gather(v), gather(segments),
-                            jax.lax.axis_index(SEQUENCE_AXIS), shards, balanced, in_chunk, kernel)
+    return device_attention(
+        q,
+        k,
+        v,
+        segments,
+        gather(k),
+        gather(v),
+        gather(segments),
+        jax.lax.axis_index(SEQUENCE_AXIS),
+        shards,
+        balanced,
+        in_chunk,
+        kernel,
+    )
 
 
-def device_attention(q, k, v, segments, all_keys, all_values, all_segments, device, shards: int, balanced: bool,
-                     in_chunk: Callable, kernel: PaddedKernel) -> jax.Array:
+def device_attention(
+    q,
+    k,
+    v,
+    segments,
+    all_keys,
+    all_values,
+    all_segments,
+    device,
+    shards: int,
+    balanced: bool,
+    in_chunk: Callable,
+    kernel: PaddedKernel,
+) -> jax.Array:
     """Device `device`'s share, given its own slice (q, k, v, segments) and the whole sequence's keys,
     values and segment ids in token order. (One GPU can run every device's share in turn: a check of the
     whole path without a mesh.)"""
@@ -233,6 +269,18 @@ def device_attention(q, k, v, segments, all_keys, all_values, all_segments, devi
     for i in range(local_chunks):
         chunk = device if i == 0 else 2 * shards - 1 - device  # chunk_order's pairing
         own = slice(i * size, (i + 1) * size)
-        outs.append(chunk_attention(q[:, own], k[:, own], v[:, own], segments[:, own], all_keys, all_values,
-                                    all_segments, chunk * size, in_chunk, kernel))
+        outs.append(
+            chunk_attention(
+                q[:, own],
+                k[:, own],
+                v[:, own],
+                segments[:, own],
+                all_keys,
+                all_values,
+                all_segments,
+                chunk * size,
+                in_chunk,
+                kernel,
+            )
+        )
     return jnp.concatenate(outs, axis=1)

@@ -45,8 +45,9 @@ def segment_layout(segment_ids: jax.Array, max_segments: int) -> tuple[jax.Array
     return lengths, jnp.pad(offsets, ((0, 0), (0, 1)), constant_values=-1), documents
 
 
-def cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None,
-                    max_segments: int) -> jax.Array:
+def cudnn_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None, max_segments: int
+) -> jax.Array:
     """Causal attention within documents, q [b,t,n,h], k/v [b,t,kv,h] -> [b,t,n,h], on cuDNN."""
     options = {"scale": q.shape[-1] ** -0.5, "qkv_layout": "BTNH"}
 
@@ -58,16 +59,29 @@ def cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.A
     lengths, offsets, documents = segment_layout(segment_ids, max_segments)
 
     def packed(q, k, v):
-        return cudnn.dot_product_attention(q, k, v, q_seqlen=lengths, kv_seqlen=lengths, q_offsets=offsets,
-                                           kv_offsets=offsets, mask_type=cudnn.MaskType.PADDING_CAUSAL, **options)
+        return cudnn.dot_product_attention(
+            q,
+            k,
+            v,
+            q_seqlen=lengths,
+            kv_seqlen=lengths,
+            q_offsets=offsets,
+            kv_offsets=offsets,
+            mask_type=cudnn.MaskType.PADDING_CAUSAL,
+            **options,
+        )
 
     def too_many_documents(q, k, v):
         return query_chunked_attention(q, k, v, segment_ids)
 
     most = jnp.max(documents)
     if not packed_layout_supported():
-        blocked = lambda q, k, v: (blocked_attention(q, k, v, segment_ids) if block_size(q.shape[1])  # noqa: E731
-                                   else query_chunked_attention(q, k, v, segment_ids))
+
+        def blocked(q, k, v):
+            if block_size(q.shape[1]):
+                return blocked_attention(q, k, v, segment_ids)
+            return query_chunked_attention(q, k, v, segment_ids)
+
         return jax.lax.cond(most <= 1, one_document_per_row, blocked, q, k, v)
     branch = jnp.where(most <= 1, 0, jnp.where(most <= max_segments, 1, 2))
     return jax.lax.switch(branch, [one_document_per_row, packed, too_many_documents], q, k, v)
@@ -121,22 +135,50 @@ def _padded_options(q, causal):
 
 def _padded_forward(q, k, v, q_len, kv_len, causal):
     mask_type, scale = _padded_options(q, causal)
-    out, lse = cudnn.dot_product_attention(q, k, v, q_seqlen=q_len.astype(jnp.int32),
-                                           kv_seqlen=kv_len.astype(jnp.int32), mask_type=mask_type, scale=scale,
-                                           qkv_layout="BTNH", return_residual=True)
+    out, lse = cudnn.dot_product_attention(
+        q,
+        k,
+        v,
+        q_seqlen=q_len.astype(jnp.int32),
+        kv_seqlen=kv_len.astype(jnp.int32),
+        mask_type=mask_type,
+        scale=scale,
+        qkv_layout="BTNH",
+        return_residual=True,
+    )
     return out, lse
 
 
 def _padded_backward(q, k, v, q_len, kv_len, causal, out, lse, d_out):
     mask_type, scale = _padded_options(q, causal)
     unused = jnp.zeros(0, q.dtype)  # bias, offsets and page tables, as jax passes them
-    params = dict(scale=scale, seed=42, dropout_rate=0.0, variadic_args=(False, False), mask_type=mask_type,
-                  layout=cudnn.AttentionLayout.BTNH.value, sliding_window_length=None)
+    params = dict(
+        scale=scale,
+        seed=42,
+        dropout_rate=0.0,
+        variadic_args=(False, False),
+        mask_type=mask_type,
+        layout=cudnn.AttentionLayout.BTNH.value,
+        sliding_window_length=None,
+    )
     if _BACKWARD_TAKES_SCORE_MOD:
         params["score_mod"] = None
     grads = cudnn._dot_product_attention_bwd_p_wrapper.bind(
-        q, k, v, unused, q_len.astype(jnp.int32), kv_len.astype(jnp.int32), unused, unused, unused, unused,
-        lse, out.astype(q.dtype), d_out.astype(q.dtype), **params)
+        q,
+        k,
+        v,
+        unused,
+        q_len.astype(jnp.int32),
+        kv_len.astype(jnp.int32),
+        unused,
+        unused,
+        unused,
+        unused,
+        lse,
+        out.astype(q.dtype),
+        d_out.astype(q.dtype),
+        **params,
+    )
     return tuple(grads[:3])
 
 

@@ -39,8 +39,10 @@ def blocked_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax
     """Causal attention (with document masking when segment_ids is given) -> [b, t, heads, h]."""
     block = block_size(q.shape[1])
     if block is None:
-        raise ValueError(f"blocked attention needs a sequence of at least {2 * MIN_BLOCK} tokens that its block "
-                         f"size divides, got {q.shape[1]}")
+        raise ValueError(
+            f"blocked attention needs a sequence of at least {2 * MIN_BLOCK} tokens that its block "
+            f"size divides, got {q.shape[1]}"
+        )
     if segment_ids is None:
         segment_ids = jnp.ones(q.shape[:2], jnp.int32)
     return _attention(q, k, v, segment_ids, block)
@@ -53,15 +55,17 @@ def _split(q, k, v, block):
     qs = q.reshape(b, t, kv, n // kv, h).transpose(0, 2, 3, 1, 4)  # [b, kv, g, t, h]
     ks, vs = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [b, kv, t, h]
     nb = t // block
-    return ([qs[:, :, :, i * block:(i + 1) * block] for i in range(nb)],
-            [ks[:, :, i * block:(i + 1) * block] for i in range(nb)],
-            [vs[:, :, i * block:(i + 1) * block] for i in range(nb)])
+    return (
+        [qs[:, :, :, i * block : (i + 1) * block] for i in range(nb)],
+        [ks[:, :, i * block : (i + 1) * block] for i in range(nb)],
+        [vs[:, :, i * block : (i + 1) * block] for i in range(nb)],
+    )
 
 
 def _mask(segments, i, j, block):
     """[b, 1, 1, blk_q, blk_k] visibility of key block j to query block i (j <= i)."""
-    sq = segments[:, i * block:(i + 1) * block]
-    sk = segments[:, j * block:(j + 1) * block]
+    sq = segments[:, i * block : (i + 1) * block]
+    sk = segments[:, j * block : (j + 1) * block]
     visible = sq[:, :, None] == sk[:, None, :]
     if i == j:
         visible &= jnp.tril(jnp.ones((block, block), bool))
@@ -79,7 +83,7 @@ def _attention(q, k, v, segments, block):
 
 def _forward(q, k, v, segments, block):
     b, t, n, h = q.shape
-    scale = h ** -0.5
+    scale = h**-0.5
     qs, ks, vs = _split(q, k, v, block)
     outs, lses = [], []
     for i, qi in enumerate(qs):
@@ -93,8 +97,9 @@ def _forward(q, k, v, segments, block):
             p = jnp.where(visible, jnp.exp(s - m_new[..., None]), 0.0)
             correction = jnp.exp(m - m_new)
             row_sum = row_sum * correction + p.sum(-1)
-            acc = acc * correction[..., None] + jnp.einsum("bkgqs,bksh->bkgqh", p.astype(v.dtype), vs[j],
-                                                           preferred_element_type=jnp.float32)
+            acc = acc * correction[..., None] + jnp.einsum(
+                "bkgqs,bksh->bkgqh", p.astype(v.dtype), vs[j], preferred_element_type=jnp.float32
+            )
             m = m_new
         outs.append(acc / row_sum[..., None])
         lses.append(m + jnp.log(row_sum))
@@ -111,7 +116,7 @@ def _forward_rule(q, k, v, segments, block):
 def _backward_rule(block, residuals, d_out):
     q, k, v, segments, out, lse = residuals
     b, t, n, h = q.shape
-    scale = h ** -0.5
+    scale = h**-0.5
     qs, ks, vs = _split(q, k, v, block)
     to_blocks = lambda x: _split(x, k, v, block)[0]  # noqa: E731 - same layout as the queries
     d_outs, outs = to_blocks(d_out), to_blocks(out)
@@ -120,13 +125,14 @@ def _backward_rule(block, residuals, d_out):
     dk = [jnp.zeros(x.shape, jnp.float32) for x in ks]
     dv = [jnp.zeros(x.shape, jnp.float32) for x in vs]
     for i in range(nb):
-        lse_i = lse[:, :, :, i * block:(i + 1) * block]
+        lse_i = lse[:, :, :, i * block : (i + 1) * block]
         delta = jnp.sum(d_outs[i].astype(jnp.float32) * outs[i].astype(jnp.float32), axis=-1)  # [b, kv, g, blk]
         for j in range(i + 1):
             visible = _mask(segments, i, j, block)
             p = jnp.where(visible, jnp.exp(_scores(qs[i], ks[j], scale) - lse_i[..., None]), 0.0)
-            dv[j] += jnp.einsum("bkgqs,bkgqh->bksh", p.astype(d_out.dtype), d_outs[i],
-                                preferred_element_type=jnp.float32)
+            dv[j] += jnp.einsum(
+                "bkgqs,bkgqh->bksh", p.astype(d_out.dtype), d_outs[i], preferred_element_type=jnp.float32
+            )
             dp = jnp.einsum("bkgqh,bksh->bkgqs", d_outs[i], vs[j], preferred_element_type=jnp.float32)
             ds = p * (dp - delta[..., None]) * scale
             dq[i] += jnp.einsum("bkgqs,bksh->bkgqh", ds.astype(q.dtype), ks[j], preferred_element_type=jnp.float32)

@@ -46,9 +46,11 @@ def cudnn_checks_answered_by(gpu: Gpu | None) -> Iterator[None]:
         yield
         return
     capability = _version(gpu.compute_capability)
-    answers = {"check_compute_capability": lambda wanted: capability >= _version(wanted),
-               "is_cuda_compute_capability_equal": lambda wanted: capability == _version(wanted),
-               "check_cudnn_version": lambda: gpu.cudnn_version}
+    answers = {
+        "check_compute_capability": lambda wanted: capability >= _version(wanted),
+        "is_cuda_compute_capability_equal": lambda wanted: capability == _version(wanted),
+        "check_cudnn_version": lambda: gpu.cudnn_version,
+    }
     saved = {name: getattr(jax_cudnn, name) for name in CUDNN_CHECKS}  # an AttributeError: jax renamed them
     for name, answer in answers.items():
         setattr(jax_cudnn, name, answer)

@@ -99,8 +99,9 @@ class NormScale(nn.Module):
 
     @nn.compact
     def __call__(self) -> jax.Array:
-        return self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, ("norm",)), (self.features,),
-                          self.param_dtype)
+        return self.param(
+            "scale", nn.with_logical_partitioning(nn.initializers.ones, ("norm",)), (self.features,), self.param_dtype
+        )
 
 
 class RMSNorm(nn.Module):
@@ -110,8 +111,9 @@ class RMSNorm(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, ("norm",)),
-                           (x.shape[-1],), self.param_dtype)
+        scale = self.param(
+            "scale", nn.with_logical_partitioning(nn.initializers.ones, ("norm",)), (x.shape[-1],), self.param_dtype
+        )
         return rms_norm(x, scale, self.eps, jnp.dtype(self.dtype))
 
 
@@ -165,19 +167,31 @@ class Linear(nn.Module):
         tokens = "".join(c for c in inputs if c not in kernel_axes)
         # A as PEFT initialises it (uniform, bound 1 / sqrt(fan_in)); B zero, so the update starts at
         # exactly 0 and step 0 computes the base model's outputs bit for bit.
-        a_init = nn.initializers.variance_scaling(1 / 3, "fan_in", "uniform", in_axis=tuple(range(n_in)),
-                                                  out_axis=-1)
-        a = self.param("lora_a", nn.with_logical_partitioning(a_init, (*self.names[:n_in], "lora_rank")),
-                       (*self.shape[:n_in], self.lora_rank), self.param_dtype)
-        b = self.param("lora_b", nn.with_logical_partitioning(nn.initializers.zeros, ("lora_rank", *self.names[n_in:])),
-                       (self.lora_rank, *self.shape[n_in:]), self.param_dtype)
+        a_init = nn.initializers.variance_scaling(1 / 3, "fan_in", "uniform", in_axis=tuple(range(n_in)), out_axis=-1)
+        a = self.param(
+            "lora_a",
+            nn.with_logical_partitioning(a_init, (*self.names[:n_in], "lora_rank")),
+            (*self.shape[:n_in], self.lora_rank),
+            self.param_dtype,
+        )
+        b = self.param(
+            "lora_b",
+            nn.with_logical_partitioning(nn.initializers.zeros, ("lora_rank", *self.names[n_in:])),
+            (self.lora_rank, *self.shape[n_in:]),
+            self.param_dtype,
+        )
         if self.lora_dropout and self.has_rng("dropout"):  # training only: evaluation passes no dropout key
             x = nn.Dropout(self.lora_dropout, deterministic=False)(x)
-        down = project(f"{inputs},{kernel_axes[:n_in]}{rank}->{tokens}{rank}", x.astype(self.dtype),
-                       a.astype(self.dtype), self.cpu_backward)
+        down = project(
+            f"{inputs},{kernel_axes[:n_in]}{rank}->{tokens}{rank}",
+            x.astype(self.dtype),
+            a.astype(self.dtype),
+            self.cpu_backward,
+        )
         down = down * jnp.asarray(self.lora_alpha / self.lora_rank, self.dtype)  # scaled on the narrow side
-        return project(f"{tokens}{rank},{rank}{kernel_axes[n_in:]}->{outputs}", down, b.astype(self.dtype),
-                       self.cpu_backward)
+        return project(
+            f"{tokens}{rank},{rank}{kernel_axes[n_in:]}->{outputs}", down, b.astype(self.dtype), self.cpu_backward
+        )
 
 
 def adapted_linear(cfg: ModelConfig, peft: PeftConfig, context: TraceContext):
@@ -186,8 +200,17 @@ def adapted_linear(cfg: ModelConfig, peft: PeftConfig, context: TraceContext):
     cpu_backward = uses_cpu_backward(context.platform, cfg.cpu_projection)
 
     def make(*args, target: str, **kwargs):
-        return Linear(*args, **dtypes(cfg), cpu_backward=cpu_backward, lora_rank=peft.lora_rank(target),
-                      lora_alpha=peft.alpha, lora_dropout=peft.dropout, fp8=cfg.fp8 != "none", **kwargs)
+        return Linear(
+            *args,
+            **dtypes(cfg),
+            cpu_backward=cpu_backward,
+            lora_rank=peft.lora_rank(target),
+            lora_alpha=peft.alpha,
+            lora_dropout=peft.dropout,
+            fp8=cfg.fp8 != "none",
+            **kwargs,
+        )
+
     return make
 
 
@@ -213,10 +236,12 @@ class Attention(nn.Module):
 
         x8 = fp8_input(cfg, x, "attn_norm")
         q = linear("btd,dnh->btnh", (d, n, h), ("embed", "heads", "head_dim"), std, target="q", name="q_proj")(x, x8)
-        k = linear("btd,dkh->btkh", (d, kv, h), ("embed", "kv_heads", "head_dim"), std, target="k",
-                   name="k_proj")(x, x8)
-        v = linear("btd,dkh->btkh", (d, kv, h), ("embed", "kv_heads", "head_dim"), std, target="v",
-                   name="v_proj")(x, x8)
+        k = linear("btd,dkh->btkh", (d, kv, h), ("embed", "kv_heads", "head_dim"), std, target="k", name="k_proj")(
+            x, x8
+        )
+        v = linear("btd,dkh->btkh", (d, kv, h), ("embed", "kv_heads", "head_dim"), std, target="v", name="v_proj")(
+            x, x8
+        )
         q = constrain(checkpoint_name(q, "query_proj"), HEADS)
         k = constrain(checkpoint_name(k, "key_proj"), KV_HEADS)
         v = constrain(checkpoint_name(v, "value_proj"), KV_HEADS)
@@ -226,14 +251,24 @@ class Attention(nn.Module):
             k, v = self.cached(k, v, inputs.positions)  # [batch, cache_len, kv_heads, head_dim]
             context = cached_attention(q, k, v, inputs.positions)
         else:
-            implementation = select_implementation(cfg.attention, self.context.platform, q.dtype, h, q.shape[1],
-                                                   strict=False)
-            context = attention(q, k, v, inputs.segment_ids, implementation,  # [batch, seq, heads, head_dim]
-                                cfg.attention_max_segments, self.load_balanced, context=self.context)
+            implementation = select_implementation(
+                cfg.attention, self.context.platform, q.dtype, h, q.shape[1], strict=False
+            )
+            context = attention(
+                q,
+                k,
+                v,
+                inputs.segment_ids,
+                implementation,  # [batch, seq, heads, head_dim]
+                cfg.attention_max_segments,
+                self.load_balanced,
+                context=self.context,
+            )
         context = constrain(checkpoint_name(context, "attention_context"), HEADS)
 
-        out = linear("btnh,nhd->btd", (n, h, d), ("heads", "head_dim", "embed"), out_std, target="o",
-                     name="o_proj")(context, fp8_input(cfg, context, "attention_context"))
+        out = linear("btnh,nhd->btd", (n, h, d), ("heads", "head_dim", "embed"), out_std, target="o", name="o_proj")(
+            context, fp8_input(cfg, context, "attention_context")
+        )
         return checkpoint_name(out, "attention_out")
 
     def cached(self, k, v, positions):
@@ -270,7 +305,8 @@ class MLP(nn.Module):
         up = self.context.constrain(checkpoint_name(up, "mlp_up"), MLP_HIDDEN)
         hidden = checkpoint_name(nn.silu(gate) * up, "mlp_hidden")  # SwiGLU
         out = linear("btf,fd->btd", (f, d), ("mlp", "embed"), out_std, target="down", name="down_proj")(
-            hidden, fp8_input(cfg, hidden, "mlp_hidden"))
+            hidden, fp8_input(cfg, hidden, "mlp_hidden")
+        )
         return checkpoint_name(out, "mlp_out")
 
 
@@ -314,24 +350,52 @@ class PromptEncoder(nn.Module):
         cfg, peft = self.cfg, self.peft
         hidden, param_dtype = peft.encoder_hidden or cfg.d_model, jnp.dtype(cfg.param_dtype)
         named = nn.with_logical_partitioning
-        x = self.param("embedding", init_normal(cfg.init_std, ("virtual_tokens", "embed")),
-                       (peft.prompt_tokens, cfg.d_model), param_dtype)
+        x = self.param(
+            "embedding",
+            init_normal(cfg.init_std, ("virtual_tokens", "embed")),
+            (peft.prompt_tokens, cfg.d_model),
+            param_dtype,
+        )
         features: str | None = "embed"  # the logical name of x's last axis
         if peft.prompt_encoder == "lstm":
+
             def lstm(direction: str):
-                return nn.RNN(nn.OptimizedLSTMCell(
-                    hidden, param_dtype=param_dtype, name=f"{direction}_lstm",
-                    kernel_init=named(nn.initializers.lecun_normal(), ("embed", "prompt_hidden")),
-                    recurrent_kernel_init=named(nn.initializers.orthogonal(), ("prompt_hidden", None)),
-                    bias_init=named(nn.initializers.zeros, ("prompt_hidden",))))
+                return nn.RNN(
+                    nn.OptimizedLSTMCell(
+                        hidden,
+                        param_dtype=param_dtype,
+                        name=f"{direction}_lstm",
+                        kernel_init=named(nn.initializers.lecun_normal(), ("embed", "prompt_hidden")),
+                        recurrent_kernel_init=named(nn.initializers.orthogonal(), ("prompt_hidden", None)),
+                        bias_init=named(nn.initializers.zeros, ("prompt_hidden",)),
+                    )
+                )
+
             x = nn.Bidirectional(lstm("forward"), lstm("backward"))(x[None])[0]  # [prompt_tokens, 2 x hidden]
             features = None  # both directions' hidden states: not named again (a name appears once per array)
 
         def dense(width: int, names: tuple[str, str], name: str) -> nn.Dense:
-            return nn.Dense(width, param_dtype=param_dtype, kernel_init=named(nn.initializers.lecun_normal(), names),
-                            bias_init=named(nn.initializers.zeros, names[1:]), name=name)
+            return nn.Dense(
+                width,
+                param_dtype=param_dtype,
+                kernel_init=named(nn.initializers.lecun_normal(), names),
+                bias_init=named(nn.initializers.zeros, names[1:]),
+                name=name,
+            )
+
         x = nn.relu(dense(hidden, (features, "prompt_hidden"), "hidden")(x))
         return dense(cfg.d_model, ("prompt_hidden", "embed"), "output")(x)
+
+
+def embedding_table(cfg: ModelConfig) -> nn.Embed:
+    """The token embedding [vocab, embed], made by the module whose method calls this (Llama's "embed")."""
+    return nn.Embed(
+        cfg.vocab_size,
+        cfg.d_model,
+        embedding_init=init_normal(cfg.init_std, ("vocab", "embed")),
+        **dtypes(cfg),
+        name="embed",
+    )
 
 
 class Llama(nn.Module):
@@ -363,13 +427,13 @@ class Llama(nn.Module):
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
         if targets is not None and loss_mask is None:
             loss_mask = jnp.ones(targets.shape, jnp.float32)
-        embed = nn.Embed(cfg.vocab_size, cfg.d_model, embedding_init=init_normal(cfg.init_std, ("vocab", "embed")),
-                         **dtypes(cfg), name="embed")
+        embed = embedding_table(cfg)  # Llama's child "embed": the output projection too when tied
         x = self.embeddings(embed, tokens)  # [batch, seq, embed]
         stack, head = self.stack(), self.head(embed)
         # The layers' params [n_layers, ...], Block under nn.scan (stack/scan.py): every way runs these.
-        layers = scanned(Block, cfg.n_layers, stack)(cfg, self.decode, self.load_balanced, self.peft, self.context,
-                                                     name="layers")
+        layers = scanned(Block, cfg.n_layers, stack)(
+            cfg, self.decode, self.load_balanced, self.peft, self.context, name="layers"
+        )
         if targets is not None and stack.computes_loss:  # 1F1B: each micro-batch's loss on the pipeline's last stage
             loss = Head(partial(final_loss, cfg), head, targets, loss_mask)
             return run_stack(stack, layers, x, segment_ids, positions, loss), jnp.sum(loss_mask)
@@ -391,16 +455,22 @@ class Llama(nn.Module):
     def stack(self) -> Stack:
         """How the layers run (stack/): under nn.scan, in groups of recomputation, or as pipeline stages; every
         way applies one Block to the same LayerInputs."""
-        return Stack(block=Block(self.cfg, load_balanced=self.load_balanced, peft=self.peft, context=self.context,
-                                 parent=None),
-                     inputs=partial(layer_inputs, self.cfg), names=RESIDUAL, context=self.context,
-                     policy=remat.checkpoint_policy(self.remat_config), every_n=self.remat_config.every_n_layers,
-                     pipeline=self.pipeline)
+        return Stack(
+            block=Block(self.cfg, load_balanced=self.load_balanced, peft=self.peft, context=self.context, parent=None),
+            inputs=partial(layer_inputs, self.cfg),
+            names=RESIDUAL,
+            context=self.context,
+            policy=remat.checkpoint_policy(self.remat_config),
+            every_n=self.remat_config.every_n_layers,
+            pipeline=self.pipeline,
+        )
 
     def head(self, embed: nn.Embed) -> dict[str, jax.Array]:
         """The params after the layers: the final norm's scale [embed] and the output projection [embed, vocab]."""
-        return {"norm": NormScale(self.cfg.d_model, jnp.dtype(self.cfg.param_dtype), name="final_norm")(),
-                "output": self.output_weight(embed)}
+        return {
+            "norm": NormScale(self.cfg.d_model, jnp.dtype(self.cfg.param_dtype), name="final_norm")(),
+            "output": self.output_weight(embed),
+        }
 
     def dropout_key(self) -> jax.Array | None:
         """LoRA's dropout key, training a peft run, for the ways that apply the layers themselves (stack/)."""
@@ -410,8 +480,13 @@ class Llama(nn.Module):
         """[embed, vocab] the output projection: the embedding table, transposed, when tied."""
         if self.cfg.tie_embeddings:
             return embed.embedding.T
-        return Weight((self.cfg.d_model, self.cfg.vocab_size), ("embed", "vocab"), self.cfg.init_std,
-                      self.cfg.param_dtype, name="lm_head")()
+        return Weight(
+            (self.cfg.d_model, self.cfg.vocab_size),
+            ("embed", "vocab"),
+            self.cfg.init_std,
+            self.cfg.param_dtype,
+            name="lm_head",
+        )()
 
     def virtual_embeddings(self, tokens: jax.Array) -> jax.Array:
         """[batch, seq, embed]: at every prompt slot its learned embedding (elsewhere: to be ignored).
@@ -424,8 +499,13 @@ class Llama(nn.Module):
             prompt = PromptEncoder(cfg, peft, name="prompt_encoder")()
         else:
             init = init_normal(cfg.init_std, ("virtual_tokens", "embed"))
-            prompt = nn.Embed(peft.prompt_tokens, cfg.d_model, param_dtype=jnp.dtype(cfg.param_dtype),
-                              embedding_init=init, name="prompt").embedding
+            prompt = nn.Embed(
+                peft.prompt_tokens,
+                cfg.d_model,
+                param_dtype=jnp.dtype(cfg.param_dtype),
+                embedding_init=init,
+                name="prompt",
+            ).embedding
         return jnp.take(prompt, jnp.clip(-tokens - 1, 0, peft.prompt_tokens - 1), axis=0)
 
 
@@ -434,8 +514,7 @@ def final_loss(cfg: ModelConfig, params, x, targets, loss_mask, context: TraceCo
     cross-entropy, with params {"norm": the norm's scale, "output": [embed, vocab]} (a pipeline's last stage),
     traced in `context` (the stage's, which runs it: Head)."""
     x = rms_norm(x, params["norm"], cfg.norm_eps, jnp.dtype(cfg.compute_dtype))
-    return fused_cross_entropy_sum(x, params["output"].astype(cfg.compute_dtype), targets, loss_mask,
-                                   context.rules)[0]
+    return fused_cross_entropy_sum(x, params["output"].astype(cfg.compute_dtype), targets, loss_mask, context.rules)[0]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -452,8 +531,9 @@ def param_shapes(cfg: ModelConfig, peft: PeftConfig = PeftConfig()):
     """abstract_params' ShapeDtypeStructs without their logical names. Not nn.meta.unbox: inside a mesh
     context (TrainProgram.activate) that applies sharding constraints, which ShapeDtypeStructs cannot take."""
     boxed = lambda x: isinstance(x, nn.Partitioned)  # noqa: E731
-    return jax.tree.map(lambda x: x.unbox(apply_constraint=False) if boxed(x) else x, abstract_params(cfg, peft),
-                        is_leaf=boxed)
+    return jax.tree.map(
+        lambda x: x.unbox(apply_constraint=False) if boxed(x) else x, abstract_params(cfg, peft), is_leaf=boxed
+    )
 
 
 def param_count(cfg: ModelConfig) -> int:

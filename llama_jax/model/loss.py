@@ -34,8 +34,9 @@ def cross_entropy_sum(logits: jax.Array, targets: jax.Array, mask: jax.Array) ->
     return jnp.sum(nll * mask), jnp.sum(mask)
 
 
-def fused_cross_entropy_sum(x: jax.Array, weight: jax.Array, targets: jax.Array, mask: jax.Array,
-                            rules: tuple = ()) -> tuple[jax.Array, jax.Array]:
+def fused_cross_entropy_sum(
+    x: jax.Array, weight: jax.Array, targets: jax.Array, mask: jax.Array, rules: tuple = ()
+) -> tuple[jax.Array, jax.Array]:
     """cross_entropy_sum(x @ weight, targets, mask) without the [batch, seq, vocab] logits.
 
     x [batch, seq, embed] final hidden states, weight [embed, vocab] (the transposed embedding table
@@ -75,7 +76,8 @@ def _chunks(x, targets, mask, chunks: int):
 def _chunk_loss(x_c, weight, targets_c, mask_c, rules: tuple):
     """One chunk's fp32 logits [batch, seq / chunks, vocab], their log-sum-exp and its summed loss."""
     logits = nn.with_logical_constraint(
-        jnp.einsum("btd,dv->btv", x_c, weight, preferred_element_type=jnp.float32), LOGITS, rules=rules)
+        jnp.einsum("btd,dv->btv", x_c, weight, preferred_element_type=jnp.float32), LOGITS, rules=rules
+    )
     lse = jax.nn.logsumexp(logits, axis=-1)
     return logits, lse, jnp.sum((lse - _target_logits(logits, targets_c)) * mask_c)
 

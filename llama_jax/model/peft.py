@@ -33,8 +33,11 @@ LORA = ("lora_a", "lora_b")
 PROMPTS = ("prompt", "prompt_encoder")  # the top-level entries of prompt tuning and P-tuning
 # The peft.* fields that change a method's adapters (their shapes or what they compute): a checkpoint
 # must agree on them. peft.dropout may change.
-ADAPTER_FIELDS = {"lora": ("rank", "alpha", "targets"), "prompt": ("prompt_tokens",),
-                  "ptuning": ("prompt_tokens", "prompt_encoder", "encoder_hidden")}
+ADAPTER_FIELDS = {
+    "lora": ("rank", "alpha", "targets"),
+    "prompt": ("prompt_tokens",),
+    "ptuning": ("prompt_tokens", "prompt_encoder", "encoder_hidden"),
+}
 
 
 def is_adapter(path: tuple[str, ...]) -> bool:
@@ -45,8 +48,10 @@ def is_adapter(path: tuple[str, ...]) -> bool:
 def split(params: dict) -> tuple[dict, dict]:
     """The model's params -> (adapters, base), two trees that merge() puts back together."""
     flat = flatten_dict(params)
-    return (unflatten_dict({k: v for k, v in flat.items() if is_adapter(k)}),
-            unflatten_dict({k: v for k, v in flat.items() if not is_adapter(k)}))
+    return (
+        unflatten_dict({k: v for k, v in flat.items() if is_adapter(k)}),
+        unflatten_dict({k: v for k, v in flat.items() if not is_adapter(k)}),
+    )
 
 
 def merge(adapters: dict, base: dict) -> dict:
@@ -84,8 +89,10 @@ def digest(params: dict) -> str:
     """A fingerprint of the values of a params tree (however sharded): every leaf's path, shape, dtype
     and checksum, hashed. Computed on the devices; a few reads of HBM."""
     sums = flatten_dict(jax.device_get(_checksums(params)))
-    entries = sorted(("/".join(path), list(leaf.shape), str(leaf.dtype), int(sums[path]))
-                     for path, leaf in flatten_dict(params).items())
+    entries = sorted(
+        ("/".join(path), list(leaf.shape), str(leaf.dtype), int(sums[path]))
+        for path, leaf in flatten_dict(params).items()
+    )
     return hashlib.sha256(json.dumps(entries).encode()).hexdigest()
 
 
@@ -97,9 +104,11 @@ def base_reference(spec_text: str, path: str, params: dict) -> dict:
 def check_base(saved: dict | None, current: dict, where: str) -> None:
     """The base model loaded now must be the one the adapters in `where` were trained on (ConfigError)."""
     if saved and saved.get("digest") and saved["digest"] != current["digest"]:  # a PEFT adapter records none
-        raise ConfigError(f"{where} holds adapters trained on another base model ({saved.get('path')}, digest "
-                          f"{str(saved.get('digest'))[:12]}) than {current['spec']} (digest {current['digest'][:12]}); "
-                          f"set checkpoint.init_from to {saved.get('spec')} or use another run.dir")
+        raise ConfigError(
+            f"{where} holds adapters trained on another base model ({saved.get('path')}, digest "
+            f"{str(saved.get('digest'))[:12]}) than {current['spec']} (digest {current['digest'][:12]}); "
+            f"set checkpoint.init_from to {saved.get('spec')} or use another run.dir"
+        )
 
 
 def differing_fields(saved: dict, peft: PeftConfig) -> list[str]:
@@ -115,8 +124,9 @@ def check_adapters(saved: dict, peft: PeftConfig, where: str) -> None:
     current, differ = dataclasses.asdict(peft), differing_fields(saved, peft)
     if saved.get("method", "none") != peft.method or differ:
         fields = "; ".join(f"peft.{k} {saved.get(k, 'none')} (saved) vs {current[k]}" for k in differ or ["method"])
-        raise ConfigError(f"{where} holds checkpoints of other adapters ({fields}); use another run.dir or the "
-                          "saved peft settings")
+        raise ConfigError(
+            f"{where} holds checkpoints of other adapters ({fields}); use another run.dir or the saved peft settings"
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -131,8 +141,9 @@ def start_adapters(adapters: dict, base: dict, seed: int) -> dict:
     table = base["embed"]["embedding"]
     for path in [p for p in flat if p[0] in PROMPTS and p[-1] == "embedding"]:
         rows = np.random.default_rng(seed).integers(0, table.shape[0], flat[path].shape[0])
-        flat[path] = jax.device_put(jnp.take(table, jnp.asarray(rows), axis=0).astype(flat[path].dtype),
-                                    flat[path].sharding)
+        flat[path] = jax.device_put(
+            jnp.take(table, jnp.asarray(rows), axis=0).astype(flat[path].dtype), flat[path].sharding
+        )
     return unflatten_dict(flat)
 
 
@@ -155,6 +166,7 @@ def _folded(kernel: jax.Array, a: jax.Array, b: jax.Array, scale: float) -> jax.
     def fold(kernel, a, b):  # [layers, in..., out...] + [layers, in..., r] . [layers, r, out...]
         update = jax.vmap(lambda a, b: jnp.tensordot(a, b, 1))(a.astype(jnp.float32), b.astype(jnp.float32))
         return (kernel.astype(jnp.float32) + scale * update).astype(kernel.dtype)
+
     sharding = getattr(kernel, "sharding", None)
     return jax.jit(fold, out_shardings=sharding)(kernel, a, b)
 

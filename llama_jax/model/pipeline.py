@@ -63,6 +63,7 @@ def bubble_fraction(stages: int, microbatches: int, repeats: int = 1) -> float:
 
 def without_stage_axis(rules: tuple) -> tuple:
     """The logical-axis rules inside a stage, where the pipeline axis is manual: it is dropped from every entry."""
+
     def drop(axes):
         if axes is None or axes == STAGE_AXIS:
             return None
@@ -70,6 +71,7 @@ def without_stage_axis(rules: tuple) -> tuple:
             return axes
         kept = tuple(a for a in axes if a != STAGE_AXIS)
         return kept or None
+
     return tuple((name, drop(axes)) for name, axes in rules)
 
 
@@ -95,8 +97,10 @@ def by_owner(stages: int, microbatches: int, rules: tuple, mesh_shape: Mapping[s
     axes = dict(rules).get("batch")
     axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
     if not axes or axes[-1] != STAGE_AXIS:
-        return (lambda a: microbatched(a, M).reshape(M // P, P, a.shape[0] // M, *a.shape[1:]),
-                lambda a: unmicrobatched(a.reshape(M, *a.shape[2:])))
+        return (
+            lambda a: microbatched(a, M).reshape(M // P, P, a.shape[0] // M, *a.shape[1:]),
+            lambda a: unmicrobatched(a.reshape(M, *a.shape[2:])),
+        )
     shards = math.prod(mesh_shape[axis] for axis in axes[:-1])
     order = (2, 1, 3, 0)  # [shards, P, rows, M/P] -> [M/P, P, shards, rows]
 
@@ -108,6 +112,7 @@ def by_owner(stages: int, microbatches: int, rules: tuple, mesh_shape: Mapping[s
     def merge(a):
         a = jnp.moveaxis(a.reshape(M // P, P, shards, a.shape[2] // shards, *a.shape[3:]), order, (0, 1, 2, 3))
         return a.reshape(-1, *a.shape[4:])
+
     return split, merge
 
 
@@ -126,4 +131,3 @@ def summed_dtype(dtype, platform: str) -> jnp.dtype:
     """The dtype of sums over the stages on `platform` (the trace's). XLA:CPU cannot compile a sum over a manual
     axis in bf16 (its all-reduce promotion pass aborts on the reducer jax emits), so on CPUs they run in fp32."""
     return jnp.float32 if platform == "cpu" and dtype == jnp.bfloat16 else dtype
-

@@ -85,8 +85,9 @@ def _fp8_project_backward(contracted, residuals, dy):
     x8, x_scale, k8, k_scale = residuals
     dy8, dy_scale = quantize(dy, FP8_GRADIENT)
     tokens = x8.ndim - contracted
-    dx = _scaled_dot(dy8, k8, (tuple(range(tokens, dy.ndim)), tuple(range(contracted, k8.ndim))),
-                     dy_scale * k_scale, dy.dtype)
+    dx = _scaled_dot(
+        dy8, k8, (tuple(range(tokens, dy.ndim)), tuple(range(contracted, k8.ndim))), dy_scale * k_scale, dy.dtype
+    )
     dkernel = _scaled_dot(x8, dy8, (tuple(range(tokens)), tuple(range(tokens))), x_scale * dy_scale, dy.dtype)
     return dx, None, None, dkernel
 

@@ -57,8 +57,11 @@ def checkpoint_policy(remat: RematConfig, offload: bool | None = None) -> Callab
     saved, offloaded = placed
     if offloaded:
         return jax.checkpoint_policies.save_and_offload_only_these_names(
-            names_which_can_be_saved=saved, names_which_can_be_offloaded=offloaded,
-            offload_src="device", offload_dst="pinned_host")
+            names_which_can_be_saved=saved,
+            names_which_can_be_offloaded=offloaded,
+            offload_src="device",
+            offload_dst="pinned_host",
+        )
     return jax.checkpoint_policies.save_only_these_names(*saved)
 
 
@@ -68,9 +71,11 @@ def describe(remat: RematConfig) -> str:
     if chosen is None:
         return "remat none: every activation is kept"
     by_action = {a: [t for t, x in chosen.items() if x == a] for a in REMAT_ACTIONS}
-    line = (f"remat {remat.policy}{' (custom)' if remat.custom else ''}"
-            f"{f' on one layer in {remat.every_n_layers}' if remat.every_n_layers > 1 else ''}: "
-            f"save {', '.join(by_action['save']) or 'layer input only'}")
+    line = (
+        f"remat {remat.policy}{' (custom)' if remat.custom else ''}"
+        f"{f' on one layer in {remat.every_n_layers}' if remat.every_n_layers > 1 else ''}: "
+        f"save {', '.join(by_action['save']) or 'layer input only'}"
+    )
     if by_action["offload"]:
         line += f"; offload {', '.join(by_action['offload'])}"
         if not host_offload_supported():

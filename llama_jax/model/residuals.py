@@ -47,9 +47,9 @@ def _equation(eqn, ins: list[bool]) -> list[bool]:
     name, params, everything = eqn.primitive.name, eqn.params, [True] * len(eqn.outvars)
     if name == "scan" and (counts := _scan_counts(params, len(ins))):
         body, (consts, carry) = _inner(params["jaxpr"]), counts
-        state = ins[consts:consts + carry]
+        state = ins[consts : consts + carry]
         while True:  # the carry depends on the data once any iteration makes it so
-            outs = _outputs(body, ins[:consts] + state + ins[consts + carry:])
+            outs = _outputs(body, ins[:consts] + state + ins[consts + carry :])
             grown = [a or b for a, b in zip(state, outs[:carry])]
             if grown == state:
                 return state + outs[carry:]
@@ -61,8 +61,11 @@ def _equation(eqn, ins: list[bool]) -> list[bool]:
         return [any(column) for column in zip(*branches)]
     for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):  # calls: the inner jaxpr's inputs are the equation's
         inner = params.get(key)
-        if isinstance(inner, (Jaxpr, ClosedJaxpr)) and len(_inner(inner).invars) == len(ins) \
-                and len(_inner(inner).outvars) == len(eqn.outvars):
+        if (
+            isinstance(inner, (Jaxpr, ClosedJaxpr))
+            and len(_inner(inner).invars) == len(ins)
+            and len(_inner(inner).outvars) == len(eqn.outvars)
+        ):
             return _outputs(_inner(inner), ins)
     return everything  # while loops and anything else: every output depends on every input
 

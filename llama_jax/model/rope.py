@@ -30,7 +30,8 @@ def rope_inverse_frequencies(cfg: ModelConfig) -> np.ndarray:
     periods_in_context = cfg.rope_original_max_len / wavelength
     blend = np.clip(
         (periods_in_context - cfg.rope_low_freq_factor) / (cfg.rope_high_freq_factor - cfg.rope_low_freq_factor),
-        0.0, 1.0,
+        0.0,
+        1.0,
     )
     scaled = (1 - blend) * inv_freq / factor + blend * inv_freq
     return scaled.astype(np.float32)

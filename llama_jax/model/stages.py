@@ -62,7 +62,7 @@ class LayerOrder:
         for p in range(self.stages):
             for r in range(self.repeats):
                 g = r * self.stages + p
-                out[p, r, :groups[g]] = first[g] + np.arange(groups[g])
+                out[p, r, : groups[g]] = first[g] + np.arange(groups[g])
         return out.reshape(-1)
 
     def stage_layers(self, n_layers: int) -> np.ndarray:
@@ -91,6 +91,7 @@ def relayout(tree, saved: LayerOrder, wanted: LayerOrder, target=None, jit: bool
     """A state or params read in the storage order `saved`, in the storage order `wanted`. Each layer leaf is
     moved on its devices, into the sharding of `target`'s leaf (a tree like `tree` of ShapeDtypeStructs or
     arrays), or else its own (the leading axis unsplit where its new length does not divide)."""
+
     def move(x, like):
         n_layers = saved.natural_layers(x.shape[0])
         source, dest = saved.stored_layers(n_layers), wanted.stored_layers(n_layers)
@@ -104,6 +105,7 @@ def relayout(tree, saved: LayerOrder, wanted: LayerOrder, target=None, jit: bool
         def reorder(x):
             moved = jnp.take(x, take, axis=0)
             return moved if filled.all() else jnp.where(filled, moved, jnp.zeros((), x.dtype))
+
         if not jit:
             return reorder(x)
         sharding = getattr(like, "sharding", None) or _resized(x.sharding, (len(dest), *x.shape[1:]))
@@ -115,10 +117,12 @@ def relayout(tree, saved: LayerOrder, wanted: LayerOrder, target=None, jit: bool
 def in_order(abstract_tree, wanted: LayerOrder, saved: LayerOrder):
     """`abstract_tree` (ShapeDtypeStructs of a state or params stored in order `wanted`) as stored in order
     `saved`: the target to read a checkpoint saved in that order, before relayout(..., saved, wanted)."""
+
     def resize(a, _):
         length = saved.length(wanted.natural_layers(a.shape[0]))
         shape = (length, *a.shape[1:])
         return jax.ShapeDtypeStruct(shape, a.dtype, sharding=_resized(a.sharding, shape))
+
     return _map_layer_leaves(resize, abstract_tree, None)
 
 
@@ -136,9 +140,11 @@ def _resized(sharding, shape):
 def _map_layer_leaves(fn, tree, others):
     """fn(leaf, other) for every leaf under a "layers" key (params and the optimizer moments that mirror them),
     `other` the leaf at the same place of `others` (None if None)."""
+
     def visit(path, leaf, *other):
         in_layers = any(isinstance(key, jax.tree_util.DictKey) and key.key == "layers" for key in path)
         return fn(leaf, other[0] if other else None) if in_layers and getattr(leaf, "ndim", 0) > 0 else leaf
+
     if others is None:
         return jax.tree_util.tree_map_with_path(visit, tree)
     return jax.tree_util.tree_map_with_path(visit, tree, others)

@@ -61,8 +61,12 @@ class CostModel:
 
     def compute_seconds(self, operations: list) -> float:
         """The roofline over the operations: (flops, bytes[, fp8 flops]) each, per device per step."""
-        return roofline_seconds(operations, self.peak_flops * self.efficiency, self.memory_bandwidth,
-                                self.fp8_peak_flops and self.fp8_peak_flops * self.efficiency)
+        return roofline_seconds(
+            operations,
+            self.peak_flops * self.efficiency,
+            self.memory_bandwidth,
+            self.fp8_peak_flops and self.fp8_peak_flops * self.efficiency,
+        )
 
     def bandwidth(self, tier: str) -> float:
         """Bytes/s per device on a tier; between hosts the bytes cross the device's link to the NIC too."""
@@ -100,8 +104,14 @@ def data_sheet_cost_model(dtype: str, device_kind: str) -> CostModel | None:
 
 
 def _gpu_model(peak: float, device_kind: str) -> CostModel:
-    return CostModel(peak, *hardware.table_bandwidth(device_kind), hardware.NIC_GBS * 1e9, efficiency=GPU_EFFICIENCY,
-                     overlap=GPU_OVERLAP, fp8_peak_flops=hardware.table_fp8_peak_flops(device_kind))
+    return CostModel(
+        peak,
+        *hardware.table_bandwidth(device_kind),
+        hardware.NIC_GBS * 1e9,
+        efficiency=GPU_EFFICIENCY,
+        overlap=GPU_OVERLAP,
+        fp8_peak_flops=hardware.table_fp8_peak_flops(device_kind),
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -131,17 +141,20 @@ class Topology:
     def axis_tier(self, axis: str) -> str:
         """The tier of a collective over this axis alone: inter-host if the axis spans hosts anywhere."""
         i = self.axis_names.index(axis)
-        stride = math.prod(self.shape[i + 1:])
-        crosses = any(self.hosts[p] != self.hosts[p - (p // stride % self.shape[i]) * stride]
-                      for p in range(len(self.hosts)))
+        stride = math.prod(self.shape[i + 1 :])
+        crosses = any(
+            self.hosts[p] != self.hosts[p - (p // stride % self.shape[i]) * stride] for p in range(len(self.hosts))
+        )
         return INTER_HOST if crosses else INTRA_HOST
 
 
 def check_devices_per_host(devices_per_host: int, devices: int) -> None:
     if devices_per_host < 0 or (devices_per_host and devices % devices_per_host):
         divisors = [d for d in range(1, devices + 1) if devices % d == 0]
-        raise ConfigError(f"--devices-per-host {devices_per_host} does not divide the {devices} devices into "
-                          f"hosts; use one of {', '.join(map(str, divisors))}")
+        raise ConfigError(
+            f"--devices-per-host {devices_per_host} does not divide the {devices} devices into "
+            f"hosts; use one of {', '.join(map(str, divisors))}"
+        )
 
 
 def cluster_topology(axis_names: tuple[str, ...], shape: tuple[int, ...], devices_per_host: int) -> Topology:
@@ -181,8 +194,9 @@ class AxisTraffic:
     bytes: float
 
 
-def traffic_by_axis(collective_groups: Mapping[tuple[str, DeviceGroups], float], topology: Topology
-                    ) -> tuple[AxisTraffic, ...]:
+def traffic_by_axis(
+    collective_groups: Mapping[tuple[str, DeviceGroups], float], topology: Topology
+) -> tuple[AxisTraffic, ...]:
     """hlo.HloStats.collective_groups attributed to mesh axes and tiers: a group spans the axes along which
     its devices' coordinates differ. The rows of one kind sum to hlo's total for that kind."""
     totals: dict[tuple[tuple[int, ...], str, str], float] = defaultdict(float)  # (axis indices, kind, tier)
@@ -196,8 +210,10 @@ def traffic_by_axis(collective_groups: Mapping[tuple[str, DeviceGroups], float],
         crosses = any(len({topology.hosts[d] for d in group}) > 1 for group in groups)
         totals[tuple(sorted(spanned)), kind, INTER_HOST if crosses else INTRA_HOST] += sent
     rows = sorted(totals.items(), key=lambda row: (KINDS.index(row[0][1]), row[0][0], TIERS.index(row[0][2])))
-    return tuple(AxisTraffic(tuple(topology.axis_names[i] for i in axes), kind, tier, nbytes)
-                 for (axes, kind, tier), nbytes in rows)
+    return tuple(
+        AxisTraffic(tuple(topology.axis_names[i] for i in axes), kind, tier, nbytes)
+        for (axes, kind, tier), nbytes in rows
+    )
 
 
 def tier_totals(traffic: tuple[AxisTraffic, ...]) -> dict[str, float]:

@@ -27,11 +27,14 @@ def attention_flops(config: dict, q: list[int], k: list[int], v: list[int], back
     if backward:  # dK = dPᵀ·Q and dQ = dP·K: Q and K are the rhs, contracted over the sequence
         (heads, tq), (kv_heads, tk) = (
             _heads_and_length(q, config["bmm1_grad_gemm1_dot_dimension_numbers"], "rhs", sequence_contracted=True),
-            _heads_and_length(k, config["bmm1_grad_gemm2_dot_dimension_numbers"], "rhs", sequence_contracted=True))
+            _heads_and_length(k, config["bmm1_grad_gemm2_dot_dimension_numbers"], "rhs", sequence_contracted=True),
+        )
     else:  # S = Q·Kᵀ contracts the head dims; the rest of each is its sequence
         bmm1 = config["bmm1_dot_dimension_numbers"]
-        (heads, tq), (kv_heads, tk) = (_heads_and_length(q, bmm1, "lhs", sequence_contracted=False),
-                                       _heads_and_length(k, bmm1, "rhs", sequence_contracted=False))
+        (heads, tq), (kv_heads, tk) = (
+            _heads_and_length(q, bmm1, "lhs", sequence_contracted=False),
+            _heads_and_length(k, bmm1, "rhs", sequence_contracted=False),
+        )
     d_qk, d_v = math.prod(q) // (heads * tq), math.prod(v) // (kv_heads * tk)  # V shares K's batch and sequence
     window = int(config.get("sliding_window_length", 0))  # cuDNN's window is left of a causal diagonal
     causal = config.get("mask_type", "NO_MASK") in ("CAUSAL", "PADDING_CAUSAL") or window > 0
@@ -53,6 +56,7 @@ def _heads_and_length(dims: list[int], numbers: dict, side: str, sequence_contra
 def _visible_pairs(tq: int, tk: int, window: int) -> int:
     """(query, key) pairs a causal mask keeps: query i sees keys j <= i (cuDNN aligns the diagonal top-left)
     and, with a sliding window, only j > i - window. Queries from tk + window on see no key."""
+
     def triangle(n: int) -> int:
         return n * (n + 1) // 2
 

@@ -63,11 +63,14 @@ _SHARED_PER_BLOCK_KIB = 48  # without opting in to more
 
 def plugin_missing() -> str | None:
     """Why XLA:GPU cannot compile here (one line), or None: jax's CUDA plugin is not installed."""
-    if importlib.util.find_spec("jax_plugins") and \
-            any(importlib.util.find_spec(f"jax_plugins.xla_cuda{v}") for v in (13, 12)):
+    if importlib.util.find_spec("jax_plugins") and any(
+        importlib.util.find_spec(f"jax_plugins.xla_cuda{v}") for v in (13, 12)
+    ):
         return None
-    return (f"--target compiles the step with XLA:GPU, which needs jax's CUDA plugin; this install has jax "
-            f"{jax.__version__} without it: pip install -e '.[gpu]' (Python >= 3.12, jax >= 0.11.1)")
+    return (
+        f"--target compiles the step with XLA:GPU, which needs jax's CUDA plugin; this install has jax "
+        f"{jax.__version__} without it: pip install -e '.[gpu]' (Python >= 3.12, jax >= 0.11.1)"
+    )
 
 
 def spec(target: str) -> GpuSpec:
@@ -90,21 +93,32 @@ def target_config(target: str) -> str:
     major, minor = s.compute_capability.split(".")
     cudnn, cuda = (s.cudnn.split(".") + ["0", "0"])[:3], (s.cuda.split(".") + ["0", "0"])[:3]
     info = {
-        "threads_per_block_limit": _THREADS_PER_BLOCK, "threads_per_warp": _WARP,
-        "shared_memory_per_block": _SHARED_PER_BLOCK_KIB * 1024, "shared_memory_per_core": s.shared_kib_per_sm * 1024,
-        "threads_per_core_limit": _THREADS_PER_SM, "core_count": s.sms, "fpus_per_core": s.fp32_cores_per_sm,
-        "block_dim_limit_x": _GRID_LIMITS[0], "block_dim_limit_y": _GRID_LIMITS[1],
-        "block_dim_limit_z": _GRID_LIMITS[2], "memory_bandwidth": int(table_bandwidth(s.name)[0]),
-        "l2_cache_size": int(s.l2_mib * 2**20), "clock_rate_ghz": s.boost_ghz,
-        "device_memory_size": int(s.memory_gib * 2**30), "shared_memory_per_block_optin": s.shared_kib_per_block * 1024,
-        "registers_per_core_limit": _REGISTERS, "registers_per_block_limit": _REGISTERS,
+        "threads_per_block_limit": _THREADS_PER_BLOCK,
+        "threads_per_warp": _WARP,
+        "shared_memory_per_block": _SHARED_PER_BLOCK_KIB * 1024,
+        "shared_memory_per_core": s.shared_kib_per_sm * 1024,
+        "threads_per_core_limit": _THREADS_PER_SM,
+        "core_count": s.sms,
+        "fpus_per_core": s.fp32_cores_per_sm,
+        "block_dim_limit_x": _GRID_LIMITS[0],
+        "block_dim_limit_y": _GRID_LIMITS[1],
+        "block_dim_limit_z": _GRID_LIMITS[2],
+        "memory_bandwidth": int(table_bandwidth(s.name)[0]),
+        "l2_cache_size": int(s.l2_mib * 2**20),
+        "clock_rate_ghz": s.boost_ghz,
+        "device_memory_size": int(s.memory_gib * 2**30),
+        "shared_memory_per_block_optin": s.shared_kib_per_block * 1024,
+        "registers_per_core_limit": _REGISTERS,
+        "registers_per_block_limit": _REGISTERS,
     }
     fields = "\n".join(f"  {k}: {v}" for k, v in info.items())
-    return (f"gpu_device_info {{\n{fields}\n  cuda_compute_capability {{ major: {major} minor: {minor} }}\n}}\n"
-            f'platform_name: "CUDA"\n'
-            f"dnn_version_info {{ major: {cudnn[0]} minor: {cudnn[1]} patch: {cudnn[2]} }}\n"
-            f"runtime_version {{ major: {cuda[0]} minor: {cuda[1]} patch: {cuda[2]} }}\n"
-            f'device_description_str: "{s.name}"\n')
+    return (
+        f"gpu_device_info {{\n{fields}\n  cuda_compute_capability {{ major: {major} minor: {minor} }}\n}}\n"
+        f'platform_name: "CUDA"\n'
+        f"dnn_version_info {{ major: {cudnn[0]} minor: {cudnn[1]} patch: {cudnn[2]} }}\n"
+        f"runtime_version {{ major: {cuda[0]} minor: {cuda[1]} patch: {cuda[2]} }}\n"
+        f'device_description_str: "{s.name}"\n'
+    )
 
 
 def devices(target: str, gpus: int, gpus_per_host: int = 0) -> list:
@@ -113,16 +127,21 @@ def devices(target: str, gpus: int, gpus_per_host: int = 0) -> list:
     spec(target)
     per_host = gpus_per_host or min(gpus, GPUS_PER_HOST)
     if gpus < 1 or per_host < 1 or gpus % per_host:
-        raise InputError(f"--gpus {gpus} --gpus-per-host {per_host}: the GPUs must fill whole hosts "
-                         "(--gpus a positive multiple of --gpus-per-host)")
+        raise InputError(
+            f"--gpus {gpus} --gpus-per-host {per_host}: the GPUs must fill whole hosts "
+            "(--gpus a positive multiple of --gpus-per-host)"
+        )
     if (reason := plugin_missing()) is not None:
         raise InputError(reason)
     try:
-        topology = topologies.get_topology_desc(platform="cuda", topology=f"1x{gpus // per_host}x{per_host}",
-                                                target_config=target_config(target))
+        topology = topologies.get_topology_desc(
+            platform="cuda", topology=f"1x{gpus // per_host}x{per_host}", target_config=target_config(target)
+        )
     except Exception as err:  # noqa: BLE001 - jax's many ways of saying the plugin did not register
-        raise InputError(f"--target {target}: jax's CUDA plugin did not give a topology ({str(err).splitlines()[0]}); "
-                         "on a machine without an NVIDIA driver set JAX_PLATFORMS=cpu before jax starts") from None
+        raise InputError(
+            f"--target {target}: jax's CUDA plugin did not give a topology ({str(err).splitlines()[0]}); "
+            "on a machine without an NVIDIA driver set JAX_PLATFORMS=cpu before jax starts"
+        ) from None
     return sorted(topology.devices, key=lambda d: (d.process_index, d.id))
 
 

@@ -52,9 +52,12 @@ _PEAK_TFLOPS: dict[str, tuple[float | None, float | None, float | None]] = {
     "TPU v2": (22.5, None, None),
     "TPU v3": (61.5, None, None),
     "TPU v4": (275.0, None, None),
-    "TPU v5 lite": (197.0, None, None), "TPU v5e": (197.0, None, None),  # jax says "v5 lite"
-    "TPU v5": (459.0, None, None), "TPU v5p": (459.0, None, None),
-    "TPU v6 lite": (918.0, None, None), "TPU v6e": (918.0, None, None),
+    "TPU v5 lite": (197.0, None, None),
+    "TPU v5e": (197.0, None, None),  # jax says "v5 lite"
+    "TPU v5": (459.0, None, None),
+    "TPU v5p": (459.0, None, None),
+    "TPU v6 lite": (918.0, None, None),
+    "TPU v6e": (918.0, None, None),
 }
 # Peak dense fp8 (e4m3/e5m2 operands) TFLOP/s of ONE device, keyed like the table above; absent = no fp8 tensor
 # cores or no figure we trust (A100, A10, V100, T4 have none; TPUs are left out). Sources, dense (half the data
@@ -62,8 +65,16 @@ _PEAK_TFLOPS: dict[str, tuple[float | None, float | None, float | None]] = {
 # (SXM 3,958*, NVL 3,341*; GH200 has the SXM GPU), L40S (1,466*) and L4 (485*) data sheets, HGX B200 data sheet
 # (72 PFLOPS* for 8 GPUs), AMD Instinct MI300X data sheet (5,229.8* TFLOPS with sparsity).
 _FP8_PEAK_TFLOPS: dict[str, float] = {
-    "H100": 1979.0, "H100 PCIe": 1513.0, "H100 NVL": 1671.0, "H200": 1979.0, "H200 NVL": 1671.0, "GH200": 1979.0,
-    "L40S": 733.0, "L4": 242.5, "B200": 4500.0, "MI300X": 2614.9,
+    "H100": 1979.0,
+    "H100 PCIe": 1513.0,
+    "H100 NVL": 1671.0,
+    "H200": 1979.0,
+    "H200 NVL": 1671.0,
+    "GH200": 1979.0,
+    "L40S": 733.0,
+    "L4": 242.5,
+    "B200": 4500.0,
+    "MI300X": 2614.9,
 }
 _COLUMN = {"bfloat16": 0, "float16": 1, "float32": 2}
 SHORT_DTYPE = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}  # how tables name them
@@ -83,8 +94,7 @@ def table_key(device_kind: str) -> str | None:
     """The data-sheet name of a device kind (e.g. "NVIDIA H100 80GB HBM3" -> "H100"), or None: the longest
     table key found in device_kind as a whole word ("L4" must not match "L40S")."""
     kind = device_kind.lower()
-    hits = [k for k in _PEAK_TFLOPS
-            if re.search(rf"(?<![a-z0-9]){re.escape(k.lower())}(?![a-z0-9])", kind)]
+    hits = [k for k in _PEAK_TFLOPS if re.search(rf"(?<![a-z0-9]){re.escape(k.lower())}(?![a-z0-9])", kind)]
     return max(hits, key=len) if hits else None
 
 
@@ -155,8 +165,16 @@ def device_peak_flops(dtype: str, cache_dir: pathlib.Path, device: Any = None) -
     sharing = jax.local_device_count() if device.platform == "cpu" else 1
     if sharing > 1:
         where += f", split over {sharing} simulated devices sharing the cores"
-    cache_key = "|".join([device.platform, device.device_kind, str(os.cpu_count()),
-                          jax.__version__, dtype, os.environ.get("XLA_FLAGS", "")])
+    cache_key = "|".join(
+        [
+            device.platform,
+            device.device_kind,
+            str(os.cpu_count()),
+            jax.__version__,
+            dtype,
+            os.environ.get("XLA_FLAGS", ""),
+        ]
+    )
     path = cache_dir / "peak_flops.json"
     try:
         cache = json.loads(path.read_text(encoding="utf-8"))
@@ -204,8 +222,10 @@ class MfuPeaks:
         """{"mfu": against the compute dtype's peak, "mfu_fp8": against the fp8 peak, or None without one}."""
         if self.compute <= 0 or devices < 1:
             raise ValueError(f"need a peak > 0 and devices >= 1, got {self.compute}, {devices}")
-        return {"mfu": model_flops_per_s / (self.compute * devices),
-                "mfu_fp8": model_flops_per_s / (self.fp8 * devices) if self.fp8 else None}
+        return {
+            "mfu": model_flops_per_s / (self.compute * devices),
+            "mfu_fp8": model_flops_per_s / (self.fp8 * devices) if self.fp8 else None,
+        }
 
     def describe(self) -> str:
         def rate(flops: float) -> str:
@@ -226,9 +246,20 @@ def mfu_peaks(compute_dtype: str, fp8_recipe: str, cache_dir: pathlib.Path, devi
 
 # Data-sheet HBM bandwidth and NVLink (or PCIe) bandwidth per direction, GB/s, keyed like the peak table.
 _BANDWIDTH_GBS = {
-    "H100": (3350, 450), "H100 PCIe": (2000, 64), "H100 NVL": (3900, 300), "H200": (4800, 450),
-    "H200 NVL": (4800, 450), "GH200": (4000, 450), "A100": (2039, 300), "A10": (600, 32), "L4": (300, 32),
-    "L40S": (864, 32), "V100": (900, 150), "V100-PCIE": (900, 16), "T4": (320, 16), "B200": (8000, 900),
+    "H100": (3350, 450),
+    "H100 PCIe": (2000, 64),
+    "H100 NVL": (3900, 300),
+    "H200": (4800, 450),
+    "H200 NVL": (4800, 450),
+    "GH200": (4000, 450),
+    "A100": (2039, 300),
+    "A10": (600, 32),
+    "L4": (300, 32),
+    "L40S": (864, 32),
+    "V100": (900, 150),
+    "V100-PCIE": (900, 16),
+    "T4": (320, 16),
+    "B200": (8000, 900),
 }
 # Between hosts, GB/s per device per direction: one 400 Gb/s NIC per GPU (the NVIDIA DGX H100/H200 and
 # HGX reference design's eight ConnectX-7 400 Gb/s InfiniBand/Ethernet ports for eight GPUs) = 50 GB/s.
@@ -281,8 +312,9 @@ def measure_copy_bandwidth() -> float:
     each scaling its shard at once: far beyond the caches, so it is memory bandwidth."""
     devices = jax.local_devices()
     mesh = jax.sharding.Mesh(np.array(devices), ("all",))
-    array = jax.device_put(np.ones(2**25, np.float32),
-                           jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("all")))
+    array = jax.device_put(
+        np.ones(2**25, np.float32), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("all"))
+    )
     scale = jax.jit(lambda x: x * jnp.float32(1.0001))
     scale(array).block_until_ready()
     best = math.inf
@@ -330,5 +362,8 @@ def default_memory_budget(device: Any = None) -> float:
 
 def simulated_devices() -> bool:
     """Whether the devices are CPU devices simulated with --xla_force_host_platform_device_count."""
-    return jax.local_devices()[0].platform == "cpu" and jax.device_count() > 1 and \
-        "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", "")
+    return (
+        jax.local_devices()[0].platform == "cpu"
+        and jax.device_count() > 1
+        and "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", "")
+    )

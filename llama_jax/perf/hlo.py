@@ -61,28 +61,54 @@ from llama_jax.perf.hlo_text import (  # computations: read from here too
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 
 # Bytes each device sends per result byte, for a group of n (module docstring).
-_RING = {"all-gather": lambda n: (n - 1) / n, "reduce-scatter": lambda n: n - 1.0,
-         "all-reduce": lambda n: 2 * (n - 1) / n, "all-to-all": lambda n: (n - 1) / n}
+_RING = {
+    "all-gather": lambda n: (n - 1) / n,
+    "reduce-scatter": lambda n: n - 1.0,
+    "all-reduce": lambda n: 2 * (n - 1) / n,
+    "all-to-all": lambda n: (n - 1) / n,
+}
 # Attributes naming called computations; `body`/`condition` additionally scale by the trip count.
-_CALL_ATTRS = ("calls", "to_apply", "body", "condition", "true_computation", "false_computation",
-               "branch_computations", "called_computations")
+_CALL_ATTRS = (
+    "calls",
+    "to_apply",
+    "body",
+    "condition",
+    "true_computation",
+    "false_computation",
+    "branch_computations",
+    "called_computations",
+)
 # Instructions that move no data through memory themselves (views, bookkeeping, control flow).
-_FREE = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast", "while", "call", "conditional",
-         "after-all", "partition-id", "replica-id", "opt-barrier", "add-dependency", "domain"}
+_FREE = {
+    "parameter",
+    "constant",
+    "tuple",
+    "get-tuple-element",
+    "bitcast",
+    "while",
+    "call",
+    "conditional",
+    "after-all",
+    "partition-id",
+    "replica-id",
+    "opt-barrier",
+    "add-dependency",
+    "domain",
+}
 
 
 @dataclass(frozen=True)
 class CollectiveStats:
-    count: int          # executions per step (instruction count x how many times its computation runs)
-    buffer_bytes: int   # sum of result sizes per device (per execution x executions)
+    count: int  # executions per step (instruction count x how many times its computation runs)
+    buffer_bytes: int  # sum of result sizes per device (per execution x executions)
     moved_bytes: float  # per-device bytes sent over links, ring cost model (module docstring)
 
 
 @dataclass(frozen=True)
 class HloStats:
-    dot_flops: float                         # per step, per device: dots, convolutions, GPU library matmuls
+    dot_flops: float  # per step, per device: dots, convolutions, GPU library matmuls
     collectives: dict[str, CollectiveStats]  # all five KINDS, zeros if absent
-    unknown_trip_counts: int                 # while loops without known_trip_count (counted once)
+    unknown_trip_counts: int  # while loops without known_trip_count (counted once)
     # Per scheduled operation (flops, bytes read + written, the flops of fp8 matmuls among them), each already times
     # its executions per step.
     operations: tuple[tuple[float, float, float], ...] = ()
@@ -101,19 +127,18 @@ class HloStats:
         return sum(op[2] for op in self.operations)
 
 
-def roofline_seconds(operations, flops_per_s: float, bytes_per_s: float, fp8_flops_per_s: float | None = None
-                     ) -> float:
+def roofline_seconds(operations, flops_per_s: float, bytes_per_s: float, fp8_flops_per_s: float | None = None) -> float:
     """Each operation takes as long as its arithmetic or its memory traffic, whichever is longer; its fp8 matmuls'
     FLOPs at fp8_flops_per_s (None: no faster fp8 rate, e.g. on a CPU) and the rest at flops_per_s. An operation
     is (flops, bytes) or (flops, bytes, fp8 flops)."""
     fp8_rate = fp8_flops_per_s or flops_per_s
-    return sum(max((f - fp8) / flops_per_s + fp8 / fp8_rate, b / bytes_per_s)
-               for f, b, fp8 in map(_with_fp8, operations))
+    return sum(
+        max((f - fp8) / flops_per_s + fp8 / fp8_rate, b / bytes_per_s) for f, b, fp8 in map(_with_fp8, operations)
+    )
 
 
 def _with_fp8(operation) -> tuple[float, float, float]:
     return (*operation, 0.0) if len(operation) == 2 else tuple(operation)
-
 
 
 def _callees(instr: Instr, trip_count: int) -> Iterator[tuple[str, int]]:
@@ -148,12 +173,11 @@ def _flops(comp: Computation, instr: Instr, fp8_only: bool = False) -> float:
     return 2.0 * out * math.prod(d for d, label in zip(kernel, kernel_labels) if label != "o")
 
 
-
 def _output_shape(instr: Instr) -> str:
     # all-gather-start / collective-permute-start return (operand, output[, contexts...]);
     # all-reduce-start returns just its output(s).
     shape = strip_comments(instr.shape).strip()
-    elements = split_top(shape[1:close_bracket(shape, 0)]) if shape.startswith("(") else [shape]
+    elements = split_top(shape[1 : close_bracket(shape, 0)]) if shape.startswith("(") else [shape]
     if instr.opcode.endswith("-start") and instr.opcode != "all-reduce-start" and len(elements) > 1:
         return elements[1]
     return instr.shape
@@ -177,10 +201,14 @@ def analyze(hlo_text: str, num_devices: int, branch_runs: dict[str, float] | Non
     multiplicity: dict[str, float] = {}
     # Computations that run as a sequence of operations (not fused into one kernel or applied per element).
     scheduled_names = {entry} | {
-        callee.lstrip("%") for comp in comps.values() for instr in comp.instrs if instr.opcode != "fusion"
+        callee.lstrip("%")
+        for comp in comps.values()
+        for instr in comp.instrs
+        if instr.opcode != "fusion"
         for attr in ("body", "condition", "true_computation", "false_computation", "branch_computations")
         + (("to_apply",) if instr.opcode == "call" else ())
-        for callee in split_top(instr.attrs.get(attr, "").strip("{}"))}
+        for callee in split_top(instr.attrs.get(attr, "").strip("{}"))
+    }
 
     def runs(name: str) -> float:  # call graphs are DAGs, so this terminates; unreachable -> 0
         if name not in multiplicity:
@@ -199,9 +227,15 @@ def analyze(hlo_text: str, num_devices: int, branch_runs: dict[str, float] | Non
         for instr in comp.instrs:
             flops += mult * _flops(comp, instr)
             if scheduled and instr.opcode not in _FREE and not instr.opcode.endswith("-done"):
-                own, fp8 = (_flops(comp, instr, fp8_only) + (_body_flops(comps, instr.attrs["calls"].lstrip("%"),
-                                                                         fp8_only) if instr.opcode == "fusion" else 0.0)
-                            for fp8_only in (False, True))
+                own, fp8 = (
+                    _flops(comp, instr, fp8_only)
+                    + (
+                        _body_flops(comps, instr.attrs["calls"].lstrip("%"), fp8_only)
+                        if instr.opcode == "fusion"
+                        else 0.0
+                    )
+                    for fp8_only in (False, True)
+                )
                 traffic = _result_bytes(instr) + sum(_operand_bytes(comp, o) for o in instr.operands)
                 operations.append((mult * own, mult * traffic, mult * fp8))
             kind = instr.opcode.removesuffix("-start")
@@ -218,8 +252,13 @@ def analyze(hlo_text: str, num_devices: int, branch_runs: dict[str, float] | Non
             moved[kind] += sent
             by_groups[kind, groups] += sent
     collectives = {k: CollectiveStats(round(count[k]), round(buffer[k]), moved[k]) for k in KINDS}
-    return HloStats(dot_flops=flops, collectives=collectives, unknown_trip_counts=unknown,
-                    operations=tuple(operations), collective_groups=dict(by_groups))
+    return HloStats(
+        dot_flops=flops,
+        collectives=collectives,
+        unknown_trip_counts=unknown,
+        operations=tuple(operations),
+        collective_groups=dict(by_groups),
+    )
 
 
 def permute_loop_trips(hlo_text: str, num_devices: int, wanted: Callable[[DeviceGroups], bool]) -> list[int]:
@@ -232,11 +271,20 @@ def permute_loop_trips(hlo_text: str, num_devices: int, wanted: Callable[[Device
     for comp in comps.values():
         for instr in comp.instrs:
             body = comps.get(instr.attrs.get("body", "").lstrip("%")) if instr.opcode == "while" else None
-            hands_on = [i for i in body.instrs if i.opcode.removesuffix("-start") == "collective-permute"
-                        and wanted(device_groups(i.attrs, num_devices))] if body else []
+            hands_on = (
+                [
+                    i
+                    for i in body.instrs
+                    if i.opcode.removesuffix("-start") == "collective-permute"
+                    and wanted(device_groups(i.attrs, num_devices))
+                ]
+                if body
+                else []
+            )
             if hands_on:
-                trips.append(loops.permute_iterations(instr, comp, body, loops.trip_count(instr, comp, comps) or 1,
-                                                      hands_on[0]))
+                trips.append(
+                    loops.permute_iterations(instr, comp, body, loops.trip_count(instr, comp, comps) or 1, hands_on[0])
+                )
     return trips
 
 
@@ -258,32 +306,46 @@ def named_buffer_bytes(hlo_text: str, scope: str) -> list[int]:
     """Per device, the bytes of each buffer written in place (dynamic-update-slice) by operations named under
     jax.named_scope(`scope`): e.g. the 1F1B schedule's residual slots (one_f_one_b.py), as compiled."""
     comps, _ = parse_module(hlo_text)
-    return [shape_bytes(i.shape) for comp in comps.values() for i in comp.instrs
-            if i.opcode == "dynamic-update-slice" and f"/{scope}/" in i.attrs.get("metadata", "")]
+    return [
+        shape_bytes(i.shape)
+        for comp in comps.values()
+        for i in comp.instrs
+        if i.opcode == "dynamic-update-slice" and f"/{scope}/" in i.attrs.get("metadata", "")
+    ]
 
 
 def custom_calls(hlo_text: str) -> list[tuple[str, tuple[str, ...], str]]:
     """Every custom call of a module, fusion bodies included: (target, its operands' shapes, its result's shape).
     What a compiled program hands to libraries: e.g. which GEMMs XLA:GPU gave cuBLASLt's fp8 kernel."""
     comps, _ = parse_module(hlo_text)
-    return [(i.attrs.get("custom_call_target", "").strip('"'),
-             tuple(o.split()[0] if len(o.split()) > 1 else comp.shapes.get(o.lstrip("%"), "") for o in i.operands),
-             i.shape)
-            for comp in comps.values() for i in comp.instrs if i.opcode == "custom-call"]
+    return [
+        (
+            i.attrs.get("custom_call_target", "").strip('"'),
+            tuple(o.split()[0] if len(o.split()) > 1 else comp.shapes.get(o.lstrip("%"), "") for o in i.operands),
+            i.shape,
+        )
+        for comp in comps.values()
+        for i in comp.instrs
+        if i.opcode == "custom-call"
+    ]
 
 
 def _body_flops(comps: dict[str, Computation], name: str, fp8_only: bool = False) -> float:
     """FLOPs inside a fusion body (dots, library calls), nested fusions included; fp8_only: of fp8 matmuls only."""
     comp = comps[name]
-    return sum(_flops(comp, i, fp8_only) + (_body_flops(comps, i.attrs["calls"].lstrip("%"), fp8_only)
-                                            if i.opcode == "fusion" else 0.0) for i in comp.instrs)
+    return sum(
+        _flops(comp, i, fp8_only)
+        + (_body_flops(comps, i.attrs["calls"].lstrip("%"), fp8_only) if i.opcode == "fusion" else 0.0)
+        for i in comp.instrs
+    )
 
 
 def _fp8_matmul(comp: Computation, instr: Instr) -> bool:
     """A dot or cuBLAS(Lt) GEMM whose two matrix operands are fp8 (f8e4m3fn, f8e5m2, ...): tensor cores run it at
     the fp8 rate. cuBLASLt's fp8 GEMM takes its scales as further operands."""
-    if instr.opcode == "dot" or (instr.opcode == "custom-call"
-                                 and instr.attrs.get("custom_call_target", "").strip('"') in _GEMM_TARGETS):
+    if instr.opcode == "dot" or (
+        instr.opcode == "custom-call" and instr.attrs.get("custom_call_target", "").strip('"') in _GEMM_TARGETS
+    ):
         return len(instr.operands) >= 2 and all(_operand_dtype(comp, o).startswith("f8") for o in instr.operands[:2])
     return False
 
@@ -330,9 +392,11 @@ def _library_call_flops(comp: Computation, instr: Instr) -> float:
             numbers = loops.backend_config(instr)["gemm_backend_config"]["dot_dimension_numbers"]
             return _matmul_flops(comp, instr, fmha.dimensions(numbers, "lhs_contracting_dimensions"))
         if target.startswith("__cudnn$fmha"):
-            return fmha.attention_flops(loops.backend_config(instr)["cudnn_fmha_backend_config"],
-                                        *(_operand_dims(comp, o) for o in instr.operands[:3]),
-                                        backward="Backward" in target)
+            return fmha.attention_flops(
+                loops.backend_config(instr)["cudnn_fmha_backend_config"],
+                *(_operand_dims(comp, o) for o in instr.operands[:3]),
+                backward="Backward" in target,
+            )
     except (KeyError, IndexError, TypeError, ValueError, ZeroDivisionError):
         # A config this XLA version writes differently counts as no FLOPs rather than failing `plan` and every
         # `tune` candidate: plan's HLO/model FLOP ratio then shows what is missing.

@@ -17,9 +17,25 @@ from dataclasses import dataclass, field
 # The devices of each group of a collective (positions in the program's device assignment).
 DeviceGroups = tuple[tuple[int, ...], ...]
 
-_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
-                "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
-                "token": 0, "opaque": 0}
+_DTYPE_BYTES = {
+    "pred": 1,
+    "s8": 1,
+    "u8": 1,
+    "s16": 2,
+    "u16": 2,
+    "f16": 2,
+    "bf16": 2,
+    "s32": 4,
+    "u32": 4,
+    "f32": 4,
+    "s64": 8,
+    "u64": 8,
+    "f64": 8,
+    "c64": 8,
+    "c128": 16,
+    "token": 0,
+    "opaque": 0,
+}
 
 
 @dataclass
@@ -71,7 +87,7 @@ def close_bracket(text: str, start: int) -> int:
 def split_top(text: str) -> list[str]:
     """Split on commas that are outside brackets and quotes; drop empty pieces."""
     cuts = [i for i, ch, depth in _walk(text) if ch == "," and depth == 0]
-    pieces = [text[a + 1:b] for a, b in zip([-1, *cuts], [*cuts, len(text)])]
+    pieces = [text[a + 1 : b] for a, b in zip([-1, *cuts], [*cuts, len(text)])]
     return [p.strip() for p in pieces if p.strip()]
 
 
@@ -79,7 +95,7 @@ def strip_comments(text: str) -> str:
     """Drop `/*index=5*/` markers that XLA puts inside long tuples."""
     while "/*" in text:
         a = text.index("/*")
-        text = text[:a] + text[text.index("*/", a) + 2:]
+        text = text[:a] + text[text.index("*/", a) + 2 :]
     return text
 
 
@@ -87,9 +103,9 @@ def arrays(shape: str) -> list[tuple[str, list[int]]]:
     """Flatten a (possibly nested tuple) shape into (dtype, dims) leaves."""
     shape = strip_comments(shape).strip()
     if shape.startswith("("):
-        return [leaf for part in split_top(shape[1:close_bracket(shape, 0)]) for leaf in arrays(part)]
+        return [leaf for part in split_top(shape[1 : close_bracket(shape, 0)]) for leaf in arrays(part)]
     dtype, _, rest = shape.partition("[")
-    dims = rest[:rest.index("]")] if rest else ""
+    dims = rest[: rest.index("]")] if rest else ""
     # `<=N` marks a bounded dynamic dimension; N is the buffer size.
     return [(dtype.strip(), [int(d.strip().removeprefix("<=")) for d in dims.split(",") if d.strip()])]
 
@@ -116,10 +132,10 @@ def parse_instr(line: str) -> Instr | None:
     paren = rest.index("(")
     close = close_bracket(rest, paren)
     attrs = {}
-    for item in split_top(rest[close + 1:]):
+    for item in split_top(rest[close + 1 :]):
         key, _, value = item.partition("=")
         attrs[key.strip()] = value.strip()
-    operands = split_top(strip_comments(rest[paren + 1:close]))
+    operands = split_top(strip_comments(rest[paren + 1 : close]))
     return Instr(name.lstrip("%"), shape, rest[:paren].strip(), operands, attrs)
 
 
@@ -139,7 +155,7 @@ def parse_module(text: str) -> tuple[dict[str, Computation], str]:
             current = comps[name.lstrip("%")] = Computation(name.lstrip("%"))
             entry = current.name if is_entry else entry
             if rest.startswith("("):  # parameter shapes, for dots whose operands are parameters
-                for param in split_top(rest[1:close_bracket(rest, 0)]):
+                for param in split_top(rest[1 : close_bracket(rest, 0)]):
                     pname, _, pshape = param.partition(":")
                     current.shapes[pname.strip().lstrip("%")] = pshape.strip()
         elif line.strip() == "}":
@@ -155,6 +171,7 @@ def computations(hlo_text: str) -> dict[str, Computation]:
     attributes (`metadata`, `calls`, `custom_call_target`, ... as written)."""
     return parse_module(hlo_text)[0]
 
+
 def device_groups(attrs: dict[str, str], num_devices: int) -> DeviceGroups:
     """The devices of each group a collective runs over, as positions in the program's device assignment:
     for a jit over a Mesh, indices into mesh.devices.flat (SPMD programs number partitions, not device ids).
@@ -168,8 +185,8 @@ def device_groups(attrs: dict[str, str], num_devices: int) -> DeviceGroups:
         return _mesh_groups(groups, attrs.get("device_ids", ""))
     if groups.startswith("["):  # iota form [groups,size]<=[dims]T(perm): a group is a row
         shape, _, order = groups.partition("<=")
-        size, ids = int(shape[1:shape.index("]")].split(",")[-1]), _iota(order)
-        return tuple(tuple(ids[i:i + size]) for i in range(0, len(ids), size))
+        size, ids = int(shape[1 : shape.index("]")].split(",")[-1]), _iota(order)
+        return tuple(tuple(ids[i : i + size]) for i in range(0, len(ids), size))
     return _int_groups(groups)  # explicit {{0,1},{2,3}}
 
 
@@ -187,7 +204,7 @@ def _iota(order: str) -> list[int]:
         index, rest = [0] * len(dims), flat
         for axis in reversed(perm):  # the transposed array's last dim varies fastest
             index[axis], rest = rest % dims[axis], rest // dims[axis]
-        ids.append(sum(i * math.prod(dims[a + 1:]) for a, i in enumerate(index)))
+        ids.append(sum(i * math.prod(dims[a + 1 :]) for a, i in enumerate(index)))
     return ids
 
 
@@ -196,7 +213,7 @@ def _mesh_groups(text: str, device_ids: str) -> DeviceGroups:
     may be a sub-axis, 'b':(1)2 (Shardy's notation: the axis split major to minor into parts of size
     1 (pre-size), 2 and the rest). The mesh's devices are 0..N-1 in row-major order unless it lists
     `device_ids=(...)`, which the attribute splitter files under its own key, with the axes after it."""
-    axes_text, _, chosen = text[len("mesh["):].partition("]")
+    axes_text, _, chosen = text[len("mesh[") :].partition("]")
     names, sizes = [], []
     for axis in split_top(axes_text):
         name, _, size = axis.partition("=")
@@ -206,16 +223,20 @@ def _mesh_groups(text: str, device_ids: str) -> DeviceGroups:
     if not chosen.strip() and "{" in device_ids:
         ids_text, _, chosen = device_ids.rpartition("{")
         chosen, ids_text = "{" + chosen, ids_text.strip().removeprefix("(").removesuffix(")")
-        listed = _iota(ids_text.partition("<=")[2]) if "<=" in ids_text else \
-            [int(d) for d in "".join(c if c.isdigit() else " " for c in ids_text).split()]
+        listed = (
+            _iota(ids_text.partition("<=")[2])
+            if "<=" in ids_text
+            else [int(d) for d in "".join(c if c.isdigit() else " " for c in ids_text).split()]
+        )
         order = listed if len(listed) == len(order) else order
     parts: dict[int, list[tuple[int, int]]] = {}  # mesh axis -> (pre-size, size) of each listed part
     for axis in split_top(chosen.strip().strip("{}")):
         name, colon, sub = axis.partition(":")
         i = names.index(name.strip().strip("'\""))
         sub = sub.strip()
-        parts.setdefault(i, []).append((int(sub[1:sub.index(")")]), int(sub.partition(")")[2])) if colon
-                                       else (1, sizes[i]))
+        parts.setdefault(i, []).append(
+            (int(sub[1 : sub.index(")")]), int(sub.partition(")")[2])) if colon else (1, sizes[i])
+        )
     groups: dict[tuple[int, ...], list[int]] = {}
     for position, device in enumerate(order):
         coords, rest = [], position
@@ -223,7 +244,9 @@ def _mesh_groups(text: str, device_ids: str) -> DeviceGroups:
             coords.insert(0, rest % n)
             rest //= n
         # Zero the listed parts of each coordinate: what is left names the group.
-        key = tuple(c - sum((c // (n // (pre * size))) % size * (n // (pre * size)) for pre, size in parts.get(i, ()))
-                    for i, (c, n) in enumerate(zip(coords, sizes)))
+        key = tuple(
+            c - sum((c // (n // (pre * size))) % size * (n // (pre * size)) for pre, size in parts.get(i, ()))
+            for i, (c, n) in enumerate(zip(coords, sizes))
+        )
         groups.setdefault(key, []).append(device)
     return tuple(tuple(g) for g in groups.values())

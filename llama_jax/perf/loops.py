@@ -19,9 +19,11 @@ import math
 
 _FOLLOWED = ("copy", "bitcast", "convert")  # ops that carry a scalar through unchanged
 # The iterations `compare(i, bound)` lets through, for i counting up from `start` by `step`.
-_RUNS = {"LT": lambda start, bound, step: math.ceil((bound - start) / step),
-         "LE": lambda start, bound, step: math.floor((bound - start) / step) + 1,
-         "NE": lambda start, bound, step: math.ceil((bound - start) / step)}
+_RUNS = {
+    "LT": lambda start, bound, step: math.ceil((bound - start) / step),
+    "LE": lambda start, bound, step: math.floor((bound - start) / step) + 1,
+    "NE": lambda start, bound, step: math.ceil((bound - start) / step),
+}
 
 
 def backend_config(instr) -> dict:
@@ -94,7 +96,10 @@ def permute_iterations(instr, caller, body, trips: int, hands_on) -> int:
     pairs = hands_on.attrs.get("source_target_pairs")
 
     def permutes(comp) -> int:
-        return sum(i.opcode.removesuffix("-start") == "collective-permute"
-                   and i.attrs.get("source_target_pairs") == pairs for i in comp.instrs)
+        return sum(
+            i.opcode.removesuffix("-start") == "collective-permute" and i.attrs.get("source_target_pairs") == pairs
+            for i in comp.instrs
+        )
+
     step = unrolled(instr)
     return trips * step + (permutes(caller) * step // permutes(body) if step > 1 else 0)

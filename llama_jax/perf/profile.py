@@ -39,18 +39,61 @@ from llama_jax.files import unreadable
 from llama_jax.perf import hlo
 from llama_jax.perf.profiler import HLO_FILE
 
-CLASSES = ("matmul fp8", "matmul bf16", "matmul fp16", "matmul fp32", "matmul", "attention", "collective",
-           "fusion", "copy/transpose", "other")
-COLLECTIVE_OPS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "ragged-all-to-all",
-                  "collective-permute", "collective-broadcast")
+CLASSES = (
+    "matmul fp8",
+    "matmul bf16",
+    "matmul fp16",
+    "matmul fp32",
+    "matmul",
+    "attention",
+    "collective",
+    "fusion",
+    "copy/transpose",
+    "other",
+)
+COLLECTIVE_OPS = (
+    "all-reduce",
+    "all-gather",
+    "reduce-scatter",
+    "all-to-all",
+    "ragged-all-to-all",
+    "collective-permute",
+    "collective-broadcast",
+)
 GEMM_TARGETS = ("__cublas$gemm", "__cublas$lt$matmul", "__cublas$lt$matmul$f8", "__cublas$lt$matmul$mx")
 # Instructions that only move or relabel data: a fusion of these (and its parameters) is a copy.
-MOVES = {"parameter", "copy", "transpose", "bitcast", "reshape", "broadcast", "slice", "dynamic-slice",
-         "dynamic-update-slice", "concatenate", "pad", "constant", "tuple", "get-tuple-element", "copy-start",
-         "copy-done", "bitcast-convert"}
+MOVES = {
+    "parameter",
+    "copy",
+    "transpose",
+    "bitcast",
+    "reshape",
+    "broadcast",
+    "slice",
+    "dynamic-slice",
+    "dynamic-update-slice",
+    "concatenate",
+    "pad",
+    "constant",
+    "tuple",
+    "get-tuple-element",
+    "copy-start",
+    "copy-done",
+    "bitcast-convert",
+}
 # Lanes XProf derives from the kernels (they repeat their time); their events are not counted again.
-DERIVED_LANES = {"Steps", "XLA Modules", "XLA Ops", "Async XLA Ops", "Framework Ops", "Framework Name Scope",
-                 "Source code", "XLA TraceMe", "TensorFlow Ops", "TensorFlow Name Scope"}
+DERIVED_LANES = {
+    "Steps",
+    "XLA Modules",
+    "XLA Ops",
+    "Async XLA Ops",
+    "Framework Ops",
+    "Framework Name Scope",
+    "Source code",
+    "XLA TraceMe",
+    "TensorFlow Ops",
+    "TensorFlow Name Scope",
+}
 _ATTENTION_CORE = re.compile(r"/attn/(?![qkvo]_proj/)")  # the attention module's name stack, not its projections
 
 
@@ -72,13 +115,16 @@ class OpEvent:
 
 # -- what each op is ---------------------------------------------------------------------------------------------
 
+
 def op_classes(hlo_text: str) -> tuple[dict[str, str], dict[str, str]]:
     """Every instruction name of an optimized HLO module -> its class (CLASSES), and -> where in the model it comes
     from (its name stack, shortened: `backward layers/mlp/up_proj/dot_general`)."""
     computations = hlo.computations(hlo_text)
     instructions = [(comp, instr) for comp in computations.values() for instr in comp.instrs]
-    return ({instr.name: _classify(computations, comp, instr) for comp, instr in instructions},
-            {instr.name: _source(instr) for _, instr in instructions})
+    return (
+        {instr.name: _classify(computations, comp, instr) for comp, instr in instructions},
+        {instr.name: _source(instr) for _, instr in instructions},
+    )
 
 
 def _source(instr) -> str:
@@ -89,8 +135,13 @@ def _source(instr) -> str:
     backward = "transpose(" in path  # jax names the backward pass's ops transpose(jvp(...))
     # Scopes jax adds around our names (eval_jaxpr: a scanned body's, on jax 0.12) are dropped.
     wrappers = r"(jit|pjit|jvp|transpose|remat|checkpoint|shard_map|custom_jvp_call|custom_vjp_call)\(.*\)"
-    kept = [p for p in path.split("/") if not re.fullmatch(
-        wrappers + r"|while|body|cond|closed_call|checkpoint|rematted_computation|branch_\d+_fun|eval_jaxpr", p)]
+    kept = [
+        p
+        for p in path.split("/")
+        if not re.fullmatch(
+            wrappers + r"|while|body|cond|closed_call|checkpoint|rematted_computation|branch_\d+_fun|eval_jaxpr", p
+        )
+    ]
     return " ".join(filter(None, ["backward" if backward else "", "/".join(kept)]))
 
 
@@ -123,9 +174,12 @@ def _classify_body(computations: dict, instr) -> str:
     """A fusion (or async wrapper) is what its body does: its matmul, collective or attention call if it holds one,
     else a copy when it only moves data, attention by its name stack, else a fusion."""
     body = list(_body(computations, instr.attrs.get("calls", "")))
-    inner = [_classify(computations, comp, i) for comp, i in body
-             if i.opcode in ("dot", "convolution", "custom-call") or
-             i.opcode.removesuffix("-start").removesuffix("-done") in COLLECTIVE_OPS]
+    inner = [
+        _classify(computations, comp, i)
+        for comp, i in body
+        if i.opcode in ("dot", "convolution", "custom-call")
+        or i.opcode.removesuffix("-start").removesuffix("-done") in COLLECTIVE_OPS
+    ]
     for wanted in ("collective", "matmul fp8", "matmul bf16", "matmul fp16", "matmul fp32", "matmul", "attention"):
         if wanted in inner:
             return wanted
@@ -183,16 +237,21 @@ def class_by_name(op: str) -> str:
 
 # -- reading the trace -------------------------------------------------------------------------------------------
 
+
 def find_trace(run_dir: Path) -> Path:
     """The newest trace under RUN_DIR/profile; InputError (one line) when there is none."""
     if problem := unreadable(run_dir, "directory"):
         raise InputError(f"profile: {problem}; name the run.dir of a run trained with run.profile_steps=[FIRST,LAST]")
-    traces = sorted((run_dir / "profile").glob("**/plugins/profile/*/*.trace.json.gz"),
-                    key=lambda path: (path.parent.name, path.stat().st_mtime))  # the session folder: its start time
+    traces = sorted(
+        (run_dir / "profile").glob("**/plugins/profile/*/*.trace.json.gz"),
+        key=lambda path: (path.parent.name, path.stat().st_mtime),
+    )  # the session folder: its start time
     if not traces:
-        raise InputError(f"profile: {run_dir} holds no profile (profile/plugins/profile/*/*.trace.json.gz); capture "
-                         f"one with run.profile_steps=[FIRST,LAST], e.g. llama-jax train ... run.dir={run_dir} "
-                         "run.profile_steps=[5,7]")
+        raise InputError(
+            f"profile: {run_dir} holds no profile (profile/plugins/profile/*/*.trace.json.gz); capture "
+            f"one with run.profile_steps=[FIRST,LAST], e.g. llama-jax train ... run.dir={run_dir} "
+            "run.profile_steps=[5,7]"
+        )
     return traces[-1]
 
 
@@ -205,10 +264,18 @@ def read_trace(path: Path, module: str = "") -> tuple[list[OpEvent], list[int], 
     except (OSError, EOFError, ValueError) as err:
         raise InputError(f"profile: cannot read {path}: {err}; capture the profile again") from None
     events = document.get("traceEvents", []) if isinstance(document, dict) else document
-    names = {(e.get("pid"), e.get("tid")): e.get("args", {}).get("name", "") for e in events
-             if e.get("ph") == "M" and e.get("name") in ("process_name", "thread_name")}
-    ops = [e for e in events if e.get("ph") == "X" and "hlo_op" in (e.get("args") or {})
-           and names.get((e.get("pid"), e.get("tid")), "") not in DERIVED_LANES]
+    names = {
+        (e.get("pid"), e.get("tid")): e.get("args", {}).get("name", "")
+        for e in events
+        if e.get("ph") == "M" and e.get("name") in ("process_name", "thread_name")
+    }
+    ops = [
+        e
+        for e in events
+        if e.get("ph") == "X"
+        and "hlo_op" in (e.get("args") or {})
+        and names.get((e.get("pid"), e.get("tid")), "") not in DERIVED_LANES
+    ]
     # On GPUs the host's threads also name ops (launches); the device's lanes hold the kernels' time.
     devices = {pid for (pid, tid), name in names.items() if tid is None and name.startswith("/device:")}
     if any(e["pid"] in devices for e in ops):
@@ -217,11 +284,23 @@ def read_trace(path: Path, module: str = "") -> tuple[list[OpEvent], list[int], 
     for e in ops:
         time_by_module[_module(e)] += float(e.get("dur", 0))
     chosen = module if module in time_by_module else max(time_by_module, key=time_by_module.get, default="")
-    found = [OpEvent(e["args"]["hlo_op"], e.get("name", ""), (e.get("pid"), e.get("tid")),
-                     str(e["args"].get("run_id", "")), float(e["ts"]), float(e.get("dur", 0)))
-             for e in ops if _module(e) == chosen]
-    steps = sorted(int(e["args"]["step_num"]) for e in events if e.get("ph") == "X" and e.get("name") == "train"
-                   and str((e.get("args") or {}).get("step_num", "")).isdigit())
+    found = [
+        OpEvent(
+            e["args"]["hlo_op"],
+            e.get("name", ""),
+            (e.get("pid"), e.get("tid")),
+            str(e["args"].get("run_id", "")),
+            float(e["ts"]),
+            float(e.get("dur", 0)),
+        )
+        for e in ops
+        if _module(e) == chosen
+    ]
+    steps = sorted(
+        int(e["args"]["step_num"])
+        for e in events
+        if e.get("ph") == "X" and e.get("name") == "train" and str((e.get("args") or {}).get("step_num", "")).isdigit()
+    )
     return found, steps, chosen
 
 
@@ -276,8 +355,14 @@ def _uncovered(spans: list[tuple[float, float]], cover: list[tuple[float, float]
 
 # -- where the time went -----------------------------------------------------------------------------------------
 
-def summarize(events: list[OpEvent], classes: dict[str, str], step_numbers: list[int], top: int = 10,
-              sources: dict[str, str] | None = None) -> dict:
+
+def summarize(
+    events: list[OpEvent],
+    classes: dict[str, str],
+    step_numbers: list[int],
+    top: int = 10,
+    sources: dict[str, str] | None = None,
+) -> dict:
     """Per step (ms): the time by class, the collectives' time not hidden, idle time and the `top` ops."""
     own, encloses = _own_times(events)
     kind = [classes.get(e.op) or class_by_name(e.op) for e in events]
@@ -300,22 +385,41 @@ def summarize(events: list[OpEvent], classes: dict[str, str], step_numbers: list
         return us / 1e3 / count
 
     return {
-        "module": "", "steps": steps, "step_ms": step_ms, "idle_ms": idle_ms, "idle_share": _share(idle_ms, step_ms),
-        "classes": {c: {"ms": per_step(by_class[c][0]), "share": _share(per_step(by_class[c][0]), step_ms),
-                        "ops": by_class[c][1] / count} for c in CLASSES if c in by_class},
+        "module": "",
+        "steps": steps,
+        "step_ms": step_ms,
+        "idle_ms": idle_ms,
+        "idle_share": _share(idle_ms, step_ms),
+        "classes": {
+            c: {
+                "ms": per_step(by_class[c][0]),
+                "share": _share(per_step(by_class[c][0]), step_ms),
+                "ops": by_class[c][1] / count,
+            }
+            for c in CLASSES
+            if c in by_class
+        },
         "collective_ms": per_step(by_class["collective"][0]) if "collective" in by_class else 0.0,
         "collective_exposed_ms": per_step(exposed_us),
         "lanes": len({e.lane for e in events}),
-        "top": [{"op": r["op"], "class": r["class"], "ms": per_step(r["us"]),
-                 "share": _share(per_step(r["us"]), step_ms), "count": r["count"] / count,
-                 "kernel": max(r["kernels"], key=r["kernels"].get),
-                 "source": (sources or {}).get(r["op"], "")}
-                for r in sorted(by_op.values(), key=lambda r: -r["us"])[:top]],
+        "top": [
+            {
+                "op": r["op"],
+                "class": r["class"],
+                "ms": per_step(r["us"]),
+                "share": _share(per_step(r["us"]), step_ms),
+                "count": r["count"] / count,
+                "kernel": max(r["kernels"], key=r["kernels"].get),
+                "source": (sources or {}).get(r["op"], ""),
+            }
+            for r in sorted(by_op.values(), key=lambda r: -r["us"])[:top]
+        ],
     }
 
 
-def _steps(events: list[OpEvent], kind: list[str], encloses: list[bool], step_numbers: list[int]
-           ) -> tuple[list[dict], float]:
+def _steps(
+    events: list[OpEvent], kind: list[str], encloses: list[bool], step_numbers: list[int]
+) -> tuple[list[dict], float]:
     """One row per execution of the module (its run id), in order: wall time, busy and idle time (ms), each named
     by its step number when the trace annotated as many steps; and the collectives' microseconds no other op hid."""
     runs: dict[str, list[int]] = defaultdict(list)
@@ -329,10 +433,18 @@ def _steps(events: list[OpEvent], kind: list[str], encloses: list[bool], step_nu
         busy = sum(b - a for a, b in _merged(spans))
         wall = max(b for _, b in spans) - min(a for a, _ in spans)
         leaves = [(span, kind[i]) for span, i in zip(spans, indices) if not encloses[i]]  # a loop hides nothing itself
-        exposed += _uncovered(_merged([span for span, name in leaves if name == "collective"]),
-                              _merged([span for span, name in leaves if name != "collective"]))
-        rows.append({"step": step_numbers[n] if named else None, "time_ms": wall / 1e3, "busy_ms": busy / 1e3,
-                     "idle_ms": (wall - busy) / 1e3})
+        exposed += _uncovered(
+            _merged([span for span, name in leaves if name == "collective"]),
+            _merged([span for span, name in leaves if name != "collective"]),
+        )
+        rows.append(
+            {
+                "step": step_numbers[n] if named else None,
+                "time_ms": wall / 1e3,
+                "busy_ms": busy / 1e3,
+                "idle_ms": (wall - busy) / 1e3,
+            }
+        )
     return rows, exposed
 
 
@@ -360,12 +472,15 @@ def format_profile(profile: dict) -> str:
     steps = profile["steps"]
     numbers = [s["step"] for s in steps if s["step"] is not None]
     each = ", ".join(f"step {s['step']}: {s['time_ms']:.2f}" for s in steps if s["step"] is not None)
-    lines = [f"profile {profile['trace']}",
-             f"module {profile['module']}, {len(steps)} step(s)"
-             f"{f' {numbers[0]}-{numbers[-1]}' if numbers else ''}: {profile['step_ms']:.2f} ms per step"
-             f"{f' ({each} ms)' if len(numbers) > 1 else ''}; ops on {profile['lanes']} lane(s), classified by "
-             f"{'the step HLO' if profile['classified_by'] == 'hlo' else 'their names (no step.hlo.txt)'}",
-             "", f"{'where a step went':<22}{'ms/step':>10}{'share':>9}{'ops/step':>10}"]
+    lines = [
+        f"profile {profile['trace']}",
+        f"module {profile['module']}, {len(steps)} step(s)"
+        f"{f' {numbers[0]}-{numbers[-1]}' if numbers else ''}: {profile['step_ms']:.2f} ms per step"
+        f"{f' ({each} ms)' if len(numbers) > 1 else ''}; ops on {profile['lanes']} lane(s), classified by "
+        f"{'the step HLO' if profile['classified_by'] == 'hlo' else 'their names (no step.hlo.txt)'}",
+        "",
+        f"{'where a step went':<22}{'ms/step':>10}{'share':>9}{'ops/step':>10}",
+    ]
     rows = dict(profile["classes"])
     for always in ("attention", "collective"):
         rows.setdefault(always, {"ms": 0.0, "share": 0.0, "ops": 0})
@@ -374,15 +489,19 @@ def format_profile(profile: dict) -> str:
         lines.append(f"  {name:<20}{row['ms']:>10.3f}{row['share']:>9.1%}{row['ops']:>10.0f}")
     lines.append(f"  {'idle (host gaps)':<20}{profile['idle_ms']:>10.3f}{profile['idle_share']:>9.1%}")
     total = sum(r["share"] for r in rows.values()) + profile["idle_share"]
-    lines.append(f"collectives {profile['collective_ms']:.3f} ms per step, {profile['collective_exposed_ms']:.3f} ms "
-                 "of it not hidden behind compute")
+    lines.append(
+        f"collectives {profile['collective_ms']:.3f} ms per step, {profile['collective_exposed_ms']:.3f} ms "
+        "of it not hidden behind compute"
+    )
     if total > 1.005:
         lines.append(f"(ops on several lanes ran at once: the rows add up to {total:.0%} of the step)")
     lines += ["", f"{'top ops':<30}{'ms/step':>10}{'share':>9}{'count':>7}  {'class':<15}from (or kernel)"]
     for row in profile["top"]:
         where = row["source"] or (row["kernel"] if row["kernel"] != row["op"] else "")
-        lines.append(f"  {row['op'][:28]:<28}{row['ms']:>10.3f}{row['share']:>9.1%}{row['count']:>7.0f}  "
-                     f"{row['class']:<15}{where[-70:]}")
+        lines.append(
+            f"  {row['op'][:28]:<28}{row['ms']:>10.3f}{row['share']:>9.1%}{row['count']:>7.0f}  "
+            f"{row['class']:<15}{where[-70:]}"
+        )
     return "\n".join(lines)
 
 

@@ -15,6 +15,8 @@ def check_xla_flags() -> None:
     with a fatal log when it starts, on any host. One line instead, before anything starts."""
     version = tuple(int(part) for part in jaxlib.__version__.split(".")[:3] if part.isdigit())
     if "--xla_gpu_pipeline_" in os.environ.get("XLA_FLAGS", "") and version < (0, 11, 1):
-        raise InputError(f"XLA_FLAGS has launch/gpu_env.sh's --xla_gpu_pipeline_* flags, which jaxlib "
-                         f"{jaxlib.__version__} does not know (they need 0.11.1 or newer): install the gpu extra on "
-                         "Python >= 3.12, or set LLAMA_JAX_GPU_FLAGS=off for the launch script")
+        raise InputError(
+            f"XLA_FLAGS has launch/gpu_env.sh's --xla_gpu_pipeline_* flags, which jaxlib "
+            f"{jaxlib.__version__} does not know (they need 0.11.1 or newer): install the gpu extra on "
+            "Python >= 3.12, or set LLAMA_JAX_GPU_FLAGS=off for the launch script"
+        )

@@ -36,13 +36,19 @@ def label_nodes(nodes: list[str], label: str, timeout_s: float = 10.0) -> list[s
     key, _, value = label.partition("=")
     api, headers, context = _api()
     if api is None:
-        return [f"cannot label {', '.join(nodes)}: no Kubernetes API server here (set LLAMA_JAX_K8S_API, or run in a "
-                f"pod); label by hand: kubectl label node NODE {label}"]
+        return [
+            f"cannot label {', '.join(nodes)}: no Kubernetes API server here (set LLAMA_JAX_K8S_API, or run in a "
+            f"pod); label by hand: kubectl label node NODE {label}"
+        ]
     lines = []
     for node in nodes:
         body = json.dumps({"metadata": {"labels": {key: value or "true"}}}).encode()
-        request = urllib.request.Request(f"{api}/api/v1/nodes/{node}", data=body, method="PATCH",
-                                         headers={**headers, "Content-Type": "application/merge-patch+json"})
+        request = urllib.request.Request(
+            f"{api}/api/v1/nodes/{node}",
+            data=body,
+            method="PATCH",
+            headers={**headers, "Content-Type": "application/merge-patch+json"},
+        )
         try:
             with urllib.request.urlopen(request, timeout=timeout_s, context=context) as reply:
                 reply.read()

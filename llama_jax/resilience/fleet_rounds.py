@@ -68,8 +68,14 @@ def references(devices: list[dict], suspects: set[int]) -> dict[int, int]:
     return chosen
 
 
-def recheck(devices: list[dict], suspects: set[int], rate_once: Callable[[int], dict] | None, peers: Peers,
-            min_ratio: float, medians: dict) -> Recheck:
+def recheck(
+    devices: list[dict],
+    suspects: set[int],
+    rate_once: Callable[[int], dict] | None,
+    peers: Peers,
+    min_ratio: float,
+    medians: dict,
+) -> Recheck:
     """Measure `suspects` (device ids among the fleet's first-look figures `devices`, judged against `medians`)
     again in rounds; rate_once(device id) times one call of each kind on a device of this process and returns
     its matmul_flops and memory_bytes_s (None on a process with no device). Every process calls this with the
@@ -83,8 +89,11 @@ def recheck(devices: list[dict], suspects: set[int], rate_once: Callable[[int], 
         time.sleep(ROUND_GAP_S)
         peers.barrier(f"pre-flight round {len(rounds) + 1}")
         figures = {str(d): rate_once(d) for d in mine}  # JSON's keys are strings
-        merged = peers.reduce(f"pre-flight round {len(rounds) + 1} figures", figures,
-                              lambda values: {k: v for value in values for k, v in value.items()})
+        merged = peers.reduce(
+            f"pre-flight round {len(rounds) + 1} figures",
+            figures,
+            lambda values: {k: v for value in values for k, v in value.items()},
+        )
         rounds.append({int(k): v for k, v in merged.items()})
         outcome = verdict(devices, suspects, rounds, min_ratio, medians)
     return outcome
@@ -93,12 +102,14 @@ def recheck(devices: list[dict], suspects: set[int], rate_once: Callable[[int], 
 def decided(outcome: Recheck) -> bool:
     """Whether every suspect is slow in most of ROUNDS already, or normal in too many rounds to be."""
     majority = ROUNDS // 2 + 1
-    return bool(outcome.rounds) and all(s["named"] or outcome.rounds - len(s["slow_rounds"]) > ROUNDS - majority
-                                        for s in outcome.suspects)
+    return bool(outcome.rounds) and all(
+        s["named"] or outcome.rounds - len(s["slow_rounds"]) > ROUNDS - majority for s in outcome.suspects
+    )
 
 
-def verdict(devices: list[dict], suspects: set[int], rounds: list[dict[int, dict]], min_ratio: float,
-            medians: dict) -> Recheck:
+def verdict(
+    devices: list[dict], suspects: set[int], rounds: list[dict[int, dict]], min_ratio: float, medians: dict
+) -> Recheck:
     """The suspects' ratios in the first look (against `medians`) and in each round (against the round's
     references), who is named (slow in most of ROUNDS), and the hosts loaded during the check."""
     refs = set(references(devices, suspects).values())
@@ -109,10 +120,15 @@ def verdict(devices: list[dict], suspects: set[int], rounds: list[dict[int, dict
         ratios = [h[device] for h in history]
         slow_rounds = [i for i, r in enumerate(ratios) if i and slow(r, min_ratio)]
         first = next(d for d in devices if d["device"] == device)
-        records.append({key: first[key] for key in ("host", "process", "device")}
-                       | {"ratios": {name: [round(r[name], 3) for r in ratios] for name in METRICS},
-                          "slow_rounds": slow_rounds, "rounds": len(rounds),
-                          "named": len(slow_rounds) >= ROUNDS // 2 + 1})
+        records.append(
+            {key: first[key] for key in ("host", "process", "device")}
+            | {
+                "ratios": {name: [round(r[name], 3) for r in ratios] for name in METRICS},
+                "slow_rounds": slow_rounds,
+                "rounds": len(rounds),
+                "named": len(slow_rounds) >= ROUNDS // 2 + 1,
+            }
+        )
     return Recheck(records, loaded_hosts(devices, records, history, min_ratio), len(rounds))
 
 
@@ -123,8 +139,9 @@ def round_ratios(figures: dict[int, dict], refs: set[int]) -> dict[int, dict[str
     return {d: ratios_to(f, medians) for d, f in figures.items()}
 
 
-def loaded_hosts(devices: list[dict], records: list[dict], history: list[dict[int, dict]],
-                 min_ratio: float) -> list[dict]:
+def loaded_hosts(
+    devices: list[dict], records: list[dict], history: list[dict[int, dict]], min_ratio: float
+) -> list[dict]:
     """Hosts with a suspect but none named, every measured device of which was slow in some round (0: the first
     look): busy during the check, not slow hardware."""
     named_hosts = {r["host"] for r in records if r["named"]}
@@ -132,9 +149,19 @@ def loaded_hosts(devices: list[dict], records: list[dict], history: list[dict[in
     for host in sorted({r["host"] for r in records} - named_hosts):
         on_host = [d for d in devices if d["host"] == host]
         ids = {d["device"] for d in on_host}
-        busy = [i for i, ratios in enumerate(history)
-                if ids & ratios.keys() and all(slow(ratios[d], min_ratio) for d in ids & ratios.keys())]
+        busy = [
+            i
+            for i, ratios in enumerate(history)
+            if ids & ratios.keys() and all(slow(ratios[d], min_ratio) for d in ids & ratios.keys())
+        ]
         if busy:
-            loaded.append({"host": host, "processes": sorted({d["process"] for d in on_host}),
-                           "devices": sorted(ids), "loaded_rounds": busy, "rounds": len(history) - 1})
+            loaded.append(
+                {
+                    "host": host,
+                    "processes": sorted({d["process"] for d in on_host}),
+                    "devices": sorted(ids),
+                    "loaded_rounds": busy,
+                    "rounds": len(history) - 1,
+                }
+            )
     return loaded

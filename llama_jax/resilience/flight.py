@@ -41,8 +41,17 @@ class FlightRecorder:
     """One process's recent events and heartbeat. `client` is JAX's distributed client (None: one process,
     nothing is published; the record and the report are still written)."""
 
-    def __init__(self, run_dir: Path, process: int, processes: int, host: str, *, capacity: int = 256,
-                 heartbeat_s: float = 2.0, client: Any = None):
+    def __init__(
+        self,
+        run_dir: Path,
+        process: int,
+        processes: int,
+        host: str,
+        *,
+        capacity: int = 256,
+        heartbeat_s: float = 2.0,
+        client: Any = None,
+    ):
         self.run_dir, self.process, self.processes, self.host = Path(run_dir), process, processes, host
         self.heartbeat_s, self.client = heartbeat_s, client
         self.events: deque[tuple[float, str, str, int | None]] = deque(maxlen=capacity)
@@ -66,8 +75,18 @@ class FlightRecorder:
         """The heartbeat: what this process was last doing (before it noticed a hang, if it did)."""
         with self._lock:
             at, kind, what, step = next((e for e in reversed(self.events) if e[1] != "hang"), self.events[-1])
-        return {"process": self.process, "host": self.host, "pid": os.getpid(), "step": step, "kind": kind,
-                "phase": what, "since": at, "beat": time.time(), "events": len(self.events), "exiting": self._exiting}
+        return {
+            "process": self.process,
+            "host": self.host,
+            "pid": os.getpid(),
+            "step": step,
+            "kind": kind,
+            "phase": what,
+            "since": at,
+            "beat": time.time(),
+            "events": len(self.events),
+            "exiting": self._exiting,
+        }
 
     # The heartbeat thread.
 
@@ -118,23 +137,43 @@ class FlightRecorder:
         if self.client is not None and self.processes > 1:
             flag = json.dumps({"by": self.process, "reason": reason})
             # Exiting, not stopped: a heartbeat that ends now must not make this process one the run waits for.
-            _bounded(lambda: self.client.key_value_set(f"{_PREFIX}/beat/{self.process}", json.dumps(self.last()),
-                                                       allow_overwrite=True), None)
+            _bounded(
+                lambda: self.client.key_value_set(
+                    f"{_PREFIX}/beat/{self.process}", json.dumps(self.last()), allow_overwrite=True
+                ),
+                None,
+            )
             first = _bounded(lambda: self.client.key_value_increment(f"{_PREFIX}/hang-count", 1) == 1, True)
             if first:
                 _bounded(lambda: self.client.key_value_set(f"{_PREFIX}/hang", flag, allow_overwrite=True), None)
                 # The others see the flag at their next heartbeat and leave their records.
                 time.sleep(min(2 * self.heartbeat_s + 0.5, 30.0))
-                beats = _bounded(lambda: {int(k.rsplit("/", 1)[1]): json.loads(v)
-                                          for k, v in self.client.key_value_dir_get(f"{_PREFIX}/beat/")}, None)
+                beats = _bounded(
+                    lambda: {
+                        int(k.rsplit("/", 1)[1]): json.loads(v)
+                        for k, v in self.client.key_value_dir_get(f"{_PREFIX}/beat/")
+                    },
+                    None,
+                )
         if not first:
             # Process 0 hosts the coordination service: the reporter reads it until it has written the report.
             window = 2 * self.heartbeat_s + 3 * _RPC_TIMEOUT_S
-            _bounded(lambda: self.client.blocking_key_value_get(f"{_PREFIX}/reported", int(window * 1000)), None,
-                     timeout_s=window + 1)
+            _bounded(
+                lambda: self.client.blocking_key_value_get(f"{_PREFIX}/reported", int(window * 1000)),
+                None,
+                timeout_s=window + 1,
+            )
             return None
-        report = hang_report(reason, self.process, self.processes, beats, self._records(), waiting_for,
-                             stale_after_s=3 * self.heartbeat_s, now=time.time())
+        report = hang_report(
+            reason,
+            self.process,
+            self.processes,
+            beats,
+            self._records(),
+            waiting_for,
+            stale_after_s=3 * self.heartbeat_s,
+            now=time.time(),
+        )
         path = self.run_dir / HANG_REPORT
         _write_json(path, report)
         if self.client is not None and self.processes > 1:
@@ -154,8 +193,16 @@ class FlightRecorder:
         return records
 
 
-def hang_report(reason: str, reporter: int, processes: int, beats: dict[int, dict] | None,
-                records: dict[int, dict], waiting_for: list[int] | None, stale_after_s: float, now: float) -> dict:
+def hang_report(
+    reason: str,
+    reporter: int,
+    processes: int,
+    beats: dict[int, dict] | None,
+    records: dict[int, dict],
+    waiting_for: list[int] | None,
+    stale_after_s: float,
+    now: float,
+) -> dict:
     """The report: who the run waits for and what every process was last doing. `beats`: every process's last
     heartbeat from the coordination service (None: unreachable); `records`: the records written this attempt."""
     last = {p: dict(records.get(p) or {}) for p in range(processes)}
@@ -166,6 +213,7 @@ def hang_report(reason: str, reporter: int, processes: int, beats: dict[int, dic
     if waiting_for:
         why = "absent from the barrier that timed out"
     else:
+
         def stopped(p: int) -> bool:
             beat = (beats or {}).get(p, seen[p])
             exiting = beat.get("exiting") or seen[p].get("exiting")
@@ -174,12 +222,20 @@ def hang_report(reason: str, reporter: int, processes: int, beats: dict[int, dic
         stale = sorted(p for p in seen if stopped(p))
         unseen = sorted(set(range(processes)) - set(seen))
         steps = {p: v.get("step") for p, v in seen.items() if v.get("step") is not None}
-        behind = sorted(p for p, s in steps.items() if s == min(steps.values())) if steps and len(
-            set(steps.values())) > 1 else []
+        behind = (
+            sorted(p for p, s in steps.items() if s == min(steps.values()))
+            if steps and len(set(steps.values())) > 1
+            else []
+        )
         if stale or unseen:
-            waiting_for, why = sorted(set(stale) | set(unseen)), (
-                f"heartbeat stopped for more than {stale_after_s:g} s" if beats is not None
-                else "wrote no record (the coordination service did not answer)")
+            waiting_for, why = (
+                sorted(set(stale) | set(unseen)),
+                (
+                    f"heartbeat stopped for more than {stale_after_s:g} s"
+                    if beats is not None
+                    else "wrote no record (the coordination service did not answer)"
+                ),
+            )
         elif behind:
             waiting_for, why = behind, "furthest behind in steps"
         else:
@@ -187,14 +243,24 @@ def hang_report(reason: str, reporter: int, processes: int, beats: dict[int, dic
 
     def entry(p: int) -> dict:
         v = last.get(p) or {}
-        return {"process": p, "host": v.get("host", "unknown"), "step": v.get("step"),
-                "phase": v.get("phase", "unknown"),
-                "seconds_ago": round(now - float(v["since"]), 3) if "since" in v else None,
-                "heartbeat_age_s": round(now - float(v["beat"]), 3) if "beat" in v else None}
+        return {
+            "process": p,
+            "host": v.get("host", "unknown"),
+            "step": v.get("step"),
+            "phase": v.get("phase", "unknown"),
+            "seconds_ago": round(now - float(v["since"]), 3) if "since" in v else None,
+            "heartbeat_age_s": round(now - float(v["beat"]), 3) if "beat" in v else None,
+        }
 
-    return {"reason": reason, "reported_by": reporter, "time": now, "waiting_for": [entry(p) for p in waiting_for],
-            "why": why, "processes": [entry(p) for p in range(processes)],
-            "records": sorted(f"flight/process-{p}.json" for p in records)}
+    return {
+        "reason": reason,
+        "reported_by": reporter,
+        "time": now,
+        "waiting_for": [entry(p) for p in waiting_for],
+        "why": why,
+        "processes": [entry(p) for p in range(processes)],
+        "records": sorted(f"flight/process-{p}.json" for p in records),
+    }
 
 
 def _bounded(call: Callable[[], Any], default: Any, timeout_s: float = _RPC_TIMEOUT_S) -> Any:

@@ -21,8 +21,18 @@ from typing import Any
 
 from llama_jax.files import atomic_path, format_seconds
 
-BUCKETS = ("productive", "compile", "checkpoint_save", "checkpoint_restore", "data_wait", "eval", "lost",
-           "straggler", "restart", "other")
+BUCKETS = (
+    "productive",
+    "compile",
+    "checkpoint_save",
+    "checkpoint_restore",
+    "data_wait",
+    "eval",
+    "lost",
+    "straggler",
+    "restart",
+    "other",
+)
 
 
 class Goodput:
@@ -37,16 +47,30 @@ class Goodput:
     user's choosing: that gap is neither charged nor part of the wall time.
     """
 
-    def __init__(self, run_dir: Path, started_at: float, write: bool = True, now: Callable[[], float] = time.time,
-                 clock: Callable[[], float] = time.perf_counter, print_fn: Callable[[str], None] = print):
+    def __init__(
+        self,
+        run_dir: Path,
+        started_at: float,
+        write: bool = True,
+        now: Callable[[], float] = time.time,
+        clock: Callable[[], float] = time.perf_counter,
+        print_fn: Callable[[str], None] = print,
+    ):
         # now: wall time (attempts are compared across processes); clock: the monotonic step clock.
         self.path, self.write, self.now, self.clock = Path(run_dir) / "goodput.json", write, now, clock
         self.print_fn, self.unwritable = print_fn, False  # a failed write warns once: bookkeeping never stops a run
         self.previous = _read_attempts(self.path)
         self.current: dict[str, Any] = {
-            "started_at": started_at, "pid": os.getpid(), "resumed_step": None, "last_alive": started_at,
-            "outcome": "died", "highest_step": 0, "timed_steps": 0, "step_seconds": 0.0,
-            "buckets": dict.fromkeys(BUCKETS, 0.0)}
+            "started_at": started_at,
+            "pid": os.getpid(),
+            "resumed_step": None,
+            "last_alive": started_at,
+            "outcome": "died",
+            "highest_step": 0,
+            "timed_steps": 0,
+            "step_seconds": 0.0,
+            "buckets": dict.fromkeys(BUCKETS, 0.0),
+        }
         self._step_start, self._paused, self._pauses = clock(), 0.0, 0  # see time_step
 
     def begin(self, resumed_step: int) -> None:
@@ -122,8 +146,9 @@ class Goodput:
         except OSError as err:
             if not self.unwritable:
                 self.unwritable = True
-                self.print_fn(f"warning: writing {self.path} failed ({err.strerror or err}); "
-                              "training goes on without it")
+                self.print_fn(
+                    f"warning: writing {self.path} failed ({err.strerror or err}); training goes on without it"
+                )
 
     def finish(self, preempted: bool = False) -> None:
         """The loop ended on its own terms: finished its steps, or saved and stopped on a signal."""
@@ -177,17 +202,23 @@ def summarize(attempts: list[dict[str, Any]], now: float) -> dict[str, Any]:
             total = tiers.setdefault(kind, {"count": 0, "seconds": 0.0, "bytes": 0})
             for field in total:
                 total[field] += entry.get(field, 0)
-    return {"goodput": totals["productive"] / wall if wall > 0 else 0.0, "wall_s": wall,
-            "attempts": len(attempts), **totals, "tiers": tiers,
-            "redone_steps": sum(a.get("redone_steps", 0) for a in attempts),
-            "restores": dict(Counter(a["restored_from"] for a in attempts if a.get("restored_from")))}
+    return {
+        "goodput": totals["productive"] / wall if wall > 0 else 0.0,
+        "wall_s": wall,
+        "attempts": len(attempts),
+        **totals,
+        "tiers": tiers,
+        "redone_steps": sum(a.get("redone_steps", 0) for a in attempts),
+        "restores": dict(Counter(a["restored_from"] for a in attempts if a.get("restored_from"))),
+    }
 
 
 def format_goodput(s: dict[str, Any]) -> str:
     parts = ", ".join(f"{b} {format_seconds(s[b])}" for b in BUCKETS if s[b] >= 0.05)
     n = s["attempts"]
-    return (f"goodput {100 * s['goodput']:.1f}% of {format_seconds(s['wall_s'])} over {n} "
-            f"attempt{'s' * (n != 1)}: {parts}")
+    return (
+        f"goodput {100 * s['goodput']:.1f}% of {format_seconds(s['wall_s'])} over {n} attempt{'s' * (n != 1)}: {parts}"
+    )
 
 
 def read_goodput(run_dir: Path) -> dict[str, Any] | None:
@@ -207,8 +238,11 @@ def _read_attempts(path: Path) -> list[dict[str, Any]]:
 
 def _idle_s(attempts: list[dict[str, Any]]) -> float:
     """Time between a finished attempt and the next one: chosen by the user, not lost to a failure."""
-    return sum(max(0.0, b["started_at"] - a["last_alive"])
-               for a, b in zip(attempts, attempts[1:]) if a.get("outcome") == "finished")
+    return sum(
+        max(0.0, b["started_at"] - a["last_alive"])
+        for a, b in zip(attempts, attempts[1:])
+        if a.get("outcome") == "finished"
+    )
 
 
 def observed_mtbf_s(run_dir: Path) -> float | None:

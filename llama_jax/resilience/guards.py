@@ -9,6 +9,7 @@ from collections import deque
 
 SPIKE_MIN_HISTORY = 10  # good losses needed before a standard deviation means anything
 
+
 class SpikeGuard:
     """Host-side bookkeeping for bad steps. The jitted step already skips updates with a non-finite loss
     or grad norm; here: count them, apply the loss-spike rule, decide when to roll back.
@@ -22,7 +23,7 @@ class SpikeGuard:
         self.first_bad_step: int | None = None  # where the current run of bad steps began (a rollback goes before it)
 
     def observe(self, step: int, loss: float, finite: bool) -> str:
-        """"ok", "skipped" (non-finite), "spike" or "rollback" (max_bad_steps bad steps in a row)."""
+        """ "ok", "skipped" (non-finite), "spike" or "rollback" (max_bad_steps bad steps in a row)."""
         if not finite or not math.isfinite(loss):
             verdict = "skipped"
         elif self._is_spike(loss):

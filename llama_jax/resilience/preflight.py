@@ -74,9 +74,10 @@ class Sizes:
     collective_mib: int  # all-reduce buffer per device
 
 
-SIZES = {"cpu": Sizes(matmul_n=512, matmul_chain=16, stream_mib=32, stream_passes=8, check_n=256, collective_mib=4),
-         "gpu": Sizes(matmul_n=8192, matmul_chain=16, stream_mib=1024, stream_passes=32, check_n=1024,
-                      collective_mib=64)}
+SIZES = {
+    "cpu": Sizes(matmul_n=512, matmul_chain=16, stream_mib=32, stream_passes=8, check_n=256, collective_mib=4),
+    "gpu": Sizes(matmul_n=8192, matmul_chain=16, stream_mib=1024, stream_passes=32, check_n=1024, collective_mib=64),
+}
 
 
 @dataclass(frozen=True)
@@ -125,10 +126,14 @@ class Probe:
         # One program each, which jit compiles once per device (in the warm-up below).
         self.matmul = jax.jit(lambda x, y: lax.fori_loop(0, chain, lambda _, z: z @ y, x))
         # The array is made inside the call, so nothing that large is held between calls (8 CPU devices share RAM).
-        self.stream = jax.jit(lambda s: lax.fori_loop(0, sizes.stream_passes, lambda _, z: z * 0.5 + 0.25,
-                                                      jnp.full((self.elements,), 1.0, jnp.float32) * s))
-        self.inputs = {d.id: (jax.device_put(a, d), jax.device_put(b, d), jax.device_put(np.float32(1.0), d))
-                       for d in devices}
+        self.stream = jax.jit(
+            lambda s: lax.fori_loop(
+                0, sizes.stream_passes, lambda _, z: z * 0.5 + 0.25, jnp.full((self.elements,), 1.0, jnp.float32) * s
+            )
+        )
+        self.inputs = {
+            d.id: (jax.device_put(a, d), jax.device_put(b, d), jax.device_put(np.float32(1.0), d)) for d in devices
+        }
         for x, y, s in self.inputs.values():  # warm-up: compilation and first-touch allocation are not timed
             jax.block_until_ready((self.matmul(x, y), self.stream(s)))
 
@@ -141,8 +146,10 @@ class Probe:
     def rates(self, seconds: tuple[float, float]) -> dict[str, float]:
         """(matmul, stream) seconds of one call each -> matmul_flops, memory_bytes_s."""
         sizes = self.sizes
-        return {"matmul_flops": 2 * sizes.matmul_n**3 * sizes.matmul_chain / seconds[0],
-                "memory_bytes_s": 2 * 4 * self.elements * sizes.stream_passes / seconds[1]}
+        return {
+            "matmul_flops": 2 * sizes.matmul_n**3 * sizes.matmul_chain / seconds[0],
+            "memory_bytes_s": 2 * 4 * self.elements * sizes.stream_passes / seconds[1],
+        }
 
     def rate_once(self, device_id: int) -> dict[str, float]:
         """One timed call of each on a device of this process, as rates: what each round of fleet_rounds.py takes."""
@@ -161,9 +168,11 @@ class Probe:
         for d in self.devices:
             result = self.injector.product(d.id, product(jax.device_put(known_a, d), jax.device_put(known_b, d)))
             mismatches = int(np.count_nonzero(np.asarray(result, np.float64) != expected))
-            figures.append({"host": host, "process": jax.process_index(), "device": d.id, "kind": d.device_kind}
-                           | self.rates(best[d]) | {"arithmetic_ok": mismatches == 0, "wrong_elements": mismatches,
-                                                    "checked_elements": expected.size})
+            figures.append(
+                {"host": host, "process": jax.process_index(), "device": d.id, "kind": d.device_kind}
+                | self.rates(best[d])
+                | {"arithmetic_ok": mismatches == 0, "wrong_elements": mismatches, "checked_elements": expected.size}
+            )
         return figures
 
 
@@ -200,14 +209,16 @@ def measure_collectives(mesh: Mesh, sizes: Sizes) -> dict[str, float]:
     elements = sizes.collective_mib * 2**20 // 4
     spec = PartitionSpec(mesh.axis_names)  # one block per device
     sharding = NamedSharding(mesh, spec)
-    x = jax.make_array_from_callback((mesh.devices.size * elements,), sharding,
-                                     lambda index: np.ones(elements, np.float32))
+    x = jax.make_array_from_callback(
+        (mesh.devices.size * elements,), sharding, lambda index: np.ones(elements, np.float32)
+    )
     seconds = {}
     for axis, size in mesh.shape.items():
         if size == 1:
             continue
-        reduce = jax.jit(jax.shard_map(lambda v, axis=axis: lax.psum(v, axis), mesh=mesh, in_specs=spec,
-                                       out_specs=spec))
+        reduce = jax.jit(
+            jax.shard_map(lambda v, axis=axis: lax.psum(v, axis), mesh=mesh, in_specs=spec, out_specs=spec)
+        )
         jax.block_until_ready(reduce(x))
         seconds[axis] = min(_timed(lambda reduce=reduce: reduce(x), 1) for _ in range(TIMED_ROUNDS))
     return seconds
@@ -218,19 +229,28 @@ def judge(devices: list[dict], min_ratio: float) -> tuple[dict[str, float], list
     medians = {m: statistics.median(d[m] for d in devices) for m in ("matmul_flops", "memory_bytes_s")}
     unhealthy = []
     for d in devices:
-        reasons = [f"{label} {_rate(d[m], unit)}, {d[m] / medians[m]:.2f}x the median {_rate(medians[m], unit)}"
-                   for m, label, unit in (("matmul_flops", "matmul", "FLOP/s"), ("memory_bytes_s", "memory", "B/s"))
-                   if d[m] < min_ratio * medians[m]]
+        reasons = [
+            f"{label} {_rate(d[m], unit)}, {d[m] / medians[m]:.2f}x the median {_rate(medians[m], unit)}"
+            for m, label, unit in (("matmul_flops", "matmul", "FLOP/s"), ("memory_bytes_s", "memory", "B/s"))
+            if d[m] < min_ratio * medians[m]
+        ]
         if not d["arithmetic_ok"]:
-            reasons.append(f"wrong matmul result ({d['wrong_elements']} of {d['checked_elements']} elements differ "
-                           "from the exact product)")
+            reasons.append(
+                f"wrong matmul result ({d['wrong_elements']} of {d['checked_elements']} elements differ "
+                "from the exact product)"
+            )
         if reasons:
             unhealthy.append(d | {"reasons": reasons})
     return medians, unhealthy
 
 
-def check(config: Config, mesh: Mesh, peers: Peers, print_fn: Callable[[str], None] = lambda line: None,
-          injector: Injector | None = None) -> Report:
+def check(
+    config: Config,
+    mesh: Mesh,
+    peers: Peers,
+    print_fn: Callable[[str], None] = lambda line: None,
+    injector: Injector | None = None,
+) -> Report:
     """Measure this process's devices and the mesh's collectives, gather every process's figures and judge
     them, measure the slow ones again in rounds (fleet_rounds.py); every process returns the same Report. `print_fn`:
     where the note that the rounds begin goes; `injector`: the run's (testing only), else one from the config.
@@ -250,19 +270,38 @@ def check(config: Config, mesh: Mesh, peers: Peers, print_fn: Callable[[str], No
     slow = {d["device"] for d in flagged if d["arithmetic_ok"]}  # a wrong product is named at once: it is no accident
     rechecked = fleet_rounds.Recheck([], [], 0)
     if slow:
-        print_fn(f"pre-flight check: {_devices(d for d in devices if d['device'] in slow)} below "
-                 f"{f.preflight_min_ratio:g}x the median; measuring again in up to {fleet_rounds.ROUNDS} rounds, "
-                 f"{fleet_rounds.ROUND_GAP_S:g} s apart, on every process at once")
+        print_fn(
+            f"pre-flight check: {_devices(d for d in devices if d['device'] in slow)} below "
+            f"{f.preflight_min_ratio:g}x the median; measuring again in up to {fleet_rounds.ROUNDS} rounds, "
+            f"{fleet_rounds.ROUND_GAP_S:g} s apart, on every process at once"
+        )
         rate_once = probe.rate_once if probe else None  # a process with no device measures none
         rechecked = fleet_rounds.recheck(devices, slow, rate_once, peers, f.preflight_min_ratio, medians)
     records = {r["device"]: r for r in rechecked.suspects}
-    unhealthy = [d | ({"reasons": d["reasons"] + [_rounds_reason(records[d["device"]])],
-                       "ratios": records[d["device"]]["ratios"]} if d["device"] in records else {})
-                 for d in flagged if d["device"] not in slow or d["device"] in rechecked.named]
-    collectives = {axis: 2 * (mesh.shape[axis] - 1) / mesh.shape[axis] * sizes.collective_mib * 2**20 / s
-                   for axis, s in gathered["collectives"].items()}
-    return Report(devices, collectives, medians, unhealthy, suspects=rechecked.suspects, loaded=rechecked.loaded,
-                  min_ratio=f.preflight_min_ratio, seconds=time.perf_counter() - start)
+    unhealthy = [
+        d
+        | (
+            {"reasons": d["reasons"] + [_rounds_reason(records[d["device"]])], "ratios": records[d["device"]]["ratios"]}
+            if d["device"] in records
+            else {}
+        )
+        for d in flagged
+        if d["device"] not in slow or d["device"] in rechecked.named
+    ]
+    collectives = {
+        axis: 2 * (mesh.shape[axis] - 1) / mesh.shape[axis] * sizes.collective_mib * 2**20 / s
+        for axis, s in gathered["collectives"].items()
+    }
+    return Report(
+        devices,
+        collectives,
+        medians,
+        unhealthy,
+        suspects=rechecked.suspects,
+        loaded=rechecked.loaded,
+        min_ratio=f.preflight_min_ratio,
+        seconds=time.perf_counter() - start,
+    )
 
 
 def _devices(devices) -> str:
@@ -272,17 +311,22 @@ def _devices(devices) -> str:
 
 def _rounds_reason(record: dict) -> str:
     """Why a suspect was named: 'slow in 2 of 2 rounds measured again (matmul 0.09x, 0.1x; memory ...)'."""
-    ratios = "; ".join(f"{name} {', '.join(f'{r:.2g}x' for r in values[1:])}"
-                       for name, values in record["ratios"].items())
-    return (f"slow in {len(record['slow_rounds'])} of {record['rounds']} rounds measured again ({ratios} the "
-            "round's median)")
+    ratios = "; ".join(
+        f"{name} {', '.join(f'{r:.2g}x' for r in values[1:])}" for name, values in record["ratios"].items()
+    )
+    return (
+        f"slow in {len(record['slow_rounds'])} of {record['rounds']} rounds measured again ({ratios} the "
+        "round's median)"
+    )
 
 
 def _merge(values: list[dict]) -> dict:
     """Process 0's combination: every device, and each axis's time on the slowest process."""
     axes = values[0]["collectives"]
-    return {"devices": [d for v in values for d in v["devices"]],
-            "collectives": {a: max(v["collectives"][a] for v in values) for a in axes}}
+    return {
+        "devices": [d for v in values for d in v["devices"]],
+        "collectives": {a: max(v["collectives"][a] for v in values) for a in axes},
+    }
 
 
 def enforce(report: Report, run_dir: Path, create: bool, peers: Peers) -> None:
@@ -294,19 +338,30 @@ def enforce(report: Report, run_dir: Path, create: bool, peers: Peers) -> None:
     written = create or run_dir.is_dir()  # what process 0 decides: run.dir is on a filesystem they all see
     if jax.process_index() == 0 and written:
         run_dir.mkdir(parents=True, exist_ok=True)
-        verdict = {"exit_code": EXIT_UNHEALTHY, "hosts": report.hosts, "devices": report.unhealthy,
-                   "medians": report.medians, "min_ratio": report.min_ratio, "suspects": report.suspects,
-                   "loaded": report.loaded, "time": time.time()}
+        verdict = {
+            "exit_code": EXIT_UNHEALTHY,
+            "hosts": report.hosts,
+            "devices": report.unhealthy,
+            "medians": report.medians,
+            "min_ratio": report.min_ratio,
+            "suspects": report.suspects,
+            "loaded": report.loaded,
+            "time": time.time(),
+        }
         with atomic_path(run_dir / UNHEALTHY_FILE) as tmp:
             tmp.write_text(json.dumps(verdict, indent=1) + "\n")
     peers.barrier("pre-flight verdict written")
-    named = "; ".join(f"device {d['device']} (process {d['process']} on {d['host']}): {', '.join(d['reasons'])}"
-                      for d in report.unhealthy)
+    named = "; ".join(
+        f"device {d['device']} (process {d['process']} on {d['host']}): {', '.join(d['reasons'])}"
+        for d in report.unhealthy
+    )
     several = len(report.hosts) > 1
-    raise UnhealthyDevice(f"pre-flight check: {named}; exclude host{'s' * several} {', '.join(report.hosts)} and "
-                          f"start again (launch/slurm.sbatch resubmits without {'them' if several else 'it'}; "
-                          f"fault.preflight_min_ratio={report.min_ratio:g}"
-                          f"{f'; the verdict: {run_dir / UNHEALTHY_FILE}' if written else ''})")
+    raise UnhealthyDevice(
+        f"pre-flight check: {named}; exclude host{'s' * several} {', '.join(report.hosts)} and "
+        f"start again (launch/slurm.sbatch resubmits without {'them' if several else 'it'}; "
+        f"fault.preflight_min_ratio={report.min_ratio:g}"
+        f"{f'; the verdict: {run_dir / UNHEALTHY_FILE}' if written else ''})"
+    )
 
 
 def _rate(value: float, unit: str) -> str:
@@ -326,9 +381,11 @@ def loaded_note(host: dict) -> str:
     """Why a host that looked slow is not excluded."""
     when = ", ".join("the first look" if i == 0 else f"round {i}" for i in host["loaded_rounds"])
     several = len(host["processes"]) > 1
-    return (f"host {host['host']} (process{'es' * several} {format_ranges(host['processes'])}) was loaded during the "
-            f"check: every device slow in {when}, not in most of the {host['rounds']} rounds measured again; not "
-            "excluded")
+    return (
+        f"host {host['host']} (process{'es' * several} {format_ranges(host['processes'])}) was loaded during the "
+        f"check: every device slow in {when}, not in most of the {host['rounds']} rounds measured again; not "
+        "excluded"
+    )
 
 
 def summary(report: Report) -> str:
@@ -337,35 +394,49 @@ def summary(report: Report) -> str:
     axes = ", ".join(f"{a} {_rate(b, 'B/s')}" for a, b in report.collectives.items()) or "none (one device per axis)"
     verdict = "healthy" if report.healthy else f"checked, {len(report.unhealthy)} unhealthy"
     rounds = max((s["rounds"] for s in report.suspects), default=0)
-    notes = ([f"{_devices(cleared(report))} slow at first, cleared in {rounds} rounds measured again"]
-             if cleared(report) else []) + [loaded_note(h) for h in report.loaded]
-    return (f"pre-flight check: {len(report.devices)} devices {verdict} in {report.seconds:.1f}s; medians: matmul "
-            f"{_rate(medians['matmul_flops'], 'FLOP/s')}, memory {_rate(medians['memory_bytes_s'], 'B/s')}; "
-            f"all-reduce {axes}" + "".join(f"; {note}" for note in notes))
+    notes = (
+        [f"{_devices(cleared(report))} slow at first, cleared in {rounds} rounds measured again"]
+        if cleared(report)
+        else []
+    ) + [loaded_note(h) for h in report.loaded]
+    return (
+        f"pre-flight check: {len(report.devices)} devices {verdict} in {report.seconds:.1f}s; medians: matmul "
+        f"{_rate(medians['matmul_flops'], 'FLOP/s')}, memory {_rate(medians['memory_bytes_s'], 'B/s')}; "
+        f"all-reduce {axes}" + "".join(f"; {note}" for note in notes)
+    )
 
 
 def format_report(report: Report) -> str:
     """`llama-jax doctor`'s table: every device, the medians, every mesh axis, the verdict."""
+
     def figures(d: dict) -> str:
         return f"{_rate(d['matmul_flops'], 'FLOP/s'):>15} {_rate(d['memory_bytes_s'], 'B/s'):>13}"
 
     lines = [f"{'host':<20} {'process':>7} {'device':>6} {'matmul':>15} {'memory':>13}  arithmetic"]
     notes = {d["device"]: "  <- unhealthy" for d in report.unhealthy}
-    notes |= {s["device"]: f"  <- slow at first; slow in {len(s['slow_rounds'])} of {s['rounds']} rounds measured "
-                           "again: cleared" for s in cleared(report)}
+    notes |= {
+        s["device"]: f"  <- slow at first; slow in {len(s['slow_rounds'])} of {s['rounds']} rounds measured "
+        "again: cleared"
+        for s in cleared(report)
+    }
     for d in report.devices:
-        lines.append(f"{d['host'][:20]:<20} {d['process']:>7} {d['device']:>6} {figures(d)}  "
-                     f"{'ok' if d['arithmetic_ok'] else 'WRONG'}{notes.get(d['device'], '')}")
+        lines.append(
+            f"{d['host'][:20]:<20} {d['process']:>7} {d['device']:>6} {figures(d)}  "
+            f"{'ok' if d['arithmetic_ok'] else 'WRONG'}{notes.get(d['device'], '')}"
+        )
     lines.append(f"{'median':<36} {figures(report.medians)}")
-    lines += [f"all-reduce over mesh axis {a}: {_rate(b, 'B/s')} (bus bandwidth)"
-              for a, b in report.collectives.items()]
+    lines += [
+        f"all-reduce over mesh axis {a}: {_rate(b, 'B/s')} (bus bandwidth)" for a, b in report.collectives.items()
+    ]
     if report.healthy:  # the summary carries the notes on suspects
         lines.append(summary(report).removeprefix("pre-flight check: "))
     else:
         lines += [loaded_note(h) for h in report.loaded]
         ids = [str(d["device"]) for d in report.unhealthy]
-        lines.append(f"UNHEALTHY (below {report.min_ratio:g}x the median, or a wrong product): "
-                     f"device{'s' * (len(ids) > 1)} {', '.join(ids)} on {', '.join(report.hosts)}")
+        lines.append(
+            f"UNHEALTHY (below {report.min_ratio:g}x the median, or a wrong product): "
+            f"device{'s' * (len(ids) > 1)} {', '.join(ids)} on {', '.join(report.hosts)}"
+        )
     return "\n".join(lines)
 
 

@@ -25,10 +25,13 @@ class StragglerDetector:
         if len(self._times) >= self.min_steps:
             median = statistics.median(self._times)
             if seconds > self.factor * median:
-                warning = (f"warning: straggler: step {step} took {seconds:.3g} s, {seconds / median:.1f}x "
-                           f"the median {median:.3g} s; seen on process {process}")
+                warning = (
+                    f"warning: straggler: step {step} took {seconds:.3g} s, {seconds / median:.1f}x "
+                    f"the median {median:.3g} s; seen on process {process}"
+                )
         self._times.append(seconds)
         return warning
+
 
 class HostScores:
     """Per-host straggler scores of a multi-process run, from every process's host time per step.
@@ -63,16 +66,25 @@ class HostScores:
             waited = max(waited, r["host_s"] - median_host)
             score = (r["host_s"] - median_host) / step_s if step_s > 0 else 0.0
             self._over[process] = self._over.get(process, 0) + 1 if score > self.threshold else 0
-            scores.append({"process": process, "host": r["host"], "devices": r["devices"], "score": round(score, 4),
-                           "host_s": r["host_s"], "vs_own_best": round(r["host_s"] / best, 3) if best > 0 else 1.0,
-                           "straggler": self._over[process] >= self.windows})
+            scores.append(
+                {
+                    "process": process,
+                    "host": r["host"],
+                    "devices": r["devices"],
+                    "score": round(score, 4),
+                    "host_s": r["host_s"],
+                    "vs_own_best": round(r["host_s"] / best, 3) if best > 0 else 1.0,
+                    "straggler": self._over[process] >= self.windows,
+                }
+            )
             if scores[-1]["straggler"]:
                 warnings.append(
                     f"warning: straggler host: process {process} on {r['host']} "
                     f"(devices {format_ranges(r['devices'])}) "
                     f"costs the fleet {r['host_s'] - median_host:.3g} s of each {step_s:.3g} s step over steps "
                     f"{steps[0]}-{steps[1]} (score {score:.2f} > fault.straggler_host_threshold {self.threshold:g}, "
-                    f"{self._over[process]} windows running; {scores[-1]['vs_own_best']:.2f}x its own best)")
+                    f"{self._over[process]} windows running; {scores[-1]['vs_own_best']:.2f}x its own best)"
+                )
         scores.sort(key=lambda x: -x["score"])
         return scores, waited * max(r["steps"] for r in reports.values()), warnings
 
@@ -102,9 +114,16 @@ class HostWindow:
         if self.peers.count == 1 or not self._step_s:
             self._step_s.clear(), self._host_s.clear()
             return None
-        self.peers.post(f"hosts/{len(self._windows)}", {
-            "host_s": statistics.median(self._host_s), "step_s": statistics.median(self._step_s),
-            "steps": len(self._step_s), "host": self.host, "devices": self.devices})
+        self.peers.post(
+            f"hosts/{len(self._windows)}",
+            {
+                "host_s": statistics.median(self._host_s),
+                "step_s": statistics.median(self._step_s),
+                "steps": len(self._step_s),
+                "host": self.host,
+                "devices": self.devices,
+            },
+        )
         self._windows.append((step - len(self._step_s) + 1, step))
         self._step_s.clear(), self._host_s.clear()
         if self.peers.index != 0 or len(self._windows) < 2:

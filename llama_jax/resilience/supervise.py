@@ -68,6 +68,7 @@ _LOG_PREFIX = "llama-jax supervise:"
 @dataclasses.dataclass(frozen=True)
 class Policy:
     """When to restart; the defaults live in the CLI (`llama-jax supervise --help`)."""
+
     max_restarts: int  # consecutive restarts before giving up
     backoff: float  # seconds before the first restart of a streak, doubled for each further one
     max_backoff: float
@@ -82,9 +83,15 @@ def meaning(returncode: int) -> str:
             return f"killed by {signal.Signals(-returncode).name}"
         except ValueError:
             return f"killed by signal {-returncode}"
-    return {EXIT_OK: "finished", EXIT_BAD_INPUT: "bad input", EXIT_PREEMPTED: "preempted, checkpoint saved",
-            EXIT_HANG: "hang watchdog fired", EXIT_PEER_TIMEOUT: "a peer missed a barrier",
-            EXIT_UNHEALTHY: "unhealthy device", EXIT_STORAGE: "checkpoint storage failing"}.get(returncode, "failed")
+    return {
+        EXIT_OK: "finished",
+        EXIT_BAD_INPUT: "bad input",
+        EXIT_PREEMPTED: "preempted, checkpoint saved",
+        EXIT_HANG: "hang watchdog fired",
+        EXIT_PEER_TIMEOUT: "a peer missed a barrier",
+        EXIT_UNHEALTHY: "unhealthy device",
+        EXIT_STORAGE: "checkpoint storage failing",
+    }.get(returncode, "failed")
 
 
 def exit_status(returncode: int) -> int:
@@ -142,8 +149,15 @@ class Supervisor:
             returncode = self._unhealthy_verdict(returncode, verdict_before)
             log(f"#{attempt} {meaning(returncode)} (exit {returncode}) after {ran:.1f}s")
             action, wait = self._decide(returncode, ran)
-            self._record(attempt=attempt, start=started, end=time.time(), exit_code=returncode,
-                         meaning=meaning(returncode), action=action, wait_s=wait)
+            self._record(
+                attempt=attempt,
+                start=started,
+                end=time.time(),
+                exit_code=returncode,
+                meaning=meaning(returncode),
+                action=action,
+                wait_s=wait,
+            )
             if action != "restart":
                 return exit_status(returncode)
             if self._sleep(wait):
@@ -157,13 +171,17 @@ class Supervisor:
             log(f"exit {EXIT_BAD_INPUT} means bad config or data, which a restart will not fix: not restarting")
             return "stop", None
         if returncode == EXIT_UNHEALTHY:
-            log(f"exit {EXIT_UNHEALTHY} means the pre-flight check named an unhealthy device, which a restart on the "
-                "same hosts meets again: not restarting; exclude its host (named above and in run.dir/unhealthy.json)")
+            log(
+                f"exit {EXIT_UNHEALTHY} means the pre-flight check named an unhealthy device, which a restart on the "
+                "same hosts meets again: not restarting; exclude its host (named above and in run.dir/unhealthy.json)"
+            )
             self._keep_off_unhealthy_nodes()
             return "stop", None
         if returncode == EXIT_STORAGE:
-            log(f"exit {EXIT_STORAGE} means checkpoints could not be written (full, read-only or failing storage), "
-                "which a restart meets again: not restarting; free space or fix the filesystem (named above)")
+            log(
+                f"exit {EXIT_STORAGE} means checkpoints could not be written (full, read-only or failing storage), "
+                "which a restart meets again: not restarting; free space or fix the filesystem (named above)"
+            )
             return "stop", None
         if self.stop_signal is not None:
             log(f"stopping as asked by {signal.Signals(self.stop_signal).name}: not restarting")
@@ -172,8 +190,10 @@ class Supervisor:
             self.failures = 0
         self.failures += 1
         if self.failures > self.policy.max_restarts:
-            log(f"giving up after {self.policy.max_restarts} restarts in a row; "
-                f"last status {exit_status(returncode)} ({meaning(returncode)})")
+            log(
+                f"giving up after {self.policy.max_restarts} restarts in a row; "
+                f"last status {exit_status(returncode)} ({meaning(returncode)})"
+            )
             return "give up", None
         # The exponent is capped so a huge --max-restarts cannot overflow the float.
         wait = min(self.policy.backoff * 2.0 ** min(self.failures - 1, 64), self.policy.max_backoff)
@@ -204,8 +224,10 @@ class Supervisor:
         now = self._verdict_identity()
         if returncode in (EXIT_OK, EXIT_UNHEALTHY) or now is None or now == before:
             return returncode
-        log(f"exit {returncode}, but this attempt's pre-flight check wrote {self.run_dir / UNHEALTHY_FILE}: taken as "
-            f"exit {EXIT_UNHEALTHY}")
+        log(
+            f"exit {returncode}, but this attempt's pre-flight check wrote {self.run_dir / UNHEALTHY_FILE}: taken as "
+            f"exit {EXIT_UNHEALTHY}"
+        )
         return EXIT_UNHEALTHY
 
     def _run_child(self) -> int:
@@ -217,8 +239,10 @@ class Supervisor:
         deadline: float | None = None
         while True:
             if self.stop_signal is not None and deadline is None:
-                log(f"received {signal.Signals(self.stop_signal).name}: sending SIGTERM to the command, "
-                    f"waiting up to {self.policy.grace:g}s")
+                log(
+                    f"received {signal.Signals(self.stop_signal).name}: sending SIGTERM to the command, "
+                    f"waiting up to {self.policy.grace:g}s"
+                )
                 _signal_group(child.pid, signal.SIGTERM)
                 deadline = time.monotonic() + self.policy.grace
             if deadline is not None and time.monotonic() > deadline:
@@ -247,8 +271,10 @@ class Supervisor:
     def _stopped_between_children(self) -> int:
         # Nothing is running, and the newest checkpoint is where the next run resumes: to whoever sent
         # the signal (a scheduler) this is a preemption, to be requeued.
-        log(f"stopping as asked by {signal.Signals(self.stop_signal or signal.SIGTERM).name} "
-            f"(no command running): exit {EXIT_PREEMPTED}")
+        log(
+            f"stopping as asked by {signal.Signals(self.stop_signal or signal.SIGTERM).name} "
+            f"(no command running): exit {EXIT_PREEMPTED}"
+        )
         return EXIT_PREEMPTED
 
     def _record(self, **fields: object) -> None:

@@ -25,6 +25,7 @@ from llama_jax.resilience.flight import FlightRecorder
 
 DESCRIBE_TIMEOUT_S = 120.0  # describe() may itself block (it may compile); the dump must still finish
 
+
 def _write_durably(path: Path, text: str) -> None:
     """Write, flush and fsync in place: a dump must reach the disk before the process is killed."""
     with open(path, "w") as f:
@@ -32,15 +33,26 @@ def _write_durably(path: Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
 
+
 class HangWatchdog:
     """Our flight recorder. A daemon thread; if no progress is reported within the timeout, write
     <run_dir>/hang-<host>.txt and exit the process with EXIT_HANG (os._exit: the main thread is stuck,
     typically in a collective that waits for a dead peer, so no exception could ever reach it)."""
 
-    def __init__(self, run_dir: Path, host: str, *, factor: float = 10.0, min_timeout_s: float = 300.0,
-                 startup_timeout_s: float = 3600.0, window: int = 50, describe: Callable[[], str] = lambda: "",
-                 exit_fn: Callable[[int], None] = os._exit, poll_s: float = 1.0,
-                 recorder: FlightRecorder | None = None):
+    def __init__(
+        self,
+        run_dir: Path,
+        host: str,
+        *,
+        factor: float = 10.0,
+        min_timeout_s: float = 300.0,
+        startup_timeout_s: float = 3600.0,
+        window: int = 50,
+        describe: Callable[[], str] = lambda: "",
+        exit_fn: Callable[[int], None] = os._exit,
+        poll_s: float = 1.0,
+        recorder: FlightRecorder | None = None,
+    ):
         self.path = Path(run_dir) / f"hang-{re.sub(r'[^A-Za-z0-9_.-]', '_', host)}.txt"
         self.host, self.factor, self.min_timeout_s = host, factor, min_timeout_s
         self.startup_timeout_s, self.describe, self.exit_fn, self.poll_s = startup_timeout_s, describe, exit_fn, poll_s
@@ -120,8 +132,10 @@ class HangWatchdog:
             return self.startup_timeout_s, f"startup timeout {self.startup_timeout_s:g} s (no timed step yet)"
         median = statistics.median(self._times)
         timeout = max(self.min_timeout_s, self.factor * median)
-        return timeout, (f"max(min {self.min_timeout_s:g} s, {self.factor:g} x median step time {median:.4g} s "
-                         f"of the last {len(self._times)} steps) = {timeout:.4g} s")
+        return timeout, (
+            f"max(min {self.min_timeout_s:g} s, {self.factor:g} x median step time {median:.4g} s "
+            f"of the last {len(self._times)} steps) = {timeout:.4g} s"
+        )
 
     def _watch(self) -> None:
         while not self._stop.wait(self.poll_s):
@@ -142,14 +156,25 @@ class HangWatchdog:
     def _report(self, idle: float, headline: str = "") -> str:
         timeout, derivation = self._timeout()
         headline = headline or f"no progress for {idle:.1f} s (timeout {timeout:.4g} s)"
-        step = "none yet" if self._last_step is None else (
-            f"{self._last_step[0]} ({'untimed' if self._last_step[1] is None else f'{self._last_step[1]:.4g} s'})")
+        step = (
+            "none yet"
+            if self._last_step is None
+            else (
+                f"{self._last_step[0]} ({'untimed' if self._last_step[1] is None else f'{self._last_step[1]:.4g} s'})"
+            )
+        )
         median = f"{statistics.median(self._times):.4g} s" if self._times else "n/a"
-        lines = [f"hang watchdog: {headline}",
-                 f"time (UTC): {datetime.now(UTC).isoformat(timespec='seconds')}",
-                 f"host: {self.host}", f"pid: {os.getpid()}", f"timeout: {derivation}",
-                 f"last completed step: {step}; recent median step time {median}",
-                 f"last progress: {self._last_what}, {idle:.1f} s ago", "", "Python stacks of every thread:"]
+        lines = [
+            f"hang watchdog: {headline}",
+            f"time (UTC): {datetime.now(UTC).isoformat(timespec='seconds')}",
+            f"host: {self.host}",
+            f"pid: {os.getpid()}",
+            f"timeout: {derivation}",
+            f"last completed step: {step}; recent median step time {median}",
+            f"last progress: {self._last_what}, {idle:.1f} s ago",
+            "",
+            "Python stacks of every thread:",
+        ]
         return "\n".join(lines) + "\n" + _all_stacks()
 
     def _fire(self, report: str) -> None:
@@ -162,7 +187,8 @@ class HangWatchdog:
             if self.recorder is not None:
                 written = _call_with_timeout(lambda: str(self.recorder.hang(headline) or ""), DESCRIBE_TIMEOUT_S)
                 flight = f"; flight record in {self.recorder.run_dir / 'flight'}" + (
-                    f", hang report {written}" if written.endswith(".json") else "")
+                    f", hang report {written}" if written.endswith(".json") else ""
+                )
             described = _call_with_timeout(self.describe, DESCRIBE_TIMEOUT_S) or "(describe() returned nothing)"
             report += "\nWhat the compiled step communicates:\n" + described
             _write_durably(self.path, report + "\n")
@@ -177,14 +203,18 @@ class HangWatchdog:
                 pass
         self.exit_fn(EXIT_HANG)
 
+
 def _all_stacks() -> str:
     names = {t.ident: (t.name, t.daemon) for t in threading.enumerate()}
     parts = []
     for ident, frame in sys._current_frames().items():
         name, daemon = names.get(ident, ("<unknown>", False))
-        parts.append(f"\nThread {name!r} (id {ident}{', daemon' if daemon else ''}), most recent call last:\n"
-                     + "".join(traceback.format_stack(frame)))
+        parts.append(
+            f"\nThread {name!r} (id {ident}{', daemon' if daemon else ''}), most recent call last:\n"
+            + "".join(traceback.format_stack(frame))
+        )
     return "".join(parts)
+
 
 def _call_with_timeout(fn: Callable[[], str], timeout_s: float) -> str:
     result: list[str] = []

@@ -113,10 +113,14 @@ def with_auto(x: Inputs) -> Inputs:
     time, save costs and MTBF; a changed input (sensitivity) changes them as it would change the trainer's."""
     mtbf_s = x.mtbf_setting_s or x.mtbf_s
     if not math.isfinite(mtbf_s):
-        return dataclasses.replace(x, durable_every=0 if x.durable_auto else x.durable_every,
-                                   local_every=0 if x.local_auto else x.local_every)  # no failures: save at the end
-    durable = (auto_checkpoint_steps(x.save_durable_s, mtbf_s, x.step_s, x.write_durable_s) if x.durable_auto
-               else x.durable_every)
+        return dataclasses.replace(
+            x, durable_every=0 if x.durable_auto else x.durable_every, local_every=0 if x.local_auto else x.local_every
+        )  # no failures: save at the end
+    durable = (
+        auto_checkpoint_steps(x.save_durable_s, mtbf_s, x.step_s, x.write_durable_s)
+        if x.durable_auto
+        else x.durable_every
+    )
     local = auto_checkpoint_steps(x.save_local_s, mtbf_s, x.step_s, x.write_local_s) if x.local_auto else x.local_every
     return dataclasses.replace(x, durable_every=durable, local_every=local)
 
@@ -133,7 +137,7 @@ def mean_age_steps(a: int, b: int) -> float:
     short, long_ = intervals
     period = short * long_ // math.gcd(short, long_)
     if period > 1_000_000:
-        return short / 2 - short ** 2 / (6 * long_)
+        return short / 2 - short**2 / (6 * long_)
     saved = sorted(set(range(0, period + 1, short)) | set(range(0, period + 1, long_)))
     return sum((y - x) ** 2 for x, y in zip(saved, saved[1:])) / (2 * period)
 
@@ -158,8 +162,9 @@ def project(x: Inputs, durable_every: int | None = None, local_every: int | None
     rate = x.failure_rate_s
     components = ("detect", "replacement", "restart", "restore", "lost", "checkpoint_save")
     mean = {c: sum(shares[k] * per_failure[k][c] for k in KINDS) for c in components}
-    save_overhead = _save_overhead(nd, x.save_durable_s, x.write_durable_s, x.step_s) + \
-        _save_overhead(nl, x.save_local_s, x.write_local_s, x.step_s)
+    save_overhead = _save_overhead(nd, x.save_durable_s, x.write_durable_s, x.step_s) + _save_overhead(
+        nl, x.save_local_s, x.write_local_s, x.step_s
+    )
     fixed = x.first_start_s + x.save_durable_s + x.write_durable_s  # first start; the final save, waited for
     busy = rate * sum(mean.values())
     if busy >= 1:
@@ -201,8 +206,13 @@ def failure_costs(x: Inputs, nd: int, nl: int) -> dict[str, dict[str, float]]:
     local_latency = x.write_local_s if nl and (not nd or nl <= nd) else x.write_durable_s
     union_age = age(mean_age_steps(nd, nl), local_latency) if nl else durable_age
     partner = nl > 0 and x.local_replicas >= 1 and x.hosts > 1
-    host_loss_per_host_s = (x.failures_per_gpu_hour * x.gpus_per_host / 3600
-                            * sum(x.mix.get(k, 0) for k in LOSES_HOST) / (sum(x.mix.values()) or 1))
+    host_loss_per_host_s = (
+        x.failures_per_gpu_hour
+        * x.gpus_per_host
+        / 3600
+        * sum(x.mix.get(k, 0) for k in LOSES_HOST)
+        / (sum(x.mix.values()) or 1)
+    )
 
     def restore(host_lost: bool, window: float) -> tuple[float, float, float]:
         """(restore seconds, lost seconds, the served tier's interval in seconds) for a restart."""
@@ -210,9 +220,11 @@ def failure_costs(x: Inputs, nd: int, nl: int) -> dict[str, dict[str, float]]:
             return x.restore_local_s, union_age, (min(nl, nd) if nd else nl) * x.step_s
         if host_lost and partner:
             survives = math.exp(-host_loss_per_host_s * window)
-            return (survives * x.restore_local_s + (1 - survives) * x.restore_durable_s,
-                    survives * union_age + (1 - survives) * durable_age,
-                    (min(nl, nd) if nd else nl) * x.step_s)
+            return (
+                survives * x.restore_local_s + (1 - survives) * x.restore_durable_s,
+                survives * union_age + (1 - survives) * durable_age,
+                (min(nl, nd) if nd else nl) * x.step_s,
+            )
         return x.restore_durable_s, durable_age, (nd * x.step_s if nd else no_checkpoint_age)
 
     per_failure: dict[str, dict[str, float]] = {}
@@ -227,8 +239,14 @@ def failure_costs(x: Inputs, nd: int, nl: int) -> dict[str, dict[str, float]]:
         save = 0.0
         if kind == "preemption":  # SIGTERM: the step is saved (and written) before the exit, nothing is lost
             restore_s, lost, save = x.restore_durable_s, 0.0, x.save_durable_s + x.write_durable_s
-        per_failure[kind] = {"detect": detect, "replacement": replacement, "restart": restart, "restore": restore_s,
-                             "lost": lost, "checkpoint_save": save}
+        per_failure[kind] = {
+            "detect": detect,
+            "replacement": replacement,
+            "restart": restart,
+            "restore": restore_s,
+            "lost": lost,
+            "checkpoint_save": save,
+        }
     return per_failure
 
 
@@ -252,12 +270,23 @@ def best_intervals(x: Inputs, local: bool | None = None) -> Projection:
     return max((project(x, d, n) for d, n in candidates), key=lambda p: p.goodput)
 
 
-SENSITIVE = ("failures_per_gpu_hour", "step_s", "save_durable_s", "save_local_s", "write_durable_s", "restart_s",
-             "restore_durable_s", "restore_local_s", "detect_s", "replacement_s")
+SENSITIVE = (
+    "failures_per_gpu_hour",
+    "step_s",
+    "save_durable_s",
+    "save_local_s",
+    "write_durable_s",
+    "restart_s",
+    "restore_durable_s",
+    "restore_local_s",
+    "detect_s",
+    "replacement_s",
+)
 
 
 def sensitivity(x: Inputs, names: tuple[str, ...] = SENSITIVE) -> dict[str, tuple[float, float]]:
     """name -> (goodput with that input at 50%, at 150%), everything else as it is; automatic intervals follow the
     changed input, as the trainer's would."""
-    return {n: (project(with_auto(x.scaled(n, 0.5))).goodput, project(with_auto(x.scaled(n, 1.5))).goodput)
-            for n in names}
+    return {
+        n: (project(with_auto(x.scaled(n, 0.5))).goodput, project(with_auto(x.scaled(n, 1.5))).goodput) for n in names
+    }

@@ -62,17 +62,23 @@ def measured(run_dir: Path) -> dict[str, tuple[float, str]]:
     path = Path(run_dir) / "goodput.json"
     attempts = read_attempts(path)
     if not attempts:
-        raise InputError(f"--from {run_dir}: no goodput.json with attempts there; name the run.dir of a run that "
-                         "trained (it writes <run.dir>/goodput.json)")
+        raise InputError(
+            f"--from {run_dir}: no goodput.json with attempts there; name the run.dir of a run that "
+            "trained (it writes <run.dir>/goodput.json)"
+        )
     where = f"measured ({path})"
     found: dict[str, tuple[float, str]] = {}
     timed = sum(a.get("timed_steps", 0) for a in attempts)
     if timed:
         found["step_s"] = (sum(a.get("step_seconds", 0.0) for a in attempts) / timed, where)
     summary = summarize(attempts, max(a["last_alive"] for a in attempts))
-    for kind, name in (("save_durable", "save_durable_s"), ("save_local", "save_local_s"),
-                       ("write_local", "write_local_s"), ("restore_durable", "restore_durable_s"),
-                       ("restore_local", "restore_local_s")):
+    for kind, name in (
+        ("save_durable", "save_durable_s"),
+        ("save_local", "save_local_s"),
+        ("write_local", "write_local_s"),
+        ("restore_durable", "restore_durable_s"),
+        ("restore_local", "restore_local_s"),
+    ):
         entry = summary["tiers"].get(kind)
         if entry and entry["count"]:
             found[name] = (entry["seconds"] / entry["count"], where)
@@ -111,75 +117,127 @@ def _stated_costs(config: Config, gpus: int, gpus_per_host: int) -> dict[str, tu
     tokens = t.batch_size * t.seq_len
     peak = table_peak_flops("H100", "bfloat16")  # NVIDIA's data sheet, bf16 dense (perf/hardware.py)
     flops = train_flops_per_token(config.model, t.seq_len, causal_skip=True) * tokens
-    values["step_s"] = (flops / (gpus * peak * LLAMA3_MFU),
-                        f"model FLOPs of {t.batch_size} x {t.seq_len} tokens / ({gpus} H100 x {peak / 1e12:g} "
-                        f"TFLOP/s x {LLAMA3_MFU:.0%} MFU, Llama 3's 38-43%)")
+    values["step_s"] = (
+        flops / (gpus * peak * LLAMA3_MFU),
+        f"model FLOPs of {t.batch_size} x {t.seq_len} tokens / ({gpus} H100 x {peak / 1e12:g} "
+        f"TFLOP/s x {LLAMA3_MFU:.0%} MFU, Llama 3's 38-43%)",
+    )
     state = f"{STATE_BYTES_PER_PARAM} B/param state ({params / 1e9:.3g}B params)"
-    values["save_durable_s"] = (per_gpu / (DEVICE_TO_HOST_GBS * 1e9),
-                                f"{state} per GPU at {DEVICE_TO_HOST_GBS:g} GB/s device->host (assumed)")
-    values["write_durable_s"] = (ORBAX_70B_WRITE_S * params / 70e9, "Orbax's 70B background save ~62 s, scaled by "
-                                 "parameters (REFERENCE.md)")
-    values["restore_durable_s"] = (ORBAX_405B_LOAD_S * params / 405e9, "Orbax's 405B load ~59 s, scaled by "
-                                   "parameters (REFERENCE.md)")
+    values["save_durable_s"] = (
+        per_gpu / (DEVICE_TO_HOST_GBS * 1e9),
+        f"{state} per GPU at {DEVICE_TO_HOST_GBS:g} GB/s device->host (assumed)",
+    )
+    values["write_durable_s"] = (
+        ORBAX_70B_WRITE_S * params / 70e9,
+        "Orbax's 70B background save ~62 s, scaled by parameters (REFERENCE.md)",
+    )
+    values["restore_durable_s"] = (
+        ORBAX_405B_LOAD_S * params / 405e9,
+        "Orbax's 405B load ~59 s, scaled by parameters (REFERENCE.md)",
+    )
     partner_copy_s = per_gpu * min(1, c.local_replicas) / (NIC_GBS * 1e9)  # one 400 Gb/s NIC per GPU
-    values["save_local_s"] = (per_gpu / (DEVICE_TO_HOST_GBS * 1e9) + partner_copy_s,
-                              f"{state} per GPU at {DEVICE_TO_HOST_GBS:g} GB/s device->host (assumed) + the partner "
-                              f"copy at {NIC_GBS:g} GB/s per GPU (one 400 Gb/s NIC)")
-    values["write_local_s"] = (per_host * (1 + min(1, c.local_replicas)) / (HOST_MEMORY_GBS * 1e9),
-                               f"own and partner shards per host at {HOST_MEMORY_GBS:g} GB/s to /dev/shm (assumed)")
-    values["restore_local_s"] = (per_host / (HOST_MEMORY_GBS * 1e9) + per_gpu / (DEVICE_TO_HOST_GBS * 1e9),
-                                 f"a host's shards at {HOST_MEMORY_GBS:g} GB/s from /dev/shm + {DEVICE_TO_HOST_GBS:g} "
-                                 "GB/s host->device (assumed)")
-    values["restart_s"] = (FULL_RESTART_S, "torchft's ~10 min stall per failure with a full restart at ~100K GPUs "
-                           "(REFERENCE.md)")
+    values["save_local_s"] = (
+        per_gpu / (DEVICE_TO_HOST_GBS * 1e9) + partner_copy_s,
+        f"{state} per GPU at {DEVICE_TO_HOST_GBS:g} GB/s device->host (assumed) + the partner "
+        f"copy at {NIC_GBS:g} GB/s per GPU (one 400 Gb/s NIC)",
+    )
+    values["write_local_s"] = (
+        per_host * (1 + min(1, c.local_replicas)) / (HOST_MEMORY_GBS * 1e9),
+        f"own and partner shards per host at {HOST_MEMORY_GBS:g} GB/s to /dev/shm (assumed)",
+    )
+    values["restore_local_s"] = (
+        per_host / (HOST_MEMORY_GBS * 1e9) + per_gpu / (DEVICE_TO_HOST_GBS * 1e9),
+        f"a host's shards at {HOST_MEMORY_GBS:g} GB/s from /dev/shm + {DEVICE_TO_HOST_GBS:g} "
+        "GB/s host->device (assumed)",
+    )
+    values["restart_s"] = (
+        FULL_RESTART_S,
+        "torchft's ~10 min stall per failure with a full restart at ~100K GPUs (REFERENCE.md)",
+    )
     values["first_start_s"] = (FULL_RESTART_S, "as restart_s")
-    values["detect_s"] = (config.run.heartbeat_timeout_s + BACKOFF_S,
-                          "run.heartbeat_timeout_s + `llama-jax supervise --backoff` (defaults)")
+    values["detect_s"] = (
+        config.run.heartbeat_timeout_s + BACKOFF_S,
+        "run.heartbeat_timeout_s + `llama-jax supervise --backoff` (defaults)",
+    )
     values["replacement_s"] = (REPLACEMENT_S, "assumed: a spare host from the scheduler's pool (no published figure)")
     values["steady_overhead"] = (0.0, "assumed: data loading, eval and logging hidden behind the steps at scale")
     return values
 
 
-def inputs_for(config: Config, gpus: int, gpus_per_host: int, run: dict[str, tuple[float, str]] | None = None,
-               failures_per_gpu_hour: float | None = None, planned_per_gpu_hour: float | None = None,
-               host_loss_share: float | None = None, mix: dict[str, float] | None = None,
-               **given: float) -> Inputs:
+def inputs_for(
+    config: Config,
+    gpus: int,
+    gpus_per_host: int,
+    run: dict[str, tuple[float, str]] | None = None,
+    failures_per_gpu_hour: float | None = None,
+    planned_per_gpu_hour: float | None = None,
+    host_loss_share: float | None = None,
+    mix: dict[str, float] | None = None,
+    **given: float,
+) -> Inputs:
     """The inputs of `config` on `gpus` GPUs: `given` (name -> value, stated by the caller) first, then what `run`
     measured, then the stated defaults; the intervals as the config sets them, `auto` worked out as the trainer
     does (checkpoint/interval.py) with the MTBF the layout's failure rate gives (what the trainer observes)."""
     if gpus < 1 or gpus_per_host < 1 or gpus % gpus_per_host and gpus > gpus_per_host:
-        raise InputError(f"--gpus {gpus} must be positive and a whole number of hosts of --gpus-per-host "
-                         f"{gpus_per_host} (e.g. --gpus 16384 --gpus-per-host 8)")
+        raise InputError(
+            f"--gpus {gpus} must be positive and a whole number of hosts of --gpus-per-host "
+            f"{gpus_per_host} (e.g. --gpus 16384 --gpus-per-host 8)"
+        )
     values = _stated_costs(config, gpus, gpus_per_host)
     t, c, f = config.train, config.checkpoint, config.fault
     values.update(run or {})
-    values["hang_detect_s"] = (max(f.hang_min_timeout_s, f.hang_factor * values["step_s"][0]),
-                               "max(fault.hang_min_timeout_s, fault.hang_factor x step_s): the watchdog")
+    values["hang_detect_s"] = (
+        max(f.hang_min_timeout_s, f.hang_factor * values["step_s"][0]),
+        "max(fault.hang_min_timeout_s, fault.hang_factor x step_s): the watchdog",
+    )
     values.update({k: (v, "given") for k, v in given.items()})
     rate = LLAMA3_FAILURES_PER_GPU_HOUR if failures_per_gpu_hour is None else failures_per_gpu_hour
     planned = LLAMA3_PLANNED_PER_GPU_HOUR if planned_per_gpu_hour is None else planned_per_gpu_hour
     sources = {k: s for k, (_, s) in values.items()}
-    sources["failures_per_gpu_hour"] = ("Llama 3: 419 unexpected interruptions / (16,384 GPUs x 54 days x 24 h)"
-                                        if failures_per_gpu_hour is None else "given")
-    sources["planned_per_gpu_hour"] = ("Llama 3: 47 planned interruptions / (16,384 GPUs x 54 days x 24 h)"
-                                       if planned_per_gpu_hour is None else "given")
+    sources["failures_per_gpu_hour"] = (
+        "Llama 3: 419 unexpected interruptions / (16,384 GPUs x 54 days x 24 h)"
+        if failures_per_gpu_hour is None
+        else "given"
+    )
+    sources["planned_per_gpu_hour"] = (
+        "Llama 3: 47 planned interruptions / (16,384 GPUs x 54 days x 24 h)"
+        if planned_per_gpu_hour is None
+        else "given"
+    )
     mix, sources["mix"] = _failure_mix(mix, host_loss_share)
     sources.update(_checkpoint_sources(config))
     v = {k: value for k, (value, _) in values.items()}
     auto = lambda setting: setting == "auto"  # noqa: E731
-    return with_auto(Inputs(
-        gpus=gpus, gpus_per_host=min(gpus, gpus_per_host), steps=t.steps, step_s=v["step_s"],
-        durable_every=0 if auto(c.every_steps) else int(c.every_steps),
-        local_every=0 if auto(c.local_every_steps) or not c.local_dir else int(c.local_every_steps),
-        local_replicas=c.local_replicas,
-        save_durable_s=v["save_durable_s"], save_local_s=v["save_local_s"],
-        write_durable_s=v["write_durable_s"], write_local_s=v["write_local_s"],
-        restore_durable_s=v["restore_durable_s"], restore_local_s=v["restore_local_s"],
-        restart_s=v["restart_s"], first_start_s=v["first_start_s"], detect_s=v["detect_s"],
-        hang_detect_s=v["hang_detect_s"], replacement_s=v["replacement_s"],
-        steady_overhead=v["steady_overhead"], failures_per_gpu_hour=rate, planned_per_gpu_hour=planned,
-        mix=mix, durable_auto=auto(c.every_steps), local_auto=bool(c.local_dir) and auto(c.local_every_steps),
-        mtbf_setting_s=c.mtbf_setting_s, sources=sources))
+    return with_auto(
+        Inputs(
+            gpus=gpus,
+            gpus_per_host=min(gpus, gpus_per_host),
+            steps=t.steps,
+            step_s=v["step_s"],
+            durable_every=0 if auto(c.every_steps) else int(c.every_steps),
+            local_every=0 if auto(c.local_every_steps) or not c.local_dir else int(c.local_every_steps),
+            local_replicas=c.local_replicas,
+            save_durable_s=v["save_durable_s"],
+            save_local_s=v["save_local_s"],
+            write_durable_s=v["write_durable_s"],
+            write_local_s=v["write_local_s"],
+            restore_durable_s=v["restore_durable_s"],
+            restore_local_s=v["restore_local_s"],
+            restart_s=v["restart_s"],
+            first_start_s=v["first_start_s"],
+            detect_s=v["detect_s"],
+            hang_detect_s=v["hang_detect_s"],
+            replacement_s=v["replacement_s"],
+            steady_overhead=v["steady_overhead"],
+            failures_per_gpu_hour=rate,
+            planned_per_gpu_hour=planned,
+            mix=mix,
+            durable_auto=auto(c.every_steps),
+            local_auto=bool(c.local_dir) and auto(c.local_every_steps),
+            mtbf_setting_s=c.mtbf_setting_s,
+            sources=sources,
+        )
+    )
 
 
 def _failure_mix(mix: dict[str, float] | None, host_loss_share: float | None) -> tuple[dict[str, float], str]:
@@ -194,13 +252,16 @@ def _failure_mix(mix: dict[str, float] | None, host_loss_share: float | None) ->
 def _checkpoint_sources(config: Config) -> dict[str, str]:
     """Where the intervals, the local replicas and the steps come from: the config's keys (auto: Young/Daly)."""
     c, sources = config.checkpoint, {}
-    for key, setting, save, write in (("durable_every", c.every_steps, "save_durable_s", "write_durable_s"),
-                                      ("local_every", c.local_every_steps if c.local_dir else 0, "save_local_s",
-                                       "write_local_s")):
-        sources[key] = (f"auto: sqrt(2 x {save} x MTBF) / step_s, at least one {write} "
-                        + ("(checkpoint.mtbf_hours)" if c.mtbf_setting_s else "(MTBF: this layout's)")
-                        if setting == "auto"
-                        else f"checkpoint.{'every_steps' if key == 'durable_every' else 'local_every_steps'}")
+    for key, setting, save, write in (
+        ("durable_every", c.every_steps, "save_durable_s", "write_durable_s"),
+        ("local_every", c.local_every_steps if c.local_dir else 0, "save_local_s", "write_local_s"),
+    ):
+        sources[key] = (
+            f"auto: sqrt(2 x {save} x MTBF) / step_s, at least one {write} "
+            + ("(checkpoint.mtbf_hours)" if c.mtbf_setting_s else "(MTBF: this layout's)")
+            if setting == "auto"
+            else f"checkpoint.{'every_steps' if key == 'durable_every' else 'local_every_steps'}"
+        )
     if not c.local_dir:
         sources["local_every"] = "no node-local tier (checkpoint.local_dir is empty)"
     sources["local_replicas"] = "checkpoint.local_replicas"
@@ -210,10 +271,28 @@ def _checkpoint_sources(config: Config) -> dict[str, str]:
 
 # Output
 
-INPUT_FIELDS = ("steps", "step_s", "durable_every", "local_every", "local_replicas", "save_durable_s",
-                "write_durable_s", "save_local_s", "write_local_s", "restore_durable_s", "restore_local_s",
-                "restart_s", "first_start_s", "detect_s", "hang_detect_s", "replacement_s", "steady_overhead",
-                "failures_per_gpu_hour", "planned_per_gpu_hour", "mix")
+INPUT_FIELDS = (
+    "steps",
+    "step_s",
+    "durable_every",
+    "local_every",
+    "local_replicas",
+    "save_durable_s",
+    "write_durable_s",
+    "save_local_s",
+    "write_local_s",
+    "restore_durable_s",
+    "restore_local_s",
+    "restart_s",
+    "first_start_s",
+    "detect_s",
+    "hang_detect_s",
+    "replacement_s",
+    "steady_overhead",
+    "failures_per_gpu_hour",
+    "planned_per_gpu_hour",
+    "mix",
+)
 
 
 def report(x: Inputs) -> dict[str, Any]:
@@ -224,56 +303,80 @@ def report(x: Inputs) -> dict[str, Any]:
     young_daly = with_auto(dataclasses.replace(x, durable_auto=True)).durable_every
     swings = sensitivity(x)
     return {
-        "goodput": configured.goodput, "breakdown": configured.breakdown,
+        "goodput": configured.goodput,
+        "breakdown": configured.breakdown,
         "intervals": {
             "configured": {"durable_every": x.durable_every, "local_every": x.local_every},
             "best": {"durable_every": best.durable_every, "local_every": best.local_every, "goodput": best.goodput},
-            "young_daly_durable_every": young_daly},
-        "durable_only": {"goodput": project(durable_only).goodput,
-                         "best": {"durable_every": (b := best_intervals(durable_only, local=False)).durable_every,
-                                  "goodput": b.goodput}},
+            "young_daly_durable_every": young_daly,
+        },
+        "durable_only": {
+            "goodput": project(durable_only).goodput,
+            "best": {
+                "durable_every": (b := best_intervals(durable_only, local=False)).durable_every,
+                "goodput": b.goodput,
+            },
+        },
         "per_failure_s": configured.per_failure_s,
         "failures": {"mtbf_h": x.mtbf_s / 3600, "shares": x.shares(), "hosts": x.hosts},
         "sensitivity": {k: {"at_50pct": lo, "at_150pct": hi} for k, (lo, hi) in swings.items()},
         "most_sensitive": max(swings, key=lambda k: abs(swings[k][1] - swings[k][0])),
         "inputs": {k: {"value": getattr(x, k), "source": x.sources.get(k, "")} for k in INPUT_FIELDS},
-        "wall_s": configured.wall_s}
+        "wall_s": configured.wall_s,
+    }
 
 
 def format_report(r: dict[str, Any], name: str, x: Inputs) -> str:
     pct = lambda v: f"{100 * v:.1f}%"  # noqa: E731
-    lines = [f"goodput projection: {name} on {x.gpus:,} GPUs ({x.hosts:,} hosts of {x.gpus_per_host}), "
-             f"{x.steps:,} steps",
-             f"  failures: one every {r['failures']['mtbf_h']:.3g} h; by kind: "
-             + ", ".join(f"{k} {pct(v)}" for k, v in r["failures"]["shares"].items() if v)]
+    lines = [
+        f"goodput projection: {name} on {x.gpus:,} GPUs ({x.hosts:,} hosts of {x.gpus_per_host}), {x.steps:,} steps",
+        f"  failures: one every {r['failures']['mtbf_h']:.3g} h; by kind: "
+        + ", ".join(f"{k} {pct(v)}" for k, v in r["failures"]["shares"].items() if v),
+    ]
     lines.append("  inputs:")
     for k, entry in r["inputs"].items():
         value = entry["value"]
-        shown = (", ".join(f"{m} {w:g}" for m, w in value.items()) if isinstance(value, dict)
-                 else f"{value:.3g}" if isinstance(value, float) else f"{value}")
+        shown = (
+            ", ".join(f"{m} {w:g}" for m, w in value.items())
+            if isinstance(value, dict)
+            else f"{value:.3g}"
+            if isinstance(value, float)
+            else f"{value}"
+        )
         lines.append(f"    {k:<22} {shown:<14} {entry['source']}")
     lines.append(f"  goodput {pct(r['goodput'])}: " + ", ".join(f"{k} {pct(v)}" for k, v in r["breakdown"].items()))
-    lines.append("  per failure (s): " + "; ".join(
-        f"{k} " + "/".join(f"{v:.0f}" for v in c.values()) for k, c in r["per_failure_s"].items())
-        + " (" + "/".join(next(iter(r["per_failure_s"].values()))) + ")")
+    lines.append(
+        "  per failure (s): "
+        + "; ".join(f"{k} " + "/".join(f"{v:.0f}" for v in c.values()) for k, c in r["per_failure_s"].items())
+        + " ("
+        + "/".join(next(iter(r["per_failure_s"].values())))
+        + ")"
+    )
     i = r["intervals"]
-    lines.append(f"  intervals: configured durable every {i['configured']['durable_every']}, local every "
-                 f"{i['configured']['local_every']}; best: durable every {i['best']['durable_every']}, local every "
-                 f"{i['best']['local_every']} -> {pct(i['best']['goodput'])}; Young/Daly durable every "
-                 f"{i['young_daly_durable_every']}")
+    lines.append(
+        f"  intervals: configured durable every {i['configured']['durable_every']}, local every "
+        f"{i['configured']['local_every']}; best: durable every {i['best']['durable_every']}, local every "
+        f"{i['best']['local_every']} -> {pct(i['best']['goodput'])}; Young/Daly durable every "
+        f"{i['young_daly_durable_every']}"
+    )
     d = r["durable_only"]
-    lines.append(f"  durable checkpoints only: {pct(d['goodput'])} (best: every {d['best']['durable_every']} -> "
-                 f"{pct(d['best']['goodput'])})")
+    lines.append(
+        f"  durable checkpoints only: {pct(d['goodput'])} (best: every {d['best']['durable_every']} -> "
+        f"{pct(d['best']['goodput'])})"
+    )
     swings = ", ".join(f"{k} {100 * (s['at_150pct'] - s['at_50pct']):+.2f} pt" for k, s in r["sensitivity"].items())
-    lines.append(f"  sensitivity (goodput at 150% minus at 50% of each input): {swings}; most sensitive: "
-                 f"{r['most_sensitive']}")
+    lines.append(
+        f"  sensitivity (goodput at 150% minus at 50% of each input): {swings}; most sensitive: {r['most_sensitive']}"
+    )
     return "\n".join(lines)
 
 
 def report_json(r: dict[str, Any]) -> str:
     """JSON (strict: an infinite figure, e.g. the MTBF without failures, is null)."""
+
     def finite(v: Any) -> Any:
         if isinstance(v, dict):
             return {k: finite(w) for k, w in v.items()}
         return None if isinstance(v, float) and not math.isfinite(v) else v
+
     return json.dumps(finite(r), indent=2)

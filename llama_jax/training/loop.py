@@ -41,8 +41,9 @@ from llama_jax.training.loop_parts import Loop
 from llama_jax.training.run import Run
 
 
-def train(config: Config, print_fn: Callable[[str], None] = print, *, devices=None,
-          started_at: float | None = None) -> dict:
+def train(
+    config: Config, print_fn: Callable[[str], None] = print, *, devices=None, started_at: float | None = None
+) -> dict:
     """Check the input, then train `config`, resuming from run.dir's newest checkpoint; returns the summary.
 
     Joins a multi-process run first when run.* keys or the environment describe one; then process 0
@@ -53,28 +54,39 @@ def train(config: Config, print_fn: Callable[[str], None] = print, *, devices=No
     started_at = started_at or time.time()  # goodput counts the start-up as restart overhead
     processes.initialize(config.run)  # before anything touches the devices
     if problem := unwritable(Path(config.run.dir)):  # before anything compiles: one line, exit 2
-        raise ConfigError(f"run.dir {config.run.dir} cannot be written: {problem}; choose a run.dir on a writable "
-                          "filesystem")
+        raise ConfigError(
+            f"run.dir {config.run.dir} cannot be written: {problem}; choose a run.dir on a writable filesystem"
+        )
     config = processes.on_fewer_processes(config, jax.process_count())
     primary = jax.process_index() == 0
     print_fn = print_fn if primary else _warnings_only(print_fn)  # this process's voice
     if primary:
         print_fn(describe(config))
     if os.environ.get(LAUNCHED_BY) and not config.checkpoint.periodic:
-        print_fn(f"warning: under {os.environ[LAUNCHED_BY]} a failed run restarts from its newest checkpoint, and this "
-                 "one saves none until it ends (checkpoint.every_steps=0, no every_minutes, no local tier): every "
-                 "restart starts again from step 0; set checkpoint.every_steps=auto")
+        print_fn(
+            f"warning: under {os.environ[LAUNCHED_BY]} a failed run restarts from its newest checkpoint, and this "
+            "one saves none until it ends (checkpoint.every_steps=0, no every_minutes, no local tier): every "
+            "restart starts again from step 0; set checkpoint.every_steps=auto"
+        )
     f, injector = config.fault, Injector(config.inject, jax.process_index())
     peers = Peers(f.barrier_timeout_s, injected_stall_at=injector.stall_at)
     # What this process was last doing, published to the others: a hang names the process the run waits for.
-    peers.recorder = FlightRecorder(Path(config.run.dir), peers.index, peers.count, processes.node_name(),
-                                    capacity=f.flight_events, heartbeat_s=f.flight_heartbeat_s, client=peers.client)
+    peers.recorder = FlightRecorder(
+        Path(config.run.dir),
+        peers.index,
+        peers.count,
+        processes.node_name(),
+        capacity=f.flight_events,
+        heartbeat_s=f.flight_heartbeat_s,
+        client=peers.client,
+    )
     with peers.recorder:
         return _train(config, peers, print_fn, devices, started_at, injector)
 
 
-def _train(config: Config, peers: Peers, print_fn: Callable[[str], None], devices, started_at: float,
-           injector: Injector) -> dict:
+def _train(
+    config: Config, peers: Peers, print_fn: Callable[[str], None], devices, started_at: float, injector: Injector
+) -> dict:
     f = config.fault
     peers.recorder.record("setup", "building the mesh and opening the data")
     mesh = sharding.make_mesh(config, devices=devices)
@@ -87,8 +99,9 @@ def _train(config: Config, peers: Peers, print_fn: Callable[[str], None], device
     peers.recorder.record("setup", "compiling the train step")
     run = Run.setup(config, mesh, data, peers)
     if config.train.microbatches == "auto":
-        print_fn(f"train.microbatches=auto: {run.config.train.microbatches}, the fewest whose step fits "
-                 "run.device_memory_gb")
+        print_fn(
+            f"train.microbatches=auto: {run.config.train.microbatches}, the fewest whose step fits run.device_memory_gb"
+        )
     return execute(run, print_fn, started_at, injector)
 
 
@@ -104,8 +117,9 @@ def _warnings_only(print_fn: Callable[[str], None]) -> Callable[[str], None]:
     return warnings
 
 
-def execute(run: Run, print_fn: Callable[[str], None] = print, started_at: float | None = None,
-            injector: Injector | None = None) -> dict:
+def execute(
+    run: Run, print_fn: Callable[[str], None] = print, started_at: float | None = None, injector: Injector | None = None
+) -> dict:
     """The training loop. Returns a summary: eval losses, throughput, MFU, goodput and the exit code
     (0, or EXIT_PREEMPTED after a SIGTERM/SIGINT made it save and stop)."""
     t, run_dir, wall_start = run.config.train, Path(run.config.run.dir), time.perf_counter()

@@ -91,8 +91,9 @@ class Loop:
     held: set[str] = field(default_factory=set)  # tiers whose save waits for a step the guard counts as good
 
     @classmethod
-    def open(cls, run: Run, print_fn: Callable[[str], None], started_at: float,
-             injector: Injector | None = None) -> Loop:
+    def open(
+        cls, run: Run, print_fn: Callable[[str], None], started_at: float, injector: Injector | None = None
+    ) -> Loop:
         """Write the run's config and tokenizer and start every part (Run.setup has checked the input). `injector`:
         the one train() built, else one from the config."""
         config, mesh = run.config, run.program.mesh
@@ -103,37 +104,57 @@ class Loop:
             (run_dir / "config.yaml").write_text(to_yaml(config))
             run.data.tokenizer.save(run_dir)  # `llama-jax generate` and `eval` find the run's tokenizer here
         peaks = mfu_peaks(config.model.compute_dtype, config.model.fp8, cache_root(config.data.cache_dir))
-        print_fn(f"{param_count(config.model) / 1e6:.2f}M parameters on {mesh.devices.size} "
-                 f"{jax.local_devices()[0].platform} device(s), mesh {dict(mesh.shape)}; {peaks.describe()}")
+        print_fn(
+            f"{param_count(config.model) / 1e6:.2f}M parameters on {mesh.devices.size} "
+            f"{jax.local_devices()[0].platform} device(s), mesh {dict(mesh.shape)}; {peaks.describe()}"
+        )
         print_fn(remat.describe(config.remat))
         host = socket.gethostname() + (f"-p{jax.process_index()}" if multi else "")
-        log = MetricsLog(run_dir, total_steps=t.steps, start_step=run.start.step, tensorboard=config.run.tensorboard,
-                         print_fn=print_fn, enabled=primary, wandb=WandbSettings.from_config(config))
+        log = MetricsLog(
+            run_dir,
+            total_steps=t.steps,
+            start_step=run.start.step,
+            tensorboard=config.run.tensorboard,
+            print_fn=print_fn,
+            enabled=primary,
+            wandb=WandbSettings.from_config(config),
+        )
         injector = injector or Injector(config.inject, jax.process_index())
         try:
-            c = config.checkpoint
-            local = LocalTier(c.local_dir, run_dir, mesh, run.peers, c.local_keep, c.local_replicas,
-                              print_fn=log.message) if c.local_dir else None
-            identity = Identity(meta=run.metadata(), model=run.metadata()["config"]["model"], check=run.check_meta,
-                                layout=run.layer_order)
-            checkpointer = Checkpointer(Tiers(run_dir, local=local), c, identity, peers=run.peers, print_fn=log.message,
-                                        injector=injector)
+            checkpointer = _checkpointer(run, log.message, injector)
             loop = cls(
-                run=run, log=log, checkpointer=checkpointer,
+                run=run,
+                log=log,
+                checkpointer=checkpointer,
                 goodput=Goodput(run_dir, started_at, write=primary, print_fn=log.message),
-                meter=ThroughputMeter(t.batch_size * t.seq_len, model_flops_per_token(config), peaks,
-                                      mesh.devices.size),
+                meter=ThroughputMeter(
+                    t.batch_size * t.seq_len, model_flops_per_token(config), peaks, mesh.devices.size
+                ),
                 guard=SpikeGuard(f.max_bad_steps, f.spike_zscore, f.spike_window),
                 stragglers=StragglerDetector(f.straggler_factor),
-                hosts=HostWindow(run.peers, HostScores(f.straggler_host_threshold), f.straggler_every_steps, host,
-                                 sorted(d.id for d in mesh.devices.flat if d.process_index == jax.process_index())),
-                watchdog=HangWatchdog(run_dir, host, factor=f.hang_factor, min_timeout_s=f.hang_min_timeout_s,
-                                      startup_timeout_s=f.hang_startup_timeout_s, recorder=run.peers.recorder,
-                                      describe=lambda: format_plan(make_plan(config, mesh))),
+                hosts=HostWindow(
+                    run.peers,
+                    HostScores(f.straggler_host_threshold),
+                    f.straggler_every_steps,
+                    host,
+                    sorted(d.id for d in mesh.devices.flat if d.process_index == jax.process_index()),
+                ),
+                watchdog=HangWatchdog(
+                    run_dir,
+                    host,
+                    factor=f.hang_factor,
+                    min_timeout_s=f.hang_min_timeout_s,
+                    startup_timeout_s=f.hang_startup_timeout_s,
+                    recorder=run.peers.recorder,
+                    describe=lambda: format_plan(make_plan(config, mesh)),
+                ),
                 preemption=PreemptionGuard(checkpointer.manager.reached_preemption if multi else None),
-                eval_batches=min(t.eval_batches, run.data.val.batches_per_epoch()), injector=injector,
-                profiler=StepProfiler.for_run(run_dir, config.run.profile_steps,
-                                              lambda: run.program.compile_step().as_text()))
+                eval_batches=min(t.eval_batches, run.data.val.batches_per_epoch()),
+                injector=injector,
+                profiler=StepProfiler.for_run(
+                    run_dir, config.run.profile_steps, lambda: run.program.compile_step().as_text()
+                ),
+            )
         except BaseException:
             log.close()  # the loop never started: nothing else will close it
             raise
@@ -145,8 +166,9 @@ class Loop:
         run, start = self.run, time.perf_counter()
         run.peers.barrier("restore")  # a process that never gets here is named, instead of a silent wait in Orbax
         with self.watchdog.paused("restore", run.config.checkpoint.timeout_s):
-            restored = starting.restore(run.start, self.checkpointer, run.program.abstract_checkpoint(),
-                                        self.log.message)
+            restored = starting.restore(
+                run.start, self.checkpointer, run.program.abstract_checkpoint(), self.log.message
+            )
         for tier, seconds in restored.seconds.items():
             self.goodput.tier(f"restore_{tier}", seconds)
         if restored.tier:
@@ -155,8 +177,10 @@ class Loop:
             self.goodput.add("checkpoint_restore", time.perf_counter() - start)
         saved_fingerprint = restored.data.get("fingerprint", run.data.fingerprint)
         if restored.state is not None and saved_fingerprint != run.data.fingerprint:
-            self.log.message(f"warning: the data settings or sources changed since step {int(restored.state.step)} "
-                             "was saved; the batches from here on differ from the original run's")
+            self.log.message(
+                f"warning: the data settings or sources changed since step {int(restored.state.step)} "
+                "was saved; the batches from here on differ from the original run's"
+            )
         return run.program.start_state(restored, run.base), restored.data_step
 
     def begin(self, state: TrainState, step: int, data_step: int, summary: dict) -> Iterator[dict]:
@@ -166,8 +190,13 @@ class Loop:
         with self.goodput.pause(None):  # not part of the first step's time
             if step == 0:
                 summary["initial_eval_loss"] = self.evaluate(state.model_params, step)
-            return self.run.data.train.iterate(data_step, data_step + 10**12, self.run.program.local_rows(),
-                                               config.data.loader_threads, config.data.prefetch)
+            return self.run.data.train.iterate(
+                data_step,
+                data_step + 10**12,
+                self.run.program.local_rows(),
+                config.data.loader_threads,
+                config.data.prefetch,
+            )
 
     def next_batch(self, batches: Iterator[dict], data_step: int) -> dict:
         """The next batch, placed on the devices, with the injector's faults applied (data_wait_s: the wait)."""
@@ -250,8 +279,12 @@ class Loop:
         decides, every process alike; a save that waited for the guard (act) is due again."""
         stop = self.preemption.should_stop(step)
         local, durable = self.checkpointer.local_due(step), self.checkpointer.due(step, read=read)
-        return Due(evaluate=self.eval_due(step), local=local or "local" in self.held, stop=stop,
-                   save=durable or step == self.run.config.train.steps or stop or "durable" in self.held)
+        return Due(
+            evaluate=self.eval_due(step),
+            local=local or "local" in self.held,
+            stop=stop,
+            save=durable or step == self.run.config.train.steps or stop or "durable" in self.held,
+        )
 
     def act(self, due: Due, state: TrainState, step: int, data_step: int, summary: dict) -> None:
         """Evaluate and save what is due after `step` (not step time), then say so if the run stops. A step the
@@ -264,8 +297,10 @@ class Loop:
                 summary["final_eval_loss"] = self.evaluate(state.model_params, step)
             if bad and tiers:
                 self.held.update(tiers)
-                self.log.message(f"warning: step {step} is counted as bad ({self.guard.consecutive} in a row): not "
-                                 "saved; the save waits for a good step")
+                self.log.message(
+                    f"warning: step {step} is counted as bad ({self.guard.consecutive} in a row): not "
+                    "saved; the save waits for a good step"
+                )
             elif tiers:
                 for tier in tiers:
                     self.save(step, state, data_step, tier=tier)
@@ -273,8 +308,10 @@ class Loop:
         self.injector.hang_after(step)
         if due.stop:
             saved = f"step {step} is counted as bad and not saved" if bad else f"saved step {step}"
-            self.log.message(f"{self.preemption.signal_name or 'preemption'} received: {saved}, "
-                             f"stopping (exit {EXIT_PREEMPTED}); re-run the same command to continue")
+            self.log.message(
+                f"{self.preemption.signal_name or 'preemption'} received: {saved}, "
+                f"stopping (exit {EXIT_PREEMPTED}); re-run the same command to continue"
+            )
 
     def eval_due(self, step: int) -> bool:
         t = self.run.config.train
@@ -305,19 +342,23 @@ class Loop:
         with self.watchdog.paused("rollback", config.checkpoint.timeout_s), self.goodput.pause(None):
             self.checkpointer.wait()
             # As at start-up: the newest step that restores on every process, one decision for all.
-            found = self.checkpointer.restore_newest(self.run.program.abstract_checkpoint(), print_fn,
-                                                     before=guard.first_bad_step)
+            found = self.checkpointer.restore_newest(
+                self.run.program.abstract_checkpoint(), print_fn, before=guard.first_bad_step
+            )
             if found.state is None:
-                print_fn(f"warning: {guard.consecutive} bad steps in a row at step {step} and no checkpoint to roll "
-                         "back to")
+                print_fn(
+                    f"warning: {guard.consecutive} bad steps in a row at step {step} and no checkpoint to roll back to"
+                )
                 guard.reset()
                 return state, step
             back_step, back = found.step, found.state
             back = self.run.program.with_frozen(back, getattr(state, "frozen", None))  # the base stays as it is
         self.goodput.discard(back_step, step)
         self.held.clear()  # the bad run is gone with its held saves
-        print_fn(f"warning: {guard.consecutive} bad steps in a row: rolled back from step {step} to {back_step}; "
-                 f"the data continues at batch {data_step}, skipping the {step - back_step} batches since")
+        print_fn(
+            f"warning: {guard.consecutive} bad steps in a row: rolled back from step {step} to {back_step}; "
+            f"the data continues at batch {data_step}, skipping the {step - back_step} batches since"
+        )
         guard.reset()
         return back, back_step
 
@@ -357,3 +398,17 @@ class Loop:
             summary["report"] = str(write_report(run_dir))
         except OSError as err:
             self.log.message(f"warning: writing the sample or report into {run_dir} failed ({err.strerror or err})")
+
+
+def _checkpointer(run: Run, print_fn: Callable[[str], None], injector: Injector) -> Checkpointer:
+    """The run's Checkpointer: the durable tier in run.dir, the node-local one where checkpoint.local_dir is set."""
+    c, run_dir, mesh = run.config.checkpoint, Path(run.config.run.dir), run.program.mesh
+    local = (
+        LocalTier(c.local_dir, run_dir, mesh, run.peers, c.local_keep, c.local_replicas, print_fn=print_fn)
+        if c.local_dir
+        else None
+    )
+    identity = Identity(
+        meta=run.metadata(), model=run.metadata()["config"]["model"], check=run.check_meta, layout=run.layer_order
+    )
+    return Checkpointer(Tiers(run_dir, local=local), c, identity, peers=run.peers, print_fn=print_fn, injector=injector)

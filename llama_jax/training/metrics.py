@@ -81,8 +81,10 @@ def check_wandb(run: RunConfig) -> None:
         import wandb  # noqa: F401  (optional dependency; imported here only to see that it loads)
     except ImportError as e:
         reason = (str(e) or type(e).__name__).splitlines()[0]
-        raise ConfigError(f"run.wandb=true but wandb cannot be imported ({reason}); "
-                          "pip install 'llama-jax[wandb]' or set run.wandb=false") from None
+        raise ConfigError(
+            f"run.wandb=true but wandb cannot be imported ({reason}); "
+            "pip install 'llama-jax[wandb]' or set run.wandb=false"
+        ) from None
 
 
 def wandb_run_id(run_dir: pathlib.Path) -> str:
@@ -101,9 +103,15 @@ def wandb_run_id(run_dir: pathlib.Path) -> str:
 def _start_wandb(run_dir: pathlib.Path, settings: WandbSettings) -> Any:
     import wandb  # optional dependency: pip install 'llama-jax[wandb]'
 
-    run = wandb.init(project=settings.project, entity=settings.entity or None,
-                     name=settings.name or run_dir.resolve().name, id=wandb_run_id(run_dir),
-                     resume="allow", dir=str(run_dir), config=settings.config)
+    run = wandb.init(
+        project=settings.project,
+        entity=settings.entity or None,
+        name=settings.name or run_dir.resolve().name,
+        id=wandb_run_id(run_dir),
+        resume="allow",
+        dir=str(run_dir),
+        config=settings.config,
+    )
     # The x-axis is our "step", not W&B's own counter, which only increases: a run restarted from an
     # earlier checkpoint logs its steps again, as TensorBoard shows them, instead of W&B dropping them.
     run.define_metric("step")
@@ -121,10 +129,17 @@ class MetricsLog:
     run of wandb_run_id(run_dir) with files under run_dir/wandb.
     """
 
-    def __init__(self, run_dir: pathlib.Path, total_steps: int, start_step: int = 0,
-                 tensorboard: bool = True, interactive: bool | None = None,
-                 print_fn: Callable[[str], Any] = print, enabled: bool = True,
-                 wandb: WandbSettings | None = None) -> None:
+    def __init__(
+        self,
+        run_dir: pathlib.Path,
+        total_steps: int,
+        start_step: int = 0,
+        tensorboard: bool = True,
+        interactive: bool | None = None,
+        print_fn: Callable[[str], Any] = print,
+        enabled: bool = True,
+        wandb: WandbSettings | None = None,
+    ) -> None:
         self.enabled = enabled  # False on processes other than 0 of a multi-process run: log nothing
         self._bar = self._writer = self._file = self._wandb = None
         self._print = print_fn
@@ -147,8 +162,7 @@ class MetricsLog:
         if interactive:
             # initial=start_step: the bar of a resumed run starts where it left off and tqdm's
             # rate/ETA count only the steps done in this process.
-            self._bar = tqdm(total=total_steps, initial=start_step, unit="step",
-                             file=sys.stdout, dynamic_ncols=True)
+            self._bar = tqdm(total=total_steps, initial=start_step, unit="step", file=sys.stdout, dynamic_ncols=True)
 
     def log(self, record: dict) -> None:
         if "step" not in record:
@@ -157,25 +171,29 @@ class MetricsLog:
             return
         rec = {str(k): _plain(v) for k, v in record.items()}
         step = int(rec["step"])
-        safe = {k: None if isinstance(v, float) and not math.isfinite(v) else v
-                for k, v in rec.items()}
+        safe = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in rec.items()}
         line = json.dumps(safe, allow_nan=False) + "\n"
         self._sink("metrics.jsonl", lambda: (self._file.write(line), self._file.flush()))  # a crash loses one line
-        scalars = {k: v for k, v in rec.items()
-                   if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
+        scalars = {
+            k: v for k, v in rec.items() if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)
+        }
         if self._writer is not None:
-            self._sink("TensorBoard", lambda: [self._writer.add_scalar(k, v, global_step=step)
-                                               for k, v in scalars.items()])
+            self._sink(
+                "TensorBoard", lambda: [self._writer.add_scalar(k, v, global_step=step) for k, v in scalars.items()]
+            )
         if self._wandb is not None and scalars:
             self._sink("Weights & Biases", lambda: self._wandb.log({"step": step, **scalars}))
         if isinstance(rec.get("step_time_s"), (int, float)):
             self._step_time = rec["step_time_s"]
         if self._bar is None:
-            self._print(f"step {step:>{len(str(self._total))}}/{self._total} | "
-                        + " | ".join(self._fields(rec) + self._eta(step)))
+            self._print(
+                f"step {step:>{len(str(self._total))}}/{self._total} | "
+                + " | ".join(self._fields(rec) + self._eta(step))
+            )
             return
-        self._shown.update({k: rec[k] for k in ("loss", "eval_loss", "tokens_per_s", "mfu", "mfu_fp8")
-                            if rec.get(k) is not None})
+        self._shown.update(
+            {k: rec[k] for k in ("loss", "eval_loss", "tokens_per_s", "mfu", "mfu_fp8") if rec.get(k) is not None}
+        )
         self._bar.set_postfix_str(", ".join(self._fields(self._shown)), refresh=False)
         self._bar.update(max(0, min(step, self._total) - self._bar.n))
         self._bar.refresh()
@@ -192,13 +210,14 @@ class MetricsLog:
                 self._failed.add(name)
                 text = getattr(err, "strerror", None) or str(err).strip()  # an OSError's reason, not its "[Errno N]"
                 reason = text.splitlines()[0][:200] if text else type(err).__name__
-                self.message(f"warning: writing {name} failed ({reason}); training goes on without it until it "
-                             "can be written again")
+                self.message(
+                    f"warning: writing {name} failed ({reason}); training goes on without it until it "
+                    "can be written again"
+                )
 
     @staticmethod
     def _fields(rec: dict) -> list[str]:
-        out = [f"{k} {rec[k]:.4f}" for k in ("loss", "eval_loss")
-               if isinstance(rec.get(k), (int, float))]
+        out = [f"{k} {rec[k]:.4f}" for k in ("loss", "eval_loss") if isinstance(rec.get(k), (int, float))]
         if isinstance(rec.get("tokens_per_s"), (int, float)):
             out.append(f"{rec['tokens_per_s']:,.0f} tok/s")
         if isinstance(rec.get("mfu"), (int, float)):
@@ -284,8 +303,12 @@ class ThroughputMeter:
         per_step = self._seconds / self._steps
         tokens_per_s = self.tokens_per_step / per_step
         self.throughputs.append(tokens_per_s)
-        fields = {"tokens_per_s": tokens_per_s, "step_time_s": per_step, **self.mfu(tokens_per_s),
-                  "data_wait_s": self._data_wait / self._steps}
+        fields = {
+            "tokens_per_s": tokens_per_s,
+            "step_time_s": per_step,
+            **self.mfu(tokens_per_s),
+            "data_wait_s": self._data_wait / self._steps,
+        }
         self._steps, self._seconds, self._data_wait = 0, 0.0, 0.0
         return fields
 

@@ -63,6 +63,9 @@ def schedule_count(opt_state) -> jax.Array:
 
 def make_optimizer(t: TrainConfig) -> optax.GradientTransformation:
     steps = [optax.clip_by_global_norm(t.grad_clip)] if t.grad_clip > 0 else []
-    steps.append(optax.adamw(learning_rate(t), b1=t.b1, b2=t.b2, eps=t.eps, weight_decay=t.weight_decay,
-                             mask=weight_decay_mask(t)))
+    steps.append(
+        optax.adamw(
+            learning_rate(t), b1=t.b1, b2=t.b2, eps=t.eps, weight_decay=t.weight_decay, mask=weight_decay_mask(t)
+        )
+    )
     return optax.chain(*steps)

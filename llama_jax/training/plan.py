@@ -44,17 +44,17 @@ from llama_jax.training.step import TrainProgram, mesh_platform, model_flops_per
 class Plan:
     mesh: dict[str, int]
     devices: int
-    argument_bytes: int      # per device: state + batch
-    temporary_bytes: int     # per device: activations and other scratch
-    output_bytes: int        # per device, not counting outputs that reuse (alias) donated arguments
-    total_bytes: int         # per device peak estimate: arguments + temporaries + unaliased outputs (+ workspace)
+    argument_bytes: int  # per device: state + batch
+    temporary_bytes: int  # per device: activations and other scratch
+    output_bytes: int  # per device, not counting outputs that reuse (alias) donated arguments
+    total_bytes: int  # per device peak estimate: arguments + temporaries + unaliased outputs (+ workspace)
     host_temporary_bytes: int  # per device, in pinned host memory (activations offloaded by remat)
-    hlo_flops: float         # per step, all devices, from the compiled program (layers counted)
-    model_flops: float       # per step: train_flops_per_token x tokens
-    collective_bytes: dict[str, float]   # per device per step, by kind (ring cost model)
+    hlo_flops: float  # per step, all devices, from the compiled program (layers counted)
+    model_flops: float  # per step: train_flops_per_token x tokens
+    collective_bytes: dict[str, float]  # per device per step, by kind (ring cost model)
     collective_minimum: dict[str, float]  # analytic minimum per device per step, by parallelism
     compile_seconds: float
-    microbatches: int = 1    # train.microbatches (auto resolved)
+    microbatches: int = 1  # train.microbatches (auto resolved)
     budget_bytes: float = 0.0  # per device: run.device_memory_gb or the default budget
     memory_traffic_bytes: float = 0.0  # per device per step: bytes every operation reads and writes
     # Per operation (FLOPs, bytes) per device per step, for roofline estimates (hlo.HloStats); not printed.
@@ -139,8 +139,12 @@ def _along(topology: costmodel.Topology, axis: str):
 
     def wanted(pairs) -> bool:
         moves = [[topology.coordinates(d) for d in pair] for pair in pairs]
-        return bool(moves) and all(a[i] == b[i] for a, b in moves for i in range(len(a)) if i != index) and \
-            any(a[index] != b[index] for a, b in moves)
+        return (
+            bool(moves)
+            and all(a[i] == b[i] for a, b in moves for i in range(len(a)) if i != index)
+            and any(a[index] != b[index] for a, b in moves)
+        )
+
     return wanted
 
 
@@ -156,34 +160,48 @@ def make_plan(config: Config, mesh: Mesh, devices_per_host: int = 0) -> Plan:
     text = compiled.as_text()
     stats = hlo.analyze(text, devices, branch_runs(program))
     # The roofline's operations at the pace of the busiest stage: a pipeline's stages wait for each other.
-    operations = hlo.analyze(text, devices, branch_runs(program, busiest=True)).operations \
-        if program.model.pipeline else stats.operations
+    operations = (
+        hlo.analyze(text, devices, branch_runs(program, busiest=True)).operations
+        if program.model.pipeline
+        else stats.operations
+    )
     outputs = memory.output_size_in_bytes - memory.alias_size_in_bytes
     stages, repeats = mesh.shape.get("pipeline", 1), config.mesh.pipeline_repeats
     microbatches = config.mesh.pipeline_microbatches or program.config.train.microbatches  # of one pass
-    iterations = max(hlo.permute_loop_trips(text, devices, _along(topology, "pipeline")), default=None) \
-        if stages > 1 else None
+    iterations = (
+        max(hlo.permute_loop_trips(text, devices, _along(topology, "pipeline")), default=None) if stages > 1 else None
+    )
     staged = pipeline_stages(program, text, step_memory_bytes(compiled)) if stages > 1 else {}
     traffic = costmodel.traffic_by_axis(stats.collective_groups, topology)
     model_flops = model_flops_per_token(config, mesh_platform(mesh)) * config.train.batch_size * config.train.seq_len
     return Plan(
-        mesh=dict(mesh.shape), devices=devices,
-        argument_bytes=memory.argument_size_in_bytes, temporary_bytes=memory.temp_size_in_bytes,
-        output_bytes=outputs, total_bytes=program.memory_bytes(),
+        mesh=dict(mesh.shape),
+        devices=devices,
+        argument_bytes=memory.argument_size_in_bytes,
+        temporary_bytes=memory.temp_size_in_bytes,
+        output_bytes=outputs,
+        total_bytes=program.memory_bytes(),
         host_temporary_bytes=memory.host_temp_size_in_bytes,
         hlo_flops=stats.dot_flops * devices,
         model_flops=model_flops,
         collective_bytes={kind: c.moved_bytes for kind, c in stats.collectives.items()},
         collective_minimum=collective_minimum(config, dict(mesh.shape)),
-        compile_seconds=compile_seconds, microbatches=program.config.train.microbatches,
+        compile_seconds=compile_seconds,
+        microbatches=program.config.train.microbatches,
         budget_bytes=program.memory_budget(),
-        memory_traffic_bytes=stats.memory_bytes, operations=operations, hosts=topology.host_count,
+        memory_traffic_bytes=stats.memory_bytes,
+        operations=operations,
+        hosts=topology.host_count,
         collective_by_axis=traffic,
-        pipeline_repeats=repeats, bubble=bubble_fraction(stages, microbatches, repeats) if stages > 1 else 0.0,
+        pipeline_repeats=repeats,
+        bubble=bubble_fraction(stages, microbatches, repeats) if stages > 1 else 0.0,
         compiled_bubble=compiled_bubble(config.mesh.pipeline_schedule, stages, repeats, microbatches, iterations),
-        pipeline_iterations=iterations, pass_microbatches=microbatches if stages > 1 else 0, **staged,
+        pipeline_iterations=iterations,
+        pass_microbatches=microbatches if stages > 1 else 0,
+        **staged,
         target=gpu_target.describe(mesh.devices.flat[0]) if program.for_gpus_elsewhere else "",
-        cudnn_workspace_bytes=program.cudnn_workspace_bytes(), fp8=config.model.fp8,
+        cudnn_workspace_bytes=program.cudnn_workspace_bytes(),
+        fp8=config.model.fp8,
         fp8_flops=stats.fp8_flops * devices,
         **predicted_speed(config, mesh, operations, costmodel.tier_totals(traffic), model_flops),
     )
@@ -199,8 +217,12 @@ def predicted_speed(config: Config, mesh: Mesh, operations, tier_bytes: dict[str
     step_s = model.predict(operations, tier_bytes)
     peaks = hardware.mfu_peaks(config.model.compute_dtype, config.model.fp8, cache_root(config.data.cache_dir), device)
     mfu = peaks.fractions(model_flops / step_s, mesh.devices.size)
-    return {"predicted_step_s": step_s, "predicted_mfu": mfu["mfu"], "predicted_mfu_fp8": mfu["mfu_fp8"],
-            "peaks": peaks.describe()}
+    return {
+        "predicted_step_s": step_s,
+        "predicted_mfu": mfu["mfu"],
+        "predicted_mfu_fp8": mfu["mfu_fp8"],
+        "peaks": peaks.describe(),
+    }
 
 
 def branch_runs(program: TrainProgram, busiest: bool = False) -> dict[str, float]:
@@ -217,8 +239,9 @@ def branch_runs(program: TrainProgram, busiest: bool = False) -> dict[str, float
     return runs
 
 
-def compiled_bubble(schedule: str, stages: int, repeats: int, microbatches: int, iterations: int | None
-                    ) -> float | None:
+def compiled_bubble(
+    schedule: str, stages: int, repeats: int, microbatches: int, iterations: int | None
+) -> float | None:
     """The bubble the compiled pipeline loop of `iterations` runs (None: no such loop). GPipe: every stage
     computes in each iteration, M·R of them its own; 1F1B: one_f_one_b.compiled_bubble."""
     if not iterations:
@@ -240,10 +263,16 @@ def pipeline_stages(program: TrainProgram, hlo_text: str, total: int) -> dict:
     stages = order.stage_layers(config.model.n_layers)  # [P, R]
     slots = order.slots(config.model.n_layers) * order.repeats
     # Bytes per device of one slot of the layer stack: params and both moments stored, the gradient computed.
-    state = sum(_device_bytes(a) for path, a in jax.tree_util.tree_flatten_with_path(program.abstract_state())[0]
-                if any(getattr(k, "key", None) == "layers" for k in path))
-    grads = sum(_device_bytes(a) for path, a in jax.tree_util.tree_flatten_with_path(program.abstract_params())[0]
-                if any(getattr(k, "key", None) == "layers" for k in path))
+    state = sum(
+        _device_bytes(a)
+        for path, a in jax.tree_util.tree_flatten_with_path(program.abstract_state())[0]
+        if any(getattr(k, "key", None) == "layers" for k in path)
+    )
+    grads = sum(
+        _device_bytes(a)
+        for path, a in jax.tree_util.tree_flatten_with_path(program.abstract_params())[0]
+        if any(getattr(k, "key", None) == "layers" for k in path)
+    )
     per_layer = (state + grads) / slots
     if layout.schedule == "1f1b":
         schedule = one_f_one_b.schedule(layout.stages, layout.repeats, layout.microbatches)
@@ -251,10 +280,16 @@ def pipeline_stages(program: TrainProgram, hlo_text: str, total: int) -> dict:
         per_slot = kept / schedule.slots
     else:  # GPipe keeps every micro-batch of a pass
         in_flight, per_slot = (layout.microbatches,) * layout.stages, 0.0
-    free = [(slots - int(stages[p].sum())) * per_layer + (max(in_flight) - in_flight[p]) * per_slot
-            for p in range(layout.stages)]
-    return {"schedule": layout.schedule, "stage_layers": tuple(int(n) for n in stages.sum(axis=1)),
-            "in_flight": tuple(in_flight), "stage_bytes": tuple(int(total - f) for f in free)}
+    free = [
+        (slots - int(stages[p].sum())) * per_layer + (max(in_flight) - in_flight[p]) * per_slot
+        for p in range(layout.stages)
+    ]
+    return {
+        "schedule": layout.schedule,
+        "stage_layers": tuple(int(n) for n in stages.sum(axis=1)),
+        "in_flight": tuple(in_flight),
+        "stage_bytes": tuple(int(total - f) for f in free),
+    }
 
 
 def _device_bytes(a) -> int:
@@ -272,20 +307,29 @@ def compare_remat(config: Config, mesh: Mesh, print_fn=None, devices_per_host: i
         twin = planned.setdefault(remat.placement(variant.remat), policy)
         plans[policy] = plans[twin] if twin != policy else make_plan(variant, mesh, devices_per_host)
         if print_fn:
-            print_fn(f"remat.policy={policy} runs like {twin} on these devices: same plan" if twin != policy
-                     else f"compiled remat.policy={policy} in {plans[policy].compile_seconds:.1f}s")
+            print_fn(
+                f"remat.policy={policy} runs like {twin} on these devices: same plan"
+                if twin != policy
+                else f"compiled remat.policy={policy} in {plans[policy].compile_seconds:.1f}s"
+            )
     return plans
 
 
 def format_remat_comparison(plans: dict[str, Plan]) -> str:
     """Per-device temporaries and total memory, and HLO FLOPs, each also relative to `none`."""
     base = plans["none"]
-    lines = [(f"{'policy':<22}{'temporaries':>13}{'vs none':>9}{'total':>13}{'host':>12}{'HLO FLOPs':>12}"
-              f"{'vs none':>9}{'vs model':>10}")]
+    lines = [
+        (
+            f"{'policy':<22}{'temporaries':>13}{'vs none':>9}{'total':>13}{'host':>12}{'HLO FLOPs':>12}"
+            f"{'vs none':>9}{'vs model':>10}"
+        )
+    ]
     for name, p in plans.items():
-        lines.append(f"{name:<22}{format_bytes(p.temporary_bytes):>13}{p.temporary_bytes / base.temporary_bytes:>9.3f}"
-                     f"{format_bytes(p.total_bytes):>13}{format_bytes(p.host_temporary_bytes):>12}{p.hlo_flops:>12.4g}"
-                     f"{p.hlo_flops / base.hlo_flops:>9.3f}{p.hlo_flops / p.model_flops:>10.3f}")
+        lines.append(
+            f"{name:<22}{format_bytes(p.temporary_bytes):>13}{p.temporary_bytes / base.temporary_bytes:>9.3f}"
+            f"{format_bytes(p.total_bytes):>13}{format_bytes(p.host_temporary_bytes):>12}{p.hlo_flops:>12.4g}"
+            f"{p.hlo_flops / base.hlo_flops:>9.3f}{p.hlo_flops / p.model_flops:>10.3f}"
+        )
     return "\n".join(lines)
 
 
@@ -293,11 +337,14 @@ def format_plan(plan: Plan) -> str:
     stages = plan.mesh.get("pipeline", 1)
     lines = _memory_and_flops_lines(plan, stages)
     if plan.predicted_step_s is not None:
-        against = f"MFU {plan.predicted_mfu:.1%}" + (f", {plan.predicted_mfu_fp8:.1%} of the fp8 peak"
-                                                     if plan.predicted_mfu_fp8 is not None else "")
+        against = f"MFU {plan.predicted_mfu:.1%}" + (
+            f", {plan.predicted_mfu_fp8:.1%} of the fp8 peak" if plan.predicted_mfu_fp8 is not None else ""
+        )
         fp8 = ", fp8 matmuls at the fp8 peak" if plan.fp8_flops else ""
-        lines.append(f"predicted step {plan.predicted_step_s * 1e3:10.1f} ms   ({against}; llama-jax tune's cost "
-                     f"model{fp8}; {plan.peaks})")
+        lines.append(
+            f"predicted step {plan.predicted_step_s * 1e3:10.1f} ms   ({against}; llama-jax tune's cost "
+            f"model{fp8}; {plan.peaks})"
+        )
     lines += _collective_lines(plan, stages)
     if stages > 1:
         lines += _pipeline_lines(plan, stages)
@@ -314,13 +361,16 @@ def _memory_and_flops_lines(plan: Plan, stages: int) -> list[str]:
         f"  temporaries  {format_bytes(plan.temporary_bytes):>12}   (activations, gradients, scratch)",
         f"  outputs      {format_bytes(plan.output_bytes):>12}   (not aliased to donated arguments)",
         f"  cuDNN        {format_bytes(plan.cudnn_workspace_bytes):>12}   (attention's workspace, estimated from "
-        "an H100's: a compile without the GPU does not size it)" if plan.target else "",
+        "an H100's: a compile without the GPU does not size it)"
+        if plan.target
+        else "",
         f"  total        {format_bytes(plan.total_bytes):>12}   "
         f"({'fits' if plan.total_bytes <= plan.budget_bytes else 'OVER'} the budget of "
         f"{format_bytes(plan.budget_bytes)}, run.device_memory_gb; {plan.microbatches} "
         f"micro-batch{'es' if plan.microbatches > 1 else ''})",
         f"  host         {format_bytes(plan.host_temporary_bytes):>12}   (offloaded to pinned host memory)"
-        if plan.host_temporary_bytes else "",
+        if plan.host_temporary_bytes
+        else "",
         "FLOPs per step (all devices):",
         f"  HLO          {plan.hlo_flops:12.4g}   (matmuls of the compiled program, every layer counted)",
         f"  model        {plan.model_flops:12.4g}   (6 x matmul params (4 x frozen ones) + attention, "
@@ -329,7 +379,8 @@ def _memory_and_flops_lines(plan: Plan, stages: int) -> list[str]:
         f"  fp8          {plan.fp8_flops:12.4g}   ({plan.fp8_flops / (plan.hlo_flops or 1):.1%} of HLO: matmuls with "
         f"fp8 operands, model.fp8={plan.fp8}"
         f"{'' if plan.fp8_flops else '; this compiler computes them in a wider type'})"
-        if plan.fp8 != "none" or plan.fp8_flops else "",
+        if plan.fp8 != "none" or plan.fp8_flops
+        else "",
         f"memory traffic {format_bytes(plan.memory_traffic_bytes):>11}   (per device: bytes operations read and write)",
     ]
 
@@ -338,9 +389,11 @@ def _collective_lines(plan: Plan, stages: int) -> list[str]:
     """Collective bytes per device per step: by kind, against the analytic minimum, by mesh axes and link tier."""
     ratio = plan.collective_total / plan.minimum_total if plan.minimum_total else math.nan
     lines = ["collectives per device per step (ring cost model):"]
-    lines += [f"  {kind:<19}{format_bytes(b):>12}"
-              + ("   (point to point: the pipeline)" if kind == "collective-permute" and stages > 1 else "")
-              for kind, b in plan.collective_bytes.items()]
+    lines += [
+        f"  {kind:<19}{format_bytes(b):>12}"
+        + ("   (point to point: the pipeline)" if kind == "collective-permute" and stages > 1 else "")
+        for kind, b in plan.collective_bytes.items()
+    ]
     lines.append(f"  {'total':<19}{format_bytes(plan.collective_total):>12}")
     minimum = ", ".join(f"{k} {format_bytes(v)}" for k, v in plan.collective_minimum.items() if v)
     lines.append(f"  analytic minimum {format_bytes(plan.minimum_total):>12}   ({minimum or 'no communication'})")
@@ -348,8 +401,10 @@ def _collective_lines(plan: Plan, stages: int) -> list[str]:
     if plan.collective_by_axis:
         lines.append("collectives by the mesh axes their device groups span, per device per step:")
         lines.append(f"  {'axes':<26}{'kind':<20}{'tier':<12}{'bytes':>12}")
-        lines += [f"  {'×'.join(t.axes) or '-':<26}{t.kind:<20}{t.tier:<12}{format_bytes(t.bytes):>12}"
-                  for t in plan.collective_by_axis]
+        lines += [
+            f"  {'×'.join(t.axes) or '-':<26}{t.kind:<20}{t.tier:<12}{format_bytes(t.bytes):>12}"
+            for t in plan.collective_by_axis
+        ]
         tiers = ", ".join(f"{tier} {format_bytes(b)}" for tier, b in plan.collective_tiers.items())
         lines.append(f"  {'total':<58}{format_bytes(plan.collective_total):>12}   ({tiers})")
     return lines
@@ -358,29 +413,44 @@ def _collective_lines(plan: Plan, stages: int) -> list[str]:
 def _pipeline_lines(plan: Plan, stages: int) -> list[str]:
     """A pipeline's schedule, its bubble (in theory and as compiled), and each stage's layers and memory."""
     passes = plan.microbatches // plan.pass_microbatches
-    lines = [f"pipeline ({plan.schedule}): {stages} stages x {plan.pipeline_repeats} repeat(s) over "
-             f"{plan.pass_microbatches} micro-batches per pass{f', {passes} passes' if passes > 1 else ''}: "
-             f"bubble {plan.bubble:.1%} of the step ((P-1)/(M·R+P-1))"]
+    lines = [
+        f"pipeline ({plan.schedule}): {stages} stages x {plan.pipeline_repeats} repeat(s) over "
+        f"{plan.pass_microbatches} micro-batches per pass{f', {passes} passes' if passes > 1 else ''}: "
+        f"bubble {plan.bubble:.1%} of the step ((P-1)/(M·R+P-1))"
+    ]
     if plan.compiled_bubble is not None:
         turns = plan.pass_microbatches * plan.pipeline_repeats
-        how = (f"each stage's {turns} forward and {turns} backward passes, V-1 = "
-               f"{stages * plan.pipeline_repeats - 1} iterations at each end running one kind only"
-               if plan.schedule == "1f1b" else f"{turns} micro-batch turns per stage")
-        lines.append(f"  compiled: the stage loop runs {plan.pipeline_iterations} iterations for {how}: bubble "
-                     f"{plan.compiled_bubble:.1%}")
+        how = (
+            f"each stage's {turns} forward and {turns} backward passes, V-1 = "
+            f"{stages * plan.pipeline_repeats - 1} iterations at each end running one kind only"
+            if plan.schedule == "1f1b"
+            else f"{turns} micro-batch turns per stage"
+        )
+        lines.append(
+            f"  compiled: the stage loop runs {plan.pipeline_iterations} iterations for {how}: bubble "
+            f"{plan.compiled_bubble:.1%}"
+        )
     group = " groups of layers" if plan.pipeline_repeats > 1 else ""
-    lines.append(f"  {'stage':>7}{'layers':>8}{'in flight':>11}{'memory':>12}   (micro-batch{group} kept at once; "
-                 "memory per device)")
-    lines += [f"  {p:>7}{n:>8}{k:>11}{format_bytes(b):>12}"
-              for p, (n, k, b) in enumerate(zip(plan.stage_layers, plan.in_flight, plan.stage_bytes))]
+    lines.append(
+        f"  {'stage':>7}{'layers':>8}{'in flight':>11}{'memory':>12}   (micro-batch{group} kept at once; "
+        "memory per device)"
+    )
+    lines += [
+        f"  {p:>7}{n:>8}{k:>11}{format_bytes(b):>12}"
+        for p, (n, k, b) in enumerate(zip(plan.stage_layers, plan.in_flight, plan.stage_bytes))
+    ]
     return lines
 
 
 def plan_dict(plan: Plan) -> dict:
     fields = {f.name: getattr(plan, f.name) for f in dataclasses.fields(plan) if f.name != "operations"}
     fields["collective_by_axis"] = [dataclasses.asdict(t) for t in plan.collective_by_axis]
-    return {**fields, "collective_total": plan.collective_total, "minimum_total": plan.minimum_total,
-            "collective_tiers": plan.collective_tiers}
+    return {
+        **fields,
+        "collective_total": plan.collective_total,
+        "minimum_total": plan.minimum_total,
+        "collective_tiers": plan.collective_tiers,
+    }
 
 
 def plan_json(plan: Plan) -> str:

@@ -38,12 +38,13 @@ def write_report(run_dir: pathlib.Path) -> pathlib.Path:
     run_dir = pathlib.Path(run_dir)
     metrics_path = run_dir / "metrics.jsonl"
     if not metrics_path.is_file():
-        raise FileNotFoundError(f"no metrics file at {metrics_path}: is {run_dir} a run directory "
-                                f"(run.dir) of a run that has logged at least one step?")
+        raise FileNotFoundError(
+            f"no metrics file at {metrics_path}: is {run_dir} a run directory "
+            f"(run.dir) of a run that has logged at least one step?"
+        )
     records = read_metrics(metrics_path)
     if not records:
-        raise FileNotFoundError(f"{metrics_path} has no complete records yet: wait for the run to "
-                                f"log its first step")
+        raise FileNotFoundError(f"{metrics_path} has no complete records yet: wait for the run to log its first step")
 
     fig = Figure(figsize=(9, 7), layout="constrained")
     FigureCanvasAgg(fig)  # attaches itself to fig; renders PNG without pyplot
@@ -53,8 +54,7 @@ def write_report(run_dir: pathlib.Path) -> pathlib.Path:
     # Panel 1: losses. Eval points are sparse, so markers make single evaluations visible.
     steps, loss = _series(records, "loss")
     if steps:
-        loss_ax.plot(steps, loss, lw=1.2, marker="o" if len(steps) == 1 else None,
-                     label="train loss")
+        loss_ax.plot(steps, loss, lw=1.2, marker="o" if len(steps) == 1 else None, label="train loss")
     steps, eval_loss = _series(records, "eval_loss")
     if steps:
         loss_ax.plot(steps, eval_loss, "o-", ms=4, lw=1.2, label="eval loss")
@@ -63,15 +63,15 @@ def write_report(run_dir: pathlib.Path) -> pathlib.Path:
     if loss_ax.lines:
         loss_ax.legend(loc="upper right")
     else:
-        loss_ax.text(0.5, 0.5, "no loss logged yet", ha="center", va="center",
-                     transform=loss_ax.transAxes)
+        loss_ax.text(0.5, 0.5, "no loss logged yet", ha="center", va="center", transform=loss_ax.transAxes)
 
     # Panel 2: throughput, with MFU (stored as a fraction, shown in %) on a twin axis.
     steps, tps = _series(records, "tokens_per_s")
     handles = []
     if steps:
-        handles += speed_ax.plot(steps, tps, color="tab:blue", lw=1.2, label="tokens/s",
-                                 marker="o" if len(steps) == 1 else None)
+        handles += speed_ax.plot(
+            steps, tps, color="tab:blue", lw=1.2, label="tokens/s", marker="o" if len(steps) == 1 else None
+        )
     speed_ax.set_ylabel("tokens/s")
     speed_ax.set_ylim(bottom=0)
     speed_ax.set_xlabel("step")
@@ -79,15 +79,15 @@ def write_report(run_dir: pathlib.Path) -> pathlib.Path:
     steps, mfu_pct = _series(records, "mfu", scale=100.0)
     if steps:
         mfu_ax = speed_ax.twinx()
-        handles += mfu_ax.plot(steps, mfu_pct, color="tab:orange", lw=1.2, label="MFU (%)",
-                               marker="o" if len(steps) == 1 else None)
+        handles += mfu_ax.plot(
+            steps, mfu_pct, color="tab:orange", lw=1.2, label="MFU (%)", marker="o" if len(steps) == 1 else None
+        )
         mfu_ax.set_ylabel("MFU (%)")
         mfu_ax.set_ylim(bottom=0)  # from zero, so a small wobble does not look like a collapse
     if handles:
         speed_ax.legend(handles=handles, loc="lower right")
     else:
-        speed_ax.text(0.5, 0.5, "no throughput logged yet", ha="center", va="center",
-                      transform=speed_ax.transAxes)
+        speed_ax.text(0.5, 0.5, "no throughput logged yet", ha="center", va="center", transform=speed_ax.transAxes)
 
     # Save next to the target and rename: a viewer never sees a half-written PNG.
     out = run_dir / "report.png"

@@ -70,8 +70,9 @@ class Run:
 
     def metadata(self) -> dict:
         """What every checkpoint of this run records besides its arrays."""
-        return run_metadata(self.config, self.program.mesh) | ({"base": self.base_reference}
-                                                               if self.base_reference else {})
+        return run_metadata(self.config, self.program.mesh) | (
+            {"base": self.base_reference} if self.base_reference else {}
+        )
 
 
 def enable_compilation_cache(config: Config) -> None:
@@ -84,16 +85,23 @@ def enable_compilation_cache(config: Config) -> None:
 
 
 def run_metadata(config: Config, mesh: Mesh) -> dict:
-    return {"config": to_dict(config), "llama_jax": __version__, "jax": jax.__version__,
-            "mesh": dict(mesh.shape), "processes": jax.process_count(), "devices": mesh.devices.size}
+    return {
+        "config": to_dict(config),
+        "llama_jax": __version__,
+        "jax": jax.__version__,
+        "mesh": dict(mesh.shape),
+        "processes": jax.process_count(),
+        "devices": mesh.devices.size,
+    }
 
 
 def load_checkpoint(config: Config, step: int, devices=None) -> tuple[TrainState, dict]:
     """(train state, loader state) saved at `step` in config.run.dir, restored onto `devices` (default:
     all) in config's mesh: to inspect a run's parameters or compare two runs (a peft run's: its adapters)."""
     program = TrainProgram.for_config(config, devices)
-    checkpointer = Checkpointer(Tiers(Path(config.run.dir)), config.checkpoint,
-                                Identity(layout=layer_order(config, program.mesh)))
+    checkpointer = Checkpointer(
+        Tiers(Path(config.run.dir)), config.checkpoint, Identity(layout=layer_order(config, program.mesh))
+    )
     try:
         with program.activate():
             return checkpointer.restore(step, program.abstract_checkpoint())

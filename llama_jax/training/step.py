@@ -44,8 +44,13 @@ from llama_jax.perf.hardware import compile_only, memory_budget
 from llama_jax.training.optimizer import learning_rate, make_optimizer, schedule_count
 
 # The fields of a batch, each [batch, seq]: what the loader yields and the train step takes.
-BATCH_FIELDS = {"tokens": jnp.int32, "targets": jnp.int32, "segment_ids": jnp.int32, "positions": jnp.int32,
-                "loss_mask": jnp.float32}
+BATCH_FIELDS = {
+    "tokens": jnp.int32,
+    "targets": jnp.int32,
+    "segment_ids": jnp.int32,
+    "positions": jnp.int32,
+    "loss_mask": jnp.float32,
+}
 
 
 class TrainState(struct.PyTreeNode):
@@ -83,13 +88,20 @@ class PeftState(TrainState):
 # Loss and steps (pure functions of their inputs; jitted by TrainProgram)
 
 
-def loss_terms(params, model: Llama, batch: dict[str, jax.Array], dropout_key: jax.Array | None = None
-               ) -> tuple[jax.Array, jax.Array]:
+def loss_terms(
+    params, model: Llama, batch: dict[str, jax.Array], dropout_key: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array]:
     """(summed next-token loss, unmasked token count) of one batch, in fp32. A dropout key (training a
     peft run with peft.dropout) turns LoRA's dropout on."""
-    return model.apply({"params": params}, batch["tokens"], batch["positions"], batch["segment_ids"],
-                       targets=batch["targets"], loss_mask=batch["loss_mask"],
-                       rngs=None if dropout_key is None else {"dropout": dropout_key})
+    return model.apply(
+        {"params": params},
+        batch["tokens"],
+        batch["positions"],
+        batch["segment_ids"],
+        targets=batch["targets"],
+        loss_mask=batch["loss_mask"],
+        rngs=None if dropout_key is None else {"dropout": dropout_key},
+    )
 
 
 def make_grad_fn(model: Llama, microbatches: int) -> Callable:
@@ -97,6 +109,7 @@ def make_grad_fn(model: Llama, microbatches: int) -> Callable:
     accumulating the gradient over `microbatches` slices of the batch with a scan. With `frozen` (a peft
     run's base model) the model runs on both, and only `params` (the adapters) are differentiated: no
     weight gradient of the base is ever computed."""
+
     def loss(params, batch, frozen, key):
         return loss_terms(params if frozen is None else peft.merge(params, frozen), model, batch, key)
 
@@ -108,8 +121,9 @@ def make_grad_fn(model: Llama, microbatches: int) -> Callable:
         else:
             # Microbatch m takes rows m, m + M, m + 2M, ...: every device's slice of the batch
             # contributes to every microbatch, so no device idles while the others accumulate.
-            split = jax.tree.map(lambda x: x.reshape(x.shape[0] // microbatches, microbatches, *x.shape[1:])
-                                 .swapaxes(0, 1), batch)
+            split = jax.tree.map(
+                lambda x: x.reshape(x.shape[0] // microbatches, microbatches, *x.shape[1:]).swapaxes(0, 1), batch
+            )
 
             def accumulate(carry, microbatch_and_index):
                 microbatch, index = microbatch_and_index
@@ -127,8 +141,13 @@ def make_grad_fn(model: Llama, microbatches: int) -> Callable:
     return loss_and_grads
 
 
-def make_train_step(model: Llama, optimizer: optax.GradientTransformation, schedule: optax.Schedule,
-                    microbatches: int, dropout_seed: int | None = None) -> Callable:
+def make_train_step(
+    model: Llama,
+    optimizer: optax.GradientTransformation,
+    schedule: optax.Schedule,
+    microbatches: int,
+    dropout_seed: int | None = None,
+) -> Callable:
     """The jitted step's function. With dropout_seed, step n's dropout key is (seed, n): a resumed run
     draws the masks a straight run would."""
     loss_and_grads = make_grad_fn(model, microbatches)
@@ -143,11 +162,16 @@ def make_train_step(model: Llama, optimizer: optax.GradientTransformation, sched
         # A non-finite loss or gradient skips the update: params and optimizer moments stay as they
         # were (so a NaN never reaches a checkpoint); the step still counts, the data moves on.
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        params, opt_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
-                                         (params, opt_state), (state.params, state.opt_state))
+        params, opt_state = jax.tree.map(
+            lambda new, old: jnp.where(finite, new, old), (params, opt_state), (state.params, state.opt_state)
+        )
         # The rate this step applies: the optimizer counts only the updates it applied.
-        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(schedule_count(state.opt_state)),
-                   "finite": finite}
+        metrics = {
+            "loss": loss,
+            "grad_norm": grad_norm,
+            "lr": schedule(schedule_count(state.opt_state)),
+            "finite": finite,
+        }
         return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
     return train_step
@@ -173,8 +197,9 @@ def make_init_state(model: Llama, optimizer: optax.GradientTransformation, confi
             params = to_storage_order(params, layer_order(config, mesh))
             return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params))
         adapters, base = peft.split(params)  # the optimizer sees the adapters only: no state for the base
-        return PeftState(step=jnp.zeros((), jnp.int32), params=adapters, opt_state=optimizer.init(adapters),
-                         frozen=base)
+        return PeftState(
+            step=jnp.zeros((), jnp.int32), params=adapters, opt_state=optimizer.init(adapters), frozen=base
+        )
 
     return init_state
 
@@ -205,8 +230,14 @@ class TrainProgram:
         if config.train.microbatches == "auto":
             return cls._fewest_microbatches_that_fit(config, mesh, context)
         layout = pipeline_layout(config, mesh)
-        model = Llama(config.model, remat_config=config.remat, load_balanced=config.mesh.load_balance,
-                      peft=config.peft, pipeline=layout, context=context)
+        model = Llama(
+            config.model,
+            remat_config=config.remat,
+            load_balanced=config.mesh.load_balance,
+            peft=config.peft,
+            pipeline=layout,
+            context=context,
+        )
         # With pipelining the micro-batches are the pipeline's (inside the model); the step accumulates the
         # gradient over the passes through it, if there are several.
         accumulate = config.train.microbatches // layout.microbatches if layout else config.train.microbatches
@@ -215,8 +246,13 @@ class TrainProgram:
         schedule = learning_rate(config.train)
         rules = context.rules
         # Fail on an impossible attention kernel now, not in the middle of tracing the first step.
-        select_implementation(config.model.attention, mesh_platform(mesh), config.model.compute_dtype,
-                              config.model.resolved_head_dim, config.train.seq_len)
+        select_implementation(
+            config.model.attention,
+            mesh_platform(mesh),
+            config.model.compute_dtype,
+            config.model.resolved_head_dim,
+            config.train.seq_len,
+        )
 
         init_state = make_init_state(model, optimizer, config, mesh)
 
@@ -235,19 +271,26 @@ class TrainProgram:
         dropout_seed = config.seed if adapting and config.peft.dropout > 0 else None
 
         return cls(
-            config=config, mesh=mesh, model=model, state_shardings=state_shardings,
+            config=config,
+            mesh=mesh,
+            model=model,
+            state_shardings=state_shardings,
             # Unboxed without a sharding constraint: these are shapes, and build() may run in a mesh context.
             state_shapes=jax.tree.map(
                 lambda x: x.unbox(apply_constraint=False) if isinstance(x, nn.LogicallyPartitioned) else x,
-                boxed_shapes, is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned)),
+                boxed_shapes,
+                is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned),
+            ),
             # The state is created directly in its shards: never materialised whole on one device.
             init_state=jax.jit(unboxed, out_shardings=state_shardings),
             # Only what it returns is computed: a peft run's base is never initialised here.
-            init_trained=jax.jit(lambda rng: unboxed(rng).checkpointed(),
-                                 out_shardings=state_shardings.checkpointed()),
-            train_step=jax.jit(make_train_step(model, optimizer, schedule, accumulate, dropout_seed),
-                               in_shardings=(state_shardings, batch_sharding),
-                               out_shardings=(state_shardings, sharding.replicated(mesh)), donate_argnums=(0,)),
+            init_trained=jax.jit(lambda rng: unboxed(rng).checkpointed(), out_shardings=state_shardings.checkpointed()),
+            train_step=jax.jit(
+                make_train_step(model, optimizer, schedule, accumulate, dropout_seed),
+                in_shardings=(state_shardings, batch_sharding),
+                out_shardings=(state_shardings, sharding.replicated(mesh)),
+                donate_argnums=(0,),
+            ),
             eval_step=jax.jit(eval_step, in_shardings=(state_shardings.model_params, batch_sharding)),
         )
 
@@ -261,13 +304,15 @@ class TrainProgram:
         step = math.lcm(mesh.shape["pipeline"], config.mesh.pipeline_microbatches or 1)
         counts = [n for n in range(step, rows + 1) if rows % n == 0 and n % step == 0]
         if not counts:
-            raise ConfigError(f"train.microbatches=auto: no micro-batch count is a multiple of {step} (the pipeline "
-                              f"stages and mesh.pipeline_microbatches) and divides the {rows} rows of each batch "
-                              "shard; raise train.batch_size or lower mesh.pipeline_microbatches")
+            raise ConfigError(
+                f"train.microbatches=auto: no micro-batch count is a multiple of {step} (the pipeline "
+                f"stages and mesh.pipeline_microbatches) and divides the {rows} rows of each batch "
+                "shard; raise train.batch_size or lower mesh.pipeline_microbatches"
+            )
         for count in counts:
-            program = cls.build(dataclasses.replace(config,
-                                                    train=dataclasses.replace(config.train, microbatches=count)),
-                                mesh, context)
+            program = cls.build(
+                dataclasses.replace(config, train=dataclasses.replace(config.train, microbatches=count)), mesh, context
+            )
             if program.memory_bytes() <= budget:
                 break
         return program
@@ -319,21 +364,25 @@ class TrainProgram:
                 f"the train step ({t.microbatches} micro-batch(es), remat.policy={remat_policy}) needs "
                 f"{format_bytes(need)} per device, over the budget of {format_bytes(budget)} (run.device_memory_gb); "
                 "use train.microbatches=auto (or more), recompute more (remat.policy=full), shard over more devices "
-                "(mesh.fsdp, mesh.tensor), or let `llama-jax tune` choose")
+                "(mesh.fsdp, mesh.tensor), or let `llama-jax tune` choose"
+            )
 
     @contextlib.contextmanager
     def activate(self):
         """Context in which the steps may be traced and run: the mesh and the logical rules are jax's and Flax's
         (the shardings of the state and batch; the model reads its own from self.context), and for a GPU that is
         not here jax's cuDNN checks answer for it (model/jax_workarounds.py)."""
-        with sharding.activate(self.mesh, self.context.rules), \
-                jax_workarounds.cudnn_checks_answered_by(self.context.gpu):
+        with (
+            sharding.activate(self.mesh, self.context.rules),
+            jax_workarounds.cudnn_checks_answered_by(self.context.gpu),
+        ):
             yield
 
     def abstract_state(self) -> TrainState:
         """Shapes, dtypes and shardings of the state, e.g. as a target to restore a checkpoint into."""
-        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), self.state_shapes,
-                            self.state_shardings)
+        return jax.tree.map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), self.state_shapes, self.state_shardings
+        )
 
     def abstract_checkpoint(self) -> TrainState:
         """abstract_state() of what a checkpoint holds (a peft run: without the base), to restore one into."""
@@ -364,15 +413,18 @@ class TrainProgram:
         if frozen is None:
             return self.init_state(rng)
         state = self.init_trained(rng)
-        return self.with_frozen(state.replace(params=peft.start_adapters(state.params, frozen, self.config.seed)),
-                                frozen)
+        return self.with_frozen(
+            state.replace(params=peft.start_adapters(state.params, frozen, self.config.seed)), frozen
+        )
 
     def abstract_batch(self) -> dict[str, jax.ShapeDtypeStruct]:
         """Shapes, dtypes and sharding of one global batch: with abstract_state(), what the train step is
         compiled for ahead of time (`llama-jax plan`)."""
         shape = (self.config.train.batch_size, self.config.train.seq_len)
-        return {k: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding.batch_sharding(self.mesh))
-                for k, dtype in BATCH_FIELDS.items()}
+        return {
+            k: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding.batch_sharding(self.mesh))
+            for k, dtype in BATCH_FIELDS.items()
+        }
 
     def local_rows(self) -> list[int]:
         """The rows of every global batch that this process loads."""
@@ -428,9 +480,13 @@ def pipeline_layout(config: Config, mesh: Mesh) -> PipelineLayout | None:
     stages = mesh.shape["pipeline"]
     if stages == 1:
         return None
-    return PipelineLayout(stages, config.mesh.pipeline_repeats,
-                          config.mesh.pipeline_microbatches or config.train.microbatches,
-                          config.mesh.pipeline_schedule, layer_order(config, mesh).group_layers)
+    return PipelineLayout(
+        stages,
+        config.mesh.pipeline_repeats,
+        config.mesh.pipeline_microbatches or config.train.microbatches,
+        config.mesh.pipeline_schedule,
+        layer_order(config, mesh).group_layers,
+    )
 
 
 def layer_order(config: Config, mesh: Mesh) -> LayerOrder:
@@ -441,8 +497,12 @@ def layer_order(config: Config, mesh: Mesh) -> LayerOrder:
 def step_memory_bytes(compiled) -> int:
     """Per device: arguments + temporaries + outputs that do not reuse (alias) donated arguments."""
     memory = compiled.memory_analysis()
-    return (memory.argument_size_in_bytes + memory.temp_size_in_bytes + memory.output_size_in_bytes
-            - memory.alias_size_in_bytes)
+    return (
+        memory.argument_size_in_bytes
+        + memory.temp_size_in_bytes
+        + memory.output_size_in_bytes
+        - memory.alias_size_in_bytes
+    )
 
 
 def own_device(mesh: Mesh):
@@ -463,8 +523,9 @@ def model_flops_per_token(config: Config, platform_name: str | None = None) -> f
     run's frozen weights take part in the forward pass and the input gradients (4 FLOPs per parameter)
     but have no weight gradient (the other 2 of the 6); the adapters' own FLOPs are left out."""
     m = config.model
-    kernel = select_implementation(m.attention, platform_name or jax.default_backend(), m.compute_dtype,
-                                   m.resolved_head_dim, config.train.seq_len)
+    kernel = select_implementation(
+        m.attention, platform_name or jax.default_backend(), m.compute_dtype, m.resolved_head_dim, config.train.seq_len
+    )
     skips = skips_masked_blocks(kernel) and (config.mesh.sequence == 1 or kernel == "cudnn")
     frozen = 2 * matmul_param_count(m) if config.peft.method != "none" else 0
     return train_flops_per_token(m, config.train.seq_len, skips) - frozen

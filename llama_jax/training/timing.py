@@ -18,9 +18,13 @@ def random_batch(config: Config) -> dict[str, np.ndarray]:
     rng, prompt = np.random.default_rng(0), config.peft.virtual_tokens
     tokens, loss_mask = rng.integers(0, v, (b, t), dtype=np.int32), np.ones((b, t), np.float32)
     tokens[:, :prompt], loss_mask[:, :prompt] = -1 - np.arange(prompt), 0.0  # a learned prompt's slots (loader.py)
-    return {"tokens": tokens, "targets": rng.integers(0, v, (b, t), dtype=np.int32),
-            "segment_ids": np.ones((b, t), np.int32), "positions": np.tile(np.arange(t, dtype=np.int32), (b, 1)),
-            "loss_mask": loss_mask}
+    return {
+        "tokens": tokens,
+        "targets": rng.integers(0, v, (b, t), dtype=np.int32),
+        "segment_ids": np.ones((b, t), np.int32),
+        "positions": np.tile(np.arange(t, dtype=np.int32), (b, 1)),
+        "loss_mask": loss_mask,
+    }
 
 
 def time_train_steps(program: TrainProgram, state, batch, steps: int, warmup: int) -> tuple[list[float], dict]:

@@ -89,9 +89,17 @@ class Cache:
         identity["checkpoint"] = identity["fault"] = {}
         # Hosts decide which collectives cross the network: the tier bytes cached depend on them.
         devices = devices or jax.devices()
-        identity["platform"] = [devices[0].device_kind, compile_only(devices[0]), len(devices),
-                                len({d.process_index for d in devices}), devices_per_host, jax.__version__,
-                                __version__, os.environ.get("XLA_FLAGS", ""), _source_digest()]
+        identity["platform"] = [
+            devices[0].device_kind,
+            compile_only(devices[0]),
+            len(devices),
+            len({d.process_index for d in devices}),
+            devices_per_host,
+            jax.__version__,
+            __version__,
+            os.environ.get("XLA_FLAGS", ""),
+            _source_digest(),
+        ]
         digest = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:16]
         self.directory = directory / digest
 
@@ -117,8 +125,9 @@ class Cache:
         self.write(candidate.label, fields)
 
 
-def score(result: Result, cache: Cache, model: CostModel, budget: float, devices_per_host: int = 0,
-          devices: tuple = ()) -> None:
+def score(
+    result: Result, cache: Cache, model: CostModel, budget: float, devices_per_host: int = 0, devices: tuple = ()
+) -> None:
     """Compile the candidate (or read the cache) and fill in memory, FLOPs, traffic and the prediction."""
     entry = cache.get(result.candidate)
     if "tier_bytes" not in entry:
@@ -128,17 +137,22 @@ def score(result: Result, cache: Cache, model: CostModel, budget: float, devices
         except Exception as err:  # noqa: BLE001 - a candidate the compiler refuses is a rejection, not a crash
             result.rejected = f"does not compile: {type(err).__name__}: {str(err).splitlines()[0][:160]}"
             return
-        entry = {"memory_bytes": planned.total_bytes, "hlo_flops": planned.hlo_flops,
-                 "collective_bytes": planned.collective_total, "tier_bytes": planned.collective_tiers,
-                 "devices": planned.devices,
-                 "operations": [[round(x) for x in operation] for operation in planned.operations]}
+        entry = {
+            "memory_bytes": planned.total_bytes,
+            "hlo_flops": planned.hlo_flops,
+            "collective_bytes": planned.collective_total,
+            "tier_bytes": planned.collective_tiers,
+            "devices": planned.devices,
+            "operations": [[round(x) for x in operation] for operation in planned.operations],
+        }
         cache.put(result.candidate, **entry)
     result.memory_bytes, result.hlo_flops = entry["memory_bytes"], entry["hlo_flops"]
     result.collective_bytes, result.tier_bytes = entry["collective_bytes"], entry["tier_bytes"]
     result.predicted_s = model.predict(entry["operations"], result.tier_bytes)
     if result.memory_bytes > budget:
-        result.rejected = (f"needs {format_bytes(result.memory_bytes)} per device, over the budget of "
-                           f"{format_bytes(budget)}")
+        result.rejected = (
+            f"needs {format_bytes(result.memory_bytes)} per device, over the budget of {format_bytes(budget)}"
+        )
 
 
 def measure(result: Result, cache: Cache, steps: int) -> None:
@@ -196,14 +210,17 @@ def _cost_model(options: Options, cache: Cache, dtype: str, cache_dir: Path) -> 
         model = default_cost_model(dtype, cache_dir, options.devices[0] if options.devices else None)
         cache.write("cost model", dataclasses.asdict(model))
     return dataclasses.replace(
-        model, efficiency=options.efficiency or model.efficiency,
+        model,
+        efficiency=options.efficiency or model.efficiency,
         link_bandwidth=options.bandwidth_gbs * 1e9 if options.bandwidth_gbs else model.link_bandwidth,
         nic_bandwidth=options.nic_gbs * 1e9 if options.nic_gbs else model.nic_bandwidth,
-        overlap=options.overlap if options.overlap >= 0 else model.overlap)
+        overlap=options.overlap if options.overlap >= 0 else model.overlap,
+    )
 
 
-def enumerate_candidates(source: str | None, overrides: list[str], options: Options
-                         ) -> tuple[Config, Candidate, list[Result]]:
+def enumerate_candidates(
+    source: str | None, overrides: list[str], options: Options
+) -> tuple[Config, Candidate, list[Result]]:
     """The config, its own (default) candidate, and every candidate validated (step 1; compiles nothing)."""
     base = config_lib.load_config(source, overrides)
     if options.memory_gb:  # the budget a candidate's train.microbatches=auto resolves against, and the winner runs at
@@ -211,14 +228,24 @@ def enumerate_candidates(source: str | None, overrides: list[str], options: Opti
     devices = len(options.devices) or jax.device_count()
     check_devices_per_host(options.devices_per_host, devices)
     default = default_candidate(base, devices)
-    space = candidate_space(devices, overrides, options.policies, options.microbatches, options.every_n_layers,
-                            options.pipeline_repeats, options.pipeline_schedules, options.pass_microbatches)
+    space = candidate_space(
+        devices,
+        overrides,
+        options.policies,
+        options.microbatches,
+        options.every_n_layers,
+        options.pipeline_repeats,
+        options.pipeline_schedules,
+        options.pass_microbatches,
+    )
     if default not in space:
         space.insert(0, default)  # the baseline every speed-up is measured against
     results = validate_candidates(base, space)
     if not any(r.config is not None for r in results):
-        raise TuneError(f"none of the {len(results)} candidates is valid on {devices} devices; e.g. "
-                        f"{results[0].candidate.label}: {results[0].rejected}")
+        raise TuneError(
+            f"none of the {len(results)} candidates is valid on {devices} devices; e.g. "
+            f"{results[0].candidate.label}: {results[0].rejected}"
+        )
     return base, default, results
 
 
@@ -241,13 +268,27 @@ def tune(source: str | None, overrides: list[str], options: Options = Options())
         winner, correlation = fits[0], None
     t = base.train
     # With compile-only GPUs (--target) their hosts are in the devices; else the processes, or --devices-per-host.
-    hosts = len({d.process_index for d in options.devices}) if device else \
-        devices // (options.devices_per_host or jax.local_device_count())
+    hosts = (
+        len({d.process_index for d in options.devices})
+        if device
+        else devices // (options.devices_per_host or jax.local_device_count())
+    )
     device = device or jax.local_devices()[0]
-    return Report(results=results, default=default_result, winner=winner, model=model, budget=budget,
-                  measured=measuring, correlation=correlation, tokens=t.batch_size * t.seq_len,
-                  model_flops=model_flops_per_token(base, device.platform) * t.batch_size * t.seq_len,
-                  devices=devices, hosts=hosts, device_kind=device.device_kind, fp8=base.model.fp8)
+    return Report(
+        results=results,
+        default=default_result,
+        winner=winner,
+        model=model,
+        budget=budget,
+        measured=measuring,
+        correlation=correlation,
+        tokens=t.batch_size * t.seq_len,
+        model_flops=model_flops_per_token(base, device.platform) * t.batch_size * t.seq_len,
+        devices=devices,
+        hosts=hosts,
+        device_kind=device.device_kind,
+        fp8=base.model.fp8,
+    )
 
 
 @dataclass(frozen=True)
@@ -281,17 +322,23 @@ def _score_in_stages(results: list[Result], default: Candidate, scoring: _Scorin
     one_per_mesh: dict[tuple, Result] = {}
     for r in valid:
         c = r.candidate
-        like_default = (c.microbatches, c.policy, c.every_n_layers, c.schedule, c.per_pass) == \
-            (default.microbatches, default.policy, default.every_n_layers, default.schedule, default.per_pass)
+        like_default = (c.microbatches, c.policy, c.every_n_layers, c.schedule, c.per_pass) == (
+            default.microbatches,
+            default.policy,
+            default.every_n_layers,
+            default.schedule,
+            default.per_pass,
+        )
         if c.mesh_key not in one_per_mesh or like_default:
             one_per_mesh[c.mesh_key] = r
     stage1 = list(one_per_mesh.values())
     scoring.all(stage1, "stage 1: meshes")
     # Stage 2: every micro-batch count and policy on the best meshes (the leanest, if none fits).
     scored = [r for r in stage1 if r.predicted_s is not None]
-    by_mesh = sorted(scored, key=lambda r: (r.rejected is not None, r.predicted_s if r.rejected is None
-                                            else r.memory_bytes))
-    best_meshes = list(dict.fromkeys(r.candidate.mesh_key for r in by_mesh))[:scoring.options.meshes]
+    by_mesh = sorted(
+        scored, key=lambda r: (r.rejected is not None, r.predicted_s if r.rejected is None else r.memory_bytes)
+    )
+    best_meshes = list(dict.fromkeys(r.candidate.mesh_key for r in by_mesh))[: scoring.options.meshes]
     best_meshes.append(default.mesh_key)  # the default mesh with other settings: the plainest alternative
     scoring.all([r for r in valid if r.candidate.mesh_key in best_meshes], "stage 2: micro-batches x remat")
     default_result = next(r for r in results if r.candidate == default)
@@ -308,19 +355,22 @@ def _ranked(results: list[Result], budget: float, options: Options) -> list[Resu
         if not over:
             raise TuneError(f"no candidate was compiled within --budget-min {options.budget_min:g}; raise it")
         leanest = min(over, key=lambda r: r.memory_bytes)
-        raise TuneError(f"no candidate fits the memory budget of {format_bytes(budget)} per device: the leanest, "
-                        f"{leanest.candidate.label}, needs {format_bytes(leanest.memory_bytes)}, "
-                        f"{format_bytes(leanest.memory_bytes - budget)} more; raise --memory-gb, lower "
-                        f"train.batch_size or train.seq_len, or use more devices")
+        raise TuneError(
+            f"no candidate fits the memory budget of {format_bytes(budget)} per device: the leanest, "
+            f"{leanest.candidate.label}, needs {format_bytes(leanest.memory_bytes)}, "
+            f"{format_bytes(leanest.memory_bytes - budget)} more; raise --memory-gb, lower "
+            f"train.batch_size or train.seq_len, or use more devices"
+        )
     return fits
 
 
-def _measure_best(fits: list[Result], default_result: Result, cache: Cache, options: Options
-                  ) -> tuple[Result, float | None]:
+def _measure_best(
+    fits: list[Result], default_result: Result, cache: Cache, options: Options
+) -> tuple[Result, float | None]:
     """Time the top-k (and the default, when it fits) on the devices: (the fastest measured, the Spearman
     correlation of predicted and measured step times)."""
     quiet = None if options.progress else True
-    chosen = fits[:options.top_k] + ([default_result] if default_result in fits[options.top_k:] else [])
+    chosen = fits[: options.top_k] + ([default_result] if default_result in fits[options.top_k :] else [])
     for result in tqdm(chosen, desc="measuring", unit="candidate", disable=quiet, leave=False):
         measure(result, cache, options.steps)
     timed = [r for r in fits if r.measured_s is not None]

@@ -34,7 +34,6 @@ class Report:
     fp8: str = "none"  # model.fp8: MFU is also shown against the fp8 peak
 
 
-
 def step_time(result: Result) -> float | None:
     return result.measured_s if result.measured_s is not None else result.predicted_s
 
@@ -47,16 +46,23 @@ def format_report(report: Report, rows: int = 20) -> str:
     shown = ranked[:rows] + ([report.default] if report.default in ranked[rows:] else [])
     width = max(len(r.candidate.label) for r in shown) + 2
     peaks = MfuPeaks.with_fp8(report.model.peak_flops, "the cost model's", report.fp8, report.device_kind)
-    lines = [(f"{'#':>3}  {'candidate':<{width}}{'memory':>10}{'predicted':>11}{'measured':>10}{'tokens/s':>11}"
-              f"{'MFU':>7}" + (f"{'of fp8':>8}" if peaks.fp8 else ""))]
+    lines = [
+        (
+            f"{'#':>3}  {'candidate':<{width}}{'memory':>10}{'predicted':>11}{'measured':>10}{'tokens/s':>11}"
+            f"{'MFU':>7}" + (f"{'of fp8':>8}" if peaks.fp8 else "")
+        )
+    ]
     for r in shown:
         seconds = step_time(r)
         mfu = peaks.fractions(report.model_flops / seconds, report.devices)
         mark = " <- default" if r is report.default else ""
         measured = f"{r.measured_s * 1e3:8.1f}ms" if r.measured_s is not None else f"{'-':>10}"
-        lines.append(f"{ranked.index(r) + 1:>3}  {r.candidate.label:<{width}}{r.memory_bytes / 2**20:8.0f}MiB"
-                     f"{r.predicted_s * 1e3:9.1f}ms{measured}{report.tokens / seconds:11,.0f}{mfu['mfu']:7.1%}"
-                     + (f"{mfu['mfu_fp8']:8.1%}" if peaks.fp8 else "") + mark)
+        lines.append(
+            f"{ranked.index(r) + 1:>3}  {r.candidate.label:<{width}}{r.memory_bytes / 2**20:8.0f}MiB"
+            f"{r.predicted_s * 1e3:9.1f}ms{measured}{report.tokens / seconds:11,.0f}{mfu['mfu']:7.1%}"
+            + (f"{mfu['mfu_fp8']:8.1%}" if peaks.fp8 else "")
+            + mark
+        )
     invalid = [r for r in results if r.config is None]
     over = [r for r in results if r.config is not None and (r.rejected or "").startswith("needs")]
     failed = [r for r in results if r.config is not None and r.rejected and r not in over]
@@ -65,53 +71,93 @@ def format_report(report: Report, rows: int = 20) -> str:
     for r in invalid:  # counted by kind: the figures in parentheses differ from candidate to candidate
         kind = re.sub(r"\([^)]*\)", "(..)", r.rejected.split(";")[0])
         reasons[kind] = reasons.get(kind, 0) + 1
-    lines += [("candidate: pP(xR)(-1f1b) pipeline stages (x repeats; the 1F1B schedule, else GPipe), d/f/t/s mesh "
-               "sizes (data, fsdp, tensor, sequence; +sp: sequence parallelism), mb micro-batches (/k: k per pass "
-               "through the pipeline), remat policy (/n: on every n-th layer); tokens/s and MFU from the measured step "
-               "time where there is one, else the predicted"), "",
-              f"{len(results)} candidates: {len(invalid)} invalid, {len(over)} over the memory budget of "
-              f"{format_bytes(report.budget)}, {len(failed)} failed to compile or run, {len(unscored)} not compiled "
-              f"(staged search or time budget), {len(fits)} ranked"
-              + (f", {sum(r.measured_s is not None for r in fits)} measured" if report.measured else "")]
+    lines += [
+        (
+            "candidate: pP(xR)(-1f1b) pipeline stages (x repeats; the 1F1B schedule, else GPipe), d/f/t/s mesh "
+            "sizes (data, fsdp, tensor, sequence; +sp: sequence parallelism), mb micro-batches (/k: k per pass "
+            "through the pipeline), remat policy (/n: on every n-th layer); tokens/s and MFU from the measured step "
+            "time where there is one, else the predicted"
+        ),
+        "",
+        f"{len(results)} candidates: {len(invalid)} invalid, {len(over)} over the memory budget of "
+        f"{format_bytes(report.budget)}, {len(failed)} failed to compile or run, {len(unscored)} not compiled "
+        f"(staged search or time budget), {len(fits)} ranked"
+        + (f", {sum(r.measured_s is not None for r in fits)} measured" if report.measured else ""),
+    ]
     lines += [f"  {n:>4} x {reason}" for reason, n in sorted(reasons.items(), key=lambda kv: -kv[1])]
     m = report.model
-    fp8_rate = f" + fp8 FLOPs / ({m.fp8_peak_flops / 1e12:.4g} TFLOP/s x {m.efficiency:g})" \
-        if m.fp8_peak_flops and report.fp8 != "none" else ""
-    lines.append(f"cost model, per device: sum over operations of max({'other ' if fp8_rate else ''}FLOPs / "
-                 f"({m.peak_flops / 1e12:.3g} TFLOP/s x {m.efficiency:g}){fp8_rate}, bytes / "
-                 f"{m.memory_bandwidth / 1e9:.3g} GB/s) + {1 - m.overlap:g} x (collective bytes within a host / "
-                 f"{m.bandwidth(INTRA_HOST) / 1e9:.3g} GB/s + between hosts / {m.bandwidth(INTER_HOST) / 1e9:.3g} "
-                 f"GB/s); {report.devices} devices on {report.hosts} host(s)")
+    fp8_rate = (
+        f" + fp8 FLOPs / ({m.fp8_peak_flops / 1e12:.4g} TFLOP/s x {m.efficiency:g})"
+        if m.fp8_peak_flops and report.fp8 != "none"
+        else ""
+    )
+    lines.append(
+        f"cost model, per device: sum over operations of max({'other ' if fp8_rate else ''}FLOPs / "
+        f"({m.peak_flops / 1e12:.3g} TFLOP/s x {m.efficiency:g}){fp8_rate}, bytes / "
+        f"{m.memory_bandwidth / 1e9:.3g} GB/s) + {1 - m.overlap:g} x (collective bytes within a host / "
+        f"{m.bandwidth(INTRA_HOST) / 1e9:.3g} GB/s + between hosts / {m.bandwidth(INTER_HOST) / 1e9:.3g} "
+        f"GB/s); {report.devices} devices on {report.hosts} host(s)"
+    )
     if report.correlation is not None:
         lines.append(f"Spearman correlation of predicted and measured step times: {report.correlation:+.2f}")
     if report.default.rejected:
         lines.append(f"the default configuration cannot run: {report.default.rejected}")
     elif step_time(report.default):
-        basis = "measured" if report.winner.measured_s is not None and report.default.measured_s is not None \
+        basis = (
+            "measured"
+            if report.winner.measured_s is not None and report.default.measured_s is not None
             else "predicted"
+        )
         speedup = (getattr(report.default, f"{basis}_s") or 0) / getattr(report.winner, f"{basis}_s")
-        lines.append(f"winner {report.winner.candidate.label}: {speedup:.2f}x the default "
-                     f"({report.default.candidate.label}), {basis}")
+        lines.append(
+            f"winner {report.winner.candidate.label}: {speedup:.2f}x the default "
+            f"({report.default.candidate.label}), {basis}"
+        )
     return "\n".join(lines)
 
 
 def write_winner(report: Report, out: Path) -> None:
     r = report.winner
-    timing = f"measured {r.measured_s * 1e3:.1f} ms" if r.measured_s is not None else \
-        f"predicted {r.predicted_s * 1e3:.1f} ms"
-    header = (f"# Written by llama-jax tune for {report.devices} {report.device_kind} device(s): {r.candidate.label},\n"
-              f"# {timing} per step, {r.memory_bytes / 2**20:.0f} MiB per device. Train with: llama-jax train {out}\n")
+    timing = (
+        f"measured {r.measured_s * 1e3:.1f} ms"
+        if r.measured_s is not None
+        else f"predicted {r.predicted_s * 1e3:.1f} ms"
+    )
+    header = (
+        f"# Written by llama-jax tune for {report.devices} {report.device_kind} device(s): {r.candidate.label},\n"
+        f"# {timing} per step, {r.memory_bytes / 2**20:.0f} MiB per device. Train with: llama-jax train {out}\n"
+    )
     out.parent.mkdir(parents=True, exist_ok=True)
     with atomic_path(out) as tmp:
         tmp.write_text(header + config_lib.to_yaml(r.config))
 
 
 def report_json(report: Report) -> str:
-    rows = [{"candidate": dataclasses.asdict(r.candidate), "label": r.candidate.label, "rejected": r.rejected,
-             "memory_bytes": r.memory_bytes, "hlo_flops": r.hlo_flops, "collective_bytes": r.collective_bytes,
-             "collective_tiers": r.tier_bytes,
-             "predicted_s": r.predicted_s, "measured_s": r.measured_s} for r in report.results]
-    return json.dumps({"devices": report.devices, "hosts": report.hosts, "budget_bytes": report.budget,
-                       "measured": report.measured, "cost_model": dataclasses.asdict(report.model),
-                       "spearman": report.correlation, "default": report.default.candidate.label,
-                       "winner": report.winner.candidate.label, "candidates": rows}, indent=1)
+    rows = [
+        {
+            "candidate": dataclasses.asdict(r.candidate),
+            "label": r.candidate.label,
+            "rejected": r.rejected,
+            "memory_bytes": r.memory_bytes,
+            "hlo_flops": r.hlo_flops,
+            "collective_bytes": r.collective_bytes,
+            "collective_tiers": r.tier_bytes,
+            "predicted_s": r.predicted_s,
+            "measured_s": r.measured_s,
+        }
+        for r in report.results
+    ]
+    return json.dumps(
+        {
+            "devices": report.devices,
+            "hosts": report.hosts,
+            "budget_bytes": report.budget,
+            "measured": report.measured,
+            "cost_model": dataclasses.asdict(report.model),
+            "spearman": report.correlation,
+            "default": report.default.candidate.label,
+            "winner": report.winner.candidate.label,
+            "candidates": rows,
+        },
+        indent=1,
+    )

@@ -14,9 +14,20 @@ from llama_jax.config import Config
 from llama_jax.distributed import sharding
 from llama_jax.errors import ConfigError
 
-SEARCHED_KEYS = ("mesh.pipeline", "mesh.pipeline_repeats", "mesh.pipeline_schedule", "mesh.pipeline_microbatches",
-                 "mesh.data", "mesh.fsdp", "mesh.tensor", "mesh.sequence", "mesh.sequence_parallel",
-                 "train.microbatches", "remat.policy", "remat.every_n_layers")
+SEARCHED_KEYS = (
+    "mesh.pipeline",
+    "mesh.pipeline_repeats",
+    "mesh.pipeline_schedule",
+    "mesh.pipeline_microbatches",
+    "mesh.data",
+    "mesh.fsdp",
+    "mesh.tensor",
+    "mesh.sequence",
+    "mesh.sequence_parallel",
+    "train.microbatches",
+    "remat.policy",
+    "remat.every_n_layers",
+)
 DEFAULT_POLICIES = ("none", "save_dot_except_mlp", "selective", "full")
 
 
@@ -44,11 +55,14 @@ class Candidate:
         sp = "+sp" if self.tensor > 1 and self.sequence_parallel else ""
         every = f"/{self.every_n_layers}" if self.every_n_layers > 1 else ""
         schedule = "-1f1b" if self.schedule == "1f1b" else ""
-        stages = f"p{self.pipeline}{f'x{self.repeats}' if self.repeats > 1 else ''}{schedule} " \
-            if self.pipeline > 1 else ""
+        stages = (
+            f"p{self.pipeline}{f'x{self.repeats}' if self.repeats > 1 else ''}{schedule} " if self.pipeline > 1 else ""
+        )
         passes = f"/{self.per_pass}" if self.per_pass else ""
-        return (f"{stages}d{self.data} f{self.fsdp} t{self.tensor}{sp} s{self.sequence} "
-                f"mb{self.microbatches}{passes} {self.policy}{every}")
+        return (
+            f"{stages}d{self.data} f{self.fsdp} t{self.tensor}{sp} s{self.sequence} "
+            f"mb{self.microbatches}{passes} {self.policy}{every}"
+        )
 
 
 @dataclass
@@ -77,37 +91,63 @@ def pinned(overrides: list[str]) -> dict[str, str]:
     return {k: v.strip() for k, v in values.items() if k.strip() in SEARCHED_KEYS}
 
 
-def candidate_space(devices: int, overrides: list[str], policies: tuple[str, ...], microbatches: tuple[int, ...],
-                    every_n_layers: tuple[int, ...] = (1,), pipeline_repeats: tuple[int, ...] = (1, 2),
-                    schedules: tuple[str, ...] = ("gpipe", "1f1b"), passes: tuple[int, ...] = (0,)) -> list[Candidate]:
+def candidate_space(
+    devices: int,
+    overrides: list[str],
+    policies: tuple[str, ...],
+    microbatches: tuple[int, ...],
+    every_n_layers: tuple[int, ...] = (1,),
+    pipeline_repeats: tuple[int, ...] = (1, 2),
+    schedules: tuple[str, ...] = ("gpipe", "1f1b"),
+    passes: tuple[int, ...] = (0,),
+) -> list[Candidate]:
     """Every combination of the searched values; key=value overrides pin a searched key. With a pipeline,
     the micro-batch counts are multiples of its stages: each count times the stages; so are the micro-batches
     per pass (`passes`; 0: one pass of all), kept where fewer than all."""
     fixed = pinned(overrides)
     out = []
     for pipeline, data, fsdp, tensor, sequence in factorizations(devices):
-        sizes = {"mesh.pipeline": pipeline, "mesh.data": data, "mesh.fsdp": fsdp, "mesh.tensor": tensor,
-                 "mesh.sequence": sequence}
+        sizes = {
+            "mesh.pipeline": pipeline,
+            "mesh.data": data,
+            "mesh.fsdp": fsdp,
+            "mesh.tensor": tensor,
+            "mesh.sequence": sequence,
+        }
         if any(k in fixed and int(fixed[k]) not in (v, -1) for k, v in sizes.items()):
             continue
         sp_values = [True, False] if tensor > 1 else [True]
         if "mesh.sequence_parallel" in fixed:
             sp_values = [fixed["mesh.sequence_parallel"].lower() == "true"]
-        mbs = [_microbatches(fixed["train.microbatches"])] if "train.microbatches" in fixed else \
-            [pipeline * n for n in microbatches]
+        mbs = (
+            [_microbatches(fixed["train.microbatches"])]
+            if "train.microbatches" in fixed
+            else [pipeline * n for n in microbatches]
+        )
         pols = [fixed["remat.policy"]] if "remat.policy" in fixed else list(policies)
         everys = [int(fixed["remat.every_n_layers"])] if "remat.every_n_layers" in fixed else list(every_n_layers)
-        repeats = [1] if pipeline == 1 else \
-            [int(fixed["mesh.pipeline_repeats"])] if "mesh.pipeline_repeats" in fixed else list(pipeline_repeats)
+        repeats = (
+            [1]
+            if pipeline == 1
+            else [int(fixed["mesh.pipeline_repeats"])]
+            if "mesh.pipeline_repeats" in fixed
+            else list(pipeline_repeats)
+        )
         kinds = ["gpipe"] if pipeline == 1 else [fixed.get("mesh.pipeline_schedule", s) for s in schedules]
-        per_pass = [0] if pipeline == 1 else [int(fixed["mesh.pipeline_microbatches"])] \
-            if "mesh.pipeline_microbatches" in fixed else [pipeline * n for n in passes]
-        for sp, mb, policy, repeat, kind, size in itertools.product(sp_values, mbs, pols, repeats,
-                                                                    dict.fromkeys(kinds), per_pass):
+        per_pass = (
+            [0]
+            if pipeline == 1
+            else [int(fixed["mesh.pipeline_microbatches"])]
+            if "mesh.pipeline_microbatches" in fixed
+            else [pipeline * n for n in passes]
+        )
+        for sp, mb, policy, repeat, kind, size in itertools.product(
+            sp_values, mbs, pols, repeats, dict.fromkeys(kinds), per_pass
+        ):
             if size and (size > mb or size == mb and "mesh.pipeline_microbatches" not in fixed):
                 continue  # passes of more than all the micro-batches, or of all: one pass (0)
             # Without recomputation there is nothing to spread over every n-th layer.
-            for every in ([1] if policy == "none" else everys):
+            for every in [1] if policy == "none" else everys:
                 out.append(Candidate(data, fsdp, tensor, sequence, sp, mb, policy, every, pipeline, repeat, kind, size))
     return out
 
@@ -122,11 +162,21 @@ def candidate_config(base: Config, candidate: Candidate) -> Config:
     c = candidate
     config = dataclasses.replace(
         base,
-        mesh=dataclasses.replace(base.mesh, pipeline=c.pipeline, pipeline_repeats=c.repeats, data=c.data, fsdp=c.fsdp,
-                                 tensor=c.tensor, sequence=c.sequence, sequence_parallel=c.sequence_parallel,
-                                 pipeline_schedule=c.schedule, pipeline_microbatches=c.per_pass),
+        mesh=dataclasses.replace(
+            base.mesh,
+            pipeline=c.pipeline,
+            pipeline_repeats=c.repeats,
+            data=c.data,
+            fsdp=c.fsdp,
+            tensor=c.tensor,
+            sequence=c.sequence,
+            sequence_parallel=c.sequence_parallel,
+            pipeline_schedule=c.schedule,
+            pipeline_microbatches=c.per_pass,
+        ),
         train=dataclasses.replace(base.train, microbatches=c.microbatches),
-        remat=dataclasses.replace(base.remat, policy=c.policy, every_n_layers=c.every_n_layers))
+        remat=dataclasses.replace(base.remat, policy=c.policy, every_n_layers=c.every_n_layers),
+    )
     config_lib.validate(config)
     return config
 
@@ -139,8 +189,13 @@ def validate_candidates(base: Config, candidates: list[Candidate]) -> list[Resul
         result = Result(candidate)
         try:
             config = candidate_config(base, candidate)
-            sizes = {"pipeline": candidate.pipeline, "data": candidate.data, "fsdp": candidate.fsdp,
-                     "tensor": candidate.tensor, "sequence": candidate.sequence}
+            sizes = {
+                "pipeline": candidate.pipeline,
+                "data": candidate.data,
+                "fsdp": candidate.fsdp,
+                "tensor": candidate.tensor,
+                "sequence": candidate.sequence,
+            }
             sharding.check_divisibility(config, sizes)
             key = tuple(sizes.values())
             if key not in shape_checks:
@@ -163,12 +218,20 @@ def default_candidate(config: Config, devices: int) -> Candidate:
     candidate compiles, against the same budget), the baseline of every speed-up."""
     sizes = sharding.mesh_shape(config.mesh, devices)
     stages = sizes["pipeline"]
-    return Candidate(sizes["data"], sizes["fsdp"], sizes["tensor"], sizes["sequence"],
-                     config.mesh.sequence_parallel or sizes["tensor"] == 1, config.train.microbatches,
-                     config.remat.policy, config.remat.every_n_layers, stages,
-                     config.mesh.pipeline_repeats if stages > 1 else 1,
-                     config.mesh.pipeline_schedule if stages > 1 else "gpipe",
-                     config.mesh.pipeline_microbatches if stages > 1 else 0)
+    return Candidate(
+        sizes["data"],
+        sizes["fsdp"],
+        sizes["tensor"],
+        sizes["sequence"],
+        config.mesh.sequence_parallel or sizes["tensor"] == 1,
+        config.train.microbatches,
+        config.remat.policy,
+        config.remat.every_n_layers,
+        stages,
+        config.mesh.pipeline_repeats if stages > 1 else 1,
+        config.mesh.pipeline_schedule if stages > 1 else "gpipe",
+        config.mesh.pipeline_microbatches if stages > 1 else 0,
+    )
 
 
 def format_candidates(results: list[Result]) -> str:

@@ -19,17 +19,47 @@ import numpy as np
 # name -> LlamaConfig fields. Small enough to commit, varied enough to catch conversion bugs:
 # GQA, llama3 rope scaling, tied and untied output, explicit head_dim, a vocab not a multiple of 64.
 MODELS = {
-    "gqa_llama3_untied": dict(vocab_size=300, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                              num_key_value_heads=2, intermediate_size=64, max_position_embeddings=128,
-                              rope_theta=500000.0, tie_word_embeddings=False,
-                              rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                            "high_freq_factor": 4.0, "original_max_position_embeddings": 16}),
-    "tied_head_dim": dict(vocab_size=203, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                          num_key_value_heads=1, head_dim=16, intermediate_size=48, max_position_embeddings=128,
-                          rope_theta=10000.0, tie_word_embeddings=True),
-    "mha_sharded_files": dict(vocab_size=192, hidden_size=32, num_hidden_layers=3, num_attention_heads=2,
-                              num_key_value_heads=2, intermediate_size=40, max_position_embeddings=128,
-                              rope_theta=10000.0, tie_word_embeddings=False),
+    "gqa_llama3_untied": dict(
+        vocab_size=300,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=128,
+        rope_theta=500000.0,
+        tie_word_embeddings=False,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16,
+        },
+    ),
+    "tied_head_dim": dict(
+        vocab_size=203,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=16,
+        intermediate_size=48,
+        max_position_embeddings=128,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+    ),
+    "mha_sharded_files": dict(
+        vocab_size=192,
+        hidden_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        intermediate_size=40,
+        max_position_embeddings=128,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+    ),
 }
 SEED = 1234
 
@@ -39,8 +69,9 @@ def make(out: Path, name: str, fields: dict) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(SEED)
-    config = LlamaConfig(rms_norm_eps=1e-5, hidden_act="silu", bos_token_id=None, eos_token_id=None,
-                         pad_token_id=None, **fields)
+    config = LlamaConfig(
+        rms_norm_eps=1e-5, hidden_act="silu", bos_token_id=None, eos_token_id=None, pad_token_id=None, **fields
+    )
     model = LlamaForCausalLM(config).eval()
     with torch.no_grad():  # random norm scales too, so a swapped norm cannot go unnoticed
         for layer in model.model.layers:
@@ -56,12 +87,15 @@ def make(out: Path, name: str, fields: dict) -> None:
     prompt = rng.integers(0, fields["vocab_size"], size=(1, 5))
     with torch.no_grad():
         logits = model(torch.tensor(tokens)).logits.float().numpy()
-        generated = model.generate(torch.tensor(prompt), max_new_tokens=12, do_sample=False, num_beams=1,
-                                   eos_token_id=None, pad_token_id=0)[0, prompt.shape[1]:].numpy()
+        generated = model.generate(
+            torch.tensor(prompt), max_new_tokens=12, do_sample=False, num_beams=1, eos_token_id=None, pad_token_id=0
+        )[0, prompt.shape[1] :].numpy()
     np.savez(directory / "golden.npz", tokens=tokens, logits=logits, prompt=prompt[0], generated=generated)
     import transformers
-    (directory / "versions.json").write_text(json.dumps({"torch": torch.__version__,
-                                                         "transformers": transformers.__version__}) + "\n")
+
+    (directory / "versions.json").write_text(
+        json.dumps({"torch": torch.__version__, "transformers": transformers.__version__}) + "\n"
+    )
     print(f"{name}: {sum(p.numel() for p in model.parameters())} parameters -> {directory}")
 
 

@@ -31,10 +31,18 @@ SEED = 4321
 # name -> PEFT LoraConfig fields and the dtype PEFT saves the adapter in: every projection in fp32; a few in bf16
 # with rank-stabilised scaling (alpha / sqrt(r)).
 PEFT_MADE = {
-    "peft_made_lora": (dict(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
-                                                                "up_proj", "down_proj"]), "float32"),
-    "peft_made_rslora_bf16": (dict(r=2, lora_alpha=3, use_rslora=True, target_modules=["q_proj", "v_proj",
-                                                                                          "down_proj"]), "bfloat16"),
+    "peft_made_lora": (
+        dict(
+            r=4,
+            lora_alpha=8,
+            target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        ),
+        "float32",
+    ),
+    "peft_made_rslora_bf16": (
+        dict(r=2, lora_alpha=3, use_rslora=True, target_modules=["q_proj", "v_proj", "down_proj"]),
+        "bfloat16",
+    ),
 }
 
 
@@ -107,14 +115,19 @@ def write_versions(directory: Path) -> None:
     import peft
     import torch
     import transformers
-    (directory / "versions.json").write_text(json.dumps({"torch": torch.__version__, "peft": peft.__version__,
-                                                         "transformers": transformers.__version__}) + "\n")
+
+    (directory / "versions.json").write_text(
+        json.dumps({"torch": torch.__version__, "peft": peft.__version__, "transformers": transformers.__version__})
+        + "\n"
+    )
 
 
 def main() -> None:
     out = Path(sys.argv[1] if len(sys.argv) > 1 else Path(__file__).parent / "peft")
-    makers = {**{name: (make_with_peft, " (made by PEFT)") for name in PEFT_MADE},
-              **{name: (write, "") for name in ADAPTERS}}
+    makers = {
+        **{name: (make_with_peft, " (made by PEFT)") for name in PEFT_MADE},
+        **{name: (write, "") for name in ADAPTERS},
+    }
     for name, (make, how) in makers.items():
         directory = out / name
         directory.mkdir(parents=True, exist_ok=True)
@@ -124,6 +137,7 @@ def main() -> None:
         np.savez(directory / "golden.npz", tokens=tokens(), logits=peft_logits(directory))
         write_versions(directory)
         print(f"{name}{how} -> {directory}")
+
 
 if __name__ == "__main__":
     main()

@@ -33,8 +33,10 @@ def plugin_binary(path: Path) -> bytes:
 def known_flags(binary: bytes) -> dict:
     """{"flags": every xla_* name in the binary (flags and a few other identifiers: a superset of the flags),
     "deprecated": {alias: the flag it maps to}}."""
-    deprecated = {f"xla_gpu_enable_pipelined_{m.group(2).decode()}": m.group(1).decode()
-                  for m in DEPRECATED_ALIAS.finditer(binary)}
+    deprecated = {
+        f"xla_gpu_enable_pipelined_{m.group(2).decode()}": m.group(1).decode()
+        for m in DEPRECATED_ALIAS.finditer(binary)
+    }
     return {"flags": sorted({m.group().decode() for m in FLAG.finditer(binary)}), "deprecated": deprecated}
 
 

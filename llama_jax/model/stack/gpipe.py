@@ -64,8 +64,7 @@ def run_gpipe(stack: Stack, layer_params, x: jax.Array, segment_ids: jax.Array, 
             mine = (t - index) % microbatches
             repeat = jnp.clip((t - index) // microbatches, 0, repeats - 1)
             weights = jax.tree.map(lambda w: take(w, repeat), groups)
-            x = run_stage(stage, weights, layer_count(index, repeat), x, take(segment_ids, mine),
-                          take(positions, mine))
+            x = run_stage(stage, weights, layer_count(index, repeat), x, take(segment_ids, mine), take(positions, mine))
             x = jax.lax.ppermute(x, STAGE_AXIS, [(i, (i + 1) % stages) for i in range(stages)])
             return (pin(x), pin(kept)), None
 
@@ -83,8 +82,16 @@ def run_gpipe(stack: Stack, layer_params, x: jax.Array, segment_ids: jax.Array, 
     summed = summed_dtype(dtype, stack.context.platform)
     x = pin(x).astype(summed)
     stage_specs = PartitionSpec(STAGE_AXIS)
-    out = jax.shard_map(local, in_specs=(stage_specs, PartitionSpec(), PartitionSpec(), PartitionSpec()),
-                        out_specs=stage_specs, axis_names={STAGE_AXIS}, check_vma=False)(
-        layer_params, microbatched(x, microbatches), microbatched(segment_ids, microbatches),
-        microbatched(positions, microbatches))
+    out = jax.shard_map(
+        local,
+        in_specs=(stage_specs, PartitionSpec(), PartitionSpec(), PartitionSpec()),
+        out_specs=stage_specs,
+        axis_names={STAGE_AXIS},
+        check_vma=False,
+    )(
+        layer_params,
+        microbatched(x, microbatches),
+        microbatched(segment_ids, microbatches),
+        microbatched(positions, microbatches),
+    )
     return unmicrobatched(out).astype(dtype)

@@ -18,11 +18,18 @@ from llama_jax.model.stack.layer import LayerInputs, Stack, apply_block
 LAYER_SLOT_SCOPE = "pipeline_layer_slot"  # the name of the conditional that skips an empty slot (uneven stages)
 
 
-def run_layers(stack: Stack, params, x: jax.Array, inputs: LayerInputs, dropout_key: jax.Array | None = None,
-               layers: jax.Array | None = None) -> jax.Array:
+def run_layers(
+    stack: Stack,
+    params,
+    x: jax.Array,
+    inputs: LayerInputs,
+    dropout_key: jax.Array | None = None,
+    layers: jax.Array | None = None,
+) -> jax.Array:
     """x [batch, seq, embed] through the layers whose params (leaves [n, ...], the layout nn.scan creates) are
     given, in order, recomputing as stack.policy and stack.every_n say. With `layers` (a pipeline stage with
     fewer layers than slots) only the first `layers` of the n run; the others are skipped."""
+
     def layer(params, key, x):
         return apply_block(stack.block, params, x, inputs, key)
 
@@ -38,6 +45,7 @@ def run_layers(stack: Stack, params, x: jax.Array, inputs: LayerInputs, dropout_
             w, index = w_and_index
             with jax.named_scope(LAYER_SLOT_SCOPE):
                 return jax.lax.cond(index * width < layers, lambda x: step(w, x), lambda x: x, x), None
+
         return jax.lax.scan(maybe, x, (weights, jnp.arange(jax.tree.leaves(weights)[0].shape[0])))[0]
 
     policy, every_n = stack.policy, stack.every_n
@@ -56,8 +64,9 @@ def run_layers(stack: Stack, params, x: jax.Array, inputs: LayerInputs, dropout_
     return scan(group, x, groups, every_n)
 
 
-def run_stage(stack: Stack, weights, layers: jax.Array | None, x: jax.Array, segment_ids: jax.Array,
-              positions: jax.Array) -> jax.Array:
+def run_stage(
+    stack: Stack, weights, layers: jax.Array | None, x: jax.Array, segment_ids: jax.Array, positions: jax.Array
+) -> jax.Array:
     """A pipeline stage's group of layers (weights [slots, ...]) on one micro-batch: x [rows, T, D], segment_ids,
     positions [rows, T]; `layers`: how many of the slots hold layers, or None for all."""
     return run_layers(stack, weights, x, stack.inputs(segment_ids, positions), layers=layers)

@@ -1,13 +1,13 @@
 """What every way of running the layer stack shares: one layer's inputs, the stack's description, apply_block.
 
-    LayerInputs   what each layer reads besides the residual stream (rotary angles, documents, positions),
-                  one typed pytree, the same for every layer: nn.scan broadcasts it, a pipeline makes one per
-                  micro-batch. Adding an input to Block is a field here (made in llama.layer_inputs).
-    Stack         how the layers run, chosen from the config: one Block, the function making its inputs,
-                  the trace's context, the remat policy (and its every_n_layers) and the pipeline layout; `way`
-                  names the way, inside_stage() is the stack as a pipeline stage's body runs it.
-    apply_block   one layer on its own params: what the ways that run the layers themselves call per layer.
-    Head          the loss after the layers, for the way that computes it inside the stack (1F1B).
+LayerInputs   what each layer reads besides the residual stream (rotary angles, documents, positions),
+              one typed pytree, the same for every layer: nn.scan broadcasts it, a pipeline makes one per
+              micro-batch. Adding an input to Block is a field here (made in llama.layer_inputs).
+Stack         how the layers run, chosen from the config: one Block, the function making its inputs,
+              the trace's context, the remat policy (and its every_n_layers) and the pipeline layout; `way`
+              names the way, inside_stage() is the stack as a pipeline stage's body runs it.
+apply_block   one layer on its own params: what the ways that run the layers themselves call per layer.
+Head          the loss after the layers, for the way that computes it inside the stack (1F1B).
 """
 
 from __future__ import annotations
@@ -79,8 +79,9 @@ class Head(NamedTuple):
     loss_mask: jax.Array  # [batch, seq]
 
 
-def apply_block(block: nn.Module, params, x: jax.Array, inputs: LayerInputs,
-                dropout_key: jax.Array | None = None) -> jax.Array:
+def apply_block(
+    block: nn.Module, params, x: jax.Array, inputs: LayerInputs, dropout_key: jax.Array | None = None
+) -> jax.Array:
     """One layer: x [batch, seq, embed] -> [batch, seq, embed], with one layer's params (a slice of the stack's
     [layers, ...] leaves). A dropout key turns LoRA's dropout on (training a peft run)."""
     rngs = {} if dropout_key is None else {"dropout": dropout_key}

@@ -151,8 +151,11 @@ def branch_runs(tables: Schedule, busiest: bool = False) -> dict[str, float]:
     `busiest`, on the busiest stage of each iteration (the time taken: every stage waits for it)."""
     last = tables.forward[..., REPEAT] == tables.forward[..., REPEAT].max()
     last_stage = np.arange(tables.forward.shape[1]) == tables.forward.shape[1] - 1
-    runs = {FORWARD_SCOPE: tables.forward[..., VALID], BACKWARD_SCOPE: tables.backward[..., VALID],
-            LOSS_SCOPE: tables.forward[..., VALID] * last * last_stage}
+    runs = {
+        FORWARD_SCOPE: tables.forward[..., VALID],
+        BACKWARD_SCOPE: tables.backward[..., VALID],
+        LOSS_SCOPE: tables.forward[..., VALID] * last * last_stage,
+    }
     return {scope: float(ran.any(axis=1).mean() if busiest else ran.mean()) for scope, ran in runs.items()}
 
 
@@ -174,6 +177,7 @@ def pipelined_loss(stack: Stack, head: Callable) -> Callable:
     [B, T]. Each stage runs its groups of layers as stack says (grouped.run_stage). Differentiable in layer_params,
     head_params and x.
     """
+
     @jax.custom_vjp
     def loss(layer_params, head_params, x, batch):
         return _run(stack, head, False, layer_params, head_params, x, batch)
@@ -208,8 +212,13 @@ def _run(stack: Stack, head: Callable, backward: bool, layer_params, head_params
     x = split(x).astype(summed_dtype(dtype, stack.context.platform))
     batch = {k: split(v).reshape(M, -1, *v.shape[1:]) for k, v in batch.items()}
     out_specs = whole if not backward else (whole, stage_specs, whole, owners)
-    out = jax.shard_map(local, in_specs=(stage_specs, whole, owners, whole), out_specs=out_specs,
-                        axis_names={STAGE_AXIS}, check_vma=False)(layer_params, head_params, x, batch)
+    out = jax.shard_map(
+        local,
+        in_specs=(stage_specs, whole, owners, whole),
+        out_specs=out_specs,
+        axis_names={STAGE_AXIS},
+        check_vma=False,
+    )(layer_params, head_params, x, batch)
     if not backward:
         return out
     total, d_layers, d_head, d_x = out
@@ -267,12 +276,25 @@ class _Stage:
         # Which residuals depend on the stage's input (kept in slots), and which come from the weights and the
         # micro-batch's documents and positions alone (computed again in the backward pass).
         one = self.microbatch(0)
-        self.shapes = (self.weights(0), self.layer_count(self.index, 0), self.owned[0], one["segment_ids"],
-                       one["positions"])
+        self.shapes = (
+            self.weights(0),
+            self.layer_count(self.index, 0),
+            self.owned[0],
+            one["segment_ids"],
+            one["positions"],
+        )
         shapes = self.shapes
-        self.kept = data_dependent(lambda w, c, segment_ids, positions, x: jax.tree.leaves(
-            self.with_vjp(w, c, x, segment_ids, positions)[1]), (shapes[0], shapes[1], *shapes[3:]), shapes[2:3]) \
-            if backward else []
+        self.kept = (
+            data_dependent(
+                lambda w, c, segment_ids, positions, x: jax.tree.leaves(
+                    self.with_vjp(w, c, x, segment_ids, positions)[1]
+                ),
+                (shapes[0], shapes[1], *shapes[3:]),
+                shapes[2:3],
+            )
+            if backward
+            else []
+        )
         self.out_shape, vjp_shape = jax.eval_shape(self.with_vjp, *shapes)
         self.saved_shapes = [s for s, k in zip(jax.tree.leaves(vjp_shape), self.kept) if k]
 
@@ -304,17 +326,26 @@ class _Stage:
         activation = self.pin(jnp.zeros(self.out_shape.shape, self.dtype))
         with jax.named_scope(SLOTS_SCOPE):
             slots = [packed(jnp.zeros((self.tables.slots, *s.shape), s.dtype)) for s in self.saved_shapes]
-        start = Carry(activation, activation, activation, activation, slots, self.owned,
-                      jax.tree.map(jnp.zeros_like, self.groups) if self.backward else None,
-                      jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), self.head_params) if self.backward
-                      else None,
-                      jnp.zeros((), jnp.float32))
+        start = Carry(
+            activation,
+            activation,
+            activation,
+            activation,
+            slots,
+            self.owned,
+            jax.tree.map(jnp.zeros_like, self.groups) if self.backward else None,
+            jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), self.head_params) if self.backward else None,
+            jnp.zeros((), jnp.float32),
+        )
         end, _ = jax.lax.scan(self.iteration, start, jnp.arange(self.tables.iterations))
         total = jax.lax.psum(end.total, STAGE_AXIS)
         if not self.backward:
             return total
-        (_, owned), _ = jax.lax.scan(lambda carry, t: (self.drain(t, *carry), None), (end.drained, end.owned),
-                                     jnp.arange(self.tables.iterations, self.tables.iterations + self.P - 1))
+        (_, owned), _ = jax.lax.scan(
+            lambda carry, t: (self.drain(t, *carry), None),
+            (end.drained, end.owned),
+            jnp.arange(self.tables.iterations, self.tables.iterations + self.P - 1),
+        )
         d_head = jax.tree.map(lambda g, p: jax.lax.psum(g, STAGE_AXIS).astype(p.dtype), end.d_head, self.head_params)
         d_layers = jax.tree.map(lambda g: g.reshape(-1, *g.shape[2:]), end.d_layers)
         return total, d_layers, d_head, owned[:, None]  # each stage's micro-batches' embedding gradients
@@ -327,18 +358,34 @@ class _Stage:
         fed = self.pin(jax.lax.ppermute(fed, STAGE_AXIS, self.towards_first))
         if not self.backward:
             with jax.named_scope(LOSS_SCOPE):
-                loss = jax.lax.cond(valid & last, lambda y: self.run_head(self.head_params, y, m),
-                                    lambda y: jnp.zeros((), jnp.float32), y)
-            return carry._replace(act=self.pin(jax.lax.ppermute(y, STAGE_AXIS, self.ahead)), fed=fed,
-                                  buffers=buffers, total=carry.total + loss), None
+                loss = jax.lax.cond(
+                    valid & last,
+                    lambda y: self.run_head(self.head_params, y, m),
+                    lambda y: jnp.zeros((), jnp.float32),
+                    y,
+                )
+            return carry._replace(
+                act=self.pin(jax.lax.ppermute(y, STAGE_AXIS, self.ahead)),
+                fed=fed,
+                buffers=buffers,
+                total=carry.total + loss,
+            ), None
 
         loss, d_params, dy = self.loss_and_gradient(y, valid & last, m, carry.d_head)
         d_head = jax.tree.map(jnp.add, carry.d_head, d_params)
         dx, d_layers = self.backward_pass(carry.grad, dy, buffers, carry.d_layers, t)
         drained, owned = self.drain(t, jnp.where(self.index == 0, dx, carry.drained), carry.owned)
-        return Carry(self.pin(jax.lax.ppermute(y, STAGE_AXIS, self.ahead)),
-                     self.pin(jax.lax.ppermute(dx, STAGE_AXIS, self.behind)), fed, drained, buffers, owned, d_layers,
-                     d_head, carry.total + loss), None
+        return Carry(
+            self.pin(jax.lax.ppermute(y, STAGE_AXIS, self.ahead)),
+            self.pin(jax.lax.ppermute(dx, STAGE_AXIS, self.behind)),
+            fed,
+            drained,
+            buffers,
+            owned,
+            d_layers,
+            d_head,
+            carry.total + loss,
+        ), None
 
     def forward(self, act, fed, buffers, t):
         """Iteration t's forward pass, if the stage has one: (output y, the buffers with the residuals it keeps in
@@ -349,8 +396,9 @@ class _Stage:
 
         def run_forward(x, buffers):
             data = self.microbatch(m)
-            y, vjp = self.with_vjp(self.weights(r), self.layer_count(self.index, r), x, data["segment_ids"],
-                                   data["positions"])
+            y, vjp = self.with_vjp(
+                self.weights(r), self.layer_count(self.index, r), x, data["segment_ids"], data["positions"]
+            )
             saved = [leaf for leaf, k in zip(jax.tree.leaves(vjp), self.kept) if k]
             with jax.named_scope(SLOTS_SCOPE):  # written in place, in the branch: no copies of a slot
                 return y, [_put(b, packed(s), slot) for b, s in zip(buffers, saved)]
@@ -362,13 +410,15 @@ class _Stage:
     def loss_and_gradient(self, y, leaving, m, d_head):
         """On the last stage of the last repeat, the micro-batch's loss and its gradients (of the head's params, in
         fp32, and of y): its backward pass starts in the same iteration."""
+
         def head_and_grads(y):
             loss, (d_params, dy) = jax.value_and_grad(self.run_head, argnums=(0, 1))(self.head_params, y, m)
             return loss, jax.tree.map(lambda g: g.astype(jnp.float32), d_params), dy
 
         with jax.named_scope(LOSS_SCOPE):
-            return jax.lax.cond(leaving, head_and_grads, lambda y: (
-                jnp.zeros((), jnp.float32), _zeros(d_head), jnp.zeros_like(y)), y)
+            return jax.lax.cond(
+                leaving, head_and_grads, lambda y: (jnp.zeros((), jnp.float32), _zeros(d_head), jnp.zeros_like(y)), y
+            )
 
     def backward_pass(self, grad, dy, buffers, d_layers, t):
         """Iteration t's backward pass, if the stage has one: the gradient of its input, and d_layers with its
@@ -380,8 +430,13 @@ class _Stage:
         def run_backward(cotangent, d_layers):
             # The residuals not kept, again: the forward pass on a zero input is dead code but for them.
             data = self.microbatch(m)
-            _, fresh = self.with_vjp(self.weights(r), self.layer_count(self.index, r), jnp.zeros_like(self.shapes[2]),
-                                     data["segment_ids"], data["positions"])
+            _, fresh = self.with_vjp(
+                self.weights(r),
+                self.layer_count(self.index, r),
+                jnp.zeros_like(self.shapes[2]),
+                data["segment_ids"],
+                data["positions"],
+            )
             leaves, tree = jax.tree.flatten(fresh)
             stored = iter(unpacked(_take(b, slot), s.dtype) for b, s in zip(buffers, self.saved_shapes))
             vjp = jax.tree.unflatten(tree, [next(stored) if k else leaf for leaf, k in zip(leaves, self.kept)])

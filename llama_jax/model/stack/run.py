@@ -10,8 +10,15 @@ from llama_jax.model.stack import gpipe, grouped, one_f_one_b, scan
 from llama_jax.model.stack.layer import Head, Stack
 
 
-def run_stack(stack: Stack, layers: nn.Module, x: jax.Array, segment_ids: jax.Array | None, positions: jax.Array,
-              head: Head | None = None, dropout_key: jax.Array | None = None) -> jax.Array:
+def run_stack(
+    stack: Stack,
+    layers: nn.Module,
+    x: jax.Array,
+    segment_ids: jax.Array | None,
+    positions: jax.Array,
+    head: Head | None = None,
+    dropout_key: jax.Array | None = None,
+) -> jax.Array:
     """x [batch, seq, embed] (the embeddings) through every layer -> [batch, seq, embed]; or, given a head where
     the stack computes the loss (Stack.computes_loss: 1F1B), the summed loss.
 
@@ -23,8 +30,11 @@ def run_stack(stack: Stack, layers: nn.Module, x: jax.Array, segment_ids: jax.Ar
     """
     if layers.is_initializing() or stack.way == "scan":
         x = scan.run_scan(layers, x, stack.inputs(segment_ids, positions))
-        return x if head is None or not stack.computes_loss else head.loss(head.params, x, head.targets,
-                                                                           head.loss_mask, stack.context)
+        return (
+            x
+            if head is None or not stack.computes_loss
+            else head.loss(head.params, x, head.targets, head.loss_mask, stack.context)
+        )
     params = layers.variables["params"]
     if stack.way == "grouped":
         return grouped.run_layers(stack, params, x, stack.inputs(segment_ids, positions), dropout_key)

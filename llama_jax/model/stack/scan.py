@@ -20,8 +20,14 @@ def scanned(block: type[nn.Module], n_layers: int, stack: Stack) -> type[nn.Modu
         # prevent_cse=False is safe (and faster) because scan already stops XLA from merging
         # the recomputation back into the forward pass.
         block = nn.remat(block, policy=stack.policy, prevent_cse=False)
-    return nn.scan(block, variable_axes={"params": 0, "cache": 0}, split_rngs={"params": True, "dropout": True},
-                   in_axes=(nn.broadcast,), length=n_layers, metadata_params={nn.PARTITION_NAME: "layers"})
+    return nn.scan(
+        block,
+        variable_axes={"params": 0, "cache": 0},
+        split_rngs={"params": True, "dropout": True},
+        in_axes=(nn.broadcast,),
+        length=n_layers,
+        metadata_params={nn.PARTITION_NAME: "layers"},
+    )
 
 
 def run_scan(layers: nn.Module, x: jax.Array, inputs: LayerInputs) -> jax.Array:
