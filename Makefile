@@ -1,6 +1,6 @@
 # Two commands set up everything on a fresh machine:
 #   make train   # creates .venv, installs llama-jax, trains the tiny preset on bundled Shakespeare
-#   make test    # creates .venv, installs llama-jax[test], lints with ruff, runs the test suite
+#   make test    # creates .venv, installs llama-jax[test], lints and checks formatting with ruff, runs the tests
 # Pass overrides with ARGS, e.g.  make train ARGS="train.steps=100 run.dir=runs/short"
 # `make test-newest` runs the suite but its slow tests again on Python 3.12 in .venv-newest, where a plain install
 # takes the newest jax: CI runs both ends of the supported range (PYTHON_NEWEST=/path/to/python3.12 to choose it). It installs
@@ -37,6 +37,7 @@ train: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(BIN)/ruff check llama_jax tests bench launch
+	$(BIN)/ruff format --check llama_jax tests bench launch
 	$(BIN)/python -c 'import sys, jax; print(f"python {sys.version.split()[0]}, jax {jax.__version__}")'
 	$(BIN)/python -m pytest -q -n $(WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 

@@ -34,6 +34,7 @@ LAYERS = [
 LAZY_IMPORTS_ALLOWED = {"cli"}  # the command line (cli/): `llama-jax --help` must not import JAX
 OPTIONAL_DEPENDENCIES = {"pyarrow", "datasets", "importlib", "wandb"}  # importlib: data/corpus.py's optional loader
 MAX_LINES = 550
+MAX_FUNCTION_LINES = 80
 
 
 def modules() -> dict[str, Path]:
@@ -89,8 +90,12 @@ def test_every_module_belongs_to_a_row():
 def test_subpackages_import_only_their_row_or_below():
     row_of = {u: i for i, layer in enumerate(LAYERS) for u in layer}
     upward = [f"{a} -> {b}" for a, targets in graph().items() for b in targets if row_of[unit(b)] > row_of[unit(a)]]
-    sideways = [f"{a} -> {b}" for a, targets in graph().items() for b in targets
-                if unit(a) != unit(b) and row_of[unit(b)] == row_of[unit(a)] and row_of[unit(a)] > 0]
+    sideways = [
+        f"{a} -> {b}"
+        for a, targets in graph().items()
+        for b in targets
+        if unit(a) != unit(b) and row_of[unit(b)] == row_of[unit(a)] and row_of[unit(a)] > 0
+    ]
     assert not upward
     assert not sideways
 
@@ -102,7 +107,7 @@ def test_no_import_cycles_counting_imports_inside_functions():
         state[node] = "open"
         for target in sorted(edges[node]):
             if state.get(target) == "open":
-                cycles.append(path[path.index(target):] + [target])
+                cycles.append(path[path.index(target) :] + [target])
             elif target not in state:
                 visit(target, path + [target])
         state[node] = "done"
@@ -114,8 +119,13 @@ def test_no_import_cycles_counting_imports_inside_functions():
 
 
 def test_imports_inside_functions_only_where_they_keep_the_cli_fast_or_are_optional():
-    lazy = [f"{name}: {module}" for name, path in modules().items() if unit(name) not in LAZY_IMPORTS_ALLOWED
-            for module, inside in imports(name, path) if inside and module.split(".")[0] not in OPTIONAL_DEPENDENCIES]
+    lazy = [
+        f"{name}: {module}"
+        for name, path in modules().items()
+        if unit(name) not in LAZY_IMPORTS_ALLOWED
+        for module, inside in imports(name, path)
+        if inside and module.split(".")[0] not in OPTIONAL_DEPENDENCIES
+    ]
     assert not lazy
 
 
@@ -131,14 +141,38 @@ def test_modules_are_short_enough_to_read(name):
     assert lines <= MAX_LINES, f"{name} has {lines} lines; split it by concern"
 
 
+def test_functions_are_short_enough_to_read():
+    long = [
+        f"{name}.{node.name}: {node.end_lineno - node.lineno + 1} lines"
+        for name, path in modules().items()
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+        and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES
+    ]
+    assert not long, f"split these into named parts: {long}"
+
+
+def test_the_model_reads_embed_stack_norm_head_in_a_screen():
+    llama = next(
+        n for n in ast.walk(ast.parse(modules()["model.llama"].read_text())) if getattr(n, "name", "") == "Llama"
+    )
+    call = next(n for n in llama.body if getattr(n, "name", "") == "__call__")
+    assert call.end_lineno - call.lineno + 1 <= 30
+
+
 # Test hooks apart from real logic: only the injector and the config (schema, range checks, the moved-keys table)
 # name the injection keys' old `inject_` prefix; production modules call resilience/inject.py's Injector instead.
 INJECTION_ALLOWED = {"resilience.inject", "config", "config.schema", "config.checks", "config.load", "config.choices"}
 
 
 def test_only_the_injector_and_the_config_read_injection_settings():
-    found = [f"{name}:{number}: {line.strip()}" for name, path in modules().items() if name not in INJECTION_ALLOWED
-             for number, line in enumerate(path.read_text().splitlines(), 1) if "inject_" in line]
+    found = [
+        f"{name}:{number}: {line.strip()}"
+        for name, path in modules().items()
+        if name not in INJECTION_ALLOWED
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if "inject_" in line
+    ]
     assert not found
 
 
