@@ -91,6 +91,7 @@ def straight(shared, tmp_path_factory):
     return run_dir
 
 
+@pytest.mark.slow
 def test_kill_9_at_a_random_step_then_resume_is_bitwise_identical(shared, straight, tmp_path):
     run_dir = tmp_path / "run"
     kill_at = int(np.random.default_rng().integers(3, STEPS - 2))
@@ -120,6 +121,7 @@ def test_kill_9_at_a_random_step_then_resume_is_bitwise_identical(shared, straig
     assert len(goodput["attempts"]) == 2
 
 
+@pytest.mark.slow
 def test_sigterm_saves_the_current_step_and_exits_75(shared, straight, tmp_path):
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(

@@ -244,6 +244,7 @@ if jax.process_index() == 0:
 """
 
 
+@pytest.mark.slow
 def test_two_processes_convert_both_ways_and_generate_like_one(one_device, tmp_path):
     """2 processes x 4 devices (launch/multiprocess.py): each reads its own shards, process 0 alone writes the
     Hugging Face files, and the results are those of one process."""

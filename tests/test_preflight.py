@@ -148,6 +148,7 @@ def test_a_slow_device_stays_slow_through_the_second_look_under_changing_load():
     assert host.calls == 24 + 2 * preflight.SECOND_LOOK_ROUNDS
 
 
+@pytest.mark.slow
 def test_two_processes_name_a_slow_device_on_every_process(tmp_path, corpus):
     """2 processes x 2 devices: a healthy `doctor` first (which gives the devices' ids), then `train
     fault.preflight=true` with process 1's first device slowed: both processes name it and exit 71, and the
@@ -286,6 +287,7 @@ def launcher():
 BURNERS = 12  # busy processes on node-a's core: its devices at about 0.2x of node-b's while they run
 
 
+@pytest.mark.slow
 def test_two_processes_name_nobody_when_one_host_is_busy_for_part_of_the_check(tmp_path):
     """A healthy `doctor` of 2 processes x 2 devices, each process pinned to a core of its own and named as a host
     of its own (node-a, node-b). BURNERS CPU-burning processes pinned to node-a's core run from the moment it joins

@@ -112,6 +112,7 @@ def test_failed_saves_in_a_row_stop_with_exit_74_and_the_supervisor_does_not_res
     assert step_directories(run_dir / "checkpoints") == [2] and not leftovers(run_dir)
 
 
+@pytest.mark.slow
 def test_two_processes_agree_on_a_save_that_failed_on_one_of_them(config_path, tmp_path):
     """Process 1's save of step 4 fails (max_failed_saves=0: stop at the first): both processes stop with exit 74
     and the same line, and the newest complete step is the same for both: 2."""
