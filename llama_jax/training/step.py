@@ -181,7 +181,6 @@ def make_train_step(
 # The compiled programs of one config on one mesh
 
 
-@dataclass
 def make_init_state(model: Llama, optimizer: optax.GradientTransformation, config: Config, mesh: Mesh) -> Callable:
     """rng -> the fresh TrainState (a PeftState for a peft run) of `model` on `mesh`, its params boxed with their
     logical axis names."""
@@ -204,6 +203,7 @@ def make_init_state(model: Llama, optimizer: optax.GradientTransformation, confi
     return init_state
 
 
+@dataclass
 class TrainProgram:
     config: Config
     mesh: Mesh
