@@ -400,3 +400,8 @@ def test_auto_micro_batches_are_searched_as_train_resolves_them(tmp_path):
     resolved = TrainProgram.for_config(baseline.config)  # what train runs: the fewest micro-batches that fit
     assert report.default.candidate.microbatches == "auto"
     assert report.default.memory_bytes == plan.make_plan(resolved.config, resolved.mesh).total_bytes
+
+
+def test_the_cache_is_keyed_by_the_whole_package_not_only_training():
+    names = {path.relative_to(tune.PACKAGE).as_posix() for path in tune.source_files()}
+    assert {"model/llama.py", "model/attention.py", "training/step.py", "distributed/sharding.py"} <= names

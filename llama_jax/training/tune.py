@@ -67,13 +67,19 @@ from llama_jax.training.tune_space import (
     validate_candidates,
 )
 
+PACKAGE = Path(__file__).parents[1]  # llama_jax/, not training/: the model and kernels decide the step too
+
+
+def source_files() -> list[Path]:
+    """Every module of llama_jax, whose code a cached candidate was compiled and measured with."""
+    return sorted(PACKAGE.rglob("*.py"))
+
 
 def _source_digest() -> str:
     """Of llama_jax's own code: a changed model or step must not be answered from an old compilation."""
-    package = Path(__file__).parent
     digest = hashlib.sha256()
-    for path in sorted(package.rglob("*.py")):
-        digest.update(str(path.relative_to(package)).encode() + path.read_bytes())
+    for path in source_files():
+        digest.update(str(path.relative_to(PACKAGE)).encode() + path.read_bytes())
     return digest.hexdigest()
 
 
