@@ -48,7 +48,7 @@ gpu-check: $(VENV)/.installed
 	if nvidia-smi -L >/dev/null 2>&1; then $(BIN)/python -m pip install --quiet -e '.[gpu]'; fi
 	bash -c 'source launch/gpu_env.sh && exec $(BIN)/python bench/gpu_check.py $(ARGS)'
 
-# The newest leg leaves out the tests marked slow (real multi-process runs of a minute or more, pyproject.toml):
+# The newest leg leaves out the tests marked slow (runs of real processes, pyproject.toml):
 # the Python 3.11 leg runs them, and both legs stay inside CI's time.
 test-newest:
 	$(MAKE) test PYTHON=$(PYTHON_NEWEST) VENV=.venv-newest EXTRAS=test,gpu PYTEST_ARGS='-m "not slow" $(PYTEST_ARGS)'
