@@ -14,12 +14,11 @@ import pytest
 from test_readme import ROOT, llama_jax_args, readme_commands
 
 from llama_jax import cli
+from llama_jax.training.goodput_model import LLAMA3_HOST_LOSS_SHARE, mean_age_steps
 from llama_jax.training.goodput_projection import (
     LLAMA3_FAILURES_PER_GPU_HOUR,
-    LLAMA3_HOST_LOSS_SHARE,
     Inputs,
     best_intervals,
-    mean_age_steps,
     measured,
     project,
     sensitivity,

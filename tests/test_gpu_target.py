@@ -22,7 +22,7 @@ from llama_jax.config import load_config
 from llama_jax.distributed import sharding
 from llama_jax.perf import costmodel, gpu_target, hardware, hlo
 from llama_jax.training import plan as planning
-from llama_jax.training import tune
+from llama_jax.training import tune, tune_report
 from llama_jax.training.step import TrainProgram
 
 SEQ = 512
@@ -225,7 +225,7 @@ def test_tune_ranks_candidates_compiled_for_the_target(tmp_path):
     assert not report.measured and report.devices == 8 and report.device_kind == "NVIDIA H100 80GB HBM3"
     assert report.model.peak_flops == 989e12 and report.model.memory_bandwidth == 3350e9
     assert report.winner.memory_bytes > 0 and report.winner.predicted_s > 0
-    tune.write_winner(report, tmp_path / "tune.yaml")
+    tune_report.write_winner(report, tmp_path / "tune.yaml")
     assert "for 8 NVIDIA H100 80GB HBM3 device(s)" in (tmp_path / "tune.yaml").read_text()
 
 

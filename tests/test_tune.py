@@ -11,7 +11,7 @@ from llama_jax import cli, config
 from llama_jax.errors import ConfigError
 from llama_jax.perf import costmodel
 from llama_jax.perf.costmodel import INTER_HOST, INTRA_HOST, CostModel
-from llama_jax.training import plan, tune
+from llama_jax.training import plan, tune, tune_report
 from llama_jax.training.step import TrainProgram
 
 # The end-to-end search pins tensor and sequence to 1 to keep compilations few: 4 meshes.
@@ -130,7 +130,7 @@ def searched(tmp_path_factory):
     source = str(write_tiny_yaml(root))
     report = tune.tune(source, PINNED, OPTIONS)
     out = root / "winner.yaml"
-    tune.write_winner(report, out)
+    tune_report.write_winner(report, out)
     return root, source, report, out
 
 
@@ -140,7 +140,7 @@ def test_the_winner_is_the_fastest_measured_candidate(searched):
     assert len(measured) >= 2  # the top 2 by prediction, plus the default when it ranks lower
     assert report.winner.measured_s == min(r.measured_s for r in measured)
     assert report.default in measured
-    table = tune.format_report(report)
+    table = tune_report.format_report(report)
     assert "<- default" in table and report.winner.candidate.label in table
 
 

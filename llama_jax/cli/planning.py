@@ -80,7 +80,7 @@ def cmd_tune(ns: argparse.Namespace) -> int:
     if problem := unwritable(out, "file"):
         raise InputError(f"--out {out} cannot be written: {problem}; name the YAML file to write, e.g. tune.yaml")
     gpus = target_gpus(ns)
-    from llama_jax.training import tune
+    from llama_jax.training import tune, tune_report, tune_space
 
     options = tune.Options(
         memory_gb=ns.memory_gb,
@@ -104,11 +104,11 @@ def cmd_tune(ns: argparse.Namespace) -> int:
         progress=not ns.json,
     )
     if ns.dry_run:
-        print(tune.format_candidates(tune.enumerate_candidates(source, overrides, options)[2]))
+        print(tune_space.format_candidates(tune.enumerate_candidates(source, overrides, options)[2]))
         return 0
     report = tune.tune(source, overrides, options)
-    tune.write_winner(report, out)
-    print(tune.report_json(report) if ns.json else tune.format_report(report, rows=ns.rows))
+    tune_report.write_winner(report, out)
+    print(tune_report.report_json(report) if ns.json else tune_report.format_report(report, rows=ns.rows))
     if not ns.json:
         print(f"wrote {out}: llama-jax train {out}")
     return 0

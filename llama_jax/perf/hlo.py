@@ -44,13 +44,12 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from llama_jax.perf import fmha, loops
-from llama_jax.perf.hlo_text import (  # computations: read from here too
+from llama_jax.perf.hlo_text import (
     Computation,
     DeviceGroups,
     Instr,
     arrays,
     close_bracket,
-    computations,  # noqa: F401
     device_groups,
     parse_module,
     shape_bytes,

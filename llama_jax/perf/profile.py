@@ -36,7 +36,7 @@ from pathlib import Path
 
 from llama_jax.errors import InputError
 from llama_jax.files import unreadable
-from llama_jax.perf import hlo
+from llama_jax.perf.hlo_text import computations as parsed_computations
 from llama_jax.perf.profiler import HLO_FILE
 
 CLASSES = (
@@ -119,7 +119,7 @@ class OpEvent:
 def op_classes(hlo_text: str) -> tuple[dict[str, str], dict[str, str]]:
     """Every instruction name of an optimized HLO module -> its class (CLASSES), and -> where in the model it comes
     from (its name stack, shortened: `backward layers/mlp/up_proj/dot_general`)."""
-    computations = hlo.computations(hlo_text)
+    computations = parsed_computations(hlo_text)
     instructions = [(comp, instr) for comp in computations.values() for instr in comp.instrs]
     return (
         {instr.name: _classify(computations, comp, instr) for comp, instr in instructions},

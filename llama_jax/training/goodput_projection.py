@@ -21,19 +21,13 @@ from llama_jax.model.flops import train_flops_per_token
 from llama_jax.model.llama import param_count
 from llama_jax.perf.hardware import NIC_GBS, table_peak_flops
 from llama_jax.resilience.goodput import read_attempts, summarize
-from llama_jax.training.goodput_model import (  # the model's names are read from here too
-    KINDS,  # noqa: F401
+from llama_jax.training.goodput_model import (
     LLAMA3_FAILURES_PER_GPU_HOUR,
-    LLAMA3_GPU_HOURS,  # noqa: F401
-    LLAMA3_HOST_LOSS_SHARE,  # noqa: F401
     LLAMA3_MIX,
     LLAMA3_PLANNED_PER_GPU_HOUR,
     LOSES_HOST,
-    SENSITIVE,  # noqa: F401
     Inputs,
-    Projection,  # noqa: F401
     best_intervals,
-    mean_age_steps,  # noqa: F401
     project,
     sensitivity,
     with_auto,

@@ -46,24 +46,14 @@ from llama_jax.perf.hardware import compile_only, memory_budget, simulated_devic
 from llama_jax.training import plan
 from llama_jax.training.step import TrainProgram, model_flops_per_token
 from llama_jax.training.timing import random_batch, time_train_steps
-from llama_jax.training.tune_report import (  # tune_report's and tune_space's names are read from here too
-    Report,
-    format_report,  # noqa: F401
-    report_json,  # noqa: F401
-    step_time,  # noqa: F401
-    write_winner,  # noqa: F401
-)
+from llama_jax.training.tune_report import Report
 from llama_jax.training.tune_space import (
     DEFAULT_POLICIES,
     SEARCHED_KEYS,
     Candidate,
     Result,
-    candidate_config,  # noqa: F401
     candidate_space,
     default_candidate,
-    factorizations,  # noqa: F401
-    format_candidates,  # noqa: F401
-    pinned,  # noqa: F401
     validate_candidates,
 )
 
