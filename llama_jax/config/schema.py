@@ -239,8 +239,9 @@ class FaultConfig:
 class RunConfig:
     dir: str = "runs/tiny"
     tensorboard: bool = True
-    # JAX's persistent compilation cache, so a restarted run skips compilation: "" = the user cache
-    # (~/.cache/llama_jax/jax_compilation_cache), "off" disables, anything else is a directory.
+    # JAX's persistent compilation cache, so a restarted run skips compilation: "" = JAX's own setting where one
+    # is given (JAX_COMPILATION_CACHE_DIR), else the user cache (~/.cache/llama_jax/jax_compilation_cache);
+    # "off" turns none on; anything else is a directory.
     compilation_cache: str = ""
     # Multi-process runs (distributed/processes.py); unset: the environment (JAX_COORDINATOR_ADDRESS,
     # JAX_NUM_PROCESSES, JAX_PROCESS_ID) or JAX's detection of Slurm / Open MPI; else one process.

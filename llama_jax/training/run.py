@@ -76,9 +76,11 @@ class Run:
 
 
 def enable_compilation_cache(config: Config) -> None:
-    """JAX's persistent compilation cache: a restarted run loads its compiled steps instead of compiling."""
+    """JAX's persistent compilation cache: a restarted run loads its compiled steps instead of compiling. The
+    default keeps a directory already given to JAX (JAX_COMPILATION_CACHE_DIR, or the caller's jax.config), so
+    the processes of one job, or of a test session, share it."""
     setting = config.run.compilation_cache
-    if setting == "off":
+    if setting == "off" or (not setting and jax.config.jax_compilation_cache_dir):
         return
     directory = Path(setting).expanduser() if setting else cache_root(config.data.cache_dir) / "jax_compilation_cache"
     jax.config.update("jax_compilation_cache_dir", str(directory))

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import struct
+from jax.extend.core import jaxpr_as_fun
 from jax.sharding import Mesh
 
 from llama_jax.config import Config
@@ -258,16 +259,18 @@ class TrainProgram:
 
         # Shapes and logical axis names of the whole state, computed without allocating it; the
         # optimizer moments inherit their parameter's names, so they are sharded alike. Traced for the context
-        # (for a GPU that is not here, cuDNN attention asks jax's checks).
+        # (for a GPU that is not here, cuDNN attention asks jax's checks), and once: the initialisers below
+        # replay this trace's jaxpr instead of tracing the model again, which would cost as long.
         with jax_workarounds.cudnn_checks_answered_by(context.gpu):
-            boxed_shapes = jax.eval_shape(init_state, jax.random.key(0))
+            init_jaxpr, boxed_shapes = jax.make_jaxpr(init_state, return_shape=True)(jax.random.key(0))
+        replay_init, boxes = jaxpr_as_fun(init_jaxpr), jax.tree.structure(boxed_shapes)
         state_shardings = sharding.logical_to_sharding(boxed_shapes, mesh, rules)
         batch_sharding = sharding.batch_sharding(mesh)
 
         def eval_step(params, batch):
             return loss_terms(params, model, batch)
 
-        unboxed = lambda rng: nn.meta.unbox(init_state(rng))  # noqa: E731
+        unboxed = lambda rng: nn.meta.unbox(jax.tree.unflatten(boxes, replay_init(rng)))  # noqa: E731
         dropout_seed = config.seed if adapting and config.peft.dropout > 0 else None
 
         return cls(
