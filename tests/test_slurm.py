@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from conftest import COMPILE_FLAGS
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "launch" / "slurm_emulated.sh"
@@ -58,7 +59,7 @@ def cluster(tmp_path_factory):
         # test_preflight.py) would name a loaded "node" now and then.
         "LLAMA_JAX_PREFLIGHT": "false",
     }
-    env.pop("XLA_FLAGS", None)  # one CPU device per process, as one GPU per task
+    env["XLA_FLAGS"] = COMPILE_FLAGS  # without the device count: one CPU device per process, as one GPU per task
     yield Cluster(directory, env)
     subprocess.run(["bash", str(SCRIPT), "down", str(directory)], capture_output=True, timeout=120)
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from functools import partial
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -519,17 +520,24 @@ def final_loss(cfg: ModelConfig, params, x, targets, loss_mask, context: TraceCo
 
 # ---------------------------------------------------------------------------------------------
 # Sizes and FLOPs
+# abstract_params' traces (one of the model's init, asked for several times per run), by the configs' exact repr.
+_ABSTRACT_PARAMS: dict[str, Any] = {}
 
 
 def abstract_params(cfg: ModelConfig, peft: PeftConfig = PeftConfig()):
     """Shapes (with logical axis names) of the params (with `peft`'s adapters), without allocating them."""
-    tokens = jax.ShapeDtypeStruct((1, 8), jnp.int32)
-    return jax.eval_shape(Llama(cfg, peft=peft).init, jax.random.key(0), tokens)["params"]
+    key = repr((cfg, peft))
+    if key not in _ABSTRACT_PARAMS:
+        if len(_ABSTRACT_PARAMS) >= 64:  # a sweep: many configs, each traced rarely
+            _ABSTRACT_PARAMS.clear()
+        tokens = jax.ShapeDtypeStruct((1, 8), jnp.int32)
+        _ABSTRACT_PARAMS[key] = jax.eval_shape(Llama(cfg, peft=peft).init, jax.random.key(0), tokens)["params"]
+    return _ABSTRACT_PARAMS[key]
 
 
 def param_shapes(cfg: ModelConfig, peft: PeftConfig = PeftConfig()):
-    """abstract_params' ShapeDtypeStructs without their logical names. Not nn.meta.unbox: inside a mesh
-    context (TrainProgram.activate) that applies sharding constraints, which ShapeDtypeStructs cannot take."""
+    """abstract_params' ShapeDtypeStructs without their logical names (not nn.meta.unbox: inside a mesh context
+    it applies sharding constraints, which ShapeDtypeStructs cannot take)."""
     boxed = lambda x: isinstance(x, nn.Partitioned)  # noqa: E731
     return jax.tree.map(
         lambda x: x.unbox(apply_constraint=False) if boxed(x) else x, abstract_params(cfg, peft), is_leaf=boxed
