@@ -270,7 +270,6 @@ def test_a_llama3_recipe_on_two_processes_saves_at_young_daly_and_a_kill_loses_a
         "train.sample_tokens=0",
         f"data.sources=[{llama3_store}]",
         f"data.cache_dir={config_path.parent / 'cache'}",
-        f"run.compilation_cache={config_path.parent / 'jax_cache'}",
         "run.tensorboard=false",
         f"checkpoint.mtbf_hours={mtbf_hours}",
         "checkpoint.keep=50",
