@@ -138,6 +138,20 @@ def run_peer(python: str, preset: str, overrides: list[str], steps: int, compile
         return json.loads(out.read_text())
 
 
+def refuse_bad_settings(preset: str, overrides: list[str], versus: list[str]) -> None:
+    """Every config this run would measure loads, or one line and exit 2 before anything is timed (a bad
+    --versus used to surface as a traceback after minutes of measuring)."""
+    from llama_jax.config import load_config
+    from llama_jax.errors import ConfigError
+
+    for settings in ["", *versus]:
+        try:
+            load_config(preset, [*overrides, *settings.split()])
+        except ConfigError as error:
+            print(f"bench/step.py: {error}" + (f" (in --versus '{settings}')" if settings else ""), file=sys.stderr)
+            sys.exit(2)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="bench")
@@ -161,6 +175,7 @@ def main() -> None:
     parser.add_argument("--json", help="also write the figures here")
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     args = parser.parse_args()
+    refuse_bad_settings(args.preset, args.overrides, args.versus)
 
     ours = measure_ours(args.preset, args.overrides, args.steps)
     results = {"date": datetime.date.today().isoformat(), "cpu": cpu_name(), "cores": os.cpu_count(), "ours": ours}

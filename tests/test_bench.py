@@ -82,3 +82,23 @@ def test_peer_finds_every_preset_without_jax():
             config.train.seq_len,
         ), name
     assert overridden["layers"] == 2
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--versus", "remat.policy=save_dot"], "unknown remat.policy 'save_dot'; valid policies: none, full"),
+        (["model.d_model=-1"], "model.d_model"),
+    ],
+)
+def test_bad_settings_are_one_line_and_exit_2_before_any_timing(args, message):
+    """A config that cannot load (the preset's overrides, or one --versus set) stops bench/step.py at once: one line
+    naming it, exit 2, nothing measured."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "step.py"), "--preset", "tiny", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.count("\n") == 1 and message in proc.stderr and proc.stdout == "", proc.stderr
