@@ -22,12 +22,16 @@ EXTRAS ?= test
 
 .PHONY: train test test-newest gpu-check install clean
 
+# The venv installs with uv (from the package registry, into the venv) where it can: the same packages as pip
+# resolves, in a fifth of the time (14 s instead of 72 s for the newest leg's test,gpu extras on 2 cores, most of
+# it jax's CUDA plugin). Where uv cannot be installed, pip does it all.
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet uv || $(BIN)/python -m pip install --quiet --upgrade pip
 
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install --quiet -e '.[$(EXTRAS)]'
+	if [ -x $(BIN)/uv ]; then $(BIN)/uv pip install --quiet --python $(BIN)/python -e '.[$(EXTRAS)]'; \
+	else $(BIN)/python -m pip install --quiet -e '.[$(EXTRAS)]'; fi
 	touch $@
 
 install: $(VENV)/.installed
