@@ -55,6 +55,7 @@ from llama_jax.distributed.peers import Peers
 from llama_jax.distributed.processes import node_name
 from llama_jax.errors import EXIT_UNHEALTHY, UNHEALTHY_FILE, UnhealthyDevice
 from llama_jax.files import atomic_path, format_ranges
+from llama_jax.perf.hardware import matmul_operands
 from llama_jax.resilience import fleet_rounds
 from llama_jax.resilience.inject import NO_INJECTION, Injector
 
@@ -118,11 +119,8 @@ class Probe:
         self.devices, self.sizes, self.injector = devices, sizes, injector
         self.dtype = jnp.bfloat16 if devices[0].platform != "cpu" else jnp.float32
         n, chain, self.elements = sizes.matmul_n, sizes.matmul_chain, sizes.stream_mib * 2**20 // 4
-        # The matmul's operands are drawn on the first device (a GPU's are 128 MiB each: slow to draw on the host)
-        # and copied to the others, b scaled so that the chain keeps its magnitude.
-        key = jax.device_put(jax.random.key(0), devices[0])
-        a = jax.random.normal(key, (n, n), self.dtype)
-        b = jax.random.normal(jax.random.fold_in(key, 1), (n, n), self.dtype) / np.sqrt(n).astype(self.dtype)
+        # The matmul's operands: drawn on the host once, copied to every device; b keeps the chain's magnitude.
+        a, b = matmul_operands(n, self.dtype)
         # One program each, which jit compiles once per device (in the warm-up below).
         self.matmul = jax.jit(lambda x, y: lax.fori_loop(0, chain, lambda _, z: z @ y, x))
         # The array is made inside the call, so nothing that large is held between calls (8 CPU devices share RAM).

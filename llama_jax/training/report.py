@@ -10,9 +10,6 @@ from __future__ import annotations
 import math
 import pathlib
 
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
-
 from llama_jax.files import atomic_path
 from llama_jax.training.metrics import read_metrics
 
@@ -45,6 +42,11 @@ def write_report(run_dir: pathlib.Path) -> pathlib.Path:
     records = read_metrics(metrics_path)
     if not records:
         raise FileNotFoundError(f"{metrics_path} has no complete records yet: wait for the run to log its first step")
+
+    # Imported here: matplotlib takes ~0.4 s to import, and only the process writing a report needs it (not the
+    # other processes of a job, nor one killed before its end).
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
 
     fig = Figure(figsize=(9, 7), layout="constrained")
     FigureCanvasAgg(fig)  # attaches itself to fig; renders PNG without pyplot
