@@ -8,6 +8,7 @@ import asyncio
 import dataclasses
 import json
 import math
+import re
 import shutil
 import signal
 import subprocess
@@ -22,10 +23,12 @@ import pytest
 import yaml
 from conftest import subprocess_environment, tiny_config, write_tiny_yaml
 
+from llama_jax import cli
 from llama_jax.checkpoint import durable
 from llama_jax.checkpoint.checkpointer import Checkpointer, Tiers
 from llama_jax.checkpoint.durable import latest_checkpoint_step
 from llama_jax.errors import EXIT_HANG, EXIT_PREEMPTED
+from llama_jax.resilience.goodput import START_PARTS
 from llama_jax.training.loop import train
 from llama_jax.training.metrics import read_metrics
 from llama_jax.training.run import load_checkpoint
@@ -92,7 +95,7 @@ def straight(shared, tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_kill_9_at_a_random_step_then_resume_is_bitwise_identical(shared, straight, tmp_path):
+def test_kill_9_at_a_random_step_then_resume_is_bitwise_identical(shared, straight, tmp_path, capsys):
     run_dir = tmp_path / "run"
     kill_at = int(np.random.default_rng().integers(3, STEPS - 2))
     # The tiny steps take milliseconds, so the run is held at kill_at (an injected hang) to make the
@@ -119,6 +122,21 @@ def test_kill_9_at_a_random_step_then_resume_is_bitwise_identical(shared, straig
     assert losses(run_dir) == losses(straight)
     goodput = json.loads((run_dir / "goodput.json").read_text())
     assert len(goodput["attempts"]) == 2
+    # Each start, part by part: from the command's start to the loop's (imports .. restore, the restored state
+    # placed), these parts are the restart bucket less the gap before it, plus what begin() found charged already.
+    killed, resumed_attempt = goodput["attempts"]
+    start, buckets = resumed_attempt["start"], resumed_attempt["buckets"]
+    assert [p for p in START_PARTS if p in start] == [p for p in START_PARTS if p != "preflight"]  # no pre-flight
+    assert 0 <= start["launch"] < 30 and start["restore"] > 0 and start["first_step"] > 0
+    gap = resumed_attempt["started_at"] - killed["last_alive"]
+    setup_compile = buckets["compile"] - start["first_step"]
+    assert sum(start[p] for p in START_PARTS[1:-1] if p in start) == pytest.approx(
+        buckets["restart"] - gap + setup_compile + buckets["checkpoint_restore"], abs=0.01
+    )
+    assert cli.main(["goodput", "tiny", "--gpus", "8", "--from", str(run_dir)]) == 0
+    shown = capsys.readouterr().out.splitlines()[-1]
+    assert shown.startswith("  start parts (s, median of 1 restarts): detection ")
+    assert re.findall(r"(\w+) \d+\.\d\d", shown) == ["detection", *(p for p in START_PARTS if p in start)]
 
 
 @pytest.mark.slow

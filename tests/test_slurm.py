@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 from conftest import COMPILE_FLAGS
 
+from llama_jax.resilience.goodput import START_PARTS
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "launch" / "slurm_emulated.sh"
 NODES = 3
@@ -172,6 +174,11 @@ def test_a_killed_task_restarts_the_step_inside_the_allocation_and_resumes_exact
     assert job["JobState"] == "COMPLETED" and job["Restarts"] == "0", log[-3000:]  # the same allocation throughout
     assert "llama-jax supervise: start #2" in log and "resumed from" in log, log[-3000:]
     assert losses(run_dir) == uninterrupted
+    # The restart inside the allocation, part by part (goodput.json, written by process 0): every process joined
+    # the run again (distributed_init) and restored before its first step (no pre-flight here: the fixture's).
+    restarted = json.loads((run_dir / "goodput.json").read_text())["attempts"][-1]["start"]
+    assert list(restarted) == [p for p in START_PARTS if p != "preflight"], restarted
+    assert restarted["distributed_init"] > 0 and restarted["restore"] > 0
 
 
 def test_sigterm_to_the_batch_script_saves_requeues_and_the_job_resumes_exactly(cluster, uninterrupted, tmp_path):

@@ -254,7 +254,13 @@ def cmd_goodput(ns: argparse.Namespace) -> int:
         **given,
     )
     report = projection.report(inputs)
-    print(projection.report_json(report) if ns.json else projection.format_report(report, source or "tiny", inputs))
+    parts = projection.start_parts(Path(ns.run_dir)) if ns.run_dir else {}
+    if ns.json:
+        print(projection.report_json(report | ({"start_parts": parts} if parts else {})))
+    else:
+        print(projection.format_report(report, source or "tiny", inputs))
+        if parts:
+            print(projection.format_start_parts(parts))
     return 0
 
 

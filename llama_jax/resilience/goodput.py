@@ -35,6 +35,54 @@ BUCKETS = (
 )
 
 
+# A start (the first, or a restart), part by part, in the order a process goes through them; kept with each attempt
+# in goodput.json ("start") and shown by `llama-jax goodput --from`. "launch" (the process's start by the OS to the
+# command's) lies before the attempt's started_at, inside the gap after a failure; "compile" is Run.setup's (the
+# step's ahead-of-time compile, or its load from the persistent cache); "loop_setup" the loop's own parts (the
+# checkpointer, the metrics log, the peak FLOP/s); "first_step" the first step's own time.
+START_PARTS = (
+    "launch",
+    "imports",
+    "distributed_init",
+    "data",
+    "preflight",
+    "compile",
+    "loop_setup",
+    "restore",
+    "first_step",
+)
+
+
+class StartClock:
+    """The parts of this process's start, each the wall time since the previous mark (START_PARTS names them)."""
+
+    def __init__(self, started_at: float, now: Callable[[], float] = time.time):
+        self.started_at, self.now, self._last = started_at, now, started_at
+        self.parts: dict[str, float] = {}
+        launched = process_started_at()
+        if launched is not None:
+            self.parts["launch"] = max(0.0, started_at - launched)
+
+    def mark(self, part: str) -> None:
+        """`part` ends now (it began at the previous mark)."""
+        if part not in START_PARTS:
+            raise ValueError(f"unknown start part {part!r}; one of {', '.join(START_PARTS)}")
+        now = self.now()
+        self.parts[part] = self.parts.get(part, 0.0) + max(0.0, now - self._last)
+        self._last = now
+
+
+def process_started_at() -> float | None:
+    """When the OS started this process (wall clock, 10 ms resolution): its start in clock ticks since boot
+    (/proc/self/stat, field 22) against the time since boot now. None where there is no /proc."""
+    try:
+        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()  # the fields after the name
+        age = time.clock_gettime(time.CLOCK_BOOTTIME) - int(fields[19]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, AttributeError):  # AttributeError: no CLOCK_BOOTTIME here
+        return None
+    return time.time() - age
+
+
 class Goodput:
     """Effective training time across restarts, kept in <run_dir>/goodput.json (written atomically by process 0).
 
@@ -90,6 +138,10 @@ class Goodput:
                 self.add("restart", current["started_at"] - last["last_alive"])
         self.flush()
         self._step_start, self._paused = self.clock(), 0.0
+
+    def start_parts(self, parts: dict[str, float]) -> None:
+        """Where this attempt's start went (StartClock.parts), kept with it; begin() flushes it."""
+        self.current["start"] = dict(parts)
 
     def add(self, bucket: str, seconds: float) -> None:
         if bucket not in BUCKETS:
@@ -185,6 +237,7 @@ class Goodput:
         self.add("data_wait", data_wait)
         if compiled:
             self.add("compile", seconds - data_wait)
+            self.current.setdefault("start", {})["first_step"] = seconds - data_wait
         else:
             self.step_done(step, seconds - data_wait)
         return seconds

@@ -20,7 +20,7 @@ from llama_jax.errors import InputError
 from llama_jax.model.flops import train_flops_per_token
 from llama_jax.model.llama import param_count
 from llama_jax.perf.hardware import NIC_GBS, table_peak_flops
-from llama_jax.resilience.goodput import read_attempts, summarize
+from llama_jax.resilience.goodput import START_PARTS, read_attempts, summarize
 from llama_jax.training.goodput_model import (
     LLAMA3_FAILURES_PER_GPU_HOUR,
     LLAMA3_MIX,
@@ -91,6 +91,29 @@ def measured(run_dir: Path) -> dict[str, tuple[float, str]]:
     if summary["productive"] > 0:
         found["steady_overhead"] = (sum(summary[b] for b in MEASURED_BUCKETS) / summary["productive"], where)
     return found
+
+
+def start_parts(run_dir: Path) -> dict[str, Any]:
+    """Where a run's restarts went, part by part (goodput.json's "start" of each attempt after a failure; the first
+    start's where nothing failed): the median of each part, "detection" first (the failed attempt's last sign of
+    life to the new process's launch: the hang or exit noticed, the processes torn down, the backoff). {} for a
+    run that recorded no parts."""
+    attempts = read_attempts(Path(run_dir) / "goodput.json")
+    after = [(prev, a) for prev, a in zip(attempts, attempts[1:]) if prev.get("outcome") != "finished" and "start" in a]
+    starts = [a["start"] for _, a in after] or [a["start"] for a in attempts[:1] if "start" in a]
+    if not starts:
+        return {}
+    gaps = [max(0.0, a["started_at"] - p["last_alive"] - a["start"].get("launch", 0.0)) for p, a in after]
+    parts = {"detection": statistics.median(gaps)} if gaps else {}
+    for part in START_PARTS:
+        if seen := [s[part] for s in starts if part in s]:
+            parts[part] = statistics.median(seen)
+    return {"of": f"median of {len(after)} restarts" if after else "the first start", "seconds": parts}
+
+
+def format_start_parts(parts: dict[str, Any]) -> str:
+    shown = ", ".join(f"{k} {v:.2f}" for k, v in parts["seconds"].items())
+    return f"  start parts (s, {parts['of']}): {shown}"
 
 
 def mix_with_host_loss_share(share: float) -> dict[str, float]:

@@ -36,6 +36,7 @@ from llama_jax.errors import EXIT_OK, EXIT_PREEMPTED, LAUNCHED_BY, ConfigError, 
 from llama_jax.files import unwritable
 from llama_jax.resilience import preflight
 from llama_jax.resilience.flight import FlightRecorder
+from llama_jax.resilience.goodput import StartClock
 from llama_jax.resilience.inject import Injector
 from llama_jax.training.loop_parts import Loop
 from llama_jax.training.run import Run
@@ -51,8 +52,11 @@ def train(
     (one line) on bad input before anything in run.dir is written, and CoordinatorUnavailable when the
     coordinator does not answer. `devices` (default: all) is for tests on part of the devices.
     """
-    started_at = started_at or time.time()  # goodput counts the start-up as restart overhead
+    # Goodput counts the start-up as restart overhead, and keeps where it went part by part.
+    clock = StartClock(started_at or time.time())
+    clock.mark("imports")
     processes.initialize(config.run)  # before anything touches the devices
+    clock.mark("distributed_init")
     if problem := unwritable(Path(config.run.dir)):  # before anything compiles: one line, exit 2
         raise ConfigError(
             f"run.dir {config.run.dir} cannot be written: {problem}; choose a run.dir on a writable filesystem"
@@ -81,28 +85,31 @@ def train(
         client=peers.client,
     )
     with peers.recorder:
-        return _train(config, peers, print_fn, devices, started_at, injector)
+        return _train(config, peers, print_fn, devices, clock, injector)
 
 
 def _train(
-    config: Config, peers: Peers, print_fn: Callable[[str], None], devices, started_at: float, injector: Injector
+    config: Config, peers: Peers, print_fn: Callable[[str], None], devices, clock: StartClock, injector: Injector
 ) -> dict:
     f = config.fault
     peers.recorder.record("setup", "building the mesh and opening the data")
     mesh = sharding.make_mesh(config, devices=devices)
     # Process 0 prepares raw sources into the cache first, so processes sharing it never race.
     data = primary_first(lambda: open_data(config, print_fn=print_fn), (InputError,), peers)
+    clock.mark("data")
     if f.preflight:  # a slow or faulty device is named before the step compiles or a checkpoint restores (exit 71)
         report = preflight.check(config, mesh, peers, print_fn, injector)
         print_fn(preflight.summary(report))
         preflight.enforce(report, Path(config.run.dir), create=True, peers=peers)  # a starting run: may make run.dir
+        clock.mark("preflight")
     peers.recorder.record("setup", "compiling the train step")
     run = Run.setup(config, mesh, data, peers)
+    clock.mark("compile")
     if config.train.microbatches == "auto":
         print_fn(
             f"train.microbatches=auto: {run.config.train.microbatches}, the fewest whose step fits run.device_memory_gb"
         )
-    return execute(run, print_fn, started_at, injector)
+    return execute(run, print_fn, clock, injector)
 
 
 def _warnings_only(print_fn: Callable[[str], None]) -> Callable[[str], None]:
@@ -118,7 +125,7 @@ def _warnings_only(print_fn: Callable[[str], None]) -> Callable[[str], None]:
 
 
 def execute(
-    run: Run, print_fn: Callable[[str], None] = print, started_at: float | None = None, injector: Injector | None = None
+    run: Run, print_fn: Callable[[str], None] = print, clock: StartClock | None = None, injector: Injector | None = None
 ) -> dict:
     """The training loop. Returns a summary: eval losses, throughput, MFU, goodput and the exit code
     (0, or EXIT_PREEMPTED after a SIGTERM/SIGINT made it save and stop)."""
@@ -127,7 +134,7 @@ def execute(
     if run.start.step and run.start.step >= t.steps:
         print_fn(f"{run_dir} is already trained to step {run.start.step}; raise train.steps to continue")
         return summary
-    loop = Loop.open(run, print_fn, started_at or time.time(), injector)
+    loop = Loop.open(run, print_fn, clock or StartClock(time.time()), injector)
     try:
         with loop.watchdog, loop.preemption, run.program.activate(), loop.log, loop.profiler:
             state, data_step = loop.restore()

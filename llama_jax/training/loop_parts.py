@@ -31,7 +31,7 @@ from llama_jax.model import remat
 from llama_jax.model.llama import param_count
 from llama_jax.perf.hardware import mfu_peaks
 from llama_jax.perf.profiler import StepProfiler
-from llama_jax.resilience.goodput import Goodput, format_goodput
+from llama_jax.resilience.goodput import Goodput, StartClock, format_goodput
 from llama_jax.resilience.guards import SpikeGuard
 from llama_jax.resilience.inject import Injector
 from llama_jax.resilience.preemption import PreemptionGuard
@@ -74,6 +74,7 @@ class Loop:
     log: MetricsLog  # also the voice of the loop: log.message prints without breaking the progress bar
     checkpointer: Checkpointer
     goodput: Goodput
+    clock: StartClock  # this process's start, part by part (goodput.json keeps it with the attempt)
     meter: ThroughputMeter
     guard: SpikeGuard
     stragglers: StragglerDetector
@@ -92,7 +93,7 @@ class Loop:
 
     @classmethod
     def open(
-        cls, run: Run, print_fn: Callable[[str], None], started_at: float, injector: Injector | None = None
+        cls, run: Run, print_fn: Callable[[str], None], clock: StartClock, injector: Injector | None = None
     ) -> Loop:
         """Write the run's config and tokenizer and start every part (Run.setup has checked the input). `injector`:
         the one train() built, else one from the config."""
@@ -126,7 +127,8 @@ class Loop:
                 run=run,
                 log=log,
                 checkpointer=checkpointer,
-                goodput=Goodput(run_dir, started_at, write=primary, print_fn=log.message),
+                goodput=Goodput(run_dir, clock.started_at, write=primary, print_fn=log.message),
+                clock=clock,
                 meter=ThroughputMeter(
                     t.batch_size * t.seq_len, model_flops_per_token(config), peaks, mesh.devices.size
                 ),
@@ -159,6 +161,7 @@ class Loop:
             log.close()  # the loop never started: nothing else will close it
             raise
         loop.goodput.add("compile", run.compile_seconds)  # Run.setup compiled the step to check its memory
+        clock.mark("loop_setup")
         return loop
 
     def restore(self) -> tuple[TrainState, int]:
@@ -186,6 +189,8 @@ class Loop:
     def begin(self, state: TrainState, step: int, data_step: int, summary: dict) -> Iterator[dict]:
         """Goodput's clock starts; a new run is evaluated first; the loader starts at the data position."""
         config, self.first_step = self.run.config, step + 1
+        self.clock.mark("restore")  # and the restored state placed in its shards (start_state)
+        self.goodput.start_parts(self.clock.parts)
         self.goodput.begin(step)
         with self.goodput.pause(None):  # not part of the first step's time
             if step == 0:
