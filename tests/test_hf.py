@@ -12,6 +12,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from conftest import COMPILE_FLAGS
 from safetensors.numpy import load_file
 
 from llama_jax import api, cli
@@ -321,7 +322,7 @@ def test_colab_notebook_runs_on_every_device(tmp_path, monkeypatch):
     notebook = nbformat.read(Path(__file__).resolve().parents[1] / "examples" / "colab.ipynb", as_version=4)
     monkeypatch.setenv("LLAMA_JAX_NOTEBOOK_STEPS", "6")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    monkeypatch.setenv("XLA_FLAGS", f"--xla_force_host_platform_device_count=8 {COMPILE_FLAGS}")  # the suite's compiles
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
     NotebookClient(
         notebook, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
