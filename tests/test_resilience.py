@@ -16,7 +16,7 @@ from llama_jax.checkpoint.durable import check_model, model_differences
 from llama_jax.checkpoint.interval import STEADY_STEPS, Figures, Interval, auto_checkpoint_steps, young_daly_interval_s
 from llama_jax.errors import EXIT_HANG, EXIT_PREEMPTED, ConfigError
 from llama_jax.files import format_ranges
-from llama_jax.resilience.goodput import Goodput, format_goodput, observed_mtbf_s
+from llama_jax.resilience.goodput import Goodput, StartClock, format_goodput, observed_mtbf_s, process_started_at
 from llama_jax.resilience.guards import SpikeGuard
 from llama_jax.resilience.preemption import PreemptionGuard
 from llama_jax.resilience.stragglers import HostScores, StragglerDetector
@@ -309,6 +309,23 @@ def test_the_step_clock_leaves_pauses_out_of_step_times_and_charges_them(tmp_pat
     assert buckets["compile"] == 29.5 and buckets["data_wait"] == 0.75
     assert buckets["eval"] == 4.0 and buckets["checkpoint_save"] == 3.0
     assert buckets["productive"] == 1.75 + 2.0 and goodput.current["timed_steps"] == 2
+
+
+def test_a_start_is_kept_part_by_part_and_a_launch_only_for_a_launched_process():
+    """Each mark is the time since the previous one; a process launched for the run (the command line) also
+    counts from its start by the OS, one called from a longer-lived process (the API) does not."""
+    times = iter([101.0, 101.5, 103.0, 104.5])
+    clock = StartClock(100.0, now=lambda: next(times))
+    clock.mark("imports")
+    clock.mark("compile")
+    clock.mark("restore")
+    clock.mark("restore")  # a part marked twice adds up
+    assert clock.parts == {"imports": 1.0, "compile": 0.5, "restore": 3.0}
+    with pytest.raises(ValueError, match="unknown start part 'warmup'"):
+        clock.mark("warmup")
+    assert 0 <= time.time() - process_started_at() < 3600  # this test process, started by the OS a moment ago
+    launched = StartClock(time.time(), launched=True).parts["launch"]
+    assert 0 <= launched == pytest.approx(time.time() - process_started_at(), abs=0.05)
 
 
 def test_observed_mtbf(tmp_path):

@@ -54,14 +54,16 @@ START_PARTS = (
 
 
 class StartClock:
-    """The parts of this process's start, each the wall time since the previous mark (START_PARTS names them)."""
+    """The parts of this process's start, each the wall time since the previous mark (START_PARTS names them).
+    `launched`: the process was started for this run (the command line), so its launch is part of the start; a
+    run called from a longer-lived process (the Python API, a notebook) has none."""
 
-    def __init__(self, started_at: float, now: Callable[[], float] = time.time):
+    def __init__(self, started_at: float, launched: bool = False, now: Callable[[], float] = time.time):
         self.started_at, self.now, self._last = started_at, now, started_at
         self.parts: dict[str, float] = {}
-        launched = process_started_at()
-        if launched is not None:
-            self.parts["launch"] = max(0.0, started_at - launched)
+        process_start = process_started_at() if launched else None
+        if process_start is not None:
+            self.parts["launch"] = max(0.0, started_at - process_start)
 
     def mark(self, part: str) -> None:
         """`part` ends now (it began at the previous mark)."""

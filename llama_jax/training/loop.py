@@ -52,8 +52,9 @@ def train(
     (one line) on bad input before anything in run.dir is written, and CoordinatorUnavailable when the
     coordinator does not answer. `devices` (default: all) is for tests on part of the devices.
     """
-    # Goodput counts the start-up as restart overhead, and keeps where it went part by part.
-    clock = StartClock(started_at or time.time())
+    # Goodput counts the start-up as restart overhead, and keeps where it went part by part (the command line
+    # passes started_at: the process was launched for this run).
+    clock = StartClock(started_at, launched=True) if started_at else StartClock(time.time())
     clock.mark("imports")
     processes.initialize(config.run)  # before anything touches the devices
     clock.mark("distributed_init")
