@@ -1,7 +1,8 @@
 """The peer: the same model and optimizer step in Hugging Face transformers + PyTorch, timed the way
 bench/step.py times ours. Run by bench/step.py in the same invocation (or alone):
 
-    .venv/bin/python bench/peer.py [--preset bench] [--steps 5] [--compile] [--json out.json] [key=value ...]
+    .venv/bin/python bench/peer.py [--preset bench] [--steps 5] [--compile] [--profile N] [--json out.json] \\
+        [key=value ...]
 
 Needs torch and transformers (`pip install torch transformers`; on this CPU machine
 `pip install torch==2.13.0` takes the local CPU build), not JAX nor an installed llama-jax: the model and
@@ -46,7 +47,7 @@ def model_dimensions(preset: str, overrides: list[str] | tuple[str, ...] = ()) -
     }
 
 
-def measure(dims: dict, steps: int, warmup: int, compiled: bool) -> dict:
+def measure(dims: dict, steps: int, warmup: int, compiled: bool, profile: int = 0) -> dict:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -99,6 +100,34 @@ def measure(dims: dict, steps: int, warmup: int, compiled: bool) -> dict:
         "tokens_per_s": dims["batch"] * dims["seq"] / seconds,
         "torch": torch.__version__,
         "params": sum(p.numel() for p in model.parameters()),
+    } | ({"profile": profile_steps(step, profile)} if profile else {})
+
+
+# torch's CPU ops by what they compute: its matmuls (the linear layers' and the loss's), its attention kernel.
+MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm")
+ATTENTION_OPS = ("_scaled_dot_product", "_flash_attention")
+
+
+def profile_steps(step, steps: int, top: int = 12) -> dict:
+    """Where `steps` eager steps spend their time, per step, by torch.profiler: every op's own time (the time in
+    it less its children's; on a CPU the ops run one after another on the calling thread, so they add up to the
+    step), its matmuls and attention apart, and the `top` ops."""
+    import torch
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+        wall = (time.perf_counter() - start) / steps
+    ops = {e.key: e.self_cpu_time_total / 1e6 / steps for e in prof.key_averages()}
+    matmul = sum(v for k, v in ops.items() if k in MATMUL_OPS)
+    attention = sum(v for k, v in ops.items() if any(a in k for a in ATTENTION_OPS))
+    return {
+        "step_s": wall,
+        "ops_s": sum(ops.values()),
+        "matmul_s": matmul,
+        "attention_s": attention,
+        "top": sorted(ops.items(), key=lambda kv: -kv[1])[:top],
     }
 
 
@@ -108,6 +137,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--compile", action="store_true", help="also measure torch.compile")
+    parser.add_argument("--profile", type=int, default=0, metavar="N", help="then profile N eager steps (torch)")
     parser.add_argument("--json", help="write the figures here")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="as for bench/step.py and llama-jax train")
     args = parser.parse_args()
@@ -120,7 +150,7 @@ def main() -> None:
         "overrides": args.overrides,
         "dims": dims,
         "transformers": transformers.__version__,
-        "eager": measure(dims, args.steps, args.warmup, compiled=False),
+        "eager": measure(dims, args.steps, args.warmup, compiled=False, profile=args.profile),
     }
     if args.compile:
         try:
@@ -136,6 +166,14 @@ def main() -> None:
             )
         elif mode in results:
             print(f"peer {mode}: failed: {results[mode]['error']}")
+    if profile := results["eager"].get("profile"):
+        share = lambda s: f"{s * 1e3:.1f} ms ({s / profile['step_s']:.0%})"  # noqa: E731
+        print(
+            f"peer eager profile, per step: {profile['step_s'] * 1e3:.1f} ms; ops {share(profile['ops_s'])}, "
+            f"matmuls {share(profile['matmul_s'])}, attention {share(profile['attention_s'])}"
+        )
+        for name, seconds in profile["top"]:
+            print(f"  {share(seconds):>16}  {name}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
 

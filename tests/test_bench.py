@@ -55,6 +55,24 @@ def test_step_runs_the_peer_on_the_same_model():
     assert peer["eager"]["tokens_per_s"] > 0 and peer["eager"]["params"] > 0
 
 
+@pytest.mark.skipif(bool(MISSING), reason="torch and transformers not installed here: no PyTorch step to profile")
+def test_the_peer_profile_accounts_for_its_step(tmp_path):
+    """bench/peer.py --profile: torch.profiler's op times of an eager step add up to about the step (its ops run one
+    after another on the calling thread), with the matmuls inside them."""
+    out = tmp_path / "peer.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "peer.py"), "--preset", "tiny", "--steps", "1", "--warmup", "1"]
+        + ["--profile", "2", "--json", str(out), *SMALL],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    profile = json.loads(out.read_text())["eager"]["profile"]
+    assert 0 < profile["matmul_s"] < profile["ops_s"] <= 1.05 * profile["step_s"]
+    assert "peer eager profile, per step:" in proc.stdout and len(profile["top"]) == 12
+
+
 def test_peer_finds_every_preset_without_jax():
     """bench/peer.py's dimensions come from llama_jax.config, in a process that imports no JAX (the peer's interpreter
     may have none): every preset by name, with key=value overrides on top."""

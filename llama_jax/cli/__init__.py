@@ -21,6 +21,7 @@ import argparse
 import os
 import sys
 import time
+import traceback
 
 from llama_jax.cli import models, planning, records, train
 from llama_jax.errors import EXIT_PEER_TIMEOUT, LlamaJaxError
@@ -71,8 +72,24 @@ def main(argv: list[str] | None = None) -> int:
     except LlamaJaxError as err:
         _error(str(err))
         if err.exit_code == EXIT_PEER_TIMEOUT:
-            # JAX's exit handler waits for every process at a shutdown barrier, which the absent one will
-            # never reach: leave without it, so the supervisor can restart this process now.
-            sys.stdout.flush(), sys.stderr.flush()
-            os._exit(err.exit_code)
+            _leave_now(err.exit_code)
         return err.exit_code
+    except Exception:
+        if not _joined_a_multiprocess_run():
+            raise
+        # Most often a process of the run is gone and this one's collectives failed: the same wait as above.
+        traceback.print_exc()
+        _leave_now(1)
+
+
+def _joined_a_multiprocess_run() -> bool:
+    jax = sys.modules.get("jax")  # never imported for `--help`
+    return jax is not None and jax.distributed.is_initialized()
+
+
+def _leave_now(status: int) -> None:
+    """Exit without JAX's exit handler, which waits at a shutdown barrier for every process of the run: one that is
+    gone never reaches it, and this process would wait until the scheduler kills it (Slurm's KillWait) instead of
+    letting the supervisor restart the run now."""
+    sys.stdout.flush(), sys.stderr.flush()
+    os._exit(status)
