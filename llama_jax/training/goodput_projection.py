@@ -49,6 +49,15 @@ BACKOFF_S = 10.0  # `llama-jax supervise --backoff` default
 MEASURED_BUCKETS = ("data_wait", "eval", "other", "straggler")  # the steady overhead, failures or not
 
 
+def restarts_of(attempts: list[dict[str, Any]]) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """(failed attempt, the attempt that restarted it) pairs (a finished attempt's successor is a new run)."""
+    return [
+        (previous, attempt)
+        for previous, attempt in zip(attempts, attempts[1:])
+        if previous.get("outcome") != "finished"
+    ]
+
+
 def measured(run_dir: Path) -> dict[str, tuple[float, str]]:
     """Costs a run measured, from its goodput.json: name -> (value, source). Restarts: for each attempt that
     followed a failure, the gap from the failed attempt's last sign of life to the new start (detection, backoff)
@@ -77,9 +86,7 @@ def measured(run_dir: Path) -> dict[str, tuple[float, str]]:
         if entry and entry["count"]:
             found[name] = (entry["seconds"] / entry["count"], where)
     gaps, restarts = [], []
-    for previous, attempt in zip(attempts, attempts[1:]):
-        if previous.get("outcome") == "finished":
-            continue
+    for previous, attempt in restarts_of(attempts):
         gap = max(0.0, attempt["started_at"] - previous["last_alive"])
         gaps.append(gap)
         restarts.append(max(0.0, attempt["buckets"]["restart"] - gap) + attempt["buckets"]["compile"])
@@ -99,7 +106,7 @@ def start_parts(run_dir: Path) -> dict[str, Any]:
     life to the new process's launch: the hang or exit noticed, the processes torn down, the backoff). {} for a
     run that recorded no parts."""
     attempts = read_attempts(Path(run_dir) / "goodput.json")
-    after = [(prev, a) for prev, a in zip(attempts, attempts[1:]) if prev.get("outcome") != "finished" and "start" in a]
+    after = [(previous, a) for previous, a in restarts_of(attempts) if "start" in a]
     starts = [a["start"] for _, a in after] or [a["start"] for a in attempts[:1] if "start" in a]
     if not starts:
         return {}
