@@ -146,8 +146,23 @@ def average(
     config = inference_config(model, overrides, batches=False)
     processes.initialize(config.run)
     Peers(config.fault.barrier_timeout_s).barrier("llama-jax average")  # every process has checked `out`
+    return write_average(run, chosen, target, config, inference_mesh(config, devices), print_fn)
+
+
+def average_decay_phase(run_dir: Path, steps: list[int], devices, print_fn: Callable[[str], None]) -> Path:
+    """checkpoint.average_decay at the end of a run: its decay phase's checkpoints `steps` averaged into
+    run_dir/averaged (every process of the run calls it, after the last save)."""
+    config = inference_config(checked_model(run_dir, steps), batches=False)
+    return write_average(run_dir, steps, run_dir / "averaged", config, inference_mesh(config, devices), print_fn)
+
+
+def write_average(
+    run: Path, chosen: list[int], target: Path, config: Any, mesh: Any, print_fn: Callable[[str], None]
+) -> Path:
+    """The mean of checkpoints `chosen` of `run` on `mesh`, written to `target` with the run's tokenizer."""
+    model = config.model
     step_dirs = [(run / "checkpoints" / str(step)).absolute() for step in chosen]
-    params = mean_params(step_dirs, param_target(config, inference_mesh(config, devices)))
+    params = mean_params(step_dirs, param_target(config, mesh))
     meta = {
         "config": {"model": dataclasses.asdict(model)},
         "source": str(run.absolute()),

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import orbax.checkpoint as ocp
+from orbax.checkpoint import checkpoint_managers as preservation
 
 from llama_jax.checkpoint.durable import ITEMS, check_model, read_meta, read_step, saved_layer_order
 from llama_jax.checkpoint.interval import DEFAULT_MTBF_S, Figures, Interval
@@ -114,10 +115,13 @@ class Checkpointer:
         peers: Peers | None = None,
         print_fn: Callable[[str], None] = print,
         injector: Injector = NO_INJECTION,
+        keep_steps: tuple[int, ...] = (),
     ):
         """`tiers`: where the checkpoints are; `identity`: what steps are saved with and must hold (Identity; by
         default any step); `peers`: the other processes, every shared decision goes through them; `injector`
-        (resilience/inject.py, testing only) may delay this process's saves or fail its writes."""
+        (resilience/inject.py, testing only) may delay this process's saves or fail its writes; `keep_steps`: steps
+        saved when reached and never deleted (checkpoint.average_decay's)."""
+        self.keep_steps = tuple(keep_steps)
         identity = identity or Identity()
         run_dir = Path(tiers.run_dir)
         self.config, self.meta, self.print_fn, self.local = config, identity.meta, print_fn, tiers.local
@@ -142,11 +146,15 @@ class Checkpointer:
         self.manager = self._open()
 
     def _open(self) -> ocp.CheckpointManager:
+        if self.keep_steps:  # the newest `keep`, every keep_every-th, and keep_steps, each kept by its own rule
+            kept = [preservation.LatestN(self.config.keep), preservation.CustomSteps(list(self.keep_steps))]
+            if self.config.keep_every:
+                kept.append(preservation.EveryNSteps(self.config.keep_every))
+            retention = dict(preservation_policy=preservation.AnyPreservationPolicy(kept))
+        else:
+            retention = dict(max_to_keep=self.config.keep, keep_period=self.config.keep_every or None)
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=self.config.keep,
-            keep_period=self.config.keep_every or None,
-            enable_async_checkpointing=self.config.async_save,
-            create=True,
+            **retention, enable_async_checkpointing=self.config.async_save, create=True
         )
         return ocp.CheckpointManager(self.directory, options=options, item_names=ITEMS)
 
@@ -160,7 +168,7 @@ class Checkpointer:
         it after every step, with `read`, the newest step whose result it has in hand; with a time interval
         process 0's clock decides (see _time_due)."""
         time_due = self._time_due(step, read)  # asked on every step: process 0 announces ahead
-        return time_due or self.durable.due(step, self.timed_steps)
+        return time_due or self.durable.due(step, self.timed_steps) or step in self.keep_steps
 
     def _time_due(self, step: int, read: int) -> bool:
         """checkpoint.every_minutes, decided by process 0's clock ahead of the steps it decides for: after

@@ -5,6 +5,7 @@
                 policies, peft methods, the model fields a checkpoint must agree on
     checks.py   the checks of values that depend on each other (one ConfigError line each)
     load.py     a preset (presets/*.yaml) or YAML file plus key=value overrides -> a checked Config
+    stages.py   a staged run's stages (train.stages), each a Config of its own
     presets/    tiny (the default), bench, and the Llama 3 recipes
 
 The bottom of the package: it imports nothing of llama_jax but errors.py and files.py. The names below are the ones
@@ -24,6 +25,7 @@ from llama_jax.config.schema import (
     PeftConfig,
     RematConfig,
     RunConfig,
+    StageConfig,
     TrainConfig,
 )
 
@@ -38,6 +40,7 @@ __all__ = [
     "PeftConfig",
     "RematConfig",
     "RunConfig",
+    "StageConfig",
     "TrainConfig",
     "all_keys",
     "load_config",

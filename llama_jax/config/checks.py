@@ -5,8 +5,10 @@ and exits 2 before anything is written). `validate` runs them all; load.py calls
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
+from llama_jax.config import stages as staging
 from llama_jax.config.choices import (
     ATTENTION_IMPLEMENTATIONS,
     BAD_RECORD_ACTIONS,
@@ -134,6 +136,7 @@ BOUNDS: dict[str, Bound] = {
     "checkpoint.every_steps": Bound(0, means="only at the end", word="auto"),
     "checkpoint.every_minutes": Bound(0, means="off"),
     "checkpoint.keep": POSITIVE,
+    "checkpoint.average_decay": Bound(0, means="none"),
     "checkpoint.keep_every": Bound(0, means="no milestones"),
     # An MTBF of 0 has no meaning: the default, the MTBF this run observes (else 3 h), is the word "observed".
     "checkpoint.mtbf_hours": Bound(0, above=True, word="observed"),
@@ -261,6 +264,48 @@ def validate(config: Config) -> None:
         config.peft.method == "none" or config.mesh.pipeline == 1,
         f"peft.method={config.peft.method} with mesh.pipeline={config.mesh.pipeline}: adapters train without "
         "pipeline stages; shard the frozen model with mesh.fsdp and mesh.tensor",
+    )
+    _check_stages(config)
+    _check_average_decay(config)
+
+
+def _check_stages(config: Config) -> None:
+    """Each later stage's whole config passes the checks of a run's, its line saying which stage it is."""
+    if not config.train.stages:
+        return
+    for stage in staging.resolve(config)[1:]:
+        train = dataclasses.replace(stage.config.train, stages=[])
+        try:
+            validate(dataclasses.replace(stage.config, train=train))
+        except ConfigError as err:
+            raise ConfigError(
+                f"train.stages[{stage.listed - 1}] ({stage.name}, from step {stage.first_step}): {err}"
+            ) from None
+
+
+def _check_average_decay(config: Config) -> None:
+    """checkpoint.average_decay: two or more distinct checkpoints of a decay phase."""
+    count, decay = config.checkpoint.average_decay, config.train.resolved_decay_steps
+    if not count:
+        return
+    _require(
+        count >= 2,
+        "checkpoint.average_decay=1 averages one checkpoint, which is that checkpoint; average 2 or more (0: none)",
+    )
+    _require(
+        decay > 0,
+        f"checkpoint.average_decay={count} averages the decay phase's checkpoints, and the run has no decay phase; "
+        "set train.decay_fraction (e.g. 0.1) or train.decay_steps",
+    )
+    _require(
+        config.peft.method == "none",
+        f"checkpoint.average_decay with peft.method={config.peft.method}: the mean of adapters is not the mean of the "
+        "adapted models; average a run that trains the whole model (0: none)",
+    )
+    _require(
+        count <= decay,
+        f"checkpoint.average_decay={count} checkpoints of a decay phase of {decay} step(s): average at most {decay}, "
+        "one per step, or lengthen the decay phase (train.decay_steps)",
     )
 
 

@@ -119,6 +119,8 @@ def _parse(key: str, kind: Any, value: Any, origin: str) -> Any:
     """One value as written (text; a list of texts from YAML) -> the schema type `kind` of `key`."""
     if typing.get_origin(kind) is list:
         (item,) = typing.get_args(kind)
+        if dataclasses.is_dataclass(item):  # train.stages: a list of mappings
+            return [_parse_entry(f"{key}[{i}]", item, v, origin) for i, v in enumerate(_as_list(key, value, origin))]
         return [_parse(key, item, v, origin) for v in _as_list(key, value, origin)]
     if kind is str and isinstance(value, str):
         return value  # exactly as written: `off`, `null`, `0123` and `1e3` are names and paths too
@@ -145,6 +147,21 @@ def _parse(key: str, kind: Any, value: Any, origin: str) -> Any:
         return value
     names = [_TYPE_NAMES[k] for k in typing.get_args(kind) or (kind,)]
     raise ConfigError(f"{origin}'{key}' must be {' or '.join(names)}, got '{value}'")
+
+
+def _parse_entry(key: str, kind: Any, value: Any, origin: str) -> Any:
+    """One mapping of a list of sections (a stage of train.stages) -> its frozen dataclass, each field parsed."""
+    if not isinstance(value, dict):
+        raise ConfigError(f"{origin}'{key}' must be a mapping of {kind.__name__} fields, e.g. {{start_step: 100}}")
+    types = typing.get_type_hints(kind)
+    fields = {}
+    for name, text in value.items():
+        if name not in types:
+            near = difflib.get_close_matches(name, list(types), n=1, cutoff=0.5)
+            hint = f"did you mean '{near[0]}'?" if near else f"its fields: {', '.join(types)}"
+            raise ConfigError(f"{origin}'{key}' has no field '{name}'; {hint}")
+        fields[name] = _parse(f"{key}.{name}", types[name], text, origin)
+    return kind(**fields)
 
 
 def _as_list(key: str, value: Any, origin: str) -> list:

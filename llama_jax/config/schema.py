@@ -2,7 +2,8 @@
 
     Config      seed, and one field per section:
       model       ModelConfig       the architecture, its dtypes and kernels
-      train       TrainConfig       steps, batch, schedule, optimizer, logging and evaluation cadence
+      train       TrainConfig       steps, batch, schedule, optimizer, logging and evaluation cadence; its stages
+                                    (StageConfig: batch ramp, longer sequences, data mixes, config/stages.py)
       data        DataConfig        token stores or inputs, tokenizer, packing, the loader
       mesh        MeshConfig        devices per mesh axis, pipeline stages, the logical-axis overrides
       remat       RematConfig       what the backward pass recomputes
@@ -58,6 +59,27 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
+class StageConfig:
+    """One stage of a staged run (train.stages): where it begins, and what changes from the stage before it. The
+    first stage is the train.*, data.* and mesh.* settings themselves; config/stages.py resolves the rest."""
+
+    # Where it begins, one of: after start_step steps | once start_tokens tokens are trained (the stages before it
+    # decide the step) | at_decay: where the decay (annealing) phase begins.
+    start_step: int = -1
+    start_tokens: float = -1.0
+    at_decay: bool = False
+    # What changes; 0 or [] keeps the stage before's value.
+    batch_size: int = 0  # global sequences per step
+    batch_tokens: int = 0  # or the global batch in tokens: batch_tokens / seq_len sequences
+    seq_len: int = 0
+    microbatches: int | str = 0
+    sources: list[str] = field(default_factory=list)
+    weights: list[float] = field(default_factory=list)  # one per source of this stage ([]: by their token counts)
+    sequence: int = 0  # mesh.sequence: the context-parallel degree longer sequences need (fsdp=-1 gives way)
+    remat: str = ""  # remat.policy: what a longer sequence's step recomputes to fit ("": the stage before's)
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     steps: int = 360
     batch_size: int = 16  # global sequences per optimizer step
@@ -89,6 +111,9 @@ class TrainConfig:
     eval_batches: int = 8
     sample_tokens: int = 64  # text sample generated at the end; 0 disables
     sample_prompt: str = "ROMEO:"
+    # Stages after the first (config/stages.py): a batch ramp, sequence-length stages, data mixes, the annealing
+    # mix. The learning-rate schedule spans the whole run; each stage compiles its own step once.
+    stages: list[StageConfig] = field(default_factory=list)
 
     @property
     def resolved_warmup_steps(self) -> int:
@@ -194,6 +219,10 @@ class CheckpointConfig:
     local_every_steps: int | str = 0
     local_keep: int = 2
     local_replicas: int = 1
+    # Llama 3's annealing: this many checkpoints spread evenly over the decay phase (train.decay_*, the last one its
+    # end), saved and kept whatever every_steps and keep say, are averaged at the end of the run into
+    # run.dir/averaged, an ordinary parameters-only checkpoint (checkpoint/average.py). 0: none.
+    average_decay: int = 0
 
     @property
     def periodic(self) -> bool:

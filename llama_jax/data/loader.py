@@ -257,10 +257,14 @@ def model_inputs(rows: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
 
 
 class Batches:
-    """Global batch i = rows [i·B, (i+1)·B) of the mixture; a process reads only some rows of each."""
+    """Global batch i = rows [F + i·B, F + (i+1)·B) of the mixture, F the rows skipped at its start (a stage's
+    stream continues where the stages before it stopped: config/stages.py); a process reads only some rows of each."""
 
-    def __init__(self, rows: grain.MapDataset, batch_size: int, seq_len: int, components: list[PackedRows]):
+    def __init__(
+        self, rows: grain.MapDataset, batch_size: int, seq_len: int, components: list[PackedRows], first_row: int = 0
+    ):
         self.rows, self.batch_size, self.seq_len, self.components = rows, batch_size, seq_len, components
+        self.first_row = first_row
 
     def batches_per_epoch(self) -> int:
         """Whole batches in the first epoch of every component together."""
@@ -268,7 +272,7 @@ class Batches:
 
     def batch(self, step: int, rows: Sequence[int] | None = None) -> dict[str, np.ndarray]:
         """Global batch `step`, or only its `rows` (a process's share)."""
-        first = step * self.batch_size
+        first = self.first_row + step * self.batch_size
         return model_inputs([self.rows[first + i] for i in (range(self.batch_size) if rows is None else rows)])
 
     def iterate(
@@ -324,9 +328,10 @@ def batches(
     window: int,
     prompt_tokens: int = 0,
     plans: Path | None = None,
+    first_row: int = 0,
 ) -> Batches:
-    """The batches of `parts` mixed by weight; `plans`: the directory the packing plans are written to and
-    memory-mapped from (None: in memory)."""
+    """The batches of `parts` mixed by weight, from row `first_row` of the mixture on; `plans`: the directory the
+    packing plans are written to and memory-mapped from (None: in memory)."""
     rows = []
     for salt, part in enumerate(parts):
         documents = part.store.documents(split, part.source)
@@ -340,7 +345,7 @@ def batches(
             f"the training split has {tokens} tokens, fewer than one batch of {batch_size} x "
             f"{seq_len + 1}; lower train.batch_size or train.seq_len, or use a larger corpus"
         )
-    return Batches(mixture(rows, [p.weight for p in parts]), batch_size, seq_len, rows)
+    return Batches(mixture(rows, [p.weight for p in parts]), batch_size, seq_len, rows, first_row)
 
 
 def document_batches(documents: list[np.ndarray], batch_size: int, seq_len: int, prompt_tokens: int = 0) -> Batches:

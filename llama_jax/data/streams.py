@@ -98,8 +98,9 @@ class TrainData:
     fingerprint: str  # names the training batch stream; saved with checkpoints
 
 
-def open_data(config: Config, print_fn: Callable[[str], None] = print) -> TrainData:
-    """Raises DataError (one line) on bad data; writes only to the cache."""
+def open_data(config: Config, print_fn: Callable[[str], None] = print, first_row: int = 0) -> TrainData:
+    """The data of `config`, its training batches from row `first_row` of the mixture on (a later stage of a staged
+    run: config/stages.py). Raises DataError (one line) on bad data; writes only to the cache."""
     data, t = config.data, config.train
     check_sources(data)
     # Every source must share one tokenizer: inputs are prepared with data.tokenizer or, for "bpe",
@@ -131,9 +132,11 @@ def open_data(config: Config, print_fn: Callable[[str], None] = print) -> TrainD
     if config.peft.virtual_tokens:  # room for the prompt in front of every document (loader.py)
         settings["prompt_tokens"] = config.peft.virtual_tokens
     plans = cache_root(data.cache_dir) / "plans"  # written once, memory-mapped by every process (plans.py)
-    train = batches(parts, "train", t.batch_size, t.seq_len, config.seed, **settings, plans=plans)
+    train = batches(parts, "train", t.batch_size, t.seq_len, config.seed, **settings, plans=plans, first_row=first_row)
     # Validation uses a fixed seed so every evaluation scores the same tokens.
     val = batches(parts, "val", t.batch_size, t.seq_len, 0, **settings, plans=plans)
+    if first_row:
+        settings["first_row"] = first_row
     fingerprint = stream_fingerprint(parts, seed=config.seed, batch_size=t.batch_size, seq_len=t.seq_len, **settings)
     return TrainData(tokenizer, train, val, fingerprint)
 

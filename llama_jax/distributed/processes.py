@@ -167,9 +167,10 @@ def wait_for_coordinator(address: str, timeout_s: float, process_id: int | None)
     )
 
 
-def on_fewer_processes(config, processes: int):
+def on_fewer_processes(config, processes: int, say: bool = True):
     """`config` for a run on `processes` of its run.full_processes: train.microbatches multiplied by their ratio
-    (the global batch and each micro-batch's rows per device as on all of them). Raises ConfigError."""
+    (the global batch and each micro-batch's rows per device as on all of them), said on stderr when `say`. Raises
+    ConfigError."""
     full, microbatches = config.run.full_processes, config.train.microbatches
     if full <= processes or microbatches == "auto":
         return config
@@ -180,12 +181,13 @@ def on_fewer_processes(config, processes: int):
             "micro-batches; run on a count of processes that divides run.full_processes"
         )
     train = dataclasses.replace(config.train, microbatches=microbatches * (full // processes))
-    print(
-        f"running on {processes} of {full} processes (run.full_processes): train.microbatches "
-        f"{microbatches} -> {train.microbatches}, the same global batch",
-        file=sys.stderr,
-        flush=True,
-    )
+    if say:
+        print(
+            f"running on {processes} of {full} processes (run.full_processes): train.microbatches "
+            f"{microbatches} -> {train.microbatches}, the same global batch",
+            file=sys.stderr,
+            flush=True,
+        )
     return dataclasses.replace(config, train=train)
 
 

@@ -239,7 +239,8 @@ class Goodput:
         self.add("data_wait", data_wait)
         if compiled:
             self.add("compile", seconds - data_wait)
-            self.current.setdefault("start", {})["first_step"] = seconds - data_wait
+            # The process's first step; a later stage's first step (its own program) is compile time, not start-up.
+            self.current.setdefault("start", {}).setdefault("first_step", seconds - data_wait)
         else:
             self.step_done(step, seconds - data_wait)
         return seconds

@@ -18,6 +18,7 @@ start decision where the run begins (checkpoint/start.py), the profiler which st
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import time
@@ -29,17 +30,18 @@ import jax
 
 from llama_jax.config import Config
 from llama_jax.config import summary as describe
+from llama_jax.config.stages import Stage, not_reached, resolve
 from llama_jax.data.streams import open_data
 from llama_jax.distributed import processes, sharding
 from llama_jax.distributed.peers import Peers, primary_first
-from llama_jax.errors import EXIT_OK, EXIT_PREEMPTED, LAUNCHED_BY, ConfigError, InputError
+from llama_jax.errors import EXIT_OK, EXIT_PREEMPTED, LAUNCHED_BY, ConfigError, DataError, InputError
 from llama_jax.files import unwritable
 from llama_jax.resilience import preflight
 from llama_jax.resilience.flight import FlightRecorder
 from llama_jax.resilience.goodput import StartClock
 from llama_jax.resilience.inject import Injector
-from llama_jax.training.loop_parts import Loop
-from llama_jax.training.run import Run
+from llama_jax.training.loop_parts import Loop, average_decay
+from llama_jax.training.run import Run, StagePart
 
 
 def train(
@@ -62,11 +64,23 @@ def train(
         raise ConfigError(
             f"run.dir {config.run.dir} cannot be written: {problem}; choose a run.dir on a writable filesystem"
         )
-    config = processes.on_fewer_processes(config, jax.process_count())
+    # A staged run's stages (config/stages.py), each on fewer processes as its own config says.
+    stages = [
+        dataclasses.replace(s, config=processes.on_fewer_processes(s.config, jax.process_count(), say=s.index == 0))
+        for s in resolve(config)
+    ]
+    config = stages[0].config
     primary = jax.process_index() == 0
     print_fn = print_fn if primary else _warnings_only(print_fn)  # this process's voice
     if primary:
         print_fn(describe(config))
+        for stage in stages if len(stages) > 1 else ():
+            print_fn(stage.describe())
+        if skipped := not_reached(config):
+            print_fn(
+                f"note: train.stages {skipped} begin after this run's {config.train.steps} steps (or after its decay "
+                "phase begins): not trained"
+            )
     if os.environ.get(LAUNCHED_BY) and not config.checkpoint.periodic:
         print_fn(
             f"warning: under {os.environ[LAUNCHED_BY]} a failed run restarts from its newest checkpoint, and this "
@@ -86,17 +100,36 @@ def train(
         client=peers.client,
     )
     with peers.recorder:
-        return _train(config, peers, print_fn, devices, clock, injector)
+        return _train(stages, peers, print_fn, devices, clock, injector)
 
 
 def _train(
-    config: Config, peers: Peers, print_fn: Callable[[str], None], devices, clock: StartClock, injector: Injector
+    stages: list[Stage],
+    peers: Peers,
+    print_fn: Callable[[str], None],
+    devices,
+    clock: StartClock,
+    injector: Injector,
 ) -> dict:
+    config = stages[0].config
     f = config.fault
     peers.recorder.record("setup", "building the mesh and opening the data")
-    mesh = sharding.make_mesh(config, devices=devices)
+    meshes = [sharding.make_mesh(s.config, devices=devices) for s in stages]
+    mesh = meshes[0]
     # Process 0 prepares raw sources into the cache first, so processes sharing it never race.
-    data = primary_first(lambda: open_data(config, print_fn=print_fn), (InputError,), peers)
+    data = primary_first(
+        lambda: [open_data(s.config, print_fn if s.index == 0 else _quiet, s.first_row) for s in stages],
+        (InputError,),
+        peers,
+    )
+    for stage, stage_data in zip(stages[1:], data[1:]):  # one model, one vocabulary: every stage's tokens alike
+        if stage_data.tokenizer.fingerprint()["sha256"] != data[0].tokenizer.fingerprint()["sha256"]:
+            raise DataError(
+                f"{stage.name}'s data ({', '.join(stage.config.data.sources)}) was prepared with another tokenizer "
+                "than the first stage's; prepare every stage's sources with the same tokenizer"
+            )
+    later = [StagePart(s, m, d) for s, m, d in zip(stages[1:], meshes[1:], data[1:])]
+    data = data[0]
     clock.mark("data")
     if f.preflight:  # a slow or faulty device is named before the step compiles or a checkpoint restores (exit 71)
         report = preflight.check(config, mesh, peers, print_fn, injector)
@@ -104,13 +137,19 @@ def _train(
         preflight.enforce(report, Path(config.run.dir), create=True, peers=peers)  # a starting run: may make run.dir
         clock.mark("preflight")
     peers.recorder.record("setup", "compiling the train step")
-    run = Run.setup(config, mesh, data, peers)
+    run = Run.setup(config, mesh, data, peers, later)
     clock.mark("compile")
     if config.train.microbatches == "auto":
         print_fn(
             f"train.microbatches=auto: {run.config.train.microbatches}, the fewest whose step fits run.device_memory_gb"
         )
     return execute(run, print_fn, clock, injector)
+
+
+def _quiet(line: str) -> None:
+    """A later stage's data opens saying only its warnings: the first stage's said what the data is."""
+    if line.startswith("warning"):
+        print(line)
 
 
 def _warnings_only(print_fn: Callable[[str], None]) -> Callable[[str], None]:
@@ -134,21 +173,32 @@ def execute(
     summary: dict[str, Any] = {"run_dir": str(run_dir), "exit_code": EXIT_OK}
     if run.start.step and run.start.step >= t.steps:
         print_fn(f"{run_dir} is already trained to step {run.start.step}; raise train.steps to continue")
+        average_decay(run, print_fn)  # where the run stopped before its average was written
         return summary
     loop = Loop.open(run, print_fn, clock or StartClock(time.time()), injector)
     try:
-        with loop.watchdog, loop.preemption, run.program.activate(), loop.log, loop.profiler:
+        with loop.watchdog, loop.preemption, loop.active(), loop.log, loop.profiler:
+            if (index := loop.stage_change(run.start.step)) is not None:  # resuming inside a later stage: restore there
+                loop.enter_stage(None, index, run.start.step)
             state, data_step = loop.restore()
             step = int(state.step)
+            if (index := loop.stage_change(step)) is not None:  # it restored another step (the newest was damaged)
+                state = loop.enter_stage(state, index, step)
             batches = loop.begin(state, step, data_step, summary)
             # read: the newest step whose result the host holds (its metrics read, or the state restored); the
             # loop runs one step ahead of the devices, and tells the parts that decide ahead (Loop.due) so.
             batch, unread, read = None, None, step
             while step < t.steps:
+                if (index := loop.stage_change(step)) is not None:  # a staged run: the next step is another stage's
+                    state, batch = loop.enter_stage(state, index, step), None
+                    batches = loop.stage_batches(data_step)
                 state, current = loop.dispatch(state, batch or loop.next_batch(batches, data_step), step + 1)
                 step, data_step = step + 1, data_step + 1
-                # The next batch is loaded and placed on the devices while this step runs.
-                batch = loop.next_batch(batches, data_step) if step < t.steps else None
+                # The next batch is loaded and placed on the devices while this step runs (a stage's first is
+                # loaded by its own stream, once the stage begins).
+                batch = (
+                    loop.next_batch(batches, data_step) if step < t.steps and loop.stage_change(step) is None else None
+                )
                 # The previous step's metrics: reading them waits for that step only, the one just
                 # dispatched is already queued behind it, so the devices never wait for the host.
                 if unread is not None:

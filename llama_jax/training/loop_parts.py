@@ -11,6 +11,8 @@ goes through with them (loop.py's execute runs them in order).
 
 from __future__ import annotations
 
+import contextlib
+import shutil
 import socket
 import time
 from collections.abc import Callable, Iterator
@@ -21,9 +23,12 @@ from typing import Any
 import jax
 
 from llama_jax.checkpoint import start as starting
+from llama_jax.checkpoint.average import average_decay_phase
 from llama_jax.checkpoint.checkpointer import Checkpointer, Identity, Tiers
+from llama_jax.checkpoint.durable import read_meta, step_directories
 from llama_jax.checkpoint.local import LocalTier
 from llama_jax.config import to_yaml
+from llama_jax.config.stages import decay_saves
 from llama_jax.errors import EXIT_OK, EXIT_PREEMPTED
 from llama_jax.files import cache_root
 from llama_jax.inference.generate import sample_text
@@ -90,6 +95,9 @@ class Loop:
     data_wait_s: float = 0.0
     first_step: int = 0  # the first step this process runs: its time is compilation's
     held: set[str] = field(default_factory=set)  # tiers whose save waits for a step the guard counts as good
+    stage_first_step: int = 0  # a staged run: the first step of the current stage in this process (its program's first)
+    _active: contextlib.ExitStack | None = None  # the current stage's program activated (active())
+    figures: dict[int, tuple[int, float]] = field(default_factory=dict)  # a stage's tokens per step, FLOPs per token
 
     @classmethod
     def open(
@@ -178,8 +186,8 @@ class Loop:
             self.goodput.restored(restored.tier, restored.copies)
         if run.start.step or run.start.source is not None:
             self.goodput.add("checkpoint_restore", time.perf_counter() - start)
-        saved_fingerprint = restored.data.get("fingerprint", run.data.fingerprint)
-        if restored.state is not None and saved_fingerprint != run.data.fingerprint:
+        saved_fingerprint = restored.data.get("fingerprint", run.data_fingerprint)
+        if restored.state is not None and saved_fingerprint != run.data_fingerprint:
             self.log.message(
                 f"warning: the data settings or sources changed since step {int(restored.state.step)} "
                 "was saved; the batches from here on differ from the original run's"
@@ -188,20 +196,76 @@ class Loop:
 
     def begin(self, state: TrainState, step: int, data_step: int, summary: dict) -> Iterator[dict]:
         """Goodput's clock starts; a new run is evaluated first; the loader starts at the data position."""
-        config, self.first_step = self.run.config, step + 1
+        self.first_step = step + 1
         self.clock.mark("restore")  # and the restored state placed in its shards (start_state)
         self.goodput.start_parts(self.clock.parts)
         self.goodput.begin(step)
         with self.goodput.pause(None):  # not part of the first step's time
             if step == 0:
                 summary["initial_eval_loss"] = self.evaluate(state.model_params, step)
-            return self.run.data.train.iterate(
-                data_step,
-                data_step + 10**12,
-                self.run.program.local_rows(),
-                config.data.loader_threads,
-                config.data.prefetch,
+            return self.stage_batches(data_step)
+
+    def stage_batches(self, data_step: int) -> Iterator[dict]:
+        """The current stage's batches from the data position `data_step` on. A stage reads its stream from data
+        position - its first step: the position of the straight run, and past every batch it read before a
+        rollback (the position only grows), so no batch is read twice."""
+        run, config = self.run, self.run.config
+        position = data_step - (run.stages[run.stage].stage.first_step if run.stages else 0)
+        return run.data.train.iterate(
+            position, position + 10**12, run.program.local_rows(), config.data.loader_threads, config.data.prefetch
+        )
+
+    @contextlib.contextmanager
+    def active(self):
+        """The current stage's program activated (TrainProgram.activate) while the loop runs; enter_stage swaps it."""
+        try:
+            self._activate()
+            yield
+        finally:
+            self._active.close()
+
+    def _activate(self) -> None:
+        if self._active is not None:
+            self._active.close()
+        self._active = contextlib.ExitStack()
+        self._active.enter_context(self.run.program.activate())
+
+    def _stage_figures(self, index: int) -> tuple[int, float]:
+        """Stage `index`'s tokens per step and model FLOPs per token: what its steps count for throughput and MFU."""
+        if index not in self.figures:
+            config = self.run.stages[index].program.config
+            self.figures[index] = (config.train.batch_size * config.train.seq_len, model_flops_per_token(config))
+        return self.figures[index]
+
+    def stage_change(self, step: int) -> int | None:
+        """The stage that trains step `step` + 1 when it is not the current one (a boundary, or a rollback into an
+        earlier stage), else None."""
+        index = self.run.stage_of(step + 1)
+        return index if index != self.run.stage else None
+
+    def enter_stage(self, state: TrainState | None, index: int, step: int) -> TrainState | None:
+        """Make stage `index` the current one: its program (compiled at setup) and data, the state (if any yet) moved
+        to its shardings (its mesh may differ: mesh.sequence; the old buffers go), the throughput meter counting its
+        tokens; said, and logged where it begins."""
+        stage = self.run.enter(index).stage
+        self._activate()
+        if state is not None:
+            self.checkpointer.wait()  # a save in flight may still read the buffers given up here
+            state = jax.device_put(state, self.run.program.state_shardings, donate=True)
+        config = self.run.program.config
+        self.meter.tokens_per_step, self.meter.flops_per_token = self._stage_figures(index)
+        self.stragglers = StragglerDetector(self.run.config.fault.straggler_factor)  # its steps take their own time
+        self.eval_batches = min(config.train.eval_batches, self.run.data.val.batches_per_epoch())
+        self.stage_first_step = step + 1
+        t = config.train
+        if step == stage.first_step:  # it begins (not a resume inside it, nor a rollback into it)
+            self.log.message(stage.describe())
+            self.log.log(
+                {"step": step, "stage": index + 1, "stage_batch_size": t.batch_size, "stage_seq_len": t.seq_len}
             )
+        else:
+            self.log.message(f"continuing in {stage.name} at step {step + 1}")
+        return state
 
     def next_batch(self, batches: Iterator[dict], data_step: int) -> dict:
         """The next batch, placed on the devices, with the injector's faults applied (data_wait_s: the wait)."""
@@ -221,7 +285,7 @@ class Loop:
         start = time.perf_counter()
         state, metrics = self.profiler.step(step, self.run.program.train_step, state, batch)
         self.dispatch_wait_s += time.perf_counter() - start
-        return state, Dispatched(step, metrics, step == self.first_step)
+        return state, Dispatched(step, metrics, step in (self.first_step, self.stage_first_step))
 
     def _record(self, kind: str, what: str, step: int | None = None) -> None:
         if self.run.peers.recorder is not None:
@@ -240,7 +304,7 @@ class Loop:
         seconds = self.goodput.time_step(step, waited, compiled)
         self.watchdog.step_done(step, None if compiled else seconds)  # compilation says nothing about step time
         if not compiled:
-            self.meter.add(seconds, waited)
+            self.meter.add(seconds, waited, *self._stage_figures(self.run.stage_of(step)) if self.run.stages else ())
             self.checkpointer.step_timed(seconds)
             if warning := self.stragglers.observe(step, seconds, process=jax.process_index()):
                 print_fn(warning)
@@ -335,7 +399,7 @@ class Loop:
         bound = self.run.config.checkpoint.timeout_s
         where = "local checkpoint" if tier == "local" else "checkpoint"
         with self.watchdog.paused(f"{where} save of step {step}", bound), self.goodput.pause("checkpoint_save"):
-            data_state = {"next_step": data_step, "fingerprint": self.run.data.fingerprint}
+            data_state = {"next_step": data_step, "fingerprint": self.run.data_fingerprint}
             save = self.checkpointer.save_local if tier == "local" else self.checkpointer.save
             blocked = save(step, state.checkpointed(), data_state)
         self.goodput.tier(f"save_{tier}", blocked)
@@ -372,9 +436,17 @@ class Loop:
         summary: dict[str, Any] = {}
         if self.meter.throughputs:
             summary["tokens_per_s"] = self.meter.median_tokens_per_s
-            summary.update(self.meter.mfu(summary["tokens_per_s"]))
-        with self.watchdog.paused("final save", self.run.config.checkpoint.timeout_s):
+            summary.update(self.meter.median_mfu())
+        c = self.run.config.checkpoint
+        with self.watchdog.paused("final save", c.timeout_s):
             self.goodput.add("checkpoint_save", self.checkpointer.finish_writes())
+        if not preempted and step == self.run.config.train.steps and c.average_decay:
+            # Bounded like the restores it is made of: one per averaged checkpoint.
+            with (
+                self.watchdog.paused("average of the decay phase", c.timeout_s * c.average_decay),
+                self.goodput.pause(None),
+            ):
+                average_decay(self.run, self.log.message)
         local = self.checkpointer.local
         if local is not None:  # the background writes: their time and this host's bytes
             self.goodput.tier("write_local", sum(local.write_seconds), local.bytes_written, len(local.write_seconds))
@@ -416,4 +488,37 @@ def _checkpointer(run: Run, print_fn: Callable[[str], None], injector: Injector)
     identity = Identity(
         meta=run.metadata(), model=run.metadata()["config"]["model"], check=run.check_meta, layout=run.layer_order
     )
-    return Checkpointer(Tiers(run_dir, local=local), c, identity, peers=run.peers, print_fn=print_fn, injector=injector)
+    return Checkpointer(
+        Tiers(run_dir, local=local),
+        c,
+        identity,
+        peers=run.peers,
+        print_fn=print_fn,
+        injector=injector,
+        keep_steps=tuple(decay_saves(run.config)),
+    )
+
+
+def average_decay(run: Run, print_fn: Callable[[str], None]) -> None:
+    """checkpoint.average_decay, once the run has trained to its end and saved: the decay phase's checkpoints that
+    exist averaged into run.dir/averaged (checkpoint/average.py), unless an average of those very steps is there. A
+    planned checkpoint may be missing (a save the guard held for a bad step went to the next good one): the others
+    are averaged, with a warning; with fewer than 2, none is, and the run still ends well. Every process."""
+    config, run_dir = run.config, Path(run.config.run.dir)
+    if not config.checkpoint.average_decay:
+        return
+    out, planned = run_dir / "averaged", decay_saves(config)
+    begin = config.train.steps - config.train.resolved_decay_steps
+    steps = [s for s in step_directories(run_dir / "checkpoints") if begin < s <= config.train.steps]
+    if steps != planned:
+        print_fn(
+            f"warning: checkpoint.average_decay planned steps {planned}; the decay phase's checkpoints are {steps}"
+            + ("" if len(steps) >= 2 else ": fewer than 2, nothing averaged")
+        )
+    done = read_meta(out / "checkpoints" / "0")
+    if len(steps) < 2 or (done is not None and done.get("averaged_steps") == steps):
+        return
+    if jax.process_index() == 0 and out.exists():  # an earlier average: unfinished, or of other steps
+        shutil.rmtree(out)
+    run.peers.barrier("average decay")
+    average_decay_phase(run_dir, steps, list(run.program.mesh.devices.flat), print_fn)

@@ -218,6 +218,8 @@ class MetricsLog:
     @staticmethod
     def _fields(rec: dict) -> list[str]:
         out = [f"{k} {rec[k]:.4f}" for k in ("loss", "eval_loss") if isinstance(rec.get(k), (int, float))]
+        if isinstance(rec.get("stage"), int):  # a staged run's next stage begins
+            out.append(f"stage {rec['stage']} begins")
         if isinstance(rec.get("tokens_per_s"), (int, float)):
             out.append(f"{rec['tokens_per_s']:,.0f} tok/s")
         if isinstance(rec.get("mfu"), (int, float)):
@@ -289,27 +291,37 @@ class ThroughputMeter:
         self.tokens_per_step, self.flops_per_token = tokens_per_step, flops_per_token
         self.peaks, self.n_devices = peaks, n_devices
         self.throughputs: list[float] = []  # tokens/s of each record
-        self._steps, self._seconds, self._data_wait = 0, 0.0, 0.0
+        self.records: list[dict[str, float]] = []  # step_time_s and the MFU fractions of each record
+        self._steps, self._seconds, self._data_wait, self._tokens, self._flops = 0, 0.0, 0.0, 0, 0.0
 
-    def add(self, seconds: float, data_wait: float) -> None:
+    def add(
+        self, seconds: float, data_wait: float, tokens: int | None = None, flops_per_token: float | None = None
+    ) -> None:
+        """One timed step; `tokens` and `flops_per_token`: its own where they differ from the meter's (a staged
+        run's step of another stage than the current one)."""
+        tokens = self.tokens_per_step if tokens is None else tokens
         self._steps += 1
         self._seconds += seconds
         self._data_wait += data_wait
+        self._tokens += tokens
+        self._flops += tokens * (self.flops_per_token if flops_per_token is None else flops_per_token)
 
     def record(self) -> dict[str, float | None]:
         """The window's figures for a metrics record (None before any timed step), and a new window."""
         if not self._steps:
             return {"tokens_per_s": None, "mfu": None}
         per_step = self._seconds / self._steps
-        tokens_per_s = self.tokens_per_step / per_step
+        tokens_per_s = self._tokens / self._seconds
         self.throughputs.append(tokens_per_s)
+        fractions = self.peaks.fractions(self._flops / self._seconds, self.n_devices)
         fields = {
             "tokens_per_s": tokens_per_s,
             "step_time_s": per_step,
-            **self.mfu(tokens_per_s),
+            **{k: v for k, v in fractions.items() if v is not None},
             "data_wait_s": self._data_wait / self._steps,
         }
-        self._steps, self._seconds, self._data_wait = 0, 0.0, 0.0
+        self.records.append({k: v for k, v in fields.items() if k == "step_time_s" or k.startswith("mfu")})
+        self._steps, self._seconds, self._data_wait, self._tokens, self._flops = 0, 0.0, 0.0, 0, 0.0
         return fields
 
     def mfu(self, tokens_per_s: float) -> dict[str, float]:
@@ -325,5 +337,9 @@ class ThroughputMeter:
     @property
     def median_step_s(self) -> float | None:
         """Seconds per step at the median throughput (None before the first record)."""
-        median = self.median_tokens_per_s
-        return None if median is None else self.tokens_per_step / median
+        return statistics.median(r["step_time_s"] for r in self.records) if self.records else None
+
+    def median_mfu(self) -> dict[str, float]:
+        """The median of each record's MFU fractions: a staged run's stages each count their own FLOPs per token."""
+        keys = [k for k in ("mfu", "mfu_fp8") if self.records and k in self.records[-1]]
+        return {k: statistics.median(r[k] for r in self.records if k in r) for k in keys}

@@ -5,10 +5,16 @@ Setup decides where the run starts (checkpoint/start.py: its own newest step, re
 run's base, or nothing), refusing a source of another model; compiles the train step (train.microbatches=auto:
 the fewest that fit) and checks its memory against run.device_memory_gb. A peft run's base is loaded into its
 shards and checked against the run's checkpoints before the step compiles. Every failure is one line, exit 2.
+
+A staged run (train.stages, config/stages.py) compiles every stage's step at setup, so a stage that does not fit
+is refused before the first step, not days in; `Run.enter` makes a stage's program and data the current ones.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,12 +27,30 @@ from llama_jax import __version__
 from llama_jax.checkpoint import start as starting
 from llama_jax.checkpoint.checkpointer import Checkpointer, Identity, Tiers
 from llama_jax.config import Config, to_dict
+from llama_jax.config.stages import Stage, stage_at
 from llama_jax.data.streams import TrainData
 from llama_jax.distributed.peers import Peers
+from llama_jax.errors import ConfigError
 from llama_jax.files import cache_root
 from llama_jax.model.stages import LayerOrder
 from llama_jax.training.metrics import check_wandb
 from llama_jax.training.step import TrainProgram, TrainState, layer_order
+
+
+@dataclass(frozen=True)
+class StagePart:
+    """A later stage of a staged run, as train() prepares it: where it trains, on what mesh, from what data."""
+
+    stage: Stage
+    mesh: Mesh
+    data: TrainData
+
+
+@dataclass(frozen=True)
+class RunStage:
+    stage: Stage
+    program: TrainProgram
+    data: TrainData
 
 
 @dataclass
@@ -34,18 +58,22 @@ class Run:
     """Everything a training run needs, built and checked before anything in run.dir is written."""
 
     config: Config
-    program: TrainProgram
-    data: TrainData
+    program: TrainProgram  # the current stage's (the only stage's, in a run without train.stages)
+    data: TrainData  # the current stage's
     start: starting.Start  # where the run starts: run.dir's newest step, or the model a new run starts from
     peers: Peers  # the other processes, for every decision outside the jitted step
     compile_seconds: float = 0.0  # compiling the train step ahead of time, to check its memory
     base: Any = None  # a peft run: the base model's params, loaded and checked by setup (frozen in the state)
     base_reference: dict | None = None  # ... and what checkpoints record of it (peft.base_reference)
+    stages: list[RunStage] = dataclasses.field(default_factory=list)  # a staged run's, first to last
+    stage: int = 0  # the current one
 
     @classmethod
-    def setup(cls, config: Config, mesh: Mesh, data: TrainData, peers: Peers | None = None) -> Run:
+    def setup(
+        cls, config: Config, mesh: Mesh, data: TrainData, peers: Peers | None = None, later: list[StagePart] = ()
+    ) -> Run:
         """Raises ConfigError or DataError (one line each) on bad input; writes nothing. `peers` defaults to
-        every process, with config's barrier timeout."""
+        every process, with config's barrier timeout; `later`: a staged run's stages after the first."""
         peers = peers or Peers(config.fault.barrier_timeout_s)
         check_wandb(config.run)
         start = starting.decide(config, peers)
@@ -57,8 +85,37 @@ class Run:
             run.base, run.base_reference = starting.load_base(start, program.abstract_state().frozen)
             run.check_meta(start.meta)
         program.check_fits()  # the step compiled now, its memory against run.device_memory_gb
+        if later:
+            first = Stage(0, later[0].stage.count, 0, later[0].stage.first_step, program.config)
+            run.stages = [RunStage(first, program, data)]
+            for part in later:
+                try:
+                    stage_program = TrainProgram.build(part.stage.config, part.mesh)
+                    stage_program.check_fits()
+                except ConfigError as err:
+                    raise ConfigError(f"{part.stage.name} (train.stages[{part.stage.listed - 1}]): {err}") from None
+                run.stages.append(RunStage(part.stage, stage_program, part.data))
         run.compile_seconds = time.perf_counter() - compiling
         return run
+
+    def stage_of(self, step: int) -> int:
+        """The index of the stage that trains step `step` (0 in a run without stages)."""
+        return stage_at([s.stage for s in self.stages], step).index if self.stages else 0
+
+    def enter(self, index: int) -> RunStage:
+        """Make stage `index`'s program and data the current ones."""
+        self.stage, current = index, self.stages[index]
+        self.program, self.data = current.program, current.data
+        return current
+
+    @property
+    def data_fingerprint(self) -> str:
+        """Names the run's batch stream, saved with every checkpoint: a staged run's names every stage's stream and
+        where it begins, so crossing a boundary is not a change of the data settings."""
+        if not self.stages:
+            return self.data.fingerprint
+        parts = [[s.stage.first_step, s.data.fingerprint] for s in self.stages]
+        return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]
 
     def check_meta(self, meta: dict | None) -> None:
         """A checkpoint's meta must say this run's adapters and base, beyond its model (ConfigError, one line)."""
