@@ -16,6 +16,7 @@ from llama_jax.files import unreadable, unwritable
 def cmd_plan(ns: argparse.Namespace) -> int:
     gpus = target_gpus(ns)
     from llama_jax.config import load_config
+    from llama_jax.config.stages import resolve
     from llama_jax.distributed import sharding
     from llama_jax.training import plan as planning
 
@@ -30,6 +31,11 @@ def cmd_plan(ns: argparse.Namespace) -> int:
             if ns.json
             else planning.format_remat_comparison(plans)
         )
+        return 0
+    stages = resolve(config)
+    if len(stages) > 1:  # a staged run: every stage on its own mesh, and what they add up to
+        plans = planning.stage_plans(stages, lambda c: sharding.make_mesh(c, list(gpus) or None), ns.devices_per_host)
+        print(planning.stage_plans_json(stages, plans) if ns.json else planning.format_stage_plans(stages, plans))
         return 0
     plan = planning.make_plan(config, mesh, ns.devices_per_host)
     print(planning.plan_json(plan) if ns.json else planning.format_plan(plan))

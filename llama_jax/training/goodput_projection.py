@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from llama_jax.config import Config
+from llama_jax.config.stages import resolve
 from llama_jax.errors import InputError
 from llama_jax.model.flops import train_flops_per_token
 from llama_jax.model.llama import param_count
@@ -138,13 +139,21 @@ def _stated_costs(config: Config, gpus: int, gpus_per_host: int) -> dict[str, tu
     per_gpu = STATE_BYTES_PER_PARAM * params / gpus
     per_host = per_gpu * min(gpus, gpus_per_host)
     t, c = config.train, config.checkpoint
-    tokens = t.batch_size * t.seq_len
     peak = table_peak_flops("H100", "bfloat16")  # NVIDIA's data sheet, bf16 dense (perf/hardware.py)
-    flops = train_flops_per_token(config.model, t.seq_len, causal_skip=True) * tokens
+    # A staged run (config/stages.py): the mean step over its stages' steps, each of its own batch and length.
+    stages = resolve(config)
+    flops = sum(
+        s.steps * train_flops_per_token(config.model, s.config.train.seq_len, causal_skip=True) * s.tokens_per_step
+        for s in stages
+    ) / max(1, sum(s.steps for s in stages))
+    batch = (
+        f"{t.batch_size} x {t.seq_len} tokens"
+        if len(stages) == 1
+        else f"a step, the mean over the {len(stages)} stages' steps,"
+    )
     values["step_s"] = (
         flops / (gpus * peak * LLAMA3_MFU),
-        f"model FLOPs of {t.batch_size} x {t.seq_len} tokens / ({gpus} H100 x {peak / 1e12:g} "
-        f"TFLOP/s x {LLAMA3_MFU:.0%} MFU, Llama 3's 38-43%)",
+        f"model FLOPs of {batch} / ({gpus} H100 x {peak / 1e12:g} TFLOP/s x {LLAMA3_MFU:.0%} MFU, Llama 3's 38-43%)",
     )
     state = f"{STATE_BYTES_PER_PARAM} B/param state ({params / 1e9:.3g}B params)"
     values["save_durable_s"] = (

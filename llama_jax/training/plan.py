@@ -20,6 +20,7 @@ import dataclasses
 import json
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import jax
@@ -29,6 +30,7 @@ from jax.sharding import Mesh
 
 from llama_jax.config import Config
 from llama_jax.config.choices import REMAT_POLICIES
+from llama_jax.config.stages import Stage
 from llama_jax.files import cache_root, format_bytes
 from llama_jax.model import remat
 from llama_jax.model.llama import param_count
@@ -455,3 +457,46 @@ def plan_dict(plan: Plan) -> dict:
 
 def plan_json(plan: Plan) -> str:
     return json.dumps(plan_dict(plan), indent=2)
+
+
+def stage_plans(stages: list[Stage], mesh_of: Callable[[Config], Mesh], devices_per_host: int = 0) -> list[Plan]:
+    """A staged run's plan, a stage at a time, each on its own mesh (`mesh_of` its config: mesh.sequence may grow)."""
+    return [make_plan(s.config, mesh_of(s.config), devices_per_host) for s in stages]
+
+
+def stages_summary(stages: list[Stage], plans: list[Plan]) -> dict:
+    """What the stages add up to: steps, tokens, predicted time (where the plans predict a step), and the stage
+    whose memory is the largest, which decides whether the run fits."""
+    largest = max(range(len(plans)), key=lambda i: plans[i].total_bytes)
+    predicted = [p.predicted_step_s for p in plans]
+    return {
+        "stages": len(stages),
+        "steps": sum(s.steps for s in stages),
+        "tokens": sum(s.steps * s.tokens_per_step for s in stages),
+        "predicted_time_s": None if None in predicted else sum(s.steps * t for s, t in zip(stages, predicted)),
+        "largest_memory_stage": largest + 1,
+        "largest_total_bytes": plans[largest].total_bytes,
+        "fits": all(p.total_bytes <= p.budget_bytes for p in plans),
+    }
+
+
+def format_stage_plans(stages: list[Stage], plans: list[Plan]) -> str:
+    summary = stages_summary(stages, plans)
+    blocks = [f"{stage.describe()}\n" + format_plan(plan) for stage, plan in zip(stages, plans)]
+    hours = summary["predicted_time_s"]
+    blocks.append(
+        f"{summary['stages']} stages: {summary['steps']:,} steps, {summary['tokens']:,} tokens"
+        + (f", predicted {hours / 3600:,.1f} h of steps" if hours is not None else "")
+        + f"; the largest memory is stage {summary['largest_memory_stage']}'s, "
+        f"{format_bytes(summary['largest_total_bytes'])} per device ("
+        + ("every stage fits its budget)" if summary["fits"] else "a stage is OVER its budget)")
+    )
+    return "\n\n".join(blocks)
+
+
+def stage_plans_json(stages: list[Stage], plans: list[Plan]) -> str:
+    entries = [
+        {"stage": s.index + 1, "first_step": s.first_step, "last_step": s.last_step, "plan": plan_dict(p)}
+        for s, p in zip(stages, plans)
+    ]
+    return json.dumps({"stages": entries, "summary": stages_summary(stages, plans)}, indent=2)
