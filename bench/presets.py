@@ -41,7 +41,11 @@ def plan(preset: str, overrides: list[str], target: str = "") -> dict:
     result = subprocess.run(command, env=env, capture_output=True, text=True, cwd="/")
     if result.returncode:
         raise SystemExit(f"{preset}: {result.stderr.strip().splitlines()[-1]}")
-    return json.loads(result.stdout)
+    report = json.loads(result.stdout)
+    if "stages" in report:  # a staged recipe (docs/recipe.md): its largest stage decides whether it fits
+        largest = report["summary"]["largest_memory_stage"]
+        return {**report["stages"][largest - 1]["plan"], "stage": largest}
+    return report
 
 
 def budget_key_exists() -> bool:
@@ -90,8 +94,9 @@ def main() -> None:
                 f"{gpu['compile_seconds']:>6.0f} s"
             )
             fits = gpu_gib <= gpu["budget_bytes"] / 2**30
+        name = preset + (f" ({cpu['stage']})" if "stage" in cpu else "")  # a staged recipe: its largest stage
         print(
-            f"{preset:<12}{cpu['devices']:>6}  {mesh:<22}{config.remat.policy:<22}{gpu_columns}"
+            f"{name:<12}{cpu['devices']:>6}  {mesh:<22}{config.remat.policy:<22}{gpu_columns}"
             f"{cpu.get('microbatches', config.train.microbatches):>15}{cpu_gib:>11.1f}  {'yes' if fits else 'NO'}",
             flush=True,
         )

@@ -16,6 +16,7 @@ from llama_jax import cli
 from llama_jax.config import Config, all_keys, checks, load_config, preset_names, to_yaml
 from llama_jax.config.checks import BOUNDS, METHOD_BOUNDS, UNBOUNDED
 from llama_jax.config.load import _is_union, _leaf_types
+from llama_jax.config.stages import resolve
 from llama_jax.distributed import sharding
 from llama_jax.errors import ConfigError
 
@@ -357,12 +358,15 @@ def test_llama3_presets_are_recipes(name):
     import re
 
     text = (REPO / "configs" / f"{name}.yaml").read_text()
-    number, unit = re.search(r"# Recipe: ([\d.]+)([BT]) tokens", text).groups()
+    number, unit = re.search(r"# (?:Recipe|Budget): ([\d.]+)([BT]) tokens", text).groups()
     budget = float(number) * (1e9 if unit == "B" else 1e12)
     config = load_config(name)
-    t = config.train
-    assert t.steps == math.ceil(budget / (t.batch_size * t.seq_len))
-    assert 0 < t.resolved_warmup_steps <= min(8000, t.steps // 100 + 1)
+    t, stages = config.train, resolve(config)
+    if len(stages) == 1:
+        assert t.steps == math.ceil(budget / (t.batch_size * t.seq_len))
+    tokens = sum(s.steps * s.tokens_per_step for s in stages)  # a staged recipe: each stage's batch
+    assert tokens >= budget > tokens - stages[-1].tokens_per_step  # to the budget, not a step further
+    assert 0 < t.resolved_warmup_steps <= min(8000, t.steps // 50)
     assert config.checkpoint.every_steps == "auto" and config.data.sources == [] and config.data.tokenizer == ""
 
 

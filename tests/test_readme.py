@@ -126,7 +126,13 @@ def test_readme_plan_commands_compile_and_report(command, capsys):
     assert "--xla_force_host_platform_device_count=8" in command
     assert cli.main(args + ([] if "--json" in args else ["--json"])) == 0
     report = json.loads(capsys.readouterr().out)
-    plans = report.values() if "--compare-remat" in args else [report]
+    plans = (
+        report.values()
+        if "--compare-remat" in args
+        else [s["plan"] for s in report["stages"]]
+        if "stages" in report  # a staged run (train.stages): every stage's plan
+        else [report]
+    )
     assert all(plan["hlo_flops"] > 0 for plan in plans)
 
 
@@ -297,6 +303,7 @@ CLAIMS = [
         r"^llama-jax supervise .* -- llama-jax train ",
         "test_readme.py::test_readme_supervise_command_runs_its_train_command",
     ),
+    (r"^llama-jax train .*train\.stages=", "test_stages.py::test_the_recipe_guide_trains_its_stages_and_averages"),
     (r"^llama-jax (train .*run\.profile_steps=|profile )", "test_profile.py::test_the_documented_profile_commands"),
     (r"^llama-jax train \S+-tune\.yaml$", "test_readme.py::test_readme_trains_the_file_tune_writes"),
     (r"^(XLA_FLAGS=\S+ )?llama-jax train ", "test_readme.py::test_readme_train_commands_resolve_to_valid_configs"),

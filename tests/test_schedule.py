@@ -19,7 +19,7 @@ def test_a_warmup_fraction_resolves_to_whole_steps_of_the_run():
     assert load_config("tiny", ["train.warmup_fraction=0.99", "train.steps=10"]).train.resolved_warmup_steps == 9
     assert load_config("tiny", ["train.warmup_steps=7"]).train.resolved_warmup_steps == 7  # explicit steps win
     assert load_config("llama3_405b").train.resolved_warmup_steps == 8000  # Llama 3 405B's, at the preset's length
-    assert load_config("llama3_8b").train.resolved_warmup_steps == 381  # 1%
+    assert load_config("llama3_8b").train.resolved_warmup_steps == 192  # 1%
     decay = load_config("tiny", ["train.schedule=wsd", "train.decay_fraction=0.2"]).train
     assert (decay.resolved_decay_steps, load_config("tiny", ["train.decay_steps=30"]).train.resolved_decay_steps) == (
         60,

@@ -207,8 +207,9 @@ class Loop:
 
     def stage_batches(self, data_step: int) -> Iterator[dict]:
         """The current stage's batches from the data position `data_step` on. A stage reads its stream from data
-        position - its first step: the position of the straight run, and past every batch it read before a
-        rollback (the position only grows), so no batch is read twice."""
+        position - its first step: the position of the straight run, and past every batch of its stream it read
+        before a rollback (the position only grows). (A rollback into an earlier stage reads that stage's stream past
+        its planned end, where a later stage of the same mix, which begins at the planned end, reads too.)"""
         run, config = self.run, self.run.config
         position = data_step - (run.stages[run.stage].stage.first_step if run.stages else 0)
         return run.data.train.iterate(
