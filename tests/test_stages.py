@@ -146,6 +146,7 @@ def test_a_staged_run_resumed_inside_its_second_stage_on_the_same_devices_has_th
     assert max_difference(averaged, params_of(straight / "averaged" / "checkpoints" / "0")) == 0
 
 
+@pytest.mark.slow
 def test_a_staged_run_killed_inside_its_second_stage_resumes_on_another_data_parallel_size(straight, tmp_path, corpus):
     """The staged run as its own process on 2 devices, SIGKILLed once it has logged step 7 (stage 2: steps 5-8),
     then resumed on 4 (another data-parallel size): the losses from there on are the straight run's within 1e-5,
@@ -231,11 +232,9 @@ def test_the_recipe_guide_trains_its_stages_and_averages(tmp_path, monkeypatch, 
 
     (command,) = [c for c in readme_commands("llama-jax train") if "train.stages=" in c]
     monkeypatch.chdir(tmp_path)
-    quick = [
-        f"data.cache_dir={tmp_path / 'cache'}",
-        "train.sample_tokens=0",
-        "train.eval_batches=1",
-    ]  # not the point here
+    # Not the point here: the sample, a long evaluation, the model's width (the stages are the guide's).
+    quick = [f"data.cache_dir={tmp_path / 'cache'}", "train.sample_tokens=0", "train.eval_batches=1"]
+    quick += ["model.d_model=64", "model.ffn_dim=192", "model.vocab_size=512"]
     assert cli.main([*llama_jax_args(command), *quick]) == 0
     out = capsys.readouterr().out
     run_dir = tmp_path / "runs" / "staged"
