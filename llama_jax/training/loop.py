@@ -117,8 +117,10 @@ def _train(
     meshes = [sharding.make_mesh(s.config, devices=devices) for s in stages]
     mesh = meshes[0]
     # Process 0 prepares raw sources into the cache first, so processes sharing it never race.
+    # A later stage's data says only its warnings: the first stage's has said what the data is.
+    warnings = lambda line: print_fn(line) if line.startswith("warning") else None  # noqa: E731
     data = primary_first(
-        lambda: [open_data(s.config, print_fn if s.index == 0 else _quiet, s.first_row) for s in stages],
+        lambda: [open_data(s.config, print_fn if s.index == 0 else warnings, s.first_row) for s in stages],
         (InputError,),
         peers,
     )
@@ -128,7 +130,7 @@ def _train(
                 f"{stage.name}'s data ({', '.join(stage.config.data.sources)}) was prepared with another tokenizer "
                 "than the first stage's; prepare every stage's sources with the same tokenizer"
             )
-    later = [StagePart(s, m, d) for s, m, d in zip(stages[1:], meshes[1:], data[1:])]
+    staged = [StagePart(s, m, d) for s, m, d in zip(stages, meshes, data)] if len(stages) > 1 else []
     data = data[0]
     clock.mark("data")
     if f.preflight:  # a slow or faulty device is named before the step compiles or a checkpoint restores (exit 71)
@@ -137,19 +139,13 @@ def _train(
         preflight.enforce(report, Path(config.run.dir), create=True, peers=peers)  # a starting run: may make run.dir
         clock.mark("preflight")
     peers.recorder.record("setup", "compiling the train step")
-    run = Run.setup(config, mesh, data, peers, later)
+    run = Run.setup(config, mesh, data, peers, staged)
     clock.mark("compile")
     if config.train.microbatches == "auto":
         print_fn(
             f"train.microbatches=auto: {run.config.train.microbatches}, the fewest whose step fits run.device_memory_gb"
         )
     return execute(run, print_fn, clock, injector)
-
-
-def _quiet(line: str) -> None:
-    """A later stage's data opens saying only its warnings: the first stage's said what the data is."""
-    if line.startswith("warning"):
-        print(line)
 
 
 def _warnings_only(print_fn: Callable[[str], None]) -> Callable[[str], None]:

@@ -234,8 +234,8 @@ class Loop:
     def _stage_figures(self, index: int) -> tuple[int, float]:
         """Stage `index`'s tokens per step and model FLOPs per token: what its steps count for throughput and MFU."""
         if index not in self.figures:
-            config = self.run.stages[index].program.config
-            self.figures[index] = (config.train.batch_size * config.train.seq_len, model_flops_per_token(config))
+            current = self.run.stages[index]
+            self.figures[index] = (current.stage.tokens_per_step, model_flops_per_token(current.program.config))
         return self.figures[index]
 
     def stage_change(self, step: int) -> int | None:
@@ -435,7 +435,7 @@ class Loop:
     def finish(self, step: int, preempted: bool) -> dict:
         """Wait for the last save; the run's throughput, MFU and goodput, also in the log."""
         summary: dict[str, Any] = {}
-        if self.meter.throughputs:
+        if self.meter.records:
             summary["tokens_per_s"] = self.meter.median_tokens_per_s
             summary.update(self.meter.median_mfu())
         c = self.run.config.checkpoint
@@ -456,7 +456,7 @@ class Loop:
         self.log.log({"step": step, **{f"goodput_{k}": v for k, v in summary["goodput"].items() if k != "tiers"}})
         self.goodput.finish(preempted=preempted)
         self.log.message(format_goodput(summary["goodput"]))
-        if self.meter.throughputs and (advice := self.checkpointer.advice(self.meter.median_step_s)):
+        if self.meter.records and (advice := self.checkpointer.advice(self.meter.median_step_s)):
             self.log.message(advice)
         return summary
 

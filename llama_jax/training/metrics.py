@@ -290,8 +290,7 @@ class ThroughputMeter:
     def __init__(self, tokens_per_step: int, flops_per_token: float, peaks: MfuPeaks, n_devices: int):
         self.tokens_per_step, self.flops_per_token = tokens_per_step, flops_per_token
         self.peaks, self.n_devices = peaks, n_devices
-        self.throughputs: list[float] = []  # tokens/s of each record
-        self.records: list[dict[str, float]] = []  # step_time_s and the MFU fractions of each record
+        self.records: list[dict[str, float]] = []  # tokens_per_s, step_time_s and the MFU fractions of each record
         self._steps, self._seconds, self._data_wait, self._tokens, self._flops = 0, 0.0, 0.0, 0, 0.0
 
     def add(
@@ -311,32 +310,26 @@ class ThroughputMeter:
         if not self._steps:
             return {"tokens_per_s": None, "mfu": None}
         per_step = self._seconds / self._steps
-        tokens_per_s = self._tokens / self._seconds
-        self.throughputs.append(tokens_per_s)
+        # hardware.MfuPeaks: "mfu" against the compute dtype's peak[, "mfu_fp8" against the fp8 peak, under
+        # model.fp8 where the device has one]
         fractions = self.peaks.fractions(self._flops / self._seconds, self.n_devices)
         fields = {
-            "tokens_per_s": tokens_per_s,
+            "tokens_per_s": self._tokens / self._seconds,
             "step_time_s": per_step,
             **{k: v for k, v in fractions.items() if v is not None},
             "data_wait_s": self._data_wait / self._steps,
         }
-        self.records.append({k: v for k, v in fields.items() if k == "step_time_s" or k.startswith("mfu")})
+        self.records.append({k: v for k, v in fields.items() if k != "data_wait_s"})
         self._steps, self._seconds, self._data_wait, self._tokens, self._flops = 0, 0.0, 0.0, 0, 0.0
         return fields
 
-    def mfu(self, tokens_per_s: float) -> dict[str, float]:
-        """{"mfu": against the compute dtype's peak[, "mfu_fp8": against the fp8 peak, under model.fp8 where the
-        device has one]} (hardware.MfuPeaks)."""
-        fractions = self.peaks.fractions(tokens_per_s * self.flops_per_token, self.n_devices)
-        return {k: v for k, v in fractions.items() if v is not None}
-
     @property
     def median_tokens_per_s(self) -> float | None:
-        return statistics.median(self.throughputs) if self.throughputs else None
+        return statistics.median(r["tokens_per_s"] for r in self.records) if self.records else None
 
     @property
     def median_step_s(self) -> float | None:
-        """Seconds per step at the median throughput (None before the first record)."""
+        """The median of the records' seconds per step (None before the first record)."""
         return statistics.median(r["step_time_s"] for r in self.records) if self.records else None
 
     def median_mfu(self) -> dict[str, float]:

@@ -39,7 +39,7 @@ from llama_jax.training.step import TrainProgram, TrainState, layer_order
 
 @dataclass(frozen=True)
 class StagePart:
-    """A later stage of a staged run, as train() prepares it: where it trains, on what mesh, from what data."""
+    """A stage of a staged run, as train() prepares it: where it trains, on what mesh, from what data."""
 
     stage: Stage
     mesh: Mesh
@@ -70,10 +70,10 @@ class Run:
 
     @classmethod
     def setup(
-        cls, config: Config, mesh: Mesh, data: TrainData, peers: Peers | None = None, later: list[StagePart] = ()
+        cls, config: Config, mesh: Mesh, data: TrainData, peers: Peers | None = None, staged: list[StagePart] = ()
     ) -> Run:
         """Raises ConfigError or DataError (one line each) on bad input; writes nothing. `peers` defaults to
-        every process, with config's barrier timeout; `later`: a staged run's stages after the first."""
+        every process, with config's barrier timeout; `staged`: a staged run's stages, the first being config's."""
         peers = peers or Peers(config.fault.barrier_timeout_s)
         check_wandb(config.run)
         start = starting.decide(config, peers)
@@ -85,10 +85,9 @@ class Run:
             run.base, run.base_reference = starting.load_base(start, program.abstract_state().frozen)
             run.check_meta(start.meta)
         program.check_fits()  # the step compiled now, its memory against run.device_memory_gb
-        if later:
-            first = Stage(0, later[0].stage.count, 0, later[0].stage.first_step, program.config)
-            run.stages = [RunStage(first, program, data)]
-            for part in later:
+        if staged:
+            run.stages = [RunStage(dataclasses.replace(staged[0].stage, config=program.config), program, data)]
+            for part in staged[1:]:
                 try:
                     stage_program = TrainProgram.build(part.stage.config, part.mesh)
                     stage_program.check_fits()
