@@ -225,6 +225,40 @@ def test_the_averaged_checkpoints_are_kept_and_a_stage_past_the_end_is_not_train
     ] == [4, 6]
 
 
+def test_a_planned_decay_checkpoint_held_back_by_a_bad_step_is_named_and_the_others_averaged(tmp_path, corpus, capsys):
+    """A NaN batch at step 5 (inject.nan_steps counts batches from 0), a planned decay-phase save: the guard holds
+    that save for the next good step (6, also planned), so the phase has checkpoints 4 and 6 of the planned 4, 5, 6.
+    The run says so and averages those two."""
+    run_dir = tmp_path / "run"
+    config_file = write_tiny_yaml(tmp_path, data={"sources": [str(corpus)]})
+    overrides = ["train.steps=6", "train.decay_steps=4", "checkpoint.average_decay=3", "inject.nan_steps=[4]"]
+    assert cli.main(["train", str(config_file), f"run.dir={run_dir}", *overrides]) == 0
+    out = capsys.readouterr().out
+    assert "warning: checkpoint.average_decay planned steps [4, 5, 6]; the decay phase's checkpoints are [4, 6]" in out
+    averaged = run_dir / "averaged" / "checkpoints" / "0"
+    assert json.loads((averaged / "meta" / "metadata").read_text())["averaged_steps"] == [4, 6]
+    assert max_difference(params_of(averaged), mean_of(run_dir, [4, 6])) <= 1e-7
+
+
+def test_a_stage_whose_sources_have_another_tokenizer_is_one_line_exit_2_and_nothing_written(tmp_path, corpus, capsys):
+    """Each raw source trains its own tokenizer (data.tokenizer=bpe): a later stage on other text would feed the
+    model other token ids. Refused before anything is written."""
+    other = tmp_path / "other"
+    other.mkdir()
+    rng = np.random.default_rng(1)
+    words = ["zebra", "quartz", "vexing", "jumpy", "fjord", "waltz", "nymph", "glyph", "crwth", "sphinx"]
+    for i in range(40):
+        (other / f"doc{i}.txt").write_text(" ".join(rng.choice(words, 200)))
+    run_dir = tmp_path / "run"
+    config_file = write_tiny_yaml(tmp_path, data={"sources": [str(corpus)]})
+    stages = f"train.stages=[{{start_step: 2, sources: [{other}]}}]"
+    assert cli.main(["train", str(config_file), f"run.dir={run_dir}", "train.steps=4", stages]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert "stage 2/2" in err and "was prepared with another tokenizer than the first stage's" in err, err
+    assert not run_dir.exists()
+
+
 def test_the_recipe_guide_trains_its_stages_and_averages(tmp_path, monkeypatch, capsys):
     """docs/recipe.md's three-stage tiny run, as shown: every stage begins where the guide says, and the decay
     phase's three checkpoints are averaged into run.dir/averaged."""
