@@ -30,6 +30,10 @@ if "LLAMA_JAX_TEST_CACHE" not in os.environ:
     os.environ["LLAMA_JAX_TEST_CACHE"] = tempfile.mkdtemp(prefix="llama-jax-test-compilation-cache-")
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.environ["LLAMA_JAX_TEST_CACHE"])
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+# The user cache (prepared data stores, plans, the measured matmul rate: files.cache_root) is the session's too, in
+# the same folder: a test neither reads what an earlier run left in ~/.cache nor leaves anything there, so a run
+# here costs what it costs on CI's clean machine.
+os.environ["XDG_CACHE_HOME"] = os.path.join(os.environ["LLAMA_JAX_TEST_CACHE"], "user")
 
 import dataclasses  # noqa: E402
 from pathlib import Path  # noqa: E402
