@@ -99,6 +99,49 @@ def test_a_lost_host_restores_from_its_partners_copy_only_when_one_exists():
     assert project(x).goodput > project(dataclasses.replace(x, local_replicas=0)).goodput
 
 
+def test_a_lost_host_waits_for_the_scheduler_only_when_every_hot_spare_is_taken():
+    """Erlang's loss system: with an offered load of 2 (two hosts lost per repair time) and 2 spares, a loss finds
+    none free with Erlang B's (2^2 / 2!) / (1 + 2 + 2^2 / 2!) = 0.4."""
+    x = inputs(failures_per_gpu_hour=1e-4, mix={"host_lost": 1.0}, local_every=10)
+    per_gpu_rate = 1e-4 / 3600
+    repair_s = 2 / (per_gpu_rate * x.gpus)
+    spared = dataclasses.replace(x, spare_hosts=2, repair_s=repair_s)
+    assert x.no_spare_chance == 1.0 and project(x).per_failure_s["host_lost"]["replacement"] == 600.0
+    assert spared.no_spare_chance == pytest.approx(0.4, rel=1e-12)
+    assert project(spared).per_failure_s["host_lost"]["replacement"] == pytest.approx(600 * 0.4, rel=1e-12)
+    assert dataclasses.replace(spared, spare_hosts=1000).no_spare_chance < 1e-300  # no factorial overflows
+    more = [dataclasses.replace(spared, spare_hosts=n).no_spare_chance for n in (2, 4, 8)]
+    assert more == sorted(more, reverse=True) and more[-1] < 0.002
+    assert project(dataclasses.replace(spared, spare_hosts=8)).goodput > project(spared).goodput > project(x).goodput
+    crash = project(dataclasses.replace(spared, mix={"crash": 1.0})).per_failure_s["crash"]
+    assert crash["replacement"] == 0.0  # a crash keeps its host
+
+
+def test_a_restart_is_the_sum_of_its_parts_and_only_the_distributed_init_grows_with_the_hosts(capsys):
+    """Where no run measured it, restart_s adds up the parts a run's goodput.json keeps (each with its source):
+    on 16 times the hosts only distributed_init and the step (its share of the batch) change; pre-flight counts
+    where the config turns it on."""
+    assert cli.main(["goodput", "llama3_405b", "--gpus", "1024", "--json"]) == 0
+    small = json.loads(capsys.readouterr().out)
+    assert cli.main(["goodput", "llama3_405b", "fault.preflight=true", "--gpus", "16384", "--json"]) == 0
+    large = json.loads(capsys.readouterr().out)
+    for out in (small, large):
+        parts = out["restart_parts"]
+        assert out["inputs"]["restart_s"]["value"] == pytest.approx(sum(p["value"] for p in parts.values()))
+        assert out["inputs"]["restart_s"]["source"] == "the sum of its parts (below)"
+        assert all(p["source"] for p in parts.values())
+        assert parts["first_step"]["value"] == out["inputs"]["step_s"]["value"]
+    assert "preflight" not in small["restart_parts"] and large["restart_parts"]["preflight"]["value"] > 0
+    grown = {
+        k for k in small["restart_parts"] if large["restart_parts"][k]["value"] != small["restart_parts"][k]["value"]
+    }
+    assert grown == {"distributed_init", "first_step"}
+    assert large["restart_parts"]["distributed_init"]["value"] > small["restart_parts"]["distributed_init"]["value"]
+    assert cli.main(["goodput", "llama3_405b", "--gpus", "1024", "--restart-s", "99", "--json"]) == 0
+    given = json.loads(capsys.readouterr().out)
+    assert given["inputs"]["restart_s"] == {"value": 99.0, "source": "given"} and given["restart_parts"] == {}
+
+
 def test_mean_age_of_the_newest_checkpoint_over_both_tiers():
     assert mean_age_steps(10, 0) == 5.0 and mean_age_steps(0, 10) == 5.0
     assert mean_age_steps(10, 20) == 5.0  # durable saves on local steps: the local sequence
@@ -150,6 +193,8 @@ def test_goodput_command_json_at_llama3_scale(capsys):
         (["--gpus", "0"], "--gpus 0 must be positive"),
         (["--gpus", "12"], "whole number of hosts"),
         (["--gpus", "16", "--host-loss-share", "1.5"], "--host-loss-share in [0, 1]"),
+        (["--gpus", "16", "--spares", "-1"], "--spares must be >= 0"),
+        (["--gpus", "16", "--repair-hours", "0"], "--repair-hours > 0"),
         (["--gpus", "16", "--from", "/nonexistent/run"], "--from /nonexistent/run does not exist"),
     ],
 )
@@ -273,7 +318,9 @@ def test_readme_rehearsal_commands_parse_and_a_short_rehearsal_survives_a_lost_h
 
 def test_readme_goodput_commands_run(capsys):
     """Every documented `llama-jax goodput` command runs (a --from run directory is made first from a real
-    goodput.json shape), and the llama3_405b projection with the launchers' local tier beats durable only."""
+    goodput.json shape), the llama3_405b projection with the launchers' local tier beats durable only, and each
+    command's goodput is the figure docs/fault-tolerance.md gives for it."""
+    guide = (ROOT / "docs" / "fault-tolerance.md").read_text()
     commands = readme_commands("llama-jax goodput")
     assert any("llama3_405b" in c and "16384" in c for c in commands)
     for command in commands:
@@ -283,5 +330,28 @@ def test_readme_goodput_commands_run(capsys):
         assert cli.main([*args, "--json"] if "--json" not in args else args) == 0, command
         out = json.loads(capsys.readouterr().out)
         assert 0 < out["goodput"] < 1
+        if "llama3_405b" in command and "16384" in command:
+            assert f"{100 * out['goodput']:.1f}%" in guide, command
         if "checkpoint.local_dir=/dev/shm/llama-jax" in command:
             assert out["goodput"] > out["durable_only"]["goodput"]
+
+
+@pytest.mark.slow
+def test_the_distributed_init_benchmark_times_real_processes_and_fits_its_line(tmp_path):
+    """bench/distributed_init.py on 2 and 3 real processes: a time for each count, and the line through them."""
+    out = tmp_path / "init.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "distributed_init.py"), "--processes", "2", "3", "--repeats", "1"]
+        + ["--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    seconds = {int(k): v for k, v in result["seconds"].items()}
+    assert sorted(seconds) == [2, 3] and all(0 < v < 60 for v in seconds.values())
+    for count, value in seconds.items():  # two points: the line passes through both
+        assert result["a"] + result["b"] * count == pytest.approx(value, abs=1e-9)
+    assert "fit: seconds = " in proc.stdout

@@ -235,11 +235,15 @@ def _add_cost_model(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_goodput(ns: argparse.Namespace) -> int:
-    rates = (ns.failures_per_gpu_hour, ns.planned_per_gpu_hour, ns.replacement_s, ns.restart_s)
-    if any(v is not None and v < 0 for v in rates) or not (ns.host_loss_share is None or 0 <= ns.host_loss_share <= 1):
+    rates = (ns.failures_per_gpu_hour, ns.planned_per_gpu_hour, ns.replacement_s, ns.restart_s, ns.spares)
+    if (
+        any(v is not None and v < 0 for v in rates)
+        or not (ns.host_loss_share is None or 0 <= ns.host_loss_share <= 1)
+        or (ns.repair_hours is not None and ns.repair_hours <= 0)
+    ):
         raise InputError(
-            "goodput: --failures-per-gpu-hour, --planned-per-gpu-hour, --replacement-s and --restart-s "
-            "must be >= 0, --host-loss-share in [0, 1]"
+            "goodput: --failures-per-gpu-hour, --planned-per-gpu-hour, --replacement-s, --restart-s and --spares "
+            "must be >= 0, --host-loss-share in [0, 1], --repair-hours > 0"
         )
     if ns.run_dir and (problem := unreadable(Path(ns.run_dir), "directory")):
         raise InputError(f"goodput: --from {problem}; name the run.dir of a run")
@@ -257,6 +261,8 @@ def cmd_goodput(ns: argparse.Namespace) -> int:
         failures_per_gpu_hour=ns.failures_per_gpu_hour,
         planned_per_gpu_hour=ns.planned_per_gpu_hour,
         host_loss_share=ns.host_loss_share,
+        spare_hosts=ns.spares,
+        repair_hours=ns.repair_hours,
         **given,
     )
     report = projection.report(inputs)
@@ -303,8 +309,27 @@ def add_goodput(commands) -> None:
         type=float,
         help="share of the unexpected interruptions that lose a host (default Llama 3's, 0.84)",
     )
-    parser.add_argument("--replacement-s", type=float, help="seconds to get a replacement host (default 600)")
-    parser.add_argument("--restart-s", type=float, help="seconds from a process start to its first step")
+    parser.add_argument(
+        "--replacement-s",
+        type=float,
+        help="seconds to get a host from the scheduler where no spare is free (default 600)",
+    )
+    parser.add_argument(
+        "--restart-s",
+        type=float,
+        help="seconds from a failure noticed to the first step (default: the sum of a restart's parts, printed)",
+    )
+    parser.add_argument(
+        "--spares",
+        type=int,
+        default=0,
+        help="hot spare hosts in the allocation, as slurm.sbatch --spares keeps them (default 0)",
+    )
+    parser.add_argument(
+        "--repair-hours",
+        type=float,
+        help="hours until a lost host is a spare again (default: the stated assumption, printed with the inputs)",
+    )
     parser.add_argument(
         "--json",
         action="store_true",

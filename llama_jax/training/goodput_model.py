@@ -8,12 +8,17 @@ The model (every choice here is a first-order one, stated where it is made):
   are part of the wall time the rate applies to.
 - Each failure of kind k costs F_k seconds: detection (a crash: the heartbeat timeout plus the supervisor's
   backoff; a hang: the watchdog's timeout), a replacement host when it loses one, restart to the first step
-  (process start and compile), the restore of the tier that serves it, and the progress lost since that tier's
-  newest checkpoint.
+  (the scheduler's relaunch, process start, distributed initialisation, compile), the restore of the tier that
+  serves it, and the progress lost since that tier's newest checkpoint.
 - A tier saving every n steps holds, at a failure at a uniformly random time, a newest checkpoint n/2 steps old
   on average, plus its commit latency (a save counts once its write is done: an asynchronous durable write, the
   local tier's background write). With two tiers the newest of either serves (mean age of the union of both
   step sequences, computed exactly over their common period).
+- A lost host is replaced by a hot spare already in the allocation when one is free (no wait: the restart runs on
+  it), else by a host from the scheduler's pool (replacement_s). A spare taken is back repair_s later (the lost
+  host repaired, or another in its place); a loss that finds none free takes the scheduler's host and no spare.
+  That is Erlang's loss system: `spare_hosts` servers, losses arriving at the host-loss rate, each holding a spare
+  for repair_s; a loss finds none free with Erlang B's probability (1 without spares).
 - A failure that loses a host restores from the local tier only if a partner's copy of that host's shards
   survives (checkpoint.local_replicas >= 1 and more than one host), i.e. unless the partner host is lost too
   before the restore: probability 1 - exp(-host-loss rate per host x that window); else from the durable tier.
@@ -67,7 +72,7 @@ class Inputs:
     write_local_s: float
     restore_durable_s: float
     restore_local_s: float
-    restart_s: float  # process start + compile, to the first step
+    restart_s: float  # the scheduler's relaunch, process start, distributed init, compile, to the first step
     first_start_s: float  # the run's first start (cold compile, pre-flight)
     detect_s: float  # a crash: until the new processes start (heartbeat timeout, supervisor backoff)
     hang_detect_s: float  # a hang: the watchdog's timeout
@@ -79,6 +84,9 @@ class Inputs:
     durable_auto: bool = False  # the interval is checkpoint/interval.py's automatic one, worked out by with_auto
     local_auto: bool = False
     mtbf_setting_s: float = 0.0  # checkpoint.mtbf_hours (0: the MTBF the failure rate gives, as the trainer observes)
+    spare_hosts: int = 0  # hot spares in the allocation (slurm.sbatch --spares)
+    repair_s: float = 0.0  # a lost host's time until it (or its replacement) is a spare again
+    restart_parts: dict[str, float] = field(default_factory=dict)  # what restart_s adds up, where it is a sum
     sources: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -89,6 +97,21 @@ class Inputs:
     def failure_rate_s(self) -> float:
         """Interruptions (unexpected and planned) per second of wall time, for the whole job."""
         return (self.failures_per_gpu_hour + self.planned_per_gpu_hour) * self.gpus / 3600
+
+    @property
+    def host_loss_rate_s(self) -> float:
+        """Failures that lose a host, per second of wall time, for the whole job."""
+        host = sum(self.mix.get(k, 0) for k in LOSES_HOST) / (sum(self.mix.values()) or 1)
+        return self.failures_per_gpu_hour * self.gpus / 3600 * host
+
+    @property
+    def no_spare_chance(self) -> float:
+        """The chance a lost host finds every hot spare taken: Erlang B for spare_hosts spares and an offered load
+        of host-loss rate x repair_s, by its recurrence (no factorials: any number of spares). 1 without spares."""
+        load, blocked = self.host_loss_rate_s * self.repair_s, 1.0
+        for spares in range(1, self.spare_hosts + 1):
+            blocked = load * blocked / (spares + load * blocked)
+        return blocked
 
     @property
     def mtbf_s(self) -> float:
@@ -206,13 +229,7 @@ def failure_costs(x: Inputs, nd: int, nl: int) -> dict[str, dict[str, float]]:
     local_latency = x.write_local_s if nl and (not nd or nl <= nd) else x.write_durable_s
     union_age = age(mean_age_steps(nd, nl), local_latency) if nl else durable_age
     partner = nl > 0 and x.local_replicas >= 1 and x.hosts > 1
-    host_loss_per_host_s = (
-        x.failures_per_gpu_hour
-        * x.gpus_per_host
-        / 3600
-        * sum(x.mix.get(k, 0) for k in LOSES_HOST)
-        / (sum(x.mix.values()) or 1)
-    )
+    host_loss_per_host_s = x.host_loss_rate_s / x.hosts
 
     def restore(host_lost: bool, window: float) -> tuple[float, float, float]:
         """(restore seconds, lost seconds, the served tier's interval in seconds) for a restart."""
@@ -231,7 +248,7 @@ def failure_costs(x: Inputs, nd: int, nl: int) -> dict[str, dict[str, float]]:
     for kind in KINDS:
         host_lost = kind in LOSES_HOST
         detect = {"hang": x.hang_detect_s, "preemption": 0.0}.get(kind, x.detect_s)
-        replacement = x.replacement_s if host_lost else 0.0
+        replacement = x.replacement_s * x.no_spare_chance if host_lost else 0.0
         restart = x.restart_s * (2 if kind == "slow_device" else 1)  # a first start that pre-flight refuses
         restore_s, lost, interval = restore(host_lost, detect + replacement + restart)
         if kind == "damaged_checkpoint":  # the newest is set aside after a failed read: one interval further back

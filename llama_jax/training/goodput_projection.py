@@ -40,9 +40,26 @@ STATE_BYTES_PER_PARAM = 12  # float32 params + AdamW's two float32 moments: what
 DEVICE_TO_HOST_GBS = 25.0  # assumed: half of PCIe Gen5 x16's 64 GB/s, the copy a save blocks on
 HOST_MEMORY_GBS = 10.0  # assumed: one host writing or reading /dev/shm
 ORBAX_70B_WRITE_S, ORBAX_405B_LOAD_S = 62.0, 59.0  # Orbax's published background save / load (REFERENCE.md)
-FULL_RESTART_S = 600.0  # torchft: ~10 min stall per failure with a full restart at ~100K GPUs (REFERENCE.md)
-REPLACEMENT_S = 600.0  # assumed: a spare host from the scheduler's pool (requeue, boot); no published figure
+REPLACEMENT_S = 600.0  # assumed: a host from the scheduler's pool (requeue, boot); no published figure
+REPAIR_H = 24.0  # assumed: a lost host drained and repaired or swapped, and a spare again; no published figure
 BACKOFF_S = 10.0  # `llama-jax supervise --backoff` default
+
+# A restart, part by part (the parts each attempt keeps in goodput.json, resilience/goodput.py), where no run
+# measured them. A process's own parts do not grow with the job: measured by bench/rehearsal.py --preset llama3_8b
+# --processes 2 (2026-11-28, AMD EPYC, 2 cores): the restart after a lost host. `--from RUN_DIR` measures them on
+# the user's own hosts instead.
+PROCESS_START_PARTS = {"launch": 0.04, "imports": 1.09, "data": 0.19, "preflight": 0.57, "loop_setup": 2.52}
+# jax.distributed.initialize grows with the processes that join: bench/distributed_init.py's least-squares line
+# through 2-64 processes on 127.0.0.1, the coordinator already listening (2026-11-28, AMD EPYC, 2 cores, jax
+# 0.10.2: 0.005 s for 2, 0.092 s for 64), seconds = a + b x processes. Those processes share 2 cores, so the line
+# overstates a cluster's per-process cost. A restart starts the coordinator and its clients together, and a client
+# that finds it not yet listening retries about a second later: 1.1 s measured by the same script before it
+# started the coordinator first (1.0-1.2 s wherever that happened), counted once.
+DISTRIBUTED_INIT_FIT = (0.0013, 0.00144)
+COORDINATOR_RETRY_S = 1.1
+# The two parts no measurement here can give, named as the projection's assumptions:
+SCHEDULER_RESTART_S = 30.0  # the scheduler relaunching the job step on every host (srun inside the allocation)
+COMPILE_HIT_S = 30.0  # a large model's step loaded from the persistent compilation cache (MaxText restarts in ~40 s)
 
 
 # Inputs: measured by a run, else the stated defaults.
@@ -183,18 +200,43 @@ def _stated_costs(config: Config, gpus: int, gpus_per_host: int) -> dict[str, tu
         f"a host's shards at {HOST_MEMORY_GBS:g} GB/s from /dev/shm + {DEVICE_TO_HOST_GBS:g} "
         "GB/s host->device (assumed)",
     )
-    values["restart_s"] = (
-        FULL_RESTART_S,
-        "torchft's ~10 min stall per failure with a full restart at ~100K GPUs (REFERENCE.md)",
-    )
-    values["first_start_s"] = (FULL_RESTART_S, "as restart_s")
     values["detect_s"] = (
         config.run.heartbeat_timeout_s + BACKOFF_S,
         "run.heartbeat_timeout_s + `llama-jax supervise --backoff` (defaults)",
     )
-    values["replacement_s"] = (REPLACEMENT_S, "assumed: a spare host from the scheduler's pool (no published figure)")
+    values["replacement_s"] = (
+        REPLACEMENT_S,
+        "assumed: a host from the scheduler's pool where no spare is free (no published figure)",
+    )
     values["steady_overhead"] = (0.0, "assumed: data loading, eval and logging hidden behind the steps at scale")
     return values
+
+
+def restart_parts(config: Config, processes: int, step_s: float) -> dict[str, tuple[float, str]]:
+    """A restart to its first step, part by part (seconds, source), for a job of `processes` processes (one a GPU,
+    as slurm.sbatch starts them; k8s.sh starts one a host, fewer) whose step takes step_s: the scheduler's
+    relaunch, each process's own start (measured here), the distributed initialisation (its line against the
+    process count), the step from the compilation cache, one step. The restore is an input of its own (by tier);
+    pre-flight only where fault.preflight is on."""
+    here = "measured: bench/rehearsal.py's restart after a lost host, 2 CPU processes (2026-11-28)"
+    parts = {
+        part: (seconds, here)
+        for part, seconds in PROCESS_START_PARTS.items()
+        if part != "preflight" or config.fault.preflight
+    }
+    a, b = DISTRIBUTED_INIT_FIT
+    parts["distributed_init"] = (
+        COORDINATOR_RETRY_S + a + b * processes,
+        f"{COORDINATOR_RETRY_S:g} s (a client's retry) + {a:.3g} s + {b:.3g} s x {processes:,} processes: "
+        "bench/distributed_init.py, 2-64 processes on one machine",
+    )
+    parts["compile"] = (
+        COMPILE_HIT_S,
+        "assumed: the step loaded from the persistent compilation cache (MaxText restarts in ~40 s, REFERENCE.md)",
+    )
+    parts["first_step"] = (step_s, "one step (step_s)")
+    relaunch = (SCHEDULER_RESTART_S, "assumed: the scheduler relaunching the job step on every host")
+    return {"scheduler": relaunch, **{part: parts[part] for part in START_PARTS if part in parts}}  # a start's order
 
 
 def inputs_for(
@@ -206,6 +248,8 @@ def inputs_for(
     planned_per_gpu_hour: float | None = None,
     host_loss_share: float | None = None,
     mix: dict[str, float] | None = None,
+    spare_hosts: int = 0,
+    repair_hours: float | None = None,
     **given: float,
 ) -> Inputs:
     """The inputs of `config` on `gpus` GPUs: `given` (name -> value, stated by the caller) first, then what `run`
@@ -219,25 +263,25 @@ def inputs_for(
     values = _stated_costs(config, gpus, gpus_per_host)
     t, c, f = config.train, config.checkpoint, config.fault
     values.update(run or {})
+    parts: dict[str, tuple[float, str]] = {}
+    if "restart_s" not in values and "restart_s" not in given:  # the sum of its parts, from the step as it stands
+        parts = restart_parts(config, gpus, values["step_s"][0])
+        values["restart_s"] = (sum(value for value, _ in parts.values()), "the sum of its parts (below)")
     values["hang_detect_s"] = (
         max(f.hang_min_timeout_s, f.hang_factor * values["step_s"][0]),
         "max(fault.hang_min_timeout_s, fault.hang_factor x step_s): the watchdog",
     )
     values.update({k: (v, "given") for k, v in given.items()})
-    rate = LLAMA3_FAILURES_PER_GPU_HOUR if failures_per_gpu_hour is None else failures_per_gpu_hour
-    planned = LLAMA3_PLANNED_PER_GPU_HOUR if planned_per_gpu_hour is None else planned_per_gpu_hour
-    sources = {k: s for k, (_, s) in values.items()}
-    sources["failures_per_gpu_hour"] = (
-        "Llama 3: 419 unexpected interruptions / (16,384 GPUs x 54 days x 24 h)"
-        if failures_per_gpu_hour is None
-        else "given"
-    )
-    sources["planned_per_gpu_hour"] = (
-        "Llama 3: 47 planned interruptions / (16,384 GPUs x 54 days x 24 h)"
-        if planned_per_gpu_hour is None
-        else "given"
-    )
+    # The first start, where no run measured it: as a restart (its cold compile has no figure at this scale).
+    values.setdefault("first_start_s", (values["restart_s"][0], "as restart_s"))
+    rate, planned, rate_sources = _failure_rates(failures_per_gpu_hour, planned_per_gpu_hour)
+    sources = {k: s for k, (_, s) in values.items()} | rate_sources
+    sources.update({f"restart.{part}": source for part, (_, source) in parts.items()})
     mix, sources["mix"] = _failure_mix(mix, host_loss_share)
+    sources["spare_hosts"] = "--spares (slurm.sbatch --spares: hot spare hosts in the allocation)"
+    sources["repair_s"] = (
+        "assumed: a lost host drained and repaired or swapped, and a spare again" if repair_hours is None else "given"
+    )
     sources.update(_checkpoint_sources(config))
     v = {k: value for k, (value, _) in values.items()}
     auto = lambda setting: setting == "auto"  # noqa: E731
@@ -268,8 +312,24 @@ def inputs_for(
             durable_auto=auto(c.every_steps),
             local_auto=bool(c.local_dir) and auto(c.local_every_steps),
             mtbf_setting_s=c.mtbf_setting_s,
+            spare_hosts=spare_hosts,
+            repair_s=(REPAIR_H if repair_hours is None else repair_hours) * 3600,
+            restart_parts={part: value for part, (value, _) in parts.items()},
             sources=sources,
         )
+    )
+
+
+def _failure_rates(failures: float | None, planned: float | None) -> tuple[float, float, dict[str, str]]:
+    """(unexpected, planned interruptions per GPU-hour, their sources): given, else Llama 3's."""
+    llama3 = "interruptions / (16,384 GPUs x 54 days x 24 h)"
+    return (
+        LLAMA3_FAILURES_PER_GPU_HOUR if failures is None else failures,
+        LLAMA3_PLANNED_PER_GPU_HOUR if planned is None else planned,
+        {
+            "failures_per_gpu_hour": f"Llama 3: 419 unexpected {llama3}" if failures is None else "given",
+            "planned_per_gpu_hour": f"Llama 3: 47 planned {llama3}" if planned is None else "given",
+        },
     )
 
 
@@ -321,6 +381,8 @@ INPUT_FIELDS = (
     "detect_s",
     "hang_detect_s",
     "replacement_s",
+    "spare_hosts",
+    "repair_s",
     "steady_overhead",
     "failures_per_gpu_hour",
     "planned_per_gpu_hour",
@@ -355,6 +417,11 @@ def report(x: Inputs) -> dict[str, Any]:
         "sensitivity": {k: {"at_50pct": lo, "at_150pct": hi} for k, (lo, hi) in swings.items()},
         "most_sensitive": max(swings, key=lambda k: abs(swings[k][1] - swings[k][0])),
         "inputs": {k: {"value": getattr(x, k), "source": x.sources.get(k, "")} for k in INPUT_FIELDS},
+        "restart_parts": {
+            part: {"value": value, "source": x.sources.get(f"restart.{part}", "")}
+            for part, value in x.restart_parts.items()
+        },
+        "no_spare_chance": x.no_spare_chance,
         "wall_s": configured.wall_s,
     }
 
@@ -377,6 +444,11 @@ def format_report(r: dict[str, Any], name: str, x: Inputs) -> str:
             else f"{value}"
         )
         lines.append(f"    {k:<22} {shown:<14} {entry['source']}")
+        if k == "restart_s":
+            for part, each in r["restart_parts"].items():
+                lines.append(f"      {part:<20} {each['value']:<14.3g} {each['source']}")
+        if k == "repair_s" and x.spare_hosts:
+            lines.append(f"      {'no spare free':<20} {r['no_spare_chance']:<14.3g} a lost host's chance")
     lines.append(f"  goodput {pct(r['goodput'])}: " + ", ".join(f"{k} {pct(v)}" for k, v in r["breakdown"].items()))
     lines.append(
         "  per failure (s): "
