@@ -14,7 +14,7 @@ import pytest
 from test_readme import ROOT, llama_jax_args, readme_commands
 
 from llama_jax import cli
-from llama_jax.training.goodput_model import LLAMA3_HOST_LOSS_SHARE, mean_age_steps
+from llama_jax.training.goodput_model import LLAMA3_HOST_LOSS_SHARE, best_spares, mean_age_steps
 from llama_jax.training.goodput_projection import (
     LLAMA3_FAILURES_PER_GPU_HOUR,
     Inputs,
@@ -117,11 +117,49 @@ def test_a_lost_host_waits_for_the_scheduler_only_when_every_hot_spare_is_taken(
     assert crash["replacement"] == 0.0  # a crash keeps its host
 
 
+def test_auto_spares_are_the_count_that_trains_the_most_per_gpu_allocated():
+    """Each spare is a host held idle (1/hosts of the allocation) against the wait it saves: the auto count is the
+    best of every count up to far past it, and none where a lost host costs no wait."""
+    x = inputs(gpus=4096, failures_per_gpu_hour=LLAMA3_FAILURES_PER_GPU_HOUR, local_every=10, repair_s=24 * 3600.0)
+
+    def per_gpu_allocated(spares: int) -> float:
+        return project(dataclasses.replace(x, spare_hosts=spares)).goodput * x.hosts / (x.hosts + spares)
+
+    best = best_spares(x)
+    assert best > 0 and per_gpu_allocated(best) == max(per_gpu_allocated(s) for s in range(60))
+    assert best_spares(dataclasses.replace(x, replacement_s=0.0)) == 0
+
+
+def test_the_plain_command_projects_the_launched_run_with_its_spares(capsys):
+    """`llama-jax goodput llama3_405b --gpus 16384` projects the run as slurm.sbatch starts it: launch/defaults.sh's
+    keys (the local tier every auto steps, pre-flight) and the spares that train the most per GPU allocated; it
+    reaches the >= 95% goal with every input's source. The user's keys come after the launcher's and win;
+    --without-launcher drops both the keys and the spares."""
+    args = ["goodput", "llama3_405b", "--gpus", "16384", "--json"]
+    assert cli.main(args) == 0
+    launched = json.loads(capsys.readouterr().out)
+    assert launched["goodput"] >= 0.95 and all(entry["source"] for entry in launched["inputs"].values())
+    spares = launched["inputs"]["spare_hosts"]
+    assert spares["value"] > 0 and spares["source"].startswith("auto: the most training per GPU allocated")
+    assert launched["inputs"]["local_every"]["source"].startswith("auto:") and "preflight" in launched["restart_parts"]
+    assert launched["per_gpu_allocated"] == pytest.approx(launched["goodput"] * 2048 / (2048 + spares["value"]))
+    for other in (spares["value"] - 1, spares["value"] + 1):
+        assert cli.main([*args, "--spares", str(other)]) == 0
+        assert json.loads(capsys.readouterr().out)["per_gpu_allocated"] < launched["per_gpu_allocated"]
+    assert cli.main([*args, "--without-launcher"]) == 0
+    bare = json.loads(capsys.readouterr().out)
+    assert bare["inputs"]["spare_hosts"]["value"] == 0 and bare["inputs"]["local_every"]["value"] == 0
+    assert "preflight" not in bare["restart_parts"] and bare["goodput"] < 0.9
+    assert cli.main([*args[:2], "checkpoint.local_dir=", "checkpoint.local_every_steps=0", *args[2:]]) == 0
+    durable = json.loads(capsys.readouterr().out)
+    assert durable["inputs"]["local_every"]["value"] == 0 and "preflight" in durable["restart_parts"]
+
+
 def test_a_restart_is_the_sum_of_its_parts_and_only_the_distributed_init_grows_with_the_hosts(capsys):
     """Where no run measured it, restart_s adds up the parts a run's goodput.json keeps (each with its source):
     on 16 times the hosts only distributed_init and the step (its share of the batch) change; pre-flight counts
     where the config turns it on."""
-    assert cli.main(["goodput", "llama3_405b", "--gpus", "1024", "--json"]) == 0
+    assert cli.main(["goodput", "llama3_405b", "--gpus", "1024", "--without-launcher", "--json"]) == 0
     small = json.loads(capsys.readouterr().out)
     assert cli.main(["goodput", "llama3_405b", "fault.preflight=true", "--gpus", "16384", "--json"]) == 0
     large = json.loads(capsys.readouterr().out)

@@ -13,6 +13,8 @@ import jaxlib
 import pytest
 from test_readme import readme_commands
 
+from llama_jax.training.goodput_projection import LAUNCHER_KEYS
+
 ROOT = Path(__file__).resolve().parents[1]
 LOCAL = ROOT / "launch" / "local.sh"
 
@@ -136,12 +138,9 @@ def test_local_launcher_with_processes_dry_run():
 
 
 # What the cluster launchers add after the preset, before the user's keys (launch/defaults.sh): the node-local
-# checkpoint tier on /dev/shm and the pre-flight check.
-LAUNCHER_DEFAULTS = [
-    "checkpoint.local_dir=/dev/shm/llama-jax",
-    "checkpoint.local_every_steps=auto",
-    "fault.preflight=true",
-]
+# checkpoint tier on /dev/shm and the pre-flight check. `llama-jax goodput` projects a launched run with the same
+# keys, from its own copy: every launcher test below checks the scripts add exactly that copy.
+LAUNCHER_DEFAULTS = list(LAUNCHER_KEYS)
 
 
 def test_launchers_put_the_local_tier_on_node_local_storage_and_run_the_pre_flight_check_by_default():

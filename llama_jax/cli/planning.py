@@ -235,7 +235,8 @@ def _add_cost_model(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_goodput(ns: argparse.Namespace) -> int:
-    rates = (ns.failures_per_gpu_hour, ns.planned_per_gpu_hour, ns.replacement_s, ns.restart_s, ns.spares)
+    spares = (0 if ns.without_launcher else None) if ns.spares in (None, "auto") else ns.spares  # None: auto
+    rates = (ns.failures_per_gpu_hour, ns.planned_per_gpu_hour, ns.replacement_s, ns.restart_s, spares)
     if (
         any(v is not None and v < 0 for v in rates)
         or not (ns.host_loss_share is None or 0 <= ns.host_loss_share <= 1)
@@ -251,7 +252,8 @@ def cmd_goodput(ns: argparse.Namespace) -> int:
     from llama_jax.training import goodput_projection as projection
 
     source, overrides = split_source(ns.args)
-    config = load_config(source, overrides)
+    launcher = [] if ns.without_launcher else list(projection.LAUNCHER_KEYS)  # before the user's, as they add them
+    config = load_config(source, [*launcher, *overrides])
     given = {k: v for k, v in (("replacement_s", ns.replacement_s), ("restart_s", ns.restart_s)) if v is not None}
     inputs = projection.inputs_for(
         config,
@@ -261,7 +263,7 @@ def cmd_goodput(ns: argparse.Namespace) -> int:
         failures_per_gpu_hour=ns.failures_per_gpu_hour,
         planned_per_gpu_hour=ns.planned_per_gpu_hour,
         host_loss_share=ns.host_loss_share,
-        spare_hosts=ns.spares,
+        spare_hosts=spares,
         repair_hours=ns.repair_hours,
         **given,
     )
@@ -276,12 +278,24 @@ def cmd_goodput(ns: argparse.Namespace) -> int:
     return 0
 
 
+def spares_count(text: str) -> int | str:
+    """--spares: a whole number, or auto."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--spares takes a whole number or auto, not {text!r}") from None
+
+
 def add_goodput(commands) -> None:
     parser = commands.add_parser(
         "goodput",
         help="project the effective training time of a run under failures, and the best checkpoint intervals",
         description="llama-jax goodput [PRESET|CONFIG.yaml] [key=value ...] --gpus N [--gpus-per-host 8] "
-        "[--from RUN_DIR] [--json]. Failures as Poisson at Llama 3's rate and mix by default; costs "
+        "[--from RUN_DIR] [--json]. The run as the cluster launchers start it (launch/defaults.sh's keys before "
+        "yours; hot spares: auto) unless --without-launcher. Failures as Poisson at Llama 3's rate and mix by "
+        "default; costs "
         "measured by the run in --from (its goodput.json), else stated defaults, each printed with "
         "its source (docs/fault-tolerance.md).",
     )
@@ -321,9 +335,15 @@ def add_goodput(commands) -> None:
     )
     parser.add_argument(
         "--spares",
-        type=int,
-        default=0,
-        help="hot spare hosts in the allocation, as slurm.sbatch --spares keeps them (default 0)",
+        type=spares_count,
+        help="hot spare hosts in the allocation, as slurm.sbatch --spares keeps them (default auto: the count that "
+        "trains the most per GPU allocated; 0 with --without-launcher)",
+    )
+    parser.add_argument(
+        "--without-launcher",
+        action="store_true",
+        help="project `llama-jax train` started by hand: without the keys the cluster launchers add "
+        "(launch/defaults.sh: the node-local tier, pre-flight) and without spares",
     )
     parser.add_argument(
         "--repair-hours",

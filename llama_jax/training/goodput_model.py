@@ -18,7 +18,8 @@ The model (every choice here is a first-order one, stated where it is made):
   it), else by a host from the scheduler's pool (replacement_s). A spare taken is back repair_s later (the lost
   host repaired, or another in its place); a loss that finds none free takes the scheduler's host and no spare.
   That is Erlang's loss system: `spare_hosts` servers, losses arriving at the host-loss rate, each holding a spare
-  for repair_s; a loss finds none free with Erlang B's probability (1 without spares).
+  for repair_s; a loss finds none free with Erlang B's probability (1 without spares). Spares not given are the
+  count that trains the most per GPU allocated (best_spares): each spare is a host that waits instead of training.
 - A failure that loses a host restores from the local tier only if a partner's copy of that host's shards
   survives (checkpoint.local_replicas >= 1 and more than one host), i.e. unless the partner host is lost too
   before the restore: probability 1 - exp(-host-loss rate per host x that window); else from the durable tier.
@@ -285,6 +286,17 @@ def best_intervals(x: Inputs, local: bool | None = None) -> Projection:
         for durable in _grid(x.steps // max(1, n)) if local else _grid(x.steps):
             candidates.append((durable * max(1, n) if local else durable, n))
     return max((project(x, d, n) for d, n in candidates), key=lambda p: p.goodput)
+
+
+def best_spares(x: Inputs, most: int = 4096) -> int:
+    """The hot spares that train the most per GPU allocated: goodput x hosts / (hosts + spares), for each spare is a
+    host held idle. Erlang B falls ever more slowly with each spare while a spare's cost stays one host, so the
+    first spare that gains nothing marks the best count."""
+    per_allocated = lambda s: project(dataclasses.replace(x, spare_hosts=s)).goodput * x.hosts / (x.hosts + s)  # noqa: E731
+    best, value = 0, per_allocated(0)
+    while best < most and (next_value := per_allocated(best + 1)) > value:
+        best, value = best + 1, next_value
+    return best
 
 
 SENSITIVE = (

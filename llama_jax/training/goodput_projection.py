@@ -29,6 +29,7 @@ from llama_jax.training.goodput_model import (
     LOSES_HOST,
     Inputs,
     best_intervals,
+    best_spares,
     project,
     sensitivity,
     with_auto,
@@ -43,6 +44,9 @@ ORBAX_70B_WRITE_S, ORBAX_405B_LOAD_S = 62.0, 59.0  # Orbax's published backgroun
 REPLACEMENT_S = 600.0  # assumed: a host from the scheduler's pool (requeue, boot); no published figure
 REPAIR_H = 24.0  # assumed: a lost host drained and repaired or swapped, and a spare again; no published figure
 BACKOFF_S = 10.0  # `llama-jax supervise --backoff` default
+# What the cluster launchers add before the user's keys (launch/defaults.sh, its defaults; tests/test_launch.py
+# checks the two agree): a projection of a launched run reads the config as its processes will.
+LAUNCHER_KEYS = ("checkpoint.local_dir=/dev/shm/llama-jax", "checkpoint.local_every_steps=auto", "fault.preflight=true")
 
 # A restart, part by part (the parts each attempt keeps in goodput.json, resilience/goodput.py), where no run
 # measured them. A process's own parts do not grow with the job: measured by bench/rehearsal.py --preset llama3_8b
@@ -248,13 +252,14 @@ def inputs_for(
     planned_per_gpu_hour: float | None = None,
     host_loss_share: float | None = None,
     mix: dict[str, float] | None = None,
-    spare_hosts: int = 0,
+    spare_hosts: int | None = 0,
     repair_hours: float | None = None,
     **given: float,
 ) -> Inputs:
     """The inputs of `config` on `gpus` GPUs: `given` (name -> value, stated by the caller) first, then what `run`
     measured, then the stated defaults; the intervals as the config sets them, `auto` worked out as the trainer
-    does (checkpoint/interval.py) with the MTBF the layout's failure rate gives (what the trainer observes)."""
+    does (checkpoint/interval.py) with the MTBF the layout's failure rate gives (what the trainer observes).
+    spare_hosts None: the count that trains the most per GPU allocated (goodput_model.best_spares)."""
     if gpus < 1 or gpus_per_host < 1 or gpus % gpus_per_host and gpus > gpus_per_host:
         raise InputError(
             f"--gpus {gpus} must be positive and a whole number of hosts of --gpus-per-host "
@@ -278,14 +283,10 @@ def inputs_for(
     sources = {k: s for k, (_, s) in values.items()} | rate_sources
     sources.update({f"restart.{part}": source for part, (_, source) in parts.items()})
     mix, sources["mix"] = _failure_mix(mix, host_loss_share)
-    sources["spare_hosts"] = "--spares (slurm.sbatch --spares: hot spare hosts in the allocation)"
-    sources["repair_s"] = (
-        "assumed: a lost host drained and repaired or swapped, and a spare again" if repair_hours is None else "given"
-    )
-    sources.update(_checkpoint_sources(config))
+    sources.update(_spare_sources(spare_hosts, repair_hours) | _checkpoint_sources(config))
     v = {k: value for k, (value, _) in values.items()}
     auto = lambda setting: setting == "auto"  # noqa: E731
-    return with_auto(
+    x = with_auto(
         Inputs(
             gpus=gpus,
             gpus_per_host=min(gpus, gpus_per_host),
@@ -312,12 +313,26 @@ def inputs_for(
             durable_auto=auto(c.every_steps),
             local_auto=bool(c.local_dir) and auto(c.local_every_steps),
             mtbf_setting_s=c.mtbf_setting_s,
-            spare_hosts=spare_hosts,
+            spare_hosts=spare_hosts or 0,
             repair_s=(REPAIR_H if repair_hours is None else repair_hours) * 3600,
             restart_parts={part: value for part, (value, _) in parts.items()},
             sources=sources,
         )
     )
+    return x if spare_hosts is not None else dataclasses.replace(x, spare_hosts=best_spares(x))
+
+
+def _spare_sources(spare_hosts: int | None, repair_hours: float | None) -> dict[str, str]:
+    """Where the hot spares' count (None: auto) and their repair time come from."""
+    return {
+        "spare_hosts": "auto: the most training per GPU allocated, goodput x hosts / (hosts + spares); "
+        "kept by sbatch --nodes HOSTS+S launch/slurm.sbatch --spares S"
+        if spare_hosts is None
+        else "--spares (slurm.sbatch --spares: hot spare hosts in the allocation)",
+        "repair_s": "assumed: a lost host drained and repaired or swapped, and a spare again"
+        if repair_hours is None
+        else "given",
+    }
 
 
 def _failure_rates(failures: float | None, planned: float | None) -> tuple[float, float, dict[str, str]]:
@@ -422,6 +437,8 @@ def report(x: Inputs) -> dict[str, Any]:
             for part, value in x.restart_parts.items()
         },
         "no_spare_chance": x.no_spare_chance,
+        # the spares' hosts wait instead of training: the share of the allocation's GPU time that trains
+        "per_gpu_allocated": configured.goodput * x.hosts / (x.hosts + x.spare_hosts),
         "wall_s": configured.wall_s,
     }
 
@@ -450,6 +467,9 @@ def format_report(r: dict[str, Any], name: str, x: Inputs) -> str:
         if k == "repair_s" and x.spare_hosts:
             lines.append(f"      {'no spare free':<20} {r['no_spare_chance']:<14.3g} a lost host's chance")
     lines.append(f"  goodput {pct(r['goodput'])}: " + ", ".join(f"{k} {pct(v)}" for k, v in r["breakdown"].items()))
+    if x.spare_hosts:
+        spares = f"{x.spare_hosts} spare host(s) idle beside the {x.hosts:,}"
+        lines.append(f"  per GPU allocated, {spares}: {pct(r['per_gpu_allocated'])}")
     lines.append(
         "  per failure (s): "
         + "; ".join(f"{k} " + "/".join(f"{v:.0f}" for v in c.values()) for k, c in r["per_failure_s"].items())
