@@ -3,7 +3,7 @@
 # Service that gives pod i the name NAME-i.NAME, so every pod finds the coordinator at NAME-0.NAME.
 #
 #   launch/k8s.sh --image IMAGE [--name NAME] [--processes N] [--gpus-per-pod G] [--port P]
-#                 [--claim PVC] [--dry-run] [--] [PRESET|CONFIG.yaml] [key=value ...]
+#                 [--claim PVC] [--spares S] [--dry-run] [--] [PRESET|CONFIG.yaml] [key=value ...]
 #
 # Prints the manifest (--dry-run) or applies it with kubectl. IMAGE must have llama-jax installed
 # (pip install 'llama-jax[gpu]'). The persistent volume claim PVC (default llama-jax-runs, a
@@ -17,6 +17,10 @@
 # llama-jax.io/unhealthy=true (the manifest's service account may patch nodes: a ClusterRole, which needs
 # cluster-admin to apply once), and the pods' node affinity keeps the replacements off them. Without that
 # permission the supervisor says so and prints the kubectl command to run.
+# Hot spares: with --spares S (or LLAMA_JAX_SPARES) S placeholder pods, each holding a pod's GPUs on a node of its
+# own, run at a priority below every other pod's (PriorityClass NAME-spare, -10, never preempting). A trainer pod
+# replaced after a failure preempts one and starts on its node at once, instead of waiting for a free node (or
+# the autoscaler); the placeholder then waits for the next free node, which is a spare again once one frees up.
 set -euo pipefail
 
 name=llama-jax
@@ -25,6 +29,7 @@ processes=2
 gpus=8
 port=1234
 claim=llama-jax-runs
+spares="${LLAMA_JAX_SPARES:-0}"
 dry_run=0
 while [[ $# -gt 0 ]]; do
   case "$1" in
@@ -34,16 +39,17 @@ while [[ $# -gt 0 ]]; do
     --gpus-per-pod) gpus="${2:?}"; shift 2 ;;
     --port) port="${2:?}"; shift 2 ;;
     --claim) claim="${2:?}"; shift 2 ;;
+    --spares) spares="${2:?}"; shift 2 ;;
     --dry-run) dry_run=1; shift ;;
-    -h|--help) sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     --) shift; break ;;
     *) break ;;
   esac
 done
 fail() { echo "k8s.sh: error: $*" >&2; exit 2; }
 [[ -n "$image" ]] || fail "--image is required: an image with llama-jax installed"
-[[ "$processes" =~ ^[1-9][0-9]*$ && "$gpus" =~ ^[0-9]+$ && "$port" =~ ^[1-9][0-9]*$ ]] ||
-  fail "--processes, --gpus-per-pod and --port must be integers"
+[[ "$processes" =~ ^[1-9][0-9]*$ && "$gpus" =~ ^[0-9]+$ && "$port" =~ ^[1-9][0-9]*$ && "$spares" =~ ^[0-9]+$ ]] ||
+  fail "--processes, --gpus-per-pod, --port and --spares must be integers"
 [[ "$name" =~ ^[a-z0-9]([-a-z0-9]*[a-z0-9])?$ ]] || fail "--name must be a DNS label (lower case, digits, '-'), got '$name'"
 
 json() {  # one JSON string (valid YAML) per argument
@@ -59,6 +65,14 @@ while IFS='=' read -r key value; do
   gpu_env+=$'\n'"        - name: $key"$'\n'"          value: $(json "$value")"
 done < <(env -u XLA_FLAGS bash "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh")
 
+# Where the pods may run (trainer and spare alike): not on a node labelled unhealthy after a pre-flight check named it.
+affinity="affinity:
+        nodeAffinity:
+          requiredDuringSchedulingIgnoredDuringExecution:
+            nodeSelectorTerms:
+            - matchExpressions:
+              - key: llama-jax.io/unhealthy
+                operator: DoesNotExist"
 manifest=$(cat <<EOF
 apiVersion: v1
 kind: ServiceAccount
@@ -128,13 +142,7 @@ spec:
       subdomain: $name
       serviceAccountName: $name
       restartPolicy: Never
-      affinity:  # not on a node labelled unhealthy after a pre-flight check named it
-        nodeAffinity:
-          requiredDuringSchedulingIgnoredDuringExecution:
-            nodeSelectorTerms:
-            - matchExpressions:
-              - key: llama-jax.io/unhealthy
-                operator: DoesNotExist
+      $affinity
       containers:
       - name: trainer
         image: $(json "$image")
@@ -173,6 +181,45 @@ spec:
           medium: Memory
 EOF
 )
+if [[ $spares -gt 0 ]]; then
+  manifest+=$(cat <<EOF
+
+---
+apiVersion: scheduling.k8s.io/v1
+kind: PriorityClass
+metadata:
+  name: $name-spare
+value: -10  # below the default (0) of the trainer pods: the scheduler evicts a spare to place a trainer
+preemptionPolicy: Never  # a spare never evicts anything itself
+globalDefault: false
+description: "llama-jax hot spares of job $name: placeholders that hold a node's GPUs until a trainer pod needs them"
+---
+apiVersion: apps/v1
+kind: Deployment
+metadata:
+  name: $name-spare
+spec:
+  replicas: $spares
+  selector:
+    matchLabels:
+      llama-jax.io/spare-of: $name
+  template:
+    metadata:
+      labels:
+        llama-jax.io/spare-of: $name
+    spec:
+      priorityClassName: $name-spare
+      terminationGracePeriodSeconds: 0  # evicted at once: the trainer pod waits on it
+      $affinity
+      containers:
+      - name: reserve
+        image: registry.k8s.io/pause:3.10  # does nothing; holds the GPUs a trainer pod asks for
+        resources:
+          limits:
+            nvidia.com/gpu: $gpus
+EOF
+)
+fi
 if [[ $dry_run -eq 1 ]]; then
   printf '%s\n' "$manifest"
   exit 0

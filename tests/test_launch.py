@@ -366,6 +366,33 @@ def test_kubernetes_manifest_is_an_indexed_job_with_a_headless_service():
     assert term["matchExpressions"] == [{"key": "llama-jax.io/unhealthy", "operator": "DoesNotExist"}]
 
 
+def test_kubernetes_spares_are_placeholder_pods_any_trainer_pod_preempts():
+    """--spares 2: two pods hold a trainer pod's GPUs each, on the nodes the trainers may use, at a priority below the
+    trainers' default (0) that never preempts; a replaced trainer pod evicts one and starts on its node at once."""
+    import yaml
+
+    command = ["bash", str(ROOT / "launch" / "k8s.sh"), "--image", "registry/llama-jax:1", "--name", "pretrain"]
+    result = subprocess.run(
+        [*command, "--gpus-per-pod", "8", "--spares", "2", "--dry-run", "llama3_8b"], capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr
+    *trainer, priority, spares = yaml.safe_load_all(result.stdout)
+    job = trainer[-1]
+    assert job["kind"] == "Job" and "priorityClassName" not in job["spec"]["template"]["spec"]
+    assert priority["kind"] == "PriorityClass" and priority["metadata"]["name"] == "pretrain-spare"
+    assert priority["value"] < 0 and priority["preemptionPolicy"] == "Never" and priority["globalDefault"] is False
+    assert spares["kind"] == "Deployment" and spares["spec"]["replicas"] == 2
+    pod = spares["spec"]["template"]["spec"]
+    assert spares["spec"]["selector"]["matchLabels"] == spares["spec"]["template"]["metadata"]["labels"]
+    assert pod["priorityClassName"] == "pretrain-spare" and pod["terminationGracePeriodSeconds"] == 0
+    assert pod["affinity"] == job["spec"]["template"]["spec"]["affinity"]  # off unhealthy nodes, as the trainers
+    (reserve,) = pod["containers"]
+    (trainer_container,) = job["spec"]["template"]["spec"]["containers"]
+    assert reserve["resources"] == trainer_container["resources"] == {"limits": {"nvidia.com/gpu": 8}}
+    bad = subprocess.run([*command, "--spares", "two", "--dry-run", "tiny"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "--spares must be integers" in bad.stderr
+
+
 def test_kubernetes_without_an_image_exits_2():
     result = subprocess.run(
         ["bash", str(ROOT / "launch" / "k8s.sh"), "--dry-run", "tiny"], capture_output=True, text=True
@@ -513,12 +540,14 @@ def test_readme_cluster_commands_run_as_dry_runs():
         result = subprocess.run(["bash", str(script), *args], capture_output=True, text=True, env=run_env)
         assert result.returncode == 0, (command, result.stderr)
         if script.name == "k8s.sh":
+            spares = ["PriorityClass", "Deployment"] if "--spares" in args else []  # placeholder pods
             assert [d["kind"] for d in yaml.safe_load_all(result.stdout)] == [
                 "ServiceAccount",
                 "ClusterRole",
                 "ClusterRoleBinding",
                 "Service",
                 "Job",
+                *spares,
             ]  # the account labels nodes
         elif script.name == "slurm.sbatch":
             nodes = int(args[args.index("--nodes") + 1]) if "--nodes" in args else int(run_env["SLURM_JOB_NUM_NODES"])

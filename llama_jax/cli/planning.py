@@ -336,7 +336,7 @@ def add_goodput(commands) -> None:
     parser.add_argument(
         "--spares",
         type=spares_count,
-        help="hot spare hosts in the allocation, as slurm.sbatch --spares keeps them (default auto: the count that "
+        help="hot spare hosts, as slurm.sbatch --spares and k8s.sh --spares keep them (default auto: the count that "
         "trains the most per GPU allocated; 0 with --without-launcher)",
     )
     parser.add_argument(

@@ -326,9 +326,9 @@ def _spare_sources(spare_hosts: int | None, repair_hours: float | None) -> dict[
     """Where the hot spares' count (None: auto) and their repair time come from."""
     return {
         "spare_hosts": "auto: the most training per GPU allocated, goodput x hosts / (hosts + spares); "
-        "kept by sbatch --nodes HOSTS+S launch/slurm.sbatch --spares S"
+        "kept by sbatch --nodes HOSTS+S launch/slurm.sbatch --spares S, or launch/k8s.sh --spares S"
         if spare_hosts is None
-        else "--spares (slurm.sbatch --spares: hot spare hosts in the allocation)",
+        else "--spares (hot spare hosts: slurm.sbatch --spares in the allocation, k8s.sh --spares as placeholder pods)",
         "repair_s": "assumed: a lost host drained and repaired or swapped, and a spare again"
         if repair_hours is None
         else "given",
