@@ -6,6 +6,12 @@
 # It picks NODES healthy nodes of the job's allocation in their order, skipping any that Slurm removed from it or
 # reports DOWN, DRAINED, FAILED or NOT_RESPONDING: with spare nodes in the allocation (sbatch --no-kill, slurm.sbatch --spares), a spare
 # takes a failed node's place at the restart, inside the same allocation, with no new submission and no queue.
+# With no spare left it continues on fewer: the largest count of healthy nodes that divides NODES (the local
+# launcher's rule, launch/multiprocess.py), with run.full_processes so the global batch and the math stay the same
+# (more micro-batches per process). While it runs on fewer it looks at the nodes every LLAMA_JAX_GROW_POLL_S
+# seconds (default 30): once NODES are healthy again (a drained node resumed: a node Slurm removed from the
+# allocation does not come back to it), it asks the step's tasks to save and exit 75 (SIGTERM), and the
+# supervisor's restart runs on all NODES.
 # Process 0, on the first node picked, hosts the coordinator at that node's address (NodeAddr: a node's name need
 # not resolve) and PORT. Then `srun` runs COMMAND as PER_NODE tasks on each node, each told its place in the run.
 #
@@ -16,20 +22,32 @@
 set -uo pipefail
 nodes="$1" per_node="$2" port="$3"; shift 3
 
-# The job's nodes now: Slurm removes a failed node from a --no-kill job's allocation (SLURM_JOB_NODELIST still names it).
-allocated=$(scontrol show job "$SLURM_JOB_ID" -o 2>/dev/null | sed -n 's/.* NodeList=\([^ ]*\).*/\1/p' || true)
-[[ -z "$allocated" || "$allocated" == "(null)" ]] && allocated="$SLURM_JOB_NODELIST"
-healthy=()
-while read -r node; do
-  state=$(scontrol show node "$node" -o 2>/dev/null | sed -n 's/.*State=\([^ ]*\).*/\1/p' || true)
-  case "$state" in *DOWN* | *DRAIN* | *FAIL* | *NOT_RESPONDING*) echo "slurm_step: node $node is $state: not used" >&2 ;;
-    *) healthy+=("$node") ;;
-  esac
-done < <(scontrol show hostnames "$allocated")
+# The job's healthy nodes now, in their order: Slurm removes a failed node from a --no-kill job's allocation
+# (SLURM_JOB_NODELIST still names it); a DOWN, DRAINED, FAILED or NOT_RESPONDING one stays out. Sets `healthy`.
+find_healthy() {
+  local allocated node state
+  allocated=$(scontrol show job "$SLURM_JOB_ID" -o 2>/dev/null | sed -n 's/.* NodeList=\([^ ]*\).*/\1/p' || true)
+  [[ -z "$allocated" || "$allocated" == "(null)" ]] && allocated="$SLURM_JOB_NODELIST"
+  healthy=()
+  while read -r node; do
+    state=$(scontrol show node "$node" -o 2>/dev/null | sed -n 's/.*State=\([^ ]*\).*/\1/p' || true)
+    case "$state" in *DOWN* | *DRAIN* | *FAIL* | *NOT_RESPONDING*) [[ -n "${1:-}" ]] && echo "slurm_step: node $node is $state: not used" >&2 ;;
+      *) healthy+=("$node") ;;
+    esac
+  done < <(scontrol show hostnames "$allocated")
+}
+find_healthy say
+full=$nodes
 if [[ ${#healthy[@]} -lt $nodes ]]; then
-  echo "slurm_step: ${#healthy[@]} healthy node(s) in the allocation (${healthy[*]:-none}), $nodes needed and no" \
-       "spare left; waiting for the supervisor's next restart" >&2
-  exit 1
+  nodes=${#healthy[@]}
+  while [[ $nodes -gt 0 && $((full % nodes)) -ne 0 ]]; do nodes=$((nodes - 1)); done
+  if [[ $nodes -eq 0 ]]; then
+    echo "slurm_step: no healthy node left in the allocation; waiting for the supervisor's next restart" >&2
+    exit 1
+  fi
+  echo "slurm_step: ${#healthy[@]} healthy node(s) of the $full needed and no spare left: continuing on $nodes with" \
+       "the same global batch (run.full_processes=$((full * per_node))); back on $full once they are healthy" >&2
+  set -- "$@" "run.full_processes=$((full * per_node))"
 fi
 use=("${healthy[@]:0:$nodes}")
 address=$(scontrol show node "${use[0]}" -o 2>/dev/null | sed -n 's/.*NodeAddr=\([^ ]*\).*/\1/p' || true)
@@ -44,6 +62,23 @@ srun --kill-on-bad-exit=1 --nodes="$nodes" --ntasks=$((nodes * per_node)) --node
   bash -c "$task" "$coordinator" "$@" &
 step=$!
 trap 'scancel --signal=TERM "$SLURM_JOB_ID"' TERM INT
-wait "$step"; status=$?
-while kill -0 "$step" 2>/dev/null; do wait "$step"; status=$?; done
+status=""
+if [[ $nodes -lt $full ]]; then  # grow back: every few seconds, are all the nodes healthy again?
+  while true; do
+    sleep "${LLAMA_JAX_GROW_POLL_S:-30}" & poll=$!
+    ended=""; wait -n -p ended "$step" "$poll"; code=$?  # the step's end, the poll's, or a signal (the trap ran)
+    kill "$poll" 2>/dev/null
+    if [[ "$ended" == "$step" ]]; then status=$code; break; fi
+    find_healthy
+    if [[ ${#healthy[@]} -ge $full ]]; then
+      echo "slurm_step: $full healthy nodes again (${healthy[*]}): saving and restarting on all of them" >&2
+      scancel --signal=TERM "$SLURM_JOB_ID"
+      break
+    fi
+  done
+fi
+if [[ -z "$status" ]]; then
+  wait "$step"; status=$?
+  while kill -0 "$step" 2>/dev/null; do wait "$step"; status=$?; done
+fi
 exit "$status"

@@ -2,10 +2,11 @@
 a slurmd per node), one llama-jax process per node on CPU devices, run by sbatch as a user submits it. A run
 finishes; a task SIGKILLed mid-run makes the script's supervisor start the job step again inside the allocation,
 and it resumes to the uninterrupted run's losses bit for bit; SIGTERM to the batch script (what --signal=B:TERM and
-a preemption send) saves, exits 75, requeues the job and the requeued job resumes to the same losses.
+a preemption send) saves, exits 75, requeues the job and the requeued job resumes to the same losses. A node down
+with a spare: the spare takes its place; a node drained with none: the run continues on one node and grows back.
 
 Skipped, naming why, where Slurm is not installed and cannot be (slurm_emulated.sh exit 3). slow: the Python 3.11
-leg runs it (about a minute and a half)."""
+leg runs it (about two minutes)."""
 
 import contextlib
 import json
@@ -57,6 +58,7 @@ def cluster(tmp_path_factory):
         "LLAMA_JAX": str(Path(os.sys.executable).parent / "llama-jax"),
         "LLAMA_JAX_GPU_FLAGS": "off",
         "LLAMA_JAX_RESTART_BACKOFF": "1",
+        "LLAMA_JAX_GROW_POLL_S": "1",  # a run on fewer nodes looks for the others every second
         "LLAMA_JAX_LOCAL_DIR": str(directory / "local"),
         # Two processes sharing two cores time each other's matmuls: the pre-flight check (tested on its own in
         # test_preflight.py) would name a loaded "node" now and then.
@@ -67,9 +69,9 @@ def cluster(tmp_path_factory):
     subprocess.run(["bash", str(SCRIPT), "down", str(directory)], capture_output=True, timeout=120)
 
 
-def submit(cluster: Cluster, run_dir: Path, spares: int = 0) -> str:
+def submit(cluster: Cluster, run_dir: Path, spares: int = 0, delay: float = 0.3) -> str:
     """slurm.sbatch on 2 nodes (+ `spares`), one process each: the tiny preset, 16 steps, a durable checkpoint every
-    4. Process 0 sleeps 0.3 s before each batch, so a test has time to act mid-run (it changes no number)."""
+    4. Process 0 sleeps `delay` s before each batch, so a test has time to act mid-run (it changes no number)."""
     args = [
         "tiny",
         "train.steps=16",
@@ -78,7 +80,7 @@ def submit(cluster: Cluster, run_dir: Path, spares: int = 0) -> str:
         "train.log_every=1",
         "checkpoint.every_steps=4",
         "inject.process=0",
-        "inject.step_delay_s=0.3",
+        f"inject.step_delay_s={delay}",
         f"run.dir={run_dir}",
     ]
     keep = ["--no-kill"] if spares else []  # the allocation outlives a failed node: its spare takes its place
@@ -220,3 +222,37 @@ def test_a_node_down_is_replaced_by_a_spare_inside_the_allocation_and_the_run_re
     assert "llama-jax supervise: start #2" in log and "slurm_step: on n1 n3" in log, log[-3000:]
     assert "resumed from" in log, log[-3000:]
     assert losses(run_dir) == uninterrupted
+
+
+def test_a_drained_node_without_a_spare_shrinks_the_run_and_it_grows_back_when_resumed(
+    cluster, uninterrupted, tmp_path
+):
+    """sbatch --nodes 2, no spare: n2's task dies and n2 is drained (what a health check does to a node it
+    distrusts). The restarted step continues on n1 alone with run.full_processes=2 (two micro-batches: the same
+    global batch) and, once n2 is resumed, saves (exit 75) and runs on both again, in the same job. Every loss is
+    the uninterrupted run's within 1e-5 relative (one process sums the gradient in another order), and bit for bit
+    before the failure."""
+    run_dir = tmp_path / "shrunk"
+    log_file = Path(f"{run_dir}.out")
+    job_id = submit(cluster, run_dir, delay=0.6)  # time to resume n2 while the run is on one node
+    wait_for(lambda: saved(run_dir, 4), 180, "step 4's checkpoint")
+    pid = task_pid(run_dir, 1)
+    assert pid is not None
+    try:
+        cluster.run("scontrol", "update", "NodeName=n2", "State=DRAIN", "Reason=test_slurm")
+        os.kill(pid, signal.SIGKILL)
+        alone = "slurm_step: on n1\n"  # the restarted step, on n1 alone, has trained a step
+        wait_for(lambda: "\nstep " in log_file.read_text().partition(alone)[2], 180, f"a step on n1 alone: {log_file}")
+    finally:
+        cluster.run("scontrol", "update", "NodeName=n2", "State=RESUME", check=False)
+    job = finished(cluster, job_id, run_dir)
+    log = log_file.read_text()
+    assert job["JobState"] == "COMPLETED" and job["Restarts"] == "0", log[-3000:]
+    assert "slurm_step: 1 healthy node(s) of the 2 needed and no spare left: continuing on 1" in log, log[-3000:]
+    assert "slurm_step: on n1\n" in log and "run.full_processes=2" in log, log[-3000:]
+    assert "slurm_step: 2 healthy nodes again (n1 n2): saving and restarting on all of them" in log, log[-3000:]
+    assert log.count("slurm_step: on n1 n2") == 2, log[-3000:]  # the first start, and again after growing back
+    got = losses(run_dir)
+    assert sorted(got) == sorted(uninterrupted)
+    assert all(got[step] == uninterrupted[step] for step in range(1, 5))
+    assert all(abs(got[step] - loss) <= 1e-5 * abs(loss) for step, loss in uninterrupted.items()), got
