@@ -307,8 +307,8 @@ def test_costs_measured_from_a_runs_goodput_json(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_readme_rehearsal_commands_parse_and_a_short_rehearsal_survives_a_lost_host(tmp_path):
-    """Every documented bench/rehearsal.py command parses; a real one, shortened (120 steps, one fault: a host
-    lost, its local directory deleted), runs the llama3_8b recipe on 2 processes under the supervisor and ends
+    """Every documented bench/rehearsal.py command parses; a real one, shortened (60 steps, one fault, due a tenth
+    of a second into training on average: a host lost, its local directory deleted), runs the llama3_8b recipe on 2 processes under the supervisor and ends
     with the uninterrupted run's parameters, its last line the JSON the issue asks for."""
     spec = importlib.util.spec_from_file_location("rehearsal", ROOT / "bench" / "rehearsal.py")
     rehearsal = importlib.util.module_from_spec(spec)
@@ -327,9 +327,9 @@ def test_readme_rehearsal_commands_parse_and_a_short_rehearsal_survives_a_lost_h
             "--devices",
             "1",
             "--steps",
-            "120",
+            "60",
             "--failures-per-hour",
-            "3600",
+            "36000",
             "--max-faults",
             "1",
             "--seed",
