@@ -79,7 +79,12 @@ CONF
 }
 
 stop() {
-  [[ -f "$SLURM_CONF" ]] && scancel --quiet --full --partition debug 2>/dev/null || true
+  if [[ -f "$SLURM_CONF" ]]; then
+    scancel --quiet --full --partition debug 2>/dev/null || true
+    # scancel only asks: the jobs' processes end through their nodes' daemons (KillWait 5 s), which must still be
+    # up; a job left behind would meet the next cluster on these ports under the same job id.
+    for _ in $(seq 150); do [[ -z "$(squeue -h 2>/dev/null)" ]] && break; sleep 0.1; done
+  fi
   for pidfile in "$dir"/slurmd-*.pid "$dir"/slurmctld.pid; do
     [[ -f "$pidfile" ]] && kill "$(cat "$pidfile")" 2>/dev/null || true
     rm -f "$pidfile"
