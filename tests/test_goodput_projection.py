@@ -148,7 +148,8 @@ def test_the_plain_command_projects_the_launched_run_with_its_spares(capsys):
         assert json.loads(capsys.readouterr().out)["per_gpu_allocated"] < launched["per_gpu_allocated"]
     assert cli.main([*args, "--without-launcher"]) == 0
     bare = json.loads(capsys.readouterr().out)
-    assert bare["inputs"]["spare_hosts"]["value"] == 0 and bare["inputs"]["local_every"]["value"] == 0
+    assert bare["inputs"]["spare_hosts"] == {"value": 0, "source": "none: a run started by hand (--without-launcher)"}
+    assert bare["inputs"]["local_every"]["value"] == 0
     assert "preflight" not in bare["restart_parts"] and bare["goodput"] < 0.9
     assert cli.main([*args[:2], "checkpoint.local_dir=", "checkpoint.local_every_steps=0", *args[2:]]) == 0
     durable = json.loads(capsys.readouterr().out)
@@ -308,8 +309,9 @@ def test_costs_measured_from_a_runs_goodput_json(tmp_path, capsys):
 @pytest.mark.slow
 def test_readme_rehearsal_commands_parse_and_a_short_rehearsal_survives_a_lost_host(tmp_path):
     """Every documented bench/rehearsal.py command parses; a real one, shortened (60 steps, one fault, due a tenth
-    of a second into training on average: a host lost, its local directory deleted), runs the llama3_8b recipe on 2 processes under the supervisor and ends
-    with the uninterrupted run's parameters, its last line the JSON the issue asks for."""
+    of a second into training on average: a host lost, its local directory deleted), runs the llama3_8b recipe on
+    2 processes under the supervisor and ends with the uninterrupted run's parameters, its last line the JSON the
+    issue asks for."""
     spec = importlib.util.spec_from_file_location("rehearsal", ROOT / "bench" / "rehearsal.py")
     rehearsal = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(rehearsal)

@@ -5,6 +5,7 @@ and `goodput` (its effective training time under failures).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 
@@ -235,7 +236,10 @@ def _add_cost_model(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_goodput(ns: argparse.Namespace) -> int:
-    spares = (0 if ns.without_launcher else None) if ns.spares in (None, "auto") else ns.spares  # None: auto
+    # --spares: a count; auto (None here); not given, auto for a launched run and none for one started by hand
+    spares = None if ns.spares == "auto" else ns.spares
+    if ns.spares is None and ns.without_launcher:
+        spares = 0
     rates = (ns.failures_per_gpu_hour, ns.planned_per_gpu_hour, ns.replacement_s, ns.restart_s, spares)
     if (
         any(v is not None and v < 0 for v in rates)
@@ -267,6 +271,9 @@ def cmd_goodput(ns: argparse.Namespace) -> int:
         repair_hours=ns.repair_hours,
         **given,
     )
+    if ns.spares is None and ns.without_launcher:
+        by_hand = "none: a run started by hand (--without-launcher)"
+        inputs = dataclasses.replace(inputs, sources={**inputs.sources, "spare_hosts": by_hand})
     report = projection.report(inputs)
     parts = projection.start_parts(Path(ns.run_dir)) if ns.run_dir else {}
     if ns.json:
@@ -295,9 +302,8 @@ def add_goodput(commands) -> None:
         description="llama-jax goodput [PRESET|CONFIG.yaml] [key=value ...] --gpus N [--gpus-per-host 8] "
         "[--from RUN_DIR] [--json]. The run as the cluster launchers start it (launch/defaults.sh's keys before "
         "yours; hot spares: auto) unless --without-launcher. Failures as Poisson at Llama 3's rate and mix by "
-        "default; costs "
-        "measured by the run in --from (its goodput.json), else stated defaults, each printed with "
-        "its source (docs/fault-tolerance.md).",
+        "default; costs measured by the run in --from (its goodput.json), else stated defaults, each printed "
+        "with its source (docs/fault-tolerance.md).",
     )
     parser.add_argument("args", nargs="*", metavar="PRESET|CONFIG|key=value")
     parser.add_argument("--gpus", type=int, required=True, help="GPUs of the run")
