@@ -30,6 +30,10 @@ find_healthy() {
   [[ -z "$allocated" || "$allocated" == "(null)" ]] && allocated="$SLURM_JOB_NODELIST"
   healthy=()
   while read -r node; do
+    if [[ ",${LLAMA_JAX_EXCLUDE_NODES:-}," == *",$node,"* ]]; then  # slurm.sbatch: named by the pre-flight check
+      [[ -n "${1:-}" ]] && echo "slurm_step: node $node was named by the pre-flight check: not used" >&2
+      continue
+    fi
     state=$(scontrol show node "$node" -o 2>/dev/null | sed -n 's/.*State=\([^ ]*\).*/\1/p' || true)
     case "$state" in *DOWN* | *DRAIN* | *FAIL* | *NOT_RESPONDING*) [[ -n "${1:-}" ]] && echo "slurm_step: node $node is $state: not used" >&2 ;;
       *) healthy+=("$node") ;;

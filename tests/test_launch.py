@@ -297,6 +297,46 @@ def test_slurm_script_resubmits_without_the_unhealthy_node(tmp_path):
     assert "requeue" not in calls.read_text()
 
 
+def test_slurm_script_puts_a_spare_in_the_place_of_an_unhealthy_node_inside_the_allocation(tmp_path):
+    """sbatch --nodes 3 ... --spares 1: the pre-flight check names gpu18 (exit 71); the step starts again inside
+    the allocation on gpu17 and the spare gpu19, with no new submission, and the run goes on (exit 0)."""
+    env = fakes(tmp_path) | {
+        "SLURM_JOB_ID": "4242",
+        "SLURM_JOB_NUM_NODES": "3",
+        "SLURM_NTASKS_PER_NODE": "1",
+        "SLURM_JOB_NODELIST": "gpu[17-19]",
+        "SLURM_SUBMIT_DIR": str(ROOT),
+    }
+    bin_dir, calls = tmp_path / "bin", tmp_path / "calls"
+    # The check fails while gpu18 is in the step (slurm.sbatch hands slurm_step.sh the nodes it leaves out).
+    unhealthy_while_gpu18_runs = UNHEALTHY_LLAMA_JAX.replace(
+        "run_dir = Path", 'if "gpu18" in os.environ["LLAMA_JAX_EXCLUDE_NODES"]:\n    sys.exit(0)\nrun_dir = Path'
+    )
+    (bin_dir / "llama-jax").write_text(unhealthy_while_gpu18_runs)
+    (bin_dir / "scontrol").write_text(
+        '#!/usr/bin/env bash\n[[ "$1 $2" == "show hostnames" ]] && printf "gpu17\\ngpu18\\ngpu19\\n"\n'
+        '[[ "$1 $2" == "show node" ]] && echo "NodeName=$3 NodeAddr=$3 State=ALLOCATED"\nexit 0\n'
+    )
+    (bin_dir / "srun").write_text(FAKE_SRUN.replace("while [[", f'echo "srun $*" >> {calls}\nwhile [[', 1))
+    (bin_dir / "sbatch").write_text('#!/usr/bin/env bash\necho "sbatch $*" >> ' + str(calls) + "\n")
+    (bin_dir / "sbatch").chmod(0o755)
+    run_dir = tmp_path / "run"
+    script = ROOT / "launch" / "slurm.sbatch"
+    result = subprocess.run(
+        ["bash", str(script), "--spares", "1", "tiny", f"run.dir={run_dir}"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "unhealthy node(s) gpu18: starting again on the allocation's other nodes" in result.stderr
+    assert "slurm_step: node gpu18 was named by the pre-flight check: not used" in result.stderr
+    steps = [line.split("--nodelist=")[1].split()[0] for line in calls.read_text().splitlines() if "srun" in line]
+    assert steps == ["gpu17,gpu18", "gpu17,gpu19"]
+    assert "sbatch" not in calls.read_text() and not (run_dir / "unhealthy.json").exists()
+
+
 def test_kubernetes_manifest_is_an_indexed_job_with_a_headless_service():
     import yaml
 
