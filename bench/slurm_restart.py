@@ -76,23 +76,16 @@ def one_restart(env: dict, work: Path, backoff: str) -> dict[str, float]:
     run_dir = work / f"backoff-{backoff}"
     if backoff != "default":
         env = {**env, "LLAMA_JAX_RESTART_BACKOFF": backoff}
-    job_id = (
-        slurm(
-            env,
-            *[
-                "sbatch",
-                "--parsable",
-                "--nodes=2",
-                "--ntasks-per-node=1",
-                "--gpus-per-node=0",
-                f"--output={run_dir}.out",
-            ],
-            *[str(ROOT / "launch" / "slurm.sbatch"), "tiny", *KEYS, *SLOW, f"run.dir={run_dir}"],
-            f"run.compilation_cache={work / 'compilation-cache'}",
-        )
-        .split(";")[0]
-        .strip()
-    )
+    submit = [
+        "sbatch",
+        "--parsable",
+        "--nodes=2",
+        "--ntasks-per-node=1",
+        "--gpus-per-node=0",
+        f"--output={run_dir}.out",
+    ]
+    keys = [*KEYS, *SLOW, f"run.dir={run_dir}", f"run.compilation_cache={work / 'compilation-cache'}"]
+    job_id = slurm(env, *submit, str(ROOT / "launch" / "slurm.sbatch"), "tiny", *keys).split(";")[0].strip()
     wait_for(lambda: (run_dir / "checkpoints" / "8" / "meta").is_dir(), 300, f"step 8 of job {job_id}")
     pid = task_pid(env, job_id, "n2")
     if pid is None:
@@ -101,8 +94,8 @@ def one_restart(env: dict, work: Path, backoff: str) -> dict[str, float]:
     finished = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL")
     state = lambda: slurm(env, "scontrol", "show", "job", job_id, "-o").partition("JobState=")[2].split()[0]  # noqa: E731
     wait_for(lambda: state() in finished, 600, f"job {job_id} to end ({run_dir}.out)")
-    if state() != "COMPLETED":
-        raise SystemExit(f"slurm_restart: job {job_id} ended {state()} ({run_dir}.out)")
+    if (ended := state()) != "COMPLETED":
+        raise SystemExit(f"slurm_restart: job {job_id} ended {ended} ({run_dir}.out)")
     return start_parts(run_dir)["seconds"]
 
 

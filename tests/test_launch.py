@@ -257,36 +257,40 @@ sys.exit(71)
 """
 
 
+def slurm_script_in_a_job(tmp_path, job: dict, stand_ins: dict[str, str], *args: str):
+    """launch/slurm.sbatch run as Slurm runs job 4242 (`job`: its other SLURM_* variables), with fakes()' stand-ins,
+    `stand_ins` (name -> script) in place of some, and an sbatch that records its calls in tmp_path/calls (as a
+    stand-in given may). (the finished script, the calls file)."""
+    env = fakes(tmp_path) | {"SLURM_JOB_ID": "4242", "SLURM_SUBMIT_DIR": str(ROOT), **job}
+    bin_dir, calls = tmp_path / "bin", tmp_path / "calls"
+    for name, text in {**stand_ins, "sbatch": '#!/usr/bin/env bash\necho "sbatch $*" >> ' + str(calls) + "\n"}.items():
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    script = ROOT / "launch" / "slurm.sbatch"
+    result = subprocess.run(["bash", str(script), *args], capture_output=True, text=True, env=env, timeout=60)
+    return result, calls
+
+
 def test_slurm_script_resubmits_without_the_unhealthy_node(tmp_path):
     """Exit 71 (the pre-flight check named a device on gpu18): the script is submitted again with gpu18 excluded,
     beside the node the job already excluded, on as many nodes, with the same arguments."""
-    env = fakes(tmp_path) | {
-        "SLURM_JOB_ID": "4242",
+    job = {
         "SLURM_JOB_NUM_NODES": "2",
         "SLURM_NTASKS_PER_NODE": "2(x2)",
         "SLURM_NTASKS": "4",
         "SLURM_JOB_NODELIST": "gpu[17-18]",
-        "SLURM_SUBMIT_DIR": str(ROOT),
         "SLURM_JOB_PARTITION": "gpu",
     }
-    bin_dir, calls = tmp_path / "bin", tmp_path / "calls"
-    (bin_dir / "llama-jax").write_text(UNHEALTHY_LLAMA_JAX)
-    (bin_dir / "scontrol").write_text(
-        '#!/usr/bin/env bash\necho "scontrol $*" >> ' + str(calls) + "\n"
+    scontrol = (
+        '#!/usr/bin/env bash\necho "scontrol $*" >> ' + str(tmp_path / "calls") + "\n"
         '[[ "$1 $2" == "show hostnames" ]] && printf "gpu17\\ngpu18\\n"\n'
         '[[ "$1 $2" == "show job" ]] && echo "   ReqNodeList=(null) ExcNodeList=gpu3"\n'
         "exit 0\n"
     )
-    (bin_dir / "sbatch").write_text('#!/usr/bin/env bash\necho "sbatch $*" >> ' + str(calls) + "\n")
-    (bin_dir / "sbatch").chmod(0o755)
-    run_dir = tmp_path / "run"
-    script = ROOT / "launch" / "slurm.sbatch"
-    result = subprocess.run(
-        ["bash", str(script), "tiny", f"run.dir={run_dir}", "fault.preflight=true"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=60,
+    run_dir, script = tmp_path / "run", ROOT / "launch" / "slurm.sbatch"
+    stand_ins = {"llama-jax": UNHEALTHY_LLAMA_JAX, "scontrol": scontrol}
+    result, calls = slurm_script_in_a_job(
+        tmp_path, job, stand_ins, "tiny", f"run.dir={run_dir}", "fault.preflight=true"
     )
     assert result.returncode == 71, result.stderr
     assert "unhealthy node(s) gpu3,gpu18" in result.stderr
@@ -300,35 +304,19 @@ def test_slurm_script_resubmits_without_the_unhealthy_node(tmp_path):
 def test_slurm_script_puts_a_spare_in_the_place_of_an_unhealthy_node_inside_the_allocation(tmp_path):
     """sbatch --nodes 3 ... --spares 1: the pre-flight check names gpu18 (exit 71); the step starts again inside
     the allocation on gpu17 and the spare gpu19, with no new submission, and the run goes on (exit 0)."""
-    env = fakes(tmp_path) | {
-        "SLURM_JOB_ID": "4242",
-        "SLURM_JOB_NUM_NODES": "3",
-        "SLURM_NTASKS_PER_NODE": "1",
-        "SLURM_JOB_NODELIST": "gpu[17-19]",
-        "SLURM_SUBMIT_DIR": str(ROOT),
-    }
-    bin_dir, calls = tmp_path / "bin", tmp_path / "calls"
+    job = {"SLURM_JOB_NUM_NODES": "3", "SLURM_NTASKS_PER_NODE": "1", "SLURM_JOB_NODELIST": "gpu[17-19]"}
     # The check fails while gpu18 is in the step (slurm.sbatch hands slurm_step.sh the nodes it leaves out).
     unhealthy_while_gpu18_runs = UNHEALTHY_LLAMA_JAX.replace(
         "run_dir = Path", 'if "gpu18" in os.environ["LLAMA_JAX_EXCLUDE_NODES"]:\n    sys.exit(0)\nrun_dir = Path'
     )
-    (bin_dir / "llama-jax").write_text(unhealthy_while_gpu18_runs)
-    (bin_dir / "scontrol").write_text(
+    scontrol = (
         '#!/usr/bin/env bash\n[[ "$1 $2" == "show hostnames" ]] && printf "gpu17\\ngpu18\\ngpu19\\n"\n'
         '[[ "$1 $2" == "show node" ]] && echo "NodeName=$3 NodeAddr=$3 State=ALLOCATED"\nexit 0\n'
     )
-    (bin_dir / "srun").write_text(FAKE_SRUN.replace("while [[", f'echo "srun $*" >> {calls}\nwhile [[', 1))
-    (bin_dir / "sbatch").write_text('#!/usr/bin/env bash\necho "sbatch $*" >> ' + str(calls) + "\n")
-    (bin_dir / "sbatch").chmod(0o755)
+    srun = FAKE_SRUN.replace("while [[", f'echo "srun $*" >> {tmp_path / "calls"}\nwhile [[', 1)  # each step's nodes
+    stand_ins = {"llama-jax": unhealthy_while_gpu18_runs, "scontrol": scontrol, "srun": srun}
     run_dir = tmp_path / "run"
-    script = ROOT / "launch" / "slurm.sbatch"
-    result = subprocess.run(
-        ["bash", str(script), "--spares", "1", "tiny", f"run.dir={run_dir}"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=60,
-    )
+    result, calls = slurm_script_in_a_job(tmp_path, job, stand_ins, "--spares", "1", "tiny", f"run.dir={run_dir}")
     assert result.returncode == 0, result.stderr
     assert "unhealthy node(s) gpu18: starting again on the allocation's other nodes" in result.stderr
     assert "slurm_step: node gpu18 was named by the pre-flight check: not used" in result.stderr
