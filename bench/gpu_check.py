@@ -73,6 +73,7 @@ NO_GPU = "gpu-check: no NVIDIA GPU here ({reason}); nothing to check"
 
 GPU_PRESET, GPU_OVERRIDES = "llama3_8b", ["model.n_layers=4", "train.batch_size=4"]
 SMOKE_PRESET, SMOKE_OVERRIDES = "tiny", ["train.batch_size=4"]
+PREDICTION_TOLERANCE = 0.15  # plan's predicted step against the measured one (bench/gpu_prediction.py)
 MFU_GOAL = 0.5  # the goal for an 8B-shaped bf16 step on one H100 (989 TFLOP/s data sheet); reported, not enforced
 FP8_SPEEDUP_GOAL = 1.3  # fp8 tokens/s over bf16's for the same step on one H100 (issue 35); reported, not enforced
 # The fp8 loss curve's end against bf16's: the mean train loss of the last LOSS_TAIL steps within 2%, the bound the
@@ -310,6 +311,7 @@ def measure_train_step(config: Config, steps: int, warmup: int, earlier: dict | 
         "budget_bytes": planned.budget_bytes,
         "hlo_flops": planned.hlo_flops,
         "model_flops": planned.model_flops,
+        "predicted_step_s": planned.predicted_step_s,  # None where the device has no data sheet (a CPU)
         "fits": planned.total_bytes <= planned.budget_bytes,
     }
     if not figures["fits"]:
@@ -494,6 +496,7 @@ def fp8_rows(f: dict, bf16: dict) -> list[Row]:
             f"{f['tokens_per_s_ratio']:.2f}x the {base}'s {bf16['tokens_per_s']:,.0f}; goal on one H100: >= "
             f"{FP8_SPEEDUP_GOAL:g}x",
         ),
+        prediction_row("fp8 step", f),
         Row(
             "fp8 step",
             "MFU",
@@ -514,6 +517,22 @@ def fp8_rows(f: dict, bf16: dict) -> list[Row]:
         ),
     ]
     return rows
+
+
+def prediction_row(area: str, f: dict) -> Row:
+    """plan's predicted step (perf/costmodel.py, from the compiled step's operations) next to the measured one."""
+    predicted = f["predicted_step_s"]
+    if predicted is None:
+        return Row(area, "predicted step", "info", "none", "plan predicts a step only on a GPU with a data sheet")
+    ratio = predicted / f["step_s_median"]
+    return Row(
+        area,
+        "predicted step",
+        "info",
+        f"{predicted:.3f} s",
+        f"measured / predicted {1 / ratio:.3f}; goal: within {100 * PREDICTION_TOLERANCE:.0f}% "
+        f"({'met' if abs(ratio - 1) <= PREDICTION_TOLERANCE else 'not met'})",
+    )
 
 
 def peak_memory_row(area: str, f: dict) -> Row:
@@ -578,6 +597,7 @@ def train_rows(f: dict, preset: str, overrides: list[str]) -> list[Row]:
             f"{f['tokens_per_s']:,.0f}",
             f"median of {f['steps']} steps after {f['warmup']} warm-up: {f['step_s_median']:.3f} s/step",
         ),
+        prediction_row("train step", f),
         Row(
             "train step",
             "MFU",

@@ -21,8 +21,17 @@ NO_GPU_LINE = re.compile(
     r"gpu-check: no NVIDIA GPU here \((jax has no CUDA plugin installed: "
     r"pip install -e '\.\[gpu\]'|jax backend: \w+)\); nothing to check"
 )
-TRAIN_CHECKS = ["model", "loss", "tokens/s", "MFU", "achieved FLOP/s", "HLO / model FLOPs", "peak device memory"]
-FP8_CHECKS = ["model", "loss", "tokens/s", "MFU", "peak device memory", "loss vs bf16"]
+TRAIN_CHECKS = [
+    "model",
+    "loss",
+    "tokens/s",
+    "predicted step",
+    "MFU",
+    "achieved FLOP/s",
+    "HLO / model FLOPs",
+    "peak device memory",
+]
+FP8_CHECKS = ["model", "loss", "tokens/s", "predicted step", "MFU", "peak device memory", "loss vs bf16"]
 ENVIRONMENT_CHECKS = ["XLA_FLAGS", "launch/gpu_env.sh", "versions", "device", "CUDA / cuDNN"]
 
 
@@ -137,6 +146,7 @@ def test_cpu_smoke_prints_one_table_of_every_check(smoke):
     assert train["peak device memory"]["status"].startswith("skipped")  # the CPU reports no device memory
     fp8 = {row["check"]: row for row in rows if row["area"] == "fp8 step"}
     assert fp8["model"]["value"] == "model.fp8=tensorwise" and fp8["loss"]["status"] == "pass"
+    assert train["predicted step"]["value"] == fp8["predicted step"]["value"] == "none"  # no data sheet: no prediction
     assert re.search(r"\d\.\d\dx the fp32 step's [\d,]+; goal on one H100: >= 1\.3x", fp8["tokens/s"]["detail"])
     # MFU against the bf16 peak; a CPU has no fp8 peak, and the row says so rather than inventing one
     assert fp8["MFU"]["value"].endswith("%") and "fp8: no fp8 peak for cpu" in fp8["MFU"]["detail"]
@@ -229,3 +239,13 @@ def test_packed_segments_give_each_row_its_documents_and_the_last_row_padding():
 def test_bad_step_counts_are_one_line_and_exit_2(args, capsys):
     assert gpu_check.main(["--cpu-smoke", *args]) == 2
     assert capsys.readouterr().err.strip().count("\n") == 0
+
+
+def test_the_predicted_step_row_puts_plans_prediction_beside_the_measured_step():
+    """On a GPU with a data sheet each timed step's row shows plan's predicted step and whether it is within
+    PREDICTION_TOLERANCE of the measured median (the CPU smoke run above has no prediction to show)."""
+    near = gpu_check.prediction_row("train step", {"predicted_step_s": 0.5, "step_s_median": 0.55})
+    assert (near.check, near.value) == ("predicted step", "0.500 s")
+    assert near.detail == "measured / predicted 1.100; goal: within 15% (met)"
+    far = gpu_check.prediction_row("fp8 step", {"predicted_step_s": 1.5, "step_s_median": 0.5})
+    assert far.detail.endswith("(not met)") and far.status == "info"

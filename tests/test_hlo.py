@@ -369,6 +369,24 @@ def test_a_named_conditional_counts_its_branches_as_often_as_they_run():
     assert analyze(text, num_devices=1, branch_runs={"sometimes": 0.25}).dot_flops == steps / 4 * 2 * m * k * k
 
 
+def test_a_named_switch_under_a_gradient_counts_the_branches_its_shares_give():
+    """cuDNN attention's kernel choice (cudnn.py): a three-way switch, named under a scope that jax prints inside
+    its transformations' names (`jvp(scope)`, `transpose(jvp(scope))`); shares (1.0,) price the first branch only,
+    forward and backward."""
+    m, k = 16, 32
+
+    def loss(w, x, i):
+        with jax.named_scope("kernel_choice"):
+            branches = [lambda w: x @ w, lambda w: jnp.tanh(x @ w) @ w, lambda w: (x @ w) @ w @ w]
+            return jax.lax.switch(i, branches, w).sum()
+
+    compiled = jax.jit(jax.grad(loss)).lower(jnp.ones((k, k)), jnp.ones((m, k)), 0).compile()
+    assert "jvp(kernel_choice)" in compiled.as_text()
+    every, first = (analyze(compiled.as_text(), 1, runs) for runs in ({}, {"kernel_choice": (1.0,)}))
+    assert first.dot_flops == 2 * m * k * k  # the first branch's gradient: x^T . ones, one [k, m] x [m, k] matmul
+    assert every.dot_flops > 5 * first.dot_flops
+
+
 @pytest.fixture
 def mesh():
     return jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))

@@ -26,6 +26,11 @@ from jax._src.cudnn import fused_attention_stablehlo as cudnn  # private: the on
 from llama_jax.model.context_parallel import XLA_KERNEL, PaddedKernel
 from llama_jax.model.flash import block_size, blocked_attention
 
+# The name of the conditional that picks a kernel by the documents in a row, in the compiled program: its first
+# branch is one document per row (what bench/step.py and gpu-check time), the others rarer layouts. `plan`'s step
+# prediction prices the first (hlo.analyze's branch_runs); every branch still compiles and counts for memory.
+KERNEL_CHOICE_SCOPE = "cudnn_kernel_by_documents"
+
 
 def segment_layout(segment_ids: jax.Array, max_segments: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     """[b, t] segment ids (each document a contiguous run) -> cuDNN's packed layout.
@@ -82,9 +87,12 @@ def cudnn_attention(
                 return blocked_attention(q, k, v, segment_ids)
             return query_chunked_attention(q, k, v, segment_ids)
 
-        return jax.lax.cond(most <= 1, one_document_per_row, blocked, q, k, v)
-    branch = jnp.where(most <= 1, 0, jnp.where(most <= max_segments, 1, 2))
-    return jax.lax.switch(branch, [one_document_per_row, packed, too_many_documents], q, k, v)
+        kernels, branch = [one_document_per_row, blocked], (most > 1).astype(jnp.int32)
+    else:
+        kernels = [one_document_per_row, packed, too_many_documents]
+        branch = jnp.where(most <= 1, 0, jnp.where(most <= max_segments, 1, 2))
+    with jax.named_scope(KERNEL_CHOICE_SCOPE):
+        return jax.lax.switch(branch, kernels, q, k, v)
 
 
 def query_chunked_attention(q, k, v, segment_ids, chunk: int = 256) -> jax.Array:

@@ -39,6 +39,7 @@ arithmetic (parameter, tuple, bitcast, ...) and control flow are left out.
 from __future__ import annotations
 
 import math
+import re
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -57,6 +58,8 @@ from llama_jax.perf.hlo_text import (
     strip_comments,
 )
 
+# How often conditionals named under a jax.named_scope run each branch (analyze's branch_runs).
+BranchRuns = dict[str, float | tuple[float, ...]]
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 
 # Bytes each device sends per result byte, for a group of n (module docstring).
@@ -182,7 +185,7 @@ def _output_shape(instr: Instr) -> str:
     return instr.shape
 
 
-def analyze(hlo_text: str, num_devices: int, branch_runs: dict[str, float] | None = None) -> HloStats:
+def analyze(hlo_text: str, num_devices: int, branch_runs: BranchRuns | None = None) -> HloStats:
     """Per-step, per-device dot FLOPs and collective traffic of a compiled HLO module. `branch_runs`: for a
     conditional named under jax.named_scope(scope), the share of its runs that take the true branch."""
     comps, entry = parse_module(hlo_text)
@@ -287,18 +290,24 @@ def permute_loop_trips(hlo_text: str, num_devices: int, wanted: Callable[[Device
     return trips
 
 
-def _branch_weights(instr: Instr, branch_runs: dict[str, float]) -> dict[str, float]:
-    """A two-way conditional (jax's lax.cond: branch 0 false, 1 true) named under one of branch_runs' scopes
-    (the innermost, if nested): its branches' shares of its runs."""
+def _branch_weights(instr: Instr, branch_runs: BranchRuns) -> dict[str, float]:
+    """A conditional named under one of branch_runs' scopes (the innermost, if nested): its branches' shares of
+    its runs. A float is a two-way conditional's true share (jax's lax.cond: branch 0 false, 1 true); a tuple
+    gives the shares of the first branches in order (lax.switch), and the branches after them never run."""
     if instr.opcode != "conditional" or not branch_runs:
         return {}
     name = instr.attrs.get("metadata", "")
-    found = [(name.rfind(f"/{scope}/"), scope) for scope in branch_runs if f"/{scope}/" in name]
+    # A scope is a step of the op name's path, bare or inside a transformation's name: .../jvp(scope)/cond
+    found = [
+        (m.start(), scope) for scope in branch_runs for m in re.finditer(rf"(?<=[/(]){re.escape(scope)}(?=[/)])", name)
+    ]
     branches = [b.strip().lstrip("%") for b in split_top(instr.attrs.get("branch_computations", "").strip("{}"))]
-    if not found or len(branches) != 2:
+    if not found:
         return {}
     share = branch_runs[max(found)[1]]
-    return {branches[0]: 1 - share, branches[1]: share}
+    if isinstance(share, tuple):
+        return {branch: share[i] if i < len(share) else 0.0 for i, branch in enumerate(branches)}
+    return {branches[0]: 1 - share, branches[1]: share} if len(branches) == 2 else {}
 
 
 def named_buffer_bytes(hlo_text: str, scope: str) -> list[int]:

@@ -33,6 +33,7 @@ from llama_jax.config.choices import REMAT_POLICIES
 from llama_jax.config.stages import Stage
 from llama_jax.files import cache_root, format_bytes
 from llama_jax.model import remat
+from llama_jax.model.cudnn import KERNEL_CHOICE_SCOPE
 from llama_jax.model.llama import param_count
 from llama_jax.model.pipeline import bubble_fraction
 from llama_jax.model.stack import one_f_one_b
@@ -227,14 +228,16 @@ def predicted_speed(config: Config, mesh: Mesh, operations, tier_bytes: dict[str
     }
 
 
-def branch_runs(program: TrainProgram, busiest: bool = False) -> dict[str, float]:
-    """How often the pipeline's conditionals run their work (hlo.analyze): under 1F1B the forward, loss and
-    backward passes (one_f_one_b.branch_runs), with uneven stages the layers' slots; on average over the stages,
-    or with `busiest` on the busiest stage (which runs every slot)."""
+def branch_runs(program: TrainProgram, busiest: bool = False) -> hlo.BranchRuns:
+    """How often the step's conditionals run each branch (hlo.analyze). cuDNN attention's choice of kernel by the
+    documents in a row: its first branch, one document per row, the rest never (cudnn.py). The pipeline's: under
+    1F1B the forward, loss and backward passes (one_f_one_b.branch_runs), with uneven stages the layers' slots; on
+    average over the stages, or with `busiest` on the busiest stage (which runs every slot)."""
+    runs: hlo.BranchRuns = {KERNEL_CHOICE_SCOPE: (1.0,)}
     layout, n_layers = program.model.pipeline, program.config.model.n_layers
     if layout is None:
-        return {}
-    runs = {LAYER_SLOT_SCOPE: 1.0 if busiest else n_layers / layout.order.length(n_layers)}
+        return runs
+    runs[LAYER_SLOT_SCOPE] = 1.0 if busiest else n_layers / layout.order.length(n_layers)
     if layout.schedule == "1f1b":
         tables = one_f_one_b.schedule(layout.stages, layout.repeats, layout.microbatches)
         runs.update(one_f_one_b.branch_runs(tables, busiest))
