@@ -2,7 +2,7 @@
 #   make train   # creates .venv, installs llama-jax, trains the tiny preset on bundled Shakespeare
 #   make test    # creates .venv, installs llama-jax[test], lints and checks formatting with ruff, runs the tests
 # Pass overrides with ARGS, e.g.  make train ARGS="train.steps=100 run.dir=runs/short"
-# `make test-newest` runs the suite but its slow tests again on Python 3.12 in .venv-newest, where a plain install
+# `make test-newest` runs the suite again on Python 3.12 in .venv-newest (each slow test in one leg only), where a plain install
 # takes the newest jax: CI runs both ends of the supported range (PYTHON_NEWEST=/path/to/python3.12 to choose it). It installs
 # the gpu extra too (jax's CUDA plugin, ~4.4 GB; no GPU needed): the tests that compile for GPUs with XLA:GPU
 # (tests/test_gpu_target.py, `plan --target`) run there and skip elsewhere.
@@ -19,6 +19,7 @@ BIN    := $(VENV)/bin
 WORKERS ?= 2
 PYTHON_NEWEST ?= $(shell pyenv prefix 3.12 2>/dev/null || echo /usr)/bin/python3.12
 EXTRAS ?= test
+MARKS ?= not newest_leg
 
 .PHONY: train test test-newest gpu-check install clean
 
@@ -47,7 +48,7 @@ test: $(VENV)/.installed
 	$(BIN)/ruff format --check llama_jax tests bench launch
 	$(BIN)/python -c 'import sys, jax; print(f"python {sys.version.split()[0]}, jax {jax.__version__}")'
 	$(BIN)/python -m compileall -q llama_jax  # our own .pyc, as --compile-bytecode writes the packages' (above)
-	$(BIN)/python -m pytest -q -n $(WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n $(WORKERS) --dist loadfile --no-loadscope-reorder -m '$(MARKS)' $(PYTEST_ARGS)
 
 # Under launch/gpu_env.sh's settings (a bash script), so the check measures what the launch scripts run.
 # Where nvidia-smi finds a GPU, the venv gets the CUDA build of jax first (the gpu extra: Python >= 3.12,
@@ -56,10 +57,11 @@ gpu-check: $(VENV)/.installed
 	if nvidia-smi -L >/dev/null 2>&1; then $(BIN)/python -m pip install --quiet -e '.[gpu]'; fi
 	bash -c 'source launch/gpu_env.sh && exec $(BIN)/python bench/gpu_check.py $(ARGS)'
 
-# The newest leg leaves out the tests marked slow (runs of real processes, pyproject.toml):
-# the Python 3.11 leg runs them, and both legs stay inside CI's time.
+# Each run of real processes (the tests marked slow, pyproject.toml) runs in one leg only, so that both legs stay
+# inside CI's time: the newest leg runs those marked newest_leg (the Slurm launcher's; GPU clusters run Python >= 3.12
+# and the newest jax), `make test` all the others. MARKS= (empty) runs every test.
 test-newest:
-	$(MAKE) test PYTHON=$(PYTHON_NEWEST) VENV=.venv-newest EXTRAS=test,gpu PYTEST_ARGS='-m "not slow" $(PYTEST_ARGS)'
+	$(MAKE) test PYTHON=$(PYTHON_NEWEST) VENV=.venv-newest EXTRAS=test,gpu MARKS='not slow or newest_leg'
 
 clean:
 	rm -rf $(VENV) .venv-newest runs

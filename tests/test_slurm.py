@@ -5,8 +5,8 @@ and it resumes to the uninterrupted run's losses bit for bit; SIGTERM to the bat
 a preemption send) saves, exits 75, requeues the job and the requeued job resumes to the same losses. A node down
 with a spare: the spare takes its place; a node drained with none: the run continues on one node and grows back.
 
-Skipped, naming why, where Slurm is not installed and cannot be (slurm_emulated.sh exit 3). slow: the Python 3.11
-leg runs it (about two minutes)."""
+Skipped, naming why, where Slurm is not installed and cannot be (slurm_emulated.sh exit 3). slow and newest_leg: CI's
+newest leg runs it (about two and a half minutes), as GPU clusters run Python >= 3.12 and the newest jax."""
 
 import contextlib
 import json
@@ -25,7 +25,7 @@ from llama_jax.resilience.goodput import START_PARTS
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "launch" / "slurm_emulated.sh"
 NODES = 3
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.newest_leg]  # CI's newest leg runs it: GPU clusters' Python and jax
 
 
 @dataclass(frozen=True)
