@@ -21,7 +21,15 @@ On an NVIDIA GPU it checks, on one device:
    and the fp8 peak, peak device memory; then --loss-steps steps of each from the same initial weights on the
    bundled plays (a new batch each step), their losses side by side: the fp8 curve's last LOSS_TAIL steps within
    FP8_LOSS_TOLERANCE of bf16's.
-4. the environment: XLA_FLAGS, whether launch/gpu_env.sh was applied, versions, device, CUDA and cuDNN.
+4. the body: both steps again with twice the layers, and the marginal layer's time and MFU (the difference in
+   model FLOPs over the difference in time: what a 32-layer model's body runs at, without the embedding, output
+   projection and loss), with fp8's speed-up on the layers; goals on one H100 or H200: BODY_MFU_GOAL in bf16,
+   FP8_LAYERS_GOAL for fp8.
+5. the environment: XLA_FLAGS, whether launch/gpu_env.sh was applied, versions, device, CUDA and cuDNN.
+
+Each timed step's row shows plan's predicted step beside the measured one (on a GPU with a data sheet), and
+PROFILED_STEPS more steps of each are traced after the timed ones (into the --json path without its suffix,
+e.g. runs/gpu_check/step/profile/): `llama-jax profile`'s table of each is printed after the check's table.
 
 Without an NVIDIA GPU it prints one line and exits 0. --cpu-smoke runs the same code on the CPU with small shapes
 (the tiny preset; rows that need cuDNN say they were skipped). Exit status 1 when any row failed. The figures are
@@ -39,6 +47,7 @@ import math
 import os
 import platform
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -61,6 +70,8 @@ from llama_jax.model.context import TraceContext
 from llama_jax.model.context_parallel import chunk_order, device_attention
 from llama_jax.model.llama import param_count
 from llama_jax.perf.hardware import SHORT_DTYPE, MfuPeaks, mfu_peaks
+from llama_jax.perf.profile import format_profile, profile_run
+from llama_jax.perf.profiler import StepProfiler
 from llama_jax.training.plan import make_plan
 from llama_jax.training.run import enable_compilation_cache
 from llama_jax.training.step import TrainProgram
@@ -73,6 +84,9 @@ NO_GPU = "gpu-check: no NVIDIA GPU here ({reason}); nothing to check"
 
 GPU_PRESET, GPU_OVERRIDES = "llama3_8b", ["model.n_layers=4", "train.batch_size=4"]
 SMOKE_PRESET, SMOKE_OVERRIDES = "tiny", ["train.batch_size=4"]
+BODY_MFU_GOAL, FP8_LAYERS_GOAL = 0.62, 1.4  # issue 44's goals for the marginal layer on one H100 or H200
+BODY_DETAIL = "the steps above again with twice the layers: the marginal layer is what a 32-layer model's body runs at"
+PROFILED_STEPS, PROFILE_TOP = 2, 12  # steps traced after each timed step's, and the ops its table lists
 PREDICTION_TOLERANCE = 0.15  # plan's predicted step against the measured one (bench/gpu_prediction.py)
 MFU_GOAL = 0.5  # the goal for an 8B-shaped bf16 step on one H100 (989 TFLOP/s data sheet); reported, not enforced
 FP8_SPEEDUP_GOAL = 1.3  # fp8 tokens/s over bf16's for the same step on one H100 (issue 35); reported, not enforced
@@ -289,11 +303,14 @@ def attention_section(shape: AttentionShape, cudnn_available: bool) -> tuple[lis
 # The train step
 
 
-def measure_train_step(config: Config, steps: int, warmup: int, earlier: dict | None = None) -> dict:
+def measure_train_step(
+    config: Config, steps: int, warmup: int, earlier: dict | None = None, profile_dir: Path | None = None
+) -> dict:
     """Plan the step on one device, then time it: plan's figures next to the measured ones. After an `earlier`
     step's figures: MFU against the same compute peak (a CPU's is measured again on each call), and the device's
     peak memory in use, the process's high-water mark, which jax cannot reset, is this step's only where it rose
-    above the earlier one's (None otherwise)."""
+    above the earlier one's (None otherwise). With `profile_dir`, PROFILED_STEPS more steps are traced there after
+    the timed ones (run.profile_steps' profiler: `llama-jax profile DIR` reads it) and summarised in "profile"."""
     devices = jax.devices()[:1]
     planned = make_plan(config, sharding.make_mesh(config, devices=devices))  # resolves microbatches=auto
     m, t = config.model, config.train
@@ -324,6 +341,7 @@ def measure_train_step(config: Config, steps: int, warmup: int, earlier: dict | 
         state = program.init_state(jax.random.key(0))
         batch = program.put(random_batch(config))
         times, metrics = time_train_steps(program, state, batch, steps, warmup)
+        profile = profile_steps(program, batch, profile_dir) if profile_dir else None
     # The whole process's high-water mark, read before anything else allocates: the train step runs first.
     peak_bytes = (devices[0].memory_stats() or {}).get("peak_bytes_in_use")
     earlier_peak_bytes = (earlier or {}).get("peak_bytes_in_use")
@@ -358,11 +376,97 @@ def measure_train_step(config: Config, steps: int, warmup: int, earlier: dict | 
         "finite": bool(metrics["finite"]),
         "peak_bytes_in_use": peak_bytes,
         "earlier_peak_bytes": earlier_peak_bytes,
+        "profile": profile,
     }
+
+
+def profile_steps(program: TrainProgram, batch, directory: Path) -> dict:
+    """PROFILED_STEPS train steps from fresh weights (the timed steps donated theirs) traced into directory/profile,
+    as run.profile_steps traces a run's, and `llama-jax profile directory`'s summary of them. The timed steps are
+    not traced: tracing slows a step."""
+    shutil.rmtree(directory / "profile", ignore_errors=True)  # profile_run reads the newest trace: this one
+    state = program.init_state(jax.random.key(0))
+    with StepProfiler(directory / "profile", 1, PROFILED_STEPS, lambda: program.compile_step().as_text()) as profiler:
+        for step in range(1, PROFILED_STEPS + 1):
+            state, _ = profiler.step(step, program.train_step, state, batch)
+    return profile_run(directory, top=PROFILE_TOP)
 
 
 def with_fp8(config: Config, recipe: str) -> Config:
     return dataclasses.replace(config, model=dataclasses.replace(config.model, fp8=recipe))
+
+
+def with_layers_and_microbatches(config: Config, layers: int, microbatches: int | str) -> Config:
+    model = dataclasses.replace(config.model, n_layers=layers)
+    return dataclasses.replace(config, model=model, train=dataclasses.replace(config.train, microbatches=microbatches))
+
+
+def body_section(config: Config, timed: dict[str, dict], steps: int, warmup: int) -> tuple[list[Row], dict]:
+    """Each timed step (bf16, fp8) again with twice the layers: the marginal layer's time, and its MFU (the
+    difference in model FLOPs over the difference in time: what the body of a 32-layer model runs at, without the
+    embedding, output projection and loss). The deeper step takes the micro-batches its plan chooses; where that
+    is more than the shallower step ran, the shallower one is timed again with as many, so that only the layers
+    differ."""
+    layers = 2 * config.model.n_layers
+    rows, figures = [Row("body", "layers", "info", f"{config.model.n_layers} -> {layers}", BODY_DETAIL)], {}
+    base = SHORT_DTYPE.get(config.model.compute_dtype, config.model.compute_dtype)  # bf16 on GPUs, fp32 on a CPU
+    for name, recipe, label in (("step", "none", base), ("fp8_step", "tensorwise", "fp8")):
+        shallow = timed.get(name) or {}
+        if "step_s_median" not in shallow:
+            rows.append(Row("body", f"marginal layer ({label})", "skipped: no step", "", "that step did not run"))
+            continue
+        in_recipe = with_fp8(config, recipe)
+        deep = measure_train_step(with_layers_and_microbatches(in_recipe, layers, "auto"), steps, warmup, shallow)
+        if deep["fits"] and deep["microbatches"] != shallow["microbatches"]:
+            again = with_layers_and_microbatches(in_recipe, config.model.n_layers, deep["microbatches"])
+            shallow = measure_train_step(again, steps, warmup, shallow)
+        figures[name] = marginal = marginal_layer(shallow, deep)
+        rows.append(marginal_row(label, marginal, deep))
+    if {"step", "fp8_step"} <= figures.keys() and min(figures[n].get("layer_s", 0) for n in figures) > 0:
+        speedup = figures["step"]["layer_s"] / figures["fp8_step"]["layer_s"]
+        figures["fp8_speedup_on_layers"] = speedup
+        goal = f"goal on one H100 or H200: >= {FP8_LAYERS_GOAL:g}x"
+        rows.append(Row("body", "fp8 speed-up on the layers", "info", f"{speedup:.2f}x", f"marginal layer; {goal}"))
+    return rows, figures
+
+
+def marginal_layer(shallow: dict, deep: dict) -> dict:
+    if not deep["fits"]:
+        return {"fits": False, "deep_total_bytes": deep["planned_total_bytes"], "budget_bytes": deep["budget_bytes"]}
+    layers = deep["layers"] - shallow["layers"]
+    layer_s = (deep["step_s_median"] - shallow["step_s_median"]) / layers
+    layer_flops = (deep["model_flops"] - shallow["model_flops"]) / layers
+    return {
+        "fits": True,
+        "microbatches": deep["microbatches"],
+        "layer_s": layer_s,
+        "layer_model_flops": layer_flops,
+        "mfu": layer_flops / layer_s / shallow["peak_flops_per_device"] if layer_s > 0 else math.nan,
+        "peak_flops_per_device": shallow["peak_flops_per_device"],
+        "steps_s": [shallow["step_s_median"], deep["step_s_median"]],
+        "predicted_layer_s": (deep["predicted_step_s"] - shallow["predicted_step_s"]) / layers
+        if deep["predicted_step_s"] and shallow["predicted_step_s"]
+        else None,
+    }
+
+
+def marginal_row(name: str, marginal: dict, deep: dict) -> Row:
+    if not marginal["fits"]:
+        over = f"{format_bytes(marginal['deep_total_bytes'])} > the budget, {format_bytes(marginal['budget_bytes'])}"
+        return Row("body", f"marginal layer ({name})", "skipped: does not fit", "", f"{deep['layers']} layers: {over}")
+    if not marginal["layer_s"] > 0:  # timing noise on a small step (the CPU smoke run's): nothing to report
+        return Row("body", f"marginal-layer MFU ({name})", "info", "n/a", "the deeper step was not slower")
+    shallow_s, deep_s = marginal["steps_s"]
+    return Row(
+        "body",
+        f"marginal-layer MFU ({name})",
+        "info",
+        f"{100 * marginal['mfu']:.1f}%",
+        f"{1e3 * marginal['layer_s']:.2f} ms per layer ({shallow_s:.3f} -> {deep_s:.3f} s/step at "
+        f"{marginal['microbatches']} micro-batch(es)) over {format_flops(marginal['peak_flops_per_device'])}"
+        + (f"; predicted {1e3 * marginal['predicted_layer_s']:.2f} ms" if marginal["predicted_layer_s"] else "")
+        + (f"; goal on one H100 or H200: >= {100 * BODY_MFU_GOAL:.0f}%" if name == "bf16" else ""),
+    )
 
 
 def loss_curve(config: Config, steps: int) -> list[float]:
@@ -395,7 +499,9 @@ def loss_gap(bf16: list[float], fp8: list[float]) -> tuple[float, float]:
     return abs(mean(fp8) - mean(bf16)) / mean(bf16), max(abs(b - f) / b for b, f in zip(bf16, fp8))
 
 
-def fp8_section(config: Config, bf16: dict, steps: int, warmup: int, loss_steps: int) -> tuple[list[Row], dict]:
+def fp8_section(
+    config: Config, bf16: dict, steps: int, warmup: int, loss_steps: int, profile_dir: Path | None = None
+) -> tuple[list[Row], dict]:
     """The bf16 train step's row again with model.fp8=tensorwise, and both steps' losses side by side."""
     if config.model.fp8 != "none":
         return [
@@ -417,7 +523,7 @@ def fp8_section(config: Config, bf16: dict, steps: int, warmup: int, loss_steps:
                 "the bf16 train step above did not run: nothing to compare with",
             )
         ], {}
-    fp8 = measure_train_step(with_fp8(config, "tensorwise"), steps, warmup, bf16)
+    fp8 = measure_train_step(with_fp8(config, "tensorwise"), steps, warmup, bf16, profile_dir)
     if not fp8["fits"]:
         return fp8_rows(fp8, bf16), fp8
     # Each with the micro-batches its plan chose for the timed steps: the same programs, compiled once.
@@ -816,33 +922,45 @@ def main(argv: list[str] | None = None) -> int:
     enable_compilation_cache(config)  # before the first compilation, so that every one can use it
     described = f"{preset} {' '.join(overrides)}"
     log = lambda message: print(f"gpu-check: {message}", file=sys.stderr, flush=True)  # noqa: E731
+    profiles = args.json.with_suffix("")  # runs/gpu_check/{step,fp8_step}/profile: each timed step's trace
 
     environment_rows, environment = environment_section()
     # The train step first, so the device's peak memory in use is the step's and not the parity checks'.
     log(f"planning and timing the train step of {described} ({args.warmup} + {steps} steps)")
     try:
-        train = measure_train_step(config, steps, args.warmup)
+        train = measure_train_step(config, steps, args.warmup, profile_dir=profiles / "step")
         step_rows = train_rows(train, preset, overrides)
     except Exception as error:  # an out-of-memory or compiler error is a failed row; the attention rows still run
         train = {"error": first_line(error)}
         step_rows = [Row("train step", "model", "FAIL", preset, f"{' '.join(overrides)}: {first_line(error)}")]
     log(f"the same step with fp8 projections ({args.warmup} + {steps} steps), then {loss_steps} steps of each")
     try:
-        fp8_step_rows, fp8 = fp8_section(config, train, steps, args.warmup, loss_steps)
+        fp8_step_rows, fp8 = fp8_section(config, train, steps, args.warmup, loss_steps, profiles / "fp8_step")
     except Exception as error:  # as for the bf16 step: a failed row, and the other rows still run
         fp8 = {"error": first_line(error)}
         fp8_step_rows = [Row("fp8 step", "model", "FAIL", "model.fp8=tensorwise", first_line(error))]
+    log(f"both steps again with {2 * config.model.n_layers} layers: the marginal layer")
+    try:
+        body_rows, body = body_section(config, {"step": train, "fp8_step": fp8}, steps, args.warmup)
+    except Exception as error:  # as above
+        body = {"error": first_line(error)}
+        body_rows = [Row("body", "layers", "FAIL", "", first_line(error))]
     log("attention parity against the fp32 reference")
     # Past no_gpu_reason(), only --cpu-smoke runs without cuDNN.
     attention_rows, parity = attention_section(SMOKE_SHAPE if args.cpu_smoke else GPU_SHAPE, not args.cpu_smoke)
 
-    rows = [*attention_rows, *step_rows, *fp8_step_rows, *environment_rows]
+    rows = [*attention_rows, *step_rows, *fp8_step_rows, *body_rows, *environment_rows]
     counts = {s: sum(r.status.startswith(s) for r in rows) for s in ("pass", "FAIL", "skipped")}
     print(
         f"gpu-check{' --cpu-smoke' if args.cpu_smoke else ''} on {jax.devices()[0].device_kind}: "
         f"{counts['pass']} passed, {counts['FAIL']} failed, {counts['skipped']} skipped"
     )
     print(format_table(rows))
+    for name, figures in (("step", train), ("fp8_step", fp8)):
+        if figures.get("profile"):
+            label = "fp8" if figures["fp8"] != "none" else SHORT_DTYPE.get(figures["compute_dtype"], "the")
+            print(f"\nwhere the {label} step's time went (llama-jax profile {profiles / name}):")
+            print(format_profile(figures["profile"]))
     report = {
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "mode": "cpu-smoke" if args.cpu_smoke else "gpu",
@@ -853,6 +971,7 @@ def main(argv: list[str] | None = None) -> int:
         "attention": parity,
         "train_step": {"preset": preset, "overrides": overrides, **train},
         "fp8_step": fp8,
+        "body": body,
         "environment": environment,
     }
     args.json.parent.mkdir(parents=True, exist_ok=True)

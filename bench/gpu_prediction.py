@@ -1,7 +1,7 @@
 """plan's predicted GPU step time next to every GPU step we have measured, side by side in one run.
 
-Each measured step is compiled again by XLA:GPU for its GPU on this machine (`llama-jax plan ... --target T
---gpus 1 --json`, deviceless: no GPU needed) and plan's prediction is printed next to the measured seconds:
+Each measured step is compiled again by XLA:GPU for its GPU on this machine (what `llama-jax plan ... --target T
+--gpus 1` does, deviceless: no GPU needed) and plan's prediction is printed next to the measured seconds:
 
     .venv-newest/bin/python bench/gpu_prediction.py [--only NAME ...] [--json FILE]
 
@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 from typing import NamedTuple
+
+import jax
 
 TOLERANCE = 0.15  # issue 44: the prediction within 15% of every measured step
 # The 8B-shaped step every GPU session timed: 4 of llama3_8b's 32 layers, 4 x 8,192 tokens, the preset's remat.
@@ -59,16 +59,23 @@ MEASURED = (
 
 
 def predict(step: Measured) -> dict:
-    """plan --target's prediction for one measured step, in a subprocess as a user runs it."""
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    env.pop("XLA_FLAGS", None)  # no simulated CPU devices: the compile is for the target's GPUs
-    command = [sys.executable, "-m", "llama_jax", "plan", "llama3_8b", *STEP, *step.overrides]
-    command += ["--target", step.target, "--gpus", "1", "--json"]
-    result = subprocess.run(command, env=env, capture_output=True, text=True)
-    if result.returncode:
-        return {"error": (result.stderr.strip().splitlines() or ["plan failed"])[-1]}
-    plan = json.loads(result.stdout)
-    return {key: plan.get(key) for key in ("predicted_step_s", "predicted_mfu", "hlo_flops", "target")}
+    """plan --target's prediction for one measured step: the code path of `llama-jax plan ... --target T --gpus 1`
+    (cli/planning.py), in this process."""
+    from llama_jax.config import load_config
+    from llama_jax.distributed import sharding
+    from llama_jax.perf import gpu_target
+    from llama_jax.training.plan import make_plan
+
+    if missing := gpu_target.plugin_missing():
+        return {"error": f"XLA:GPU cannot compile here: {missing}"}
+    config = load_config("llama3_8b", [*STEP, *step.overrides])
+    plan = make_plan(config, sharding.make_mesh(config, gpu_target.devices(step.target, 1)))
+    return {
+        "predicted_step_s": plan.predicted_step_s,
+        "predicted_mfu": plan.predicted_mfu,
+        "hlo_flops": plan.hlo_flops,
+        "target": plan.target,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -76,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", action="append", choices=[m.name for m in MEASURED], help="these steps only")
     parser.add_argument("--json", help="also write the rows to this file")
     args = parser.parse_args(argv)
+    jax.config.update("jax_platforms", "cpu")  # the compiles are for the target's GPUs, never this machine's
     rows, off = [], 0
     print(f"{'step':10} {'GPU':5} {'measured':>9} {'predicted':>10} {'pred/meas':>9}  within {100 * TOLERANCE:.0f}%")
     for step in MEASURED:

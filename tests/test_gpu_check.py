@@ -32,6 +32,7 @@ TRAIN_CHECKS = [
     "peak device memory",
 ]
 FP8_CHECKS = ["model", "loss", "tokens/s", "predicted step", "MFU", "peak device memory", "loss vs bf16"]
+BODY_CHECKS = ["layers", "marginal-layer MFU (fp32)", "marginal-layer MFU (fp8)"]  # then the fp8 speed-up, if any
 ENVIRONMENT_CHECKS = ["XLA_FLAGS", "launch/gpu_env.sh", "versions", "device", "CUDA / cuDNN"]
 
 
@@ -74,7 +75,7 @@ def table_rows(stdout: str) -> list[dict[str, str]]:
     starts = [header.index(name) for name in names]
     rows = []
     for line in lines[start + 1 :]:
-        if line.startswith("figures: "):
+        if line.startswith("figures: ") or not line.strip():  # the profiles' tables follow a blank line
             break
         cells = [line[a:b].strip() for a, b in zip(starts, [*starts[1:], None])]
         rows.append(dict(zip(names, cells)))
@@ -151,7 +152,13 @@ def test_cpu_smoke_prints_one_table_of_every_check(smoke):
     # MFU against the bf16 peak; a CPU has no fp8 peak, and the row says so rather than inventing one
     assert fp8["MFU"]["value"].endswith("%") and "fp8: no fp8 peak for cpu" in fp8["MFU"]["detail"]
     assert fp8["loss vs bf16"]["status"] == "pass" and fp8["loss vs bf16"]["value"].endswith("%")
-    assert stdout.splitlines()[-1].startswith("figures: ")
+    body = [row for row in rows if row["area"] == "body"]
+    assert [row["check"] for row in body][:3] == BODY_CHECKS and body[0]["value"] == "2 -> 4"
+    assert all(re.fullmatch(r"\d+\.\d%|n/a", row["value"]) for row in body[1:3])
+    # each timed step's profile, as `llama-jax profile` prints it, after the table
+    for label in ("fp32", "fp8"):
+        assert re.search(rf"where the {label} step's time went \(llama-jax profile \S+\):\nprofile ", stdout)
+    assert stdout.count("where a step went") == 2 and stdout.splitlines()[-1].startswith("figures: ")
 
 
 def test_cpu_smoke_json_holds_the_table_and_its_figures(smoke):
@@ -200,6 +207,18 @@ def test_cpu_smoke_json_holds_the_table_and_its_figures(smoke):
         abs(sum(fp8_losses) - sum(bf16_losses)) / sum(bf16_losses)
     )
     assert 0 < fp8["loss_tail_relative_difference"] <= gpu_check.FP8_LOSS_TOLERANCE
+    # the marginal layer: the 4-layer steps less the 2-layer ones, over the same peak
+    for name in ("step", "fp8_step"):
+        marginal = report["body"][name]
+        assert marginal["fits"] and marginal["layer_model_flops"] > 0
+        if marginal["layer_s"] > 0:
+            assert marginal["mfu"] == pytest.approx(
+                marginal["layer_model_flops"] / marginal["layer_s"] / step["peak_flops_per_device"]
+            )
+    # PROFILED_STEPS steps traced after the timed ones, its matmuls seen
+    for figures in (step, fp8):
+        assert len(figures["profile"]["steps"]) == gpu_check.PROFILED_STEPS
+        assert figures["profile"]["classes"]["matmul fp32"]["ms"] > 0
     environment = report["environment"]
     assert environment["jax"] == jax.__version__ and environment["device_kind"] == "cpu"
     assert isinstance(environment["xla_flags"], list) and isinstance(environment["gpu_env_applied"], bool)
@@ -249,3 +268,21 @@ def test_the_predicted_step_row_puts_plans_prediction_beside_the_measured_step()
     assert near.detail == "measured / predicted 1.100; goal: within 15% (met)"
     far = gpu_check.prediction_row("fp8 step", {"predicted_step_s": 1.5, "step_s_median": 0.5})
     assert far.detail.endswith("(not met)") and far.status == "info"
+
+
+def test_the_marginal_layer_is_the_difference_of_the_two_steps_and_its_prediction_beside_it():
+    """What a GPU's body rows compute: per added layer, the extra time and model FLOPs, their MFU against the
+    shallower step's peak, plan's predicted extra time; a deeper step over its budget is a skipped row."""
+    shallow = {"layers": 4, "step_s_median": 0.6, "model_flops": 3e14, "peak_flops_per_device": 989e12}
+    deep = {"layers": 8, "step_s_median": 0.9, "model_flops": 5e14, "fits": True, "microbatches": 2}
+    marginal = gpu_check.marginal_layer(
+        {**shallow, "predicted_step_s": 0.58}, {**deep, "predicted_step_s": 0.9, "profile": None}
+    )
+    assert marginal["layer_s"] == pytest.approx(0.075) and marginal["layer_model_flops"] == pytest.approx(5e13)
+    assert marginal["mfu"] == pytest.approx(5e13 / 0.075 / 989e12)
+    assert marginal["predicted_layer_s"] == pytest.approx(0.08)
+    row = gpu_check.marginal_row("bf16", marginal, deep)
+    assert row.value == "67.4%" and "75.00 ms per layer" in row.detail and "predicted 80.00 ms" in row.detail
+    over = {**deep, "fits": False, "planned_total_bytes": 90 * 2**30, "budget_bytes": 72 * 2**30}
+    skipped = gpu_check.marginal_row("bf16", gpu_check.marginal_layer(shallow, over), over)
+    assert skipped.status == "skipped: does not fit" and skipped.detail.startswith("8 layers: 90")
