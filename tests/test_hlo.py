@@ -369,6 +369,25 @@ def test_a_named_conditional_counts_its_branches_as_often_as_they_run():
     assert analyze(text, num_devices=1, branch_runs={"sometimes": 0.25}).dot_flops == steps / 4 * 2 * m * k * k
 
 
+def test_a_scanned_layer_moves_its_own_slice_of_stacked_weights_not_the_whole_stack():
+    """A scan over stacked weights reads one layer's slice per iteration, and the backward pass writes each layer's
+    gradient into its slot of the stacked gradient in place: the traffic grows with the layers' bytes once, not
+    with the stack's bytes once per layer (what counting whole operands gave: layers x the stack)."""
+    m, k = 8, 256
+
+    def loss(ws, x):
+        return jax.lax.scan(lambda c, w: (jnp.tanh(c @ w), None), x, ws)[0].sum()
+
+    def traffic(layers: int) -> float:
+        compiled = jax.jit(jax.grad(loss)).lower(jnp.ones((layers, k, k)), jnp.ones((m, k))).compile()
+        return analyze(compiled.as_text(), 1).memory_bytes
+
+    layer = k * k * 4  # bytes of one layer's f32 weights
+    eight, sixteen = traffic(8), traffic(16)
+    assert sixteen / eight < 2.1  # linear in the layers (the whole stack per layer made it quadratic: 3.6x)
+    assert (sixteen - eight) / 8 < 12 * layer  # XLA:CPU's slice copies, the matmuls, the update: ~11 passes
+
+
 def test_a_named_switch_under_a_gradient_counts_the_branches_its_shares_give():
     """cuDNN attention's kernel choice (cudnn.py): a three-way switch, named under a scope that jax prints inside
     its transformations' names (`jvp(scope)`, `transpose(jvp(scope))`); shares (1.0,) price the first branch only,

@@ -238,7 +238,7 @@ def analyze(hlo_text: str, num_devices: int, branch_runs: BranchRuns | None = No
                     )
                     for fp8_only in (False, True)
                 )
-                traffic = _result_bytes(instr) + sum(_operand_bytes(comp, o) for o in instr.operands)
+                traffic = _traffic(comps, comp, instr)
                 operations.append((mult * own, mult * traffic, mult * fp8))
             kind = instr.opcode.removesuffix("-start")
             if kind not in KINDS:
@@ -384,6 +384,66 @@ def _result_bytes(instr: Instr) -> int:
     if len(leaves) > 1 and target.startswith(("__cublas$", "__cudnn$")) and leaves[-1][:3] in ("s8[", "u8["):
         return sum(shape_bytes(leaf) for leaf in leaves[:-1])
     return shape_bytes(instr.shape)
+
+
+# Operations that read a window of their first operand (a layer's slice of stacked weights or saved activations):
+# they move the window's bytes, not the whole operand's.
+_WINDOW_READS = {"dynamic-slice", "slice", "gather"}
+
+
+def _traffic(comps: dict[str, Computation], comp: Computation, instr: Instr) -> float:
+    """Bytes an operation reads and writes. A window read moves the window; a dynamic-update-slice writes its
+    update into a buffer in place (XLA aliases the two), reading and writing the update only; a fusion (or an
+    async fusion-start) reads each operand whole unless its body only takes windows of it or updates it in place,
+    and writes its root's outputs, of an in-place update the update only. Without this, a scanned layer stack's
+    slot of stacked activations counted the whole stack once per layer (the number of layers times over)."""
+    body = comps.get(instr.attrs.get("calls", "").lstrip("%")) if instr.opcode in ("fusion", "fusion-start") else None
+    if body is not None and body.instrs:
+        users = _users(body)
+        params = {int(i.operands[0]): i for i in body.instrs if i.opcode == "parameter"}
+        read = sum(
+            _read_bytes(users, params[n].name, _operand_bytes(comp, operand)) if n in params else 0
+            for n, operand in enumerate(instr.operands)
+        )
+        return read + _written_bytes(body, body.instrs[-1])
+    if instr.opcode == "dynamic-update-slice":
+        return 2 * _operand_bytes(comp, instr.operands[1])
+    if instr.opcode in _WINDOW_READS:
+        return 2 * shape_bytes(instr.shape)
+    result = shape_bytes(_output_shape(instr)) if instr.opcode.endswith("-start") else _result_bytes(instr)
+    return result + sum(_operand_bytes(comp, o) for o in instr.operands)
+
+
+def _users(body: Computation) -> dict[str, list[tuple[Instr, int]]]:
+    users: dict[str, list[tuple[Instr, int]]] = defaultdict(list)
+    for i in body.instrs:
+        for position, operand in enumerate(i.operands):
+            users[operand.split()[-1].lstrip("%")].append((i, position))
+    return users
+
+
+def _read_bytes(users: dict[str, list[tuple[Instr, int]]], name: str, whole: float) -> float:
+    """What a fused computation reads of its value `name` (`whole` bytes): windows of it, nothing of a buffer it
+    updates in place, or all of it."""
+    total = 0.0
+    for user, position in users.get(name, []):
+        if user.opcode == "bitcast":
+            total += _read_bytes(users, user.name, whole)
+        elif position == 0 and user.opcode in _WINDOW_READS:
+            total += shape_bytes(user.shape)
+        elif position != 0 or user.opcode != "dynamic-update-slice":
+            return whole
+    return min(total, whole)
+
+
+def _written_bytes(body: Computation, root: Instr) -> float:
+    """What a fused computation writes: each output, of an in-place update only the update."""
+    if root.opcode == "tuple":
+        by_name = {i.name: i for i in body.instrs}
+        return sum(_written_bytes(body, by_name[o.split()[-1].lstrip("%")]) for o in root.operands)
+    if root.opcode == "dynamic-update-slice":
+        return _operand_bytes(body, root.operands[1])
+    return shape_bytes(root.shape)
 
 
 def _matmul_flops(comp: Computation, instr: Instr, lhs_contracting: list[int]) -> float:
