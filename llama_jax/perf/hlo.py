@@ -9,9 +9,9 @@ known_trip_count, or the condition's bound; a while without either counts once a
 `unknown_trip_counts`);
 fusion/call/custom-call/async/reducer callees = caller. Every branch of a conditional gets the
 caller's multiplicity, so programs with conditionals give an upper bound, unless the caller says how
-often a conditional named under a jax.named_scope runs its true branch (`branch_runs`: the 1F1B
-pipeline's forward, loss and backward passes, one_f_one_b.py). A computation called from several
-places sums the multiplicities.
+often a conditional named under a jax.named_scope runs each branch (`branch_runs`: the 1F1B
+pipeline's forward, loss and backward passes, one_f_one_b.py; cuDNN attention's kernel choice, cudnn.py). A
+computation called from several places sums the multiplicities.
 
 FLOPs: `dot` = 2 x result elements x product of lhs contracting dims; `convolution` =
 2 x result elements x product of kernel dims other than the output feature ('o') dim. GPU library
@@ -31,7 +31,8 @@ Async pairs are counted at the `-start` only. Each collective's device groups ar
 Operations, for a roofline: every instruction of a scheduled computation (the entry, loop bodies
 and conditions, conditional branches, called computations; not fusion bodies or reducers) with its
 FLOPs (a fusion's: its body's) and the bytes it reads and writes (operands + result, less a library
-call's workspace), and which of its FLOPs are fp8 matmuls' (a dot or GEMM whose operands are f8*:
+call's workspace; of an operand its body only slices, the slices; of a buffer updated in place, the update:
+_traffic), and which of its FLOPs are fp8 matmuls' (a dot or GEMM whose operands are f8*:
 model.fp8's projections; tensor cores run them at twice the bf16 rate). Data movement without
 arithmetic (parameter, tuple, bitcast, ...) and control flow are left out.
 """
@@ -187,7 +188,7 @@ def _output_shape(instr: Instr) -> str:
 
 def analyze(hlo_text: str, num_devices: int, branch_runs: BranchRuns | None = None) -> HloStats:
     """Per-step, per-device dot FLOPs and collective traffic of a compiled HLO module. `branch_runs`: for a
-    conditional named under jax.named_scope(scope), the share of its runs that take the true branch."""
+    conditional named under jax.named_scope(scope), how often it takes each branch (_branch_weights)."""
     comps, entry = parse_module(hlo_text)
     callers: dict[str, list[tuple[str, float]]] = defaultdict(list)
     unknown = 0
