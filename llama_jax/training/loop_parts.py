@@ -156,7 +156,8 @@ class Loop:
                     min_timeout_s=f.hang_min_timeout_s,
                     startup_timeout_s=f.hang_startup_timeout_s,
                     recorder=run.peers.recorder,
-                    describe=lambda: format_plan(make_plan(config, mesh)),
+                    # the stage running when it hangs: its program, mesh and micro-batches
+                    describe=lambda: format_plan(make_plan(run.program.config, run.program.mesh)),
                 ),
                 preemption=PreemptionGuard(checkpointer.manager.reached_preemption if multi else None),
                 eval_batches=min(t.eval_batches, run.data.val.batches_per_epoch()),
