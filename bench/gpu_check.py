@@ -335,7 +335,7 @@ def measure_train_step(
         return figures
     # The same program plan compiled: the persistent compilation cache hands its executable back, so the step
     # compiles once however many programs are built.
-    config = dataclasses.replace(config, train=dataclasses.replace(t, microbatches=planned.microbatches))
+    config = with_microbatches(config, planned.microbatches)
     program = TrainProgram.for_config(config, devices=devices)
     with program.activate():
         state = program.init_state(jax.random.key(0))
@@ -396,9 +396,12 @@ def with_fp8(config: Config, recipe: str) -> Config:
     return dataclasses.replace(config, model=dataclasses.replace(config.model, fp8=recipe))
 
 
-def with_layers_and_microbatches(config: Config, layers: int, microbatches: int | str) -> Config:
-    model = dataclasses.replace(config.model, n_layers=layers)
-    return dataclasses.replace(config, model=model, train=dataclasses.replace(config.train, microbatches=microbatches))
+def with_microbatches(config: Config, microbatches: int | str) -> Config:
+    return dataclasses.replace(config, train=dataclasses.replace(config.train, microbatches=microbatches))
+
+
+def with_layers(config: Config, layers: int) -> Config:
+    return dataclasses.replace(config, model=dataclasses.replace(config.model, n_layers=layers))
 
 
 def body_section(config: Config, timed: dict[str, dict], steps: int, warmup: int) -> tuple[list[Row], dict]:
@@ -416,10 +419,9 @@ def body_section(config: Config, timed: dict[str, dict], steps: int, warmup: int
             rows.append(Row("body", f"marginal layer ({label})", "skipped: no step", "", "that step did not run"))
             continue
         in_recipe = with_fp8(config, recipe)
-        deep = measure_train_step(with_layers_and_microbatches(in_recipe, layers, "auto"), steps, warmup, shallow)
+        deep = measure_train_step(with_microbatches(with_layers(in_recipe, layers), "auto"), steps, warmup, shallow)
         if deep["fits"] and deep["microbatches"] != shallow["microbatches"]:
-            again = with_layers_and_microbatches(in_recipe, config.model.n_layers, deep["microbatches"])
-            shallow = measure_train_step(again, steps, warmup, shallow)
+            shallow = measure_train_step(with_microbatches(in_recipe, deep["microbatches"]), steps, warmup, shallow)
         figures[name] = marginal = marginal_layer(shallow, deep)
         rows.append(marginal_row(label, marginal, deep))
     if {"step", "fp8_step"} <= figures.keys() and min(figures[n].get("layer_s", 0) for n in figures) > 0:
@@ -528,15 +530,7 @@ def fp8_section(
         return fp8_rows(fp8, bf16), fp8
     # Each with the micro-batches its plan chose for the timed steps: the same programs, compiled once.
     losses = {
-        recipe: loss_curve(
-            with_fp8(
-                dataclasses.replace(
-                    config, train=dataclasses.replace(config.train, microbatches=figures["microbatches"])
-                ),
-                recipe,
-            ),
-            loss_steps,
-        )
+        recipe: loss_curve(with_fp8(with_microbatches(config, figures["microbatches"]), recipe), loss_steps)
         for recipe, figures in (("none", bf16), ("tensorwise", fp8))
     }
     finite = all(map(math.isfinite, losses["none"] + losses["tensorwise"]))

@@ -8,13 +8,12 @@ one per test at most, on tiny models.
 """
 
 import dataclasses
-import importlib.util
 import json
 import math
 import re
-from pathlib import Path
 
 import pytest
+from test_bench import load_script
 from test_cuda_lowering import square_tensors
 from test_launch import gpu_env_xla_flags
 from test_readme import llama_jax_args, readme_commands
@@ -27,7 +26,6 @@ from llama_jax.training import plan as planning
 from llama_jax.training import tune, tune_report
 from llama_jax.training.step import TrainProgram
 
-ROOT = Path(__file__).resolve().parents[1]
 SEQ = 512
 NO_PLUGIN = gpu_target.plugin_missing()
 needs_plugin = pytest.mark.skipif(NO_PLUGIN is not None, reason=f"XLA:GPU cannot compile here: {NO_PLUGIN}")
@@ -331,9 +329,7 @@ def test_the_prediction_bench_puts_plans_step_within_15_percent_of_a_measured_gp
     """bench/gpu_prediction.py (docs/performance.md runs it over every GPU step we have measured; its command is
     parsed in test_readme): plan --target's predicted step for the H200's fp8 step, the one with the most kinds of
     kernel (bf16 and fp8 GEMMs, cuDNN attention, fp8's quantisation), within 15% of the 0.484 s measured."""
-    spec = importlib.util.spec_from_file_location("gpu_prediction", ROOT / "bench" / "gpu_prediction.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_script("gpu_prediction")
     assert bench.main(["--only", "h200-fp8", "--json", str(tmp_path / "rows.json")]) == 0
     (row,) = json.loads((tmp_path / "rows.json").read_text())
     assert row["name"] == "h200-fp8" and row["step_s"] == 0.484 and row["target"].startswith("H200")

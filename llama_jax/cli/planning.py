@@ -237,9 +237,8 @@ def _add_cost_model(parser: argparse.ArgumentParser) -> None:
 
 def cmd_goodput(ns: argparse.Namespace) -> int:
     # --spares: a count; auto (None here); not given, auto for a launched run and none for one started by hand
-    spares = None if ns.spares == "auto" else ns.spares
-    if ns.spares is None and ns.without_launcher:
-        spares = 0
+    by_hand = ns.spares is None and ns.without_launcher
+    spares = 0 if by_hand else None if ns.spares == "auto" else ns.spares
     rates = (ns.failures_per_gpu_hour, ns.planned_per_gpu_hour, ns.replacement_s, ns.restart_s, spares)
     if (
         any(v is not None and v < 0 for v in rates)
@@ -271,9 +270,9 @@ def cmd_goodput(ns: argparse.Namespace) -> int:
         repair_hours=ns.repair_hours,
         **given,
     )
-    if ns.spares is None and ns.without_launcher:
-        by_hand = "none: a run started by hand (--without-launcher)"
-        inputs = dataclasses.replace(inputs, sources={**inputs.sources, "spare_hosts": by_hand})
+    if by_hand:
+        source = "none: a run started by hand (--without-launcher)"
+        inputs = dataclasses.replace(inputs, sources={**inputs.sources, "spare_hosts": source})
     report = projection.report(inputs)
     parts = projection.start_parts(Path(ns.run_dir)) if ns.run_dir else {}
     if ns.json:
