@@ -406,6 +406,26 @@ def test_a_named_switch_under_a_gradient_counts_the_branches_its_shares_give():
     assert every.dot_flops > 5 * first.dot_flops
 
 
+def test_an_operation_named_under_a_work_share_counts_that_share_of_its_work():
+    """Context parallelism's prefix kernel (context_parallel.py): its compiled shape is the whole gathered sequence,
+    padded past what it uses; a work share prices the part that runs, forward and backward, and leaves the
+    operations outside the scope whole."""
+    m, k = 16, 32
+
+    def loss(w, x):
+        with jax.named_scope("padded"):
+            y = x @ w
+        return (y @ w).sum()
+
+    compiled = jax.jit(jax.grad(loss)).lower(jnp.ones((k, k)), jnp.ones((m, k))).compile()
+    whole, shared = (analyze(compiled.as_text(), 1, work_shares=shares) for shares in ({}, {"padded": 0.25}))
+    outside = analyze(compiled.as_text(), 1, work_shares={"elsewhere": 0.25})
+    assert outside.dot_flops == whole.dot_flops and outside.memory_bytes == whole.memory_bytes
+    # Four [m, k] x [k, k]-sized matmuls, two under the scope (x @ w and its weight gradient x^T . dy): 2 + 2 / 4.
+    assert (whole.dot_flops, shared.dot_flops) == (4 * 2 * m * k * k, 2.5 * 2 * m * k * k)
+    assert shared.memory_bytes < whole.memory_bytes
+
+
 @pytest.fixture
 def mesh():
     return jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))

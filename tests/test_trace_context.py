@@ -5,6 +5,7 @@ installed jax."""
 import dataclasses
 from pathlib import Path
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import pytest
@@ -56,6 +57,28 @@ def test_a_pipeline_stages_context_drops_the_stage_axis_and_makes_it_manual():
     assert stage.rules == (("batch", ("fsdp",)), ("layers", None), ("embed", "fsdp"))
     assert stage.manual_axes == ("pipeline",) and context.manual_axes == ()
     assert hash(stage) != hash(context)  # frozen and hashable: a field of Flax modules
+
+
+def test_under_context_parallelism_a_weight_is_read_gathered_over_the_batch_and_sequence_axes():
+    """Where the mesh splits the sequence, a matmul reads its weight split over `tensor` only, whether the rules
+    store it over fsdp (the default) or over fsdp and sequence (llama3_405b's long-context stages); without
+    context parallelism `read` adds nothing to the program, nor for parameters stored over neither."""
+    auto = (jax.sharding.AxisType.Auto,) * 3  # as sharding.make_mesh's: the partitioner places what is not pinned
+    context_parallel, fsdp = (
+        jax.make_mesh(shape, ("fsdp", "sequence", "tensor"), axis_types=auto, devices=jax.devices()[:8])
+        for shape in ((2, 2, 2), (4, 1, 2))
+    )
+    default = (("batch", "fsdp"), ("seq", "sequence"), ("embed", "fsdp"), ("mlp", "tensor"), ("vocab", "tensor"))
+    long_context = (*default[:2], ("embed", ("fsdp", "sequence")), *default[3:])
+    read = jax.jit(lambda w, context: context.read(w, ("embed", "mlp")), static_argnums=1)
+    for rules in (default, long_context):
+        stored = jax.sharding.NamedSharding(context_parallel, nn.logical_to_mesh_axes(("embed", "mlp"), rules))
+        w = jax.device_put(jnp.ones((8, 16)), stored)
+        with jax.set_mesh(context_parallel):  # as the train step is traced (sharding.activate)
+            assert read(w, TraceContext.on_mesh(context_parallel, rules)).sharding.spec == jax.P(None, "tensor")
+        assert TraceContext.on_mesh(context_parallel, rules).read(w, ("norm",)) is w
+    assert TraceContext.on_mesh(fsdp, default).read(w, ("embed", "mlp")) is w
+    assert TraceContext.local().read(w, ("embed", "mlp")) is w
 
 
 def test_nothing_under_model_reads_ambient_trace_state():

@@ -76,8 +76,35 @@ class TraceContext:
         """x sharded as its logical axis names say, by the rules (no-op without rules or outside a mesh)."""
         return nn.with_logical_constraint(x, names, rules=self.rules)
 
+    def read(self, w: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
+        """A parameter w (in the compute dtype) as a matmul or the embedding lookup reads it. Where the mesh splits
+        the sequence (context parallelism), gathered over the mesh axes that split the batch and the sequence:
+        FSDP's all-gather, made explicit, leaving the weight split over `tensor` only. XLA's partitioner, left to
+        place it, moved activations instead: it cannot move tokens split over `sequence` to a weight split over
+        `sequence` along `embed` (llama3_405b's mesh.rules.embed=fsdp,sequence), so it replicated them ("involuntary
+        full rematerialization"); and with fsdp > 1 it gathered the tokens' sequence to keep the weight split,
+        computing the projections on the whole sequence on every device (llama3_405b's 128K stage: twice the
+        matmul FLOPs, and 170 TB of all-reduces per GPU and step). Without context parallelism the program is left
+        as it was (the measured GPU steps and the 8K stages are planned that way). The gradient is reduce-scattered
+        back to the weight's own sharding."""
+        rules = dict(self.rules)
+        sequence = _axes(rules.get("seq"))
+        if self.axis_size(sequence) == 1:
+            return w
+        gathered = set(sequence) | set(_axes(rules.get("batch")))
+        if not any(gathered & set(_axes(rules.get(name))) for name in names if name):
+            return w
+        for name in filter(None, names):
+            rules[name] = tuple(a for a in _axes(rules.get(name)) if a not in gathered) or None
+        return nn.with_logical_constraint(w, names, rules=tuple(rules.items()))
+
     def inside_stage(self) -> TraceContext:
         """The context of a pipeline stage's shard_map body: the stage axis is manual there, out of the rules."""
         return dataclasses.replace(
             self, rules=without_stage_axis(self.rules), manual_axes=(*self.manual_axes, STAGE_AXIS)
         )
+
+
+def _axes(rule: str | tuple[str, ...] | None) -> tuple[str, ...]:
+    """A rule's mesh axes as a tuple: None -> (), 'fsdp' -> ('fsdp',)."""
+    return () if rule is None else (rule,) if isinstance(rule, str) else tuple(rule)

@@ -24,6 +24,7 @@ needs) with two implementations: cuDNN's (cudnn.PADDED_KERNEL) and an XLA one fo
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,6 +34,15 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 SEQUENCE_AXIS = "sequence"
+# The name of the conditional that picks what a chunk computes by where its documents start (chunk_attention), in
+# the compiled program: its branches are the chunk alone, its first document's prefix, and both. With one document
+# per row every chunk but the sequence's first takes the second, so the step waits on devices that run it for
+# both their chunks; `plan`'s step prediction prices that branch (hlo.analyze's branch_runs).
+CHUNK_CHOICE_SCOPE = "context_parallel_chunk_by_documents"
+# The name of the prefix's kernel calls (a chunk's first document against its keys in earlier chunks): their keys
+# are the whole gathered sequence, padded past the prefix, which cuDNN skips at run time, so the compiled call's
+# shape overstates the work; `plan` prices the share one document per row uses (hlo.analyze's work_shares).
+PREFIX_SCOPE = "context_parallel_prefix"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -140,7 +150,8 @@ def _combined_forward(kernel, causal, q, keys, values, q_lens, kv_lens):
     t = q.shape[1]
     outs, lses = [], []
     for k, v, q_len, kv_len, is_causal in zip(keys, values, q_lens, kv_lens, causal):
-        out, lse = kernel.forward(q, k, v, q_len, jnp.maximum(kv_len, 1), is_causal)
+        with _prefix_scope(is_causal):
+            out, lse = kernel.forward(q, k, v, q_len, jnp.maximum(kv_len, 1), is_causal)
         covered = _rows_covered(q_len, kv_len, t)
         outs.append(jnp.where(covered[:, :, None, None], out.astype(jnp.float32), 0.0))
         lses.append(jnp.where(covered[:, None, :], lse, -jnp.inf))
@@ -163,17 +174,18 @@ def _combined_backward(kernel, causal, residuals, d_out):
     d_keys, d_values = [], []
     for k, v, q_len, kv_len, is_causal in zip(keys, values, q_lens, kv_lens, causal):
         covered = _rows_covered(q_len, kv_len, t)[:, :, None, None]
-        part_dq, dk, dv = kernel.backward(
-            q,
-            k,
-            v,
-            q_len,
-            jnp.maximum(kv_len, 1),
-            is_causal,
-            out,
-            lse,
-            jnp.where(covered, d_out, 0).astype(d_out.dtype),
-        )
+        with _prefix_scope(is_causal):
+            part_dq, dk, dv = kernel.backward(
+                q,
+                k,
+                v,
+                q_len,
+                jnp.maximum(kv_len, 1),
+                is_causal,
+                out,
+                lse,
+                jnp.where(covered, d_out, 0).astype(d_out.dtype),
+            )
         # What a kernel leaves in rows and keys outside its lengths is unspecified: zero it.
         dq += jnp.where(covered, part_dq.astype(jnp.float32), 0.0)
         keys_used = (jnp.arange(k.shape[1])[None, :] < kv_len[:, None])[:, :, None, None]
@@ -183,6 +195,11 @@ def _combined_backward(kernel, causal, residuals, d_out):
 
 
 combined_attention.defvjp(_combined_forward, _combined_backward)
+
+
+def _prefix_scope(causal: bool):
+    """The scope of a part's kernel call: PREFIX_SCOPE for the prefix (the part that is not causal)."""
+    return contextlib.nullcontext() if causal else jax.named_scope(PREFIX_SCOPE)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -220,7 +237,8 @@ def chunk_attention(
     # Skip what no row needs: no document crosses into the chunk (the chunk alone is exact), or one
     # document fills every row (the two partial attentions are exact) — long documents, unpacked rows.
     branch = jnp.where(jnp.all(prefix == 0), 0, jnp.where(jnp.all(rows == chunk), 1, 2))
-    return jax.lax.switch(branch, [own_chunk, first_document, both])
+    with jax.named_scope(CHUNK_CHOICE_SCOPE):
+        return jax.lax.switch(branch, [own_chunk, first_document, both])
 
 
 def sequence_sharded_attention(

@@ -56,6 +56,7 @@ HEADS = ("batch", "seq", "act_heads", "head_dim")
 KV_HEADS = ("batch", "seq", "act_kv_heads", "head_dim")
 MLP_HIDDEN = ("batch", "seq", "act_mlp")
 # LOGITS = ("batch", "seq", "act_vocab"), in loss.py
+OUTPUT_WEIGHT = ("embed", "vocab")  # the output projection's logical axes (the embedding table's, transposed)
 
 
 def dtypes(cfg: ModelConfig) -> dict[str, jnp.dtype]:
@@ -149,15 +150,17 @@ class Linear(nn.Module):
     lora_alpha: float = 0.0
     lora_dropout: float = 0.0
     fp8: bool = False  # model.fp8=tensorwise: fp8 operands (projection.py); the LoRA update stays in dtype
+    context: TraceContext = dataclasses.field(default_factory=TraceContext.local)  # how a weight is read (context.read)
 
     @nn.compact
     def __call__(self, x: jax.Array, x_fp8: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
         """x_fp8: x quantized by the caller (fp8_input), shared by the projections of one input."""
         kernel = self.param("kernel", init_normal(self.std, self.names), self.shape, self.param_dtype)
+        kernel = self.context.read(kernel.astype(self.dtype), self.names)
         if self.fp8:
-            y = fp8_project(self.spec, x.astype(self.dtype), kernel.astype(self.dtype), x_fp8)
+            y = fp8_project(self.spec, x.astype(self.dtype), kernel, x_fp8)
         else:  # = jnp.einsum(spec, x, kernel), with a faster backward pass on CPU
-            y = project(self.spec, x.astype(self.dtype), kernel.astype(self.dtype), self.cpu_backward)
+            y = project(self.spec, x.astype(self.dtype), kernel, self.cpu_backward)
         return y + self.low_rank_update(x) if self.lora_rank else y
 
     def low_rank_update(self, x: jax.Array) -> jax.Array:
@@ -186,13 +189,12 @@ class Linear(nn.Module):
         down = project(
             f"{inputs},{kernel_axes[:n_in]}{rank}->{tokens}{rank}",
             x.astype(self.dtype),
-            a.astype(self.dtype),
+            self.context.read(a.astype(self.dtype), (*self.names[:n_in], "lora_rank")),
             self.cpu_backward,
         )
         down = down * jnp.asarray(self.lora_alpha / self.lora_rank, self.dtype)  # scaled on the narrow side
-        return project(
-            f"{tokens}{rank},{rank}{kernel_axes[n_in:]}->{outputs}", down, b.astype(self.dtype), self.cpu_backward
-        )
+        b = self.context.read(b.astype(self.dtype), ("lora_rank", *self.names[n_in:]))
+        return project(f"{tokens}{rank},{rank}{kernel_axes[n_in:]}->{outputs}", down, b, self.cpu_backward)
 
 
 def adapted_linear(cfg: ModelConfig, peft: PeftConfig, context: TraceContext):
@@ -209,6 +211,7 @@ def adapted_linear(cfg: ModelConfig, peft: PeftConfig, context: TraceContext):
             lora_alpha=peft.alpha,
             lora_dropout=peft.dropout,
             fp8=cfg.fp8 != "none",
+            context=context,
             **kwargs,
         )
 
@@ -440,7 +443,7 @@ class Llama(nn.Module):
             return run_stack(stack, layers, x, segment_ids, positions, loss), jnp.sum(loss_mask)
         x = run_stack(stack, layers, x, segment_ids, positions, dropout_key=self.dropout_key())
         x = rms_norm(x, head["norm"], cfg.norm_eps, jnp.dtype(cfg.compute_dtype))  # the final norm
-        output = head["output"].astype(cfg.compute_dtype)
+        output = self.context.read(head["output"].astype(cfg.compute_dtype), OUTPUT_WEIGHT)
         if targets is not None:  # training and evaluation: the logits never exist as a whole
             return fused_cross_entropy_sum(x, output, targets, loss_mask, self.context.rules)
         cpu_backward = uses_cpu_backward(self.context.platform, cfg.cpu_projection)
@@ -448,7 +451,8 @@ class Llama(nn.Module):
 
     def embeddings(self, embed: nn.Embed, tokens: jax.Array) -> jax.Array:
         """[batch, seq, embed]: each token's row of the table; at a learned prompt's slots, the prompt's."""
-        x = embed(jnp.maximum(tokens, 0))
+        table = self.context.read(embed.embedding.astype(self.cfg.compute_dtype), ("vocab", "embed"))
+        x = jnp.take(table, jnp.maximum(tokens, 0), axis=0)  # = embed(tokens), reading the table as `read` says
         if self.peft.virtual_tokens:
             x = jnp.where(tokens[..., None] < 0, self.virtual_embeddings(tokens).astype(x.dtype), x)
         return self.context.constrain(x, RESIDUAL)
@@ -483,7 +487,7 @@ class Llama(nn.Module):
             return embed.embedding.T
         return Weight(
             (self.cfg.d_model, self.cfg.vocab_size),
-            ("embed", "vocab"),
+            OUTPUT_WEIGHT,
             self.cfg.init_std,
             self.cfg.param_dtype,
             name="lm_head",
@@ -515,7 +519,8 @@ def final_loss(cfg: ModelConfig, params, x, targets, loss_mask, context: TraceCo
     cross-entropy, with params {"norm": the norm's scale, "output": [embed, vocab]} (a pipeline's last stage),
     traced in `context` (the stage's, which runs it: Head)."""
     x = rms_norm(x, params["norm"], cfg.norm_eps, jnp.dtype(cfg.compute_dtype))
-    return fused_cross_entropy_sum(x, params["output"].astype(cfg.compute_dtype), targets, loss_mask, context.rules)[0]
+    output = context.read(params["output"].astype(cfg.compute_dtype), OUTPUT_WEIGHT)
+    return fused_cross_entropy_sum(x, output, targets, loss_mask, context.rules)[0]
 
 
 # ---------------------------------------------------------------------------------------------

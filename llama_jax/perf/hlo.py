@@ -11,7 +11,9 @@ fusion/call/custom-call/async/reducer callees = caller. Every branch of a condit
 caller's multiplicity, so programs with conditionals give an upper bound, unless the caller says how
 often a conditional named under a jax.named_scope runs each branch (`branch_runs`: the 1F1B
 pipeline's forward, loss and backward passes, one_f_one_b.py; cuDNN attention's kernel choice, cudnn.py). A
-computation called from several places sums the multiplicities.
+computation called from several places sums the multiplicities. An operation whose work depends on run-time
+lengths its shape cannot show (a padded kernel that skips the padding) counts the share of its shape's work the
+caller gives for its scope (`work_shares`: context parallelism's prefix, context_parallel.py).
 
 FLOPs: `dot` = 2 x result elements x product of lhs contracting dims; `convolution` =
 2 x result elements x product of kernel dims other than the output feature ('o') dim. GPU library
@@ -42,7 +44,7 @@ from __future__ import annotations
 import math
 import re
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from llama_jax.perf import fmha, loops
@@ -61,6 +63,8 @@ from llama_jax.perf.hlo_text import (
 
 # How often conditionals named under a jax.named_scope run each branch (analyze's branch_runs).
 BranchRuns = dict[str, float | tuple[float, ...]]
+# The share of its shape's work an operation named under a jax.named_scope does (analyze's work_shares).
+WorkShares = dict[str, float]
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 
 # Bytes each device sends per result byte, for a group of n (module docstring).
@@ -186,9 +190,12 @@ def _output_shape(instr: Instr) -> str:
     return instr.shape
 
 
-def analyze(hlo_text: str, num_devices: int, branch_runs: BranchRuns | None = None) -> HloStats:
+def analyze(
+    hlo_text: str, num_devices: int, branch_runs: BranchRuns | None = None, work_shares: WorkShares | None = None
+) -> HloStats:
     """Per-step, per-device dot FLOPs and collective traffic of a compiled HLO module. `branch_runs`: for a
-    conditional named under jax.named_scope(scope), how often it takes each branch (_branch_weights)."""
+    conditional named under jax.named_scope(scope), how often it takes each branch (_branch_weights);
+    `work_shares`: for other operations named under a scope, the share of their FLOPs and bytes that runs."""
     comps, entry = parse_module(hlo_text)
     callers: dict[str, list[tuple[str, float]]] = defaultdict(list)
     unknown = 0
@@ -228,7 +235,8 @@ def analyze(hlo_text: str, num_devices: int, branch_runs: BranchRuns | None = No
             continue
         scheduled = comp.name in scheduled_names
         for instr in comp.instrs:
-            flops += mult * _flops(comp, instr)
+            share = _work_share(instr, work_shares or {})
+            flops += mult * share * _flops(comp, instr)
             if scheduled and instr.opcode not in _FREE and not instr.opcode.endswith("-done"):
                 own, fp8 = (
                     _flops(comp, instr, fp8_only)
@@ -240,7 +248,7 @@ def analyze(hlo_text: str, num_devices: int, branch_runs: BranchRuns | None = No
                     for fp8_only in (False, True)
                 )
                 traffic = _traffic(comps, comp, instr)
-                operations.append((mult * own, mult * traffic, mult * fp8))
+                operations.append((mult * share * own, mult * share * traffic, mult * share * fp8))
             kind = instr.opcode.removesuffix("-start")
             if kind not in KINDS:
                 continue
@@ -297,18 +305,30 @@ def _branch_weights(instr: Instr, branch_runs: BranchRuns) -> dict[str, float]:
     gives the shares of the first branches in order (lax.switch), and the branches after them never run."""
     if instr.opcode != "conditional" or not branch_runs:
         return {}
-    name = instr.attrs.get("metadata", "")
-    # A scope is a step of the op name's path, bare or inside a transformation's name: .../jvp(scope)/cond
-    found = [
-        (m.start(), scope) for scope in branch_runs for m in re.finditer(rf"(?<=[/(]){re.escape(scope)}(?=[/)])", name)
-    ]
+    scope = _innermost_scope(instr, branch_runs)
     branches = [b.strip().lstrip("%") for b in split_top(instr.attrs.get("branch_computations", "").strip("{}"))]
-    if not found:
+    if scope is None:
         return {}
-    share = branch_runs[max(found)[1]]
+    share = branch_runs[scope]
     if isinstance(share, tuple):
         return {branch: share[i] if i < len(share) else 0.0 for i, branch in enumerate(branches)}
     return {branches[0]: 1 - share, branches[1]: share} if len(branches) == 2 else {}
+
+
+def _work_share(instr: Instr, work_shares: WorkShares) -> float:
+    """The share of its work an operation named under one of work_shares' scopes does (the innermost); else 1."""
+    if not work_shares or instr.opcode == "conditional":
+        return 1.0
+    scope = _innermost_scope(instr, work_shares)
+    return 1.0 if scope is None else work_shares[scope]
+
+
+def _innermost_scope(instr: Instr, scopes: Iterable[str]) -> str | None:
+    """The innermost of `scopes` the instruction's op name is under, if any. A scope is a step of the op name's
+    path, bare or inside a transformation's name: .../jvp(scope)/cond."""
+    name = instr.attrs.get("metadata", "")
+    found = [(m.start(), scope) for scope in scopes for m in re.finditer(rf"(?<=[/(]){re.escape(scope)}(?=[/)])", name)]
+    return max(found)[1] if found else None
 
 
 def named_buffer_bytes(hlo_text: str, scope: str) -> list[int]:

@@ -33,6 +33,7 @@ from llama_jax.config.choices import REMAT_POLICIES
 from llama_jax.config.stages import Stage
 from llama_jax.files import cache_root, format_bytes
 from llama_jax.model import remat
+from llama_jax.model.context_parallel import CHUNK_CHOICE_SCOPE, PREFIX_SCOPE
 from llama_jax.model.cudnn import KERNEL_CHOICE_SCOPE
 from llama_jax.model.llama import param_count
 from llama_jax.model.pipeline import bubble_fraction
@@ -161,10 +162,11 @@ def make_plan(config: Config, mesh: Mesh, devices_per_host: int = 0) -> Plan:
     memory = compiled.memory_analysis()
     devices = mesh.devices.size
     text = compiled.as_text()
-    stats = hlo.analyze(text, devices, branch_runs(program))
+    shares = work_shares(config, dict(mesh.shape))
+    stats = hlo.analyze(text, devices, branch_runs(program), shares)
     # The roofline's operations at the pace of the busiest stage: a pipeline's stages wait for each other.
     operations = (
-        hlo.analyze(text, devices, branch_runs(program, busiest=True)).operations
+        hlo.analyze(text, devices, branch_runs(program, busiest=True), shares).operations
         if program.model.pipeline
         else stats.operations
     )
@@ -230,10 +232,11 @@ def predicted_speed(config: Config, mesh: Mesh, operations, tier_bytes: dict[str
 
 def branch_runs(program: TrainProgram, busiest: bool = False) -> hlo.BranchRuns:
     """How often the step's conditionals run each branch (hlo.analyze). cuDNN attention's choice of kernel by the
-    documents in a row: its first branch, one document per row, the rest never (cudnn.py). The pipeline's: under
-    1F1B the forward, loss and backward passes (one_f_one_b.branch_runs), with uneven stages the layers' slots; on
-    average over the stages, or with `busiest` on the busiest stage (which runs every slot)."""
-    runs: hlo.BranchRuns = {KERNEL_CHOICE_SCOPE: (1.0,)}
+    documents in a row: its first branch, one document per row, the rest never (cudnn.py). Context parallelism's
+    choice per chunk: its second, the prefix of a document begun in an earlier chunk (context_parallel.py). The
+    pipeline's: under 1F1B the forward, loss and backward passes (one_f_one_b.branch_runs), with uneven stages the
+    layers' slots; on average over the stages, or with `busiest` on the busiest stage (which runs every slot)."""
+    runs: hlo.BranchRuns = {KERNEL_CHOICE_SCOPE: (1.0,), CHUNK_CHOICE_SCOPE: (0.0, 1.0)}
     layout, n_layers = program.model.pipeline, program.config.model.n_layers
     if layout is None:
         return runs
@@ -242,6 +245,18 @@ def branch_runs(program: TrainProgram, busiest: bool = False) -> hlo.BranchRuns:
         tables = one_f_one_b.schedule(layout.stages, layout.repeats, layout.microbatches)
         runs.update(one_f_one_b.branch_runs(tables, busiest))
     return runs
+
+
+def work_shares(config: Config, sizes: dict[str, int]) -> hlo.WorkShares:
+    """The share of its compiled shape's work each padded kernel does (hlo.analyze). Context parallelism's prefix
+    kernel reads the whole gathered sequence, of which one document per row uses the chunk's earlier keys. The
+    step waits on the busiest device: with load balancing every device's two chunks reach back 2s-1 chunks of
+    the 2s over their two calls (s = mesh.sequence), so (2s-1)/(4s) of the calls' keys; without it, the last
+    device's one chunk reaches back s-1 of the s."""
+    shards = sizes.get("sequence", 1)
+    if shards == 1:
+        return {}
+    return {PREFIX_SCOPE: (2 * shards - 1) / (4 * shards) if config.mesh.load_balance else (shards - 1) / shards}
 
 
 def compiled_bubble(
