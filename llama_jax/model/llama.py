@@ -172,28 +172,17 @@ class Linear(nn.Module):
         # A as PEFT initialises it (uniform, bound 1 / sqrt(fan_in)); B zero, so the update starts at
         # exactly 0 and step 0 computes the base model's outputs bit for bit.
         a_init = nn.initializers.variance_scaling(1 / 3, "fan_in", "uniform", in_axis=tuple(range(n_in)), out_axis=-1)
-        a = self.param(
-            "lora_a",
-            nn.with_logical_partitioning(a_init, (*self.names[:n_in], "lora_rank")),
-            (*self.shape[:n_in], self.lora_rank),
-            self.param_dtype,
-        )
-        b = self.param(
-            "lora_b",
-            nn.with_logical_partitioning(nn.initializers.zeros, ("lora_rank", *self.names[n_in:])),
-            (self.lora_rank, *self.shape[n_in:]),
-            self.param_dtype,
-        )
+        a_names, b_names = (*self.names[:n_in], "lora_rank"), ("lora_rank", *self.names[n_in:])
+        a_shape, b_shape = (*self.shape[:n_in], self.lora_rank), (self.lora_rank, *self.shape[n_in:])
+        a = self.param("lora_a", nn.with_logical_partitioning(a_init, a_names), a_shape, self.param_dtype)
+        b_init = nn.initializers.zeros
+        b = self.param("lora_b", nn.with_logical_partitioning(b_init, b_names), b_shape, self.param_dtype)
         if self.lora_dropout and self.has_rng("dropout"):  # training only: evaluation passes no dropout key
             x = nn.Dropout(self.lora_dropout, deterministic=False)(x)
-        down = project(
-            f"{inputs},{kernel_axes[:n_in]}{rank}->{tokens}{rank}",
-            x.astype(self.dtype),
-            self.context.read(a.astype(self.dtype), (*self.names[:n_in], "lora_rank")),
-            self.cpu_backward,
-        )
+        a, b = self.context.read(a.astype(self.dtype), a_names), self.context.read(b.astype(self.dtype), b_names)
+        x = x.astype(self.dtype)
+        down = project(f"{inputs},{kernel_axes[:n_in]}{rank}->{tokens}{rank}", x, a, self.cpu_backward)
         down = down * jnp.asarray(self.lora_alpha / self.lora_rank, self.dtype)  # scaled on the narrow side
-        b = self.context.read(b.astype(self.dtype), ("lora_rank", *self.names[n_in:]))
         return project(f"{tokens}{rank},{rank}{kernel_axes[n_in:]}->{outputs}", down, b, self.cpu_backward)
 
 
