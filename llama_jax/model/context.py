@@ -65,8 +65,7 @@ class TraceContext:
 
     def axis_size(self, axes: str | tuple[str, ...] | None) -> int:
         """How many devices the mesh axes `axes` span (1 without a mesh, or for None)."""
-        axes = () if axes is None else (axes,) if isinstance(axes, str) else axes
-        return math.prod(self.mesh_shape.get(a, 1) for a in axes)
+        return math.prod(self.mesh_shape.get(a, 1) for a in _axes(axes))
 
     def mesh_axes(self, names: tuple[str | None, ...]) -> PartitionSpec:
         """The mesh axes of logical axis names, by the rules."""
