@@ -31,7 +31,7 @@ from llama_jax.errors import ConfigError
 from llama_jax.model.context import TraceContext
 from llama_jax.model.context_parallel import SEQUENCE_AXIS, XLA_KERNEL, sequence_sharded_attention
 from llama_jax.model.cudnn import PADDED_KERNEL, cudnn_attention
-from llama_jax.model.flash import MIN_BLOCK, block_size, blocked_attention
+from llama_jax.model.flash import MIN_SEQ, block_size, blocked_attention
 
 CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
 
@@ -62,7 +62,7 @@ def select_implementation(
         if not strict:  # an input shorter than training's (init's dummy batch, a prompt): XLA's kernel
             return "xla"
         raise ConfigError(
-            f"model.attention=blocked needs a CPU or GPU and train.seq_len >= {2 * MIN_BLOCK} divisible "
+            f"model.attention=blocked needs a CPU or GPU and train.seq_len >= {MIN_SEQ} divisible "
             f"by its block length (have platform {platform}, seq_len {seq_len}); "
             "use model.attention=auto"
         )
