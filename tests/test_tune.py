@@ -1,6 +1,7 @@
 """`llama-jax tune` on 8 simulated CPU devices with a tiny model."""
 
 import itertools
+import json
 import math
 import re
 
@@ -8,6 +9,7 @@ import pytest
 from conftest import write_tiny_yaml
 
 from llama_jax import cli, config
+from llama_jax.config.stages import resolve
 from llama_jax.errors import ConfigError
 from llama_jax.perf import costmodel
 from llama_jax.perf.costmodel import INTER_HOST, INTRA_HOST, CostModel
@@ -387,11 +389,12 @@ def test_auto_micro_batches_are_searched_as_train_resolves_them(tmp_path):
     train.microbatches=auto pinned on the command line keeps every candidate on auto (it was int('auto'))."""
     source = str(write_tiny_yaml(tmp_path, train={"microbatches": "auto"}))
     overrides = PINNED + ["mesh.data=1", "mesh.fsdp=8"]
-    _, default, results = tune.enumerate_candidates(source, overrides, OPTIONS)
+    _, default, results = tune.enumerate_candidates(config.load_config(source, overrides), overrides, OPTIONS)
     assert default.microbatches == "auto" and " mbauto " in f" {default.label} "
     baseline = next(r for r in results if r.candidate == default)
     assert baseline.config is not None and baseline.config.train.microbatches == "auto"
-    _, _, pinned = tune.enumerate_candidates(source, PINNED + ["train.microbatches=auto"], OPTIONS)
+    pins = PINNED + ["train.microbatches=auto"]
+    _, _, pinned = tune.enumerate_candidates(config.load_config(source, pins), pins, OPTIONS)
     assert {r.candidate.microbatches for r in pinned} == {"auto"} and any(r.config is not None for r in pinned)
     options = tune.Options(
         policies=("none",), microbatches=(1, 2), every_n_layers=(1,), meshes=1, measure=False, progress=False
@@ -405,3 +408,37 @@ def test_auto_micro_batches_are_searched_as_train_resolves_them(tmp_path):
 def test_the_cache_is_keyed_by_the_whole_package_not_only_training():
     names = {path.relative_to(tune.PACKAGE).as_posix() for path in tune.source_files()}
     assert {"model/llama.py", "model/attention.py", "training/step.py", "distributed/sharding.py"} <= names
+
+
+def test_a_staged_run_is_tuned_stage_by_stage_and_the_file_keeps_its_stages(tmp_path, capsys):
+    """train.stages: each stage's micro-batches and remat policy are searched on the mesh it runs (the second
+    stage's: sequences split over 2 devices, so fsdp 4), the first stage's pinned by the command line's
+    train.microbatches; each stage's winner is its fastest predicted candidate. The file written keeps the mesh as
+    the config has it (fsdp -1, so the second stage still gives way to mesh.sequence=2) and puts each winner where
+    the stage takes it: train.* and remat.*, or its train.stages entry."""
+    stages = [{"start_step": 6, "seq_len": 64, "batch_size": 8, "sequence": 2, "microbatches": 2, "remat": "full"}]
+    source = str(write_tiny_yaml(tmp_path, train={"stages": stages}))
+    out = tmp_path / "tuned.yaml"
+    pins = ["mesh.pipeline=1", "mesh.tensor=1", "mesh.data=1", "train.microbatches=1"]
+    search = ["--policies", "none", "--microbatches", "1,2", "--every-n-layers", "1", "--no-measure", "--json"]
+    assert cli.main(["tune", source, *pins, *search, "--out", str(out)]) == 0
+    first, second = json.loads(capsys.readouterr().out)
+    assert (first["stage"], first["last_step"], second["first_step"], second["last_step"]) == (1, 6, 6, 12)
+    candidates = {
+        s["stage"]: [c["candidate"] for c in s["candidates"] if c["predicted_s"] is not None] for s in (first, second)
+    }
+    assert {c["microbatches"] for c in candidates[1]} == {1} and {c["microbatches"] for c in candidates[2]} == {1, 2}
+    assert {(c["fsdp"], c["sequence"]) for c in candidates[1]} == {(8, 1)}
+    assert {(c["fsdp"], c["sequence"]) for c in candidates[2]} == {(4, 2)}
+    for s in (first, second):
+        ranked = [c for c in s["candidates"] if c["predicted_s"] is not None and c["rejected"] is None]
+        assert s["winner"] == min(ranked, key=lambda c: c["predicted_s"])["label"]
+    winners = {
+        s["stage"]: next(c["candidate"] for c in s["candidates"] if c["label"] == s["winner"]) for s in (first, second)
+    }
+    written = config.load_config(str(out))
+    entry = written.train.stages[0]
+    assert (written.train.microbatches, written.remat.policy) == (winners[1]["microbatches"], winners[1]["policy"])
+    assert (entry.microbatches, entry.remat, entry.sequence) == (winners[2]["microbatches"], winners[2]["policy"], 2)
+    assert written.mesh.fsdp == -1 and out.read_text().startswith("# Written by llama-jax tune, stage by stage")
+    assert [s.config.mesh.sequence for s in resolve(written)] == [1, 2]

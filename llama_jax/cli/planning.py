@@ -87,6 +87,7 @@ def cmd_tune(ns: argparse.Namespace) -> int:
     if problem := unwritable(out, "file"):
         raise InputError(f"--out {out} cannot be written: {problem}; name the YAML file to write, e.g. tune.yaml")
     gpus = target_gpus(ns)
+    from llama_jax.config import load_config
     from llama_jax.training import tune, tune_report, tune_space
 
     options = tune.Options(
@@ -111,11 +112,22 @@ def cmd_tune(ns: argparse.Namespace) -> int:
         progress=not ns.json,
     )
     if ns.dry_run:
-        print(tune_space.format_candidates(tune.enumerate_candidates(source, overrides, options)[2]))
+        searches = tune.stage_searches(source, overrides, options)  # one for a run without train.stages
+        for stage, base, pins in searches:
+            if len(searches) > 1:
+                print(stage.describe())
+            print(tune_space.format_candidates(tune.enumerate_candidates(base, pins, options)[2]))
         return 0
-    report = tune.tune(source, overrides, options)
-    tune_report.write_winner(report, out)
-    print(tune_report.report_json(report) if ns.json else tune_report.format_report(report, rows=ns.rows))
+    tunings = tune.tune_stages(source, overrides, options)
+    if len(tunings) > 1:
+        tune_report.write_stage_winners(tunings, load_config(source, overrides), out)
+        print(
+            tune_report.stage_reports_json(tunings) if ns.json else tune_report.format_stage_reports(tunings, ns.rows)
+        )
+    else:
+        tune_report.write_winner(tunings[0].report, out)
+        report = tunings[0].report
+        print(tune_report.report_json(report) if ns.json else tune_report.format_report(report, rows=ns.rows))
     if not ns.json:
         print(f"wrote {out}: llama-jax train {out}")
     return 0

@@ -18,6 +18,8 @@
    devices, whose timings say little about real ones) and pick by measured step time.
 4. Print the ranked table, with the Spearman correlation of predicted and measured step times, and
    write the winner's resolved config as YAML: `llama-jax train tune.yaml` trains with it.
+A staged run (train.stages) is searched stage by stage, for what a stage entry sets: its micro-batches and remat
+policy on the mesh the stage runs (stage_searches, tune_stages).
 Results are cached per candidate (`<data.cache_dir>/tune/`), so a re-run is instant.
 """
 
@@ -38,6 +40,7 @@ from tqdm import tqdm
 from llama_jax import __version__
 from llama_jax import config as config_lib
 from llama_jax.config import Config
+from llama_jax.config.stages import Stage, resolve
 from llama_jax.distributed import sharding
 from llama_jax.errors import ConfigError
 from llama_jax.files import atomic_path, cache_root, format_bytes
@@ -215,10 +218,10 @@ def _cost_model(options: Options, cache: Cache, dtype: str, cache_dir: Path) -> 
 
 
 def enumerate_candidates(
-    source: str | None, overrides: list[str], options: Options
+    base: Config, overrides: list[str], options: Options
 ) -> tuple[Config, Candidate, list[Result]]:
-    """The config, its own (default) candidate, and every candidate validated (step 1; compiles nothing)."""
-    base = config_lib.load_config(source, overrides)
+    """The config, its own (default) candidate, and every candidate validated (step 1; compiles nothing);
+    `overrides` pin the searched keys they set."""
     if options.memory_gb:  # the budget a candidate's train.microbatches=auto resolves against, and the winner runs at
         base = dataclasses.replace(base, run=dataclasses.replace(base.run, device_memory_gb=options.memory_gb))
     devices = len(options.devices) or jax.device_count()
@@ -246,7 +249,58 @@ def enumerate_candidates(
 
 
 def tune(source: str | None, overrides: list[str], options: Options = Options()) -> Report:
-    base, default, results = enumerate_candidates(source, overrides, options)
+    """The config's own search (a staged run's first stage only: tune_stages searches every stage)."""
+    return tune_config(config_lib.load_config(source, overrides), overrides, options)
+
+
+@dataclass(frozen=True)
+class StageTuning:
+    stage: Stage
+    report: Report
+
+
+def stage_searches(source: str | None, overrides: list[str], options: Options) -> list[tuple[Stage, Config, list[str]]]:
+    """Each stage the run reaches, its config as a one-stage run and the overrides that pin its search: for a
+    staged run (train.stages) what a stage entry can set, its micro-batches and remat policy, on the mesh the
+    stage runs. The mesh stays the config's: a stage changes no more of it than mesh.sequence, so no stage's
+    best mesh would carry over to the others (to search meshes, tune the stage alone: 'train.stages=[]' and its
+    batch, sequence length and mesh.sequence). The user's own train.microbatches and remat.policy pin the first
+    stage's, as they set them; a later stage's own settings are the defaults its search starts from."""
+    config = config_lib.load_config(source, overrides)
+    stages = resolve(config)
+    if len(stages) == 1:
+        return [(stages[0], config, overrides)]
+    devices = len(options.devices) or jax.device_count()
+    searches = []
+    for stage in stages:
+        base = dataclasses.replace(stage.config, train=dataclasses.replace(stage.config.train, stages=()))
+        m, stage_keys = base.mesh, ("train.microbatches=", "remat.policy=")
+        kept = overrides if stage.index == 0 else [o for o in overrides if not o.strip().startswith(stage_keys)]
+        try:
+            sizes = sharding.mesh_shape(m, devices)
+        except ConfigError as err:
+            raise ConfigError(f"{stage.name} (from step {stage.first_step + 1}): {err}") from None
+        pins = [f"mesh.{axis}={size}" for axis, size in sizes.items()] + [
+            f"mesh.sequence_parallel={m.sequence_parallel}",
+            f"mesh.pipeline_repeats={m.pipeline_repeats}",
+            f"mesh.pipeline_schedule={m.pipeline_schedule}",
+            f"mesh.pipeline_microbatches={m.pipeline_microbatches}",
+            f"remat.every_n_layers={base.remat.every_n_layers}",
+        ]
+        searches.append((stage, base, [*kept, *pins]))
+    return searches
+
+
+def tune_stages(source: str | None, overrides: list[str], options: Options = Options()) -> list[StageTuning]:
+    """Every stage's search (stage_searches), in order; one for a run without stages."""
+    return [
+        StageTuning(stage, tune_config(base, pins, options))
+        for stage, base, pins in stage_searches(source, overrides, options)
+    ]
+
+
+def tune_config(base: Config, overrides: list[str], options: Options = Options()) -> Report:
+    base, default, results = enumerate_candidates(base, overrides, options)
     devices = len(options.devices) or jax.device_count()
     device = options.devices[0] if options.devices else None
     budget = memory_budget(options.memory_gb or base.run.device_memory_gb, device)

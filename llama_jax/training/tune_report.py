@@ -161,3 +161,75 @@ def report_json(report: Report) -> str:
         },
         indent=1,
     )
+
+
+def _seconds(report: Report) -> tuple[str, float, float | None]:
+    """(basis, the winner's step time, the default's or None where it cannot run): measured where both were."""
+    both = report.winner.measured_s is not None and report.default.measured_s is not None
+    basis = "measured" if both else "predicted"
+    default = None if report.default.rejected else getattr(report.default, f"{basis}_s")
+    return basis, getattr(report.winner, f"{basis}_s"), default
+
+
+def format_stage_reports(tunings: list, rows: int = 20) -> str:
+    """A staged run's searches (tune.tune_stages), stage by stage, then the run's time at the winners against
+    the config's own settings: each stage's steps times its step time."""
+    parts = [f"{t.stage.describe()}\n{format_report(t.report, rows)}" for t in tunings]
+    width = max(len(t.report.winner.candidate.label) for t in tunings) + 2
+    lines = [f"{'stage':<7}{'steps':>14}  {'winner':<{width}}{'memory':>10}{'step':>11}{'default':>11}{'hours':>9}"]
+    hours, default_hours = 0.0, 0.0
+    for t in tunings:
+        basis, seconds, default = _seconds(t.report)
+        hours += t.stage.steps * seconds / 3600
+        default_hours += t.stage.steps * default / 3600 if default else float("nan")
+        lines.append(
+            f"{t.stage.index + 1:>2}/{t.stage.count:<4}{t.stage.first_step + 1:>7}-{t.stage.last_step:<6} "
+            f"{t.report.winner.candidate.label:<{width}}{t.report.winner.memory_bytes / 2**20:8.0f}MiB"
+            f"{seconds * 1e3:9.1f}ms"
+            + (f"{default * 1e3:9.1f}ms" if default else f"{'cannot':>11}")
+            + f"{t.stage.steps * seconds / 3600:9.3f}"
+            + ("" if basis == "predicted" else "  (measured)")
+        )
+    lines.append(
+        f"the whole run: {hours:.3f} hours of steps at the winners, {default_hours:.3f} at the config's own settings"
+        + (f" ({default_hours / hours:.2f}x)" if default_hours == default_hours else " (a stage's own cannot run)")
+    )
+    return "\n\n".join(parts) + "\n\n" + "\n".join(lines)
+
+
+def stage_reports_json(tunings: list) -> str:
+    return json.dumps(
+        [
+            {"stage": t.stage.index + 1, "first_step": t.stage.first_step, "last_step": t.stage.last_step}
+            | json.loads(report_json(t.report))
+            for t in tunings
+        ],
+        indent=1,
+    )
+
+
+def write_stage_winners(tunings: list, config: config_lib.Config, out: Path) -> None:
+    """The config with each stage's winning micro-batches and remat policy: the first stage's in train.* and
+    remat.*, a later stage's in its own train.stages entry; the mesh as the config has it."""
+    first, *later = (t.report.winner.candidate for t in tunings)
+    entries = list(config.train.stages)
+    for t, c in zip(tunings[1:], later):
+        entries[t.stage.listed - 1] = dataclasses.replace(
+            entries[t.stage.listed - 1], microbatches=c.microbatches, remat=c.policy
+        )
+    config = dataclasses.replace(
+        config,
+        train=dataclasses.replace(
+            config.train, microbatches=first.microbatches, stages=type(config.train.stages)(entries)
+        ),
+        remat=dataclasses.replace(config.remat, policy=first.policy),
+    )
+    labels = "; ".join(f"stage {t.stage.index + 1}: {t.report.winner.candidate.label}" for t in tunings)
+    header = (
+        f"# Written by llama-jax tune, stage by stage, for {tunings[0].report.devices} "
+        f"{tunings[0].report.device_kind} device(s):\n# {labels}.\n# Train with: llama-jax train {out}\n"
+    )
+    config_lib.validate(config)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_path(out) as tmp:
+        tmp.write_text(header + config_lib.to_yaml(config))
