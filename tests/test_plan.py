@@ -2,13 +2,15 @@
 
 import dataclasses
 import json
+import os
 
 import pytest
 from conftest import TINY_MODEL, tiny_config
 
 from llama_jax import cli
 from llama_jax.distributed import sharding
-from llama_jax.training.plan import collective_minimum, make_plan
+from llama_jax.perf import xla_log
+from llama_jax.training.plan import collective_minimum, format_plan, make_plan
 
 MODEL = dataclasses.asdict(dataclasses.replace(TINY_MODEL, n_heads=8, n_kv_heads=2))
 
@@ -237,3 +239,36 @@ def test_devices_per_host_that_does_not_divide_the_devices_exits_2(capsys):
     assert err.splitlines() == [
         "llama-jax: error: --devices-per-host 3 does not divide the 8 devices into hosts; use one of 1, 2, 4, 8"
     ]
+
+
+# One of XLA's warnings as it logs them, from the long-context layout before context.read (a9fc992), shortened.
+REMATERIALIZATION = (
+    "W1128 12:02:17.789051    3328 spmd_partitioner.cc:666] [SPMD] Involuntary full rematerialization. The compiler "
+    "cannot go from sharding {devices=[4,16,1]<=[64]} to {devices=[1,1,8,8]<=[64] last_tile_dim_replicate} "
+    "efficiently for HLO operation %sharding_constraint.37 = bf16[1,256,512]{2,1,0} copy(%add_any.103), "
+    'sharding={devices=[4,16,1]<=[64]}, metadata={op_name="jit(train_step)/while/body/eval_jaxpr/'
+    'transpose(jvp(Llama))/while/body/eval_jaxpr/checkpoint/layers/sharding_constraint" stack_frame_id=465}. As the '
+    "last resort, SPMD will replicate the tensor and then partition it to obtain the target sharding\n"
+)
+UNNAMED = (
+    "W1128 12:03:37.298006    3641 spmd_partitioner.cc:666] [SPMD] Involuntary full rematerialization. The compiler "
+    "cannot go from sharding {devices=[4,16,1]<=[64]} to {devices=[1,1,8,8]<=[64] last_tile_dim_replicate} "
+    "efficiently for HLO operation %fake_parameter.2 = bf16[1,256,512]{2,1,0} parameter(2), sharding={...}\n"
+)
+
+
+def test_what_xla_logs_while_a_plan_compiles_reaches_the_user_and_the_plan(fsdp_plan, capfd):
+    """XLA logs from C++ to file descriptor 2: xla_log.captured reads it there, writes it on to stderr as it came,
+    and the plan keeps the operations the partitioner replicated whole; format_plan warns of them in one line. A
+    plan of a layout without them has none (fsdp_plan)."""
+    log = []
+    with xla_log.captured(log):
+        os.write(2, (REMATERIALIZATION + "I1128 an unrelated line\n" + REMATERIALIZATION + UNNAMED).encode())
+    assert capfd.readouterr().err.count("Involuntary full rematerialization") == 3
+    operations = xla_log.rematerializations("".join(log))
+    name = "while/body/eval_jaxpr/transpose(jvp(Llama))/while/body/eval_jaxpr/checkpoint/layers/sharding_constraint"
+    assert operations == (name, name, "an unnamed parameter")
+    assert fsdp_plan.rematerialized == () and "partitioner" not in format_plan(fsdp_plan)
+    warning = format_plan(dataclasses.replace(fsdp_plan, rematerialized=operations)).splitlines()[-1]
+    assert warning.startswith("WARNING: XLA's partitioner replicated 3 tensor(s) whole")
+    assert "layers/sharding_constraint x2, an unnamed parameter." in warning

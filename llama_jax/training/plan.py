@@ -39,7 +39,7 @@ from llama_jax.model.llama import param_count
 from llama_jax.model.pipeline import bubble_fraction
 from llama_jax.model.stack import one_f_one_b
 from llama_jax.model.stack.grouped import LAYER_SLOT_SCOPE
-from llama_jax.perf import costmodel, gpu_target, hardware, hlo
+from llama_jax.perf import costmodel, gpu_target, hardware, hlo, xla_log
 from llama_jax.perf.costmodel import AxisTraffic
 from llama_jax.training.step import TrainProgram, mesh_platform, model_flops_per_token, step_memory_bytes
 
@@ -88,6 +88,7 @@ class Plan:
     predicted_mfu: float | None = None
     predicted_mfu_fp8: float | None = None
     peaks: str = ""  # the peaks' figures and sources, or why there is no fp8 one
+    rematerialized: tuple[str, ...] = ()  # what XLA's partitioner replicated whole to reshard (xla_log.py)
 
     @property
     def collective_total(self) -> float:
@@ -155,9 +156,10 @@ def _along(topology: costmodel.Topology, axis: str):
 def make_plan(config: Config, mesh: Mesh, devices_per_host: int = 0) -> Plan:
     """devices_per_host = 0: the hosts are the processes of this run; else hosts of that many devices."""
     topology = costmodel.mesh_topology(mesh, devices_per_host)  # a bad host size fails before compiling
-    start = time.perf_counter()
-    program = TrainProgram.build(config, mesh)  # train.microbatches=auto compiles the counts it tries
-    compiled = program.compile_step()
+    start, log = time.perf_counter(), []
+    with xla_log.captured(log):
+        program = TrainProgram.build(config, mesh)  # train.microbatches=auto compiles the counts it tries
+        compiled = program.compile_step()
     compile_seconds = time.perf_counter() - start
     memory = compiled.memory_analysis()
     devices = mesh.devices.size
@@ -209,6 +211,7 @@ def make_plan(config: Config, mesh: Mesh, devices_per_host: int = 0) -> Plan:
         fp8=config.model.fp8,
         fp8_flops=stats.fp8_flops * devices,
         **predicted_speed(config, mesh, operations, costmodel.tier_totals(traffic), model_flops),
+        rematerialized=xla_log.rematerializations("".join(log)),
     )
 
 
@@ -368,6 +371,8 @@ def format_plan(plan: Plan) -> str:
     lines += _collective_lines(plan, stages)
     if stages > 1:
         lines += _pipeline_lines(plan, stages)
+    if plan.rematerialized:
+        lines.append(xla_log.describe(plan.rematerialized))
     return "\n".join(line for line in lines if line)
 
 
