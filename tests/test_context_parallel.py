@@ -8,7 +8,7 @@ import pytest
 from jax.sharding import AxisType
 
 from llama_jax.distributed import sharding
-from llama_jax.model import cudnn
+from llama_jax.model import context_parallel, cudnn
 from llama_jax.model.attention import attention, document_mask
 from llama_jax.model.context import TraceContext
 from llama_jax.model.context_parallel import XLA_KERNEL, chunk_order, combined_attention
@@ -86,8 +86,10 @@ def on_mesh(shards: int, balanced: bool, implementation: str, q, k, v, segments,
         return output_and_gradients(run, q, k, v, segments, weights)
 
 
-@pytest.mark.parametrize("shards, balanced", [(4, True), (2, False)])
-def test_context_parallel_matches_the_whole_sequence_on_packed_documents(shards, balanced):
+@pytest.mark.parametrize("shards, balanced, query_block", [(4, True, 256), (2, False, 256), (4, True, 8)])
+def test_context_parallel_matches_the_whole_sequence_on_packed_documents(shards, balanced, query_block, monkeypatch):
+    """query_block 8: the XLA kernel takes each chunk's 16 or 32 queries in passes of 8 (QUERY_BLOCK)."""
+    monkeypatch.setattr(context_parallel, "QUERY_BLOCK", query_block)
     seq = 128
     q, k, v, weights = inputs(seq)
     chunk = seq // len(chunk_order(shards, balanced))

@@ -87,43 +87,80 @@ class PaddedKernel:
     backward: Callable
 
 
-def _grouped_scores(q, k, q_len, kv_len, causal):
-    """Scaled scores [b, kv, group, tq, s] in fp32 and their visibility (same shape, broadcast)."""
+# The XLA kernel's queries per pass: the scores of one pass, [queries, keys] per head, are what it holds (a CPU's
+# memory and `plan`'s XLA:CPU proxy; cuDNN's kernel holds no scores at all). llama3_405b's 128K stage on the
+# proxy's 512 devices: 913.94 GiB per device with all of a chunk's queries at once, 237.29 in passes of 256,
+# 200.54 of 64, 191.25 of 16 (the rest is not the scores).
+QUERY_BLOCK = 64
+
+
+def _grouped_scores(q, k, q_len, kv_len, causal, first_row=0):
+    """Scaled scores [b, kv, group, tq, s] in fp32 and their visibility (same shape, broadcast), for the queries
+    at rows first_row, first_row + 1, ... of their chunk."""
     b, tq, n, h = q.shape
     kv = k.shape[2]
     q = q.reshape(b, tq, kv, n // kv, h)
     scores = jnp.einsum("bqkgh,bskh->bkgqs", q, k, preferred_element_type=jnp.float32) * h**-0.5
-    rows, cols = jnp.arange(tq)[:, None], jnp.arange(k.shape[1])[None, :]
+    rows, cols = first_row + jnp.arange(tq)[:, None], jnp.arange(k.shape[1])[None, :]
     visible = (rows < q_len[:, None, None]) & (cols < kv_len[:, None, None])
     if causal:
         visible &= cols <= rows
     return scores, visible[:, None, None]
 
 
+def _query_blocks(x):
+    """[b, tq, ...] -> [blocks, b, QUERY_BLOCK, ...] (one block when QUERY_BLOCK does not divide tq)."""
+    b, tq = x.shape[:2]
+    size = QUERY_BLOCK if tq % QUERY_BLOCK == 0 else tq
+    return jnp.moveaxis(x.reshape(b, tq // size, size, *x.shape[2:]), 1, 0)
+
+
+def _from_query_blocks(x):
+    return jnp.moveaxis(x, 0, 1).reshape(x.shape[1], -1, *x.shape[3:])
+
+
 def _xla_forward(q, k, v, q_len, kv_len, causal):
     b, tq, n, h = q.shape
-    scores, visible = _grouped_scores(q, k, q_len, kv_len, causal)
-    lse = jax.nn.logsumexp(jnp.where(visible, scores, -jnp.inf), axis=-1)
-    safe_lse = jnp.where(jnp.isfinite(lse), lse, 0.0)
-    p = jnp.where(visible, jnp.exp(scores - safe_lse[..., None]), 0.0)
-    out = jnp.einsum("bkgqs,bskh->bqkgh", p, v.astype(jnp.float32))
-    return out.reshape(b, tq, n, h).astype(q.dtype), lse.reshape(b, n, tq)
+    rows = q.shape[1] // _query_blocks(q).shape[0]
+
+    def block(index_and_q):
+        index, q = index_and_q
+        scores, visible = _grouped_scores(q, k, q_len, kv_len, causal, index * rows)
+        lse = jax.nn.logsumexp(jnp.where(visible, scores, -jnp.inf), axis=-1)
+        safe_lse = jnp.where(jnp.isfinite(lse), lse, 0.0)
+        p = jnp.where(visible, jnp.exp(scores - safe_lse[..., None]), 0.0)
+        out = jnp.einsum("bkgqs,bskh->bqkgh", p, v.astype(jnp.float32))
+        return out.reshape(q.shape).astype(q.dtype), jnp.moveaxis(lse.reshape(b, n, -1), 2, 1)  # lse [b, rows, n]
+
+    blocks = _query_blocks(q)
+    out, lse = jax.lax.map(block, (jnp.arange(blocks.shape[0]), blocks))
+    return _from_query_blocks(out), jnp.moveaxis(_from_query_blocks(lse), 1, 2)
 
 
 def _xla_backward(q, k, v, q_len, kv_len, causal, out, lse, d_out):
     b, tq, n, h = q.shape
     kv = k.shape[2]
-    grouped = lambda x: x.reshape(b, tq, kv, n // kv, h).astype(jnp.float32)  # noqa: E731
-    scores, visible = _grouped_scores(q, k, q_len, kv_len, causal)
-    p = jnp.where(visible, jnp.exp(scores - lse.reshape(b, kv, n // kv, tq)[..., None]), 0.0)
-    d_out, out = grouped(d_out), grouped(out)
-    dv = jnp.einsum("bkgqs,bqkgh->bskh", p, d_out)
-    dp = jnp.einsum("bqkgh,bskh->bkgqs", d_out, v.astype(jnp.float32))
-    delta = jnp.einsum("bqkgh,bqkgh->bkgq", d_out, out)
-    ds = p * (dp - delta[..., None]) * h**-0.5
-    dq = jnp.einsum("bkgqs,bskh->bqkgh", ds, k.astype(jnp.float32)).reshape(q.shape)
-    dk = jnp.einsum("bkgqs,bqkgh->bskh", ds, grouped(q))
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+    rows = tq // _query_blocks(q).shape[0]
+
+    def block(d_kv, inputs):
+        index, q, out, lse, d_out = inputs
+        grouped = lambda x: x.reshape(b, rows, kv, n // kv, h).astype(jnp.float32)  # noqa: E731
+        scores, visible = _grouped_scores(q, k, q_len, kv_len, causal, index * rows)
+        lse = jnp.moveaxis(lse, 1, 2).reshape(b, kv, n // kv, rows)
+        p = jnp.where(visible, jnp.exp(scores - lse[..., None]), 0.0)
+        d_out, out = grouped(d_out), grouped(out)
+        dv = jnp.einsum("bkgqs,bqkgh->bskh", p, d_out)
+        dp = jnp.einsum("bqkgh,bskh->bkgqs", d_out, v.astype(jnp.float32))
+        delta = jnp.einsum("bqkgh,bqkgh->bkgq", d_out, out)
+        ds = p * (dp - delta[..., None]) * h**-0.5
+        dq = jnp.einsum("bkgqs,bskh->bqkgh", ds, k.astype(jnp.float32)).reshape(q.shape)
+        dk = jnp.einsum("bkgqs,bqkgh->bskh", ds, grouped(q))
+        return (d_kv[0] + dk, d_kv[1] + dv), dq.astype(q.dtype)
+
+    blocks = [_query_blocks(x) for x in (q, out, jnp.moveaxis(lse, 2, 1), d_out)]
+    zeros = jnp.zeros_like(k, jnp.float32), jnp.zeros_like(v, jnp.float32)  # varying as k and v in a shard_map
+    (dk, dv), dq = jax.lax.scan(block, zeros, (jnp.arange(blocks[0].shape[0]), *blocks))
+    return _from_query_blocks(dq), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
 XLA_KERNEL = PaddedKernel(_xla_forward, _xla_backward)
