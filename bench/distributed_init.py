@@ -18,6 +18,7 @@ line overstates a cluster's per-process cost; that is the side it errs on.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import socket
@@ -28,8 +29,17 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "launch"))
-from multiprocess import free_port  # noqa: E402
+
+def _free_port() -> int:
+    """launch/multiprocess.py's free_port, its module loaded by path under a name of its own: imported as
+    `multiprocess` it would stand in for the PyPI package of that name (which `datasets` imports) in this
+    process, as test_goodput_projection runs this script in pytest's."""
+    path = Path(__file__).resolve().parents[1] / "launch" / "multiprocess.py"
+    spec = importlib.util.spec_from_file_location("llama_jax_launcher", path)
+    launcher = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(launcher)
+    return launcher.free_port()
+
 
 # One process: import jax, say so, wait for its gate file, initialize, print the seconds initialize took.
 WORKER = """
@@ -56,7 +66,7 @@ def one_count(processes: int) -> float:
     """The slowest of processes 1..P-1's initialize, in seconds, for one job of `processes` processes, the
     coordinator (process 0) already listening: a client that finds it not yet up retries about a second later,
     which would time the retry instead of the joining."""
-    port = free_port()
+    port = _free_port()
     environment = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
     with tempfile.TemporaryDirectory() as work:
         gates = [Path(work) / "coordinator", Path(work) / "clients"]
