@@ -413,21 +413,23 @@ def test_the_cache_is_keyed_by_the_whole_package_not_only_training():
 def test_a_staged_run_is_tuned_stage_by_stage_and_the_file_keeps_its_stages(tmp_path, capsys):
     """train.stages: each stage's micro-batches and remat policy are searched on the mesh it runs (the second
     stage's: sequences split over 2 devices, so fsdp 4), the first stage's pinned by the command line's
-    train.microbatches; each stage's winner is its fastest predicted candidate. The file written keeps the mesh as
-    the config has it (fsdp -1, so the second stage still gives way to mesh.sequence=2) and puts each winner where
-    the stage takes it: train.* and remat.*, or its train.stages entry."""
+    train.microbatches (1, where --microbatches says 2); each stage's winner is its fastest predicted candidate.
+    The file written keeps the mesh as the config has it (fsdp -1, so the second stage still gives way to
+    mesh.sequence=2) and puts each winner where the stage takes it: train.* and remat.*, or its train.stages
+    entry."""
     stages = [{"start_step": 6, "seq_len": 64, "batch_size": 8, "sequence": 2, "microbatches": 2, "remat": "full"}]
     source = str(write_tiny_yaml(tmp_path, train={"stages": stages}))
     out = tmp_path / "tuned.yaml"
     pins = ["mesh.pipeline=1", "mesh.tensor=1", "mesh.data=1", "train.microbatches=1"]
-    search = ["--policies", "none", "--microbatches", "1,2", "--every-n-layers", "1", "--no-measure", "--json"]
+    search = ["--policies", "none", "--microbatches", "2", "--every-n-layers", "1", "--no-measure", "--json"]
     assert cli.main(["tune", source, *pins, *search, "--out", str(out)]) == 0
     first, second = json.loads(capsys.readouterr().out)
     assert (first["stage"], first["last_step"], second["first_step"], second["last_step"]) == (1, 6, 6, 12)
     candidates = {
         s["stage"]: [c["candidate"] for c in s["candidates"] if c["predicted_s"] is not None] for s in (first, second)
     }
-    assert {c["microbatches"] for c in candidates[1]} == {1} and {c["microbatches"] for c in candidates[2]} == {1, 2}
+    assert {c["microbatches"] for c in candidates[1]} == {1} and {c["microbatches"] for c in candidates[2]} == {2}
+    assert {c["policy"] for c in candidates[2]} == {"none", "full"}  # --policies, and the stage's own
     assert {(c["fsdp"], c["sequence"]) for c in candidates[1]} == {(8, 1)}
     assert {(c["fsdp"], c["sequence"]) for c in candidates[2]} == {(4, 2)}
     for s in (first, second):
