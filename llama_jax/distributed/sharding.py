@@ -27,6 +27,7 @@ from llama_jax.config import Config, MeshConfig
 from llama_jax.config.checks import parse_axes
 from llama_jax.config.choices import MESH_AXES
 from llama_jax.errors import ConfigError
+from llama_jax.model.context import rule_axes
 from llama_jax.model.context_parallel import chunk_order
 from llama_jax.model.llama import abstract_params
 from llama_jax.model.stages import LayerOrder
@@ -190,8 +191,7 @@ def check_parameter_shapes(config: Config, sizes: dict[str, int]) -> None:
     for leaf in leaves:
         for dim, name in zip(leaf.value.shape, leaf.names):
             dim = stored.length(dim) if name == "layers" else dim
-            axes = rules.get(name)
-            axes = () if axes is None else (axes,) if isinstance(axes, str) else axes
+            axes = rule_axes(rules.get(name))
             shards = math.prod(sizes[a] for a in axes)
             if dim % shards:
                 fix = f"pad it to {-(-dim // shards) * shards}" if name == "vocab" else "change it"

@@ -65,7 +65,7 @@ class TraceContext:
 
     def axis_size(self, axes: str | tuple[str, ...] | None) -> int:
         """How many devices the mesh axes `axes` span (1 without a mesh, or for None)."""
-        return math.prod(self.mesh_shape.get(a, 1) for a in _axes(axes))
+        return math.prod(self.mesh_shape.get(a, 1) for a in rule_axes(axes))
 
     def mesh_axes(self, names: tuple[str | None, ...]) -> PartitionSpec:
         """The mesh axes of logical axis names, by the rules."""
@@ -87,14 +87,14 @@ class TraceContext:
         as it was (the measured GPU steps and the 8K stages are planned that way). The gradient is reduce-scattered
         back to the weight's own sharding."""
         rules = dict(self.rules)
-        sequence = _axes(rules.get("seq"))
+        sequence = rule_axes(rules.get("seq"))
         if self.axis_size(sequence) == 1:
             return w
-        gathered = set(sequence) | set(_axes(rules.get("batch")))
-        if not any(gathered & set(_axes(rules.get(name))) for name in names if name):
+        gathered = set(sequence) | set(rule_axes(rules.get("batch")))
+        if not any(gathered & set(rule_axes(rules.get(name))) for name in names if name):
             return w
         for name in filter(None, names):
-            rules[name] = tuple(a for a in _axes(rules.get(name)) if a not in gathered) or None
+            rules[name] = tuple(a for a in rule_axes(rules.get(name)) if a not in gathered) or None
         return nn.with_logical_constraint(w, names, rules=tuple(rules.items()))
 
     def inside_stage(self) -> TraceContext:
@@ -104,6 +104,6 @@ class TraceContext:
         )
 
 
-def _axes(rule: str | tuple[str, ...] | None) -> tuple[str, ...]:
+def rule_axes(rule: str | tuple[str, ...] | None) -> tuple[str, ...]:
     """A rule's mesh axes as a tuple: None -> (), 'fsdp' -> ('fsdp',)."""
     return () if rule is None else (rule,) if isinstance(rule, str) else tuple(rule)
