@@ -108,11 +108,16 @@ def _grouped_scores(q, k, q_len, kv_len, causal, first_row=0):
     return scores, visible[:, None, None]
 
 
+def _block_rows(tq: int) -> int:
+    """The queries of each pass: QUERY_BLOCK, or all tq where it does not divide them."""
+    return QUERY_BLOCK if tq % QUERY_BLOCK == 0 else tq
+
+
 def _query_blocks(x):
-    """[b, tq, ...] -> [blocks, b, QUERY_BLOCK, ...] (one block when QUERY_BLOCK does not divide tq)."""
+    """[b, tq, ...] -> [blocks, b, rows, ...], rows = _block_rows(tq)."""
     b, tq = x.shape[:2]
-    size = QUERY_BLOCK if tq % QUERY_BLOCK == 0 else tq
-    return jnp.moveaxis(x.reshape(b, tq // size, size, *x.shape[2:]), 1, 0)
+    rows = _block_rows(tq)
+    return jnp.moveaxis(x.reshape(b, tq // rows, rows, *x.shape[2:]), 1, 0)
 
 
 def _from_query_blocks(x):
@@ -121,7 +126,7 @@ def _from_query_blocks(x):
 
 def _xla_forward(q, k, v, q_len, kv_len, causal):
     b, tq, n, h = q.shape
-    rows = q.shape[1] // _query_blocks(q).shape[0]
+    rows = _block_rows(tq)
 
     def block(index_and_q):
         index, q = index_and_q
@@ -140,7 +145,7 @@ def _xla_forward(q, k, v, q_len, kv_len, causal):
 def _xla_backward(q, k, v, q_len, kv_len, causal, out, lse, d_out):
     b, tq, n, h = q.shape
     kv = k.shape[2]
-    rows = tq // _query_blocks(q).shape[0]
+    rows = _block_rows(tq)
 
     def block(d_kv, inputs):
         index, q, out, lse, d_out = inputs

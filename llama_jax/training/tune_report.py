@@ -103,12 +103,8 @@ def format_report(report: Report, rows: int = 20) -> str:
     if report.default.rejected:
         lines.append(f"the default configuration cannot run: {report.default.rejected}")
     elif step_time(report.default):
-        basis = (
-            "measured"
-            if report.winner.measured_s is not None and report.default.measured_s is not None
-            else "predicted"
-        )
-        speedup = (getattr(report.default, f"{basis}_s") or 0) / getattr(report.winner, f"{basis}_s")
+        basis, winner_s, default_s = _seconds(report)
+        speedup = (default_s or 0) / winner_s
         lines.append(
             f"winner {report.winner.candidate.label}: {speedup:.2f}x the default "
             f"({report.default.candidate.label}), {basis}"
@@ -177,11 +173,11 @@ def format_stage_reports(tunings: list, rows: int = 20) -> str:
     parts = [f"{t.stage.describe()}\n{format_report(t.report, rows)}" for t in tunings]
     width = max(len(t.report.winner.candidate.label) for t in tunings) + 2
     lines = [f"{'stage':<7}{'steps':>14}  {'winner':<{width}}{'memory':>10}{'step':>11}{'default':>11}{'hours':>9}"]
-    hours, default_hours = 0.0, 0.0
+    hours, default_hours = 0.0, []  # a None where a stage's own settings cannot run
     for t in tunings:
         basis, seconds, default = _seconds(t.report)
         hours += t.stage.steps * seconds / 3600
-        default_hours += t.stage.steps * default / 3600 if default else float("nan")
+        default_hours.append(t.stage.steps * default / 3600 if default else None)
         lines.append(
             f"{t.stage.index + 1:>2}/{t.stage.count:<4}{t.stage.first_step + 1:>7}-{t.stage.last_step:<6} "
             f"{t.report.winner.candidate.label:<{width}}{t.report.winner.memory_bytes / 2**20:8.0f}MiB"
@@ -190,10 +186,14 @@ def format_stage_reports(tunings: list, rows: int = 20) -> str:
             + f"{t.stage.steps * seconds / 3600:9.3f}"
             + ("" if basis == "predicted" else "  (measured)")
         )
-    lines.append(
-        f"the whole run: {hours:.3f} hours of steps at the winners, {default_hours:.3f} at the config's own settings"
-        + (f" ({default_hours / hours:.2f}x)" if default_hours == default_hours else " (a stage's own cannot run)")
-    )
+    if None in default_hours:
+        lines.append(f"the whole run: {hours:.3f} hours of steps at the winners (a stage's own settings cannot run)")
+    else:
+        own = sum(default_hours)
+        lines.append(
+            f"the whole run: {hours:.3f} hours of steps at the winners, {own:.3f} at the config's own settings "
+            f"({own / hours:.2f}x)"
+        )
     return "\n\n".join(parts) + "\n\n" + "\n".join(lines)
 
 
