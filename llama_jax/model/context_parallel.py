@@ -90,7 +90,7 @@ class PaddedKernel:
 # The XLA kernel's queries per pass: the scores of one pass, [queries, keys] per head, are what it holds (a CPU's
 # memory and `plan`'s XLA:CPU proxy; cuDNN's kernel holds no scores at all). llama3_405b's 128K stage on the
 # proxy's 512 devices: 913.94 GiB per device with all of a chunk's queries at once, 237.29 in passes of 256,
-# 200.54 of 64, 191.25 of 16 (the rest is not the scores).
+# 200.54 of 64, 191.25 of 16 (measured while every pass's mask was held: see _computed_from).
 QUERY_BLOCK = 64
 
 
@@ -124,13 +124,25 @@ def _from_query_blocks(x):
     return jnp.moveaxis(x, 0, 1).reshape(x.shape[1], -1, *x.shape[3:])
 
 
+def _computed_from(x, value):
+    """`value` (a scalar) plus a zero computed from x's first element: equal to value, but no longer a constant.
+
+    Under the layer scan, jax's partial evaluation for the backward pass computes whatever depends on
+    constants alone once, before the loop, and keeps it through the whole stack. A pass's mask depends on
+    its first row and the lengths alone, so every pass's mask, broadcast to [b, kv, group, rows, keys], was
+    made before the layers and held: llama3_405b at 128K on the XLA:CPU proxy, 128 GiB per device of masks
+    (200.54 GiB in all; 84.35 with the first row computed from the queries)."""
+    zero = jax.lax.bitcast_convert_type(x.reshape(-1)[0].astype(jnp.float32), jnp.int32) & 0
+    return value + zero.astype(jnp.result_type(value))
+
+
 def _xla_forward(q, k, v, q_len, kv_len, causal):
     b, tq, n, h = q.shape
     rows = _block_rows(tq)
 
     def block(index_and_q):
         index, q = index_and_q
-        scores, visible = _grouped_scores(q, k, q_len, kv_len, causal, index * rows)
+        scores, visible = _grouped_scores(q, k, q_len, kv_len, causal, _computed_from(q, index * rows))
         lse = jax.nn.logsumexp(jnp.where(visible, scores, -jnp.inf), axis=-1)
         safe_lse = jnp.where(jnp.isfinite(lse), lse, 0.0)
         p = jnp.where(visible, jnp.exp(scores - safe_lse[..., None]), 0.0)
