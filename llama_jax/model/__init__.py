@@ -5,6 +5,7 @@ onto a mesh) and the mesh axes of its own shard_maps.
                          LoRA in the projections, a learned prompt or P-tuning's prompt encoder
     stack/               the ways of running the layer stack (scan, grouped remat, GPipe, 1F1B) behind one
                          interface, run_stack, each applying one Block to the same LayerInputs (apply_block)
+    embedding.py         the embedding lookup; vocab-parallel where the table is split over its vocabulary alone
     rope.py              rotary positions: Llama 3's rescaled frequencies, the angles, the rotation
     flops.py             what a token costs: matmul parameters, training FLOPs (PaLM's count)
     attention.py         which attention kernel runs, document masks, the shard_maps of context parallelism

@@ -86,16 +86,26 @@ class TraceContext:
         matmul FLOPs, and 170 TB of all-reduces per GPU and step). Without context parallelism the program is left
         as it was (the measured GPU steps and the 8K stages are planned that way). The gradient is reduce-scattered
         back to the weight's own sharding."""
+        rules = self._read_rules(names)
+        return w if rules is None else nn.with_logical_constraint(w, names, rules=rules)
+
+    def read_axes(self, names: tuple[str | None, ...]) -> PartitionSpec:
+        """The mesh axes of a parameter as `read` returns it."""
+        return nn.logical_to_mesh_axes(names, self._read_rules(names) or self.rules)
+
+    def _read_rules(self, names: tuple[str | None, ...]) -> tuple | None:
+        """The rules `read` constrains a parameter with: the table less the axes splitting the batch and the
+        sequence; None where it leaves the parameter as it is."""
         rules = dict(self.rules)
         sequence = rule_axes(rules.get("seq"))
         if self.axis_size(sequence) == 1:
-            return w
+            return None
         gathered = set(sequence) | set(rule_axes(rules.get("batch")))
         if not any(gathered & set(rule_axes(rules.get(name))) for name in names if name):
-            return w
+            return None
         for name in filter(None, names):
             rules[name] = tuple(a for a in rule_axes(rules.get(name)) if a not in gathered) or None
-        return nn.with_logical_constraint(w, names, rules=tuple(rules.items()))
+        return tuple(rules.items())
 
     def inside_stage(self) -> TraceContext:
         """The context of a pipeline stage's shard_map body: the stage axis is manual there, out of the rules."""

@@ -38,6 +38,7 @@ from llama_jax.config import ModelConfig, PeftConfig, RematConfig
 from llama_jax.model import remat
 from llama_jax.model.attention import attention, cached_attention, select_implementation
 from llama_jax.model.context import TraceContext
+from llama_jax.model.embedding import lookup
 from llama_jax.model.loss import LOGITS, fused_cross_entropy_sum
 from llama_jax.model.norm import rms_norm
 from llama_jax.model.pipeline import PipelineLayout
@@ -441,7 +442,7 @@ class Llama(nn.Module):
     def embeddings(self, embed: nn.Embed, tokens: jax.Array) -> jax.Array:
         """[batch, seq, embed]: each token's row of the table; at a learned prompt's slots, the prompt's."""
         table = self.context.read(embed.embedding.astype(self.cfg.compute_dtype), ("vocab", "embed"))
-        x = jnp.take(table, jnp.maximum(tokens, 0), axis=0)  # = embed(tokens), reading the table as `read` says
+        x = lookup(table, jnp.maximum(tokens, 0), self.context)  # = embed(tokens), reading the table as `read` says
         if self.peft.virtual_tokens:
             x = jnp.where(tokens[..., None] < 0, self.virtual_embeddings(tokens).astype(x.dtype), x)
         return self.context.constrain(x, RESIDUAL)
