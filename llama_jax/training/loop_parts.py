@@ -27,7 +27,7 @@ from llama_jax.checkpoint.average import average_decay_phase
 from llama_jax.checkpoint.checkpointer import Checkpointer, Identity, Tiers
 from llama_jax.checkpoint.durable import read_meta, step_directories
 from llama_jax.checkpoint.local import LocalTier
-from llama_jax.config import to_yaml
+from llama_jax.config import Config, to_yaml
 from llama_jax.config.stages import decay_saves
 from llama_jax.errors import EXIT_OK, EXIT_PREEMPTED
 from llama_jax.files import cache_root
@@ -509,7 +509,22 @@ def average_decay(run: Run, print_fn: Callable[[str], None]) -> None:
     config, run_dir = run.config, Path(run.config.run.dir)
     if not config.checkpoint.average_decay:
         return
-    out, planned = run_dir / "averaged", decay_saves(config)
+    out = run_dir / "averaged"
+    # Process 0's reading of the directories, for every process: on a shared filesystem two processes may see
+    # them at different moments, and one deciding alone to skip would leave the others waiting in the average.
+    steps = run.peers.broadcast("average decay: steps", _decay_steps_to_average(config, run_dir, out, print_fn))
+    if not steps:
+        return
+    if jax.process_index() == 0 and out.exists():  # an earlier average: unfinished, or of other steps
+        shutil.rmtree(out)
+    run.peers.barrier("average decay")
+    average_decay_phase(run_dir, steps, list(run.program.mesh.devices.flat), print_fn)
+
+
+def _decay_steps_to_average(config: Config, run_dir: Path, out: Path, print_fn: Callable[[str], None]) -> list[int]:
+    """The decay phase's checkpoints to average into `out`, or [] where there are fewer than 2 or `out` already
+    holds their average."""
+    planned = decay_saves(config)
     begin = config.train.steps - config.train.resolved_decay_steps
     steps = [s for s in step_directories(run_dir / "checkpoints") if begin < s <= config.train.steps]
     if steps != planned:
@@ -519,8 +534,5 @@ def average_decay(run: Run, print_fn: Callable[[str], None]) -> None:
         )
     done = read_meta(out / "checkpoints" / "0")
     if len(steps) < 2 or (done is not None and done.get("averaged_steps") == steps):
-        return
-    if jax.process_index() == 0 and out.exists():  # an earlier average: unfinished, or of other steps
-        shutil.rmtree(out)
-    run.peers.barrier("average decay")
-    average_decay_phase(run_dir, steps, list(run.program.mesh.devices.flat), print_fn)
+        return []
+    return steps
