@@ -21,6 +21,9 @@ llama_jax_gpu_flags=(
   --xla_gpu_enable_command_buffer=                      # no CUDA graphs: a step of few large kernels gains little, they hold memory
   --xla_disable_hlo_passes=rematerialization            # remat.policy alone decides what is recomputed (plan/tune price it)
 )
+# Not set: windowed einsum (collective matmuls, --xla_gpu_threshold_for_windowed_einsum_mib). With jaxlib 0.12.0.1
+# XLA:GPU fails to compile llama3_70b's and llama3_405b's tensor-parallel steps with it ("Cannot infer shape for
+# dot operation ... Contracting dimension sizes are not compatible"; `llama-jax plan ... --target h100`).
 # XLA aborts on a flag it does not know, on any host: LLAMA_JAX_GPU_FLAGS=off leaves XLA_FLAGS alone (older jaxlib).
 if [[ "${LLAMA_JAX_GPU_FLAGS:-on}" != off ]]; then
   export XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }${llama_jax_gpu_flags[*]}"
