@@ -176,11 +176,9 @@ def _per_device(q, k, v, segment_ids, implementation, max_segments, balanced, co
             return _tokens_in_order(q, k, v, segments, implementation, max_segments)
         return context_parallel_attention(q, k, v, segments, implementation, max_segments, shards, balanced)
 
-    # Over the trace's mesh; inside a pipeline stage, over the stage's (jax's, its pipeline axis manual there).
-    mesh = None if context.manual_axes else context.mesh
-    return jax.shard_map(local, mesh=mesh, in_specs=(heads, kv_heads, kv_heads, tokens), out_specs=heads)(
-        q, k, v, segment_ids
-    )
+    return jax.shard_map(
+        local, mesh=context.shard_map_mesh, in_specs=(heads, kv_heads, kv_heads, tokens), out_specs=heads
+    )(q, k, v, segment_ids)
 
 
 def context_parallel_attention(

@@ -63,6 +63,12 @@ class TraceContext:
         """{mesh axis: devices along it}; {} without a mesh."""
         return {} if self.mesh is None else dict(self.mesh.shape)
 
+    @property
+    def shard_map_mesh(self) -> Mesh | None:
+        """The mesh a shard_map of the model names: the trace's; inside a pipeline stage None, jax's own (the
+        stage's shard_map has made its pipeline axis manual there)."""
+        return None if self.manual_axes else self.mesh
+
     def axis_size(self, axes: str | tuple[str, ...] | None) -> int:
         """How many devices the mesh axes `axes` span (1 without a mesh, or for None)."""
         return math.prod(self.mesh_shape.get(a, 1) for a in rule_axes(axes))

@@ -38,11 +38,9 @@ def lookup(table: jax.Array, tokens: jax.Array, context: TraceContext) -> jax.Ar
             return jax.lax.psum_scatter(found, axes, scatter_dimension=1, tiled=True)
         return jax.lax.psum(found, axes)
 
-    # Over the trace's mesh; inside a pipeline stage, over the stage's (jax's, its pipeline axis manual there).
-    mesh = None if context.manual_axes else context.mesh
     return jax.shard_map(
         own_rows,
-        mesh=mesh,
+        mesh=context.shard_map_mesh,
         in_specs=(PartitionSpec(vocab, None), PartitionSpec(batch, seq)),
         out_specs=PartitionSpec(batch, residual_seq if scatter else seq, None),
     )(table, tokens)
