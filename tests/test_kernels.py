@@ -96,6 +96,9 @@ def test_block_sizes():
         ("btd,dnh->btnh", (2, 8, 16), (16, 4, 8)),
         ("btnh,nhd->btd", (2, 8, 4, 8), (4, 8, 16)),
         ("btd,df->btf", (2, 8, 16), (16, 48)),
+        # x wider than dy: the backward pass moves dy instead (the MLP's down projection; then 2 output axes)
+        ("btf,fd->btd", (2, 8, 48), (48, 16)),
+        ("btd,dnh->btnh", (2, 8, 32), (32, 2, 4)),
     ],
 )
 def test_cpu_projection_equals_einsum_forward_and_gradients(spec, x_shape, kernel_shape):

@@ -118,6 +118,10 @@ REMAT_POLICIES: dict[str, dict[str, str] | None] = {
     "minimal": _all(_MATMUL_OUTPUTS, "save"),
     "save_qkv_proj": _all(_QKV, "save"),
     "save_dot_except_mlp": _all(_QKV + ("attention_context", "attention_out"), "save"),
+    # Keep every matmul output and both norms' outputs (the projections' inputs): the backward pass recomputes
+    # only rotary and the SwiGLU product. The `bench` preset's choice: on a CPU with memory to spare, no
+    # matmul is run twice.
+    "save_dot_and_norms": _all(_MATMUL_OUTPUTS + ("attn_norm", "mlp_norm"), "save"),
     # The same choices with the kept tensors in pinned host memory instead of HBM (GPU/TPU).
     "minimal_offload": _all(_MATMUL_OUTPUTS, "offload"),
     "qkv_proj_offload": _all(_QKV, "offload"),

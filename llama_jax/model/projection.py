@@ -5,10 +5,13 @@ A projection contracts the trailing axes of x [..., in] with the leading axes of
 outer axes of both operands. XLA:CPU's matmul wants the contracted axis innermost in its first
 operand, and left to itself it transposes the output gradient dy (for the MLP, three times wider
 than x) inside a slow fused loop: the largest cost of a CPU train step after the matmuls
-(bench/step.py's profile). On CPU we therefore write the backward pass ourselves: x is transposed
-once, explicitly (an optimization barrier keeps XLA from folding the transpose back into the
-matmul), and dy is used as it is. On GPUs and TPUs the plain einsum is kept: their matmul libraries
-take transposed operands for free.
+(bench/step.py's profile). On CPU we therefore write the backward pass ourselves: the narrower of x
+and dy is transposed once, explicitly (an optimization barrier keeps XLA from folding the transpose
+back into the matmul), and the other is used as it is. For the MLP's down projection that is dy: its
+x, the SwiGLU product, is recomputed in the backward pass from the saved gate and up, and XLA:CPU fuses
+that recomputation, reading the layers' saved stack, into the transpose: 63 ms a layer in the `bench`
+preset's profile, against 6 ms for the same transpose of operands just computed.
+On GPUs and TPUs the plain einsum is kept: their matmul libraries take transposed operands for free.
 
 model.fp8=tensorwise: the projections' matmuls take fp8 operands with per-tensor current scaling (scale =
 amax / the format's largest value, computed from the tensor itself each step, so there is no scaling state):
@@ -23,6 +26,7 @@ cuBLASLt's fp8 GEMM (`__cublas$lt$matmul$f8`, tests/test_gpu_target.py).
 
 from __future__ import annotations
 
+import math
 from functools import partial
 
 import jax
@@ -125,10 +129,16 @@ def _project_backward(contracted, residuals, dy):
     tokens = x.ndim - contracted  # the leading (batch, sequence) axes
     out_axes = list(range(tokens, dy.ndim))
     dx = jnp.tensordot(dy, kernel, (out_axes, list(range(contracted, kernel.ndim))))
-    # [in..., batch, seq]: the narrow operand is the one moved, once, and the barrier keeps it moved.
-    x_moved = jax.lax.optimization_barrier(jnp.moveaxis(x, list(range(tokens)), list(range(-tokens, 0))))
-    dkernel = jnp.tensordot(x_moved, dy, (list(range(contracted, x.ndim)), list(range(tokens))))
-    return dx, dkernel
+    token_axes = list(range(tokens))
+    if math.prod(x.shape[tokens:]) <= math.prod(dy.shape[tokens:]):
+        # [in..., batch, seq]: the narrow operand is the one moved, once, and the barrier keeps it moved.
+        x_moved = jax.lax.optimization_barrier(jnp.moveaxis(x, token_axes, list(range(-tokens, 0))))
+        return dx, jnp.tensordot(x_moved, dy, (list(range(contracted, x.ndim)), token_axes))
+    # dy is the narrower (the MLP's down projection): move it, and the weight-sized product after.
+    dy_moved = jax.lax.optimization_barrier(jnp.moveaxis(dy, token_axes, list(range(-tokens, 0))))
+    dkernel_t = jnp.tensordot(dy_moved, x, (list(range(dy.ndim - tokens, dy.ndim)), token_axes))
+    outs = dy.ndim - tokens
+    return dx, jnp.moveaxis(dkernel_t, list(range(outs)), list(range(-outs, 0)))
 
 
 _project.defvjp(_project_forward, _project_backward)
