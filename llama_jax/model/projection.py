@@ -129,16 +129,15 @@ def _project_backward(contracted, residuals, dy):
     tokens = x.ndim - contracted  # the leading (batch, sequence) axes
     out_axes = list(range(tokens, dy.ndim))
     dx = jnp.tensordot(dy, kernel, (out_axes, list(range(contracted, kernel.ndim))))
-    token_axes = list(range(tokens))
+
+    def tokens_last(a):  # [features..., batch, seq]: the narrow operand, moved once; the barrier keeps it moved
+        return jax.lax.optimization_barrier(jnp.moveaxis(a, list(range(tokens)), list(range(-tokens, 0))))
+
     if math.prod(x.shape[tokens:]) <= math.prod(dy.shape[tokens:]):
-        # [in..., batch, seq]: the narrow operand is the one moved, once, and the barrier keeps it moved.
-        x_moved = jax.lax.optimization_barrier(jnp.moveaxis(x, token_axes, list(range(-tokens, 0))))
-        return dx, jnp.tensordot(x_moved, dy, (list(range(contracted, x.ndim)), token_axes))
+        return dx, jnp.tensordot(tokens_last(x), dy, tokens)
     # dy is the narrower (the MLP's down projection): move it, and the weight-sized product after.
-    dy_moved = jax.lax.optimization_barrier(jnp.moveaxis(dy, token_axes, list(range(-tokens, 0))))
-    dkernel_t = jnp.tensordot(dy_moved, x, (list(range(dy.ndim - tokens, dy.ndim)), token_axes))
     outs = dy.ndim - tokens
-    return dx, jnp.moveaxis(dkernel_t, list(range(outs)), list(range(-outs, 0)))
+    return dx, jnp.moveaxis(jnp.tensordot(tokens_last(dy), x, tokens), list(range(outs)), list(range(-outs, 0)))
 
 
 _project.defvjp(_project_forward, _project_backward)
