@@ -4,6 +4,7 @@ Each measured step is compiled again by XLA:GPU for its GPU on this machine (wha
 --gpus 1` does, deviceless: no GPU needed) and plan's prediction is printed next to the measured seconds:
 
     .venv-newest/bin/python bench/gpu_prediction.py [--only NAME ...] [--json FILE]
+    .venv-newest/bin/python bench/gpu_prediction.py --body h200   # plan's marginal layer, bf16 and fp8
 
 The prediction is the cost model's (perf/costmodel.py), unchanged for this bench: per compiled operation, its
 FLOPs at 70% of the data sheet's peak (fp8 matmuls at the fp8 peak) or its bytes at the data sheet's memory
@@ -99,16 +100,11 @@ def predict(step: Measured) -> dict:
 
 
 def _predict(step: Measured) -> dict:
-    """The code path of `llama-jax plan ... --target T --gpus 1` (cli/planning.py), in this process."""
-    from llama_jax.config import load_config
-    from llama_jax.distributed import sharding
     from llama_jax.perf import gpu_target
-    from llama_jax.training.plan import make_plan
 
     if missing := gpu_target.plugin_missing():
         return {"error": f"XLA:GPU cannot compile here: {missing}"}
-    config = load_config("llama3_8b", [*STEP, *step.overrides])
-    plan = make_plan(config, sharding.make_mesh(config, gpu_target.devices(step.target, 1)))
+    plan = _plan(step.target, [*STEP, *step.overrides])
     return {
         "predicted_step_s": plan.predicted_step_s,
         "predicted_mfu": plan.predicted_mfu,
@@ -117,12 +113,58 @@ def _predict(step: Measured) -> dict:
     }
 
 
+def _plan(target: str, overrides: list[str]):
+    """The code path of `llama-jax plan llama3_8b ... --target T --gpus 1` (cli/planning.py), in this process."""
+    from llama_jax.config import load_config
+    from llama_jax.distributed import sharding
+    from llama_jax.perf import gpu_target
+    from llama_jax.training.plan import make_plan
+
+    config = load_config("llama3_8b", overrides)
+    return make_plan(config, sharding.make_mesh(config, gpu_target.devices(target, 1)))
+
+
+# gpu-check's body section: the step at 4 and at 8 layers; the difference is what a 32-layer model's layers run at.
+BODY_LAYERS = (4, 8)
+BODY_PROGRAMS = (  # name, overrides, the code as it was (None: today's)
+    ("bf16", (), None),
+    ("fp8 as measured on the H200", ("model.fp8=tensorwise",), fp8_products_in_fp32),
+    ("fp8 today", ("model.fp8=tensorwise",), None),
+)
+
+
+def predicted_body(target: str) -> list[dict]:
+    """plan's marginal layer on one GPU of `target` for each of BODY_PROGRAMS (--body): the predicted step at each
+    of BODY_LAYERS, the predicted time and model FLOPs of one layer more, its MFU of the data sheet's bf16 peak."""
+    from llama_jax.perf import gpu_target, hardware
+
+    peak = hardware.table_peak_flops(gpu_target.spec(target).name, "bfloat16")
+    rows = []
+    for name, overrides, as_measured in BODY_PROGRAMS:
+        step = [*STEP, "train.microbatches=1", *overrides]  # 1 micro-batch: what gpu-check's steps take on an H200
+        with as_measured() if as_measured else contextlib.nullcontext():
+            plans = [_plan(target, [*step, f"model.n_layers={n}"]) for n in BODY_LAYERS]
+        layers = BODY_LAYERS[1] - BODY_LAYERS[0]
+        layer_s = (plans[1].predicted_step_s - plans[0].predicted_step_s) / layers
+        layer_flops = (plans[1].model_flops - plans[0].model_flops) / layers
+        steps = [p.predicted_step_s for p in plans]
+        rows.append({"program": name, "steps_s": steps, "layer_s": layer_s, "layer_mfu": layer_flops / layer_s / peak})
+    for row in rows:
+        row["speedup_on_layers"] = rows[0]["layer_s"] / row["layer_s"]
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", action="append", choices=[m.name for m in MEASURED], help="these steps only")
     parser.add_argument("--json", help="also write the rows to this file")
+    parser.add_argument(
+        "--body", metavar="TARGET", help="instead: plan's marginal layer on one TARGET GPU (h200), bf16 and fp8"
+    )
     args = parser.parse_args(argv)
     jax.config.update("jax_platforms", "cpu")  # the compiles are for the target's GPUs, never this machine's
+    if args.body:
+        return print_body(args.body, args.json)
     rows, off = [], 0
     print(f"{'step':10} {'GPU':5} {'measured':>9} {'predicted':>10} {'pred/meas':>9}  within {100 * TOLERANCE:.0f}%")
     for step in MEASURED:
@@ -151,6 +193,27 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)
     return 1 if off else 0
+
+
+def print_body(target: str, json_path: str | None) -> int:
+    from llama_jax.perf import gpu_target
+
+    if missing := gpu_target.plugin_missing():
+        print(f"XLA:GPU cannot compile here: {missing}")
+        return 1
+    rows = predicted_body(target)
+    layers = " ".join(f"{n:>2} layers" for n in BODY_LAYERS)
+    print(f"predicted on one {target}, {' '.join(STEP[1:3])}: {layers}  marginal layer  MFU  against bf16")
+    for row in rows:
+        steps = " ".join(f"{1e3 * s:7.1f} ms" for s in row["steps_s"])
+        print(
+            f"  {row['program']:28} {steps}  {1e3 * row['layer_s']:8.2f} ms  {100 * row['layer_mfu']:5.1f}%  "
+            f"{row['speedup_on_layers']:.3f}x"
+        )
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(rows, f, indent=2)
+    return 0
 
 
 if __name__ == "__main__":

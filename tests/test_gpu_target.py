@@ -21,6 +21,7 @@ from test_readme import llama_jax_args, readme_commands
 from llama_jax import cli
 from llama_jax.config import load_config
 from llama_jax.distributed import sharding
+from llama_jax.model import projection
 from llama_jax.perf import costmodel, gpu_target, hardware, hlo
 from llama_jax.training import plan as planning
 from llama_jax.training import tune, tune_report
@@ -321,9 +322,9 @@ def test_the_fp8_step_runs_every_projection_on_cublaslts_fp8_gemm_and_nothing_el
     """XLA:GPU rewrites each scaled fp8 dot of projection.py into cuBLASLt's fp8 GEMM (projections that share an
     input, q/k/v and gate/up, into one): the forward (e4m3 x e4m3), input-gradient (e5m2 x e4m3) and
     weight-gradient (e4m3 x e5m2) GEMMs of every layer, a third of the projections' FLOPs each, each writing bf16
-    with the scales applied, and every
-    projection FLOP of the step is an fp8 one. The output projection and loss (the [d, vocab] GEMMs) and
-    attention (cuDNN's and XLA's, on bf16) keep their types: the two steps' matmul FLOPs are the same."""
+    with the scales applied, and every projection FLOP of the step is an fp8 one. The output projection and loss
+    (the [d, vocab] GEMMs) and attention (cuDNN's and XLA's, on bf16) keep their types: the two steps' matmul FLOPs
+    are the same."""
     config, texts = one_h100_fp8_and_bf16
     fp8, bf16 = (hlo.analyze(texts[r], 1) for r in ("tensorwise", "none"))
     assert fp8.fp8_flops == projection_flops(config) and bf16.fp8_flops == 0
@@ -398,6 +399,40 @@ def test_the_prediction_bench_puts_plans_step_within_15_percent_of_a_measured_gp
     assert abs(row["predicted_step_s"] / row["step_s"] - 1) <= 0.15
     # Measured when each fp8 GEMM wrote fp32 and a pass cast it; today's GEMMs write bf16: predicted faster.
     assert row["today_predicted_step_s"] < row["predicted_step_s"]
+
+
+def test_the_body_bench_takes_the_marginal_layer_of_each_program_as_it_was(monkeypatch):
+    """bench/gpu_prediction.py --body: per program, plan's step at 4 and 8 layers, the difference per layer, its MFU
+    of the data sheet's bf16 peak, its speed-up on bf16's layer; the earlier fp8 program compiled as measured."""
+    bench = load_script("gpu_prediction")
+    today = projection._scaled_dot
+    compiled = []
+
+    def fake_plan(target, overrides):  # bf16: 0.1 s a layer; fp8 0.06 s, 0.05 s today; 1e14 model FLOPs a layer
+        layers = int(overrides[-1].split("=")[1])
+        fp8 = "model.fp8=tensorwise" in overrides
+        per_layer = (0.05 if projection._scaled_dot is today else 0.06) if fp8 else 0.1
+        compiled.append((fp8, projection._scaled_dot is today, layers))
+        return dataclasses.make_dataclass("Plan", ["predicted_step_s", "model_flops"])(
+            0.2 + per_layer * layers, 1e14 * layers
+        )
+
+    monkeypatch.setattr(bench, "_plan", fake_plan)
+    rows = bench.predicted_body("h200")
+    assert compiled == [
+        (False, True, 4),
+        (False, True, 8),
+        (True, False, 4),
+        (True, False, 8),
+        (True, True, 4),
+        (True, True, 8),
+    ]
+    assert projection._scaled_dot is today  # the earlier program's stand-in is undone
+    assert [r["layer_s"] for r in rows] == pytest.approx([0.1, 0.06, 0.05])
+    assert [r["layer_mfu"] for r in rows] == pytest.approx(
+        [1e14 / 0.1 / 989e12, 1e14 / 0.06 / 989e12, 1e14 / 0.05 / 989e12]
+    )
+    assert [r["speedup_on_layers"] for r in rows] == pytest.approx([1, 0.1 / 0.06, 2])
 
 
 # --------------------------------------------------------------------------------------------
