@@ -39,7 +39,7 @@ from llama_jax.model import remat
 from llama_jax.model.attention import attention, cached_attention, select_implementation
 from llama_jax.model.context import TraceContext
 from llama_jax.model.embedding import lookup
-from llama_jax.model.loss import LOGITS, fused_cross_entropy_sum
+from llama_jax.model.loss import LOGITS, OUTPUT_WEIGHT, fused_cross_entropy_sum
 from llama_jax.model.norm import rms_norm
 from llama_jax.model.pipeline import PipelineLayout
 from llama_jax.model.projection import fp8_project, project, quantized_input, uses_cpu_backward
@@ -56,8 +56,7 @@ HIDDEN = ("batch", "seq", "act_embed")
 HEADS = ("batch", "seq", "act_heads", "head_dim")
 KV_HEADS = ("batch", "seq", "act_kv_heads", "head_dim")
 MLP_HIDDEN = ("batch", "seq", "act_mlp")
-# LOGITS = ("batch", "seq", "act_vocab"), in loss.py
-OUTPUT_WEIGHT = ("embed", "vocab")  # the output projection's logical axes (the embedding table's, transposed)
+# In loss.py: LOGITS = ("batch", "seq", "act_vocab"), OUTPUT_WEIGHT = ("embed", "vocab")
 
 
 def dtypes(cfg: ModelConfig) -> dict[str, jnp.dtype]:
@@ -433,9 +432,9 @@ class Llama(nn.Module):
             return run_stack(stack, layers, x, segment_ids, positions, loss), jnp.sum(loss_mask)
         x = run_stack(stack, layers, x, segment_ids, positions, dropout_key=self.dropout_key())
         x = rms_norm(x, head["norm"], cfg.norm_eps, jnp.dtype(cfg.compute_dtype))  # the final norm
-        output = self.context.read(head["output"].astype(cfg.compute_dtype), OUTPUT_WEIGHT)
         if targets is not None:  # training and evaluation: the logits never exist as a whole
-            return fused_cross_entropy_sum(x, output, targets, loss_mask, self.context.rules)
+            return next_token_loss(x, head["output"].astype(cfg.compute_dtype), targets, loss_mask, self.context)
+        output = self.context.read(head["output"].astype(cfg.compute_dtype), OUTPUT_WEIGHT)
         cpu_backward = uses_cpu_backward(self.context.platform, cfg.cpu_projection)
         return self.context.constrain(project("btd,dv->btv", x, output, cpu_backward), LOGITS)
 
@@ -509,8 +508,14 @@ def final_loss(cfg: ModelConfig, params, x, targets, loss_mask, context: TraceCo
     cross-entropy, with params {"norm": the norm's scale, "output": [embed, vocab]} (a pipeline's last stage),
     traced in `context` (the stage's, which runs it: Head)."""
     x = rms_norm(x, params["norm"], cfg.norm_eps, jnp.dtype(cfg.compute_dtype))
-    output = context.read(params["output"].astype(cfg.compute_dtype), OUTPUT_WEIGHT)
-    return fused_cross_entropy_sum(x, output, targets, loss_mask, context.rules)[0]
+    return next_token_loss(x, params["output"].astype(cfg.compute_dtype), targets, loss_mask, context)[0]
+
+
+def next_token_loss(x, output, targets, loss_mask, context: TraceContext) -> tuple[jax.Array, jax.Array]:
+    """The summed next-token loss and its token count from the final norm's x and the [embed, vocab] output
+    weight: gathered once for the loss's loop over chunks (loss.py), each device keeping its partial dW."""
+    output = context.gathered(output, OUTPUT_WEIGHT)
+    return fused_cross_entropy_sum(x, output, targets, loss_mask, context.rules, context.token_shards())
 
 
 # ---------------------------------------------------------------------------------------------
