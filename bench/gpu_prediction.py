@@ -27,6 +27,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from llama_jax.perf.gpu_target import TARGETS
+
 TOLERANCE = 0.15  # issue 44: the prediction within 15% of every measured step
 # The 8B-shaped step every GPU session timed: 4 of llama3_8b's 32 layers, 4 x 8,192 tokens, the preset's remat.
 STEP = ["model.n_layers=4", "train.batch_size=4", "train.seq_len=8192", "train.stages=[]"]
@@ -159,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", action="append", choices=[m.name for m in MEASURED], help="these steps only")
     parser.add_argument("--json", help="also write the rows to this file")
     parser.add_argument(
-        "--body", metavar="TARGET", help="instead: plan's marginal layer on one TARGET GPU (h200), bf16 and fp8"
+        "--body", choices=sorted(TARGETS), help="instead: plan's marginal layer on one such GPU, bf16 and fp8"
     )
     args = parser.parse_args(argv)
     jax.config.update("jax_platforms", "cpu")  # the compiles are for the target's GPUs, never this machine's
