@@ -114,12 +114,9 @@ class TraceContext:
         rules = dict(self.rules)
         return self.axis_size(rules.get("batch")), self.axis_size(rules.get("seq"))
 
-    def _splits_sequence(self) -> bool:
-        return self.axis_size(dict(self.rules).get("seq")) > 1
-
     def _read_rules(self, names: tuple[str | None, ...]) -> tuple | None:
         """The rules `read` constrains a parameter with; None where it leaves the parameter as it is."""
-        return self._gather_rules(names) if self._splits_sequence() else None
+        return self._gather_rules(names) if self.token_shards()[1] > 1 else None
 
     def _gather_rules(self, names: tuple[str | None, ...]) -> tuple | None:
         """The table less the axes splitting the batch and the sequence; None where that changes nothing."""
