@@ -455,28 +455,48 @@ def test_auto_interval_is_young_daly_on_the_measured_step_and_save_cost(tmp_path
 
 
 def test_an_async_save_does_not_block_the_loop_for_its_write(tmp_path, corpus, monkeypatch):
-    """Orbax's write of each save is slowed by 1.5 s in its background thread; with 4 steps of 0.5 s between saves,
-    the loop is blocked only for the copy off the devices, not for the write (goodput's save_durable tier)."""
+    """Orbax's write of each save (in its background thread) ends only once the loop has loaded two more batches:
+    a loop blocked until the write ends would never load them, and the write would give up waiting. The final
+    save, with no batch after it, is waited for by the run's end (goodput's save_durable tier counts all three)."""
     import concurrent.futures
+    import threading
 
     import orbax.checkpoint as ocp
 
-    write_s, pool = 1.5, concurrent.futures.ThreadPoolExecutor(4)
-    real = ocp.StandardCheckpointHandler.async_save
+    from llama_jax.resilience.inject import Injector
 
-    async def slow_write(self, *args, **kwargs):  # the commit of this save ends write_s later, in Orbax's thread
-        return [*(await real(self, *args, **kwargs) or []), pool.submit(time.sleep, write_s)]
+    steps, pool, loaded = 12, concurrent.futures.ThreadPoolExecutor(4), threading.Condition()
+    progress = {"batch": 0}
+    writes = []  # per save: (the batch loaded when it started, whether the loop went on two batches during its write)
+    real_async_save, real_before_step = ocp.StandardCheckpointHandler.async_save, Injector.before_step
 
+    def before_step(self, step):
+        with loaded:
+            progress["batch"] = step
+            loaded.notify_all()
+        real_before_step(self, step)
+
+    def commit_after_two_more_batches(started_at):
+        target = started_at + 2
+        with loaded:  # the bound only turns a blocked loop into a failed assertion instead of a hung test
+            went_on = target > steps or loaded.wait_for(lambda: progress["batch"] >= target, timeout=60)
+        writes.append((started_at, went_on))
+
+    async def slow_write(self, *args, **kwargs):
+        with loaded:
+            started_at = progress["batch"]
+        return [
+            *(await real_async_save(self, *args, **kwargs) or []),
+            pool.submit(commit_after_two_more_batches, started_at),
+        ]
+
+    monkeypatch.setattr(Injector, "before_step", before_step)
     monkeypatch.setattr(ocp.StandardCheckpointHandler, "async_save", slow_write)
-    cfg = config_for(
-        tmp_path, corpus, train=dict(steps=12), checkpoint=dict(every_steps=4), inject=dict(process=0, step_delay_s=0.5)
-    )
-    started = time.perf_counter()
+    cfg = config_for(tmp_path, corpus, train=dict(steps=steps), checkpoint=dict(every_steps=4))
     summary = train_quietly(cfg)
-    saves = summary["goodput"]["tiers"]["save_durable"]
-    assert saves["count"] == 3 and saves["seconds"] / saves["count"] < 0.3 * write_s, saves
-    assert latest_checkpoint_step(Path(cfg.run.dir)) == 12  # every write finished before the run ended
-    assert time.perf_counter() - started >= write_s  # the last one was waited for
+    assert summary["goodput"]["tiers"]["save_durable"]["count"] == 3
+    assert len(writes) == 3 and all(went_on for _, went_on in writes), writes
+    assert latest_checkpoint_step(Path(cfg.run.dir)) == steps  # every write finished before the run ended
 
 
 def test_only_reads_landing_on_a_closed_event_loop_are_dropped(monkeypatch):
