@@ -24,17 +24,16 @@ def main() -> None:
     parser.add_argument("--json", help="also write the figures here")
     args = parser.parse_args()
 
-    import flax.linen as nn
     import jax
     import numpy as np
 
     from llama_jax.config import load_config
     from llama_jax.inference.generate import GREEDY, Generator, generate_without_cache
-    from llama_jax.model.llama import Llama
+    from llama_jax.model.llama import init_params
 
     cfg = load_config(args.preset).model
     cfg = cfg.__class__(**{**cfg.__dict__, "max_seq_len": max(cfg.max_seq_len, args.prompt + args.new)})
-    params = nn.meta.unbox(Llama(cfg).init(jax.random.key(0), np.zeros((1, 8), np.int32))["params"])
+    params = init_params(cfg, jax.random.key(0))
     rng = np.random.default_rng(0)
     results = {
         "preset": args.preset,

@@ -28,6 +28,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from llama_jax.checkpoint import convert as conversion
 from llama_jax.checkpoint import specs
@@ -39,7 +40,7 @@ from llama_jax.data.tokenizer import Tokenizer
 from llama_jax.distributed import processes
 from llama_jax.inference.generate import Sampling, generate, inference_adapters
 from llama_jax.model import peft
-from llama_jax.model.llama import Llama
+from llama_jax.model.llama import abstract_model
 from llama_jax.training.loop import train as train_config
 from llama_jax.training.step import TrainProgram
 
@@ -85,8 +86,8 @@ _forwards: dict[tuple[ModelConfig, int], Callable] = {}  # by model and prompt l
 def _forward(cfg: ModelConfig, adapters: PeftConfig) -> Callable:
     key = (cfg, adapters.virtual_tokens)
     if key not in _forwards:
-        model = Llama(cfg, peft=adapters)
-        _forwards[key] = jax.jit(lambda params, tokens: model.apply({"params": params}, tokens))
+        graph = nnx.graphdef(abstract_model(cfg, adapters))
+        _forwards[key] = jax.jit(lambda params, tokens: nnx.merge(graph, params)(tokens))
     return _forwards[key]
 
 

@@ -87,6 +87,14 @@ def tiny():
     return tiny_config
 
 
+def forward(model, params, *args, **kwargs):
+    """`model` (an NNX module; an abstract one, llama.abstract_model, will do) run with `params`, a plain dict like
+    the train state's: the functional call every program of the package makes (nnx.merge of its graph)."""
+    from flax import nnx
+
+    return nnx.merge(nnx.graphdef(model), params)(*args, **kwargs)
+
+
 def subprocess_environment() -> dict:
     """The environment of a test's llama-jax subprocesses: CPU, the compile flags above, no device count (one
     device each, or the launcher's --devices), and this venv's llama-jax for launch/multiprocess.py."""

@@ -83,7 +83,7 @@ def on_mesh(shards: int, balanced: bool, implementation: str, q, k, v, segments,
         )
         return layout(out, [order.index(c) for c in range(len(order))])
 
-    with sharding.activate(mesh, RULES):
+    with sharding.activate(mesh):
         return output_and_gradients(run, q, k, v, segments, weights)
 
 

@@ -37,7 +37,7 @@ def lookup_and_gradient(mesh, rules, table, tokens, weights):
 
     placed = lambda x, names: jax.device_put(x, NamedSharding(mesh, context.mesh_axes(names)))  # noqa: E731
     args = placed(table, ("vocab", "embed")), placed(tokens, TOKENS), placed(weights, (*TOKENS, None))
-    with sharding.activate(mesh, rules):
+    with sharding.activate(mesh):
         step = jax.jit(jax.value_and_grad(loss))
         return step.lower(*args).compile().as_text(), *step(*args)
 

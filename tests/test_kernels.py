@@ -5,19 +5,21 @@ import contextlib
 import dataclasses
 import io
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import TINY_MODEL
+from conftest import TINY_MODEL, forward
+from flax import nnx
 
-from llama_jax.config import RematConfig, load_config
+from llama_jax.config import PeftConfig, RematConfig, load_config
 from llama_jax.model import flash, projection, remat
 from llama_jax.model.attention import document_mask, skips_masked_blocks
+from llama_jax.model.context import TraceContext
 from llama_jax.model.cudnn import query_chunked_attention
 from llama_jax.model.flops import train_flops_per_token
 from llama_jax.model.llama import Block
+from llama_jax.model.params import abstract
 from llama_jax.model.rope import rope_angles
 from llama_jax.model.stack import LayerInputs
 
@@ -135,11 +137,16 @@ def test_a_policy_that_keeps_attention_keeps_the_kernels_residuals_instead_of_re
     inputs = LayerInputs(*rope_angles(positions, cfg), segments, positions)
 
     def saved(policy: str) -> str:
-        block = nn.remat(Block, policy=remat.checkpoint_policy(RematConfig(policy=policy)), prevent_cse=False)(cfg)
-        params = block.init(jax.random.key(0), x, inputs)
+        block = abstract(lambda: Block(cfg, PeftConfig(), True, TraceContext.local(), nnx.Rngs(0)))
+        params = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), nnx.to_pure_dict(nnx.state(block)))
+        layer = jax.checkpoint(
+            lambda p: forward(block, p, x, inputs)[0],
+            policy=remat.checkpoint_policy(RematConfig(policy=policy)),
+            prevent_cse=False,
+        )
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
-            jax.ad_checkpoint.print_saved_residuals(lambda p: block.apply(p, x, inputs)[0].sum(), params)
+            jax.ad_checkpoint.print_saved_residuals(lambda p: layer(p).sum(), params)
         return out.getvalue()
 
     # One log-sum-exp per query: [batch, kv heads, tokens x the query heads sharing each kv head].

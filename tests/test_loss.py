@@ -5,16 +5,15 @@ import contextlib
 import dataclasses
 import io
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import TINY_MODEL, tiny_config
+from conftest import TINY_MODEL, forward, tiny_config
 
 from llama_jax.distributed import sharding
 from llama_jax.model import loss
-from llama_jax.model.llama import Llama
+from llama_jax.model.llama import abstract_model, init_params
 from llama_jax.model.norm import rms_norm
 from llama_jax.perf import hlo
 from llama_jax.training.step import TrainProgram
@@ -58,17 +57,17 @@ def test_fused_loss_and_gradients_equal_the_plain_formula(chunk_tokens, monkeypa
 def test_the_model_loss_equals_the_plain_formula_on_its_logits(tied, monkeypatch):
     monkeypatch.setattr(loss, "CHUNK_TOKENS", 8)
     cfg = dataclasses.replace(TINY_MODEL, tie_embeddings=tied)
-    model = Llama(cfg)
+    model = abstract_model(cfg)
     tokens = jnp.asarray(np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 24)), jnp.int32)
     targets = jnp.roll(tokens, -1, axis=1)
     mask = jnp.ones(tokens.shape, jnp.float32).at[:, -1].set(0)
-    params = nn.meta.unbox(model.init(jax.random.key(0), tokens)["params"])
+    params = init_params(cfg, jax.random.key(0))
 
     def plain(p):
-        return loss.cross_entropy_sum(model.apply({"params": p}, tokens), targets, mask)[0]
+        return loss.cross_entropy_sum(forward(model, p, tokens), targets, mask)[0]
 
     def fused(p):
-        return model.apply({"params": p}, tokens, targets=targets, loss_mask=mask)[0]
+        return forward(model, p, tokens, targets=targets, loss_mask=mask)[0]
 
     (want, want_grads), (got, got_grads) = (jax.jit(jax.value_and_grad(f))(params) for f in (plain, fused))
     assert abs(float(got - want)) / abs(float(want)) < RELATIVE
@@ -97,12 +96,12 @@ def test_the_backward_pass_keeps_no_logits_and_no_fp32_norm_copies():
     """bf16 compute: what the loss's backward keeps, read from jax's saved-residuals printer."""
     cfg = dataclasses.replace(TINY_MODEL, compute_dtype="bfloat16", n_layers=1)
     batch, seq = 2, 32
-    model = Llama(cfg)
+    model = abstract_model(cfg)
     tokens = jnp.zeros((batch, seq), jnp.int32)
-    params = nn.meta.unbox(model.init(jax.random.key(0), tokens)["params"])
+    params = init_params(cfg, jax.random.key(0))
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        jax.ad_checkpoint.print_saved_residuals(lambda p: model.apply({"params": p}, tokens, targets=tokens)[0], params)
+        jax.ad_checkpoint.print_saved_residuals(lambda p: forward(model, p, tokens, targets=tokens)[0], params)
     saved = out.getvalue()
     assert f"{cfg.vocab_size}]" not in saved.replace(f"[{cfg.d_model},{cfg.vocab_size}]", "")  # only dW
     assert f"f32[{batch},{seq},{cfg.d_model}]" not in saved  # no fp32 copy of an activation

@@ -3,30 +3,29 @@
 import dataclasses
 import math
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import TINY_MODEL
+from conftest import TINY_MODEL, forward
+from flax import nnx
 
 from llama_jax.config import load_config
 from llama_jax.data.loader import model_inputs
 from llama_jax.model.attention import select_implementation
 from llama_jax.model.flops import train_flops_per_token
-from llama_jax.model.llama import Llama, param_count
+from llama_jax.model.llama import abstract_model, abstract_params, init_params, param_count
 from llama_jax.model.rope import apply_rope, rope_angles, rope_inverse_frequencies
 
 TOLERANCE = 1e-5  # fp32, absolute on logits of order 1
 
 
 def init(cfg, seed=0):
-    tokens = jnp.zeros((1, 8), jnp.int32)
-    return nn.meta.unbox(Llama(cfg).init(jax.random.key(seed), tokens)["params"])
+    return init_params(cfg, jax.random.key(seed))
 
 
 def logits_of(cfg, params, tokens, positions=None, segment_ids=None):
-    return np.asarray(Llama(cfg).apply({"params": params}, jnp.asarray(tokens), positions, segment_ids))
+    return np.asarray(forward(abstract_model(cfg), params, jnp.asarray(tokens), positions, segment_ids))
 
 
 @pytest.fixture(scope="module")
@@ -159,13 +158,13 @@ def test_explicit_head_dim_and_bfloat16_compute():
     p = init(cfg)
     assert p["layers"]["attn"]["q_proj"]["kernel"].shape == (2, 64, 4, 32)
     assert p["layers"]["attn"]["q_proj"]["kernel"].dtype == jnp.float32  # fp32 master weights
-    out = Llama(cfg).apply({"params": p}, jnp.zeros((1, 8), jnp.int32))
+    out = forward(abstract_model(cfg), p, jnp.zeros((1, 8), jnp.int32))
     assert out.dtype == jnp.bfloat16 and out.shape == (1, 8, TINY_MODEL.vocab_size)
 
 
 def test_every_parameter_carries_logical_axis_names():
-    boxed = jax.eval_shape(Llama(TINY_MODEL).init, jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
-    specs = jax.tree.leaves(nn.get_partition_spec(boxed), is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+    boxed = jax.tree.leaves(abstract_params(TINY_MODEL), is_leaf=lambda x: isinstance(x, nnx.Param))
+    specs = [p.get_metadata()["out_sharding"] for p in boxed]
     known = {"layers", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "norm"}
     assert specs and all(len(spec) > 0 and set(spec) <= known for spec in specs)
 

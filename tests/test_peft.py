@@ -12,11 +12,10 @@ import json
 import shutil
 from pathlib import Path
 
-import flax.linen as nn
 import jax
 import numpy as np
 import pytest
-from conftest import TINY_MODEL, tiny_config
+from conftest import TINY_MODEL, forward, tiny_config
 from safetensors.numpy import load_file, save_file
 from test_fault import corrupt
 from test_train import random_batch, relative_difference
@@ -29,7 +28,7 @@ from llama_jax.data.loader import Documents, PackedRows, model_inputs
 from llama_jax.distributed import sharding
 from llama_jax.interop import hf
 from llama_jax.model import peft
-from llama_jax.model.llama import Llama, abstract_params
+from llama_jax.model.llama import abstract_model, param_shapes
 from llama_jax.training.loop import train
 from llama_jax.training.run import load_checkpoint
 from llama_jax.training.step import TrainProgram
@@ -46,7 +45,7 @@ def quiet(_):
 
 
 def random_params(cfg, settings=PeftConfig(), seed=0, zero_lora_b=False):
-    """Params of Llama(cfg, peft=settings) drawn with numpy (no compilation): normal, std 0.05 (norm scales
+    """Params of the model of cfg (with peft=settings) drawn with numpy (no compilation): normal, std 0.05 (norm scales
     around 1); LoRA's B zero if asked, as the model initialises it."""
     rng = np.random.default_rng(seed)
 
@@ -56,7 +55,7 @@ def random_params(cfg, settings=PeftConfig(), seed=0, zero_lora_b=False):
             return np.zeros(leaf.shape, np.float32)
         return (float(names[-1] == "scale") + 0.05 * rng.standard_normal(leaf.shape)).astype(np.float32)
 
-    return jax.tree_util.tree_map_with_path(draw, nn.meta.unbox(abstract_params(cfg, settings)))
+    return jax.tree_util.tree_map_with_path(draw, param_shapes(cfg, settings))
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +64,7 @@ def base_params():
 
 
 def grafted(cfg, settings, base, seed=1, zero_lora_b=False):
-    """The params of Llama(cfg, peft=settings): `base`'s weights and random adapters."""
+    """The params of the model of cfg with peft=settings: `base`'s weights and random adapters."""
     return peft.merge(peft.split(random_params(cfg, settings, seed, zero_lora_b))[0], base)
 
 
@@ -79,15 +78,16 @@ def test_lora_starts_as_the_base_model_bitwise_and_recomputing_layers_changes_no
     layers) as with every activation kept."""
     batch = random_batch(tiny_config(), seq=16)
     adapters, base = peft.split(grafted(TINY_MODEL, LORA, base_params, zero_lora_b=True))
-    plain = Llama(TINY_MODEL)
-    expected = jax.jit(lambda params: plain.apply({"params": params}, batch["tokens"]))(base_params)
+    plain = abstract_model(TINY_MODEL)
+    expected = jax.jit(lambda params: forward(plain, params, batch["tokens"]))(base_params)
 
     def logits_and_gradients(remat):
-        model = Llama(TINY_MODEL, remat_config=remat, peft=LORA)
+        model = abstract_model(TINY_MODEL, remat_config=remat, peft=LORA)
 
         def loss(a):
-            return model.apply(
-                {"params": peft.merge(a, base)},
+            return forward(
+                model,
+                peft.merge(a, base),
                 batch["tokens"],
                 batch["positions"],
                 batch["segment_ids"],
@@ -97,7 +97,7 @@ def test_lora_starts_as_the_base_model_bitwise_and_recomputing_layers_changes_no
 
         def run(a):
             moved = jax.tree.map(lambda x: x + 0.01, a)  # every gradient informative
-            return model.apply({"params": peft.merge(a, base)}, batch["tokens"]), jax.grad(loss)(moved)
+            return forward(model, peft.merge(a, base), batch["tokens"]), jax.grad(loss)(moved)
 
         return jax.jit(run)(adapters)
 
@@ -180,16 +180,16 @@ def test_lora_rank_8_on_bench_keeps_under_5_percent_of_full_fine_tunings_optimiz
 def test_prompt_tuning_gives_each_packed_document_its_logits_alone(base_params):
     """Three documents packed by the loader, each behind its own prompt slots: the same logits as alone."""
     settings = PeftConfig(method="ptuning", prompt_tokens=3, prompt_encoder="lstm")
-    params, model = grafted(TINY_MODEL, settings, base_params), Llama(TINY_MODEL, peft=settings)
+    params, model = grafted(TINY_MODEL, settings, base_params), abstract_model(TINY_MODEL, peft=settings)
     lengths = np.array([9, 13, 6])
     tokens = np.random.default_rng(1).integers(3, TINY_MODEL.vocab_size, lengths.sum()).astype(np.int32)
     docs = Documents.in_memory(np.split(tokens, np.cumsum(lengths)[:-1]))
-    forward = jax.jit(
-        lambda inputs: model.apply({"params": params}, inputs["tokens"], inputs["positions"], inputs["segment_ids"])[0]
+    run = jax.jit(
+        lambda inputs: forward(model, params, inputs["tokens"], inputs["positions"], inputs["segment_ids"])[0]
     )
     packed = PackedRows(docs, 3 * 3 + lengths.sum() + 1, 0, 0, "first_fit", 8, prompt_tokens=3)
     (row,) = [packed[r] for r in range(packed.rows_in_epoch(0))]  # all three in one row
-    together = np.asarray(forward(model_inputs([row])))
+    together = np.asarray(run(model_inputs([row])))
     for segment in (1, 2, 3):
         where = np.flatnonzero(row["segment_ids"] == segment)
         assert list(row["tokens"][where[:3]]) == [-1, -2, -3]
@@ -199,7 +199,7 @@ def test_prompt_tuning_gives_each_packed_document_its_logits_alone(base_params):
         for k in alone:
             alone[k][: len(where)] = row[k][where]
         np.testing.assert_allclose(
-            together[where[:-1]], np.asarray(forward(model_inputs([alone])))[: len(where) - 1], atol=1e-5
+            together[where[:-1]], np.asarray(run(model_inputs([alone])))[: len(where) - 1], atol=1e-5
         )
 
 
@@ -326,8 +326,8 @@ def test_readme_adapter_guide_commands_on_lora_and_p_tuning_runs(runs, tmp_path,
     spec = specs.resolve("runs/lora")
     adapters, base = specs.load_adapters(spec), specs.load_params(specs.resolve(f"hf:{HF_BASE}"))
     tokens = np.random.default_rng(0).integers(0, spec.model.vocab_size, (2, 24))
-    model = Llama(spec.model, peft=spec.adapters)
-    adapted = np.asarray(jax.jit(lambda p: model.apply({"params": p}, tokens))(peft.merge(adapters, base)))
+    model = abstract_model(spec.model, peft=spec.adapters)
+    adapted = np.asarray(jax.jit(lambda p: forward(model, p, tokens))(peft.merge(adapters, base)))
     merged_cfg, merged = api.load(f"hf:{tmp_path / 'exported' / 'lora-merged'}")
     assert np.abs(api.logits(merged_cfg, merged, tokens) - adapted).max() <= MERGE_TOLERANCE
     assert np.abs(api.logits(merged_cfg, base, tokens) - adapted).max() > 100 * MERGE_TOLERANCE  # LoRA did change it
@@ -358,8 +358,8 @@ def our_logits(maker, name):
     cfg, settings, adapters = maker.adapters(name)
     cfg, base = api.load(f"hf:{maker.BASE}")  # computing in fp32
     tokens = np.asarray(peft.with_prompt_slots(maker.tokens().tolist(), settings.virtual_tokens), np.int32)
-    model = Llama(cfg, peft=settings)
-    return np.asarray(jax.jit(lambda p: model.apply({"params": p}, tokens))(peft.merge(adapters, base)))
+    model = abstract_model(cfg, peft=settings)
+    return np.asarray(jax.jit(lambda p: forward(model, p, tokens))(peft.merge(adapters, base)))
 
 
 @pytest.mark.parametrize("name", ["lora_all_targets", "prompt_tuning"])

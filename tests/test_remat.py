@@ -4,17 +4,19 @@ import contextlib
 import io
 import re
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import pytest
-from conftest import TINY_MODEL
+from conftest import TINY_MODEL, forward
+from flax import nnx
 
 from llama_jax.config import PeftConfig, RematConfig, load_config
 from llama_jax.config.choices import REMAT_POLICIES, REMAT_TAGS
 from llama_jax.errors import ConfigError
 from llama_jax.model import remat
+from llama_jax.model.context import TraceContext
 from llama_jax.model.llama import Block
+from llama_jax.model.params import abstract
 from llama_jax.model.rope import rope_angles
 from llama_jax.model.stack import LayerInputs
 
@@ -26,16 +28,18 @@ def residual_lines(remat_config: RematConfig, peft: PeftConfig = PeftConfig(), c
     segments = jnp.ones((2, 16), jnp.int32)
     inputs = LayerInputs(*rope_angles(positions, cfg), segments, positions)
     policy = remat.checkpoint_policy(remat_config)
-    block = (
-        Block(cfg, peft=peft) if policy is None else nn.remat(Block, policy=policy, prevent_cse=False)(cfg, peft=peft)
-    )
-    # Shapes are all the printer needs: an eager init of a remat layer would compile op by op (seconds).
-    params = jax.tree.map(
-        lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(block.init, jax.random.key(0), x, inputs)
-    )
+    block = abstract(lambda: Block(cfg, peft, True, TraceContext.local(), nnx.Rngs(0)))
+    # Shapes are all the printer needs: an eager init would compile op by op (seconds).
+    params = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), nnx.to_pure_dict(nnx.state(block)))
+
+    def layer(params, x):
+        return forward(block, params, x, inputs)[0]
+
+    if policy is not None:  # as the stack runs a layer under a policy (stack/scan.py)
+        layer = jax.checkpoint(layer, policy=policy, prevent_cse=False)
 
     def loss(params, x):
-        return block.apply(params, x, inputs)[0].sum()
+        return layer(params, x).sum()
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):

@@ -43,11 +43,13 @@ def mesh_cases():
     yield pytest.param((1, 1, 4, 2), True, True, MESH_MODEL, id="1x1x4x2-sp-balanced-kv-replicated")
 
 
-def losses(cfg, devices):
+def losses(cfg, devices, start=None):
+    """The first STEPS losses of cfg's program on `devices`, from its init at key 0, or from start(program, state)."""
     program = TrainProgram.build(cfg, sharding.make_mesh(cfg, devices=devices))
     out = []
     with program.activate():
         state = program.init_state(jax.random.key(0))
+        state = state if start is None else start(program, state)
         for step in range(STEPS):
             # Packed rows: three documents each, so document masks matter under context parallelism.
             batch = {k: np.asarray(v) for k, v in random_batch(cfg, seed=20 + step, documents_per_row=3).items()}

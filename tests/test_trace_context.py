@@ -5,16 +5,15 @@ installed jax."""
 import dataclasses
 from pathlib import Path
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import pytest
-from conftest import TINY_MODEL
+from conftest import TINY_MODEL, forward
 from jax._src.cudnn import fused_attention_stablehlo as jax_cudnn
 
 from llama_jax.model import jax_workarounds
-from llama_jax.model.context import Gpu, TraceContext
-from llama_jax.model.llama import Llama, abstract_params
+from llama_jax.model.context import Gpu, TraceContext, logical_to_mesh_axes
+from llama_jax.model.llama import Llama, abstract_model, param_shapes
 
 MODEL_DIR = Path(__file__).resolve().parents[1] / "llama_jax" / "model"
 H100 = Gpu("9.0", 91000)
@@ -22,15 +21,11 @@ H100 = Gpu("9.0", 91000)
 
 def grad_jaxpr(model: Llama, seq: int = 32) -> str:
     """The jaxpr of the gradient of the model's loss on one batch, as text (traced, nothing compiled)."""
-    params = jax.tree.map(
-        lambda p: p.unbox() if hasattr(p, "unbox") else p,
-        abstract_params(model.cfg),
-        is_leaf=lambda p: hasattr(p, "unbox"),
-    )
+    params = param_shapes(model.cfg)
     tokens = jnp.zeros((2, seq), jnp.int32)
 
     def loss(params):
-        return model.apply({"params": params}, tokens, targets=tokens)[0]
+        return forward(model, params, tokens, targets=tokens)[0]
 
     with jax_workarounds.cudnn_checks_answered_by(model.context.gpu):
         return str(jax.make_jaxpr(jax.grad(loss))(params))
@@ -42,8 +37,11 @@ def test_the_model_picks_the_kernels_of_its_contexts_platform_not_this_processs(
     and the CPU backward pass (an optimization barrier keeps its moved operand)."""
     assert jax.default_backend() == "cpu"
     cfg = dataclasses.replace(TINY_MODEL, compute_dtype="bfloat16", d_model=128, n_heads=4, n_kv_heads=2)
-    here, for_gpus = grad_jaxpr(Llama(cfg)), grad_jaxpr(Llama(cfg, context=TraceContext("gpu", gpu=H100)))
-    assert Llama(cfg).context == TraceContext.local() == TraceContext("cpu")
+    here, for_gpus = (
+        grad_jaxpr(abstract_model(cfg)),
+        grad_jaxpr(abstract_model(cfg, context=TraceContext("gpu", gpu=H100))),
+    )
+    assert abstract_model(cfg).context == TraceContext.local() == TraceContext("cpu")
     assert "optimization_barrier" in here and "optimization_barrier" not in for_gpus
     assert "dot_product_attention_fwd" in for_gpus and "dot_product_attention_fwd" not in here
 
@@ -72,7 +70,7 @@ def test_under_context_parallelism_a_weight_is_read_gathered_over_the_batch_and_
     long_context = (*default[:2], ("embed", ("fsdp", "sequence")), *default[3:])
     read = jax.jit(lambda w, context: context.read(w, ("embed", "mlp")), static_argnums=1)
     for rules in (default, long_context):
-        stored = jax.sharding.NamedSharding(context_parallel, nn.logical_to_mesh_axes(("embed", "mlp"), rules))
+        stored = jax.sharding.NamedSharding(context_parallel, logical_to_mesh_axes(("embed", "mlp"), rules))
         w = jax.device_put(jnp.ones((8, 16)), stored)
         with jax.set_mesh(context_parallel):  # as the train step is traced (sharding.activate)
             assert read(w, TraceContext.on_mesh(context_parallel, rules)).sharding.spec == jax.P(None, "tensor")

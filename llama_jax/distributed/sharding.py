@@ -17,7 +17,6 @@ from __future__ import annotations
 import math
 from contextlib import contextmanager
 
-import flax.linen as nn
 import jax
 import numpy as np
 from jax.experimental import mesh_utils
@@ -27,9 +26,10 @@ from llama_jax.config import Config, MeshConfig
 from llama_jax.config.checks import parse_axes
 from llama_jax.config.choices import MESH_AXES
 from llama_jax.errors import ConfigError
-from llama_jax.model.context import rule_axes
+from llama_jax.model.context import logical_to_mesh_axes, rule_axes
 from llama_jax.model.context_parallel import chunk_order
 from llama_jax.model.llama import abstract_params
+from llama_jax.model.params import is_param
 from llama_jax.model.stages import LayerOrder
 
 # logical axis (config/choices.py) -> mesh axis (or axes, or None = replicated).
@@ -184,12 +184,11 @@ _AXIS_KEYS = {
 def check_parameter_shapes(config: Config, sizes: dict[str, int]) -> None:
     """Every parameter dimension must split evenly over the mesh axes its logical name maps to."""
     rules = dict(axis_rules(config))
-    boxed = abstract_params(config.model)
-    leaves = jax.tree.leaves(boxed, is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned))
+    leaves = jax.tree.leaves(abstract_params(config.model), is_leaf=is_param)
     # The layer stack as stored: padded to the largest stage's layers where stages are uneven (stages.py).
     stored = LayerOrder(sizes["pipeline"], config.mesh.pipeline_repeats, tuple(config.mesh.pipeline_stage_layers))
     for leaf in leaves:
-        for dim, name in zip(leaf.value.shape, leaf.names):
+        for dim, name in zip(leaf.shape, leaf.get_metadata()["out_sharding"]):
             dim = stored.length(dim) if name == "layers" else dim
             axes = rule_axes(rules.get(name))
             shards = math.prod(sizes[a] for a in axes)
@@ -220,7 +219,8 @@ def make_mesh(config: Config, devices=None) -> Mesh:
     check_divisibility(config, sizes)
     check_parameter_shapes(config, sizes)
     shape = tuple(sizes[a] for a in MESH_AXES)
-    # Auto axis types: Flax's logical constraints are GSPMD hints, which Explicit axes reject.
+    # Auto axis types: the model's logical constraints are GSPMD hints, which Explicit axes reject
+    # (docs/parallelism.md, "Explicit sharding").
     axis_types = (AxisType.Auto,) * len(MESH_AXES)
     n_hosts = len({d.process_index for d in devices})
     split = split_over_hosts(shape, n_hosts) if n_hosts > 1 else None
@@ -231,16 +231,22 @@ def make_mesh(config: Config, devices=None) -> Mesh:
 
 
 @contextmanager
-def activate(mesh: Mesh, rules: tuple):
-    """Make the mesh and rules visible to the model's logical activation constraints while tracing."""
-    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+def activate(mesh: Mesh):
+    """The mesh made current while tracing (jax.set_mesh): the model's logical activation constraints, which take
+    their rules from its TraceContext, are placed on it."""
+    with jax.set_mesh(mesh):
         yield
 
 
 def logical_to_sharding(logical_tree, mesh: Mesh, rules: tuple):
-    """A pytree of LogicallyPartitioned leaves (from eval_shape of init) -> NamedShardings."""
-    specs = nn.get_partition_spec(logical_tree)
-    return nn.logical_to_mesh_sharding(specs, mesh, rules)
+    """A pytree whose nnx.Param leaves carry logical axis names (a state or params, abstract or not) ->
+    NamedShardings by `rules` (other leaves, e.g. step counters: replicated)."""
+
+    def placement(leaf):
+        names = leaf.get_metadata().get("out_sharding") if is_param(leaf) else None
+        return NamedSharding(mesh, PartitionSpec() if not names else logical_to_mesh_axes(tuple(names), rules))
+
+    return jax.tree.map(placement, logical_tree, is_leaf=is_param)
 
 
 def param_shardings(config: Config, mesh: Mesh):

@@ -22,10 +22,10 @@ import math
 from contextlib import nullcontext
 from dataclasses import dataclass
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from llama_jax.config import Config, MeshConfig, ModelConfig, PeftConfig
@@ -33,8 +33,8 @@ from llama_jax.config.choices import MESH_AXES
 from llama_jax.distributed import sharding
 from llama_jax.errors import ConfigError
 from llama_jax.model import peft
-from llama_jax.model.context import TraceContext
-from llama_jax.model.llama import KV_HEADS, Llama
+from llama_jax.model.context import TraceContext, logical_to_mesh_axes
+from llama_jax.model.llama import KV_HEADS, abstract_model, init_cache
 from llama_jax.model.pipeline import without_stage_axis
 from llama_jax.model.stages import NATURAL, LayerOrder, relayout
 
@@ -131,25 +131,20 @@ class Generator:
         self.cfg, self.batch, self.cache_len, self.sampling, self.mesh = cfg, batch, cache_len, sampling, mesh
         self.rules = None if mesh is None else decoding_rules(rules or default_rules(cfg, mesh), mesh, batch)
         context = TraceContext.local() if mesh is None else TraceContext.on_mesh(mesh, self.rules)
-        self.model = Llama(cfg, decode=True, peft=adapters, context=context)
-        # Cache shapes from an abstract init; the cache starts as zeros, made in its shards.
-        shapes = jax.eval_shape(self.model.init, jax.random.key(0), jnp.zeros((batch, cache_len), jnp.int32))
+        graph = nnx.graphdef(abstract_model(cfg, adapters, context=context))
+        # The cache starts as zeros, made in its shards.
+        empty = jax.eval_shape(lambda: init_cache(cfg, batch, cache_len))
         self.cache_shardings = (
             None
             if mesh is None
-            else jax.tree.map(
-                lambda _: nn.logical_to_mesh_sharding(PartitionSpec(*CACHE_AXES), mesh, self.rules), shapes["cache"]
-            )
+            else jax.tree.map(lambda _: NamedSharding(mesh, logical_to_mesh_axes(CACHE_AXES, self.rules)), empty)
         )
-        self._empty_cache = jax.jit(
-            lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes["cache"]),
-            out_shardings=self.cache_shardings,
-        )
+        self._empty_cache = jax.jit(lambda: init_cache(cfg, batch, cache_len), out_shardings=self.cache_shardings)
 
         def step(params, cache, tokens, positions, last, rng):
-            logits, updated = self.model.apply({"params": params, "cache": cache}, tokens, positions, mutable=["cache"])
+            logits, cache = nnx.merge(graph, params)(tokens, positions, cache=cache)
             chosen = jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]  # [batch, vocab]
-            return sample_next(chosen, rng, self.sampling), updated["cache"]
+            return sample_next(chosen, rng, self.sampling), cache
 
         # On a mesh the chosen tokens come back replicated: every process can read them.
         outputs = None if mesh is None else (NamedSharding(mesh, PartitionSpec()), self.cache_shardings)
@@ -163,7 +158,7 @@ class Generator:
         return jax.make_array_from_callback(x.shape, NamedSharding(self.mesh, PartitionSpec()), lambda i: x[i])
 
     def _run(self, *args):
-        with nullcontext() if self.mesh is None else sharding.activate(self.mesh, self.rules):
+        with nullcontext() if self.mesh is None else sharding.activate(self.mesh):
             return self._step(*args)
 
     def prefill(self, params, prompts: list[list[int]], rng: jax.Array) -> tuple[jax.Array, dict]:
@@ -251,11 +246,11 @@ def generate_without_cache(
     shape of prompt + max_new_tokens; the causal mask keeps the padding after it unseen)."""
     adapters = inference_adapters(params)
     (prompt,) = peft.with_prompt_slots([prompt], adapters.virtual_tokens)
-    model, window = Llama(cfg, peft=adapters), len(prompt) + max_new_tokens
+    graph, window = nnx.graphdef(abstract_model(cfg, adapters)), len(prompt) + max_new_tokens
 
     @jax.jit
     def next_token(params, tokens, length, rng):
-        logits = model.apply({"params": params}, tokens)
+        logits = nnx.merge(graph, params)(tokens)
         return sample_next(logits[:, length - 1], rng, sampling)
 
     tokens = np.zeros((1, window), np.int32)

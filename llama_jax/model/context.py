@@ -24,7 +24,6 @@ import math
 from dataclasses import dataclass
 from functools import partial
 
-import flax.linen as nn
 import jax
 from jax.sharding import Mesh, PartitionSpec
 
@@ -76,11 +75,11 @@ class TraceContext:
 
     def mesh_axes(self, names: tuple[str | None, ...]) -> PartitionSpec:
         """The mesh axes of logical axis names, by the rules."""
-        return nn.logical_to_mesh_axes(names, self.rules)
+        return logical_to_mesh_axes(names, self.rules)
 
     def constrain(self, x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
         """x sharded as its logical axis names say, by the rules (no-op without rules or outside a mesh)."""
-        return nn.with_logical_constraint(x, names, rules=self.rules)
+        return with_logical_constraint(x, names, self.rules)
 
     def read(self, w: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
         """A parameter w (in the compute dtype) as a matmul or the embedding lookup reads it. Where the mesh splits
@@ -96,11 +95,11 @@ class TraceContext:
         partitioner replicate activations in the layers' backward pass: llama3_405b's 16K stage planned at 145 GiB
         and 2,053 s a step, against 64 GiB and 229 s.)"""
         rules = self._read_rules(names)
-        return w if rules is None else nn.with_logical_constraint(w, names, rules=rules)
+        return w if rules is None else with_logical_constraint(w, names, rules)
 
     def read_axes(self, names: tuple[str | None, ...]) -> PartitionSpec:
         """The mesh axes of a parameter as `read` returns it."""
-        return nn.logical_to_mesh_axes(names, self._read_rules(names) or self.rules)
+        return logical_to_mesh_axes(names, self._read_rules(names) or self.rules)
 
     def gathered(self, w: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
         """w gathered over the mesh axes that split the batch and the sequence, whatever the mesh: FSDP's
@@ -137,7 +136,7 @@ class TraceContext:
 
 @partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
 def _gather(w, names, gathered_rules, own_rules):
-    return nn.with_logical_constraint(w, names, rules=gathered_rules)
+    return with_logical_constraint(w, names, gathered_rules)
 
 
 def _gather_forward(w, names, gathered_rules, own_rules):
@@ -146,10 +145,34 @@ def _gather_forward(w, names, gathered_rules, own_rules):
 
 def _gather_backward(names, gathered_rules, own_rules, _, g):
     # The plain constraint's transpose would gather the gradient too, only for the weight to keep its shard.
-    return (nn.with_logical_constraint(g, names, rules=own_rules),)
+    return (with_logical_constraint(g, names, own_rules),)
 
 
 _gather.defvjp(_gather_forward, _gather_backward)
+
+
+def logical_to_mesh_axes(names: tuple[str | None, ...], rules: tuple) -> PartitionSpec:
+    """The mesh axes of an array whose axes have logical `names`, by `rules` ((logical name, mesh axes) pairs):
+    in the rules' order, the first rule naming an axis decides it (None: not split), unless another of the
+    array's axes already took one of its mesh axes; an axis no rule decides is not split. These are Flax Linen's
+    semantics, which the table was written for (NNX has no function that takes the rules as an argument)."""
+    named = [n for n in names if n is not None]
+    assert len(set(named)) == len(named), f"a logical axis name appears twice: {names}"
+    undecided = object()
+    decided: list = [undecided if n is not None else None for n in names]
+    for name, axes in rules:
+        if name in names and decided[names.index(name)] is undecided:
+            taken = {a for d in decided if d is not undecided for a in rule_axes(d)}
+            if not taken & set(rule_axes(axes)):
+                decided[names.index(name)] = axes
+    return PartitionSpec(*(None if d is undecided else d for d in decided))
+
+
+def with_logical_constraint(x: jax.Array, names: tuple[str | None, ...], rules: tuple) -> jax.Array:
+    """x constrained to the sharding its logical axis names map to by `rules`; x itself without rules (a trace for
+    one device). With rules the trace runs under its context's mesh (sharding.activate: jax.set_mesh), or a
+    pipeline stage's shard_map of it, where the stage axis is manual."""
+    return jax.lax.with_sharding_constraint(x, logical_to_mesh_axes(names, rules)) if rules else x
 
 
 def rule_axes(rule: str | tuple[str, ...] | None) -> tuple[str, ...]:

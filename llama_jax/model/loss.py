@@ -27,9 +27,10 @@ from __future__ import annotations
 
 import functools
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
+
+from llama_jax.model.context import with_logical_constraint
 
 CHUNK_TOKENS = 1024  # tokens of each row per chunk: [batch, 1024, vocab] fp32 logits at a time
 LOGITS = ("batch", "seq", "act_vocab")
@@ -95,8 +96,8 @@ def _chunks(x, targets, mask, chunks: int):
 
 def _chunk_loss(x_c, weight, targets_c, mask_c, rules: tuple):
     """One chunk's fp32 logits [batch, seq / chunks, vocab], their log-sum-exp and its summed loss."""
-    logits = nn.with_logical_constraint(
-        jnp.einsum("btd,dv->btv", x_c, weight, preferred_element_type=jnp.float32), LOGITS, rules=rules
+    logits = with_logical_constraint(
+        jnp.einsum("btd,dv->btv", x_c, weight, preferred_element_type=jnp.float32), LOGITS, rules
     )
     lse = jax.nn.logsumexp(logits, axis=-1)
     return logits, lse, jnp.sum((lse - _target_logits(logits, targets_c)) * mask_c)
@@ -110,7 +111,7 @@ def _weight_gradient_by_shard(x_c, d_logits, shards: tuple[int, int], rules: tup
     b, t = x_c.shape[:2]
     x_s, d_s = (a.reshape(batch_shards, b // batch_shards, seq_shards, t // seq_shards, -1) for a in (x_c, d_logits))
     partial = jnp.einsum("sbqtd,sbqtv->sqdv", x_s, d_s, preferred_element_type=jnp.float32)
-    return nn.with_logical_constraint(partial, WEIGHT_GRADIENT_BY_SHARD, rules=rules)
+    return with_logical_constraint(partial, WEIGHT_GRADIENT_BY_SHARD, rules)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
@@ -130,18 +131,18 @@ def _fused_forward(x, weight, targets, mask, chunks, rules, shards):
         # d(loss)/d(logits) = softmax - one_hot(target), for unmasked tokens
         vocab_ids = jnp.arange(logits.shape[-1], dtype=targets_c.dtype)
         d_logits = (jnp.exp(logits - lse[..., None]) - (vocab_ids == targets_c[..., None])) * mask_c[..., None]
-        d_logits = nn.with_logical_constraint(d_logits.astype(x.dtype), LOGITS, rules=rules)
+        d_logits = with_logical_constraint(d_logits.astype(x.dtype), LOGITS, rules)
         d_x = jnp.einsum("btv,dv->btd", d_logits, weight, preferred_element_type=jnp.float32).astype(x.dtype)
         d_weight = d_weight + _weight_gradient_by_shard(x_c, d_logits, shards, rules)
         return (total + loss, d_weight), d_x
 
     by_shard = jnp.zeros((*shards, *weight.shape), jnp.float32)
-    zeros = (jnp.zeros((), jnp.float32), nn.with_logical_constraint(by_shard, WEIGHT_GRADIENT_BY_SHARD, rules=rules))
+    zeros = (jnp.zeros((), jnp.float32), with_logical_constraint(by_shard, WEIGHT_GRADIENT_BY_SHARD, rules))
     (total, d_weight), d_x = jax.lax.scan(chunk_loss_and_grads, zeros, _chunks(x, targets, mask, chunks))
     b, t = x.shape[:2]
     d_x = jnp.moveaxis(d_x, 0, 2).reshape(b, t, x.shape[2])  # back from chunks to the token order
     # The devices' partial sums added once, straight into the weight's own sharding: a reduce-scatter.
-    d_weight = nn.with_logical_constraint(d_weight.sum((0, 1)), OUTPUT_WEIGHT, rules=rules)
+    d_weight = with_logical_constraint(d_weight.sum((0, 1)), OUTPUT_WEIGHT, rules)
     return total, (d_x, d_weight.astype(weight.dtype))
 
 

@@ -27,7 +27,7 @@ from flax.traverse_util import flatten_dict, unflatten_dict
 
 from llama_jax.config import ModelConfig, PeftConfig
 from llama_jax.errors import ConfigError
-from llama_jax.model.llama import PromptEncoder
+from llama_jax.model.prompt_encoder import encoded_prompt
 
 LORA = ("lora_a", "lora_b")
 PROMPTS = ("prompt", "prompt_encoder")  # the top-level entries of prompt tuning and P-tuning
@@ -175,7 +175,7 @@ def prompt_table(params: dict, cfg: ModelConfig, peft: PeftConfig) -> jax.Array:
     """[prompt_tokens, embed]: the virtual tokens' embeddings as the model uses them (P-tuning: the
     encoder's output)."""
     if peft.method == "ptuning":
-        return PromptEncoder(cfg, peft).apply({"params": params["prompt_encoder"]})
+        return encoded_prompt(cfg, peft, params["prompt_encoder"])
     return params["prompt"]["embedding"]
 
 

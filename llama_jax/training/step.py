@@ -20,11 +20,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
-from flax import struct
+from flax import nnx, struct
 from jax.extend.core import jaxpr_as_fun
 from jax.sharding import Mesh
 
@@ -38,6 +37,7 @@ from llama_jax.model.attention import select_implementation, skips_masked_blocks
 from llama_jax.model.context import TraceContext
 from llama_jax.model.flops import matmul_param_count, train_flops_per_token
 from llama_jax.model.llama import Llama
+from llama_jax.model.params import abstract, is_param
 from llama_jax.model.pipeline import PipelineLayout
 from llama_jax.model.stages import LayerOrder, to_storage_order
 from llama_jax.perf import gpu_target
@@ -90,29 +90,29 @@ class PeftState(TrainState):
 
 
 def loss_terms(
-    params, model: Llama, batch: dict[str, jax.Array], dropout_key: jax.Array | None = None
+    params, graph: nnx.GraphDef, batch: dict[str, jax.Array], dropout_key: jax.Array | None = None
 ) -> tuple[jax.Array, jax.Array]:
-    """(summed next-token loss, unmasked token count) of one batch, in fp32. A dropout key (training a
-    peft run with peft.dropout) turns LoRA's dropout on."""
-    return model.apply(
-        {"params": params},
+    """(summed next-token loss, unmasked token count) of one batch, in fp32, by the model of `graph` (nnx.graphdef
+    of a Llama) with `params`. A dropout key (training a peft run with peft.dropout) turns LoRA's dropout on."""
+    model = nnx.merge(graph, params)
+    return model(
         batch["tokens"],
         batch["positions"],
         batch["segment_ids"],
         targets=batch["targets"],
         loss_mask=batch["loss_mask"],
-        rngs=None if dropout_key is None else {"dropout": dropout_key},
+        dropout_key=dropout_key,
     )
 
 
-def make_grad_fn(model: Llama, microbatches: int) -> Callable:
+def make_grad_fn(graph: nnx.GraphDef, microbatches: int) -> Callable:
     """(params, batch, frozen, dropout key) -> (mean loss, gradient of the mean loss, token count),
     accumulating the gradient over `microbatches` slices of the batch with a scan. With `frozen` (a peft
     run's base model) the model runs on both, and only `params` (the adapters) are differentiated: no
     weight gradient of the base is ever computed."""
 
     def loss(params, batch, frozen, key):
-        return loss_terms(params if frozen is None else peft.merge(params, frozen), model, batch, key)
+        return loss_terms(params if frozen is None else peft.merge(params, frozen), graph, batch, key)
 
     grad_fn = jax.value_and_grad(loss, has_aux=True)
 
@@ -143,7 +143,7 @@ def make_grad_fn(model: Llama, microbatches: int) -> Callable:
 
 
 def make_train_step(
-    model: Llama,
+    graph: nnx.GraphDef,
     optimizer: optax.GradientTransformation,
     schedule: optax.Schedule,
     microbatches: int,
@@ -151,7 +151,7 @@ def make_train_step(
 ) -> Callable:
     """The jitted step's function. With dropout_seed, step n's dropout key is (seed, n): a resumed run
     draws the masks a straight run would."""
-    loss_and_grads = make_grad_fn(model, microbatches)
+    loss_and_grads = make_grad_fn(graph, microbatches)
 
     def train_step(state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainState, dict[str, jax.Array]]:
         key = None if dropout_seed is None else jax.random.fold_in(jax.random.key(dropout_seed), state.step)
@@ -182,16 +182,15 @@ def make_train_step(
 # The compiled programs of one config on one mesh
 
 
-def make_init_state(model: Llama, optimizer: optax.GradientTransformation, config: Config, mesh: Mesh) -> Callable:
-    """rng -> the fresh TrainState (a PeftState for a peft run) of `model` on `mesh`, its params boxed with their
-    logical axis names."""
+def make_init_state(
+    make_model: Callable[..., Llama], optimizer: optax.GradientTransformation, config: Config, mesh: Mesh
+) -> Callable:
+    """rng -> the fresh TrainState (a PeftState for a peft run) of the model make_model(rngs=...) builds, on `mesh`, its
+    params (and the optimizer moments that mirror them) nnx.Params carrying their logical axis names."""
     adapting = config.peft.method != "none"
 
     def init_state(rng: jax.Array) -> TrainState:
-        # The dummy batch only fixes shapes (XLA drops the unused forward pass); one row per
-        # batch shard keeps it divisible by the mesh inside the context-parallel shard_map.
-        rows = mesh.shape["data"] * mesh.shape["fsdp"] * mesh.shape["pipeline"]
-        params = model.init(rng, jnp.zeros((rows, config.train.seq_len), jnp.int32))["params"]
+        params = nnx.to_pure_dict(nnx.state(make_model(rngs=nnx.Rngs(params=rng)), nnx.Param), lambda v: v)
         if not adapting:
             # Each pipeline stage's layers in one block (stages.py); the natural order without repeats.
             params = to_storage_order(params, layer_order(config, mesh))
@@ -208,7 +207,8 @@ def make_init_state(model: Llama, optimizer: optax.GradientTransformation, confi
 class TrainProgram:
     config: Config
     mesh: Mesh
-    model: Llama
+    model: Llama  # abstract (nnx.eval_shape): the model's graph and shapes, traced for this program's context
+    graph: nnx.GraphDef  # the model split once: what the jitted steps merge with the params they are given
     state_shardings: Any
     state_shapes: Any  # ShapeDtypeStructs of the (unboxed) state, traced once in build()
     init_state: Callable  # rng -> a new state (a peft run's base too: random, for benchmarks and tests)
@@ -231,7 +231,8 @@ class TrainProgram:
         if config.train.microbatches == "auto":
             return cls._fewest_microbatches_that_fit(config, mesh, context)
         layout = pipeline_layout(config, mesh)
-        model = Llama(
+        make_model = functools.partial(
+            Llama,
             config.model,
             remat_config=config.remat,
             load_balanced=config.mesh.load_balance,
@@ -239,6 +240,8 @@ class TrainProgram:
             pipeline=layout,
             context=context,
         )
+        model = abstract(lambda: make_model(rngs=nnx.Rngs(0)))
+        graph = nnx.graphdef(model)
         # With pipelining the micro-batches are the pipeline's (inside the model); the step accumulates the
         # gradient over the passes through it, if there are several.
         accumulate = config.train.microbatches // layout.microbatches if layout else config.train.microbatches
@@ -255,41 +258,35 @@ class TrainProgram:
             config.train.seq_len,
         )
 
-        init_state = make_init_state(model, optimizer, config, mesh)
+        init_state = make_init_state(make_model, optimizer, config, mesh)
 
-        # Shapes and logical axis names of the whole state, computed without allocating it; the
-        # optimizer moments inherit their parameter's names, so they are sharded alike. Traced for the context
-        # (for a GPU that is not here, cuDNN attention asks jax's checks), and once: the initialisers below
-        # replay this trace's jaxpr instead of tracing the model again, which would cost as long.
-        with jax_workarounds.cudnn_checks_answered_by(context.gpu):
-            init_jaxpr, boxed_shapes = jax.make_jaxpr(init_state, return_shape=True)(jax.random.key(0))
+        # Shapes and logical axis names of the whole state, computed without allocating it; the optimizer moments
+        # inherit their parameter's names (nnx.Params, through optax), so they are sharded alike. Traced once: the
+        # initialisers below replay this trace's jaxpr instead of building the model again.
+        init_jaxpr, boxed_shapes = jax.make_jaxpr(init_state, return_shape=True)(jax.random.key(0))
         replay_init, boxes = jaxpr_as_fun(init_jaxpr), jax.tree.structure(boxed_shapes)
         state_shardings = sharding.logical_to_sharding(boxed_shapes, mesh, rules)
         batch_sharding = sharding.batch_sharding(mesh)
 
         def eval_step(params, batch):
-            return loss_terms(params, model, batch)
+            return loss_terms(params, graph, batch)
 
-        unboxed = lambda rng: nn.meta.unbox(jax.tree.unflatten(boxes, replay_init(rng)))  # noqa: E731
+        unboxed = lambda rng: unbox(jax.tree.unflatten(boxes, replay_init(rng)))  # noqa: E731
         dropout_seed = config.seed if adapting and config.peft.dropout > 0 else None
 
         return cls(
             config=config,
             mesh=mesh,
             model=model,
+            graph=graph,
             state_shardings=state_shardings,
-            # Unboxed without a sharding constraint: these are shapes, and build() may run in a mesh context.
-            state_shapes=jax.tree.map(
-                lambda x: x.unbox(apply_constraint=False) if isinstance(x, nn.LogicallyPartitioned) else x,
-                boxed_shapes,
-                is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned),
-            ),
+            state_shapes=unbox(boxed_shapes),
             # The state is created directly in its shards: never materialised whole on one device.
             init_state=jax.jit(unboxed, out_shardings=state_shardings),
             # Only what it returns is computed: a peft run's base is never initialised here.
             init_trained=jax.jit(lambda rng: unboxed(rng).checkpointed(), out_shardings=state_shardings.checkpointed()),
             train_step=jax.jit(
-                make_train_step(model, optimizer, schedule, accumulate, dropout_seed),
+                make_train_step(graph, optimizer, schedule, accumulate, dropout_seed),
                 in_shardings=(state_shardings, batch_sharding),
                 out_shardings=(state_shardings, sharding.replicated(mesh)),
                 donate_argnums=(0,),
@@ -383,11 +380,11 @@ class TrainProgram:
 
     @contextlib.contextmanager
     def activate(self):
-        """Context in which the steps may be traced and run: the mesh and the logical rules are jax's and Flax's
-        (the shardings of the state and batch; the model reads its own from self.context), and for a GPU that is
-        not here jax's cuDNN checks answer for it (model/jax_workarounds.py)."""
+        """Context in which the steps may be traced and run: the mesh is jax's (jax.set_mesh: the model's logical
+        constraints, which take their rules from self.context, are placed on it), and for a GPU that is not here
+        jax's cuDNN checks answer for it (model/jax_workarounds.py)."""
         with (
-            sharding.activate(self.mesh, self.context.rules),
+            sharding.activate(self.mesh),
             jax_workarounds.cudnn_checks_answered_by(self.context.gpu),
         ):
             yield
@@ -455,6 +452,11 @@ class TrainProgram:
             loss_sum, n = self.eval_step(params, self.put(batches.batch(i, rows)))
             total, count = total + float(loss_sum), count + float(n)
         return total / max(count, 1.0)
+
+
+def unbox(tree):
+    """A tree with nnx.Params (carrying logical axis names) -> the same tree with their values."""
+    return jax.tree.map(lambda x: x.get_value() if is_param(x) else x, tree, is_leaf=is_param)
 
 
 def lower_step(config: Config, platform_name: str, target: str = "h100", devices=None):

@@ -48,16 +48,15 @@ PEFT_MADE = {
 
 def adapters(name: str) -> tuple[object, object, dict]:
     """(model config, peft settings, adapters in our layout): random values from SEED, B not zero."""
-    import flax.linen as nn
     import jax
 
     from llama_jax.config import PeftConfig
     from llama_jax.interop import hf
     from llama_jax.model import peft
-    from llama_jax.model.llama import abstract_params
+    from llama_jax.model.llama import param_shapes
 
     cfg, settings = hf.read_config(BASE), PeftConfig(**ADAPTERS[name])
-    shapes = peft.split(nn.meta.unbox(abstract_params(cfg, settings)))[0]
+    shapes = peft.split(param_shapes(cfg, settings))[0]
     rng = np.random.default_rng(SEED)
     leaves, tree = jax.tree.flatten(shapes)
     values = [(0.05 * rng.standard_normal(s.shape)).astype(np.float32) for s in leaves]

@@ -2,8 +2,8 @@
 
     layer.py        LayerInputs (what every layer reads besides x, one typed pytree), Stack (how the layers run,
                     from the config), apply_block (one layer on its params), Head (the loss, for 1F1B)
-    run.py          run_stack(stack, layers, x, segment_ids, positions, head, dropout_key): the one entry
-    scan.py         Block under nn.scan: the plain way, and what creates every way's params ([layers, ...])
+    run.py          run_stack(stack, params, x, segment_ids, positions, head, dropout_key, cache): the one entry
+    scan.py         the plain way: one layer body under jax.lax.scan over the stacked params; decoding's cache
     grouped.py      grouped remat (one layer in every_n recomputes), and a pipeline stage's group of layers
     gpipe.py        the GPipe schedule: every micro-batch's forward pass, then autodiff back through the loop
     one_f_one_b.py  the 1F1B schedule: per iteration one forward and one backward pass per stage, explicit VJPs

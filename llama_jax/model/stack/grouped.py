@@ -13,6 +13,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from llama_jax.model.dropout import DropoutKey, layer_keys
 from llama_jax.model.stack.layer import LayerInputs, Stack, apply_block
 
 LAYER_SLOT_SCOPE = "pipeline_layer_slot"  # the name of the conditional that skips an empty slot (uneven stages)
@@ -26,15 +27,15 @@ def run_layers(
     dropout_key: jax.Array | None = None,
     layers: jax.Array | None = None,
 ) -> jax.Array:
-    """x [batch, seq, embed] through the layers whose params (leaves [n, ...], the layout nn.scan creates) are
-    given, in order, recomputing as stack.policy and stack.every_n say. With `layers` (a pipeline stage with
-    fewer layers than slots) only the first `layers` of the n run; the others are skipped."""
+    """x [batch, seq, embed] through the layers whose params (leaves [n, ...]) are given, in order, recomputing as
+    stack.policy and stack.every_n say. With `layers` (a pipeline stage with fewer layers than slots) only the
+    first `layers` of the n run; the others are skipped. A dropout key gives each layer its own (dropout.py)."""
 
     def layer(params, key, x):
-        return apply_block(stack.block, params, x, inputs, key)
+        return apply_block(stack, params, x, inputs, None if key is None else DropoutKey.of_layer(key, False))[0]
 
     n_layers = jax.tree.leaves(params)[0].shape[0]
-    keys = None if dropout_key is None else jax.random.split(dropout_key, n_layers)
+    keys = None if dropout_key is None else layer_keys(dropout_key, n_layers, scanned=False)
 
     def scan(step, x, weights, width: int = 1):
         """step(w, x) over the leading axis of weights, each entry `width` layers; those past `layers` skipped."""

@@ -1,26 +1,29 @@
 """What every way of running the layer stack shares: one layer's inputs, the stack's description, apply_block.
 
 LayerInputs   what each layer reads besides the residual stream (rotary angles, documents, positions),
-              one typed pytree, the same for every layer: nn.scan broadcasts it, a pipeline makes one per
+              one typed pytree, the same for every layer: a scan closes over it, a pipeline makes one per
               micro-batch. Adding an input to Block is a field here (made in llama.layer_inputs).
-Stack         how the layers run, chosen from the config: one Block, the function making its inputs,
-              the trace's context, the remat policy (and its every_n_layers) and the pipeline layout; `way`
-              names the way, inside_stage() is the stack as a pipeline stage's body runs it.
-apply_block   one layer on its own params: what the ways that run the layers themselves call per layer.
+Stack         how the layers run, chosen from the config: how to make one Block, the function making its
+              inputs, the trace's context, the remat policy (and its every_n_layers) and the pipeline layout;
+              `way` names the way, inside_stage() is the stack as a pipeline stage's body runs it.
+apply_block   one layer on its own params (one slice of the stacked ones), what every way calls per layer.
 Head          the loss after the layers, for the way that computes it inside the stack (1F1B).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-import flax.linen as nn
 import jax
+from flax import nnx
 
 from llama_jax.model.context import TraceContext
+from llama_jax.model.dropout import DropoutKey
+from llama_jax.model.params import abstract
 from llama_jax.model.pipeline import PipelineLayout
 
 
@@ -37,7 +40,7 @@ class LayerInputs(NamedTuple):
 class Stack:
     """How the layer stack runs (Llama.stack makes it from the config); run.run_stack runs it."""
 
-    block: nn.Module  # one layer, unbound (llama.Block): what apply_block applies
+    block: Callable[[TraceContext, nnx.Rngs], nnx.Module]  # (context, rngs) -> one layer (llama.Block)
     inputs: Callable[[jax.Array | None, jax.Array], LayerInputs]  # (segment_ids, positions) -> the layers' inputs
     names: tuple[str, ...]  # the logical axis names of the activations between layers
     context: TraceContext  # what the trace is for (the block's too): platform, mesh, logical-axis rules
@@ -58,11 +61,15 @@ class Stack:
         loss runs on the last stage as soon as its forward pass ends, so that its backward pass can start)."""
         return self.way == "1f1b"
 
+    @functools.cached_property
+    def graph(self) -> nnx.GraphDef:
+        """One layer's graph, traced in this stack's context: what apply_block merges with one layer's params."""
+        return nnx.graphdef(abstract(lambda: self.block(self.context, nnx.Rngs(0))))
+
     def inside_stage(self) -> Stack:
-        """This stack as a pipeline stage's shard_map body runs it: its block, and its own constraints, in the
+        """This stack as a pipeline stage's shard_map body runs it: its block (graph) and its own constraints, in the
         stage's context (the stage axis manual, out of the rules)."""
-        inner = self.context.inside_stage()
-        return dataclasses.replace(self, block=self.block.clone(context=inner), context=inner)
+        return dataclasses.replace(self, context=self.context.inside_stage())
 
     def constrain(self, a: jax.Array) -> jax.Array:
         """Activations between layers [..., batch, seq, embed] (any leading axes: micro-batches, buffers) sharded
@@ -80,9 +87,9 @@ class Head(NamedTuple):
 
 
 def apply_block(
-    block: nn.Module, params, x: jax.Array, inputs: LayerInputs, dropout_key: jax.Array | None = None
-) -> jax.Array:
-    """One layer: x [batch, seq, embed] -> [batch, seq, embed], with one layer's params (a slice of the stack's
-    [layers, ...] leaves). A dropout key turns LoRA's dropout on (training a peft run)."""
-    rngs = {} if dropout_key is None else {"dropout": dropout_key}
-    return block.apply({"params": params}, x, inputs, rngs=rngs)[0]
+    stack: Stack, params, x: jax.Array, inputs: LayerInputs, dropout: DropoutKey | None = None, cache=None
+) -> tuple[jax.Array, Any]:
+    """One layer: x [batch, seq, embed] -> ([batch, seq, embed], its cache), with one layer's params (a slice of
+    the stack's [layers, ...] leaves). A dropout key turns LoRA's dropout on (training a peft run); a cache (the
+    layer's keys and values of earlier tokens) makes it decode."""
+    return nnx.merge(stack.graph, params)(x, inputs, dropout, cache)

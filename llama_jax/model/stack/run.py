@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
@@ -12,30 +11,24 @@ from llama_jax.model.stack.layer import Head, Stack
 
 def run_stack(
     stack: Stack,
-    layers: nn.Module,
+    params,
     x: jax.Array,
     segment_ids: jax.Array | None,
     positions: jax.Array,
     head: Head | None = None,
     dropout_key: jax.Array | None = None,
-) -> jax.Array:
+    cache=None,
+):
     """x [batch, seq, embed] (the embeddings) through every layer -> [batch, seq, embed]; or, given a head where
-    the stack computes the loss (Stack.computes_loss: 1F1B), the summed loss.
+    the stack computes the loss (Stack.computes_loss: 1F1B), the summed loss; or, given a cache (decoding, which
+    runs the plain way), (x, the cache with these tokens' keys and values).
 
-    layers: the model's child that holds the layers' params, Block under nn.scan (scan.scanned). While the model
-    initialises it runs, whatever the way, and so creates the params every way reads; the scan way always runs
-    it; the other ways take its params and apply each layer with apply_block. segment_ids and positions [batch,
-    seq] make the layers' inputs (stack.inputs). dropout_key: LoRA's dropout in the ways that apply the layers
-    themselves (nn.scan splits the model's own key).
+    params: the layers' params, each leaf [n_layers, ...] (as llama.Llama stacks them; a pipeline's in its
+    storage order, stages.py). segment_ids and positions [batch, seq] make the layers' inputs (stack.inputs).
+    dropout_key: LoRA's dropout, split over the layers by the way that runs them (dropout.py).
     """
-    if layers.is_initializing() or stack.way == "scan":
-        x = scan.run_scan(layers, x, stack.inputs(segment_ids, positions))
-        return (
-            x
-            if head is None or not stack.computes_loss
-            else head.loss(head.params, x, head.targets, head.loss_mask, stack.context)
-        )
-    params = layers.variables["params"]
+    if cache is not None or stack.way == "scan":
+        return scan.run_scan(stack, params, x, stack.inputs(segment_ids, positions), dropout_key, cache)
     if stack.way == "grouped":
         return grouped.run_layers(stack, params, x, stack.inputs(segment_ids, positions), dropout_key)
     # A pipeline splits the batch into micro-batches: every row's documents spelled out. (Adapters are not

@@ -1,36 +1,33 @@
-"""The plain way, and the layers' params of every way: Block under nn.scan.
+"""The plain way: one compiled layer body under jax.lax.scan over the layers' stacked params.
 
-One compiled layer body runs n_layers times, so compile time does not grow with depth, and every layer weight
-(and the decode cache) gets a leading `layers` axis, named `layers` for the logical-axis table. Every way stores
-the layers so: `init` runs this way whatever the config says, and the other ways run the params it made.
-Under a remat policy that recomputes every layer the body is Block under nn.remat.
+One compiled body runs n_layers times, so compile time does not grow with depth; every layer weight (and the
+decode cache) has a leading `layers` axis, named `layers` for the logical-axis table, in every way. Under a
+remat policy that recomputes every layer, the body is the layer under jax.checkpoint. Decoding runs this way,
+each layer reading and extending its slice of the cache.
 """
 
 from __future__ import annotations
 
-import flax.linen as nn
 import jax
 
-from llama_jax.model.stack.layer import LayerInputs, Stack
+from llama_jax.model.dropout import DropoutKey, layer_keys
+from llama_jax.model.stack.layer import LayerInputs, Stack, apply_block
 
 
-def scanned(block: type[nn.Module], n_layers: int, stack: Stack) -> type[nn.Module]:
-    """`block` (Block) as a module of n_layers layers: (x, LayerInputs) -> (x, None), params [n_layers, ...]."""
-    if stack.policy is not None and stack.every_n == 1:
+def run_scan(stack: Stack, params, x: jax.Array, inputs: LayerInputs, dropout_key: jax.Array | None = None, cache=None):
+    """x [batch, seq, embed] through the layers whose params (leaves [n_layers, ...]) are given -> x, or with a
+    cache ([n_layers, ...] leaves) (x, the updated cache). A dropout key gives each layer its own (dropout.py)."""
+    n_layers = jax.tree.leaves(params)[0].shape[0]
+    keys = None if dropout_key is None else layer_keys(dropout_key, n_layers, scanned=True)
+
+    def layer(x, params_key_and_cache):
+        params, key, cache = params_key_and_cache
+        dropout = None if key is None else DropoutKey.of_layer(key, scanned=True)
+        return apply_block(stack, params, x, inputs, dropout, cache)
+
+    if stack.policy is not None:
         # prevent_cse=False is safe (and faster) because scan already stops XLA from merging
         # the recomputation back into the forward pass.
-        block = nn.remat(block, policy=stack.policy, prevent_cse=False)
-    return nn.scan(
-        block,
-        variable_axes={"params": 0, "cache": 0},
-        split_rngs={"params": True, "dropout": True},
-        in_axes=(nn.broadcast,),
-        length=n_layers,
-        metadata_params={nn.PARTITION_NAME: "layers"},
-    )
-
-
-def run_scan(layers: nn.Module, x: jax.Array, inputs: LayerInputs) -> jax.Array:
-    """x [batch, seq, embed] through the scanned layers (a bound `scanned` module): Flax applies each Block,
-    splitting the dropout key per layer and keeping the decode cache."""
-    return layers(x, inputs)[0]
+        layer = jax.checkpoint(layer, policy=stack.policy, prevent_cse=False)
+    x, cache = jax.lax.scan(layer, x, (params, keys, cache))
+    return x if cache is None else (x, cache)
