@@ -1,6 +1,7 @@
 """The train step and loop: gradient accumulation, learning, remat, sharding, resume."""
 
 import dataclasses
+import importlib.util
 import shutil
 from pathlib import Path
 
@@ -13,7 +14,7 @@ from conftest import tiny_config
 from flax import nnx
 
 from llama_jax.checkpoint.checkpointer import Checkpointer, Tiers
-from llama_jax.config import RematConfig
+from llama_jax.config import RematConfig, load_config
 from llama_jax.config.choices import REMAT_POLICIES
 from llama_jax.data.loader import model_inputs
 from llama_jax.data.streams import open_data
@@ -187,6 +188,49 @@ def test_resumed_run_is_bitwise_identical_to_straight_run(fp8, tmp_path, corpus)
     first_run, second_run = records[:8], records[8:]
     assert [r["step"] for r in second_run] == [5, 6, 7, 8]
     assert [r["loss"] for r in second_run] == [r["loss"] for r in first_run[4:]]
+
+
+LINEN_RUN = Path(__file__).parent / "golden" / "linen_run"
+
+
+def test_a_run_the_linen_model_wrote_resumes_under_the_nnx_model(tmp_path):
+    """tests/golden/linen_run (made by make_linen_run.py): 4 steps that the model wrote when it was Flax Linen,
+    checkpointed at steps 2 and 4. The NNX model reads its step-4 checkpoint (the same parameter paths); without
+    it, the run resumes from step 2 and trains steps 3 and 4 to the Linen run's losses and step-4 state (bit for
+    bit on the Intel Xeon that wrote it; within 1e-6 elsewhere, where a CPU's kernels may add in another order);
+    and its own checkpoint of step 3 resumes to its step 4 bit for bit."""
+    shutil.copytree(LINEN_RUN, tmp_path / "linen_run")
+    run_dir, store = tmp_path / "linen_run" / "run", tmp_path / "linen_run" / "store"
+    spec = importlib.util.spec_from_file_location("make_linen_run", LINEN_RUN.parent / "make_linen_run.py")
+    maker = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(maker)
+    overrides = [f"data.sources=[{store}]", f"run.dir={run_dir}", f"data.cache_dir={tmp_path / 'cache'}"]
+    cfg = load_config(maker.TRAIN[0], [*maker.TRAIN[1:], *overrides, "checkpoint.every_steps=1", "checkpoint.keep=4"])
+    devices = jax.devices()[:1]
+
+    def state_at(step):
+        program, checkpointer = TrainProgram.for_config(cfg, devices), Checkpointer(Tiers(run_dir), cfg.checkpoint)
+        with program.activate():
+            state = checkpointer.restore(step, program.abstract_state())[0]
+        checkpointer.close()
+        return jax.tree.map(np.asarray, state)
+
+    linen = state_at(4)
+    shutil.rmtree(run_dir / "checkpoints" / "4")
+    messages = []
+    train(cfg, print_fn=messages.append, devices=devices)
+    assert f"resumed from {run_dir / 'checkpoints' / '2'}" in messages
+    resumed = state_at(4)
+    assert relative_difference(resumed, linen) < 1e-6
+    records = [r for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r]
+    linen_losses, nnx_losses = [r["loss"] for r in records[2:4]], [r["loss"] for r in records[4:]]
+    assert [r["step"] for r in records[4:]] == [3, 4]
+    assert np.allclose(nnx_losses, linen_losses, rtol=1e-6, atol=0), (nnx_losses, linen_losses)
+    shutil.rmtree(run_dir / "checkpoints" / "4")
+    train(cfg, print_fn=messages.append, devices=devices)
+    assert f"resumed from {run_dir / 'checkpoints' / '3'}" in messages
+    for a, b in zip(jax.tree.leaves(state_at(4)), jax.tree.leaves(resumed)):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_weight_decay_skips_embeddings_and_norms(tiny_params):
