@@ -1,7 +1,10 @@
 """Properties of the Llama model itself: causality, document isolation, GQA, RoPE, sizes."""
 
 import dataclasses
+import importlib.util
+import json
 import math
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +21,7 @@ from llama_jax.model.llama import abstract_model, abstract_params, init_params, 
 from llama_jax.model.rope import apply_rope, rope_angles, rope_inverse_frequencies
 
 TOLERANCE = 1e-5  # fp32, absolute on logits of order 1
+GOLDEN = Path(__file__).parent / "golden"
 
 
 def init(cfg, seed=0):
@@ -223,3 +227,25 @@ def test_blocked_attention_where_it_cannot_run_is_an_error():
 def test_requesting_cudnn_where_it_cannot_run_is_an_error():
     with pytest.raises(ValueError, match="model.attention=auto"):
         select_implementation("cudnn", "cpu", jnp.bfloat16, 128)
+
+
+def test_a_fresh_model_draws_every_tensor_as_the_linen_model_did():
+    """Each tensor of a freshly initialised llama3_1b-shaped model (2 layers), plain and with each kind of adapter,
+    has the mean and standard deviation the Flax Linen model's had (tests/golden/init_stats.json, written at 464e997
+    by tests/golden/make_init_stats.py), within sampling error: the same initializers at the same scales, though
+    not the same draws (another key derivation). Two independent samples of n draws of spread sigma: their means
+    differ by sigma·sqrt(2/n) and their standard deviations by sigma/sqrt(n) (normal draws; less for uniform ones)
+    at one standard error; the bound is 6 of them. Constant tensors (norm scales 1, LoRA's B 0) exactly."""
+    spec = importlib.util.spec_from_file_location("make_init_stats", GOLDEN / "make_init_stats.py")
+    maker = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(maker)
+    expected = json.loads((GOLDEN / "init_stats.json").read_text())
+    cfg = maker.model_config()
+    for case, settings in maker.CASES.items():
+        got = maker.statistics(cfg, settings, seed=1, adapters_only=case != "plain")
+        assert got and set(got) <= set(expected[case]), case
+        for name, stats in got.items():
+            want, sigma, n = expected[case][name], expected[case][name]["std"], stats["count"]
+            assert n == want["count"], (case, name)
+            assert abs(stats["mean"] - want["mean"]) <= 6 * sigma * math.sqrt(2 / n), (case, name)
+            assert abs(stats["std"] - sigma) <= 6 * sigma / math.sqrt(n), (case, name, stats["std"], sigma)
