@@ -2,6 +2,7 @@
 
 import dataclasses
 import importlib.util
+import inspect
 import json
 import math
 from pathlib import Path
@@ -10,15 +11,29 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import TINY_MODEL, forward
+from conftest import TINY_MODEL, forward, tiny_config
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+from test_train import random_batch
 
 from llama_jax.config import load_config
 from llama_jax.data.loader import model_inputs
+from llama_jax.model import llama
 from llama_jax.model.attention import select_implementation
 from llama_jax.model.flops import train_flops_per_token
-from llama_jax.model.llama import abstract_model, abstract_params, init_params, param_count
+from llama_jax.model.llama import (
+    HIDDEN,
+    RESIDUAL,
+    Block,
+    abstract_model,
+    abstract_params,
+    child,
+    init_params,
+    param_count,
+)
+from llama_jax.model.params import param
 from llama_jax.model.rope import apply_rope, rope_angles, rope_inverse_frequencies
+from llama_jax.training.step import TrainProgram
 
 TOLERANCE = 1e-5  # fp32, absolute on logits of order 1
 GOLDEN = Path(__file__).parent / "golden"
@@ -249,3 +264,52 @@ def test_a_fresh_model_draws_every_tensor_as_the_linen_model_did():
             assert n == want["count"], (case, name)
             assert abs(stats["mean"] - want["mean"]) <= 6 * sigma * math.sqrt(2 / n), (case, name)
             assert abs(stats["std"] - sigma) <= 6 * sigma / math.sqrt(n), (case, name, stats["std"], sigma)
+
+
+# The example of docs/architecture.md ("Change the model"), word for word: a learned per-channel scale on each residual
+# branch (LayerScale).
+class ScaledBlock(Block):
+    def __init__(self, cfg, peft, load_balanced, context, rngs):
+        super().__init__(cfg, peft, load_balanced, context, rngs)
+        self.attn_scale = param(rngs, nnx.initializers.constant(0.1), (cfg.d_model,), ("norm",), cfg.param_dtype)
+        self.mlp_scale = param(rngs, nnx.initializers.constant(0.1), (cfg.d_model,), ("norm",), cfg.param_dtype)
+
+    def __call__(self, x, inputs, dropout=None, cache=None):
+        constrain = self.context.constrain
+        h = constrain(checkpoint_name(self.attn_norm(x), "attn_norm"), HIDDEN)
+        attended, cache = self.attn(h, inputs, child(dropout, "attn"), cache)
+        x = constrain(x + self.attn_scale[...] * attended, RESIDUAL)
+        h = constrain(checkpoint_name(self.mlp_norm(x), "mlp_norm"), HIDDEN)
+        x = constrain(x + self.mlp_scale[...] * self.mlp(h, child(dropout, "mlp")), RESIDUAL)
+        return x, cache
+
+
+@pytest.mark.parametrize(
+    "sections, devices",
+    [
+        (dict(mesh=dict(fsdp=2, tensor=2)), 4),  # the plain scan, sharded
+        (dict(remat=dict(policy="full", every_n_layers=2)), 1),  # grouped remat
+        (dict(mesh=dict(pipeline=2, fsdp=1), train=dict(microbatches=2)), 2),  # GPipe stages
+    ],
+    ids=["scan-fsdp2xtensor2", "grouped-remat", "gpipe"],
+)
+def test_the_change_the_model_example_trains_on_every_way(sections, devices, monkeypatch):
+    """The sub-layer of docs/architecture.md's example, put in place of Block: its params are stacked per layer,
+    sharded by their logical names, and learn, whichever way the stack runs; the guide shows this code."""
+    guide = (Path(__file__).resolve().parents[1] / "docs" / "architecture.md").read_text()
+    source = inspect.getsource(ScaledBlock)
+    assert f"```python\n{source}```" in guide
+    monkeypatch.setattr(llama, "Block", ScaledBlock)
+    cfg = tiny_config(**sections)
+    program = TrainProgram.for_config(cfg, jax.devices()[:devices])
+    scale = program.state_shardings.params["layers"]["attn_scale"]
+    assert program.state_shapes.params["layers"]["attn_scale"].shape == (2, cfg.model.d_model)
+    assert scale.spec == jax.sharding.PartitionSpec("pipeline", None)  # layers -> pipeline, norm -> replicated
+    batch = {k: np.asarray(v) for k, v in random_batch(cfg).items()}
+    with program.activate():
+        state = program.init_state(jax.random.key(0))
+        for _ in range(2):
+            state, metrics = program.train_step(state, program.put(batch))
+    assert np.isfinite(float(metrics["loss"]))
+    learned = np.asarray(state.params["layers"]["attn_scale"])
+    assert learned.shape == (2, cfg.model.d_model) and not np.allclose(learned, 0.1)
