@@ -78,7 +78,7 @@ class TraceContext:
         return logical_to_mesh_axes(names, self.rules)
 
     def constrain(self, x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
-        """x sharded as its logical axis names say, by the rules (no-op without rules or outside a mesh)."""
+        """x sharded as its logical axis names say, by the rules (no-op without rules: a trace for one device)."""
         return with_logical_constraint(x, names, self.rules)
 
     def read(self, w: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
@@ -157,7 +157,8 @@ def logical_to_mesh_axes(names: tuple[str | None, ...], rules: tuple) -> Partiti
     array's axes already took one of its mesh axes; an axis no rule decides is not split. These are Flax Linen's
     semantics, which the table was written for (NNX has no function that takes the rules as an argument)."""
     named = [n for n in names if n is not None]
-    assert len(set(named)) == len(named), f"a logical axis name appears twice: {names}"
+    if len(set(named)) != len(named):
+        raise ValueError(f"a logical axis name appears twice in {names}: an array's axes are named once each")
     undecided = object()
     decided: list = [undecided if n is not None else None for n in names]
     for name, axes in rules:

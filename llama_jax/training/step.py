@@ -185,8 +185,8 @@ def make_train_step(
 def make_init_state(
     make_model: Callable[..., Llama], optimizer: optax.GradientTransformation, config: Config, mesh: Mesh
 ) -> Callable:
-    """rng -> the fresh TrainState (a PeftState for a peft run) of the model make_model(rngs=...) builds, on `mesh`, its
-    params (and the optimizer moments that mirror them) nnx.Params carrying their logical axis names."""
+    """rng -> the fresh TrainState (a PeftState for a peft run) of the model make_model(rngs=...) builds, on `mesh`:
+    its params (and the optimizer moments that mirror them) nnx.Params carrying their logical axis names."""
     adapting = config.peft.method != "none"
 
     def init_state(rng: jax.Array) -> TrainState:
@@ -207,7 +207,7 @@ def make_init_state(
 class TrainProgram:
     config: Config
     mesh: Mesh
-    model: Llama  # abstract (nnx.eval_shape): the model's graph and shapes, traced for this program's context
+    model: Llama  # abstract (params.abstract): the model's graph and shapes, traced for this program's context
     graph: nnx.GraphDef  # the model split once: what the jitted steps merge with the params they are given
     state_shardings: Any
     state_shapes: Any  # ShapeDtypeStructs of the (unboxed) state, traced once in build()
