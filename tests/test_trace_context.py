@@ -3,6 +3,8 @@ it is given, never from ambient state; and the one jax workaround (model/jax_wor
 installed jax."""
 
 import dataclasses
+import inspect
+import re
 from pathlib import Path
 
 import jax
@@ -115,3 +117,18 @@ def test_jaxs_cudnn_checks_still_ask_this_process_so_the_workaround_still_applie
     assert {name: getattr(jax_cudnn, name) for name in jax_workarounds.CUDNN_CHECKS} == saved
     with jax_workarounds.cudnn_checks_answered_by(None):  # a GPU that is here, or no GPU: jax's own answers
         assert {name: getattr(jax_cudnn, name) for name in jax_workarounds.CUDNN_CHECKS} == saved
+
+
+def test_the_private_jax_apis_used_are_still_the_only_way_so_reaching_into_jax_is_still_needed():
+    """jax_workarounds.py is the one module importing jax._src, for three things jax 0.10-0.12 offer no public API
+    for. Fails when the installed jax leaves the range they were read in, or offers one of them publicly: then use
+    it and drop the private import."""
+    assert jax_workarounds.applies(jax.__version__, jax_workarounds.PRIVATE_APIS_CHECKED), jax.__version__
+    public = inspect.signature(jax.nn.dot_product_attention).parameters
+    assert not {"q_offsets", "kv_offsets", "q_seqlen", "segment_ids"} & set(public)  # cuDNN's packed layout
+    assert not {"client", "global_state", "key_value_set"} & set(dir(jax.distributed))  # the coordination client
+    assert not hasattr(jax, "enable_compilation_cache")  # a scope without the compilation cache
+    private = re.compile(r"^\s*(from|import) jax\._src", re.MULTILINE)
+    package = MODEL_DIR.parent
+    importing = [p.relative_to(package).as_posix() for p in package.rglob("*.py") if private.search(p.read_text())]
+    assert importing == ["model/jax_workarounds.py"]

@@ -46,7 +46,7 @@ from llama_jax.checkpoint.durable import ITEMS, check_model, read_meta, read_ste
 from llama_jax.checkpoint.interval import DEFAULT_MTBF_S, Figures, Interval
 from llama_jax.checkpoint.local import LocalTier, finished_steps
 from llama_jax.checkpoint.relayout import covered_steps, restore_moved
-from llama_jax.checkpoint.storage_failures import check_room, failure_record, quiet_storage_noise
+from llama_jax.checkpoint.storage_failures import check_room, failure_record
 from llama_jax.config import CheckpointConfig
 from llama_jax.distributed.peers import Peers
 from llama_jax.errors import EXIT_STORAGE, ConfigError, StorageFailure
@@ -125,7 +125,6 @@ class Checkpointer:
         identity = identity or Identity()
         run_dir = Path(tiers.run_dir)
         self.config, self.meta, self.print_fn, self.local = config, identity.meta, print_fn, tiers.local
-        quiet_storage_noise()
         self.model, self.check = identity.model, identity.check or (lambda meta: None)
         self.layout = identity.layout  # the pipeline layout of this run: restored layers are put in its order
         self.peers = peers or Peers(timeout_s=600.0)

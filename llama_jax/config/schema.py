@@ -318,6 +318,10 @@ class PeftConfig:
         """The rank of the adapter on one projection (q, k, ... down), 0 where there is none."""
         return self.rank if self.method == "lora" and target in self.targets else 0
 
+    def __hash__(self) -> int:
+        """Frozen, but its targets are a list: hashed as a tuple (llama.abstract_params caches by it)."""
+        return hash(tuple(tuple(v) if isinstance(v, list) else v for v in vars(self).values()))
+
 
 # TESTING ONLY: not a setting of a real run. Faults injected on purpose, for the tests, the rehearsal
 # (bench/rehearsal.py) and chaos drills (bench/chaos.py); resilience/inject.py's Injector is the one place that reads

@@ -12,11 +12,11 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import jax
-from jax._src import distributed as jax_distributed
 
 from llama_jax.distributed.processes import node_name
 from llama_jax.errors import PeerTimeout
 from llama_jax.files import format_ranges
+from llama_jax.model.jax_workarounds import distributed_client
 
 T = TypeVar("T")
 
@@ -41,8 +41,8 @@ class Peers:
     def __init__(self, timeout_s: float, injected_stall_at: str = "", client=None, recorder=None):
         self.timeout_s, self.injected_stall_at, self.recorder = timeout_s, injected_stall_at, recorder
         self.count, self.index = jax.process_count(), jax.process_index()
-        # JAX has no public handle on its coordination client; Orbax reads the same attribute.
-        self.client = client if client is not None or self.count == 1 else jax_distributed.global_state.client
+        # JAX has no public handle on its coordination client (jax_workarounds.py); Orbax reads the same one.
+        self.client = client if client is not None or self.count == 1 else distributed_client()
         self._calls = 0
         instance = self.client.key_value_increment(f"llama_jax/instances/{self.index}", 1) if self.count > 1 else 0
         self._prefix = f"llama_jax/{instance}"  # every key of this instance starts with it

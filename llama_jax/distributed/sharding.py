@@ -30,6 +30,7 @@ from llama_jax.model.context import logical_to_mesh_axes, rule_axes
 from llama_jax.model.context_parallel import chunk_order
 from llama_jax.model.llama import abstract_params
 from llama_jax.model.params import is_param
+from llama_jax.model.pipeline import fewest_microbatches, pass_microbatches
 from llama_jax.model.stages import LayerOrder
 
 # logical axis (config/choices.py) -> mesh axis (or axes, or None = replicated).
@@ -113,9 +114,8 @@ def check_divisibility(config: Config, sizes: dict[str, int]) -> None:
     m, t = config.model, config.train
     batch_shards = sizes["data"] * sizes["fsdp"]
     stages, repeats = sizes["pipeline"], config.mesh.pipeline_repeats
-    # auto picks a count that divides (a multiple of the stages when pipelining)
-    fewest = max(stages, config.mesh.pipeline_microbatches) if stages > 1 else 1
-    microbatches = fewest if t.microbatches == "auto" else t.microbatches
+    # auto picks a count that divides, at least the fewest (a multiple of the stages when pipelining)
+    microbatches = fewest_microbatches(config.mesh, stages) if t.microbatches == "auto" else t.microbatches
     if t.batch_size % (batch_shards * microbatches):
         raise ConfigError(
             f"train.batch_size ({t.batch_size}) must be divisible by data×fsdp×microbatches "
@@ -128,7 +128,7 @@ def check_divisibility(config: Config, sizes: dict[str, int]) -> None:
             f"({stages} × {repeats}): every stage runs the same number of layers per repeat, unless "
             "mesh.pipeline_stage_layers says how many each runs"
         )
-    per_pass = config.mesh.pipeline_microbatches or microbatches
+    per_pass = pass_microbatches(config.mesh, microbatches)
     if stages > 1 and per_pass % stages:
         key = "mesh.pipeline_microbatches" if config.mesh.pipeline_microbatches else "train.microbatches"
         raise ConfigError(
@@ -186,7 +186,7 @@ def check_parameter_shapes(config: Config, sizes: dict[str, int]) -> None:
     rules = dict(axis_rules(config))
     leaves = jax.tree.leaves(abstract_params(config.model), is_leaf=is_param)
     # The layer stack as stored: padded to the largest stage's layers where stages are uneven (stages.py).
-    stored = LayerOrder(sizes["pipeline"], config.mesh.pipeline_repeats, tuple(config.mesh.pipeline_stage_layers))
+    stored = LayerOrder.of(config.mesh, sizes["pipeline"])
     for leaf in leaves:
         for dim, name in zip(leaf.shape, leaf.get_metadata()["out_sharding"]):
             dim = stored.length(dim) if name == "layers" else dim

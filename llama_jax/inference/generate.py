@@ -269,7 +269,7 @@ def generate_without_cache(
 def sample_text(config: Config, params, tokenizer) -> str:
     """The trainer's end-of-run sample: train.sample_prompt continued by train.sample_tokens tokens
     (params as training holds them: the layers in the pipeline's storage order)."""
-    order = LayerOrder(config.mesh.pipeline, config.mesh.pipeline_repeats, tuple(config.mesh.pipeline_stage_layers))
+    order = LayerOrder.of(config.mesh, config.mesh.pipeline)
     params = relayout({"params": params}, order, NATURAL)["params"]
     bos = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
     new_tokens = min(config.train.sample_tokens, config.model.max_seq_len - 1)

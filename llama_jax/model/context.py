@@ -56,7 +56,7 @@ class TraceContext:
     @classmethod
     def on_mesh(cls, mesh: Mesh, rules: tuple, platform: str | None = None, gpu: Gpu | None = None) -> TraceContext:
         """For `mesh` under `rules`; the platform is that of the mesh's devices unless given."""
-        return cls(platform or mesh.devices.flat[0].platform, mesh, tuple(rules), gpu)
+        return cls(platform or mesh_platform(mesh), mesh, tuple(rules), gpu)
 
     @property
     def mesh_shape(self) -> dict[str, int]:
@@ -149,6 +149,17 @@ def _gather_backward(names, gathered_rules, own_rules, _, g):
 
 
 _gather.defvjp(_gather_forward, _gather_backward)
+
+
+def mesh_device(mesh: Mesh):
+    """The device a mesh is described by: its first (a mesh holds devices of one kind): its platform chooses the
+    step's kernels, its kind a compile-only GPU's target."""
+    return mesh.devices.flat[0]
+
+
+def mesh_platform(mesh: Mesh) -> str:
+    """The platform of a mesh's devices ('cpu', 'gpu', 'tpu'): what the step's kernels are chosen for."""
+    return mesh_device(mesh).platform
 
 
 def logical_to_mesh_axes(names: tuple[str | None, ...], rules: tuple) -> PartitionSpec:

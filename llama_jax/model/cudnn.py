@@ -5,7 +5,8 @@ turns into a bias that cuDNN reads once per head (192 MiB per 8K sequence, growi
 itself takes a packed ("ragged") layout instead: per row the length and offset of each document,
 and it applies the causal mask inside each one. jax exposes that layout only in its private module
 jax._src.cudnn.fused_attention_stablehlo (q_seqlen / q_offsets; Hopper or newer and cuDNN 9.6+),
-which this file uses; its keyword interface is the same from jax 0.10.2 to 0.12. Where the packed
+which this file uses (imported by jax_workarounds.py, the one module that reaches into jax's private modules);
+its keyword interface is the same from jax 0.10.2 to 0.12. Where the packed
 layout is missing (an A100, an older cuDNN), packed batches run the blocked kernel (flash.py).
 
 The number of documents per row must be static (cuDNN keeps softmax statistics per document:
@@ -21,10 +22,10 @@ import inspect
 
 import jax
 import jax.numpy as jnp
-from jax._src.cudnn import fused_attention_stablehlo as cudnn  # private: the only way to the packed layout
 
 from llama_jax.model.context_parallel import XLA_KERNEL, PaddedKernel
 from llama_jax.model.flash import block_size, blocked_attention
+from llama_jax.model.jax_workarounds import jax_cudnn as cudnn
 
 # The name of the conditional that picks a kernel by the documents in a row, in the compiled program: its first
 # branch is one document per row (what bench/step.py and gpu-check time), the others rarer layouts. `plan`'s step

@@ -1,4 +1,13 @@
-"""The jax limitations this code works around, in one place, each with the jax versions it applies to.
+"""The jax limitations this code works around, in one place, each with the jax versions it applies to; the only
+module of the package that imports jax's private modules (jax._src), each for what no public API offers in jax
+0.10 to 0.12 (PRIVATE_APIS_CHECKED), tests/test_trace_context.py failing when jax offers it:
+
+    jax_cudnn                   cuDNN attention's packed layout (q_seqlen / q_offsets, cudnn.py): the public
+                                jax.nn.dot_product_attention takes padding lengths only
+    distributed_client()        the coordination service's key-value client (distributed/peers.py's barriers and
+                                broadcasts, as Orbax reads it): jax.distributed has no handle on it
+    compilation_cache_off()     a scope without the persistent compilation cache (perf/xla_log.py: XLA speaks only
+                                when it compiles): jax.config's flag has no public context manager
 
 cuDNN checks that ask this process, not the GPU compiled for (jax >= 0.10, < 0.13: CUDNN_CHECKS_APPLY_TO).
 jax's cuDNN attention (jax._src.cudnn.fused_attention_stablehlo, which cudnn.py calls, as does
@@ -22,11 +31,26 @@ import contextlib
 from collections.abc import Iterator
 
 import jax
-from jax._src.cudnn import fused_attention_stablehlo as jax_cudnn  # private: cudnn.py's too
+from jax._src import config as jax_config
+from jax._src import distributed as jax_distributed
+from jax._src.cudnn import fused_attention_stablehlo as jax_cudnn
 
 from llama_jax.model.context import Gpu
 
 CUDNN_CHECKS_APPLY_TO = ("0.10", "0.13")  # jax versions >= the first, < the second (checked: 0.10.2, 0.12)
+PRIVATE_APIS_CHECKED = ("0.10", "0.13")  # the private modules above, read in these versions (checked: 0.10.2, 0.12)
+
+
+def distributed_client():
+    """jax.distributed's coordination client: its barriers and key-value store (None until jax.distributed joined)."""
+    return jax_distributed.global_state.client
+
+
+def compilation_cache_off():
+    """A context in which compilations neither read nor write the persistent compilation cache."""
+    return jax_config.enable_compilation_cache(False)
+
+
 CUDNN_CHECKS = ("check_compute_capability", "is_cuda_compute_capability_equal", "check_cudnn_version")
 
 

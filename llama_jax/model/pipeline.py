@@ -29,9 +29,21 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
+from llama_jax.config import MeshConfig
 from llama_jax.model.stages import LayerOrder
 
 STAGE_AXIS = "pipeline"
+
+
+def pass_microbatches(mesh: MeshConfig, microbatches: int) -> int:
+    """Micro-batches per pass through the pipeline: mesh.pipeline_microbatches, or all `microbatches` of the step."""
+    return mesh.pipeline_microbatches or microbatches
+
+
+def fewest_microbatches(mesh: MeshConfig, stages: int) -> int:
+    """The fewest micro-batches a step may have on `stages` pipeline stages: 1 without a pipeline; with one, a
+    multiple of the stages and of mesh.pipeline_microbatches (where train.microbatches=auto begins)."""
+    return math.lcm(stages, mesh.pipeline_microbatches or 1) if stages > 1 else 1
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from llama_jax.config import MeshConfig
+
 
 @dataclass(frozen=True)
 class LayerOrder:
@@ -33,6 +35,11 @@ class LayerOrder:
     stages: int = 1
     repeats: int = 1
     group_layers: tuple[int, ...] = ()
+
+    @classmethod
+    def of(cls, mesh: MeshConfig, stages: int) -> LayerOrder:
+        """The order of a run with these mesh settings on `stages` pipeline stages (mesh.pipeline resolved)."""
+        return cls(stages, mesh.pipeline_repeats, tuple(mesh.pipeline_stage_layers))
 
     def __post_init__(self):
         if len(set(self.group_layers)) == 1:  # even after all: stored like the even layout

@@ -20,7 +20,7 @@ import sys
 import tempfile
 from collections.abc import Iterator
 
-from jax._src import config as jax_config  # private: the one switch that keeps a compile out of the cache
+from llama_jax.model.jax_workarounds import compilation_cache_off
 
 REMATERIALIZATION = "Involuntary full rematerialization"
 _OPERATION = re.compile(r'op_name="(?:jit\([^)]*\)/)?([^"]*)"')
@@ -37,7 +37,7 @@ def captured(log: list[str]) -> Iterator[None]:
         saved = os.dup(2)
         os.dup2(caught.fileno(), 2)
         try:
-            with jax_config.enable_compilation_cache(False):
+            with compilation_cache_off():
                 yield
         finally:
             os.dup2(saved, 2)

@@ -41,7 +41,7 @@ from llama_jax.resilience.flight import FlightRecorder
 from llama_jax.resilience.goodput import StartClock
 from llama_jax.resilience.inject import Injector
 from llama_jax.training.loop_parts import Loop, average_decay
-from llama_jax.training.run import Run, StagePart
+from llama_jax.training.run import Run, StagePart, configure_process
 
 
 def train(
@@ -59,6 +59,7 @@ def train(
     clock = StartClock(started_at, launched=True) if started_at else StartClock(time.time())
     clock.mark("imports")
     processes.initialize(config.run)  # before anything touches the devices
+    configure_process(config)  # before anything compiles or saves
     clock.mark("distributed_init")
     if problem := unwritable(Path(config.run.dir)):  # before anything compiles: one line, exit 2
         raise ConfigError(

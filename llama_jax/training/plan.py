@@ -33,15 +33,16 @@ from llama_jax.config.choices import REMAT_POLICIES
 from llama_jax.config.stages import Stage
 from llama_jax.files import cache_root, format_bytes
 from llama_jax.model import remat
+from llama_jax.model.context import mesh_device, mesh_platform
 from llama_jax.model.context_parallel import CHUNK_CHOICE_SCOPE, PREFIX_SCOPE
 from llama_jax.model.cudnn import KERNEL_CHOICE_SCOPE
 from llama_jax.model.llama import param_count
-from llama_jax.model.pipeline import bubble_fraction
+from llama_jax.model.pipeline import bubble_fraction, pass_microbatches
 from llama_jax.model.stack import one_f_one_b
 from llama_jax.model.stack.grouped import LAYER_SLOT_SCOPE
 from llama_jax.perf import costmodel, gpu_target, hardware, hlo, xla_log
 from llama_jax.perf.costmodel import AxisTraffic
-from llama_jax.training.step import TrainProgram, mesh_platform, model_flops_per_token, step_memory_bytes
+from llama_jax.training.step import TrainProgram, model_flops_per_token, step_memory_bytes
 
 
 @dataclass(frozen=True)
@@ -174,7 +175,7 @@ def make_plan(config: Config, mesh: Mesh, devices_per_host: int = 0) -> Plan:
     )
     outputs = memory.output_size_in_bytes - memory.alias_size_in_bytes
     stages, repeats = mesh.shape.get("pipeline", 1), config.mesh.pipeline_repeats
-    microbatches = config.mesh.pipeline_microbatches or program.config.train.microbatches  # of one pass
+    microbatches = pass_microbatches(config.mesh, program.config.train.microbatches)  # of one pass
     iterations = (
         max(hlo.permute_loop_trips(text, devices, _along(topology, "pipeline")), default=None) if stages > 1 else None
     )
@@ -206,7 +207,7 @@ def make_plan(config: Config, mesh: Mesh, devices_per_host: int = 0) -> Plan:
         pipeline_iterations=iterations,
         pass_microbatches=microbatches if stages > 1 else 0,
         **staged,
-        target=gpu_target.describe(mesh.devices.flat[0]) if program.for_gpus_elsewhere else "",
+        target=gpu_target.describe(mesh_device(mesh)) if program.for_gpus_elsewhere else "",
         cudnn_workspace_bytes=program.cudnn_workspace_bytes(),
         fp8=config.model.fp8,
         fp8_flops=stats.fp8_flops * devices,
@@ -218,7 +219,7 @@ def make_plan(config: Config, mesh: Mesh, devices_per_host: int = 0) -> Plan:
 def predicted_speed(config: Config, mesh: Mesh, operations, tier_bytes: dict[str, float], model_flops: float) -> dict:
     """Plan's fields for the predicted step time and its MFU on a device with a data sheet; {} elsewhere (a CPU:
     its peak is measured, which a plan does not do; `llama-jax tune` does)."""
-    device = mesh.devices.flat[0]
+    device = mesh_device(mesh)
     model = costmodel.data_sheet_cost_model(config.model.compute_dtype, device.device_kind)
     if model is None:
         return {}

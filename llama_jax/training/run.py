@@ -26,6 +26,7 @@ from jax.sharding import Mesh
 from llama_jax import __version__
 from llama_jax.checkpoint import start as starting
 from llama_jax.checkpoint.checkpointer import Checkpointer, Identity, Tiers
+from llama_jax.checkpoint.storage_failures import quiet_storage_noise
 from llama_jax.config import Config, to_dict
 from llama_jax.config.stages import Stage, stage_at
 from llama_jax.data.streams import TrainData
@@ -77,7 +78,6 @@ class Run:
         peers = peers or Peers(config.fault.barrier_timeout_s)
         check_wandb(config.run)
         start = starting.decide(config, peers)
-        enable_compilation_cache(config)
         compiling = time.perf_counter()
         program = TrainProgram.build(config, mesh)  # train.microbatches=auto: the fewest that fit
         run = cls(program.config, program, data, start, peers)
@@ -129,6 +129,14 @@ class Run:
         return run_metadata(self.config, self.program.mesh) | (
             {"base": self.base_reference} if self.base_reference else {}
         )
+
+
+def configure_process(config: Config) -> None:
+    """What a run sets for its whole process, in this one place, when it starts (train()): JAX's persistent
+    compilation cache, and Orbax's log records of the storage failures the Checkpointer reports in one line itself
+    dropped (checkpoint/storage_failures.py)."""
+    enable_compilation_cache(config)
+    quiet_storage_noise()
 
 
 def enable_compilation_cache(config: Config) -> None:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -34,11 +33,11 @@ from llama_jax.errors import ConfigError
 from llama_jax.files import format_bytes
 from llama_jax.model import jax_workarounds, peft
 from llama_jax.model.attention import select_implementation, skips_masked_blocks
-from llama_jax.model.context import TraceContext
+from llama_jax.model.context import TraceContext, mesh_device, mesh_platform
 from llama_jax.model.flops import matmul_param_count, train_flops_per_token
 from llama_jax.model.llama import Llama
 from llama_jax.model.params import abstract, is_param
-from llama_jax.model.pipeline import PipelineLayout
+from llama_jax.model.pipeline import PipelineLayout, fewest_microbatches, pass_microbatches
 from llama_jax.model.stages import LayerOrder, to_storage_order
 from llama_jax.perf import gpu_target
 from llama_jax.perf.hardware import compile_only, memory_budget
@@ -301,7 +300,7 @@ class TrainProgram:
         rows = config.train.batch_size // (mesh.shape["data"] * mesh.shape["fsdp"])  # per batch shard
         budget = memory_budget(config.run.device_memory_gb, own_device(mesh))
         # pipelining needs a multiple of the stages, and of the micro-batches of one pass
-        step = math.lcm(mesh.shape["pipeline"], config.mesh.pipeline_microbatches or 1)
+        step = fewest_microbatches(config.mesh, mesh.shape["pipeline"])
         counts = [n for n in range(step, rows + 1) if rows % n == 0 and n % step == 0]
         if not counts:
             raise ConfigError(
@@ -467,7 +466,8 @@ def lower_step(config: Config, platform_name: str, target: str = "h100", devices
     choose, becomes the fewest micro-batches a pipeline allows (1 without one)."""
     if config.train.microbatches == "auto":
         stages = sharding.mesh_shape(config.mesh, len(devices or jax.devices()))["pipeline"]
-        config = dataclasses.replace(config, train=dataclasses.replace(config.train, microbatches=stages))
+        fewest = fewest_microbatches(config.mesh, stages)
+        config = dataclasses.replace(config, train=dataclasses.replace(config.train, microbatches=fewest))
     mesh = sharding.make_mesh(config, devices=devices)
     gpu = gpu_target.traced_gpu(gpu_target.spec(target).name) if platform_name == "cuda" else None
     traced_for = "gpu" if platform_name in ("cuda", "rocm") else platform_name
@@ -480,13 +480,13 @@ def lower_step(config: Config, platform_name: str, target: str = "h100", devices
 def trace_context(config: Config, mesh: Mesh) -> TraceContext:
     """What the model of `config` on `mesh` is traced for: the platform of the mesh's devices, the mesh, the
     logical-axis table, and for compile-only GPUs (`--target`) what jax's cuDNN checks are told."""
-    gpu = gpu_target.traced_gpu(mesh.devices.flat[0].device_kind) if gpus_elsewhere(mesh) else None
+    gpu = gpu_target.traced_gpu(mesh_device(mesh).device_kind) if gpus_elsewhere(mesh) else None
     return TraceContext.on_mesh(mesh, sharding.axis_rules(config), gpu=gpu)
 
 
 def gpus_elsewhere(mesh: Mesh) -> bool:
     """Whether `mesh` is made of compile-only GPUs (`--target`): planned, never run here."""
-    device = mesh.devices.flat[0]
+    device = mesh_device(mesh)
     return device.platform == "gpu" and compile_only(device)
 
 
@@ -499,7 +499,7 @@ def pipeline_layout(config: Config, mesh: Mesh) -> PipelineLayout | None:
     return PipelineLayout(
         stages,
         config.mesh.pipeline_repeats,
-        config.mesh.pipeline_microbatches or config.train.microbatches,
+        pass_microbatches(config.mesh, config.train.microbatches),
         config.mesh.pipeline_schedule,
         layer_order(config, mesh).group_layers,
     )
@@ -507,7 +507,7 @@ def pipeline_layout(config: Config, mesh: Mesh) -> PipelineLayout | None:
 
 def layer_order(config: Config, mesh: Mesh) -> LayerOrder:
     """The order of the layers in this run's state (model/stages.py)."""
-    return LayerOrder(mesh.shape["pipeline"], config.mesh.pipeline_repeats, tuple(config.mesh.pipeline_stage_layers))
+    return LayerOrder.of(config.mesh, mesh.shape["pipeline"])
 
 
 def step_memory_bytes(compiled) -> int:
@@ -524,12 +524,7 @@ def step_memory_bytes(compiled) -> int:
 def own_device(mesh: Mesh):
     """This process's first device of the mesh (another process's cannot be asked for its memory), or the first
     of a mesh of compile-only devices (`--target`), which no process owns."""
-    return next((d for d in mesh.devices.flat if d.process_index == jax.process_index()), mesh.devices.flat[0])
-
-
-def mesh_platform(mesh: Mesh) -> str:
-    """The platform of a mesh's devices ('cpu', 'gpu', 'tpu'): what the step's kernels are chosen for."""
-    return mesh.devices.flat[0].platform
+    return next((d for d in mesh.devices.flat if d.process_index == jax.process_index()), mesh_device(mesh))
 
 
 def model_flops_per_token(config: Config, platform_name: str | None = None) -> float:
