@@ -72,7 +72,7 @@ from llama_jax.model.llama import param_count
 from llama_jax.perf.hardware import SHORT_DTYPE, MfuPeaks, mfu_peaks
 from llama_jax.perf.profile import format_profile, profile_run
 from llama_jax.perf.profiler import StepProfiler
-from llama_jax.training.plan import make_plan
+from llama_jax.planning.plan import make_plan
 from llama_jax.training.run import enable_compilation_cache
 from llama_jax.training.step import TrainProgram
 from llama_jax.training.timing import random_batch, time_train_steps

@@ -120,7 +120,7 @@ def _plan(target: str, overrides: list[str]):
     from llama_jax.config import load_config
     from llama_jax.distributed import sharding
     from llama_jax.perf import gpu_target
-    from llama_jax.training.plan import make_plan
+    from llama_jax.planning.plan import make_plan
 
     config = load_config("llama3_8b", overrides)
     return make_plan(config, sharding.make_mesh(config, gpu_target.devices(target, 1)))

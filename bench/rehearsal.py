@@ -18,7 +18,7 @@ measure 0.8x the median by chance (the injected slow device runs 10x over: 0.1x)
 Faults: after the run is training (the newest attempt has timed a step), wait an exponentially distributed time
 (mean 3600 / --failures-per-hour seconds, seeded), then inject the next fault into a random process. The first six
 faults are the six kinds in a seeded order, so a short rehearsal sees each once; later ones are drawn from
-Llama 3's mix (llama_jax/training/goodput_model.py: LLAMA3_MIX, plus its 47 planned interruptions):
+Llama 3's mix (llama_jax/planning/goodput_model.py: LLAMA3_MIX, plus its 47 planned interruptions):
     crash               SIGKILL a trainer (software bug)
     hang                SIGSTOP a trainer: its peers' heartbeat (or watchdog, barriers) must end the attempt
     host_lost           SIGKILL a trainer and delete its node-local directory: its partner's copy must serve
@@ -180,7 +180,7 @@ class Rehearsal:
         self.local_dirs = [process_directory(str(local_dir), self.run_dir, i) for i in range(args.processes)]
         self.rng = random.Random(args.seed)
         self.order = self.rng.sample(KINDS, len(KINDS))
-        from llama_jax.training.goodput_projection import LLAMA3_MIX
+        from llama_jax.planning.goodput_projection import LLAMA3_MIX
 
         self.mix = {**LLAMA3_MIX, "preemption": 47}
         self.faults: list[dict] = []
@@ -362,8 +362,8 @@ def projected(args, recipe: Path, run_dir: Path, faults: list[dict], costs: list
     """`llama-jax goodput` fed this rehearsal: its measured costs, the realised fault rate and mix, the intervals
     its trainer used; a lost host is replaced at once here (the same machine)."""
     from llama_jax.config import load_config
+    from llama_jax.planning import goodput_projection as projection
     from llama_jax.resilience.goodput import read_goodput
-    from llama_jax.training import goodput_projection as projection
 
     config = load_config(str(recipe))
     wall_h = read_goodput(run_dir)["wall_s"] / 3600

@@ -58,7 +58,7 @@ def activation_bytes(preset: str) -> float:
     from llama_jax.config import load_config
     from llama_jax.distributed import sharding
     from llama_jax.model.llama import param_count
-    from llama_jax.training.plan import make_plan
+    from llama_jax.planning.plan import make_plan
 
     activations, layers = [], (2, 4)
     full = load_config(preset)
@@ -100,7 +100,7 @@ def row(preset: str, devices: int, activations: float, mfu: float) -> dict:
     from llama_jax.model.flops import train_flops_per_token
     from llama_jax.model.llama import param_count
     from llama_jax.perf.costmodel import cluster_topology
-    from llama_jax.training.plan import collective_minimum
+    from llama_jax.planning.plan import collective_minimum
 
     mesh = mesh_for(preset, devices)
     gpu = h100_cost_model()

@@ -71,7 +71,7 @@ def task_pid(env: dict, job_id: str, node: str) -> int | None:
 
 def one_restart(env: dict, work: Path, backoff: str) -> dict[str, float]:
     """One job whose second task is killed after step 8's checkpoint: its restart's parts (seconds)."""
-    from llama_jax.training.goodput_projection import start_parts
+    from llama_jax.planning.goodput_projection import start_parts
 
     run_dir = work / f"backoff-{backoff}"
     if backoff != "default":

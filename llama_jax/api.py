@@ -41,6 +41,7 @@ from llama_jax.distributed import processes
 from llama_jax.inference.generate import Sampling, generate, inference_adapters
 from llama_jax.model import peft
 from llama_jax.model.llama import abstract_model
+from llama_jax.planning.plan import describe_program
 from llama_jax.training.loop import train as train_config
 from llama_jax.training.step import TrainProgram
 
@@ -112,7 +113,7 @@ def train(source: str | None = None, overrides: list[str] = (), print_fn: Callab
     """Train like `llama-jax train SOURCE KEY=VALUE ...`, printing what it prints through print_fn (also
     as one process of a multi-process run, joined from run.* keys or the environment); returns the summary
     (eval losses, tokens/s, MFU, goodput, sample)."""
-    return train_config(load_config(source, list(overrides)), print_fn=print_fn)
+    return train_config(load_config(source, list(overrides)), print_fn=print_fn, describe_program=describe_program)
 
 
 def convert(

@@ -1,4 +1,4 @@
-"""`llama-jax goodput` (training/goodput_projection.py): the projection's formulas on hand-made inputs, and the
+"""`llama-jax goodput` (planning/goodput_projection.py): the projection's formulas on hand-made inputs, and the
 command on presets and on a run's goodput.json. No step is compiled."""
 
 import dataclasses
@@ -14,8 +14,8 @@ import pytest
 from test_readme import ROOT, llama_jax_args, readme_commands
 
 from llama_jax import cli
-from llama_jax.training.goodput_model import LLAMA3_HOST_LOSS_SHARE, best_spares, mean_age_steps
-from llama_jax.training.goodput_projection import (
+from llama_jax.planning.goodput_model import LLAMA3_HOST_LOSS_SHARE, best_spares, mean_age_steps
+from llama_jax.planning.goodput_projection import (
     LLAMA3_FAILURES_PER_GPU_HOUR,
     Inputs,
     best_intervals,

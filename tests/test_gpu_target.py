@@ -23,8 +23,8 @@ from llama_jax.config import load_config
 from llama_jax.distributed import sharding
 from llama_jax.model import projection
 from llama_jax.perf import costmodel, gpu_target, hardware, hlo
-from llama_jax.training import plan as planning
-from llama_jax.training import tune, tune_report
+from llama_jax.planning import plan as planning
+from llama_jax.planning import tune, tune_report
 from llama_jax.training.step import TrainProgram
 
 SEQ = 512

@@ -13,7 +13,7 @@ import jaxlib
 import pytest
 from test_readme import readme_commands
 
-from llama_jax.training.goodput_projection import LAUNCHER_KEYS
+from llama_jax.planning.goodput_projection import LAUNCHER_KEYS
 
 ROOT = Path(__file__).resolve().parents[1]
 LOCAL = ROOT / "launch" / "local.sh"

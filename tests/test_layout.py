@@ -26,7 +26,8 @@ LAYERS = [
     ["resilience"],  # guards, watchdog, stragglers, goodput, pre-flight, the supervisor
     ["checkpoint"],  # durable and local tiers, model specs, conversion, where a run starts
     ["inference"],  # decoding with a KV cache
-    ["training"],  # the step, the loop, metrics, plan and tune
+    ["training"],  # the step, the optimizer, the loop, metrics
+    ["planning"],  # plan, tune and the goodput projection: what a run will cost, before it runs
     ["api"],  # the Python API, thin
     ["cli"],  # the command line
     ["__main__"],  # python -m llama_jax

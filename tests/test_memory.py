@@ -11,7 +11,7 @@ from conftest import tiny_config
 from llama_jax.config import load_config
 from llama_jax.distributed.sharding import make_mesh
 from llama_jax.errors import ConfigError
-from llama_jax.training import plan
+from llama_jax.planning import plan
 from llama_jax.training.loop import train
 from llama_jax.training.step import TrainProgram, step_memory_bytes
 

@@ -24,7 +24,7 @@ from llama_jax.model import pipeline
 from llama_jax.model import residuals as residuals_lib
 from llama_jax.model.stack import one_f_one_b
 from llama_jax.model.stages import LayerOrder, relayout, to_natural_order, to_storage_order
-from llama_jax.training.plan import make_plan
+from llama_jax.planning.plan import make_plan
 
 # Four layers: four stages of one, or two stages of two (or of one, twice, with repeats).
 MODEL = dataclasses.replace(TINY_MODEL, n_heads=8, n_kv_heads=2, n_layers=4)

@@ -19,7 +19,7 @@ def cmd_plan(ns: argparse.Namespace) -> int:
     from llama_jax.config import load_config
     from llama_jax.config.stages import resolve
     from llama_jax.distributed import sharding
-    from llama_jax.training import plan as planning
+    from llama_jax.planning import plan as planning
 
     config = load_config(*split_source(ns.args))
     mesh = sharding.make_mesh(config, list(gpus) or None)
@@ -88,7 +88,7 @@ def cmd_tune(ns: argparse.Namespace) -> int:
         raise InputError(f"--out {out} cannot be written: {problem}; name the YAML file to write, e.g. tune.yaml")
     gpus = target_gpus(ns)
     from llama_jax.config import load_config
-    from llama_jax.training import tune, tune_report, tune_space
+    from llama_jax.planning import tune, tune_report, tune_space
 
     options = tune.Options(
         memory_gb=ns.memory_gb,
@@ -264,7 +264,7 @@ def cmd_goodput(ns: argparse.Namespace) -> int:
     if ns.run_dir and (problem := unreadable(Path(ns.run_dir), "directory")):
         raise InputError(f"goodput: --from {problem}; name the run.dir of a run")
     from llama_jax.config import load_config
-    from llama_jax.training import goodput_projection as projection
+    from llama_jax.planning import goodput_projection as projection
 
     source, overrides = split_source(ns.args)
     launcher = [] if ns.without_launcher else list(projection.LAUNCHER_KEYS)  # before the user's, as they add them

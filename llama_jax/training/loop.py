@@ -42,17 +42,24 @@ from llama_jax.resilience.goodput import StartClock
 from llama_jax.resilience.inject import Injector
 from llama_jax.training.loop_parts import Loop, average_decay
 from llama_jax.training.run import Run, StagePart, configure_process
+from llama_jax.training.step import TrainProgram
 
 
 def train(
-    config: Config, print_fn: Callable[[str], None] = print, *, devices=None, started_at: float | None = None
+    config: Config,
+    print_fn: Callable[[str], None] = print,
+    *,
+    devices=None,
+    started_at: float | None = None,
+    describe_program: Callable[[TrainProgram], str] | None = None,
 ) -> dict:
     """Check the input, then train `config`, resuming from run.dir's newest checkpoint; returns the summary.
 
     Joins a multi-process run first when run.* keys or the environment describe one; then process 0
     speaks through print_fn and the others print only their warnings. Raises ConfigError or DataError
     (one line) on bad input before anything in run.dir is written, and CoordinatorUnavailable when the
-    coordinator does not answer. `devices` (default: all) is for tests on part of the devices.
+    coordinator does not answer. `devices` (default: all) is for tests on part of the devices. describe_program:
+    what a hang report says of the running stage's program (the command line and the API give planning's plan).
     """
     # Goodput counts the start-up as restart overhead, and keeps where it went part by part (the command line
     # passes started_at: the process was launched for this run).
@@ -101,7 +108,7 @@ def train(
         client=peers.client,
     )
     with peers.recorder:
-        return _train(stages, peers, print_fn, devices, clock, injector)
+        return _train(stages, peers, print_fn, devices, clock, injector, describe_program)
 
 
 def _train(
@@ -111,6 +118,7 @@ def _train(
     devices,
     clock: StartClock,
     injector: Injector,
+    describe_program: Callable[[TrainProgram], str] | None,
 ) -> dict:
     config = stages[0].config
     f = config.fault
@@ -146,7 +154,7 @@ def _train(
         print_fn(
             f"train.microbatches=auto: {run.config.train.microbatches}, the fewest whose step fits run.device_memory_gb"
         )
-    return execute(run, print_fn, clock, injector)
+    return execute(run, print_fn, clock, injector, describe_program)
 
 
 def _warnings_only(print_fn: Callable[[str], None]) -> Callable[[str], None]:
@@ -162,7 +170,11 @@ def _warnings_only(print_fn: Callable[[str], None]) -> Callable[[str], None]:
 
 
 def execute(
-    run: Run, print_fn: Callable[[str], None] = print, clock: StartClock | None = None, injector: Injector | None = None
+    run: Run,
+    print_fn: Callable[[str], None] = print,
+    clock: StartClock | None = None,
+    injector: Injector | None = None,
+    describe_program: Callable[[TrainProgram], str] | None = None,
 ) -> dict:
     """The training loop. Returns a summary: eval losses, throughput, MFU, goodput and the exit code
     (0, or EXIT_PREEMPTED after a SIGTERM/SIGINT made it save and stop)."""
@@ -172,7 +184,7 @@ def execute(
         print_fn(f"{run_dir} is already trained to step {run.start.step}; raise train.steps to continue")
         average_decay(run, print_fn)  # where the run stopped before its average was written
         return summary
-    loop = Loop.open(run, print_fn, clock or StartClock(time.time()), injector)
+    loop = Loop.open(run, print_fn, clock or StartClock(time.time()), injector, describe_program)
     try:
         with loop.watchdog, loop.preemption, loop.active(), loop.log, loop.profiler:
             if (index := loop.stage_change(run.start.step)) is not None:  # resuming inside a later stage: restore there

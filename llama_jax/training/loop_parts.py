@@ -43,10 +43,9 @@ from llama_jax.resilience.preemption import PreemptionGuard
 from llama_jax.resilience.stragglers import HostScores, HostWindow, StragglerDetector
 from llama_jax.resilience.watchdog import HangWatchdog
 from llama_jax.training.metrics import MetricsLog, ThroughputMeter, WandbSettings
-from llama_jax.training.plan import format_plan, make_plan
 from llama_jax.training.report import write_report
 from llama_jax.training.run import Run
-from llama_jax.training.step import TrainState, model_flops_per_token
+from llama_jax.training.step import TrainProgram, TrainState, model_flops_per_token
 
 
 @dataclass(frozen=True)
@@ -101,10 +100,16 @@ class Loop:
 
     @classmethod
     def open(
-        cls, run: Run, print_fn: Callable[[str], None], clock: StartClock, injector: Injector | None = None
+        cls,
+        run: Run,
+        print_fn: Callable[[str], None],
+        clock: StartClock,
+        injector: Injector | None = None,
+        describe_program: Callable[[TrainProgram], str] | None = None,
     ) -> Loop:
         """Write the run's config and tokenizer and start every part (Run.setup has checked the input). `injector`:
-        the one train() built, else one from the config."""
+        the one train() built, else one from the config; `describe_program`: what a hang report says of the running
+        stage's program (train())."""
         config, mesh = run.config, run.program.mesh
         t, f, run_dir = config.train, config.fault, Path(config.run.dir)
         multi, primary = jax.process_count() > 1, jax.process_index() == 0
@@ -157,7 +162,7 @@ class Loop:
                     startup_timeout_s=f.hang_startup_timeout_s,
                     recorder=run.peers.recorder,
                     # the stage running when it hangs: its program, mesh and micro-batches
-                    describe=lambda: format_plan(make_plan(run.program.config, run.program.mesh)),
+                    describe=lambda: describe_program(run.program) if describe_program else "",
                 ),
                 preemption=PreemptionGuard(checkpointer.manager.reached_preemption if multi else None),
                 eval_batches=min(t.eval_batches, run.data.val.batches_per_epoch()),

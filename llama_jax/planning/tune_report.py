@@ -14,7 +14,7 @@ from llama_jax import config as config_lib
 from llama_jax.files import atomic_path, format_bytes
 from llama_jax.perf.costmodel import INTER_HOST, INTRA_HOST, CostModel
 from llama_jax.perf.hardware import MfuPeaks
-from llama_jax.training.tune_space import Result
+from llama_jax.planning.tune_space import Result
 
 
 @dataclass

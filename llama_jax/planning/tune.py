@@ -46,11 +46,9 @@ from llama_jax.errors import ConfigError
 from llama_jax.files import atomic_path, cache_root, format_bytes
 from llama_jax.perf.costmodel import CostModel, check_devices_per_host, default_cost_model, spearman
 from llama_jax.perf.hardware import compile_only, memory_budget, simulated_devices
-from llama_jax.training import plan
-from llama_jax.training.step import TrainProgram, model_flops_per_token
-from llama_jax.training.timing import random_batch, time_train_steps
-from llama_jax.training.tune_report import Report
-from llama_jax.training.tune_space import (
+from llama_jax.planning import plan
+from llama_jax.planning.tune_report import Report
+from llama_jax.planning.tune_space import (
     DEFAULT_POLICIES,
     SEARCHED_KEYS,
     Candidate,
@@ -59,6 +57,8 @@ from llama_jax.training.tune_space import (
     default_candidate,
     validate_candidates,
 )
+from llama_jax.training.step import TrainProgram, model_flops_per_token
+from llama_jax.training.timing import random_batch, time_train_steps
 
 PACKAGE = Path(__file__).parents[1]  # llama_jax/, not training/: the model and kernels decide the step too
 

@@ -357,6 +357,11 @@ def format_remat_comparison(plans: dict[str, Plan]) -> str:
     return "\n".join(lines)
 
 
+def describe_program(program: TrainProgram) -> str:
+    """What a hang report says of a running program (training's watchdog): its plan, compiled again, as text."""
+    return format_plan(make_plan(program.config, program.mesh))
+
+
 def format_plan(plan: Plan) -> str:
     stages = plan.mesh.get("pipeline", 1)
     lines = _memory_and_flops_lines(plan, stages)

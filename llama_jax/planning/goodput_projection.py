@@ -21,8 +21,7 @@ from llama_jax.errors import InputError
 from llama_jax.model.flops import train_flops_per_token
 from llama_jax.model.llama import param_count
 from llama_jax.perf.hardware import NIC_GBS, table_peak_flops
-from llama_jax.resilience.goodput import START_PARTS, read_attempts, summarize
-from llama_jax.training.goodput_model import (
+from llama_jax.planning.goodput_model import (
     LLAMA3_FAILURES_PER_GPU_HOUR,
     LLAMA3_MIX,
     LLAMA3_PLANNED_PER_GPU_HOUR,
@@ -34,6 +33,7 @@ from llama_jax.training.goodput_model import (
     sensitivity,
     with_auto,
 )
+from llama_jax.resilience.goodput import START_PARTS, read_attempts, summarize
 
 # Stated defaults where nothing is measured (each printed with its source).
 LLAMA3_MFU = 0.40  # Llama 3 405B: 38-43% bf16 MFU on 8K-16K H100s (REFERENCE.md)
