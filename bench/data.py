@@ -87,17 +87,18 @@ def bench_loader(config, batches: int) -> dict:
 def bench_step(config, data, steps: int) -> dict:
     import jax
 
-    from llama_jax.training.step import TrainProgram
+    from llama_jax.training.batches import local_rows, put_batch
+    from llama_jax.training.program import TrainProgram
 
     program = TrainProgram.for_config(config)
     with program.activate():
         state = program.init_state(jax.random.key(0))
-        rows = program.local_rows()
-        state, metrics = program.train_step(state, program.put(data.train.batch(0, rows)))  # compiles
+        rows = local_rows(program)
+        state, metrics = program.train_step(state, put_batch(program, data.train.batch(0, rows)))  # compiles
         jax.block_until_ready(metrics)
         start = time.perf_counter()
         for step in range(1, steps + 1):
-            state, metrics = program.train_step(state, program.put(data.train.batch(step, rows)))
+            state, metrics = program.train_step(state, put_batch(program, data.train.batch(step, rows)))
         jax.block_until_ready(metrics)
     seconds = (time.perf_counter() - start) / steps
     return {"step_s": seconds, "step_tokens_per_s": config.train.batch_size * config.train.seq_len / seconds}

@@ -73,8 +73,9 @@ from llama_jax.perf.hardware import SHORT_DTYPE, MfuPeaks, mfu_peaks
 from llama_jax.perf.profile import format_profile, profile_run
 from llama_jax.perf.profiler import StepProfiler
 from llama_jax.planning.plan import make_plan
+from llama_jax.training.batches import put_batch
+from llama_jax.training.program import TrainProgram
 from llama_jax.training.run import enable_compilation_cache
-from llama_jax.training.step import TrainProgram
 from llama_jax.training.timing import random_batch, time_train_steps
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -339,7 +340,7 @@ def measure_train_step(
     program = TrainProgram.for_config(config, devices=devices)
     with program.activate():
         state = program.init_state(jax.random.key(0))
-        batch = program.put(random_batch(config))
+        batch = put_batch(program, random_batch(config))
         times, metrics = time_train_steps(program, state, batch, steps, warmup)
         profile = profile_steps(program, batch, profile_dir) if profile_dir else None
     # The whole process's high-water mark, read before anything else allocates: the train step runs first.
@@ -488,7 +489,7 @@ def loss_curve(config: Config, steps: int) -> list[float]:
     with program.activate():
         state = program.init_state(jax.random.key(0))
         for step in range(steps):
-            state, metrics = program.train_step(state, program.put(text.batch(step)))
+            state, metrics = program.train_step(state, put_batch(program, text.batch(step)))
             losses.append(float(metrics["loss"]))
     return losses
 

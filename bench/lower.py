@@ -27,7 +27,7 @@ def main() -> None:
     args = parser.parse_args()
     from llama_jax.config import load_config
     from llama_jax.errors import LlamaJaxError
-    from llama_jax.training.step import lower_step
+    from llama_jax.training.program import lower_step
 
     source, overrides = (args.args[0], args.args[1:]) if args.args and "=" not in args.args[0] else (None, args.args)
     try:

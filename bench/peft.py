@@ -73,7 +73,7 @@ def state_sizes(preset: str, overrides: list[str]) -> tuple[int, int]:
 
     from llama_jax.config import load_config
     from llama_jax.distributed import sharding
-    from llama_jax.training.step import TrainProgram
+    from llama_jax.training.program import TrainProgram
 
     config = load_config(preset, overrides)
     shapes = TrainProgram.build(config, sharding.make_mesh(config)).state_shapes

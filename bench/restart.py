@@ -44,7 +44,7 @@ def bench_saves(preset: str, saves: int, work: Path, local_dir: Path) -> dict:
     from llama_jax.config import load_config
     from llama_jax.distributed.peers import Peers
     from llama_jax.model.llama import param_count
-    from llama_jax.training.step import TrainProgram
+    from llama_jax.training.program import TrainProgram
 
     config = load_config(preset, ["mesh.fsdp=1"])
     program = TrainProgram.for_config(config, devices=jax.devices()[:1])

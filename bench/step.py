@@ -62,7 +62,9 @@ def measure_ours(preset: str, overrides: list[str], steps: int, peak: tuple[floa
 
     from llama_jax.config import load_config
     from llama_jax.perf.hardware import MfuPeaks, measure_matmul_peak, table_peak_flops
-    from llama_jax.training.step import TrainProgram, model_flops_per_token
+    from llama_jax.training.batches import put_batch
+    from llama_jax.training.program import TrainProgram
+    from llama_jax.training.step import model_flops_per_token
     from llama_jax.training.timing import random_batch, time_train_steps
 
     config = load_config(preset, overrides)
@@ -71,7 +73,7 @@ def measure_ours(preset: str, overrides: list[str], steps: int, peak: tuple[floa
     b, t = config.train.batch_size, config.train.seq_len
     with program.activate():
         state = program.init_state(jax.random.key(0))
-        placed = program.put(random_batch(config))
+        placed = put_batch(program, random_batch(config))
         memory = program.train_step.lower(state, placed).compile().memory_analysis()
         times, metrics = time_train_steps(program, state, placed, steps, warmup=2)
     device = jax.devices()[0]

@@ -42,8 +42,9 @@ from llama_jax.inference.generate import Sampling, generate, inference_adapters
 from llama_jax.model import peft
 from llama_jax.model.llama import abstract_model
 from llama_jax.planning.plan import describe_program
+from llama_jax.training import batches
 from llama_jax.training.loop import train as train_config
-from llama_jax.training.step import TrainProgram
+from llama_jax.training.program import TrainProgram
 
 __all__ = ["ModelSpec", "convert", "evaluate", "generate_text", "load", "load_tokenizer", "logits", "resolve", "train"]
 
@@ -157,7 +158,7 @@ def evaluate(
     params = specs.load_params(spec, target=program.abstract_params())
     with program.activate():
         n = min(max_batches or stream.batches_per_epoch(), stream.batches_per_epoch())
-        loss = program.evaluate(params, stream, n)
+        loss = batches.evaluate(program, params, stream, n)
     result = {"loss": loss, "perplexity": float(np.exp(loss)), "batches": n, "tokens": n * t.batch_size * t.seq_len}
     print_fn(
         f"{spec.text} on {data}: loss {loss:.4f}, perplexity {result['perplexity']:.2f} "

@@ -26,7 +26,7 @@ from llama_jax.model import cudnn
 from llama_jax.model.attention import attention, document_mask
 from llama_jax.model.context import TraceContext
 from llama_jax.model.context_parallel import XLA_KERNEL
-from llama_jax.training.step import lower_step
+from llama_jax.training.program import lower_step
 
 SEQ = 1024
 

@@ -31,8 +31,8 @@ from llama_jax.errors import EXIT_HANG, EXIT_PREEMPTED
 from llama_jax.resilience.goodput import START_PARTS
 from llama_jax.training.loop import train
 from llama_jax.training.metrics import read_metrics
+from llama_jax.training.program import TrainProgram
 from llama_jax.training.run import load_checkpoint
-from llama_jax.training.step import TrainProgram
 
 STEPS = 12
 

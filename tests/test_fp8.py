@@ -25,7 +25,8 @@ from llama_jax.model.llama import HEADS, HIDDEN, KV_HEADS, MLP_HIDDEN, RESIDUAL,
 from llama_jax.model.pipeline import STAGE_AXIS, without_stage_axis
 from llama_jax.model.projection import FP8_FORWARD, FP8_GRADIENT, fp8_project, quantize
 from llama_jax.model.stages import to_storage_order
-from llama_jax.training.step import TrainProgram, layer_order, lower_step
+from llama_jax.training.batches import put_batch
+from llama_jax.training.program import TrainProgram, layer_order, lower_step
 
 
 def _element_error(dtype, values):
@@ -345,7 +346,7 @@ def test_fp8_with_lora_trains_the_adapters_and_leaves_the_base_bitwise_unchanged
         base, adapters = (jax.tree.map(np.asarray, tree) for tree in (state.frozen, state.params))
         for step in range(3):
             batch = {k: np.asarray(v) for k, v in random_batch(cfg, seed=step).items()}
-            state, metrics = program.train_step(state, program.put(batch))
+            state, metrics = program.train_step(state, put_batch(program, batch))
             assert bool(metrics["finite"])
     for before, after in zip(jax.tree.leaves(base), jax.tree.leaves(state.frozen)):
         np.testing.assert_array_equal(np.asarray(after), before)
@@ -395,7 +396,7 @@ def test_an_overflowing_fp8_step_is_skipped_by_the_guard():
         poisoned = jax.tree.map(lambda p: p.at[(0,) * p.ndim].set(jnp.inf) if p.ndim == 3 else p, state.params)
         state, poisoned = state.replace(params=poisoned), jax.tree.map(np.asarray, poisoned)  # the step donates
         batch = {k: np.asarray(v) for k, v in random_batch(cfg, seed=0).items()}
-        state, metrics = program.train_step(state, program.put(batch))
+        state, metrics = program.train_step(state, put_batch(program, batch))
     assert not bool(metrics["finite"])
     for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(poisoned)):
         np.testing.assert_array_equal(np.asarray(a), b)  # the update was skipped

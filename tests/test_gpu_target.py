@@ -25,7 +25,8 @@ from llama_jax.model import projection
 from llama_jax.perf import costmodel, gpu_target, hardware, hlo
 from llama_jax.planning import plan as planning
 from llama_jax.planning import tune, tune_report
-from llama_jax.training.step import TrainProgram
+from llama_jax.training.memory import cudnn_workspace_bytes, memory_budget, memory_bytes
+from llama_jax.training.program import TrainProgram
 
 SEQ = 512
 NO_PLUGIN = gpu_target.plugin_missing()
@@ -178,17 +179,17 @@ def test_the_step_fits_its_budget_with_cudnns_workspace_counted(eight_h100s):
     80 GiB, as launch/gpu_env.sh lets XLA allocate. The step needs under 128 MiB."""
     program, _ = eight_h100s
     memory = program.compile_step().memory_analysis()
-    workspace = program.cudnn_workspace_bytes()
+    workspace = cudnn_workspace_bytes(program)
     assert workspace == 8 * 16 * 1 * SEQ * 4 * 32
-    assert program.memory_bytes() == (
+    assert memory_bytes(program) == (
         memory.argument_size_in_bytes
         + memory.temp_size_in_bytes
         + memory.output_size_in_bytes
         - memory.alias_size_in_bytes
         + workspace
     )
-    assert program.memory_bytes() < 128 * 2**20
-    assert program.memory_budget() == 0.9 * 80 * 2**30
+    assert memory_bytes(program) < 128 * 2**20
+    assert memory_budget(program) == 0.9 * 80 * 2**30
 
 
 @needs_plugin

@@ -16,7 +16,7 @@ from llama_jax.model import loss
 from llama_jax.model.llama import abstract_model, init_params
 from llama_jax.model.norm import rms_norm
 from llama_jax.perf import hlo
-from llama_jax.training.step import TrainProgram
+from llama_jax.training.program import TrainProgram
 
 RELATIVE = 1e-6  # fp32
 

@@ -13,7 +13,8 @@ from llama_jax.distributed.sharding import make_mesh
 from llama_jax.errors import ConfigError
 from llama_jax.planning import plan
 from llama_jax.training.loop import train
-from llama_jax.training.step import TrainProgram, step_memory_bytes
+from llama_jax.training.memory import check_fits, step_memory_bytes
+from llama_jax.training.program import TrainProgram
 
 
 def with_budget(config, microbatches, gib):
@@ -45,7 +46,7 @@ def test_auto_micro_batches_are_the_fewest_that_fit(needs):
     most = TrainProgram.build(with_budget(config, "auto", gib[4] / 10), mesh)  # none fits: the most, refused
     assert most.config.train.microbatches == 8
     with pytest.raises(ConfigError, match=r"the train step \(8 micro-batch\(es\), remat.policy=none\) needs .* over"):
-        most.check_fits()
+        check_fits(most)
 
 
 def test_a_step_over_the_budget_exits_before_writing_anything(needs, tmp_path, capsys):

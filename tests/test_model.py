@@ -33,7 +33,8 @@ from llama_jax.model.llama import (
 )
 from llama_jax.model.params import param
 from llama_jax.model.rope import apply_rope, rope_angles, rope_inverse_frequencies
-from llama_jax.training.step import TrainProgram
+from llama_jax.training.batches import put_batch
+from llama_jax.training.program import TrainProgram
 
 TOLERANCE = 1e-5  # fp32, absolute on logits of order 1
 GOLDEN = Path(__file__).parent / "golden"
@@ -309,7 +310,7 @@ def test_the_change_the_model_example_trains_on_every_way(sections, devices, mon
     with program.activate():
         state = program.init_state(jax.random.key(0))
         for _ in range(2):
-            state, metrics = program.train_step(state, program.put(batch))
+            state, metrics = program.train_step(state, put_batch(program, batch))
     assert np.isfinite(float(metrics["loss"]))
     learned = np.asarray(state.params["layers"]["attn_scale"])
     assert learned.shape == (2, cfg.model.d_model) and not np.allclose(learned, 0.1)

@@ -29,9 +29,10 @@ from llama_jax.distributed import sharding
 from llama_jax.interop import hf
 from llama_jax.model import peft
 from llama_jax.model.llama import abstract_model, param_shapes
+from llama_jax.training.batches import abstract_batch, put_batch
 from llama_jax.training.loop import train
+from llama_jax.training.program import TrainProgram
 from llama_jax.training.run import load_checkpoint
-from llama_jax.training.step import TrainProgram
 
 GOLDEN = Path(__file__).parent / "golden" / "peft"
 ALL_TARGETS = ["q", "k", "v", "o", "gate", "up", "down"]
@@ -146,9 +147,9 @@ def test_a_lora_step_computes_no_weight_gradient_of_the_base_and_leaves_it_bitwi
         )
         program = TrainProgram.build(cfg, sharding.make_mesh(cfg, devices=jax.devices()[:1]))
         with program.activate():
-            flops[method] = program.train_step.lower(
-                program.abstract_state(), program.abstract_batch()
-            ).cost_analysis()["flops"]
+            flops[method] = program.train_step.lower(program.abstract_state(), abstract_batch(program)).cost_analysis()[
+                "flops"
+            ]
     assert flops["lora"] < 0.75 * flops["none"]
     with program.activate():  # the LoRA program
         state = program.init_state(jax.random.key(0))
@@ -156,7 +157,7 @@ def test_a_lora_step_computes_no_weight_gradient_of_the_base_and_leaves_it_bitwi
         for step in range(3):
             batch = {k: np.array(v) for k, v in random_batch(cfg, seed=step).items()}
             batch["loss_mask"][:] = np.nan if step == 1 else batch["loss_mask"]
-            state, metrics = program.train_step(state, program.put(batch))
+            state, metrics = program.train_step(state, put_batch(program, batch))
             assert bool(metrics["finite"]) == (step != 1)
     for before, after in zip(jax.tree.leaves(base), jax.tree.leaves(state.frozen)):
         np.testing.assert_array_equal(np.asarray(after), before)

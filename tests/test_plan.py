@@ -123,12 +123,13 @@ def test_vocab_parallel_loss_never_gathers_the_full_vocabulary():
     """With the vocab split over tensor, no collective carries a tensor whose last axis is the whole vocab."""
     import jax
 
-    from llama_jax.training.step import TrainProgram
+    from llama_jax.training.batches import abstract_batch
+    from llama_jax.training.program import TrainProgram
 
     cfg = tiny_config(model=MODEL, mesh=dict(data=1, fsdp=4, tensor=2, sequence=1))
     program = TrainProgram.for_config(cfg)
     with program.activate():
-        text = program.train_step.lower(program.abstract_state(), program.abstract_batch()).compile().as_text()
+        text = program.train_step.lower(program.abstract_state(), abstract_batch(program)).compile().as_text()
     vocab = cfg.model.vocab_size
     collectives = [
         line

@@ -13,7 +13,8 @@ from test_train import random_batch
 from llama_jax.config import load_config
 from llama_jax.distributed import sharding
 from llama_jax.errors import ConfigError
-from llama_jax.training.step import TrainProgram
+from llama_jax.training.batches import put_batch
+from llama_jax.training.program import TrainProgram
 
 # Eight query heads so that tensor=8 divides them; two kv heads (GQA), which tensor=8 replicates.
 MESH_MODEL = dataclasses.replace(TINY_MODEL, n_heads=8, n_kv_heads=2)
@@ -53,7 +54,7 @@ def losses(cfg, devices, start=None):
         for step in range(STEPS):
             # Packed rows: three documents each, so document masks matter under context parallelism.
             batch = {k: np.asarray(v) for k, v in random_batch(cfg, seed=20 + step, documents_per_row=3).items()}
-            state, metrics = program.train_step(state, program.put(batch))
+            state, metrics = program.train_step(state, put_batch(program, batch))
             out.append(float(metrics["loss"]))
     return np.array(out)
 

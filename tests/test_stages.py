@@ -286,7 +286,7 @@ def test_microbatches_auto_tries_the_next_count_when_a_compile_fails(monkeypatch
     from conftest import tiny_config
 
     from llama_jax.distributed import sharding
-    from llama_jax.training.step import TrainProgram
+    from llama_jax.training.program import TrainProgram
 
     real = TrainProgram.memory_bytes
 

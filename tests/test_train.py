@@ -22,11 +22,14 @@ from llama_jax.distributed import sharding
 from llama_jax.errors import ConfigError
 from llama_jax.model import remat
 from llama_jax.model.llama import abstract_model
+from llama_jax.training import loop_parts
+from llama_jax.training.batches import put_batch
 from llama_jax.training.loop import train
 from llama_jax.training.metrics import read_metrics
 from llama_jax.training.optimizer import learning_rate, make_optimizer, weight_decay_mask
+from llama_jax.training.program import TrainProgram
 from llama_jax.training.run import Run
-from llama_jax.training.step import TrainProgram, make_grad_fn
+from llama_jax.training.step import make_grad_fn
 
 
 def random_batch(cfg, seed=0, batch=8, seq=32, documents_per_row=3):
@@ -103,7 +106,7 @@ def test_a_tiny_model_overfits_a_fixed_batch():
     cfg = tiny_config(train=dict(steps=40, lr=1e-2, warmup_steps=0, min_lr_ratio=1.0))
     mesh = one_device_mesh(cfg)
     program = TrainProgram.build(cfg, mesh)
-    batch = program.put({k: np.asarray(v) for k, v in random_batch(cfg, seed=2).items()})
+    batch = put_batch(program, {k: np.asarray(v) for k, v in random_batch(cfg, seed=2).items()})
     with program.activate():
         state = program.init_state(jax.random.key(0))
         losses = []
@@ -122,7 +125,7 @@ def first_losses(cfg, devices, steps=4):
         state = program.init_state(jax.random.key(0))
         for step in range(steps):
             state, metrics = program.train_step(
-                state, program.put({k: np.asarray(v) for k, v in random_batch(cfg, seed=10 + step).items()})
+                state, put_batch(program, {k: np.asarray(v) for k, v in random_batch(cfg, seed=10 + step).items()})
             )
             losses.append(float(metrics["loss"]))
     return np.array(losses)
@@ -280,7 +283,7 @@ def test_the_host_reads_each_step_after_dispatching_the_next(tmp_path, corpus, m
 
     def setup(cls, *args, **kwargs):
         run = real_setup(cls, *args, **kwargs)
-        step_fn, put = run.program.train_step, run.program.put
+        step_fn = run.program.train_step
 
         def dispatch(state, batch):
             state, metrics = step_fn(state, batch)
@@ -291,12 +294,16 @@ def test_the_host_reads_each_step_after_dispatching_the_next(tmp_path, corpus, m
             return state, metrics
 
         run.program.train_step = dispatch
-        run.program.put = lambda batch: (events.append(("put", None)), put(batch))[1]
         return run
+
+    def placed(program, batch):
+        events.append(("put", None))
+        return put_batch(program, batch)
 
     real_setup = Run.setup.__func__
     monkeypatch.setattr(Run, "setup", classmethod(setup))
     monkeypatch.setattr(array_type, "_value", property(counted_value))
+    monkeypatch.setattr(loop_parts, "put_batch", placed)  # where the loop places its batches
     train(cfg, print_fn=lambda _: None, devices=jax.devices()[:1])
     loop = events[next(i for i, e in enumerate(events) if e[0] == "dispatch") :]
 

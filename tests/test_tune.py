@@ -14,7 +14,7 @@ from llama_jax.errors import ConfigError
 from llama_jax.perf import costmodel
 from llama_jax.perf.costmodel import INTER_HOST, INTRA_HOST, CostModel
 from llama_jax.planning import plan, tune, tune_report
-from llama_jax.training.step import TrainProgram
+from llama_jax.training.program import TrainProgram
 
 # The end-to-end search pins tensor and sequence to 1 to keep compilations few: 4 meshes.
 PINNED = [

@@ -42,7 +42,9 @@ from llama_jax.model.stack import one_f_one_b
 from llama_jax.model.stack.grouped import LAYER_SLOT_SCOPE
 from llama_jax.perf import costmodel, gpu_target, hardware, hlo, xla_log
 from llama_jax.perf.costmodel import AxisTraffic
-from llama_jax.training.step import TrainProgram, model_flops_per_token, step_memory_bytes
+from llama_jax.training.memory import cudnn_workspace_bytes, memory_budget, memory_bytes, step_memory_bytes
+from llama_jax.training.program import TrainProgram
+from llama_jax.training.step import model_flops_per_token
 
 
 @dataclass(frozen=True)
@@ -188,7 +190,7 @@ def make_plan(config: Config, mesh: Mesh, devices_per_host: int = 0) -> Plan:
         argument_bytes=memory.argument_size_in_bytes,
         temporary_bytes=memory.temp_size_in_bytes,
         output_bytes=outputs,
-        total_bytes=program.memory_bytes(),
+        total_bytes=memory_bytes(program),
         host_temporary_bytes=memory.host_temp_size_in_bytes,
         hlo_flops=stats.dot_flops * devices,
         model_flops=model_flops,
@@ -196,7 +198,7 @@ def make_plan(config: Config, mesh: Mesh, devices_per_host: int = 0) -> Plan:
         collective_minimum=collective_minimum(config, dict(mesh.shape)),
         compile_seconds=compile_seconds,
         microbatches=program.config.train.microbatches,
-        budget_bytes=program.memory_budget(),
+        budget_bytes=memory_budget(program),
         memory_traffic_bytes=stats.memory_bytes,
         operations=operations,
         hosts=topology.host_count,
@@ -208,7 +210,7 @@ def make_plan(config: Config, mesh: Mesh, devices_per_host: int = 0) -> Plan:
         pass_microbatches=microbatches if stages > 1 else 0,
         **staged,
         target=gpu_target.describe(mesh_device(mesh)) if program.for_gpus_elsewhere else "",
-        cudnn_workspace_bytes=program.cudnn_workspace_bytes(),
+        cudnn_workspace_bytes=cudnn_workspace_bytes(program),
         fp8=config.model.fp8,
         fp8_flops=stats.fp8_flops * devices,
         **predicted_speed(config, mesh, operations, costmodel.tier_totals(traffic), model_flops),

@@ -57,7 +57,9 @@ from llama_jax.planning.tune_space import (
     default_candidate,
     validate_candidates,
 )
-from llama_jax.training.step import TrainProgram, model_flops_per_token
+from llama_jax.training.batches import put_batch
+from llama_jax.training.program import TrainProgram
+from llama_jax.training.step import model_flops_per_token
 from llama_jax.training.timing import random_batch, time_train_steps
 
 PACKAGE = Path(__file__).parents[1]  # llama_jax/, not training/: the model and kernels decide the step too
@@ -164,7 +166,9 @@ def measure(result: Result, cache: Cache, steps: int) -> None:
     try:
         with program.activate():
             state = program.init_state(jax.random.key(0))
-            times, _ = time_train_steps(program, state, program.put(random_batch(result.config)), steps, warmup=1)
+            times, _ = time_train_steps(
+                program, state, put_batch(program, random_batch(result.config)), steps, warmup=1
+            )
     except Exception as err:  # noqa: BLE001 - e.g. out of memory at run time although the plan fitted
         result.rejected = f"failed when measured: {type(err).__name__}: {str(err).splitlines()[0][:160]}"
         return

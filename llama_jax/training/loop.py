@@ -41,8 +41,8 @@ from llama_jax.resilience.flight import FlightRecorder
 from llama_jax.resilience.goodput import StartClock
 from llama_jax.resilience.inject import Injector
 from llama_jax.training.loop_parts import Loop, average_decay
+from llama_jax.training.program import TrainProgram
 from llama_jax.training.run import Run, StagePart, configure_process
-from llama_jax.training.step import TrainProgram
 
 
 def train(

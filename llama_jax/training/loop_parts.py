@@ -42,10 +42,12 @@ from llama_jax.resilience.inject import Injector
 from llama_jax.resilience.preemption import PreemptionGuard
 from llama_jax.resilience.stragglers import HostScores, HostWindow, StragglerDetector
 from llama_jax.resilience.watchdog import HangWatchdog
+from llama_jax.training.batches import evaluate, local_rows, put_batch
 from llama_jax.training.metrics import MetricsLog, ThroughputMeter, WandbSettings
+from llama_jax.training.program import TrainProgram
 from llama_jax.training.report import write_report
 from llama_jax.training.run import Run
-from llama_jax.training.step import TrainProgram, TrainState, model_flops_per_token
+from llama_jax.training.step import TrainState, model_flops_per_token
 
 
 @dataclass(frozen=True)
@@ -219,7 +221,7 @@ class Loop:
         run, config = self.run, self.run.config
         position = data_step - (run.stages[run.stage].stage.first_step if run.stages else 0)
         return run.data.train.iterate(
-            position, position + 10**12, run.program.local_rows(), config.data.loader_threads, config.data.prefetch
+            position, position + 10**12, local_rows(run.program), config.data.loader_threads, config.data.prefetch
         )
 
     @contextlib.contextmanager
@@ -282,7 +284,7 @@ class Loop:
         batch = next(batches)
         self.data_wait_s += time.perf_counter() - start
         # The transfer starts now, the step need not wait for it.
-        return self.run.program.put(self.injector.batch(data_step, batch))
+        return put_batch(self.run.program, self.injector.batch(data_step, batch))
 
     def dispatch(self, state: TrainState, batch: dict, step: int) -> tuple[TrainState, Dispatched]:
         """Hand step `step` to the devices. The call returns at once unless the devices are still busy with
@@ -397,7 +399,7 @@ class Loop:
         # Bounded like the steps it is made of (a peer that never joins an eval batch must not hang it).
         bound = self.watchdog.timeout_s * max(1, self.eval_batches)
         with self.watchdog.paused("eval", bound), self.goodput.pause("eval"):
-            loss = self.run.program.evaluate(params, self.run.data.val, self.eval_batches)
+            loss = evaluate(self.run.program, params, self.run.data.val, self.eval_batches)
         self.log.log({"step": step, "eval_loss": loss})
         return loss
 

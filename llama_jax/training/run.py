@@ -34,8 +34,10 @@ from llama_jax.distributed.peers import Peers
 from llama_jax.errors import ConfigError
 from llama_jax.files import cache_root
 from llama_jax.model.stages import LayerOrder
+from llama_jax.training.memory import check_fits
 from llama_jax.training.metrics import check_wandb
-from llama_jax.training.step import TrainProgram, TrainState, layer_order
+from llama_jax.training.program import TrainProgram, layer_order
+from llama_jax.training.step import TrainState
 
 
 @dataclass(frozen=True)
@@ -84,13 +86,13 @@ class Run:
         if start.adapting:  # the base, loaded into its shards and checked before compiling
             run.base, run.base_reference = starting.load_base(start, program.abstract_state().frozen)
             run.check_meta(start.meta)
-        program.check_fits()  # the step compiled now, its memory against run.device_memory_gb
+        check_fits(program)  # the step compiled now, its memory against run.device_memory_gb
         if staged:
             run.stages = [RunStage(dataclasses.replace(staged[0].stage, config=program.config), program, data)]
             for part in staged[1:]:
                 try:
                     stage_program = TrainProgram.build(part.stage.config, part.mesh)
-                    stage_program.check_fits()
+                    check_fits(stage_program)
                 except ConfigError as err:
                     raise ConfigError(f"{part.stage.name} (train.stages[{part.stage.listed - 1}]): {err}") from None
                 run.stages.append(RunStage(part.stage, stage_program, part.data))

@@ -9,7 +9,7 @@ import jax
 import numpy as np
 
 from llama_jax.config import Config
-from llama_jax.training.step import TrainProgram
+from llama_jax.training.program import TrainProgram
 
 
 def random_batch(config: Config) -> dict[str, np.ndarray]:
