@@ -22,11 +22,12 @@ from llama_jax.distributed import sharding
 from llama_jax.errors import ConfigError
 from llama_jax.model import remat
 from llama_jax.model.llama import abstract_model
-from llama_jax.training import loop_parts
+from llama_jax.training import segments
 from llama_jax.training.batches import put_batch
 from llama_jax.training.loop import train
 from llama_jax.training.metrics import read_metrics
 from llama_jax.training.optimizer import learning_rate, make_optimizer, weight_decay_mask
+from llama_jax.training.parts import Part
 from llama_jax.training.program import TrainProgram
 from llama_jax.training.run import Run
 from llama_jax.training.step import make_grad_fn
@@ -303,7 +304,7 @@ def test_the_host_reads_each_step_after_dispatching_the_next(tmp_path, corpus, m
     real_setup = Run.setup.__func__
     monkeypatch.setattr(Run, "setup", classmethod(setup))
     monkeypatch.setattr(array_type, "_value", property(counted_value))
-    monkeypatch.setattr(loop_parts, "put_batch", placed)  # where the loop places its batches
+    monkeypatch.setattr(segments, "put_batch", placed)  # where the loop places its batches
     train(cfg, print_fn=lambda _: None, devices=jax.devices()[:1])
     loop = events[next(i for i, e in enumerate(events) if e[0] == "dispatch") :]
 
@@ -320,3 +321,31 @@ def test_the_host_reads_each_step_after_dispatching_the_next(tmp_path, corpus, m
     assert ("read", "other") not in loop[: loop.index(("dispatch", 8))]  # no other transfer while training
     records = [r for r in read_metrics(Path(cfg.run.dir) / "metrics.jsonl") if "loss" in r]
     assert [r["step"] for r in records] == list(range(1, 9))
+
+
+def test_a_part_added_to_the_loop_sees_every_step_and_acts_when_due(tmp_path, corpus):
+    """A part of its own (training/parts.py) in a few lines: it observes each step's result in order, is asked after
+    every step and acts after the steps it is due after, with that step's state in hand."""
+
+    class EveryThird(Part):
+        def __init__(self):
+            self.losses, self.asked, self.acted = {}, [], []
+
+        def observe(self, result):
+            self.losses[result.step] = result.metrics["loss"]
+            return result
+
+        def due(self, step, read, stopping):
+            self.asked.append(step)
+            return step % 3 == 0
+
+        def act(self, at):
+            self.acted.append((at.step, int(at.state.step), at.step in self.losses))
+
+    cfg = tiny_config(tmp_path, train=dict(steps=7), data=dict(sources=[str(corpus)], cache_dir=str(tmp_path / "c")))
+    part = EveryThird()
+    train(cfg, print_fn=lambda _: None, devices=jax.devices()[:1], parts=[part])
+    assert part.asked == list(range(1, 8))
+    assert part.acted == [(3, 3, True), (6, 6, True)]  # its result was read (and stood) before it acted
+    logged = {r["step"]: r["loss"] for r in read_metrics(Path(cfg.run.dir) / "metrics.jsonl") if "loss" in r}
+    assert part.losses == logged

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,8 @@ import jax.numpy as jnp
 from llama_jax import __version__
 from llama_jax.checkpoint.durable import model_differences, read_meta, restore_params, save_params, step_directories
 from llama_jax.checkpoint.specs import copy_tokenizer, inference_config, inference_mesh, param_target
-from llama_jax.config import ModelConfig
+from llama_jax.config import Config, ModelConfig
+from llama_jax.config.stages import decay_saves
 from llama_jax.distributed import processes
 from llama_jax.distributed.peers import Peers
 from llama_jax.errors import ConfigError
@@ -175,3 +177,40 @@ def write_average(
         copy_tokenizer(run, target)
         print_fn(f"averaged {len(chosen)} checkpoint(s) of {run} (steps {', '.join(map(str, chosen))}) -> {done}")
     return done
+
+
+def average_decay(config: Config, peers: Peers, devices: list, print_fn: Callable[[str], None]) -> None:
+    """checkpoint.average_decay, once a run has trained to its end and saved: the decay phase's checkpoints that
+    exist averaged into run.dir/averaged, unless an average of those very steps is there. A planned checkpoint may
+    be missing (a save the guard held for a bad step went to the next good one): the others are averaged, with a
+    warning; with fewer than 2, none is, and the run still ends well. Every process of the run calls it."""
+    run_dir = Path(config.run.dir)
+    if not config.checkpoint.average_decay:
+        return
+    out = run_dir / "averaged"
+    # Process 0's reading of the directories, for every process: on a shared filesystem two processes may see
+    # them at different moments, and one deciding alone to skip would leave the others waiting in the average.
+    steps = peers.broadcast("average decay: steps", _decay_steps_to_average(config, run_dir, out, print_fn))
+    if not steps:
+        return
+    if jax.process_index() == 0 and out.exists():  # an earlier average: unfinished, or of other steps
+        shutil.rmtree(out)
+    peers.barrier("average decay")
+    average_decay_phase(run_dir, steps, devices, print_fn)
+
+
+def _decay_steps_to_average(config: Config, run_dir: Path, out: Path, print_fn: Callable[[str], None]) -> list[int]:
+    """The decay phase's checkpoints to average into `out`, or [] where there are fewer than 2 or `out` already
+    holds their average."""
+    planned = decay_saves(config)
+    begin = config.train.steps - config.train.resolved_decay_steps
+    steps = [s for s in step_directories(run_dir / "checkpoints") if begin < s <= config.train.steps]
+    if steps != planned:
+        print_fn(
+            f"warning: checkpoint.average_decay planned steps {planned}; the decay phase's checkpoints are {steps}"
+            + ("" if len(steps) >= 2 else ": fewer than 2, nothing averaged")
+        )
+    done = read_meta(out / "checkpoints" / "0")
+    if len(steps) < 2 or (done is not None and done.get("averaged_steps") == steps):
+        return []
+    return steps

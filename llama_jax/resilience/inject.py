@@ -5,9 +5,9 @@
 An Injector is built from that section and this process's index; the production code calls it at named points
 and, with the empty section (NO_INJECTION, or any real run), every call does nothing:
 
-    before_step(step)           training/loop_parts.py, before loading each batch: inject.step_delay_s (inject.process)
-    batch(step, batch)          training/loop_parts.py, each host batch: inject.nan_steps, inject.spike_steps
-    hang_after(step)            training/loop.py and loop_parts.py, once step n is read (and saved): inject.hang_step
+    before_step(step)           training/segments.py, before loading each batch: inject.step_delay_s (inject.process)
+    batch(step, batch)          training/segments.py, each host batch: inject.nan_steps, inject.spike_steps
+    hang_after(step)            training/loop.py and segments.py, once step n is read (and saved): inject.hang_step
     save_delay_s                checkpoint/checkpointer.py, each durable save: inject.save_delay_s (inject.process)
     save_failure(step)          checkpoint/checkpointer.py, each durable write: inject.save_failure_steps
                                 (inject.process)

@@ -1,19 +1,22 @@
 """`train(config)`: what `llama-jax train` and `api.train` both run, and the training loop.
 
-    train(config)   join a multi-process run, build the mesh, open the data, run the pre-flight check, check
-                    the rest of the input (Run.setup, run.py: nothing in run.dir is written before it passes),
-                    run the loop
-    execute(run)    restore -> for each step: dispatch it, load and place the next batch, settle the step
-                    before -> when something is due: settle this one and evaluate / save / stop -> finish
+    train(config)          join a multi-process run, build the mesh, open the data, run the pre-flight check,
+                           check the rest of the input (Run.setup, run.py: nothing in run.dir is written before
+                           it passes), run the loop
+    execute(run)           start (restore) -> the run's segments one after another (segments.py: a stage, or
+                           the stretch after a rollback) -> finish
+    train_segment(...)     a segment's steps: dispatch a step, place the next batch, read the step before; when
+                           a part is due after the step, read it at once and let the due parts act
 
 The host runs one step ahead of the devices: step n's metrics are read only after step n + 1 has been
 dispatched, and that read is the loop's only device-to-host transfer, so the devices never wait for the
-host between steps. A step that is evaluated or saved is settled first (its guard verdict may roll back).
+host between steps. A step a part acts on is read first (its guard verdict may roll back).
 
-The loop's parts (loop_parts.py: the Loop) decide for themselves: the checkpointer when a save is due
-(checkpoint/checkpointer.py), the throughput meter its window (metrics.py), goodput its step clock
-(resilience/goodput.py), the guards what a step's loss means and when to roll back (resilience/guards.py), the
-start decision where the run begins (checkpoint/start.py), the profiler which steps it traces (perf/profiler.py).
+The parts (parts.py) decide for themselves when they are due and what they do: evaluation, the checkpointer
+(checkpoint/checkpointer.py decides the intervals), goodput's step clock (resilience/goodput.py), the throughput
+meter (metrics.py), the guard (resilience/guards.py: what a step's loss means and when to roll back), the
+watchdog, straggler detection and the profiler (perf/profiler.py: which steps it traces). Where the run begins
+is checkpoint/start.py's decision.
 """
 
 from __future__ import annotations
@@ -22,12 +25,13 @@ import dataclasses
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import jax
 
+from llama_jax.checkpoint.average import average_decay
 from llama_jax.config import Config
 from llama_jax.config import summary as describe
 from llama_jax.config.stages import Stage, not_reached, resolve
@@ -40,9 +44,10 @@ from llama_jax.resilience import preflight
 from llama_jax.resilience.flight import FlightRecorder
 from llama_jax.resilience.goodput import StartClock
 from llama_jax.resilience.inject import Injector
-from llama_jax.training.loop_parts import Loop, average_decay
+from llama_jax.training.parts import Part, Position
 from llama_jax.training.program import TrainProgram
-from llama_jax.training.run import Run, StagePart, configure_process
+from llama_jax.training.run import Run, RunStage, configure_process
+from llama_jax.training.segments import Loop, Segment
 
 
 def train(
@@ -52,6 +57,7 @@ def train(
     devices=None,
     started_at: float | None = None,
     describe_program: Callable[[TrainProgram], str] | None = None,
+    parts: Sequence[Part] = (),
 ) -> dict:
     """Check the input, then train `config`, resuming from run.dir's newest checkpoint; returns the summary.
 
@@ -59,7 +65,8 @@ def train(
     speaks through print_fn and the others print only their warnings. Raises ConfigError or DataError
     (one line) on bad input before anything in run.dir is written, and CoordinatorUnavailable when the
     coordinator does not answer. `devices` (default: all) is for tests on part of the devices. describe_program:
-    what a hang report says of the running stage's program (the command line and the API give planning's plan).
+    what a hang report says of the running stage's program (the command line and the API give planning's plan);
+    parts: the caller's own parts of the loop (training/parts.py), called after its own.
     """
     # Goodput counts the start-up as restart overhead, and keeps where it went part by part (the command line
     # passes started_at: the process was launched for this run).
@@ -108,7 +115,7 @@ def train(
         client=peers.client,
     )
     with peers.recorder:
-        return _train(stages, peers, print_fn, devices, clock, injector, describe_program)
+        return _train(stages, peers, print_fn, devices, clock, injector, describe_program, parts)
 
 
 def _train(
@@ -119,6 +126,7 @@ def _train(
     clock: StartClock,
     injector: Injector,
     describe_program: Callable[[TrainProgram], str] | None,
+    parts: Sequence[Part],
 ) -> dict:
     config = stages[0].config
     f = config.fault
@@ -139,7 +147,7 @@ def _train(
                 f"{stage.name}'s data ({', '.join(stage.config.data.sources)}) was prepared with another tokenizer "
                 "than the first stage's; prepare every stage's sources with the same tokenizer"
             )
-    staged = [StagePart(s, m, d) for s, m, d in zip(stages, meshes, data)] if len(stages) > 1 else []
+    staged = [RunStage(s, m, d) for s, m, d in zip(stages, meshes, data)] if len(stages) > 1 else []
     data = data[0]
     clock.mark("data")
     if f.preflight:  # a slow or faulty device is named before the step compiles or a checkpoint restores (exit 71)
@@ -154,7 +162,7 @@ def _train(
         print_fn(
             f"train.microbatches=auto: {run.config.train.microbatches}, the fewest whose step fits run.device_memory_gb"
         )
-    return execute(run, print_fn, clock, injector, describe_program)
+    return execute(run, print_fn, clock, injector, describe_program, parts)
 
 
 def _warnings_only(print_fn: Callable[[str], None]) -> Callable[[str], None]:
@@ -175,62 +183,60 @@ def execute(
     clock: StartClock | None = None,
     injector: Injector | None = None,
     describe_program: Callable[[TrainProgram], str] | None = None,
+    parts: Sequence[Part] = (),
 ) -> dict:
-    """The training loop. Returns a summary: eval losses, throughput, MFU, goodput and the exit code
-    (0, or EXIT_PREEMPTED after a SIGTERM/SIGINT made it save and stop)."""
+    """The training loop: the run's segments one after another, from where it starts to train.steps, a rollback
+    re-entering where it went back to. Returns a summary: eval losses, throughput, MFU, goodput and the exit code
+    (0, or EXIT_PREEMPTED after a SIGTERM/SIGINT made it save and stop). `parts`: a caller's own (parts.py)."""
     t, run_dir, wall_start = run.config.train, Path(run.config.run.dir), time.perf_counter()
     summary: dict[str, Any] = {"run_dir": str(run_dir), "exit_code": EXIT_OK}
     if run.start.step and run.start.step >= t.steps:
         print_fn(f"{run_dir} is already trained to step {run.start.step}; raise train.steps to continue")
-        average_decay(run, print_fn)  # where the run stopped before its average was written
+        devices = list(run.program.mesh.devices.flat)  # where the run stopped before its average was written
+        average_decay(run.config, run.peers, devices, print_fn)
         return summary
-    loop = Loop.open(run, print_fn, clock or StartClock(time.time()), injector, describe_program)
+    clock = clock or StartClock(time.time())
+    loop = Loop.open(run, print_fn, clock, injector, describe_program, parts)
     try:
-        with loop.watchdog, loop.preemption, loop.active(), loop.log, loop.profiler:
-            if (index := loop.stage_change(run.start.step)) is not None:  # resuming inside a later stage: restore there
-                loop.enter_stage(None, index, run.start.step)
-            state, data_step = loop.restore()
-            step = int(state.step)
-            if (index := loop.stage_change(step)) is not None:  # it restored another step (the newest was damaged)
-                state = loop.enter_stage(state, index, step)
-            batches = loop.begin(state, step, data_step, summary)
-            # read: the newest step whose result the host holds (its metrics read, or the state restored); the
-            # loop runs one step ahead of the devices, and tells the parts that decide ahead (Loop.due) so.
-            batch, unread, read = None, None, step
-            while step < t.steps:
-                if (index := loop.stage_change(step)) is not None:  # a staged run: the next step is another stage's
-                    state, batch = loop.enter_stage(state, index, step), None
-                    batches = loop.stage_batches(data_step)
-                state, current = loop.dispatch(state, batch or loop.next_batch(batches, data_step), step + 1)
-                step, data_step = step + 1, data_step + 1
-                # The next batch is loaded and placed on the devices while this step runs (a stage's first is
-                # loaded by its own stream, once the stage begins).
-                batch = (
-                    loop.next_batch(batches, data_step) if step < t.steps and loop.stage_change(step) is None else None
-                )
-                # The previous step's metrics: reading them waits for that step only, the one just
-                # dispatched is already queued behind it, so the devices never wait for the host.
-                if unread is not None:
-                    if back := loop.settle(unread, state, step, data_step):  # this step's state goes too
-                        (state, step), unread, read = back, None, back[1]
-                        continue
-                    loop.injector.hang_after(unread.step)
-                    read = unread.step
-                unread, due = current, loop.due(step, read)
-                if not due:
-                    continue
-                unread = None  # this step is evaluated or saved: its verdict first (the next step would donate it)
-                if back := loop.settle(current, state, step, data_step):
-                    (state, step), read = back, back[1]
-                    continue
-                read = step
-                loop.act(due, state, step, data_step, summary)
-                if due.stop:
-                    summary["exit_code"] = EXIT_PREEMPTED
+        with loop.running():
+            at, segment = loop.start(clock)
+            while True:
+                at = train_segment(loop, segment, at)
+                if at.stopped or at.step >= t.steps:
                     break
-            summary.update(loop.finish(step, preempted=summary["exit_code"] == EXIT_PREEMPTED))
+                segment, at = loop.segment_after(segment, at)
+            summary["exit_code"] = EXIT_PREEMPTED if at.stopped else EXIT_OK
+            summary.update(loop.finish(at.step, preempted=at.stopped))
     finally:
         loop.checkpointer.close()  # also on errors: a pending asynchronous save is finished, not lost
-    loop.conclude(state, step, summary, print_fn)
+    loop.conclude(at, summary, print_fn)
     summary["wall_time_s"] = time.perf_counter() - wall_start
     return summary
+
+
+def train_segment(loop: Loop, segment: Segment, at: Position) -> Position:
+    """Steps at.step + 1 to segment.last, the host one step ahead of the devices: step n's result is read once step
+    n + 1 is dispatched (reading waits for step n alone; n + 1 is queued behind it), unless a part is due after step
+    n: then it is read at once, for its verdict, before the part acts. Returns where the run goes on: the segment's
+    end (its last step maybe still unread), a preemption stop, or the checkpoint a rollback went back to."""
+    state, step, data_step, read, pending, batch = at.state, at.step, at.data_step, at.read, at.pending, at.batch
+    while step < segment.last:
+        state, current = loop.dispatch(segment, state, batch or loop.next_batch(segment, data_step), step + 1)
+        step, data_step = step + 1, data_step + 1
+        batch = loop.next_batch(segment, data_step) if step < segment.last else None  # placed while the step runs
+        if pending is not None:
+            if back := loop.settle(pending, state, step, data_step):  # the step just dispatched goes too
+                return dataclasses.replace(back, batch=batch)
+            loop.injector.hang_after(pending.step)
+            read, pending = pending.step, None
+        stopping = loop.preemption.should_stop(step)
+        if not (due := loop.due(step, read, stopping)):
+            pending = current
+            continue
+        if back := loop.settle(current, state, step, data_step):
+            return dataclasses.replace(back, batch=batch)
+        read = step
+        loop.act(due, Position(state, step, data_step, read), stopping)
+        if stopping:
+            return Position(state, step, data_step, read, stopped=True)
+    return Position(state, step, data_step, read, pending, batch)

@@ -16,6 +16,7 @@ import dataclasses
 import hashlib
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,14 +27,16 @@ from jax.sharding import Mesh
 from llama_jax import __version__
 from llama_jax.checkpoint import start as starting
 from llama_jax.checkpoint.checkpointer import Checkpointer, Identity, Tiers
+from llama_jax.checkpoint.local import LocalTier
 from llama_jax.checkpoint.storage_failures import quiet_storage_noise
 from llama_jax.config import Config, to_dict
-from llama_jax.config.stages import Stage, stage_at
+from llama_jax.config.stages import Stage, decay_saves, stage_at
 from llama_jax.data.streams import TrainData
 from llama_jax.distributed.peers import Peers
 from llama_jax.errors import ConfigError
 from llama_jax.files import cache_root
 from llama_jax.model.stages import LayerOrder
+from llama_jax.resilience.inject import Injector
 from llama_jax.training.memory import check_fits
 from llama_jax.training.metrics import check_wandb
 from llama_jax.training.program import TrainProgram, layer_order
@@ -41,19 +44,14 @@ from llama_jax.training.step import TrainState
 
 
 @dataclass(frozen=True)
-class StagePart:
-    """A stage of a staged run, as train() prepares it: where it trains, on what mesh, from what data."""
+class RunStage:
+    """A stage of a staged run: where it trains, on what mesh, from what data (train() opens it), and its program
+    (compiled by Run.setup)."""
 
     stage: Stage
     mesh: Mesh
     data: TrainData
-
-
-@dataclass(frozen=True)
-class RunStage:
-    stage: Stage
-    program: TrainProgram
-    data: TrainData
+    program: TrainProgram | None = None
 
 
 @dataclass
@@ -73,7 +71,7 @@ class Run:
 
     @classmethod
     def setup(
-        cls, config: Config, mesh: Mesh, data: TrainData, peers: Peers | None = None, staged: list[StagePart] = ()
+        cls, config: Config, mesh: Mesh, data: TrainData, peers: Peers | None = None, staged: list[RunStage] = ()
     ) -> Run:
         """Raises ConfigError or DataError (one line each) on bad input; writes nothing. `peers` defaults to
         every process, with config's barrier timeout; `staged`: a staged run's stages, the first being config's."""
@@ -88,14 +86,15 @@ class Run:
             run.check_meta(start.meta)
         check_fits(program)  # the step compiled now, its memory against run.device_memory_gb
         if staged:
-            run.stages = [RunStage(dataclasses.replace(staged[0].stage, config=program.config), program, data)]
+            first = dataclasses.replace(staged[0].stage, config=program.config)
+            run.stages = [dataclasses.replace(staged[0], stage=first, program=program)]
             for part in staged[1:]:
                 try:
                     stage_program = TrainProgram.build(part.stage.config, part.mesh)
                     check_fits(stage_program)
                 except ConfigError as err:
                     raise ConfigError(f"{part.stage.name} (train.stages[{part.stage.listed - 1}]): {err}") from None
-                run.stages.append(RunStage(part.stage, stage_program, part.data))
+                run.stages.append(dataclasses.replace(part, program=stage_program))
         run.compile_seconds = time.perf_counter() - compiling
         return run
 
@@ -131,6 +130,28 @@ class Run:
         return run_metadata(self.config, self.program.mesh) | (
             {"base": self.base_reference} if self.base_reference else {}
         )
+
+
+def open_checkpointer(run: Run, print_fn: Callable[[str], None], injector: Injector) -> Checkpointer:
+    """The run's Checkpointer: the durable tier in run.dir, the node-local one where checkpoint.local_dir is set."""
+    c, run_dir, mesh = run.config.checkpoint, Path(run.config.run.dir), run.program.mesh
+    local = (
+        LocalTier(c.local_dir, run_dir, mesh, run.peers, c.local_keep, c.local_replicas, print_fn=print_fn)
+        if c.local_dir
+        else None
+    )
+    identity = Identity(
+        meta=run.metadata(), model=run.metadata()["config"]["model"], check=run.check_meta, layout=run.layer_order
+    )
+    return Checkpointer(
+        Tiers(run_dir, local=local),
+        c,
+        identity,
+        peers=run.peers,
+        print_fn=print_fn,
+        injector=injector,
+        keep_steps=tuple(decay_saves(run.config)),
+    )
 
 
 def configure_process(config: Config) -> None:
