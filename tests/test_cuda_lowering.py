@@ -152,13 +152,13 @@ def test_context_parallel_train_step_lowers_to_cudnn_calls_without_any_quadratic
 def test_gpu_checks_context_parallel_rows_lower_to_cudnn_on_one_device(hopper):
     """make gpu-check runs every device's share of context parallelism in turn on one GPU: it lowers to cuDNN."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-    import gpu_check
+    from gpu_checks import attention
 
-    q, k, v, _ = (jax.ShapeDtypeStruct(x.shape, x.dtype) for x in gpu_check.attention_inputs(gpu_check.SMOKE_SHAPE))
+    q, k, v, _ = (jax.ShapeDtypeStruct(x.shape, x.dtype) for x in attention.attention_inputs(attention.SMOKE_SHAPE))
     segments = jax.ShapeDtypeStruct(q.shape[:2], jnp.int32)
 
     def loss(q, k, v, segments):
-        out = gpu_check.context_parallel_on_one_device(q, k, v, segments, "cudnn", 16, shards=4)
+        out = attention.context_parallel_on_one_device(q, k, v, segments, "cudnn", 16, shards=4)
         return out.astype(jnp.float32).sum()
 
     text = (

@@ -1,7 +1,7 @@
 """On an NVIDIA GPU only (skipped elsewhere): every attention implementation against XLA's reference on
 packed documents, forward and gradients, in bf16 against an fp32 reference at a fixed tolerance.
 
-The cases, the reference and the tolerance live in bench/gpu_check.py, whose `make gpu-check` reports the
+The cases, the reference and the tolerance live in bench/gpu_checks/attention.py, whose `make gpu-check` reports the
 same comparisons as a table: one definition for both."""
 
 import sys
@@ -13,7 +13,7 @@ import pytest
 from llama_jax.model import cudnn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from gpu_check import BF16_TOLERANCE, GPU_SHAPE, PARITY_CASES, attention_errors  # noqa: E402
+from gpu_checks.attention import BF16_TOLERANCE, GPU_SHAPE, PARITY_CASES, attention_errors  # noqa: E402
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs an NVIDIA GPU")
 

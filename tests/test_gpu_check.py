@@ -16,6 +16,11 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "bench" / "gpu_check.py"
 sys.path.insert(0, str(SCRIPT.parent))
 import gpu_check  # noqa: E402
+from gpu_checks.attention import PARITY_CASES, SMOKE_SHAPE, packed_segments  # noqa: E402
+from gpu_checks.body import marginal_layer, marginal_row  # noqa: E402
+from gpu_checks.environment import gpu_env_applied, recommended_settings  # noqa: E402
+from gpu_checks.fp8 import FP8_LOSS_TOLERANCE, loss_gap  # noqa: E402
+from gpu_checks.step import PROFILED_STEPS, prediction_row  # noqa: E402
 
 NO_GPU_LINE = re.compile(
     r"gpu-check: no NVIDIA GPU here \((jax has no CUDA plugin installed: "
@@ -130,8 +135,8 @@ def test_cpu_smoke_prints_one_table_of_every_check(smoke):
     rows = table_rows(stdout)
     assert all(list(row) == ["area", "check", "status", "value", "detail"] for row in rows)
     attention = {row["check"]: row for row in rows if row["area"] == "attention"}
-    assert list(attention) == [case.label for case in gpu_check.PARITY_CASES]
-    for case in gpu_check.PARITY_CASES:
+    assert list(attention) == [case.label for case in PARITY_CASES]
+    for case in PARITY_CASES:
         row = attention[case.label]
         if case.implementation == "cudnn":  # never a pass for a path that did not run
             assert row["status"] == "skipped: needs cuDNN" and row["value"] == ""
@@ -206,7 +211,7 @@ def test_cpu_smoke_json_holds_the_table_and_its_figures(smoke):
     assert fp8["loss_tail_steps"] == 5 and fp8["loss_tail_relative_difference"] == pytest.approx(
         abs(sum(fp8_losses) - sum(bf16_losses)) / sum(bf16_losses)
     )
-    assert 0 < fp8["loss_tail_relative_difference"] <= gpu_check.FP8_LOSS_TOLERANCE
+    assert 0 < fp8["loss_tail_relative_difference"] <= FP8_LOSS_TOLERANCE
     # the marginal layer: the 4-layer steps less the 2-layer ones, over the same peak
     for name in ("step", "fp8_step"):
         marginal = report["body"][name]
@@ -217,7 +222,7 @@ def test_cpu_smoke_json_holds_the_table_and_its_figures(smoke):
             )
     # PROFILED_STEPS steps traced after the timed ones, its matmuls seen
     for figures in (step, fp8):
-        assert len(figures["profile"]["steps"]) == gpu_check.PROFILED_STEPS
+        assert len(figures["profile"]["steps"]) == PROFILED_STEPS
         assert figures["profile"]["classes"]["matmul fp32"]["ms"] > 0
     environment = report["environment"]
     assert environment["jax"] == jax.__version__ and environment["device_kind"] == "cpu"
@@ -229,26 +234,26 @@ def test_the_fp8_loss_row_bounds_the_end_of_the_curve_not_its_steepest_step():
     the loss drops fastest) is reported, and a curve that ends 3% high fails."""
     bf16 = [12.0, 8.0, *[5.0] * 18]
     behind = [12.0, 10.0, *[5.0] * 18]  # 25% off at step 2, the same from step 3 on
-    assert gpu_check.loss_gap(bf16, behind) == (0.0, 0.25)
-    tail, _ = gpu_check.loss_gap(bf16, [12.0, 8.0, *[5.0] * 8, *[5.15] * 10])
-    assert tail == pytest.approx(0.03) and tail > gpu_check.FP8_LOSS_TOLERANCE
+    assert loss_gap(bf16, behind) == (0.0, 0.25)
+    tail, _ = loss_gap(bf16, [12.0, 8.0, *[5.0] * 8, *[5.15] * 10])
+    assert tail == pytest.approx(0.03) and tail > FP8_LOSS_TOLERANCE
 
 
 def test_gpu_env_counts_as_applied_only_with_all_its_settings(monkeypatch):
-    settings = gpu_check.recommended_settings()
+    settings = recommended_settings()
     assert settings["XLA_FLAGS"] and "XLA_PYTHON_CLIENT_MEM_FRACTION" in settings
     for key, value in settings.items():
         monkeypatch.setenv(key, value)
-    assert gpu_check.gpu_env_applied(settings)[0]
+    assert gpu_env_applied(settings)[0]
     first, *rest = settings["XLA_FLAGS"].split()
     monkeypatch.setenv("XLA_FLAGS", " ".join(rest))
-    applied, detail = gpu_check.gpu_env_applied(settings)
+    applied, detail = gpu_env_applied(settings)
     assert not applied and detail.startswith("missing 1 of its flags")
 
 
 def test_packed_segments_give_each_row_its_documents_and_the_last_row_padding():
-    shape = gpu_check.SMOKE_SHAPE
-    segments = gpu_check.packed_segments(6, shape)
+    shape = SMOKE_SHAPE
+    segments = packed_segments(6, shape)
     assert segments.shape == (shape.batch, shape.seq)
     assert sorted(set(segments[0])) == [1, 2, 3, 4, 5, 6]
     assert (segments[-1, -shape.padding :] == 0).all() and sorted(set(segments[-1])) == [0, 1, 2, 3, 4, 5, 6]
@@ -263,10 +268,10 @@ def test_bad_step_counts_are_one_line_and_exit_2(args, capsys):
 def test_the_predicted_step_row_puts_plans_prediction_beside_the_measured_step():
     """On a GPU with a data sheet each timed step's row shows plan's predicted step and whether it is within
     PREDICTION_TOLERANCE of the measured median (the CPU smoke run above has no prediction to show)."""
-    near = gpu_check.prediction_row("train step", {"predicted_step_s": 0.5, "step_s_median": 0.55})
+    near = prediction_row("train step", {"predicted_step_s": 0.5, "step_s_median": 0.55})
     assert (near.check, near.value) == ("predicted step", "0.500 s")
     assert near.detail == "measured / predicted 1.100; goal: within 15% (met)"
-    far = gpu_check.prediction_row("fp8 step", {"predicted_step_s": 1.5, "step_s_median": 0.5})
+    far = prediction_row("fp8 step", {"predicted_step_s": 1.5, "step_s_median": 0.5})
     assert far.detail.endswith("(not met)") and far.status == "info"
 
 
@@ -275,14 +280,12 @@ def test_the_marginal_layer_is_the_difference_of_the_two_steps_and_its_predictio
     shallower step's peak, plan's predicted extra time; a deeper step over its budget is a skipped row."""
     shallow = {"layers": 4, "step_s_median": 0.6, "model_flops": 3e14, "peak_flops_per_device": 989e12}
     deep = {"layers": 8, "step_s_median": 0.9, "model_flops": 5e14, "fits": True, "microbatches": 2}
-    marginal = gpu_check.marginal_layer(
-        {**shallow, "predicted_step_s": 0.58}, {**deep, "predicted_step_s": 0.9, "profile": None}
-    )
+    marginal = marginal_layer({**shallow, "predicted_step_s": 0.58}, {**deep, "predicted_step_s": 0.9, "profile": None})
     assert marginal["layer_s"] == pytest.approx(0.075) and marginal["layer_model_flops"] == pytest.approx(5e13)
     assert marginal["mfu"] == pytest.approx(5e13 / 0.075 / 989e12)
     assert marginal["predicted_layer_s"] == pytest.approx(0.08)
-    row = gpu_check.marginal_row("bf16", marginal, deep)
+    row = marginal_row("bf16", marginal, deep)
     assert row.value == "67.4%" and "75.00 ms per layer" in row.detail and "predicted 80.00 ms" in row.detail
     over = {**deep, "fits": False, "planned_total_bytes": 90 * 2**30, "budget_bytes": 72 * 2**30}
-    skipped = gpu_check.marginal_row("bf16", gpu_check.marginal_layer(shallow, over), over)
+    skipped = marginal_row("bf16", marginal_layer(shallow, over), over)
     assert skipped.status == "skipped: does not fit" and skipped.detail.startswith("8 layers: 90")
