@@ -260,7 +260,7 @@ def main() -> None:
         if straight.returncode != 0:
             sys.exit(f"the uninterrupted run failed:\n{straight.stderr}")
 
-        from llama_jax.checkpoint.local import process_directory
+        from llama_jax.checkpoint.local_files import process_directory
 
         drills = {"durable only": []}
         if args.local_every:

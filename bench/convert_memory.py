@@ -56,11 +56,11 @@ def write_random_model(directory: Path, args) -> tuple[int, int]:
     """A random float32 Hugging Face Llama in `directory`; (total bytes, largest tensor's bytes)."""
     import numpy as np
 
-    from llama_jax.interop import hf
+    from llama_jax.interop import hf, hf_config, hf_tensor_map
 
     cfg = model_config(args)
     shapes, target = {}, hf.single_device_target(cfg)
-    for tensor in hf.tensor_map(cfg):
+    for tensor in hf_tensor_map.tensor_map(cfg):
         ours = target
         for key in tensor.path:
             ours = ours[key]
@@ -76,7 +76,7 @@ def write_random_model(directory: Path, args) -> tuple[int, int]:
     directory.mkdir(parents=True, exist_ok=True)
     items = [(name, shape, lambda shape=shape: blocks(shape)) for name, shape in shapes.items()]
     hf.write_safetensors(directory, items, np.float32, shard_bytes=2**30)
-    (directory / "config.json").write_text(json.dumps(hf.hf_config(cfg, "float32"), indent=2) + "\n")
+    (directory / "config.json").write_text(json.dumps(hf_config.hf_config(cfg, "float32"), indent=2) + "\n")
     sizes = [int(np.prod(s)) * 4 for s in shapes.values()]
     return sum(sizes), max(sizes)
 

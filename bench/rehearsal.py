@@ -172,7 +172,7 @@ class Rehearsal:
     after a preemption or a pre-flight refusal (a replaced host)."""
 
     def __init__(self, args, work: Path, recipe: Path, slow: Path, local_dir: Path):
-        from llama_jax.checkpoint.local import process_directory
+        from llama_jax.checkpoint.local_files import process_directory
 
         self.args, self.recipe, self.slow = args, recipe, slow
         self.clean = recipe.read_text()
@@ -301,7 +301,7 @@ class Rehearsal:
 def damage_newest(run_dir: Path, local_dirs: list[Path]) -> int | None:
     """Empty every file of the newest step any tier holds (local copies, partner copies, durable shards)."""
     from llama_jax.checkpoint.durable import step_directories
-    from llama_jax.checkpoint.local import finished_steps
+    from llama_jax.checkpoint.local_files import finished_steps
 
     held: dict[int, list[Path]] = {}
     for directory in local_dirs:
@@ -363,6 +363,8 @@ def projected(args, recipe: Path, run_dir: Path, faults: list[dict], costs: list
     its trainer used; a lost host is replaced at once here (the same machine)."""
     from llama_jax.config import load_config
     from llama_jax.planning import goodput_projection as projection
+    from llama_jax.planning.goodput_model import project
+    from llama_jax.planning.goodput_report import INPUT_FIELDS
     from llama_jax.resilience.goodput import read_goodput
 
     config = load_config(str(recipe))
@@ -395,13 +397,13 @@ def projected(args, recipe: Path, run_dir: Path, faults: list[dict], costs: list
         durable_auto=False,
         local_auto=False,
     )
-    p = projection.project(x)
+    p = project(x)
     return {
         "goodput": p.goodput,
         "breakdown": p.breakdown,
         "durable_every": x.durable_every,
         "local_every": x.local_every,
-        "inputs": {k: getattr(x, k) for k in projection.INPUT_FIELDS},
+        "inputs": {k: getattr(x, k) for k in INPUT_FIELDS},
     }
 
 

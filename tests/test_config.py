@@ -14,7 +14,7 @@ from conftest import subprocess_environment
 import llama_jax.training.loop
 from llama_jax import cli
 from llama_jax.config import Config, all_keys, checks, load_config, preset_names, to_yaml
-from llama_jax.config.checks import BOUNDS, METHOD_BOUNDS, UNBOUNDED
+from llama_jax.config.bounds import BOUNDS, METHOD_BOUNDS, UNBOUNDED
 from llama_jax.config.load import _is_union, _leaf_types
 from llama_jax.config.stages import resolve
 from llama_jax.distributed import sharding
@@ -426,7 +426,7 @@ def test_a_llama3_preset_without_its_data_is_refused_in_one_line(tmp_path, overr
 
 
 # --------------------------------------------------------------------------------------------
-# Numeric ranges: checks.BOUNDS, one row per key
+# Numeric ranges: bounds.BOUNDS, one row per key
 
 
 def numeric_keys() -> set[str]:
@@ -439,7 +439,7 @@ def numeric_keys() -> set[str]:
 
 
 def test_every_numeric_key_has_a_bound_or_a_reason_for_none():
-    """A new numeric key must say which values it takes (checks.BOUNDS) or why it takes any (UNBOUNDED)."""
+    """A new numeric key must say which values it takes (bounds.BOUNDS) or why it takes any (UNBOUNDED)."""
     bounded = set(BOUNDS) | {key for keys in METHOD_BOUNDS.values() for key in keys}
     assert numeric_keys() == bounded | set(UNBOUNDED)
     assert not bounded & set(UNBOUNDED)
@@ -590,7 +590,7 @@ NUMBER_OR_WORD_KEYS = sorted(k for k, kind in schema_keys().items() if _is_union
 def test_a_number_or_word_key_refuses_other_words_as_typed(key):
     """train.microbatches, checkpoint.every_steps, ...: a count or `auto`; checkpoint.mtbf_hours: hours or
     `observed`. Any other word is refused in one line that quotes it as typed."""
-    word = checks.BOUNDS[key].word
+    word = BOUNDS[key].word
     assert get(load_config("tiny", [*COMPANIONS.get(key, []), f"{key}={word}"]), key) == word
     assert get(load_config("tiny", [*COMPANIONS.get(key, []), f"{key}=0002"]), key) == 2
     for text in ["off", "no", "on", "yes", "true", "null", word.upper(), *(["1e3"] if word == "auto" else [])]:

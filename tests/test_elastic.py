@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from conftest import Supervised, subprocess_environment, write_tiny_yaml
 
-from llama_jax.checkpoint.local import host_directory
+from llama_jax.checkpoint.local_files import host_directory
 from llama_jax.training.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -14,15 +14,15 @@ import pytest
 from test_readme import ROOT, llama_jax_args, readme_commands
 
 from llama_jax import cli
-from llama_jax.planning.goodput_model import LLAMA3_HOST_LOSS_SHARE, best_spares, mean_age_steps
-from llama_jax.planning.goodput_projection import (
-    LLAMA3_FAILURES_PER_GPU_HOUR,
-    Inputs,
+from llama_jax.planning.goodput_model import (
+    LLAMA3_HOST_LOSS_SHARE,
     best_intervals,
-    measured,
+    best_spares,
+    mean_age_steps,
     project,
     sensitivity,
 )
+from llama_jax.planning.goodput_projection import LLAMA3_FAILURES_PER_GPU_HOUR, Inputs, measured
 
 
 def inputs(**changes) -> Inputs:

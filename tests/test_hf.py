@@ -17,7 +17,7 @@ from safetensors.numpy import load_file
 
 from llama_jax import api, cli
 from llama_jax.inference.generate import GREEDY, Sampling, generate, generate_without_cache
-from llama_jax.interop import hf
+from llama_jax.interop import hf, hf_config, hf_tensor_map
 
 GOLDEN = Path(__file__).parent / "golden" / "hf"
 MODELS = sorted(p.name for p in GOLDEN.iterdir() if (p / "golden.npz").is_file())
@@ -82,7 +82,7 @@ def test_hf_to_ours_to_hf_reproduces_every_tensor_exactly(golden, tmp_path):
     assert sorted(original) == sorted(returned)
     for name, tensor in original.items():
         np.testing.assert_array_equal(returned[name], tensor, err_msg=name)
-    assert hf.read_config(back) == hf.read_config(directory)
+    assert hf_config.read_config(back) == hf_config.read_config(directory)
 
 
 def test_a_bfloat16_export_loads_with_the_same_logits_within_bfloat16_rounding(golden, tmp_path):
@@ -113,7 +113,7 @@ def test_both_config_formats_read_the_same(tmp_path):
     for name, config in (("v4", old), ("v5", new)):
         (tmp_path / name).mkdir()
         (tmp_path / name / "config.json").write_text(json.dumps(config))
-        configs.append(hf.read_config(tmp_path / name))
+        configs.append(hf_config.read_config(tmp_path / name))
     assert configs[0] == configs[1]
     assert configs[0].rope_scaling_factor == 8.0 and configs[0].rope_original_max_len == 16
     assert configs[0].rope_theta == 500000.0
@@ -129,14 +129,14 @@ def test_interleaved_rotary_layout_is_converted(golden, tmp_path):
         for name in tensors:
             heads = cfg.n_heads if name.endswith("q_proj.weight") else cfg.n_kv_heads
             if name.endswith(("q_proj.weight", "k_proj.weight")):
-                tensors[name] = hf.half_to_interleaved(tensors[name], heads)
+                tensors[name] = hf_tensor_map.half_to_interleaved(tensors[name], heads)
         from safetensors.numpy import save_file
 
         save_file(tensors, file, metadata={"format": "pt"})
     params = hf.read_params(meta_layout, cfg, rotary="interleaved")
     assert np.abs(api.logits(cfg, params, expected["tokens"]) - expected["logits"]).max() <= TOLERANCE
     w = np.arange(4 * 8 * 3, dtype=np.float32).reshape(4 * 8, 3)
-    np.testing.assert_array_equal(hf.interleaved_to_half(hf.half_to_interleaved(w, 4), 4), w)
+    np.testing.assert_array_equal(hf_tensor_map.interleaved_to_half(hf_tensor_map.half_to_interleaved(w, 4), 4), w)
 
 
 @pytest.mark.parametrize(
@@ -296,7 +296,7 @@ def test_init_from_hf_trains_from_those_weights(tmp_path, corpus, tiny):
     from llama_jax.training.loop import train
 
     source = GOLDEN / "gqa_llama3_untied"  # its vocabulary (300) holds a byte-level BPE (>= 258)
-    model = dataclasses.replace(hf.read_config(source), compute_dtype="float32", max_seq_len=128)
+    model = dataclasses.replace(hf_config.read_config(source), compute_dtype="float32", max_seq_len=128)
     cfg = tiny(
         tmp_path,
         model=dataclasses.asdict(model),

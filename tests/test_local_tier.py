@@ -21,7 +21,7 @@ import pytest
 import yaml
 from conftest import subprocess_environment, tiny_config, write_tiny_yaml
 
-from llama_jax.checkpoint.local import finished_steps, host_directory, process_directory
+from llama_jax.checkpoint.local_files import finished_steps, host_directory, process_directory
 from llama_jax.resilience.goodput import read_goodput
 from llama_jax.training.metrics import read_metrics
 from llama_jax.training.run import load_checkpoint

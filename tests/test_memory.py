@@ -11,7 +11,7 @@ from conftest import tiny_config
 from llama_jax.config import load_config
 from llama_jax.distributed.sharding import make_mesh
 from llama_jax.errors import ConfigError
-from llama_jax.planning import plan
+from llama_jax.planning import plan, plan_report
 from llama_jax.training.loop import train
 from llama_jax.training.memory import check_fits, step_memory_bytes
 from llama_jax.training.program import TrainProgram
@@ -70,8 +70,8 @@ def test_plan_says_whether_the_step_fits(needs):
     mesh = make_mesh(config, devices=jax.devices()[:1])
     fits = plan.make_plan(with_budget(config, "auto", (gib[1] + gib[2]) / 2), mesh)
     assert fits.microbatches == 2 and fits.total_bytes <= fits.budget_bytes
-    assert "fits the budget" in plan.format_plan(fits) and "2 micro-batches" in plan.format_plan(fits)
-    assert "OVER the budget" in plan.format_plan(plan.make_plan(with_budget(config, 1, gib[1] / 2), mesh))
+    assert "fits the budget" in plan_report.format_plan(fits) and "2 micro-batches" in plan_report.format_plan(fits)
+    assert "OVER the budget" in plan_report.format_plan(plan.make_plan(with_budget(config, 1, gib[1] / 2), mesh))
 
 
 def test_microbatches_must_be_a_count_or_auto():

@@ -26,7 +26,7 @@ from llama_jax.config import PeftConfig, RematConfig, load_config, to_yaml
 from llama_jax.config.choices import REMAT_POLICIES
 from llama_jax.data.loader import Documents, PackedRows, model_inputs
 from llama_jax.distributed import sharding
-from llama_jax.interop import hf
+from llama_jax.interop import hf_config
 from llama_jax.model import peft
 from llama_jax.model.llama import abstract_model, param_shapes
 from llama_jax.training.batches import abstract_batch, put_batch
@@ -215,7 +215,7 @@ HF_BASE = Path(__file__).parent / "golden" / "hf" / "gqa_llama3_untied"  # vocab
 
 def adapter_config(root, corpus, name, settings, **sections):
     """A run of `settings` adapting the Hugging Face golden model: 4 steps, a checkpoint every 2 (unless told)."""
-    model = dataclasses.replace(hf.read_config(HF_BASE), compute_dtype="float32", max_seq_len=128)
+    model = dataclasses.replace(hf_config.read_config(HF_BASE), compute_dtype="float32", max_seq_len=128)
     sections = {"checkpoint": dict(init_from=f"hf:{HF_BASE}", every_steps=2, keep=10), **sections}
     return tiny_config(
         root,

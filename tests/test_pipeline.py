@@ -22,7 +22,7 @@ from llama_jax import config as config_lib
 from llama_jax.distributed import sharding
 from llama_jax.model import pipeline
 from llama_jax.model import residuals as residuals_lib
-from llama_jax.model.stack import one_f_one_b
+from llama_jax.model.stack import one_f_one_b_schedule
 from llama_jax.model.stages import LayerOrder, relayout, to_natural_order, to_storage_order
 from llama_jax.planning.plan import make_plan
 
@@ -96,16 +96,16 @@ def test_storage_order_gives_each_stage_its_groups_and_inverts():
 
 @pytest.mark.parametrize("stages, repeats, microbatches", [(4, 1, 8), (4, 2, 8), (3, 3, 6), (16, 1, 16)])
 def test_1f1b_tables_keep_the_dependencies_and_at_most_2p_micro_batches_in_flight(stages, repeats, microbatches):
-    """The tables check every hand-off themselves (one_f_one_b.schedule); here: each stage's forward and backward
-    passes run once per micro-batch and repeat, stage p keeps 2(P - p) - 1 micro-batches at most (R = 1), and the
-    loop's iterations give the bubble of the formula."""
-    tables = one_f_one_b.schedule(stages, repeats, microbatches)
+    """The tables check every hand-off themselves (one_f_one_b_schedule.schedule); here: each stage's forward and
+    backward passes run once per micro-batch and repeat, stage p keeps 2(P - p) - 1 micro-batches at most (R = 1), and
+    the loop's iterations give the bubble of the formula."""
+    tables = one_f_one_b_schedule.schedule(stages, repeats, microbatches)
     for table in (tables.forward, tables.backward):
-        assert (table[..., one_f_one_b.VALID].sum(axis=0) == microbatches * repeats).all()
+        assert (table[..., one_f_one_b_schedule.VALID].sum(axis=0) == microbatches * repeats).all()
     if repeats == 1:
         assert tables.in_flight == tuple(min(2 * (stages - p) - 1, microbatches) for p in range(stages))
-    assert tables.iterations == one_f_one_b.iterations(stages, repeats, microbatches)
-    assert one_f_one_b.compiled_bubble(stages, repeats, microbatches, tables.iterations) == pytest.approx(
+    assert tables.iterations == one_f_one_b_schedule.iterations(stages, repeats, microbatches)
+    assert one_f_one_b_schedule.compiled_bubble(stages, repeats, microbatches, tables.iterations) == pytest.approx(
         pipeline.bubble_fraction(stages, microbatches, repeats)
     )
     drained = tables.drain[..., 0] * tables.drain[..., 2]  # every gradient of the embeddings reaches its owner
@@ -206,13 +206,17 @@ def test_plan_reports_the_bubble_of_the_schedule_and_of_the_compiled_loop(
     formula = (stages - 1) / (per_pass * repeats + stages - 1)
     assert plan["mesh"]["pipeline"] == stages and plan["bubble"] == pytest.approx(formula)
     iterations = (
-        per_pass * repeats + stages - 1 if schedule == "gpipe" else one_f_one_b.iterations(stages, repeats, per_pass)
+        per_pass * repeats + stages - 1
+        if schedule == "gpipe"
+        else one_f_one_b_schedule.iterations(stages, repeats, per_pass)
     )
     assert plan["pipeline_iterations"] == iterations  # as compiled, read from the HLO
     assert plan["compiled_bubble"] == pytest.approx(formula)
     assert plan["collective_bytes"]["collective-permute"] > 0
     in_flight = (
-        one_f_one_b.schedule(stages, repeats, per_pass).in_flight if schedule == "1f1b" else (per_pass,) * stages
+        one_f_one_b_schedule.schedule(stages, repeats, per_pass).in_flight
+        if schedule == "1f1b"
+        else (per_pass,) * stages
     )
     assert plan["schedule"] == schedule and list(plan["in_flight"]) == list(in_flight)
     assert max(plan["stage_bytes"]) == plan["total_bytes"] and len(plan["stage_bytes"]) == stages

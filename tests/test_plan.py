@@ -10,7 +10,8 @@ from conftest import TINY_MODEL, tiny_config
 from llama_jax import cli
 from llama_jax.distributed import sharding
 from llama_jax.perf import xla_log
-from llama_jax.planning.plan import collective_minimum, format_plan, make_plan
+from llama_jax.planning.plan import collective_minimum, make_plan
+from llama_jax.planning.plan_report import format_plan
 
 MODEL = dataclasses.asdict(dataclasses.replace(TINY_MODEL, n_heads=8, n_kv_heads=2))
 
@@ -40,7 +41,7 @@ def test_full_recomputation_shows_up_as_extra_hlo_flops():
 def test_an_fp8_plan_counts_its_fp8_flops_and_predicts_no_speed_without_a_data_sheet(fsdp_plan):
     """model.fp8=tensorwise on CPU devices: the plan has an fp8 line (what XLA:CPU made of the fp8 matmuls), and
     neither plan has a predicted step time or MFU: a CPU has no data sheet (no fp8 peak either)."""
-    from llama_jax.planning.plan import format_plan
+    from llama_jax.planning.plan_report import format_plan
 
     cfg = tiny_config(model=MODEL | {"fp8": "tensorwise"}, mesh=dict(data=1, fsdp=8, tensor=1, sequence=1))
     plan = make_plan(cfg, sharding.make_mesh(cfg))
@@ -210,7 +211,7 @@ def test_bytes_by_axis_add_up_to_the_bytes_by_kind(two_host_plan):
 
 
 def test_plan_prints_and_writes_bytes_by_axis_and_tier(two_host_plan, capsys):
-    from llama_jax.planning import plan as planning
+    from llama_jax.planning import plan_report as planning
 
     text = planning.format_plan(two_host_plan)
     assert "on 8 device(s) in 2 host(s)" in text

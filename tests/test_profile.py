@@ -13,7 +13,7 @@ from conftest import subprocess_environment, write_tiny_yaml
 from test_readme import llama_jax_args, readme_commands
 
 from llama_jax import cli
-from llama_jax.perf import profile
+from llama_jax.perf import op_class, profile
 
 
 def documented(command: str) -> list[str]:
@@ -150,7 +150,7 @@ ENTRY %main (a: bf16[4,8], b: bf16[8,4], c: f32[4,8], d: f8e4m3fn[4,8], e: f8e4m
 
 
 def test_each_op_is_classified_by_what_the_hlo_says_it_is():
-    classes, sources = profile.op_classes(HLO)
+    classes, sources = op_class.op_classes(HLO)
     assert {
         name: classes[name]
         for name in (
@@ -188,7 +188,7 @@ def test_each_op_is_classified_by_what_the_hlo_says_it_is():
 
 def test_without_the_hlo_the_names_decide():
     assert [
-        profile.class_by_name(n)
+        op_class.class_by_name(n)
         for n in ("dot.3", "cublas_gemm", "all-gather-start", "copy.2", "loop_fusion", "while.1")
     ] == ["matmul", "matmul", "collective", "copy/transpose", "fusion", "other"]
 

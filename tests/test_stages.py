@@ -286,16 +286,17 @@ def test_microbatches_auto_tries_the_next_count_when_a_compile_fails(monkeypatch
     from conftest import tiny_config
 
     from llama_jax.distributed import sharding
+    from llama_jax.training import memory
     from llama_jax.training.program import TrainProgram
 
-    real = TrainProgram.memory_bytes
+    real = memory.memory_bytes
 
     def rejects_one(program):
         if program.config.train.microbatches == 1:
             raise jax.errors.JaxRuntimeError("INTERNAL: during context [hlo verifier]: (as XLA:GPU's)")
         return real(program)
 
-    monkeypatch.setattr(TrainProgram, "memory_bytes", rejects_one)
+    monkeypatch.setattr(memory, "memory_bytes", rejects_one)  # what the search asks of each count
     config = tiny_config(train=dict(microbatches="auto", batch_size=4))
     program = TrainProgram.build(config, sharding.make_mesh(config, devices=jax.devices()[:1]))
     assert program.config.train.microbatches == 2

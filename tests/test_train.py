@@ -2,6 +2,7 @@
 
 import dataclasses
 import importlib.util
+import inspect
 import shutil
 from pathlib import Path
 
@@ -323,25 +324,28 @@ def test_the_host_reads_each_step_after_dispatching_the_next(tmp_path, corpus, m
     assert [r["step"] for r in records] == list(range(1, 9))
 
 
+# The example of docs/architecture.md ("Add a part to the loop"), word for word.
+class EveryThird(Part):
+    def __init__(self):
+        self.losses, self.asked, self.acted = {}, [], []
+
+    def observe(self, result):  # every step's result, in order, once the host reads it
+        self.losses[result.step] = result.metrics["loss"]
+        return result
+
+    def due(self, step, read, stopping):  # asked after every step is dispatched
+        self.asked.append(step)
+        return step % 3 == 0
+
+    def act(self, at):  # that step's result was read and stands; its state is in hand
+        self.acted.append((at.step, int(at.state.step), at.step in self.losses))
+
+
 def test_a_part_added_to_the_loop_sees_every_step_and_acts_when_due(tmp_path, corpus):
-    """A part of its own (training/parts.py) in a few lines: it observes each step's result in order, is asked after
-    every step and acts after the steps it is due after, with that step's state in hand."""
-
-    class EveryThird(Part):
-        def __init__(self):
-            self.losses, self.asked, self.acted = {}, [], []
-
-        def observe(self, result):
-            self.losses[result.step] = result.metrics["loss"]
-            return result
-
-        def due(self, step, read, stopping):
-            self.asked.append(step)
-            return step % 3 == 0
-
-        def act(self, at):
-            self.acted.append((at.step, int(at.state.step), at.step in self.losses))
-
+    """A part of its own (training/parts.py) in a few lines, as the guide shows it: it observes each step's result in
+    order, is asked after every step, and acts after the steps it is due after, with that step's state in hand."""
+    guide = (Path(__file__).resolve().parents[1] / "docs" / "architecture.md").read_text()
+    assert f"```python\n{inspect.getsource(EveryThird)}```" in guide
     cfg = tiny_config(tmp_path, train=dict(steps=7), data=dict(sources=[str(corpus)], cache_dir=str(tmp_path / "c")))
     part = EveryThird()
     train(cfg, print_fn=lambda _: None, devices=jax.devices()[:1], parts=[part])

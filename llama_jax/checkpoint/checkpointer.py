@@ -15,15 +15,10 @@ every process together -- never deleted -- with a warning, and the next older st
 whose model differs from the config (shapes, or the function: RoPE, norm epsilon) is not corruption:
 it stops the run with a message naming the fields, unless checkpoint.allow_model_changes lists them.
 
-Storage failures. A durable write that fails (no space, a read-only filesystem, an I/O error, no permission, the
-directory gone) surfaces when the checkpointer next waits for it: before the next save, or at the end of the run.
-Every process brings its outcome to the agreement that precedes each save, so all see the same failures: the
-failed step is removed wherever any trace of it is (it is not a checkpoint), the newest complete step stays, and
-the run warns in one line (the step, the reason, the directory and its free space) and goes on, saving again at
-the next interval: a transient failure of a shared filesystem must not end a run of thousands of GPUs, and the
-node-local tier still protects it meanwhile. After checkpoint.max_failed_saves failures in a row, or when the
-run's last save fails, it stops with StorageFailure (exit 74), which the supervisor and the launchers do not
-restart: the storage needs a person. A failure that is not the storage's is a bug and is raised as it is.
+Storage failures. A durable write that fails surfaces when the checkpointer next waits for it: before the next
+save, or at the end of the run. Every process brings its outcome to the agreement that precedes each save, so all
+see the same failures, and failed_saves.py handles them alike everywhere (a warning and the next interval, or, in
+the end, exit 74). A failure that is not the storage's is a bug and is raised as it is.
 """
 
 from __future__ import annotations
@@ -43,13 +38,14 @@ import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers as preservation
 
 from llama_jax.checkpoint.durable import ITEMS, check_model, read_meta, read_step, saved_layer_order
+from llama_jax.checkpoint.failed_saves import FailedSaves
 from llama_jax.checkpoint.interval import DEFAULT_MTBF_S, Figures, Interval
-from llama_jax.checkpoint.local import LocalTier, finished_steps
+from llama_jax.checkpoint.local import LocalTier
 from llama_jax.checkpoint.relayout import covered_steps, restore_moved
 from llama_jax.checkpoint.storage_failures import check_room, failure_record
 from llama_jax.config import CheckpointConfig
 from llama_jax.distributed.peers import Peers
-from llama_jax.errors import EXIT_STORAGE, ConfigError, StorageFailure
+from llama_jax.errors import ConfigError
 from llama_jax.model.stages import NATURAL, LayerOrder
 from llama_jax.resilience.goodput import observed_mtbf_s
 from llama_jax.resilience.inject import NO_INJECTION, Injector
@@ -140,9 +136,9 @@ class Checkpointer:
         self.announced_save: int | None = None  # process 0: the step of the save it announced last
         self.pending: int | None = None  # the step whose durable write runs in the background
         self.failure: dict | None = None  # this process's failed durable write, not yet agreed on
-        self.failed_in_a_row = 0  # durable saves that failed, since the last one written everywhere
         self.injector = injector  # testing only: injected save delays and failures
         self.manager = self._open()
+        self.failed_saves = FailedSaves(self.directory, self.manager, self.peers, config, self.local, print_fn)
 
     def _open(self) -> ocp.CheckpointManager:
         if self.keep_steps:  # the newest `keep`, every keep_every-th, and keep_steps, each kept by its own rule
@@ -246,7 +242,7 @@ class Checkpointer:
         if self.local is not None:
             self.local.wait()
         if failures:
-            self._failed_saves(failures, last=True)
+            self.failed_saves.handle(failures, last=True)
         return time.perf_counter() - start
 
     def save_local(self, step: int, state: Any, data_state: dict) -> float:
@@ -264,7 +260,7 @@ class Checkpointer:
     def _settle(self, interval: Interval, what: str, failed: dict | None = None) -> None:
         """Every process brings its step time, its tier's last save cost and (durable tier) its last write's failure
         to a save; an automatic interval is worked out again when the slowest process's figures moved
-        (interval.py), and a failed write is handled alike everywhere (_failed_saves)."""
+        (interval.py), and a failed write is handled alike everywhere (failed_saves.py)."""
         step_s = statistics.median(self.step_times) if self.step_times else 0.0
         mine = {"figures": [step_s, interval.costs[-1] if interval.costs else 0.0, 0.0], "failed": failed}
         agreed = self.peers.reduce(
@@ -276,59 +272,12 @@ class Checkpointer:
             },
         )
         if agreed["failed"]:
-            self._failed_saves(agreed["failed"])
+            self.failed_saves.handle(agreed["failed"])
         elif interval is self.durable and interval.costs:
-            self.failed_in_a_row = 0  # the last save was written everywhere
+            self.failed_saves.in_a_row = 0  # the last save was written everywhere
         figures = Figures(*agreed["figures"])
         if interval.figures is not None and figures.step_s > 0 and figures.save_s > 0:
             self._say(interval.settle(Figures(figures.step_s, figures.save_s, interval.figures.write_s)))
-
-    def _failed_saves(self, failures: list[dict], last: bool = False) -> None:
-        """A durable save failed on some process (every process sees the same list): its step is removed wherever
-        any trace of it is, and the run goes on (saving again at the next interval) until
-        checkpoint.max_failed_saves saves failed in a row, or stops if it was the run's last; StorageFailure."""
-        step = failures[0]["step"]
-        self._discard(step)
-        self.failed_in_a_row += 1
-        more = f" and {len(failures) - 1} more process(es)" if len(failures) > 1 else ""
-        failed = (
-            f"checkpoint save of step {step} failed on process {failures[0]['process']}{more}: {failures[0]['reason']}"
-        )
-        newest = max(self.manager.all_steps(), default=0)
-        kept = f"the newest complete checkpoint is step {newest}" if newest else "no complete checkpoint exists"
-        bound = self.config.max_failed_saves
-        if last or self.failed_in_a_row > bound:
-            why = (
-                "the run's last save"
-                if last
-                else (f"{self.failed_in_a_row} saves failed in a row (checkpoint.max_failed_saves={bound})")
-            )
-            raise StorageFailure(
-                f"{failed}; {why}: stopping (exit {EXIT_STORAGE}); {kept}{self._newer_local(newest)}; "
-                "free space or fix the filesystem, then re-run the same command"
-            )
-        self.print_fn(
-            f"warning: {failed}; {kept}; training goes on and saves again at the next interval "
-            f"({self.failed_in_a_row} of checkpoint.max_failed_saves={bound} failed saves in a row)"
-        )
-
-    def _newer_local(self, durable: int) -> str:
-        """Where the local tier holds a newer step than checkpoints/: what a restart resumes from."""
-        local = max(finished_steps(self.local.directory), default=0) if self.local is not None else 0
-        return (
-            f"; the local tier holds step {local}, which a restart on the same hosts resumes from"
-            if local > durable
-            else ""
-        )
-
-    def _discard(self, step: int) -> None:
-        """Remove every trace of a step some process failed to write: Orbax's temporary directories, and the step
-        itself where it was finalised (a process's shards of it are missing). Process 0 removes, all wait."""
-        if self.peers.index == 0:
-            for partial in [*self.directory.glob(f"{step}.orbax-checkpoint-tmp*"), self.directory / str(step)]:
-                shutil.rmtree(partial, ignore_errors=True)
-        self.peers.barrier(f"failed step {step} removed")
-        self.manager.reload()
 
     def _measured(self, interval: Interval, blocked: float, write: Callable[[], float]) -> float:
         """Record a save's cost; an automatic interval's first save is waited for to its end, and the interval is

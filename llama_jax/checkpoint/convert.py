@@ -9,10 +9,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 import jax
+from jax.sharding import Mesh
 
 from llama_jax import __version__
 from llama_jax.checkpoint.durable import save_params
 from llama_jax.checkpoint.specs import (
+    ModelSpec,
     copy_tokenizer,
     inference_config,
     inference_mesh,
@@ -21,11 +23,12 @@ from llama_jax.checkpoint.specs import (
     param_target,
     resolve,
 )
+from llama_jax.config import Config
 from llama_jax.distributed import processes, sharding
 from llama_jax.distributed.peers import Peers
 from llama_jax.errors import ConfigError
 from llama_jax.files import unwritable
-from llama_jax.interop import hf, peft_format
+from llama_jax.interop import hf, hf_tensor_map, peft_format
 
 
 def convert(
@@ -47,12 +50,28 @@ def convert(
     overwritten. Every process of a multi-process run (run.* keys or the environment) runs it; process 0
     writes the Hugging Face files."""
     target = Path(out).expanduser()
+    spec = _checked_spec(source, out, target, dtype, rotary, merge)
+    config = inference_config(spec.model, overrides, batches=False)
+    processes.initialize(config.run)
+    # Every process has checked `out` before any writes to it; a process that never comes is named.
+    Peers(config.fault.barrier_timeout_s).barrier("llama-jax convert")
+    mesh, primary = inference_mesh(config, devices), jax.process_index() == 0
+    done = _write(spec, target, config, mesh, dtype, rotary, merge)
+    if primary:
+        print_fn(f"converted {spec.hf_dir or source} -> {done}")
+    if primary:
+        copy_tokenizer(spec.home, target)
+    return target
+
+
+def _checked_spec(source: str, out: str, target: Path, dtype: str, rotary: str, merge: bool) -> ModelSpec:
+    """The spec `source` names, once `out` can be written and is new, and the options fit it; ConfigError if not."""
     if problem := unwritable(target):
         raise ConfigError(f"the output directory {out} cannot be written: {problem}; choose a new output directory")
     if target.exists() and any(target.iterdir()):
         raise ConfigError(f"{target} exists and is not empty; choose a new output directory")
-    if rotary not in hf.ROTARY_LAYOUTS:
-        raise ConfigError(f"--rotary must be one of {', '.join(hf.ROTARY_LAYOUTS)}, got '{rotary}'")
+    if rotary not in hf_tensor_map.ROTARY_LAYOUTS:
+        raise ConfigError(f"--rotary must be one of {', '.join(hf_tensor_map.ROTARY_LAYOUTS)}, got '{rotary}'")
     spec = resolve(source)
     if spec.hf_dir is None and dtype not in ("float32", "bfloat16", "float16"):
         raise ConfigError(f"--dtype must be float32, bfloat16 or float16, got '{dtype}'")
@@ -64,29 +83,24 @@ def convert(
             f"{spec.adapters.method}), which a Llama checkpoint cannot hold; convert it without --merge"
         )
         raise ConfigError(f"--merge folds a run's LoRA adapters into its base model, and {source} {kind}")
-    config = inference_config(spec.model, overrides, batches=False)
-    processes.initialize(config.run)
-    # Every process has checked `out` before any writes to it; a process that never comes is named.
-    Peers(config.fault.barrier_timeout_s).barrier("llama-jax convert")
-    mesh, primary = inference_mesh(config, devices), jax.process_index() == 0
+    return spec
+
+
+def _write(spec: ModelSpec, target: Path, config: Config, mesh: Mesh, dtype: str, rotary: str, merge: bool) -> str:
+    """Write the converted model to `target`; what was written, for the closing line."""
     if spec.adapters is not None and not merge:  # the adapters alone: the base is not even read
         adapters = load_adapters(spec, sharding.replicated(mesh))
         base_model = (spec.base or {}).get("path", "").removeprefix("hf:")
         peft_format.write_adapter(target, adapters, spec.model, spec.adapters, base_model, dtype, rotary)
-        done = f"{target} (PEFT adapter, peft.method={spec.adapters.method}, {dtype})"
-    elif spec.hf_dir is not None:  # Hugging Face -> llama-jax
+        return f"{target} (PEFT adapter, peft.method={spec.adapters.method}, {dtype})"
+    if spec.hf_dir is not None:  # Hugging Face -> llama-jax
         meta = {
             "config": {"model": dataclasses.asdict(spec.model)},
             "source": str(spec.hf_dir),
             "llama_jax": __version__,
             "jax": jax.__version__,
         }
-        done = str(save_params(target, load_params(spec, param_target(config, mesh), rotary), meta))
-    else:  # llama-jax -> Hugging Face (a LoRA run: its base with the adapters folded in)
-        hf.write_hf(target, load_params(spec, param_target(config, mesh)), spec.model, dtype, rotary)
-        done = f"{target} ({dtype}{', LoRA merged' if merge else ''})"
-    if primary:
-        print_fn(f"converted {spec.hf_dir or source} -> {done}")
-    if primary:
-        copy_tokenizer(spec.home, target)
-    return target
+        return str(save_params(target, load_params(spec, param_target(config, mesh), rotary), meta))
+    # llama-jax -> Hugging Face (a LoRA run: its base with the adapters folded in)
+    hf.write_hf(target, load_params(spec, param_target(config, mesh)), spec.model, dtype, rotary)
+    return f"{target} ({dtype}{', LoRA merged' if merge else ''})"

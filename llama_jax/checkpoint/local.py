@@ -1,14 +1,8 @@
 """The node-local checkpoint tier: frequent saves to fast storage on each host, beside the durable
 ``<run.dir>/checkpoints/`` (durable.py), with a copy of each process's shards on a partner host.
 
-Each process keeps its own directory, ``<checkpoint.local_dir>/<run>/<host>/process-<i>/``, on storage only
-its host reads (/dev/shm, a local NVMe). A finished step is a directory ``<step>/`` holding
-
-    own.safetensors        this process's shards of the train state (each distinct shard once)
-    partner-<j>.safetensors the shards of process j, sent here with checkpoint.local_replicas=1
-    manifest.json          the step, a CRC-32 of every tensor, the loader position and the run's meta
-
-written under a temporary name and renamed when complete, so a step directory that exists is finished.
+Each process keeps its own directory on storage only its host reads (/dev/shm, a local NVMe): its own shards
+and its partner's, with a manifest of CRC-32s, in the files local_files.py describes.
 
 Why a collective for the partner's copy, not a file copy: a host's /dev/shm or NVMe is not reachable
 from another host, and any path that is (NFS) is the slow tier this one avoids. Each state leaf's
@@ -25,21 +19,18 @@ their CRC-32 and the wanted shapes and dtypes; a copy that fails is set aside (r
 older step (checkpoint.Checkpointer.restore_newest).
 
 On another process count or mesh (a run continuing on fewer hosts, or grown back) the steps the hosts
-hold (host_pieces) are laid out on the new mesh by relayout.py.
+hold (local_files.host_pieces) are laid out on the new mesh by relayout.py.
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import math
 import os
 import shutil
 import threading
 import time
-import zlib
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,57 +41,20 @@ import safetensors.numpy
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from llama_jax.checkpoint.local_files import (
+    MANIFEST,
+    OWN,
+    checksums,
+    finished_steps,
+    host_directory,
+    host_pieces,
+    read_arrays,
+    read_manifest,
+)
 from llama_jax.distributed.peers import Peers
 from llama_jax.distributed.processes import node_name
 
-OWN = "own.safetensors"
 EXCHANGE_BYTES = 1 << 30  # per device and batch of leaves sent to partners: the exchange's memory bound
-MANIFEST = "manifest.json"
-
-
-def host_directory(local_dir: str, run_dir: Path, node: str | None = None) -> Path:
-    """What one host holds of the run's local tier: ``<local_dir>/<run>-<hash>/<node>/``. The run's name and a
-    hash of its absolute path keep runs that share a local_dir apart; the host's name (processes.node_name(),
-    default this one's) keeps hosts apart where a local_dir is shared, as in a simulation of several hosts on
-    one machine, so that a host reads only what its own storage would hold."""
-    run_dir = Path(run_dir).absolute()
-    key = f"{run_dir.name}-{hashlib.sha1(str(run_dir).encode()).hexdigest()[:8]}"
-    return Path(local_dir).expanduser().absolute() / key / (node or node_name())
-
-
-def process_directory(local_dir: str, run_dir: Path, process: int, node: str | None = None) -> Path:
-    """The directory process `process` writes its local steps to, on host `node` (default this one)."""
-    return host_directory(local_dir, run_dir, node) / f"process-{process}"
-
-
-def finished_steps(directory: Path) -> list[int]:
-    """Finished local steps (directories with a manifest), oldest first."""
-    if not directory.is_dir():
-        return []
-    return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit() and (p / MANIFEST).is_file())
-
-
-def read_manifest(step_dir: Path) -> dict | None:
-    try:
-        return json.loads((step_dir / MANIFEST).read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def host_pieces(host_dir: Path) -> list[list]:
-    """Every process's shards this host holds, by finished step: [step, process count that saved it, the process
-    whose shards they are, the step's directory, the file], from the manifests of every process directory under
-    host_dir (its own copies, the partners' copies it keeps, and those of earlier runs on other process counts)."""
-    pieces = []
-    for directory in sorted(host_dir.glob("process-*")) if host_dir.is_dir() else []:
-        for step in finished_steps(directory):
-            manifest = read_manifest(directory / str(step)) or {}
-            files, processes = manifest.get("files", {}), manifest.get("processes")
-            holds = manifest.get("holds")
-            for owner, name in ((manifest.get("process"), OWN), (holds, f"partner-{holds}.safetensors")):
-                if owner is not None and name in files and isinstance(processes, int):
-                    pieces.append([step, processes, owner, str(directory / str(step)), name])
-    return pieces
 
 
 def partners(hosts: list[str]) -> list[int]:
@@ -133,16 +87,6 @@ def _shards(array: jax.Array) -> dict[str, jax.Array]:
     for shard in array.addressable_shards:
         out.setdefault(_index_key(shard.index, array.shape), shard.data)
     return out
-
-
-def _checksums(tensors: dict[str, np.ndarray]) -> dict[str, int]:
-    """CRC-32 of each tensor's bytes, on a thread per core: zlib releases the GIL on large buffers."""
-
-    def crc(t: np.ndarray) -> int:
-        return zlib.crc32(np.ascontiguousarray(t).view(np.uint8).reshape(-1))
-
-    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-        return dict(zip(tensors, pool.map(crc, tensors.values())))
 
 
 def _outside_the_mesh(method):
@@ -265,7 +209,7 @@ class LocalTier:
             tmp = self.directory / f"{step}.tmp-{os.getpid()}"
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
-            manifest["files"] = {name: _checksums(tensors) for name, tensors in files.items()}
+            manifest["files"] = {name: checksums(tensors) for name, tensors in files.items()}
             for name, tensors in files.items():
                 safetensors.numpy.save_file(tensors, str(tmp / name))
                 self.bytes_written += (tmp / name).stat().st_size
@@ -349,10 +293,10 @@ class LocalTier:
         leaves = [(jax.tree_util.keystr(path), leaf) for path, leaf in flat]
         step_dir = self.directory / str(step)
         manifest = read_manifest(step_dir) or {}
-        own, own_failure = self._read(step_dir, OWN, manifest, leaves, _place_own)
+        own, own_failure = read_arrays(step_dir, OWN, manifest, leaves, _place_own)
         held, held_failure = None, ""
         if self.replicas:
-            held, held_failure = self._read(
+            held, held_failure = read_arrays(
                 step_dir, f"partner-{self.held}.safetensors", manifest, leaves, self._place_held
             )
         report = [self.index, own is not None, held is not None, own_failure, held_failure, manifest.get("data")]
@@ -391,34 +335,6 @@ class LocalTier:
         return _rows(
             self.rows, lambda device: data_at(_index_key(places[self.owner_of[device]], leaf.shape), shape)[None]
         )
-
-    def _read(
-        self, step_dir: Path, name: str, manifest: dict, leaves: list, place
-    ) -> tuple[list[jax.Array] | None, str]:
-        """The arrays of one file, placed by place(leaf, data_at), checked against the manifest's CRC-32s
-        and the wanted shapes and dtypes; (None, why) when damaged, (None, '') when simply absent."""
-        sums = manifest.get("files", {}).get(name)
-        if sums is None or not (step_dir / name).is_file():
-            return None, ""
-        try:
-            tensors = safetensors.numpy.load_file(str(step_dir / name))
-            if _checksums(tensors) != {k: int(v) for k, v in sums.items()}:
-                return None, f"{name} of step {step_dir.name} fails its CRC-32 check"
-
-            def stored(path, leaf):
-                def data_at(place, shape):
-                    data = tensors[f"{path}@{place}"]
-                    if data.shape != shape or data.dtype != leaf.dtype:
-                        raise ValueError(f"{path} is {data.dtype}{list(data.shape)}, not {leaf.dtype}{list(shape)}")
-                    return data
-
-                return data_at
-
-            return [place(leaf, stored(path, leaf)) for path, leaf in leaves], ""
-        except KeyError as err:
-            return None, f"{name} of step {step_dir.name} lacks the shard {err}"
-        except Exception as err:  # a truncated or garbled file: safetensors raises several types
-            return None, f"{name} of step {step_dir.name} does not read ({type(err).__name__}: {str(err)[:120]})"
 
     def set_aside(self, step: int) -> None:
         """Rename this process's copy of a damaged step out of sight, keeping its files for inspection."""

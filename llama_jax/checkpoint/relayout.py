@@ -1,7 +1,7 @@
 """A node-local step on another process count or mesh: a run continuing on fewer hosts, or grown back, resumes
 from the newest local step whose every saving process's shards the hosts of the run hold between them (their own
-copies and partners', in any process directory on them, of any earlier count: local.host_pieces), laid out on the
-new mesh.
+copies and partners', in any process directory on them, of any earlier count: local_files.host_pieces), laid out
+on the new mesh.
 
 Written here, not with Orbax or TensorStore: those read files that every process can reach, and no other host
 can reach a host's /dev/shm or NVMe. Each saved process's shards are read on one process whose host holds them,
@@ -22,15 +22,8 @@ import numpy as np
 import safetensors.numpy
 from jax.sharding import NamedSharding
 
-from llama_jax.checkpoint.local import (
-    EXCHANGE_BYTES,
-    LocalTier,
-    _batches,
-    _checksums,
-    _outside_the_mesh,
-    host_pieces,
-    read_manifest,
-)
+from llama_jax.checkpoint.local import EXCHANGE_BYTES, LocalTier, _batches, _outside_the_mesh
+from llama_jax.checkpoint.local_files import checksums, host_pieces, read_manifest
 from llama_jax.distributed.peers import Peers
 
 
@@ -84,6 +77,40 @@ def restore_moved(tier: LocalTier, step: int, processes: int, abstract_state: An
         if s == step and count == processes
     }
     manifests = {where: read_manifest(where) or {} for where, _ in pieces.values()}
+    chosen = _providers(tier, step, processes, pieces, manifests)
+    if isinstance(chosen, str):
+        return chosen
+    provider, held_by = chosen
+    places = _places(held_by, provider, processes)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(abstract_state)
+    leaves = [(jax.tree_util.keystr(path), leaf) for path, leaf in flat]
+    plans = _plans(step, leaves, places)
+    if isinstance(plans, str):
+        return plans
+    mine = {owner for owner, q in provider.items() if q == tier.index}
+    tensors, failure = _read_mine(mine, pieces, manifests, leaves, plans)
+    data = next((manifests[pieces[owner][0]].get("data") for owner in sorted(mine)), None)
+    verdicts = tier.peers.reduce(f"moved local step {step}", [tier.index, failure, data], sorted)
+    failures = [f"process {q}: {why}" for q, why, _ in verdicts if why]
+    if failures:
+        return f"local step {step} does not restore ({'; '.join(failures)})"
+    data = next((d for _, _, d in verdicts if d), {})
+    state = _assembled(tier, leaves, plans, places, tensors)
+    readers = sorted({q for q in provider.values()})
+    saved = f"{processes} process{'es' * (processes > 1)}"
+    return (
+        jax.tree_util.tree_unflatten(treedef, state),
+        dict(data),
+        f"the shards of {saved}, read on process{'es' * (len(readers) > 1)} "
+        f"{', '.join(map(str, readers))} of {tier.count}",
+    )
+
+
+def _providers(
+    tier: LocalTier, step: int, processes: int, pieces: dict, manifests: dict
+) -> tuple[dict[int, int], dict[int, dict[str, list[str]]]] | str:
+    """(the process that reads each saved process's shards, what every process reported it holds), from every
+    host's report; or why some saved process's shards are on no host of this run (one string for all)."""
     holding = {str(owner): sorted(manifests[where]["files"][name]) for owner, (where, name) in pieces.items()}
     reports = tier.peers.reduce(f"pieces of local step {step}", [tier.index, holding], sorted)
     provider, load = {}, {q: 0 for q, _ in reports}
@@ -93,28 +120,43 @@ def restore_moved(tier: LocalTier, step: int, processes: int, abstract_state: An
             return f"local step {step}: no host of this run holds the shards of process {owner} of {processes}"
         provider[owner] = min(holders, key=lambda q: (load[q], q))
         load[provider[owner]] += 1
-    held_by = dict(reports)
+    return provider, dict(reports)
+
+
+def _places(held_by: dict, provider: dict[int, int], processes: int) -> dict[str, dict[str, tuple[int, int]]]:
+    """Each array's shards by place, each with (the process reading it, the saved process whose shard it is)."""
     places: dict[str, dict[str, tuple[int, int]]] = {}  # array -> place -> (process reading it, saved process)
     for owner in range(processes):
         for key in held_by[provider[owner]][str(owner)]:
             path, _, place = key.rpartition("@")
             places.setdefault(path, {}).setdefault(place, (provider[owner], owner))
-    flat, treedef = jax.tree_util.tree_flatten_with_path(abstract_state)
-    leaves = [(jax.tree_util.keystr(path), leaf) for path, leaf in flat]
-    plans, failure = [], ""
+    return places
+
+
+def _plans(step: int, leaves: list, places: dict) -> list | str:
+    """Each leaf's grid of shards (_grid), or why one of them cannot be laid out on this mesh."""
+    plans = []
     for path, leaf in leaves:
         grid = _grid(list(places.get(path, {})), tuple(leaf.shape)) if path in places else "it is not in the step"
         if isinstance(grid, str):
             return f"local step {step} cannot be laid out on this mesh: {path} ({grid})"
         plans.append(grid)
-    mine = {owner for owner, q in provider.items() if q == tier.index}
+    return plans
+
+
+def _read_mine(
+    mine: set[int], pieces: dict, manifests: dict, leaves: list, plans: list
+) -> tuple[dict[int, dict[str, np.ndarray]], str]:
+    """The tensors of the saved processes this process reads, checked against their CRC-32s and the wanted dtypes
+    and shard shapes; and what failed, if anything ('' if nothing)."""
+    failure = ""
     wanted = {path: (np.dtype(leaf.dtype), size) for (path, leaf), (_, _, size) in zip(leaves, plans)}
     tensors: dict[int, dict[str, np.ndarray]] = {}
     for owner in sorted(mine):
         where, name = pieces[owner]
         try:
             tensors[owner] = safetensors.numpy.load_file(str(where / name))
-            if _checksums(tensors[owner]) != {k: int(v) for k, v in manifests[where]["files"][name].items()}:
+            if checksums(tensors[owner]) != {k: int(v) for k, v in manifests[where]["files"][name].items()}:
                 failure = f"{where / name} fails its CRC-32 check"
             for key, tensor in tensors[owner].items():
                 if (want := wanted.get(key.rpartition("@")[0])) and (tensor.dtype, tensor.shape) != want:
@@ -123,12 +165,12 @@ def restore_moved(tier: LocalTier, step: int, processes: int, abstract_state: An
                     )
         except Exception as err:  # a truncated or garbled file: safetensors raises several types
             failure = f"{where / name} does not read ({type(err).__name__}: {str(err)[:120]})"
-    data = next((manifests[pieces[owner][0]].get("data") for owner in sorted(mine)), None)
-    verdicts = tier.peers.reduce(f"moved local step {step}", [tier.index, failure, data], sorted)
-    failures = [f"process {q}: {why}" for q, why, _ in verdicts if why]
-    if failures:
-        return f"local step {step} does not restore ({'; '.join(failures)})"
-    data = next((d for _, _, d in verdicts if d), {})
+    return tensors, failure
+
+
+def _assembled(tier: LocalTier, leaves: list, plans: list, places: dict, tensors: dict) -> list[jax.Array]:
+    """The leaves in the run's shardings, put together from the shards every process read (as rows on the run's
+    devices), by one compiled program per batch of leaves."""
     rows = []
     for (path, leaf), (order, _, size) in zip(leaves, plans):
         rows.append(
@@ -142,14 +184,7 @@ def restore_moved(tier: LocalTier, step: int, processes: int, abstract_state: An
         )
         assemble = _assembly(specs, tier.rows, tuple(leaf.sharding for (_, leaf), _, _, _ in batch))
         state.extend(assemble(*(array for _, _, (array, _), _ in batch)))
-    readers = sorted({q for q in provider.values()})
-    saved = f"{processes} process{'es' * (processes > 1)}"
-    return (
-        jax.tree_util.tree_unflatten(treedef, state),
-        dict(data),
-        f"the shards of {saved}, read on process{'es' * (len(readers) > 1)} "
-        f"{', '.join(map(str, readers))} of {tier.count}",
-    )
+    return state
 
 
 def _rows_of(

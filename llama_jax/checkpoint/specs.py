@@ -43,7 +43,7 @@ from llama_jax.data.tokenizer import load_tokenizer as load_tokenizer_file
 from llama_jax.distributed import sharding
 from llama_jax.errors import ConfigError
 from llama_jax.files import unreadable
-from llama_jax.interop import hf, peft_format
+from llama_jax.interop import hf, hf_config, peft_format
 from llama_jax.model import peft
 from llama_jax.model.llama import param_shapes
 from llama_jax.model.stages import NATURAL, LayerOrder, in_order, relayout
@@ -106,7 +106,7 @@ def resolve(text: str | ModelSpec) -> ModelSpec:
         raise ConfigError(f"{problem}; a model is a run directory, its checkpoints/, a step directory or hf:DIR")
     directory = hf_directory(text)
     if directory is not None:
-        return ModelSpec(text, hf.read_config(directory), hf_dir=directory)
+        return ModelSpec(text, hf_config.read_config(directory), hf_dir=directory)
     step_dir = resolve_step_dir(text)
     meta = read_meta(step_dir)
     if meta is None:
@@ -162,7 +162,7 @@ def load_params(spec: ModelSpec, target: Any = None, rotary: str = "half", layou
     """The model's parameters, taking the shapes, dtypes and shardings of `target` (a ShapeDtypeStruct
     tree, e.g. TrainProgram.abstract_state().params or param_target(), or shardings alone) or, without
     one, the model's param_dtype on the default device. A training checkpoint's optimizer moments are
-    not read; `rotary` is the q/k layout of a Hugging Face model's weights (hf.ROTARY_LAYOUTS); `layout`
+    not read; `rotary` is the q/k layout of a Hugging Face model's weights (hf_tensor_map.ROTARY_LAYOUTS); `layout`
     the pipeline layout whose layer order the params are wanted in (stages.py)."""
     if target is None:
         target = hf.single_device_target(spec.model)

@@ -32,7 +32,7 @@ from typing import Any
 
 from llama_jax.checkpoint.checkpointer import Checkpointer, Restored
 from llama_jax.checkpoint.durable import check_model, latest_checkpoint_step, read_meta, restore_step
-from llama_jax.checkpoint.local import host_directory, host_pieces, read_manifest
+from llama_jax.checkpoint.local_files import host_directory, host_pieces, read_manifest
 from llama_jax.checkpoint.relayout import covered_steps
 from llama_jax.checkpoint.specs import ModelSpec, load_params, read_adapters, resolve
 from llama_jax.config import Config

@@ -20,6 +20,7 @@ def cmd_plan(ns: argparse.Namespace) -> int:
     from llama_jax.config.stages import resolve
     from llama_jax.distributed import sharding
     from llama_jax.planning import plan as planning
+    from llama_jax.planning import plan_report
 
     config = load_config(*split_source(ns.args))
     mesh = sharding.make_mesh(config, list(gpus) or None)
@@ -28,18 +29,18 @@ def cmd_plan(ns: argparse.Namespace) -> int:
             config, mesh, print_fn=None if ns.json else print, devices_per_host=ns.devices_per_host
         )
         print(
-            json.dumps({k: planning.plan_dict(p) for k, p in plans.items()}, indent=2)
+            json.dumps({k: plan_report.plan_dict(p) for k, p in plans.items()}, indent=2)
             if ns.json
-            else planning.format_remat_comparison(plans)
+            else plan_report.format_remat_comparison(plans)
         )
         return 0
     stages = resolve(config)
     if len(stages) > 1:  # a staged run: every stage on its own mesh, and what they add up to
         plans = planning.stage_plans(stages, lambda c: sharding.make_mesh(c, list(gpus) or None), ns.devices_per_host)
-        print(planning.stage_plans_json(stages, plans) if ns.json else planning.format_stage_plans(stages, plans))
+        print(plan_report.stage_plans_json(stages, plans) if ns.json else plan_report.format_stage_plans(stages, plans))
         return 0
     plan = planning.make_plan(config, mesh, ns.devices_per_host)
-    print(planning.plan_json(plan) if ns.json else planning.format_plan(plan))
+    print(plan_report.plan_json(plan) if ns.json else plan_report.format_plan(plan))
     return 0
 
 
@@ -63,9 +64,27 @@ def add_plan(commands) -> None:
 
 
 def cmd_tune(ns: argparse.Namespace) -> int:
+    source, overrides = split_source(ns.args)
+    policies, schedules = _searched_choices(ns)
+    _check_tune_figures(ns)
+    out = Path(ns.out)
+    if problem := unwritable(out, "file"):
+        raise InputError(f"--out {out} cannot be written: {problem}; name the YAML file to write, e.g. tune.yaml")
+    gpus = target_gpus(ns)
+    options = _tune_options(ns, policies, schedules, gpus)
+    if ns.dry_run:
+        _print_candidates(source, overrides, options)
+        return 0
+    _tune_and_write(ns, source, overrides, options, out)
+    if not ns.json:
+        print(f"wrote {out}: llama-jax train {out}")
+    return 0
+
+
+def _searched_choices(ns: argparse.Namespace) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """--policies and --pipeline-schedules as tuples, each name checked."""
     from llama_jax.config.choices import PIPELINE_SCHEDULES, REMAT_POLICIES
 
-    source, overrides = split_source(ns.args)
     policies = tuple(ns.policies.split(","))
     unknown = [p for p in policies if p not in REMAT_POLICIES]
     if unknown:
@@ -75,6 +94,11 @@ def cmd_tune(ns: argparse.Namespace) -> int:
         raise InputError(
             f"--pipeline-schedules: choose from {', '.join(PIPELINE_SCHEDULES)}, got '{ns.pipeline_schedules}'"
         )
+    return policies, schedules
+
+
+def _check_tune_figures(ns: argparse.Namespace) -> None:
+    """The budgets, counts and cost-model figures in their ranges."""
     if ns.memory_gb < 0 or ns.budget_min <= 0 or ns.top_k < 1 or ns.steps < 1 or ns.meshes < 1:
         raise InputError("tune: --memory-gb must be >= 0, and --budget-min, --top-k, --steps, --meshes positive")
     if (
@@ -83,14 +107,13 @@ def cmd_tune(ns: argparse.Namespace) -> int:
         or not (ns.overlap == -1 or 0 <= ns.overlap <= 1)
     ):
         raise InputError("tune: --efficiency and --overlap must be in [0, 1], --bandwidth-gbs and --nic-gbs >= 0")
-    out = Path(ns.out)
-    if problem := unwritable(out, "file"):
-        raise InputError(f"--out {out} cannot be written: {problem}; name the YAML file to write, e.g. tune.yaml")
-    gpus = target_gpus(ns)
-    from llama_jax.config import load_config
-    from llama_jax.planning import tune, tune_report, tune_space
 
-    options = tune.Options(
+
+def _tune_options(ns: argparse.Namespace, policies: tuple[str, ...], schedules: tuple[str, ...], gpus: tuple):
+    """tune.Options from the command line."""
+    from llama_jax.planning import tune
+
+    return tune.Options(
         memory_gb=ns.memory_gb,
         budget_min=ns.budget_min,
         top_k=ns.top_k,
@@ -111,13 +134,24 @@ def cmd_tune(ns: argparse.Namespace) -> int:
         devices=gpus,
         progress=not ns.json,
     )
-    if ns.dry_run:
-        searches = tune.stage_searches(source, overrides, options)  # one for a run without train.stages
-        for stage, base, pins in searches:
-            if len(searches) > 1:
-                print(stage.describe())
-            print(tune_space.format_candidates(tune.enumerate_candidates(base, pins, options)[2]))
-        return 0
+
+
+def _print_candidates(source: str | None, overrides: list[str], options) -> None:
+    """--dry-run: every stage's candidates, and why the invalid ones are refused."""
+    from llama_jax.planning import tune, tune_space
+
+    searches = tune.stage_searches(source, overrides, options)  # one for a run without train.stages
+    for stage, base, pins in searches:
+        if len(searches) > 1:
+            print(stage.describe())
+        print(tune_space.format_candidates(tune.enumerate_candidates(base, pins, options)[2]))
+
+
+def _tune_and_write(ns: argparse.Namespace, source: str | None, overrides: list[str], options, out: Path) -> None:
+    """Tune every stage, write the winner's config (a staged run's: every stage's) and print the report."""
+    from llama_jax.config import load_config
+    from llama_jax.planning import tune, tune_report
+
     tunings = tune.tune_stages(source, overrides, options)
     if len(tunings) > 1:
         tune_report.write_stage_winners(tunings, load_config(source, overrides), out)
@@ -128,9 +162,6 @@ def cmd_tune(ns: argparse.Namespace) -> int:
         tune_report.write_winner(tunings[0].report, out)
         report = tunings[0].report
         print(tune_report.report_json(report) if ns.json else tune_report.format_report(report, rows=ns.rows))
-    if not ns.json:
-        print(f"wrote {out}: llama-jax train {out}")
-    return 0
 
 
 def add_tune(commands) -> None:
@@ -265,6 +296,7 @@ def cmd_goodput(ns: argparse.Namespace) -> int:
         raise InputError(f"goodput: --from {problem}; name the run.dir of a run")
     from llama_jax.config import load_config
     from llama_jax.planning import goodput_projection as projection
+    from llama_jax.planning import goodput_report
 
     source, overrides = split_source(ns.args)
     launcher = [] if ns.without_launcher else list(projection.LAUNCHER_KEYS)  # before the user's, as they add them
@@ -285,12 +317,12 @@ def cmd_goodput(ns: argparse.Namespace) -> int:
     if by_hand:
         source = "none: a run started by hand (--without-launcher)"
         inputs = dataclasses.replace(inputs, sources={**inputs.sources, "spare_hosts": source})
-    report = projection.report(inputs)
+    report = goodput_report.report(inputs)
     parts = projection.start_parts(Path(ns.run_dir)) if ns.run_dir else {}
     if ns.json:
-        print(projection.report_json(report | ({"start_parts": parts} if parts else {})))
+        print(goodput_report.report_json(report | ({"start_parts": parts} if parts else {})))
     else:
-        print(projection.format_report(report, source or "tiny", inputs))
+        print(goodput_report.format_report(report, source or "tiny", inputs))
         if parts:
             print(projection.format_start_parts(parts))
     return 0
@@ -325,6 +357,18 @@ def add_goodput(commands) -> None:
         metavar="RUN_DIR",
         help="a run.dir whose goodput.json gives the measured costs (step, saves, restores, restarts)",
     )
+    _add_failures(parser)
+    _add_recovery(parser)
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="print an object with goodput, breakdown, intervals, and the inputs with sources",
+    )
+    parser.set_defaults(func=cmd_goodput)
+
+
+def _add_failures(parser: argparse.ArgumentParser) -> None:
+    """goodput's failures: how often the run is interrupted, and how often that loses a host."""
     parser.add_argument(
         "--failures-per-gpu-hour",
         type=float,
@@ -340,6 +384,10 @@ def add_goodput(commands) -> None:
         type=float,
         help="share of the unexpected interruptions that lose a host (default Llama 3's, 0.84)",
     )
+
+
+def _add_recovery(parser: argparse.ArgumentParser) -> None:
+    """goodput's recovery: a replacement host, the restart, the hot spares, the launcher and a lost host's repair."""
     parser.add_argument(
         "--replacement-s",
         type=float,
@@ -367,9 +415,3 @@ def add_goodput(commands) -> None:
         type=float,
         help="hours until a lost host is a spare again (default: the stated assumption, printed with the inputs)",
     )
-    parser.add_argument(
-        "--json",
-        action="store_true",
-        help="print an object with goodput, breakdown, intervals, and the inputs with sources",
-    )
-    parser.set_defaults(func=cmd_goodput)

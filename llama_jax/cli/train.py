@@ -20,7 +20,7 @@ def cmd_train(ns: argparse.Namespace) -> int:
         return 0
     import jax
 
-    from llama_jax.planning.plan import describe_program
+    from llama_jax.planning.plan_report import describe_program
     from llama_jax.training.loop import train
 
     result = train(config, print_fn=print, started_at=ns.started_at, describe_program=describe_program)

@@ -3,6 +3,7 @@
     schema.py   the frozen dataclasses (Config and its sections): every key, its type and default
     choices.py  every choice a user can type: dtypes, kernels, mesh and logical axes, remat tags and
                 policies, peft methods, the model fields a checkpoint must agree on
+    bounds.py   every numeric key's range (BOUNDS), and what a documented 0 or -1 means
     checks.py   the checks of values that depend on each other (one ConfigError line each)
     load.py     a preset (presets/*.yaml) or YAML file plus key=value overrides -> a checked Config
     stages.py   a staged run's stages (train.stages), each a Config of its own

@@ -143,7 +143,7 @@ def _parse(key: str, kind: Any, value: Any, origin: str) -> Any:
             try:
                 return _parse(key, float, text, origin)
             except ConfigError:
-                return value  # a word: checks.BOUNDS says which one the key takes
+                return value  # a word: bounds.BOUNDS says which one the key takes
         return value
     names = [_TYPE_NAMES[k] for k in typing.get_args(kind) or (kind,)]
     raise ConfigError(f"{origin}'{key}' must be {' or '.join(names)}, got '{value}'")

@@ -14,9 +14,9 @@
       inject      InjectConfig      TESTING ONLY: faults injected on purpose (tests, rehearsal, chaos drills)
 
 The field comments are the reference of every key (`llama-jax train --print-config` lists them with their
-values). The allowed values of the string fields are in choices.py; checks.py checks values that the types
-alone cannot (its BOUNDS: the range of every numeric key, with what a documented 0 or -1 means); load.py builds
-a Config from a preset or a YAML file and `key=value` overrides.
+values). The allowed values of the string fields are in choices.py; bounds.py's BOUNDS gives the range of every
+numeric key, with what a documented 0 or -1 means; checks.py checks values that the types alone cannot; load.py
+builds a Config from a preset or a YAML file and `key=value` overrides.
 """
 
 from __future__ import annotations

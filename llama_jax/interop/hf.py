@@ -1,20 +1,5 @@
-"""Hugging Face Llama checkpoints <-> llama-jax params, one tensor at a time.
-
-    Hugging Face (per layer i, torch [out, in])         llama-jax (layers stacked on axis 0)
-    model.embed_tokens.weight            [V, D]         embed/embedding                [V, D]
-    model.layers.i.self_attn.q_proj      [N*H, D]       layers/attn/q_proj/kernel      [L, D, N, H]
-                             k_proj/v_proj [K*H, D]     layers/attn/{k,v}_proj/kernel  [L, D, K, H]
-                             o_proj      [D, N*H]       layers/attn/o_proj/kernel      [L, N, H, D]
-    model.layers.i.mlp.gate_proj/up_proj [F, D]         layers/mlp/{gate,up}_proj/kernel [L, D, F]
-                       down_proj         [D, F]         layers/mlp/down_proj/kernel    [L, F, D]
-    model.layers.i.input_layernorm       [D]            layers/attn_norm/scale         [L, D]
-    model.layers.i.post_attention_layernorm [D]         layers/mlp_norm/scale          [L, D]
-    model.norm.weight                    [D]            final_norm/scale               [D]
-    lm_head.weight                       [V, D]         lm_head/kernel                 [D, V]  (absent when tied)
-
-Rotary layout: our model and transformers rotate (x[i], x[i + H/2]) ("rotate_half"); Meta's original
-checkpoints rotate interleaved pairs (x[2i], x[2i+1]). With rotary="interleaved" the q/k rows of each
-head are reordered between the two (evens first, then odds), as transformers' own conversion does.
+"""Hugging Face Llama checkpoints <-> llama-jax params, one tensor at a time: the reading and writing. Which
+Hugging Face tensor each parameter is, and in which layout, is hf_tensor_map.py's; config.json is hf_config.py's.
 
 Memory: neither direction ever holds a whole parameter, let alone the model, on the host.
 - Reading builds each parameter device by device (jax.make_array_from_single_device_arrays). A
@@ -37,7 +22,6 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -50,215 +34,12 @@ from jax.experimental import multihost_utils
 
 from llama_jax.config import ModelConfig
 from llama_jax.errors import ConfigError
+from llama_jax.interop.hf_config import hf_config
+from llama_jax.interop.hf_tensor_map import Tensor, half_to_interleaved, tensor_map
 from llama_jax.interop.safetensors_files import SHARD_BYTES, Item, SafetensorsReader, write_safetensors
 from llama_jax.model.llama import param_shapes
 
-ROTARY_LAYOUTS = ("half", "interleaved")
 BLOCK_BYTES = 64 * 2**20  # the most a conversion reads or converts at once
-
-
-# ---------------------------------------------------------------------------------------------
-# config.json <-> ModelConfig
-
-
-def read_config(directory: Path) -> ModelConfig:
-    """ModelConfig of a Hugging Face Llama directory; ConfigError naming what is not supported."""
-    path = Path(directory) / "config.json"
-    if not path.is_file():
-        raise ConfigError(f"{directory} has no config.json: not a Hugging Face model directory")
-    try:
-        hf = json.loads(path.read_text())
-    except OSError as err:
-        raise ConfigError(f"cannot read {path} ({err.strerror}); check that it is readable") from None
-    except ValueError as err:
-        raise ConfigError(f"{path} is not valid JSON ({err})") from None
-    architectures = hf.get("architectures") or [hf.get("model_type", "?")]
-    if "LlamaForCausalLM" not in architectures and hf.get("model_type") != "llama":
-        raise ConfigError(
-            f"{path}: architecture {architectures[0]} is not supported; llama-jax converts "
-            "LlamaForCausalLM (model_type llama)"
-        )
-    unsupported = [k for k in ("attention_bias", "mlp_bias") if hf.get(k)]
-    if hf.get("hidden_act", "silu") != "silu":
-        unsupported.append(f"hidden_act={hf['hidden_act']}")
-    if unsupported:
-        raise ConfigError(f"{path}: {', '.join(unsupported)} is not supported (Llama 3 has no biases and uses SiLU)")
-    missing = [
-        k
-        for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
-        if k not in hf
-    ]
-    if missing:
-        raise ConfigError(f"{path} lacks {', '.join(missing)}")
-    # transformers 4.x: rope_theta + rope_scaling; 5.x: rope_parameters (holding rope_theta too).
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in ("default", "llama3"):
-        raise ConfigError(f"{path}: rope type '{rope_type}' is not supported (default or llama3)")
-    theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
-    llama3 = rope_type == "llama3"
-    # 0 = d_model / n_heads, as in our presets: transformers 5.x writes head_dim even when it is implied.
-    head_dim = hf.get("head_dim") or 0
-    if head_dim * hf["num_attention_heads"] == hf["hidden_size"]:
-        head_dim = 0
-    return ModelConfig(
-        vocab_size=hf["vocab_size"],
-        d_model=hf["hidden_size"],
-        n_layers=hf["num_hidden_layers"],
-        n_heads=hf["num_attention_heads"],
-        n_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
-        head_dim=head_dim,
-        ffn_dim=hf["intermediate_size"],
-        max_seq_len=hf.get("max_position_embeddings", 2048),
-        norm_eps=hf.get("rms_norm_eps", 1e-5),
-        rope_theta=float(theta),
-        rope_scaling_factor=float(rope.get("factor", 1.0)) if llama3 else 1.0,
-        rope_low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
-        rope_high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
-        rope_original_max_len=int(rope.get("original_max_position_embeddings", 8192)),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-    )
-
-
-def hf_config(cfg: ModelConfig, dtype: str) -> dict:
-    """config.json for transformers: the 4.x keys (rope_theta, rope_scaling), which 5.x also reads."""
-    config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.d_model,
-        "num_hidden_layers": cfg.n_layers,
-        "num_attention_heads": cfg.n_heads,
-        "num_key_value_heads": cfg.n_kv_heads,
-        "head_dim": cfg.resolved_head_dim,
-        "intermediate_size": cfg.ffn_dim,
-        "max_position_embeddings": cfg.max_seq_len,
-        "rms_norm_eps": cfg.norm_eps,
-        "rope_theta": cfg.rope_theta,
-        "tie_word_embeddings": cfg.tie_embeddings,
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "mlp_bias": False,
-        "torch_dtype": dtype,
-    }
-    if cfg.rope_scaling_factor != 1.0:
-        config["rope_scaling"] = {
-            "rope_type": "llama3",
-            "factor": cfg.rope_scaling_factor,
-            "low_freq_factor": cfg.rope_low_freq_factor,
-            "high_freq_factor": cfg.rope_high_freq_factor,
-            "original_max_position_embeddings": cfg.rope_original_max_len,
-        }
-    return config
-
-
-# ---------------------------------------------------------------------------------------------
-# The tensor map
-
-
-@dataclass(frozen=True)
-class Tensor:
-    """One llama-jax parameter and the Hugging Face tensor(s) it is made of. `layout` says how one
-    layer of ours (left) and the Hugging Face tensor (right) hold the same numbers:
-
-        same        ours[...] == hf[...]                         embedding, norms
-        transposed  ours[i, j] == hf[j, i]                       MLP, lm_head
-        heads_in    ours[d, n, h] == hf[n * head_dim + h, d]     q, k, v projections
-        heads_out   ours[n, h, d] == hf[d, n * head_dim + h]     o projection
-    """
-
-    path: tuple[str, ...]  # in our params tree
-    hf_name: str  # with {i} for the layer index when per_layer
-    per_layer: bool
-    layout: str
-
-    @property
-    def row_axis(self) -> int:
-        """The axis of ours (one layer) along which the Hugging Face tensor's rows run."""
-        return {"same": 0, "transposed": 1, "heads_in": 1, "heads_out": 2}[self.layout]
-
-    @property
-    def rotary(self) -> bool:
-        """Whether the rows are rotated by RoPE (q and k, and the B of their LoRA adapters), so their order
-        depends on the rotary layout."""
-        return self.hf_name.endswith(("q_proj.weight", "k_proj.weight", "q_proj.lora_B.weight", "k_proj.lora_B.weight"))
-
-    def hf_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
-        """The Hugging Face tensor's shape for one layer of ours of `shape`."""
-        if self.layout == "same":
-            return tuple(shape)
-        if self.layout == "transposed":
-            return tuple(shape[::-1])
-        if self.layout == "heads_in":
-            return shape[1] * shape[2], shape[0]
-        return shape[2], shape[0] * shape[1]
-
-    def to_hf(self, w: np.ndarray) -> np.ndarray:
-        """A block of ours (one layer, any range along row_axis) -> those rows of the Hugging Face tensor."""
-        if self.layout == "same":
-            return w
-        if self.layout == "transposed":
-            return w.T
-        if self.layout == "heads_in":
-            return w.reshape(w.shape[0], -1).T
-        return w.reshape(-1, w.shape[-1]).T
-
-    def from_hf(
-        self,
-        read: Callable[[tuple[slice, ...]], np.ndarray],
-        index: tuple[slice, ...],
-        head_dim: int,
-        interleaved: bool,
-    ) -> np.ndarray:
-        """ours[index] (one layer; slices with start and stop), reading only the Hugging Face rows and
-        columns it needs with read(hf_index)."""
-        if self.layout == "same":
-            return read(index)
-        if self.layout == "transposed":
-            return read(index[::-1]).T
-        if self.layout == "heads_in":
-            d, n, h = index
-            w = read((slice(n.start * head_dim, n.stop * head_dim), d))  # [n * head_dim, d]
-            if interleaved and self.rotary:
-                w = interleaved_to_half(w, n.stop - n.start)
-            return w.reshape(n.stop - n.start, head_dim, -1)[:, h].transpose(2, 0, 1)
-        n, h, d = index
-        w = read((d, slice(n.start * head_dim, n.stop * head_dim)))  # [d, n * head_dim]
-        return w.reshape(w.shape[0], n.stop - n.start, head_dim)[:, :, h].transpose(1, 2, 0)
-
-
-def tensor_map(cfg: ModelConfig) -> list[Tensor]:
-    layer = "model.layers.{i}."
-    tensors = [
-        Tensor(("embed", "embedding"), "model.embed_tokens.weight", False, "same"),
-        Tensor(("layers", "attn", "q_proj", "kernel"), layer + "self_attn.q_proj.weight", True, "heads_in"),
-        Tensor(("layers", "attn", "k_proj", "kernel"), layer + "self_attn.k_proj.weight", True, "heads_in"),
-        Tensor(("layers", "attn", "v_proj", "kernel"), layer + "self_attn.v_proj.weight", True, "heads_in"),
-        Tensor(("layers", "attn", "o_proj", "kernel"), layer + "self_attn.o_proj.weight", True, "heads_out"),
-        Tensor(("layers", "mlp", "gate_proj", "kernel"), layer + "mlp.gate_proj.weight", True, "transposed"),
-        Tensor(("layers", "mlp", "up_proj", "kernel"), layer + "mlp.up_proj.weight", True, "transposed"),
-        Tensor(("layers", "mlp", "down_proj", "kernel"), layer + "mlp.down_proj.weight", True, "transposed"),
-        Tensor(("layers", "attn_norm", "scale"), layer + "input_layernorm.weight", True, "same"),
-        Tensor(("layers", "mlp_norm", "scale"), layer + "post_attention_layernorm.weight", True, "same"),
-        Tensor(("final_norm", "scale"), "model.norm.weight", False, "same"),
-    ]
-    if not cfg.tie_embeddings:
-        tensors.append(Tensor(("lm_head", "kernel"), "lm_head.weight", False, "transposed"))
-    return tensors
-
-
-def interleaved_to_half(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """q/k rows of Meta's interleaved rotary layout -> rotate_half: per head, even rows then odd rows."""
-    heads = w.reshape(n_heads, -1, w.shape[-1])
-    return np.concatenate([heads[:, 0::2], heads[:, 1::2]], axis=1).reshape(w.shape)
-
-
-def half_to_interleaved(w: np.ndarray, n_heads: int) -> np.ndarray:
-    heads = w.reshape(n_heads, -1, w.shape[-1])
-    half = heads.shape[1] // 2
-    out = np.empty_like(heads)
-    out[:, 0::2], out[:, 1::2] = heads[:, :half], heads[:, half:]
-    return out.reshape(w.shape)
 
 
 # ---------------------------------------------------------------------------------------------

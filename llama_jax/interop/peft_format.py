@@ -9,7 +9,7 @@ directory `PeftModel.from_pretrained(base_model, DIR)` loads.
     prompt tuning:  prompt_embeddings [P, D]                      prompt/embedding [P, D]
 
 An adapter's A has the input axes of the weight it adapts and B its output axes, so each one maps onto
-Hugging Face with a layout of hf.py's tensor map (q's B like q's weight, o's A like o's weight, the rest
+Hugging Face with a layout of hf_tensor_map.py's (q's B like q's weight, o's A like o's weight, the rest
 transposed), and is written by safetensors_files.py's streaming writer. P-tuning is written as prompt
 tuning: its encoder is dropped and the virtual tokens it makes are the prompt (PEFT saves a P-tuning
 adapter the same way, as `prompt_embeddings`).
@@ -38,6 +38,7 @@ from flax.traverse_util import flatten_dict
 from llama_jax.config import ModelConfig, PeftConfig
 from llama_jax.errors import ConfigError
 from llama_jax.interop import hf
+from llama_jax.interop.hf_tensor_map import Tensor, tensor_map
 from llama_jax.interop.safetensors_files import SafetensorsReader, write_safetensors
 from llama_jax.model import peft
 from llama_jax.model.llama import param_shapes
@@ -46,10 +47,10 @@ ADAPTER_CONFIG = "adapter_config.json"
 LORA_PREFIX = "base_model.model."  # PEFT's wrapper around transformers' LlamaForCausalLM
 
 
-def lora_tensors(cfg: ModelConfig, settings: PeftConfig) -> list[hf.Tensor]:
+def lora_tensors(cfg: ModelConfig, settings: PeftConfig) -> list[Tensor]:
     """The Hugging Face tensors of the LoRA adapters on settings.targets, in transformers' layer order."""
     tensors = []
-    for base in hf.tensor_map(cfg):
+    for base in tensor_map(cfg):
         projection = base.path[-2]  # q_proj ... down_proj
         if base.path[-1] != "kernel" or projection.removesuffix("_proj") not in settings.targets:
             continue
@@ -57,8 +58,8 @@ def lora_tensors(cfg: ModelConfig, settings: PeftConfig) -> list[hf.Tensor]:
         a_layout = "heads_out" if base.layout == "heads_out" else "transposed"
         b_layout = "heads_in" if base.layout == "heads_in" else "transposed"
         tensors += [
-            hf.Tensor(base.path[:-1] + ("lora_a",), name + ".lora_A.weight", True, a_layout),
-            hf.Tensor(base.path[:-1] + ("lora_b",), name + ".lora_B.weight", True, b_layout),
+            Tensor(base.path[:-1] + ("lora_a",), name + ".lora_A.weight", True, a_layout),
+            Tensor(base.path[:-1] + ("lora_b",), name + ".lora_B.weight", True, b_layout),
         ]
     return tensors
 
@@ -111,7 +112,7 @@ def write_adapter(
         tensors = lora_tensors(cfg, settings)
     else:
         adapters = {"prompt": {"embedding": peft.prompt_table(adapters, cfg, settings)}}
-        tensors = [hf.Tensor(("prompt", "embedding"), "prompt_embeddings", False, "same")]
+        tensors = [Tensor(("prompt", "embedding"), "prompt_embeddings", False, "same")]
     items = list(hf.hf_tensors(adapters, cfg, np_dtype, rotary, tensors=tensors))
     write_safetensors(directory, items, np_dtype, stem="adapter_model")
     if jax.process_index() == 0:
@@ -231,19 +232,19 @@ def _span(layers: set[int]) -> str:
     return f"{min(layers)}-{max(layers)}" if max(layers) - min(layers) + 1 == len(layers) else str(sorted(layers))
 
 
-def adapter_tensors(cfg: ModelConfig, settings: PeftConfig, reader: SafetensorsReader | None = None) -> list[hf.Tensor]:
+def adapter_tensors(cfg: ModelConfig, settings: PeftConfig, reader: SafetensorsReader | None = None) -> list[Tensor]:
     """The tensors of `settings`' adapters under the names `reader`'s file uses (PEFT's, with or without its
     `base_model.model.` prefix)."""
     if settings.method != "lora":
-        return [hf.Tensor(("prompt", "embedding"), "prompt_embeddings", False, "same")]
+        return [Tensor(("prompt", "embedding"), "prompt_embeddings", False, "same")]
     tensors = lora_tensors(cfg, settings)
     if reader is not None and not any(name.startswith(LORA_PREFIX) for name in reader.files):
-        tensors = [hf.Tensor(t.path, t.hf_name.removeprefix(LORA_PREFIX), t.per_layer, t.layout) for t in tensors]
+        tensors = [Tensor(t.path, t.hf_name.removeprefix(LORA_PREFIX), t.per_layer, t.layout) for t in tensors]
     return tensors
 
 
 def _check_shapes(
-    reader: SafetensorsReader, tensors: list[hf.Tensor], cfg: ModelConfig, settings: PeftConfig, where: Path
+    reader: SafetensorsReader, tensors: list[Tensor], cfg: ModelConfig, settings: PeftConfig, where: Path
 ) -> None:
     """Every tensor of `tensors` is in the file with the shape our adapter of `settings` on `cfg` has."""
     shapes = flatten_dict(peft.split(param_shapes(cfg, settings))[0])

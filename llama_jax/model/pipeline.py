@@ -60,7 +60,7 @@ class PipelineLayout:
 
     @property
     def iterations(self) -> int:
-        """Of the schedule's loop (GPipe's; one_f_one_b.iterations for 1F1B)."""
+        """Of the schedule's loop (GPipe's; one_f_one_b_schedule.iterations for 1F1B)."""
         return self.microbatches * self.repeats + self.stages - 1
 
 

@@ -15,11 +15,8 @@ computation called from several places sums the multiplicities. An operation who
 lengths its shape cannot show (a padded kernel that skips the padding) counts the share of its shape's work the
 caller gives for its scope (`work_shares`: context parallelism's prefix, context_parallel.py).
 
-FLOPs: `dot` = 2 x result elements x product of lhs contracting dims; `convolution` =
-2 x result elements x product of kernel dims other than the output feature ('o') dim. GPU library
-calls, wherever they sit: a cuBLAS(Lt) GEMM (`__cublas$gemm`, `__cublas$lt$matmul[$f8|$mx]`) like a
-dot, from its `gemm_backend_config`; cuDNN fused attention (`__cudnn$fmha*`) by its matmuls over the
-visible (query, key) pairs (fmha.py).
+FLOPs: each instruction's (op_cost.py: dots, convolutions, GPU library matmuls and cuDNN fused attention,
+wherever they sit) times its computation's multiplicity.
 
 Collective traffic, per device, ring cost model with group size n (n = 1 moves nothing):
   all-gather          (n-1)/n  x result bytes
@@ -32,33 +29,27 @@ Async pairs are counted at the `-start` only. Each collective's device groups ar
 
 Operations, for a roofline: every instruction of a scheduled computation (the entry, loop bodies
 and conditions, conditional branches, called computations; not fusion bodies or reducers) with its
-FLOPs (a fusion's: its body's) and the bytes it reads and writes (operands + result, less a library
-call's workspace; of an operand its body only slices, the slices; of a buffer updated in place, the update:
-_traffic), and which of its FLOPs are fp8 matmuls' (a dot or GEMM whose operands are f8*:
-model.fp8's projections; tensor cores run them at twice the bf16 rate). Data movement without
-arithmetic (parameter, tuple, bitcast, ...) and control flow are left out.
+FLOPs (a fusion's: its body's), the bytes it reads and writes and which of its FLOPs are fp8 matmuls'
+(op_cost.py), times its multiplicity. Data movement without arithmetic (parameter, tuple, bitcast, ...) and
+control flow are left out.
 """
 
 from __future__ import annotations
 
-import math
 import re
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
-from llama_jax.perf import fmha, loops
+from llama_jax.perf import loops, op_cost
 from llama_jax.perf.hlo_text import (
     Computation,
     DeviceGroups,
     Instr,
-    arrays,
-    close_bracket,
     device_groups,
     parse_module,
     shape_bytes,
     split_top,
-    strip_comments,
 )
 
 # How often conditionals named under a jax.named_scope run each branch (analyze's branch_runs).
@@ -156,40 +147,6 @@ def _callees(instr: Instr, trip_count: int) -> Iterator[tuple[str, int]]:
             yield callee.lstrip("%"), trip_count if attr in ("body", "condition") else 1
 
 
-def _operand_dims(comp: Computation, operand: str) -> list[int]:
-    parts = operand.split()  # some XLA versions print "f32[2,3]{1,0} %x" for operands
-    shape = parts[0] if len(parts) > 1 else comp.shapes[operand.lstrip("%")]
-    return arrays(shape)[0][1]
-
-
-def _flops(comp: Computation, instr: Instr, fp8_only: bool = False) -> float:
-    """An instruction's FLOPs; with fp8_only, only a matmul's whose operands are fp8 (others count 0)."""
-    if fp8_only and not _fp8_matmul(comp, instr):
-        return 0.0
-    if instr.opcode == "custom-call":
-        return _library_call_flops(comp, instr)
-    if instr.opcode not in ("dot", "convolution"):
-        return 0.0
-    out = math.prod(arrays(instr.shape)[0][1])
-    if instr.opcode == "dot":
-        contracting = instr.attrs.get("lhs_contracting_dims", "{}").strip("{}")
-        return _matmul_flops(comp, instr, [int(d) for d in contracting.split(",") if d.strip()])
-    # convolution: dim_labels=b01f_01io->b01f, the kernel's labels are the 2nd group
-    kernel_labels = instr.attrs["dim_labels"].split("->")[0].split("_")[1]
-    kernel = _operand_dims(comp, instr.operands[1])
-    return 2.0 * out * math.prod(d for d, label in zip(kernel, kernel_labels) if label != "o")
-
-
-def _output_shape(instr: Instr) -> str:
-    # all-gather-start / collective-permute-start return (operand, output[, contexts...]);
-    # all-reduce-start returns just its output(s).
-    shape = strip_comments(instr.shape).strip()
-    elements = split_top(shape[1 : close_bracket(shape, 0)]) if shape.startswith("(") else [shape]
-    if instr.opcode.endswith("-start") and instr.opcode != "all-reduce-start" and len(elements) > 1:
-        return elements[1]
-    return instr.shape
-
-
 def analyze(
     hlo_text: str, num_devices: int, branch_runs: BranchRuns | None = None, work_shares: WorkShares | None = None
 ) -> HloStats:
@@ -197,6 +154,22 @@ def analyze(
     conditional named under jax.named_scope(scope), how often it takes each branch (_branch_weights);
     `work_shares`: for other operations named under a scope, the share of their FLOPs and bytes that runs."""
     comps, entry = parse_module(hlo_text)
+    callers, unknown = _callers(comps, branch_runs or {})
+    multiplicity = _multiplicities(comps, entry, callers)
+    flops, operations = _work(comps, multiplicity, _scheduled_names(comps, entry), work_shares or {})
+    collectives, by_groups = _collectives(comps, multiplicity, num_devices)
+    return HloStats(
+        dot_flops=flops,
+        collectives=collectives,
+        unknown_trip_counts=unknown,
+        operations=tuple(operations),
+        collective_groups=by_groups,
+    )
+
+
+def _callers(comps: dict[str, Computation], branch_runs: BranchRuns) -> tuple[dict[str, list[tuple[str, float]]], int]:
+    """Each computation's callers, with how many times a run of the caller runs it; and how many while loops
+    have no known trip count (each counted once)."""
     callers: dict[str, list[tuple[str, float]]] = defaultdict(list)
     unknown = 0
     for comp in comps.values():
@@ -204,13 +177,31 @@ def analyze(
             trips = loops.trip_count(instr, comp, comps) if instr.opcode == "while" else 1
             if trips is None:
                 unknown, trips = unknown + 1, 1
-            weights = _branch_weights(instr, branch_runs or {})
+            weights = _branch_weights(instr, branch_runs)
             for callee, factor in _callees(instr, trips):
                 callers[callee].append((comp.name, factor * weights.get(callee, 1.0)))
+    return callers, unknown
 
+
+def _multiplicities(
+    comps: dict[str, Computation], entry: str, callers: dict[str, list[tuple[str, float]]]
+) -> dict[str, float]:
+    """How many times each computation runs per step (module docstring)."""
     multiplicity: dict[str, float] = {}
+
+    def runs(name: str) -> float:  # call graphs are DAGs, so this terminates; unreachable -> 0
+        if name not in multiplicity:
+            multiplicity[name] = 1 if name == entry else sum(runs(c) * f for c, f in callers[name])
+        return multiplicity[name]
+
+    for name in comps:
+        runs(name)
+    return multiplicity
+
+
+def _scheduled_names(comps: dict[str, Computation], entry: str) -> set[str]:
     # Computations that run as a sequence of operations (not fused into one kernel or applied per element).
-    scheduled_names = {entry} | {
+    return {entry} | {
         callee.lstrip("%")
         for comp in comps.values()
         for instr in comp.instrs
@@ -220,39 +211,51 @@ def analyze(
         for callee in split_top(instr.attrs.get(attr, "").strip("{}"))
     }
 
-    def runs(name: str) -> float:  # call graphs are DAGs, so this terminates; unreachable -> 0
-        if name not in multiplicity:
-            multiplicity[name] = 1 if name == entry else sum(runs(c) * f for c, f in callers[name])
-        return multiplicity[name]
 
+def _work(
+    comps: dict[str, Computation], multiplicity: dict[str, float], scheduled_names: set[str], work_shares: WorkShares
+) -> tuple[float, list[tuple[float, float, float]]]:
+    """Per step: the FLOPs of every instruction, and (flops, bytes read + written, fp8 flops) of each scheduled
+    operation (module docstring)."""
     flops = 0.0
-    count, buffer, moved = defaultdict(float), defaultdict(float), defaultdict(float)
-    by_groups: dict[tuple[str, DeviceGroups], float] = defaultdict(float)
-    parsed: dict[tuple, DeviceGroups] = {}  # a program repeats a few replica-group lists many times
     operations = []
     for comp in comps.values():
-        if (mult := runs(comp.name)) == 0:
+        if (mult := multiplicity[comp.name]) == 0:
             continue
         scheduled = comp.name in scheduled_names
         for instr in comp.instrs:
-            share = _work_share(instr, work_shares or {})
-            flops += mult * share * _flops(comp, instr)
+            share = _work_share(instr, work_shares)
+            flops += mult * share * op_cost.flops(comp, instr)
             if scheduled and instr.opcode not in _FREE and not instr.opcode.endswith("-done"):
                 own, fp8 = (
-                    _flops(comp, instr, fp8_only)
+                    op_cost.flops(comp, instr, fp8_only)
                     + (
-                        _body_flops(comps, instr.attrs["calls"].lstrip("%"), fp8_only)
+                        op_cost.body_flops(comps, instr.attrs["calls"].lstrip("%"), fp8_only)
                         if instr.opcode == "fusion"
                         else 0.0
                     )
                     for fp8_only in (False, True)
                 )
-                traffic = _traffic(comps, comp, instr)
+                traffic = op_cost.traffic(comps, comp, instr)
                 operations.append((mult * share * own, mult * share * traffic, mult * share * fp8))
+    return flops, operations
+
+
+def _collectives(
+    comps: dict[str, Computation], multiplicity: dict[str, float], num_devices: int
+) -> tuple[dict[str, CollectiveStats], dict[tuple[str, DeviceGroups], float]]:
+    """Per step: each KIND's executions and bytes, and the bytes sent by (kind, device groups) (module docstring)."""
+    count, buffer, moved = defaultdict(float), defaultdict(float), defaultdict(float)
+    by_groups: dict[tuple[str, DeviceGroups], float] = defaultdict(float)
+    parsed: dict[tuple, DeviceGroups] = {}  # a program repeats a few replica-group lists many times
+    for comp in comps.values():
+        if (mult := multiplicity[comp.name]) == 0:
+            continue
+        for instr in comp.instrs:
             kind = instr.opcode.removesuffix("-start")
             if kind not in KINDS:
                 continue
-            nbytes = shape_bytes(_output_shape(instr))
+            nbytes = shape_bytes(op_cost.output_shape(instr))
             key = tuple(instr.attrs.get(a) for a in ("replica_groups", "device_ids", "source_target_pairs"))
             if key not in parsed:
                 parsed[key] = device_groups(instr.attrs, num_devices)
@@ -263,13 +266,7 @@ def analyze(
             moved[kind] += sent
             by_groups[kind, groups] += sent
     collectives = {k: CollectiveStats(round(count[k]), round(buffer[k]), moved[k]) for k in KINDS}
-    return HloStats(
-        dot_flops=flops,
-        collectives=collectives,
-        unknown_trip_counts=unknown,
-        operations=tuple(operations),
-        collective_groups=dict(by_groups),
-    )
+    return collectives, dict(by_groups)
 
 
 def permute_loop_trips(hlo_text: str, num_devices: int, wanted: Callable[[DeviceGroups], bool]) -> list[int]:
@@ -357,137 +354,3 @@ def custom_calls(hlo_text: str) -> list[tuple[str, tuple[str, ...], str]]:
         for i in comp.instrs
         if i.opcode == "custom-call"
     ]
-
-
-def _body_flops(comps: dict[str, Computation], name: str, fp8_only: bool = False) -> float:
-    """FLOPs inside a fusion body (dots, library calls), nested fusions included; fp8_only: of fp8 matmuls only."""
-    comp = comps[name]
-    return sum(
-        _flops(comp, i, fp8_only)
-        + (_body_flops(comps, i.attrs["calls"].lstrip("%"), fp8_only) if i.opcode == "fusion" else 0.0)
-        for i in comp.instrs
-    )
-
-
-def _fp8_matmul(comp: Computation, instr: Instr) -> bool:
-    """A dot or cuBLAS(Lt) GEMM whose two matrix operands are fp8 (f8e4m3fn, f8e5m2, ...): tensor cores run it at
-    the fp8 rate. cuBLASLt's fp8 GEMM takes its scales as further operands."""
-    if instr.opcode == "dot" or (
-        instr.opcode == "custom-call" and instr.attrs.get("custom_call_target", "").strip('"') in _GEMM_TARGETS
-    ):
-        return len(instr.operands) >= 2 and all(_operand_dtype(comp, o).startswith("f8") for o in instr.operands[:2])
-    return False
-
-
-def _operand_dtype(comp: Computation, operand: str) -> str:
-    parts = operand.split()  # some XLA versions print "f32[2,3]{1,0} %x" for operands
-    shape = parts[0] if len(parts) > 1 else comp.shapes.get(operand.lstrip("%"), "")
-    return arrays(shape)[0][0] if shape else ""
-
-
-def _operand_bytes(comp: Computation, operand: str) -> int:
-    parts = operand.split()  # some XLA versions print "f32[2,3]{1,0} %x" for operands
-    if len(parts) > 1:
-        return shape_bytes(parts[0])
-    shape = comp.shapes.get(operand.lstrip("%"))
-    return shape_bytes(shape) if shape else 0  # a literal operand, e.g. in a constant
-
-
-# GPU library calls: XLA:GPU rewrites most dots to cuBLAS(Lt) custom calls and jax's cuDNN attention is one.
-_GEMM_TARGETS = {"__cublas$gemm", "__cublas$lt$matmul", "__cublas$lt$matmul$f8", "__cublas$lt$matmul$mx"}
-
-
-def _result_bytes(instr: Instr) -> int:
-    """Bytes an operation writes. cuBLAS and cuDNN calls end their result tuple with a workspace, s8[n] or
-    u8[n]: scratch space the library may use, not data it must write."""
-    leaves = split_top(strip_comments(instr.shape).strip()[1:-1]) if instr.shape.startswith("(") else []
-    target = instr.attrs.get("custom_call_target", "").strip('"')
-    if len(leaves) > 1 and target.startswith(("__cublas$", "__cudnn$")) and leaves[-1][:3] in ("s8[", "u8["):
-        return sum(shape_bytes(leaf) for leaf in leaves[:-1])
-    return shape_bytes(instr.shape)
-
-
-# Operations that read a window of their first operand (a layer's slice of stacked weights or saved activations):
-# they move the window's bytes, not the whole operand's.
-_WINDOW_READS = {"dynamic-slice", "slice", "gather"}
-
-
-def _traffic(comps: dict[str, Computation], comp: Computation, instr: Instr) -> float:
-    """Bytes an operation reads and writes. A window read moves the window; a dynamic-update-slice writes its
-    update into a buffer in place (XLA aliases the two), reading and writing the update only; a fusion (or an
-    async fusion-start) reads each operand whole unless its body only takes windows of it or updates it in place,
-    and writes its root's outputs, of an in-place update the update only. Without this, a scanned layer stack's
-    slot of stacked activations counted the whole stack once per layer (the number of layers times over)."""
-    body = comps.get(instr.attrs.get("calls", "").lstrip("%")) if instr.opcode in ("fusion", "fusion-start") else None
-    if body is not None and body.instrs:
-        users = _users(body)
-        params = {int(i.operands[0]): i for i in body.instrs if i.opcode == "parameter"}
-        read = sum(
-            _read_bytes(users, params[n].name, _operand_bytes(comp, operand)) if n in params else 0
-            for n, operand in enumerate(instr.operands)
-        )
-        return read + _written_bytes(body, body.instrs[-1])
-    if instr.opcode == "dynamic-update-slice":
-        return 2 * _operand_bytes(comp, instr.operands[1])
-    if instr.opcode in _WINDOW_READS:
-        return 2 * shape_bytes(instr.shape)
-    result = shape_bytes(_output_shape(instr)) if instr.opcode.endswith("-start") else _result_bytes(instr)
-    return result + sum(_operand_bytes(comp, o) for o in instr.operands)
-
-
-def _users(body: Computation) -> dict[str, list[tuple[Instr, int]]]:
-    users: dict[str, list[tuple[Instr, int]]] = defaultdict(list)
-    for i in body.instrs:
-        for position, operand in enumerate(i.operands):
-            users[operand.split()[-1].lstrip("%")].append((i, position))
-    return users
-
-
-def _read_bytes(users: dict[str, list[tuple[Instr, int]]], name: str, whole: float) -> float:
-    """What a fused computation reads of its value `name` (`whole` bytes): windows of it, nothing of a buffer it
-    updates in place, or all of it."""
-    total = 0.0
-    for user, position in users.get(name, []):
-        if user.opcode == "bitcast":
-            total += _read_bytes(users, user.name, whole)
-        elif position == 0 and user.opcode in _WINDOW_READS:
-            total += shape_bytes(user.shape)
-        elif position != 0 or user.opcode != "dynamic-update-slice":
-            return whole
-    return min(total, whole)
-
-
-def _written_bytes(body: Computation, root: Instr) -> float:
-    """What a fused computation writes: each output, of an in-place update only the update."""
-    if root.opcode == "tuple":
-        by_name = {i.name: i for i in body.instrs}
-        return sum(_written_bytes(body, by_name[o.split()[-1].lstrip("%")]) for o in root.operands)
-    if root.opcode == "dynamic-update-slice":
-        return _operand_bytes(body, root.operands[1])
-    return shape_bytes(root.shape)
-
-
-def _matmul_flops(comp: Computation, instr: Instr, lhs_contracting: list[int]) -> float:
-    """2 x output elements x contracted size. A library call's output is the first element of its result
-    tuple (then an fp8 amax, then the workspace)."""
-    lhs = _operand_dims(comp, instr.operands[0])
-    return 2.0 * math.prod(arrays(instr.shape)[0][1]) * math.prod(lhs[d] for d in lhs_contracting)
-
-
-def _library_call_flops(comp: Computation, instr: Instr) -> float:
-    target = instr.attrs.get("custom_call_target", "").strip('"')
-    try:
-        if target in _GEMM_TARGETS:
-            numbers = loops.backend_config(instr)["gemm_backend_config"]["dot_dimension_numbers"]
-            return _matmul_flops(comp, instr, fmha.dimensions(numbers, "lhs_contracting_dimensions"))
-        if target.startswith("__cudnn$fmha"):
-            return fmha.attention_flops(
-                loops.backend_config(instr)["cudnn_fmha_backend_config"],
-                *(_operand_dims(comp, o) for o in instr.operands[:3]),
-                backward="Backward" in target,
-            )
-    except (KeyError, IndexError, TypeError, ValueError, ZeroDivisionError):
-        # A config this XLA version writes differently counts as no FLOPs rather than failing `plan` and every
-        # `tune` candidate: plan's HLO/model FLOP ratio then shows what is missing.
-        return 0.0
-    return 0.0

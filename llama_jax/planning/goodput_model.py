@@ -1,6 +1,6 @@
 """The goodput projection's model: from stated Inputs, the expected effective training time (goodput) of a run
 under failures, where the rest of the wall time goes, and the checkpoint intervals that maximise it
-(goodput_projection.py finds the inputs and prints the report).
+(goodput_projection.py finds the inputs, goodput_report.py prints the report).
 
 The model (every choice here is a first-order one, stated where it is made):
 - Failures arrive as a Poisson process over wall time, at `failures_per_gpu_hour` x GPUs (unexpected ones, split

@@ -3,14 +3,12 @@ the wall time goes, and the checkpoint intervals that maximise it.
 
 The model is goodput_model.py's (its docstring states every choice). Here: its inputs for a config on a number of
 GPUs, each with its source (given by the caller, measured by a run in its goodput.json, else a stated default from
-published figures), and the report `llama-jax goodput` prints (text or JSON).
+published figures). The report `llama-jax goodput` prints (text or JSON) is goodput_report.py's.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
 import statistics
 from pathlib import Path
 from typing import Any
@@ -27,10 +25,7 @@ from llama_jax.planning.goodput_model import (
     LLAMA3_PLANNED_PER_GPU_HOUR,
     LOSES_HOST,
     Inputs,
-    best_intervals,
     best_spares,
-    project,
-    sensitivity,
     with_auto,
 )
 from llama_jax.resilience.goodput import START_PARTS, read_attempts, summarize
@@ -159,23 +154,8 @@ def _stated_costs(config: Config, gpus: int, gpus_per_host: int) -> dict[str, tu
     params = param_count(config.model)
     per_gpu = STATE_BYTES_PER_PARAM * params / gpus
     per_host = per_gpu * min(gpus, gpus_per_host)
-    t, c = config.train, config.checkpoint
-    peak = table_peak_flops("H100", "bfloat16")  # NVIDIA's data sheet, bf16 dense (perf/hardware.py)
-    # A staged run (config/stages.py): the mean step over its stages' steps, each of its own batch and length.
-    stages = resolve(config)
-    flops = sum(
-        s.steps * train_flops_per_token(config.model, s.config.train.seq_len, causal_skip=True) * s.tokens_per_step
-        for s in stages
-    ) / max(1, sum(s.steps for s in stages))
-    batch = (
-        f"{t.batch_size} x {t.seq_len} tokens"
-        if len(stages) == 1
-        else f"a step, the mean over the {len(stages)} stages' steps,"
-    )
-    values["step_s"] = (
-        flops / (gpus * peak * LLAMA3_MFU),
-        f"model FLOPs of {batch} / ({gpus} H100 x {peak / 1e12:g} TFLOP/s x {LLAMA3_MFU:.0%} MFU, Llama 3's 38-43%)",
-    )
+    c = config.checkpoint
+    values["step_s"] = _stated_step_s(config, gpus)
     state = f"{STATE_BYTES_PER_PARAM} B/param state ({params / 1e9:.3g}B params)"
     values["save_durable_s"] = (
         per_gpu / (DEVICE_TO_HOST_GBS * 1e9),
@@ -214,6 +194,27 @@ def _stated_costs(config: Config, gpus: int, gpus_per_host: int) -> dict[str, tu
     )
     values["steady_overhead"] = (0.0, "assumed: data loading, eval and logging hidden behind the steps at scale")
     return values
+
+
+def _stated_step_s(config: Config, gpus: int) -> tuple[float, str]:
+    """The step time of `config` on `gpus` H100s at Llama 3's MFU, with its source."""
+    t = config.train
+    peak = table_peak_flops("H100", "bfloat16")  # NVIDIA's data sheet, bf16 dense (perf/hardware.py)
+    # A staged run (config/stages.py): the mean step over its stages' steps, each of its own batch and length.
+    stages = resolve(config)
+    flops = sum(
+        s.steps * train_flops_per_token(config.model, s.config.train.seq_len, causal_skip=True) * s.tokens_per_step
+        for s in stages
+    ) / max(1, sum(s.steps for s in stages))
+    batch = (
+        f"{t.batch_size} x {t.seq_len} tokens"
+        if len(stages) == 1
+        else f"a step, the mean over the {len(stages)} stages' steps,"
+    )
+    return (
+        flops / (gpus * peak * LLAMA3_MFU),
+        f"model FLOPs of {batch} / ({gpus} H100 x {peak / 1e12:g} TFLOP/s x {LLAMA3_MFU:.0%} MFU, Llama 3's 38-43%)",
+    )
 
 
 def restart_parts(config: Config, processes: int, step_s: float) -> dict[str, tuple[float, str]]:
@@ -265,36 +266,19 @@ def inputs_for(
             f"--gpus {gpus} must be positive and a whole number of hosts of --gpus-per-host "
             f"{gpus_per_host} (e.g. --gpus 16384 --gpus-per-host 8)"
         )
-    values = _stated_costs(config, gpus, gpus_per_host)
-    t, c, f = config.train, config.checkpoint, config.fault
-    values.update(run or {})
-    parts: dict[str, tuple[float, str]] = {}
-    if "restart_s" not in values and "restart_s" not in given:  # the sum of its parts, from the step as it stands
-        parts = restart_parts(config, gpus, values["step_s"][0])
-        values["restart_s"] = (sum(value for value, _ in parts.values()), "the sum of its parts (below)")
-    values["hang_detect_s"] = (
-        max(f.hang_min_timeout_s, f.hang_factor * values["step_s"][0]),
-        "max(fault.hang_min_timeout_s, fault.hang_factor x step_s): the watchdog",
-    )
-    values.update({k: (v, "given") for k, v in given.items()})
-    # The first start, where no run measured it: as a restart (its cold compile has no figure at this scale).
-    values.setdefault("first_start_s", (values["restart_s"][0], "as restart_s"))
+    values, parts = _costs(config, gpus, gpus_per_host, run, given)
     rate, planned, rate_sources = _failure_rates(failures_per_gpu_hour, planned_per_gpu_hour)
     sources = {k: s for k, (_, s) in values.items()} | rate_sources
     sources.update({f"restart.{part}": source for part, (_, source) in parts.items()})
     mix, sources["mix"] = _failure_mix(mix, host_loss_share)
     sources.update(_spare_sources(spare_hosts, repair_hours) | _checkpoint_sources(config))
     v = {k: value for k, (value, _) in values.items()}
-    auto = lambda setting: setting == "auto"  # noqa: E731
     x = with_auto(
         Inputs(
             gpus=gpus,
             gpus_per_host=min(gpus, gpus_per_host),
-            steps=t.steps,
+            **_checkpoint_settings(config),
             step_s=v["step_s"],
-            durable_every=0 if auto(c.every_steps) else int(c.every_steps),
-            local_every=0 if auto(c.local_every_steps) or not c.local_dir else int(c.local_every_steps),
-            local_replicas=c.local_replicas,
             save_durable_s=v["save_durable_s"],
             save_local_s=v["save_local_s"],
             write_durable_s=v["write_durable_s"],
@@ -310,9 +294,6 @@ def inputs_for(
             failures_per_gpu_hour=rate,
             planned_per_gpu_hour=planned,
             mix=mix,
-            durable_auto=auto(c.every_steps),
-            local_auto=bool(c.local_dir) and auto(c.local_every_steps),
-            mtbf_setting_s=c.mtbf_setting_s,
             spare_hosts=spare_hosts or 0,
             repair_s=(REPAIR_H if repair_hours is None else repair_hours) * 3600,
             restart_parts={part: value for part, (value, _) in parts.items()},
@@ -320,6 +301,48 @@ def inputs_for(
         )
     )
     return x if spare_hosts is not None else dataclasses.replace(x, spare_hosts=best_spares(x))
+
+
+def _costs(
+    config: Config,
+    gpus: int,
+    gpus_per_host: int,
+    run: dict[str, tuple[float, str]] | None,
+    given: dict[str, float],
+) -> tuple[dict[str, tuple[float, str]], dict[str, tuple[float, str]]]:
+    """The costs (name -> (value, source)): `given` first, then what `run` measured, then the stated defaults; and
+    a restart's parts (name -> (seconds, source)) where neither the caller nor the run gives restart_s, else {}."""
+    values = _stated_costs(config, gpus, gpus_per_host)
+    f = config.fault
+    values.update(run or {})
+    parts: dict[str, tuple[float, str]] = {}
+    if "restart_s" not in values and "restart_s" not in given:  # the sum of its parts, from the step as it stands
+        parts = restart_parts(config, gpus, values["step_s"][0])
+        values["restart_s"] = (sum(value for value, _ in parts.values()), "the sum of its parts (below)")
+    values["hang_detect_s"] = (
+        max(f.hang_min_timeout_s, f.hang_factor * values["step_s"][0]),
+        "max(fault.hang_min_timeout_s, fault.hang_factor x step_s): the watchdog",
+    )
+    values.update({k: (v, "given") for k, v in given.items()})
+    # The first start, where no run measured it: as a restart (its cold compile has no figure at this scale).
+    values.setdefault("first_start_s", (values["restart_s"][0], "as restart_s"))
+    return values, parts
+
+
+def _checkpoint_settings(config: Config) -> dict[str, Any]:
+    """The Inputs the config's keys set: the steps, the intervals (0 where auto, which with_auto works out, or
+    where there is no node-local tier), whether each is auto, the local replicas and the MTBF setting."""
+    t, c = config.train, config.checkpoint
+    auto = lambda setting: setting == "auto"  # noqa: E731
+    return {
+        "steps": t.steps,
+        "durable_every": 0 if auto(c.every_steps) else int(c.every_steps),
+        "local_every": 0 if auto(c.local_every_steps) or not c.local_dir else int(c.local_every_steps),
+        "local_replicas": c.local_replicas,
+        "durable_auto": auto(c.every_steps),
+        "local_auto": bool(c.local_dir) and auto(c.local_every_steps),
+        "mtbf_setting_s": c.mtbf_setting_s,
+    }
 
 
 def _spare_sources(spare_hosts: int | None, repair_hours: float | None) -> dict[str, str]:
@@ -375,133 +398,3 @@ def _checkpoint_sources(config: Config) -> dict[str, str]:
     sources["local_replicas"] = "checkpoint.local_replicas"
     sources["steps"] = "train.steps"
     return sources
-
-
-# Output
-
-INPUT_FIELDS = (
-    "steps",
-    "step_s",
-    "durable_every",
-    "local_every",
-    "local_replicas",
-    "save_durable_s",
-    "write_durable_s",
-    "save_local_s",
-    "write_local_s",
-    "restore_durable_s",
-    "restore_local_s",
-    "restart_s",
-    "first_start_s",
-    "detect_s",
-    "hang_detect_s",
-    "replacement_s",
-    "spare_hosts",
-    "repair_s",
-    "steady_overhead",
-    "failures_per_gpu_hour",
-    "planned_per_gpu_hour",
-    "mix",
-)
-
-
-def report(x: Inputs) -> dict[str, Any]:
-    """Everything `llama-jax goodput` prints: the projection, the best intervals, durable only, sensitivity."""
-    configured = project(x)
-    best = best_intervals(x)
-    durable_only = dataclasses.replace(x, local_every=0, local_auto=False)
-    young_daly = with_auto(dataclasses.replace(x, durable_auto=True)).durable_every
-    swings = sensitivity(x)
-    return {
-        "goodput": configured.goodput,
-        "breakdown": configured.breakdown,
-        "intervals": {
-            "configured": {"durable_every": x.durable_every, "local_every": x.local_every},
-            "best": {"durable_every": best.durable_every, "local_every": best.local_every, "goodput": best.goodput},
-            "young_daly_durable_every": young_daly,
-        },
-        "durable_only": {
-            "goodput": project(durable_only).goodput,
-            "best": {
-                "durable_every": (b := best_intervals(durable_only, local=False)).durable_every,
-                "goodput": b.goodput,
-            },
-        },
-        "per_failure_s": configured.per_failure_s,
-        "failures": {"mtbf_h": x.mtbf_s / 3600, "shares": x.shares(), "hosts": x.hosts},
-        "sensitivity": {k: {"at_50pct": lo, "at_150pct": hi} for k, (lo, hi) in swings.items()},
-        "most_sensitive": max(swings, key=lambda k: abs(swings[k][1] - swings[k][0])),
-        "inputs": {k: {"value": getattr(x, k), "source": x.sources.get(k, "")} for k in INPUT_FIELDS},
-        "restart_parts": {
-            part: {"value": value, "source": x.sources.get(f"restart.{part}", "")}
-            for part, value in x.restart_parts.items()
-        },
-        "no_spare_chance": x.no_spare_chance,
-        # the spares' hosts wait instead of training: the share of the allocation's GPU time that trains
-        "per_gpu_allocated": configured.goodput * x.hosts / (x.hosts + x.spare_hosts),
-        "wall_s": configured.wall_s,
-    }
-
-
-def format_report(r: dict[str, Any], name: str, x: Inputs) -> str:
-    pct = lambda v: f"{100 * v:.1f}%"  # noqa: E731
-    lines = [
-        f"goodput projection: {name} on {x.gpus:,} GPUs ({x.hosts:,} hosts of {x.gpus_per_host}), {x.steps:,} steps",
-        f"  failures: one every {r['failures']['mtbf_h']:.3g} h; by kind: "
-        + ", ".join(f"{k} {pct(v)}" for k, v in r["failures"]["shares"].items() if v),
-    ]
-    lines.append("  inputs:")
-    for k, entry in r["inputs"].items():
-        value = entry["value"]
-        shown = (
-            ", ".join(f"{m} {w:g}" for m, w in value.items())
-            if isinstance(value, dict)
-            else f"{value:.3g}"
-            if isinstance(value, float)
-            else f"{value}"
-        )
-        lines.append(f"    {k:<22} {shown:<14} {entry['source']}")
-        if k == "restart_s":
-            for part, each in r["restart_parts"].items():
-                lines.append(f"      {part:<20} {each['value']:<14.3g} {each['source']}")
-        if k == "repair_s" and x.spare_hosts:
-            lines.append(f"      {'no spare free':<20} {r['no_spare_chance']:<14.3g} a lost host's chance")
-    lines.append(f"  goodput {pct(r['goodput'])}: " + ", ".join(f"{k} {pct(v)}" for k, v in r["breakdown"].items()))
-    if x.spare_hosts:
-        spares = f"{x.spare_hosts} spare host(s) idle beside the {x.hosts:,}"
-        lines.append(f"  per GPU allocated, {spares}: {pct(r['per_gpu_allocated'])}")
-    lines.append(
-        "  per failure (s): "
-        + "; ".join(f"{k} " + "/".join(f"{v:.0f}" for v in c.values()) for k, c in r["per_failure_s"].items())
-        + " ("
-        + "/".join(next(iter(r["per_failure_s"].values())))
-        + ")"
-    )
-    i = r["intervals"]
-    lines.append(
-        f"  intervals: configured durable every {i['configured']['durable_every']}, local every "
-        f"{i['configured']['local_every']}; best: durable every {i['best']['durable_every']}, local every "
-        f"{i['best']['local_every']} -> {pct(i['best']['goodput'])}; Young/Daly durable every "
-        f"{i['young_daly_durable_every']}"
-    )
-    d = r["durable_only"]
-    lines.append(
-        f"  durable checkpoints only: {pct(d['goodput'])} (best: every {d['best']['durable_every']} -> "
-        f"{pct(d['best']['goodput'])})"
-    )
-    swings = ", ".join(f"{k} {100 * (s['at_150pct'] - s['at_50pct']):+.2f} pt" for k, s in r["sensitivity"].items())
-    lines.append(
-        f"  sensitivity (goodput at 150% minus at 50% of each input): {swings}; most sensitive: {r['most_sensitive']}"
-    )
-    return "\n".join(lines)
-
-
-def report_json(r: dict[str, Any]) -> str:
-    """JSON (strict: an infinite figure, e.g. the MTBF without failures, is null)."""
-
-    def finite(v: Any) -> Any:
-        if isinstance(v, dict):
-            return {k: finite(w) for k, w in v.items()}
-        return None if isinstance(v, float) and not math.isfinite(v) else v
-
-    return json.dumps(finite(r), indent=2)

@@ -40,8 +40,26 @@ def step_time(result: Result) -> float | None:
 
 def format_report(report: Report, rows: int = 20) -> str:
     """The ranked table (by measured step time where measured, then by predicted), and a summary."""
-    results = report.results
-    fits = [r for r in results if r.predicted_s is not None and r.rejected is None]
+    fits = [r for r in report.results if r.predicted_s is not None and r.rejected is None]
+    lines = _ranked_table(report, fits, rows)
+    lines += _candidate_counts(report, fits)
+    lines.append(_cost_model_line(report))
+    if report.correlation is not None:
+        lines.append(f"Spearman correlation of predicted and measured step times: {report.correlation:+.2f}")
+    if report.default.rejected:
+        lines.append(f"the default configuration cannot run: {report.default.rejected}")
+    elif step_time(report.default):
+        basis, winner_s, default_s = _seconds(report)
+        speedup = (default_s or 0) / winner_s
+        lines.append(
+            f"winner {report.winner.candidate.label}: {speedup:.2f}x the default "
+            f"({report.default.candidate.label}), {basis}"
+        )
+    return "\n".join(lines)
+
+
+def _ranked_table(report: Report, fits: list[Result], rows: int) -> list[str]:
+    """The best `rows` of the candidates that fit (and the default, wherever it ranks), and the table's legend."""
     ranked = sorted(fits, key=lambda r: (r.measured_s is None, step_time(r)))
     shown = ranked[:rows] + ([report.default] if report.default in ranked[rows:] else [])
     width = max(len(r.candidate.label) for r in shown) + 2
@@ -63,14 +81,6 @@ def format_report(report: Report, rows: int = 20) -> str:
             + (f"{mfu['mfu_fp8']:8.1%}" if peaks.fp8 else "")
             + mark
         )
-    invalid = [r for r in results if r.config is None]
-    over = [r for r in results if r.config is not None and (r.rejected or "").startswith("needs")]
-    failed = [r for r in results if r.config is not None and r.rejected and r not in over]
-    unscored = [r for r in results if r.config is not None and r.rejected is None and r.predicted_s is None]
-    reasons: dict[str, int] = {}
-    for r in invalid:  # counted by kind: the figures in parentheses differ from candidate to candidate
-        kind = re.sub(r"\([^)]*\)", "(..)", r.rejected.split(";")[0])
-        reasons[kind] = reasons.get(kind, 0) + 1
     lines += [
         (
             "candidate: pP(xR)(-1f1b) pipeline stages (x repeats; the 1F1B schedule, else GPipe), d/f/t/s mesh "
@@ -79,37 +89,46 @@ def format_report(report: Report, rows: int = 20) -> str:
             "time where there is one, else the predicted"
         ),
         "",
+    ]
+    return lines
+
+
+def _candidate_counts(report: Report, fits: list[Result]) -> list[str]:
+    """How many candidates were invalid, over the budget, failed, not compiled and ranked; the invalid by reason."""
+    results = report.results
+    invalid = [r for r in results if r.config is None]
+    over = [r for r in results if r.config is not None and (r.rejected or "").startswith("needs")]
+    failed = [r for r in results if r.config is not None and r.rejected and r not in over]
+    unscored = [r for r in results if r.config is not None and r.rejected is None and r.predicted_s is None]
+    reasons: dict[str, int] = {}
+    for r in invalid:  # counted by kind: the figures in parentheses differ from candidate to candidate
+        kind = re.sub(r"\([^)]*\)", "(..)", r.rejected.split(";")[0])
+        reasons[kind] = reasons.get(kind, 0) + 1
+    lines = [
         f"{len(results)} candidates: {len(invalid)} invalid, {len(over)} over the memory budget of "
         f"{format_bytes(report.budget)}, {len(failed)} failed to compile or run, {len(unscored)} not compiled "
         f"(staged search or time budget), {len(fits)} ranked"
         + (f", {sum(r.measured_s is not None for r in fits)} measured" if report.measured else ""),
     ]
     lines += [f"  {n:>4} x {reason}" for reason, n in sorted(reasons.items(), key=lambda kv: -kv[1])]
+    return lines
+
+
+def _cost_model_line(report: Report) -> str:
+    """The cost model the candidates were ranked with, its figures filled in."""
     m = report.model
     fp8_rate = (
         f" + fp8 FLOPs / ({m.fp8_peak_flops / 1e12:.4g} TFLOP/s x {m.efficiency:g})"
         if m.fp8_peak_flops and report.fp8 != "none"
         else ""
     )
-    lines.append(
+    return (
         f"cost model, per device: sum over operations of max({'other ' if fp8_rate else ''}FLOPs / "
         f"({m.peak_flops / 1e12:.3g} TFLOP/s x {m.efficiency:g}){fp8_rate}, bytes / "
         f"{m.memory_bandwidth / 1e9:.3g} GB/s) + {1 - m.overlap:g} x (collective bytes within a host / "
         f"{m.bandwidth(INTRA_HOST) / 1e9:.3g} GB/s + between hosts / {m.bandwidth(INTER_HOST) / 1e9:.3g} "
         f"GB/s); {report.devices} devices on {report.hosts} host(s)"
     )
-    if report.correlation is not None:
-        lines.append(f"Spearman correlation of predicted and measured step times: {report.correlation:+.2f}")
-    if report.default.rejected:
-        lines.append(f"the default configuration cannot run: {report.default.rejected}")
-    elif step_time(report.default):
-        basis, winner_s, default_s = _seconds(report)
-        speedup = (default_s or 0) / winner_s
-        lines.append(
-            f"winner {report.winner.candidate.label}: {speedup:.2f}x the default "
-            f"({report.default.candidate.label}), {basis}"
-        )
-    return "\n".join(lines)
 
 
 def write_winner(report: Report, out: Path) -> None:

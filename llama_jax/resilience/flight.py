@@ -205,61 +205,77 @@ def hang_report(
 ) -> dict:
     """The report: who the run waits for and what every process was last doing. `beats`: every process's last
     heartbeat from the coordination service (None: unreachable); `records`: the records written this attempt."""
-    last = {p: dict(records.get(p) or {}) for p in range(processes)}
-    for p, beat in (beats or {}).items():  # a heartbeat is newer than a record only for a process that wrote none
-        if not last.get(p):
-            last[p] = beat
+    last = _last_known(processes, beats, records)
     seen = {p: v for p, v in last.items() if v}
     if waiting_for:
         why = "absent from the barrier that timed out"
     else:
-
-        def stopped(p: int) -> bool:
-            beat = (beats or {}).get(p, seen[p])
-            exiting = beat.get("exiting") or seen[p].get("exiting")
-            return not exiting and now - float(beat.get("beat", 0)) > stale_after_s
-
-        stale = sorted(p for p in seen if stopped(p))
-        unseen = sorted(set(range(processes)) - set(seen))
-        steps = {p: v.get("step") for p, v in seen.items() if v.get("step") is not None}
-        behind = (
-            sorted(p for p, s in steps.items() if s == min(steps.values()))
-            if steps and len(set(steps.values())) > 1
-            else []
-        )
-        if stale or unseen:
-            waiting_for, why = (
-                sorted(set(stale) | set(unseen)),
-                (
-                    f"heartbeat stopped for more than {stale_after_s:g} s"
-                    if beats is not None
-                    else "wrote no record (the coordination service did not answer)"
-                ),
-            )
-        elif behind:
-            waiting_for, why = behind, "furthest behind in steps"
-        else:
-            waiting_for, why = [], "every process is alive and at the same step: a collective or the devices hang"
-
-    def entry(p: int) -> dict:
-        v = last.get(p) or {}
-        return {
-            "process": p,
-            "host": v.get("host", "unknown"),
-            "step": v.get("step"),
-            "phase": v.get("phase", "unknown"),
-            "seconds_ago": round(now - float(v["since"]), 3) if "since" in v else None,
-            "heartbeat_age_s": round(now - float(v["beat"]), 3) if "beat" in v else None,
-        }
-
+        waiting_for, why = _waited_for(processes, beats, seen, stale_after_s, now)
     return {
         "reason": reason,
         "reported_by": reporter,
         "time": now,
-        "waiting_for": [entry(p) for p in waiting_for],
+        "waiting_for": [_entry(p, last, now) for p in waiting_for],
         "why": why,
-        "processes": [entry(p) for p in range(processes)],
+        "processes": [_entry(p, last, now) for p in range(processes)],
         "records": sorted(f"flight/process-{p}.json" for p in records),
+    }
+
+
+def _last_known(processes: int, beats: dict[int, dict] | None, records: dict[int, dict]) -> dict[int, dict]:
+    """Per process, what it last said: its record, else its heartbeat ({}: neither)."""
+    last = {p: dict(records.get(p) or {}) for p in range(processes)}
+    for p, beat in (beats or {}).items():  # a heartbeat is newer than a record only for a process that wrote none
+        if not last.get(p):
+            last[p] = beat
+    return last
+
+
+def _waited_for(
+    processes: int, beats: dict[int, dict] | None, seen: dict[int, dict], stale_after_s: float, now: float
+) -> tuple[list[int], str]:
+    """Without a barrier's absent processes: (the processes the run waits for, why), from the heartbeats and
+    records `seen`."""
+
+    def stopped(p: int) -> bool:
+        beat = (beats or {}).get(p, seen[p])
+        exiting = beat.get("exiting") or seen[p].get("exiting")
+        return not exiting and now - float(beat.get("beat", 0)) > stale_after_s
+
+    stale = sorted(p for p in seen if stopped(p))
+    unseen = sorted(set(range(processes)) - set(seen))
+    steps = {p: v.get("step") for p, v in seen.items() if v.get("step") is not None}
+    behind = (
+        sorted(p for p, s in steps.items() if s == min(steps.values()))
+        if steps and len(set(steps.values())) > 1
+        else []
+    )
+    if stale or unseen:
+        waiting_for, why = (
+            sorted(set(stale) | set(unseen)),
+            (
+                f"heartbeat stopped for more than {stale_after_s:g} s"
+                if beats is not None
+                else "wrote no record (the coordination service did not answer)"
+            ),
+        )
+    elif behind:
+        waiting_for, why = behind, "furthest behind in steps"
+    else:
+        waiting_for, why = [], "every process is alive and at the same step: a collective or the devices hang"
+    return waiting_for, why
+
+
+def _entry(p: int, last: dict[int, dict], now: float) -> dict:
+    """One process's line of the report: its host, step and phase, and how long ago it last said so."""
+    v = last.get(p) or {}
+    return {
+        "process": p,
+        "host": v.get("host", "unknown"),
+        "step": v.get("step"),
+        "phase": v.get("phase", "unknown"),
+        "seconds_ago": round(now - float(v["since"]), 3) if "since" in v else None,
+        "heartbeat_age_s": round(now - float(v["beat"]), 3) if "beat" in v else None,
     }
 
 

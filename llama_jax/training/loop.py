@@ -87,6 +87,26 @@ def train(
     config = stages[0].config
     primary = jax.process_index() == 0
     print_fn = print_fn if primary else _warnings_only(print_fn)  # this process's voice
+    _say_what_runs(config, stages, print_fn, primary)
+    f, injector = config.fault, Injector(config.inject, jax.process_index())
+    peers = Peers(f.barrier_timeout_s, injected_stall_at=injector.stall_at)
+    # What this process was last doing, published to the others: a hang names the process the run waits for.
+    peers.recorder = FlightRecorder(
+        Path(config.run.dir),
+        peers.index,
+        peers.count,
+        processes.node_name(),
+        capacity=f.flight_events,
+        heartbeat_s=f.flight_heartbeat_s,
+        client=peers.client,
+    )
+    with peers.recorder:
+        return _train(stages, peers, print_fn, devices, clock, injector, describe_program, parts)
+
+
+def _say_what_runs(config: Config, stages: list[Stage], print_fn: Callable[[str], None], primary: bool) -> None:
+    """Process 0 says the config and the stages (naming those the run does not reach); every process warns where a
+    launcher restarts a run that saves nothing until its end."""
     if primary:
         print_fn(describe(config))
         for stage in stages if len(stages) > 1 else ():
@@ -102,20 +122,6 @@ def train(
             "one saves none until it ends (checkpoint.every_steps=0, no every_minutes, no local tier): every "
             "restart starts again from step 0; set checkpoint.every_steps=auto"
         )
-    f, injector = config.fault, Injector(config.inject, jax.process_index())
-    peers = Peers(f.barrier_timeout_s, injected_stall_at=injector.stall_at)
-    # What this process was last doing, published to the others: a hang names the process the run waits for.
-    peers.recorder = FlightRecorder(
-        Path(config.run.dir),
-        peers.index,
-        peers.count,
-        processes.node_name(),
-        capacity=f.flight_events,
-        heartbeat_s=f.flight_heartbeat_s,
-        client=peers.client,
-    )
-    with peers.recorder:
-        return _train(stages, peers, print_fn, devices, clock, injector, describe_program, parts)
 
 
 def _train(

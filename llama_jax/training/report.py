@@ -53,46 +53,54 @@ def write_report(run_dir: pathlib.Path) -> pathlib.Path:
     loss_ax, speed_ax = fig.subplots(2, 1, sharex=True)
     fig.suptitle(run_dir.resolve().name)
 
-    # Panel 1: losses. Eval points are sparse, so markers make single evaluations visible.
-    steps, loss = _series(records, "loss")
-    if steps:
-        loss_ax.plot(steps, loss, lw=1.2, marker="o" if len(steps) == 1 else None, label="train loss")
-    steps, eval_loss = _series(records, "eval_loss")
-    if steps:
-        loss_ax.plot(steps, eval_loss, "o-", ms=4, lw=1.2, label="eval loss")
-    loss_ax.set_ylabel("loss")
-    loss_ax.grid(alpha=0.3)
-    if loss_ax.lines:
-        loss_ax.legend(loc="upper right")
-    else:
-        loss_ax.text(0.5, 0.5, "no loss logged yet", ha="center", va="center", transform=loss_ax.transAxes)
-
-    # Panel 2: throughput, with MFU (stored as a fraction, shown in %) on a twin axis.
-    steps, tps = _series(records, "tokens_per_s")
-    handles = []
-    if steps:
-        handles += speed_ax.plot(
-            steps, tps, color="tab:blue", lw=1.2, label="tokens/s", marker="o" if len(steps) == 1 else None
-        )
-    speed_ax.set_ylabel("tokens/s")
-    speed_ax.set_ylim(bottom=0)
-    speed_ax.set_xlabel("step")
-    speed_ax.grid(alpha=0.3)
-    steps, mfu_pct = _series(records, "mfu", scale=100.0)
-    if steps:
-        mfu_ax = speed_ax.twinx()
-        handles += mfu_ax.plot(
-            steps, mfu_pct, color="tab:orange", lw=1.2, label="MFU (%)", marker="o" if len(steps) == 1 else None
-        )
-        mfu_ax.set_ylabel("MFU (%)")
-        mfu_ax.set_ylim(bottom=0)  # from zero, so a small wobble does not look like a collapse
-    if handles:
-        speed_ax.legend(handles=handles, loc="lower right")
-    else:
-        speed_ax.text(0.5, 0.5, "no throughput logged yet", ha="center", va="center", transform=speed_ax.transAxes)
+    _loss_panel(loss_ax, records)
+    _throughput_panel(speed_ax, records)
 
     # Save next to the target and rename: a viewer never sees a half-written PNG.
     out = run_dir / "report.png"
     with atomic_path(out) as tmp:
         fig.savefig(tmp, format="png", dpi=100)
     return out
+
+
+def _loss_panel(ax, records: list[dict]) -> None:
+    """The top panel: the train and eval losses."""
+    # Eval points are sparse, so markers make single evaluations visible.
+    steps, loss = _series(records, "loss")
+    if steps:
+        ax.plot(steps, loss, lw=1.2, marker="o" if len(steps) == 1 else None, label="train loss")
+    steps, eval_loss = _series(records, "eval_loss")
+    if steps:
+        ax.plot(steps, eval_loss, "o-", ms=4, lw=1.2, label="eval loss")
+    ax.set_ylabel("loss")
+    ax.grid(alpha=0.3)
+    if ax.lines:
+        ax.legend(loc="upper right")
+    else:
+        ax.text(0.5, 0.5, "no loss logged yet", ha="center", va="center", transform=ax.transAxes)
+
+
+def _throughput_panel(ax, records: list[dict]) -> None:
+    """The bottom panel: tokens/s, with MFU (stored as a fraction, shown in %) on a twin axis."""
+    steps, tps = _series(records, "tokens_per_s")
+    handles = []
+    if steps:
+        handles += ax.plot(
+            steps, tps, color="tab:blue", lw=1.2, label="tokens/s", marker="o" if len(steps) == 1 else None
+        )
+    ax.set_ylabel("tokens/s")
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel("step")
+    ax.grid(alpha=0.3)
+    steps, mfu_pct = _series(records, "mfu", scale=100.0)
+    if steps:
+        mfu_ax = ax.twinx()
+        handles += mfu_ax.plot(
+            steps, mfu_pct, color="tab:orange", lw=1.2, label="MFU (%)", marker="o" if len(steps) == 1 else None
+        )
+        mfu_ax.set_ylabel("MFU (%)")
+        mfu_ax.set_ylim(bottom=0)  # from zero, so a small wobble does not look like a collapse
+    if handles:
+        ax.legend(handles=handles, loc="lower right")
+    else:
+        ax.text(0.5, 0.5, "no throughput logged yet", ha="center", va="center", transform=ax.transAxes)

@@ -169,27 +169,7 @@ class Loop:
                 # the stage running when it hangs: its program, mesh and micro-batches
                 describe=lambda: describe_program(run.program) if describe_program else "",
             )
-            meter = ThroughputMeter(t.batch_size * t.seq_len, model_flops_per_token(config), peaks, mesh.devices.size)
-            guard = SpikeGuard(f.max_bad_steps, f.spike_zscore, f.spike_window)
-            own_devices = sorted(d.id for d in mesh.devices.flat if d.process_index == jax.process_index())
-            hosts = HostWindow(
-                run.peers, HostScores(f.straggler_host_threshold), f.straggler_every_steps, host, own_devices
-            )
-            profiler = StepProfiler.for_run(
-                run_dir, config.run.profile_steps, lambda: run.program.compile_step().as_text()
-            )
-            parts = (
-                loop_parts.Profile(profiler),
-                loop_parts.GoodputClock(goodput),
-                loop_parts.Watchdog(watchdog),
-                loop_parts.Throughput(meter, run),
-                loop_parts.Evaluation(run, watchdog, goodput, log),
-                loop_parts.Saves(checkpointer, guard, run, watchdog, goodput, log),
-                loop_parts.Stragglers(f.straggler_factor, hosts, log, goodput),
-                loop_parts.Guard(guard, log),
-                loop_parts.Metrics(log, guard, meter, goodput, run),
-                *extra_parts,
-            )
+            parts = (*_own_parts(run, log, checkpointer, goodput, watchdog, peaks, host), *extra_parts)
             preemption = PreemptionGuard(checkpointer.manager.reached_preemption if multi else None)
             loop = cls(run, log, checkpointer, goodput, watchdog, preemption, injector, parts, HostWaits(), None)
             loop.active = ActiveProgram(run)
@@ -401,6 +381,32 @@ class Loop:
             summary["report"] = str(write_report(run_dir))
         except OSError as err:
             self.log.message(f"warning: writing the sample or report into {run_dir} failed ({err.strerror or err})")
+
+
+def _own_parts(
+    run: Run, log: MetricsLog, checkpointer: Checkpointer, goodput: Goodput, watchdog: HangWatchdog, peaks, host: str
+) -> tuple[Part, ...]:
+    """The loop's own parts, in the order the loop calls them: a part observes a step after those before it (the
+    guard sees the step's seconds, the metrics its verdict), and evaluation acts before the saves."""
+    config, mesh, f = run.config, run.program.mesh, run.config.fault
+    t = config.train
+    meter = ThroughputMeter(t.batch_size * t.seq_len, model_flops_per_token(config), peaks, mesh.devices.size)
+    guard = SpikeGuard(f.max_bad_steps, f.spike_zscore, f.spike_window)
+    own_devices = sorted(d.id for d in mesh.devices.flat if d.process_index == jax.process_index())
+    hosts = HostWindow(run.peers, HostScores(f.straggler_host_threshold), f.straggler_every_steps, host, own_devices)
+    run_dir = Path(config.run.dir)
+    profiler = StepProfiler.for_run(run_dir, config.run.profile_steps, lambda: run.program.compile_step().as_text())
+    return (
+        loop_parts.Profile(profiler),
+        loop_parts.GoodputClock(goodput),
+        loop_parts.Watchdog(watchdog),
+        loop_parts.Throughput(meter, run),
+        loop_parts.Evaluation(run, watchdog, goodput, log),
+        loop_parts.Saves(checkpointer, guard, run, watchdog, goodput, log),
+        loop_parts.Stragglers(f.straggler_factor, hosts, log, goodput),
+        loop_parts.Guard(guard, log),
+        loop_parts.Metrics(log, guard, meter, goodput, run),
+    )
 
 
 PartType = TypeVar("PartType", bound=Part)

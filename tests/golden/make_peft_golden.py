@@ -51,11 +51,11 @@ def adapters(name: str) -> tuple[object, object, dict]:
     import jax
 
     from llama_jax.config import PeftConfig
-    from llama_jax.interop import hf
+    from llama_jax.interop import hf_config
     from llama_jax.model import peft
     from llama_jax.model.llama import param_shapes
 
-    cfg, settings = hf.read_config(BASE), PeftConfig(**ADAPTERS[name])
+    cfg, settings = hf_config.read_config(BASE), PeftConfig(**ADAPTERS[name])
     shapes = peft.split(param_shapes(cfg, settings))[0]
     rng = np.random.default_rng(SEED)
     leaves, tree = jax.tree.flatten(shapes)

@@ -7,6 +7,9 @@
     grouped.py      grouped remat (one layer in every_n recomputes), and a pipeline stage's group of layers
     gpipe.py        the GPipe schedule: every micro-batch's forward pass, then autodiff back through the loop
     one_f_one_b.py  the 1F1B schedule: per iteration one forward and one backward pass per stage, explicit VJPs
+    one_f_one_b_schedule.py
+                    its tables, computed before tracing: per iteration and stage, which micro-batch and repeat
+                    run forward and backward, in which slot; the loop's iterations and bubble
 
 The model (llama.py) says embed -> run_stack -> final norm -> head; the pipelines' layouts and micro-batch
 splits are pipeline.py's, the layers' storage order stages.py's.
