@@ -41,7 +41,7 @@ from llama_jax.distributed import processes
 from llama_jax.inference.generate import Sampling, generate, inference_adapters
 from llama_jax.model import peft
 from llama_jax.model.llama import abstract_model
-from llama_jax.planning.plan import describe_program
+from llama_jax.planning.plan_report import describe_program
 from llama_jax.training import batches
 from llama_jax.training.loop import train as train_config
 from llama_jax.training.program import TrainProgram

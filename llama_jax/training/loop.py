@@ -231,16 +231,16 @@ def train_segment(loop: Loop, segment: Segment, at: Position) -> Position:
         step, data_step = step + 1, data_step + 1
         batch = loop.next_batch(segment, data_step) if step < segment.last else None  # placed while the step runs
         if pending is not None:
-            if back := loop.settle(pending, state, step, data_step):  # the step just dispatched goes too
-                return dataclasses.replace(back, batch=batch)
+            if rollback := loop.read_step(pending, state, step, data_step):  # the step just dispatched goes too
+                return dataclasses.replace(rollback, batch=batch)
             loop.injector.hang_after(pending.step)
             read, pending = pending.step, None
         stopping = loop.preemption.should_stop(step)
         if not (due := loop.due(step, read, stopping)):
             pending = current
             continue
-        if back := loop.settle(current, state, step, data_step):
-            return dataclasses.replace(back, batch=batch)
+        if rollback := loop.read_step(current, state, step, data_step):
+            return dataclasses.replace(rollback, batch=batch)
         read = step
         loop.act(due, Position(state, step, data_step, read), stopping)
         if stopping:

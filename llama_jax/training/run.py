@@ -25,7 +25,7 @@ import jax
 from jax.sharding import Mesh
 
 from llama_jax import __version__
-from llama_jax.checkpoint import start as starting
+from llama_jax.checkpoint import start as run_start
 from llama_jax.checkpoint.checkpointer import Checkpointer, Identity, Tiers
 from llama_jax.checkpoint.local import LocalTier
 from llama_jax.checkpoint.storage_failures import quiet_storage_noise
@@ -61,7 +61,7 @@ class Run:
     config: Config
     program: TrainProgram  # the current stage's (the only stage's, in a run without train.stages)
     data: TrainData  # the current stage's
-    start: starting.Start  # where the run starts: run.dir's newest step, or the model a new run starts from
+    start: run_start.Start  # where the run starts: run.dir's newest step, or the model a new run starts from
     peers: Peers  # the other processes, for every decision outside the jitted step
     compile_seconds: float = 0.0  # compiling the train step ahead of time, to check its memory
     base: Any = None  # a peft run: the base model's params, loaded and checked by setup (frozen in the state)
@@ -77,12 +77,12 @@ class Run:
         every process, with config's barrier timeout; `staged`: a staged run's stages, the first being config's."""
         peers = peers or Peers(config.fault.barrier_timeout_s)
         check_wandb(config.run)
-        start = starting.decide(config, peers)
+        start = run_start.decide(config, peers)
         compiling = time.perf_counter()
         program = TrainProgram.build(config, mesh)  # train.microbatches=auto: the fewest that fit
         run = cls(program.config, program, data, start, peers)
         if start.adapting:  # the base, loaded into its shards and checked before compiling
-            run.base, run.base_reference = starting.load_base(start, program.abstract_state().frozen)
+            run.base, run.base_reference = run_start.load_base(start, program.abstract_state().frozen)
             run.check_meta(start.meta)
         check_fits(program)  # the step compiled now, its memory against run.device_memory_gb
         if staged:
@@ -119,7 +119,7 @@ class Run:
 
     def check_meta(self, meta: dict | None) -> None:
         """A checkpoint's meta must say this run's adapters and base, beyond its model (ConfigError, one line)."""
-        starting.meta_check(self.config, self.base_reference)(meta)
+        run_start.meta_check(self.config, self.base_reference)(meta)
 
     @property
     def layer_order(self) -> LayerOrder:

@@ -9,7 +9,7 @@ their steps (parts.py):
     segment_after              the segment that trains the next step: the same one after a rollback inside it,
                                else the next (or an earlier) stage's, its program activated and the state moved
     next_batch, dispatch       a batch placed on the devices; a step handed to them
-    settle                     read a step's result, the parts observe it, a rollback on the guard's verdict
+    read_step                  read a step's result, the parts observe it, a rollback on the guard's verdict
     due, act                   which parts act after a step, and their acts
     finish, conclude           the last save, the summary, the decay average; a sample and the report
 """
@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 
 import jax
 
-from llama_jax.checkpoint import start as starting
+from llama_jax.checkpoint import start as run_start
 from llama_jax.checkpoint.average import average_decay
 from llama_jax.checkpoint.checkpointer import Checkpointer
 from llama_jax.config import to_yaml
@@ -269,7 +269,7 @@ class Loop:
     def dispatch(self, segment: Segment, state: TrainState, batch: dict, step: int) -> tuple[TrainState, Dispatched]:
         """Hand step `step` to the devices. The call returns at once unless the devices are still busy with
         earlier work (a full queue; on CPU a cross-process step runs inside the call): that wait is the
-        devices', so settle() does not count it as the host's time."""
+        devices', so read_step() does not count it as the host's time."""
         _record(self.run, "step", f"dispatching step {step} (its collectives run on the devices)", step)
         run_step = self.run.program.train_step
         for part in self.parts:
@@ -279,7 +279,7 @@ class Loop:
         self.waits.dispatch_s += time.perf_counter() - start
         return state, Dispatched(step, metrics, step in segment.compiled_at)
 
-    def settle(self, done: Dispatched, state: TrainState, step: int, data_step: int) -> Position | None:
+    def read_step(self, done: Dispatched, state: TrainState, step: int, data_step: int) -> Position | None:
         """Read a dispatched step's metrics (waiting for it: the only device-to-host transfer of a step), the parts
         observe it; after fault.max_bad_steps bad steps in a row, roll back. The position to go on from when it
         rolled back, None when the loop goes on as it was (without a checkpoint to go back to, the step stays)."""
@@ -434,7 +434,7 @@ def _restore(loop: Loop) -> tuple[TrainState, int]:
     run, start = loop.run, time.perf_counter()
     run.peers.barrier("restore")  # a process that never gets here is named, instead of a silent wait in Orbax
     with loop.watchdog.paused("restore", run.config.checkpoint.timeout_s):
-        restored = starting.restore(run.start, loop.checkpointer, run.program.abstract_checkpoint(), loop.log.message)
+        restored = run_start.restore(run.start, loop.checkpointer, run.program.abstract_checkpoint(), loop.log.message)
     for tier, seconds in restored.seconds.items():
         loop.goodput.tier(f"restore_{tier}", seconds)
     if restored.tier:
