@@ -42,8 +42,14 @@ def cudnn_workspace_bytes(program) -> int:
 
 
 def memory_budget(program) -> float:
-    """Bytes per device a TrainProgram's step may use on its mesh's devices (hardware.memory_budget)."""
-    return device_budget(program.config.run.device_memory_gb, own_device(program.mesh))
+    """Bytes per device a TrainProgram's step may use on its mesh's devices."""
+    return budget_on(program.config, program.mesh)
+
+
+def budget_on(config: Config, mesh: Mesh) -> float:
+    """Bytes per device a step of `config` may use on `mesh`'s devices: run.device_memory_gb, or this process's
+    device's default (hardware.memory_budget)."""
+    return device_budget(config.run.device_memory_gb, own_device(mesh))
 
 
 def check_fits(program) -> None:
@@ -64,7 +70,7 @@ def fewest_microbatches_that_fit(config: Config, mesh: Mesh, build: Callable[[Co
     """The program (build(config with a count)) with the fewest micro-batches whose compiled step fits the budget;
     else the most (one sequence per device at a time), which check_fits then refuses."""
     rows = config.train.batch_size // (mesh.shape["data"] * mesh.shape["fsdp"])  # per batch shard
-    budget = device_budget(config.run.device_memory_gb, own_device(mesh))
+    budget = budget_on(config, mesh)
     # pipelining needs a multiple of the stages, and of the micro-batches of one pass
     step = fewest_microbatches(config.mesh, mesh.shape["pipeline"])
     counts = [n for n in range(step, rows + 1) if rows % n == 0 and n % step == 0]

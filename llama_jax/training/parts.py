@@ -228,7 +228,6 @@ class Evaluation(Part):
 
     def __init__(self, run: Run, watchdog: HangWatchdog, goodput: Goodput, log: MetricsLog):
         self.run, self.watchdog, self.goodput, self.log = run, watchdog, goodput, log
-        self.batches = min(run.config.train.eval_batches, run.data.val.batches_per_epoch())
         self.losses: dict[str, float] = {}
 
     def begin(self, at: Position) -> None:
@@ -242,13 +241,12 @@ class Evaluation(Part):
     def act(self, at: Position) -> None:
         self.losses["final_eval_loss"] = self.evaluate(at.state.model_params, at.step)
 
-    def begin_stage(self, index: int) -> None:
-        self.batches = min(self.run.program.config.train.eval_batches, self.run.data.val.batches_per_epoch())
-
     def evaluate(self, params: Any, step: int) -> float:
+        """The current stage's eval loss: train.eval_batches of its validation stream (at most one epoch)."""
+        batches = min(self.run.program.config.train.eval_batches, self.run.data.val.batches_per_epoch())
         # Bounded like the steps it is made of (a peer that never joins an eval batch must not hang it).
-        with self.watchdog.paused("eval", self.watchdog.timeout_s * max(1, self.batches)), self.goodput.pause("eval"):
-            loss = evaluate(self.run.program, params, self.run.data.val, self.batches)
+        with self.watchdog.paused("eval", self.watchdog.timeout_s * max(1, batches)), self.goodput.pause("eval"):
+            loss = evaluate(self.run.program, params, self.run.data.val, batches)
         self.log.log({"step": step, "eval_loss": loss})
         return loss
 
@@ -262,10 +260,17 @@ class Saves(Part):
     or a spike whose update was applied) is never saved: its saves wait for the next good step, so a rollback
     always finds a checkpoint from before the bad run."""
 
-    def __init__(self, checkpointer: Checkpointer, guard: SpikeGuard, run: Run, watchdog: HangWatchdog, goodput, log):
+    def __init__(
+        self,
+        checkpointer: Checkpointer,
+        guard: SpikeGuard,
+        run: Run,
+        watchdog: HangWatchdog,
+        goodput: Goodput,
+        log: MetricsLog,
+    ):
         self.checkpointer, self.guard, self.run, self.watchdog = checkpointer, guard, run, watchdog
-        self.goodput: Goodput = goodput
-        self.log: MetricsLog = log
+        self.goodput, self.log = goodput, log
         self.tiers: list[str] = []  # due after the step just dispatched
         self.waiting: set[str] = set()  # tiers whose save waits for a step the guard counts as good
 

@@ -171,8 +171,8 @@ class Loop:
             )
             parts = (*_own_parts(run, log, checkpointer, goodput, watchdog, peaks, host), *extra_parts)
             preemption = PreemptionGuard(checkpointer.manager.reached_preemption if multi else None)
-            loop = cls(run, log, checkpointer, goodput, watchdog, preemption, injector, parts, HostWaits(), None)
-            loop.active = ActiveProgram(run)
+            waits, active = HostWaits(), ActiveProgram(run)
+            loop = cls(run, log, checkpointer, goodput, watchdog, preemption, injector, parts, waits, active)
         except BaseException:
             log.close()  # the loop never started: nothing else will close it
             raise
