@@ -233,6 +233,13 @@ BAD_INPUTS = [
     case("unknown-packing", ["data.packing=zigzag"], ["data.packing", "concat, first_fit", "zigzag"]),
     case("weights-vs-sources", ["data.weights=[1,2]"], ["data.weights has 2 value(s) for 1 source(s)"]),
     case("missing-tokenizer", ["data.tokenizer={tmp}/no_tokenizer.json"], ["no_tokenizer.json"]),
+    case("unknown-optimizer", ["train.optimizer=sgd"], ["train.optimizer must be one of adamw, muon, got 'sgd'"]),
+    case(
+        "muon-coefficients",
+        ["train.optimizer=muon", "train.muon.ns_coefficients=[3.4,-4.7]"],
+        ["train.muon.ns_coefficients must be three finite numbers", "[3.4, -4.7]", "[3.4445, -4.7750, 2.0315]"],
+    ),
+    case("muon-momentum", ["train.optimizer=muon", "train.muon.momentum=1"], ["train.muon.momentum must be in [0, 1)"]),
 ]
 
 

@@ -73,6 +73,7 @@ def decide(config: Config, peers: Peers) -> Start:
             )
     if meta is not None:  # an unreadable one is set aside at restore time
         check_model(meta["config"]["model"], model, run_dir, allowed)
+        check_optimizer(meta["config"], config, run_dir)
         peft.check_adapters(meta["config"].get("peft", {}), config.peft, run_dir)
     if config.peft.method != "none":  # the base model, also when resuming: checkpoints hold adapters only
         source = resolve(config.checkpoint.init_from)
@@ -94,7 +95,21 @@ def decide(config: Config, peers: Peers) -> Start:
             "cannot be resumed; start from it with checkpoint.init_from"
         )
     check_model(dataclasses.asdict(source.model), model, source.text, allowed)
+    if config.checkpoint.resume_from:
+        check_optimizer((read_meta(source.step_dir) or {}).get("config", {}), config, source.text)
     return Start(step, meta, source, resume=bool(config.checkpoint.resume_from))
+
+
+def check_optimizer(saved: dict, config: Config, where) -> None:
+    """A step to continue must hold the state of this run's optimizer (checkpoints before train.optimizer
+    existed hold AdamW's); init_from takes the parameters alone and starts any optimizer afresh."""
+    saved_optimizer = saved.get("train", {}).get("optimizer", "adamw")
+    if saved_optimizer != config.train.optimizer:
+        raise ConfigError(
+            f"{where} holds the state of train.optimizer={saved_optimizer}, not {config.train.optimizer}; continue "
+            f"it with train.optimizer={saved_optimizer}, or start a new run.dir from its parameters with "
+            "checkpoint.init_from"
+        )
 
 
 def _base_of(adapted: ModelSpec, config: Config) -> ModelSpec:

@@ -92,6 +92,9 @@ BOUNDS: dict[str, Bound] = {
     "train.b2": Bound(0, high=1, below=True),
     "train.eps": POSITIVE,  # Adam's denominator: a parameter without gradient (an unseen token's row) would be 0/0
     "train.grad_clip": Bound(0, means="no clipping"),
+    "train.muon.momentum": Bound(0, high=1, below=True),
+    "train.muon.ns_steps": POSITIVE,
+    "train.muon.rms_scale": POSITIVE,
     "train.log_every": POSITIVE,
     "train.eval_every": Bound(0, means="only at the start and the end"),
     "train.eval_batches": POSITIVE,

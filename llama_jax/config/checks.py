@@ -7,6 +7,7 @@ them all, in a fixed order (the first that fails is the line a user sees); load.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from llama_jax.config import stages as staging
 from llama_jax.config.bounds import BOUNDS, METHOD_BOUNDS, check_bounds
@@ -20,6 +21,7 @@ from llama_jax.config.choices import (
     LORA_TARGETS,
     LR_SCHEDULES,
     MESH_AXES,
+    OPTIMIZERS,
     PACKINGS,
     PEFT_METHODS,
     PIPELINE_SCHEDULES,
@@ -52,6 +54,7 @@ def validate(config: Config) -> None:
     _check_model(m)
     _check_batch(m, t)
     _check_schedule(t)
+    _check_optimizer(t)
     _check_data(config.data)
     _check_mesh(config.mesh)
     _check_pipeline(config.mesh, m.n_layers, config.remat.every_n_layers)
@@ -165,6 +168,17 @@ def _check_average_decay(config: Config) -> None:
         count <= decay,
         f"checkpoint.average_decay={count} checkpoints of a decay phase of {decay} step(s): average at most {decay}, "
         "one per step, or lengthen the decay phase (train.decay_steps)",
+    )
+
+
+def _check_optimizer(t: TrainConfig) -> None:
+    """The optimizer's name, and Muon's Newton-Schulz polynomial (its numeric ranges are bounds.py's)."""
+    _require(t.optimizer in OPTIMIZERS, f"train.optimizer must be one of {', '.join(OPTIMIZERS)}, got '{t.optimizer}'")
+    coefficients = t.muon.ns_coefficients
+    _require(
+        len(coefficients) == 3 and all(math.isfinite(c) for c in coefficients) and coefficients[0] > 0,
+        f"train.muon.ns_coefficients must be three finite numbers a, b, c with a > 0 (the iteration "
+        f"X <- aX + b(XX^T)X + c(XX^T)^2X), got {coefficients}; the default is [3.4445, -4.7750, 2.0315]",
     )
 
 

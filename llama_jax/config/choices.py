@@ -15,6 +15,7 @@ PACKINGS = ("concat", "first_fit")
 TEXT_UNITS = ("file", "paragraph", "line")
 BAD_RECORD_ACTIONS = ("fail", "skip")
 LR_SCHEDULES = ("cosine", "wsd")  # train.schedule (training/optimizer.py)
+OPTIMIZERS = ("adamw", "muon")  # train.optimizer (training/optimizer.py)
 
 # Parameter-efficient tuning (peft.*): the methods, the projections LoRA can adapt (a layer's q_proj ...
 # down_proj) and P-tuning's prompt encoders.

@@ -80,12 +80,31 @@ class StageConfig:
 
 
 @dataclass(frozen=True)
+class MuonConfig:
+    """Muon's settings (train.optimizer=muon, training/optimizer.py). The defaults are those of Moonshot's "Muon is
+    Scalable for LLM Training" (Liu et al., 2025), with Keller Jordan's Newton-Schulz coefficients: Nesterov
+    momentum 0.95, 5 iterations, each matrix's update scaled to rms_scale x sqrt(max(rows, cols)), so that its RMS
+    matches AdamW's and Muon takes train.lr and train.weight_decay as AdamW would."""
+
+    momentum: float = 0.95
+    nesterov: bool = True
+    ns_steps: int = 5  # Newton-Schulz iterations
+    # The quintic iteration's a, b, c: X <- a X + b (X X^T) X + c (X X^T)^2 X
+    ns_coefficients: list[float] = field(default_factory=lambda: [3.4445, -4.7750, 2.0315])
+    rms_scale: float = 0.2
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     steps: int = 360
     batch_size: int = 16  # global sequences per optimizer step
     seq_len: int = 128
     # Gradient accumulation inside the jitted step; auto: the fewest whose compiled step fits run.device_memory_gb.
     microbatches: int | str = 1
+    # adamw | muon: Muon for the hidden matrices (attention and MLP projections), AdamW for the rest (the
+    # embedding, the output projection, the norms, adapters). Both take lr, weight_decay and the schedule.
+    optimizer: str = "adamw"
+    muon: MuonConfig = field(default_factory=MuonConfig)
     lr: float = 3e-3
     # Linear warmup to lr over warmup_fraction of the run (the presets: shortening steps shortens warmup), or over
     # warmup_steps when that is set (-1: from the fraction).

@@ -113,6 +113,8 @@ class HloStats:
     # Per-device bytes sent per step by (kind, device groups): which devices exchange them, for costmodel.py
     # to tell which mesh axes and links they cross. The bytes of one kind sum to its moved_bytes.
     collective_groups: dict[tuple[str, DeviceGroups], float] = field(default_factory=dict)
+    # Per-device bytes sent per step by the collectives named under each of analyze's `scopes` (the innermost).
+    scope_collective_bytes: dict[str, float] = field(default_factory=dict)
 
     @property
     def memory_bytes(self) -> float:
@@ -148,22 +150,28 @@ def _callees(instr: Instr, trip_count: int) -> Iterator[tuple[str, int]]:
 
 
 def analyze(
-    hlo_text: str, num_devices: int, branch_runs: BranchRuns | None = None, work_shares: WorkShares | None = None
+    hlo_text: str,
+    num_devices: int,
+    branch_runs: BranchRuns | None = None,
+    work_shares: WorkShares | None = None,
+    scopes: tuple[str, ...] = (),
 ) -> HloStats:
     """Per-step, per-device dot FLOPs and collective traffic of a compiled HLO module. `branch_runs`: for a
     conditional named under jax.named_scope(scope), how often it takes each branch (_branch_weights);
-    `work_shares`: for other operations named under a scope, the share of their FLOPs and bytes that runs."""
+    `work_shares`: for other operations named under a scope, the share of their FLOPs and bytes that runs;
+    `scopes`: named scopes whose collectives' bytes are also given apart (scope_collective_bytes)."""
     comps, entry = parse_module(hlo_text)
     callers, unknown = _callers(comps, branch_runs or {})
     multiplicity = _multiplicities(comps, entry, callers)
     flops, operations = _work(comps, multiplicity, _scheduled_names(comps, entry), work_shares or {})
-    collectives, by_groups = _collectives(comps, multiplicity, num_devices)
+    collectives, by_groups, by_scope = _collectives(comps, multiplicity, num_devices, scopes)
     return HloStats(
         dot_flops=flops,
         collectives=collectives,
         unknown_trip_counts=unknown,
         operations=tuple(operations),
         collective_groups=by_groups,
+        scope_collective_bytes=by_scope,
     )
 
 
@@ -242,10 +250,12 @@ def _work(
 
 
 def _collectives(
-    comps: dict[str, Computation], multiplicity: dict[str, float], num_devices: int
-) -> tuple[dict[str, CollectiveStats], dict[tuple[str, DeviceGroups], float]]:
-    """Per step: each KIND's executions and bytes, and the bytes sent by (kind, device groups) (module docstring)."""
+    comps: dict[str, Computation], multiplicity: dict[str, float], num_devices: int, scopes: tuple[str, ...] = ()
+) -> tuple[dict[str, CollectiveStats], dict[tuple[str, DeviceGroups], float], dict[str, float]]:
+    """Per step: each KIND's executions and bytes, the bytes sent by (kind, device groups) (module docstring), and
+    the bytes sent under each of `scopes`."""
     count, buffer, moved = defaultdict(float), defaultdict(float), defaultdict(float)
+    by_scope = dict.fromkeys(scopes, 0.0)
     by_groups: dict[tuple[str, DeviceGroups], float] = defaultdict(float)
     parsed: dict[tuple, DeviceGroups] = {}  # a program repeats a few replica-group lists many times
     for comp in comps.values():
@@ -265,8 +275,10 @@ def _collectives(
             buffer[kind] += mult * nbytes
             moved[kind] += sent
             by_groups[kind, groups] += sent
+            if scopes and (scope := _innermost_scope(instr, scopes)):
+                by_scope[scope] += sent
     collectives = {k: CollectiveStats(round(count[k]), round(buffer[k]), moved[k]) for k in KINDS}
-    return collectives, dict(by_groups)
+    return collectives, dict(by_groups), by_scope
 
 
 def permute_loop_trips(hlo_text: str, num_devices: int, wanted: Callable[[DeviceGroups], bool]) -> list[int]:

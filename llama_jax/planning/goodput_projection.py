@@ -29,10 +29,10 @@ from llama_jax.planning.goodput_model import (
     with_auto,
 )
 from llama_jax.resilience.goodput import START_PARTS, read_attempts, summarize
+from llama_jax.training.optimizer import state_bytes_per_param
 
 # Stated defaults where nothing is measured (each printed with its source).
 LLAMA3_MFU = 0.40  # Llama 3 405B: 38-43% bf16 MFU on 8K-16K H100s (REFERENCE.md)
-STATE_BYTES_PER_PARAM = 12  # float32 params + AdamW's two float32 moments: what a checkpoint holds
 DEVICE_TO_HOST_GBS = 25.0  # assumed: half of PCIe Gen5 x16's 64 GB/s, the copy a save blocks on
 HOST_MEMORY_GBS = 10.0  # assumed: one host writing or reading /dev/shm
 ORBAX_70B_WRITE_S, ORBAX_405B_LOAD_S = 62.0, 59.0  # Orbax's published background save / load (REFERENCE.md)
@@ -152,11 +152,12 @@ def _stated_costs(config: Config, gpus: int, gpus_per_host: int) -> dict[str, tu
     source: what inputs_for uses where neither the caller nor a measured run gives one."""
     values: dict[str, tuple[float, str]] = {}
     params = param_count(config.model)
-    per_gpu = STATE_BYTES_PER_PARAM * params / gpus
+    per_param = state_bytes_per_param(config)  # what a checkpoint holds: params and the optimizer's moments
+    per_gpu = per_param * params / gpus
     per_host = per_gpu * min(gpus, gpus_per_host)
     c = config.checkpoint
     values["step_s"] = _stated_step_s(config, gpus)
-    state = f"{STATE_BYTES_PER_PARAM} B/param state ({params / 1e9:.3g}B params)"
+    state = f"{per_param:.3g} B/param state ({config.train.optimizer}, {params / 1e9:.3g}B params)"
     values["save_durable_s"] = (
         per_gpu / (DEVICE_TO_HOST_GBS * 1e9),
         f"{state} per GPU at {DEVICE_TO_HOST_GBS:g} GB/s device->host (assumed)",

@@ -43,7 +43,7 @@ from llama_jax.perf import costmodel, gpu_target, hardware, hlo, xla_log
 from llama_jax.perf.costmodel import AxisTraffic
 from llama_jax.training.memory import cudnn_workspace_bytes, memory_budget, memory_bytes, step_memory_bytes
 from llama_jax.training.program import TrainProgram
-from llama_jax.training.step import model_flops_per_token
+from llama_jax.training.step import OPTIMIZER_SCOPE, model_flops_per_token
 
 
 @dataclass(frozen=True)
@@ -91,6 +91,9 @@ class Plan:
     predicted_mfu_fp8: float | None = None
     peaks: str = ""  # the peaks' figures and sources, or why there is no fp8 one
     rematerialized: tuple[str, ...] = ()  # what XLA's partitioner replicated whole to reshard (xla_log.py)
+    optimizer: str = "adamw"  # train.optimizer
+    # Of collective_total: the bytes of the collectives in the optimizer's update (Muon's resharding, for one)
+    optimizer_collective_bytes: float = 0.0
 
     @property
     def collective_total(self) -> float:
@@ -167,7 +170,7 @@ def make_plan(config: Config, mesh: Mesh, devices_per_host: int = 0) -> Plan:
     devices = mesh.devices.size
     text = compiled.as_text()
     shares = work_shares(config, dict(mesh.shape))
-    stats = hlo.analyze(text, devices, branch_runs(program), shares)
+    stats = hlo.analyze(text, devices, branch_runs(program), shares, scopes=(OPTIMIZER_SCOPE,))
     # The roofline's operations at the pace of the busiest stage: a pipeline's stages wait for each other.
     operations = (
         hlo.analyze(text, devices, branch_runs(program, busiest=True), shares).operations
@@ -212,6 +215,8 @@ def make_plan(config: Config, mesh: Mesh, devices_per_host: int = 0) -> Plan:
         cudnn_workspace_bytes=cudnn_workspace_bytes(program),
         fp8=config.model.fp8,
         fp8_flops=stats.fp8_flops * devices,
+        optimizer=config.train.optimizer,
+        optimizer_collective_bytes=stats.scope_collective_bytes[OPTIMIZER_SCOPE],
         **predicted_speed(config, mesh, operations, costmodel.tier_totals(traffic), model_flops),
         rematerialized=xla_log.rematerializations("".join(log)),
     )

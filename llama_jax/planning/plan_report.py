@@ -103,6 +103,11 @@ def _collective_lines(plan: Plan, stages: int) -> list[str]:
         for kind, b in plan.collective_bytes.items()
     ]
     lines.append(f"  {'total':<19}{format_bytes(plan.collective_total):>12}")
+    lines.append(
+        f"  {'of it the optimizer':<19}{format_bytes(plan.optimizer_collective_bytes):>12}   "
+        f"({plan.optimizer}'s update"
+        + (": each matrix moved whole for Newton-Schulz, and back)" if plan.optimizer == "muon" else ")")
+    )
     minimum = ", ".join(f"{k} {format_bytes(v)}" for k, v in plan.collective_minimum.items() if v)
     lines.append(f"  analytic minimum {format_bytes(plan.minimum_total):>12}   ({minimum or 'no communication'})")
     lines.append(f"  measured / minimum {ratio:10.2f}" if plan.minimum_total else "")

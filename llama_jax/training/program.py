@@ -38,7 +38,7 @@ from llama_jax.perf import gpu_target
 from llama_jax.perf.hardware import compile_only
 from llama_jax.training import memory
 from llama_jax.training.batches import abstract_batch
-from llama_jax.training.optimizer import learning_rate, make_optimizer
+from llama_jax.training.optimizer import learning_rate, make_optimizer, muon_placements
 from llama_jax.training.step import PeftState, TrainState, loss_terms, make_train_step
 
 
@@ -113,7 +113,7 @@ class TrainProgram:
             context=context,
         )
         model = abstract(lambda: make_model(rngs=nnx.Rngs(0)))
-        optimizer = make_optimizer(config.train)
+        optimizer = make_optimizer(config.train, optimizer_placements(config, mesh))
         init, state_shardings, state_shapes = _state(
             make_init_state(make_model, optimizer, config, mesh), mesh, context
         )
@@ -222,6 +222,13 @@ class TrainProgram:
         return self.with_frozen(
             state.replace(params=peft.start_adapters(state.params, frozen, self.config.seed)), frozen
         )
+
+
+def optimizer_placements(config: Config, mesh: Mesh) -> dict | None:
+    """Where Muon's Newton-Schulz iterations run on a mesh of several devices (optimizer.muon_placements)."""
+    if config.train.optimizer != "muon" or mesh.size == 1:
+        return None
+    return muon_placements(sharding.param_shardings(config, mesh), mesh, config.model.n_layers)
 
 
 def _state(init_state: Callable, mesh: Mesh, context: TraceContext) -> tuple[Callable, Any, Any]:

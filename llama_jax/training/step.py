@@ -21,6 +21,9 @@ from llama_jax.model.attention import select_implementation, skips_masked_blocks
 from llama_jax.model.flops import matmul_param_count, train_flops_per_token
 from llama_jax.training.optimizer import schedule_count
 
+# The named scope of the optimizer's update in the compiled step (plan.py reports its collectives apart).
+OPTIMIZER_SCOPE = "optimizer"
+
 
 class TrainState(struct.PyTreeNode):
     step: jax.Array
@@ -126,7 +129,8 @@ def make_train_step(
         frozen = state.frozen if isinstance(state, PeftState) else None
         loss, grads, _ = loss_and_grads(state.params, batch, frozen, key)
         grad_norm = optax.tree.norm(grads)
-        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        with jax.named_scope(OPTIMIZER_SCOPE):  # `plan` counts the collectives under it as the optimizer's
+            updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         # A non-finite loss or gradient skips the update: params and optimizer moments stay as they
         # were (so a NaN never reaches a checkpoint); the step still counts, the data moves on.
