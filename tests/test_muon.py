@@ -307,3 +307,18 @@ def test_muon_from_the_command_line_and_its_checkpoints_refused_to_adamw(tmp_pat
     )
     assert (run_dir / "config.yaml").read_text() == yaml_text and (run_dir / "metrics.jsonl").read_text() == records
     assert json.loads(records.splitlines()[-1])["step"] == 4
+
+
+def test_the_goodput_projection_prices_muons_smaller_checkpoint():
+    """Muon keeps one momentum per hidden matrix where AdamW keeps two: llama3_8b's state is 8.5 bytes per
+    parameter, not 12, and the projection's stated save cost shrinks with it."""
+    from llama_jax.config import load_config
+    from llama_jax.planning.goodput_projection import _stated_costs
+    from llama_jax.training.optimizer import state_bytes_per_param
+
+    configs = {o: load_config("llama3_8b", [f"train.optimizer={o}"]) for o in ("adamw", "muon")}
+    assert state_bytes_per_param(configs["adamw"]) == 12
+    assert state_bytes_per_param(configs["muon"]) == pytest.approx(8.52, abs=0.01)
+    saves = {o: _stated_costs(c, gpus=32, gpus_per_host=8)["save_durable_s"] for o, c in configs.items()}
+    assert saves["muon"][0] == pytest.approx(saves["adamw"][0] * state_bytes_per_param(configs["muon"]) / 12)
+    assert "8.52 B/param state (muon" in saves["muon"][1]
