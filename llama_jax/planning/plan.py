@@ -177,12 +177,9 @@ def make_plan(config: Config, mesh: Mesh, devices_per_host: int = 0) -> Plan:
         if program.model.pipeline
         else stats.operations
     )
-    outputs = memory.output_size_in_bytes - memory.alias_size_in_bytes
     stages, repeats = mesh.shape.get("pipeline", 1), config.mesh.pipeline_repeats
     microbatches = pass_microbatches(config.mesh, program.config.train.microbatches)  # of one pass
-    iterations = (
-        max(hlo.permute_loop_trips(text, devices, _along(topology, "pipeline")), default=None) if stages > 1 else None
-    )
+    iterations = pipeline_iterations(text, devices, topology) if stages > 1 else None
     staged = pipeline_stages(program, text, step_memory_bytes(compiled)) if stages > 1 else {}
     traffic = costmodel.traffic_by_axis(stats.collective_groups, topology)
     model_flops = model_flops_per_token(config, mesh_platform(mesh)) * config.train.batch_size * config.train.seq_len
@@ -191,7 +188,7 @@ def make_plan(config: Config, mesh: Mesh, devices_per_host: int = 0) -> Plan:
         devices=devices,
         argument_bytes=memory.argument_size_in_bytes,
         temporary_bytes=memory.temp_size_in_bytes,
-        output_bytes=outputs,
+        output_bytes=memory.output_size_in_bytes - memory.alias_size_in_bytes,
         total_bytes=memory_bytes(program),
         host_temporary_bytes=memory.host_temp_size_in_bytes,
         hlo_flops=stats.dot_flops * devices,
@@ -220,6 +217,11 @@ def make_plan(config: Config, mesh: Mesh, devices_per_host: int = 0) -> Plan:
         **predicted_speed(config, mesh, operations, costmodel.tier_totals(traffic), model_flops),
         rematerialized=xla_log.rematerializations("".join(log)),
     )
+
+
+def pipeline_iterations(hlo_text: str, devices: int, topology: costmodel.Topology) -> int | None:
+    """The iterations of the compiled pipeline loop: the most of any loop handing data on along the pipeline."""
+    return max(hlo.permute_loop_trips(hlo_text, devices, _along(topology, "pipeline")), default=None)
 
 
 def predicted_speed(config: Config, mesh: Mesh, operations, tier_bytes: dict[str, float], model_flops: float) -> dict:
