@@ -13,6 +13,7 @@ import optax
 import pytest
 from conftest import tiny_config
 from jax.sharding import PartitionSpec
+from test_train import random_batch
 
 from llama_jax import cli
 from llama_jax.checkpoint.checkpointer import Checkpointer, Tiers
@@ -22,6 +23,7 @@ from llama_jax.model import peft
 from llama_jax.model.llama import param_shapes
 from llama_jax.perf.hlo_text import parse_module
 from llama_jax.planning.plan import make_plan
+from llama_jax.training.batches import put_batch
 from llama_jax.training.loop import train
 from llama_jax.training.metrics import read_metrics
 from llama_jax.training.optimizer import (
@@ -162,7 +164,7 @@ def test_muon_update_on_a_mesh_is_one_devices(axes, split, one_device_updates):
     Not closer: the momentum going in is the same bit for bit, but XLA compiles the iteration's matmuls into each
     program with its own layouts and loop order, and the polynomial amplifies their rounding: one device's step
     and the same iteration compiled alone differ by 1.2e-6 on these random gradients, the worst mesh from one
-    device by 4.8e-6 (docs/optimizers.md)."""
+    device by 4.8e-6 (docs/configuration.md#the-optimizer-adamw-or-muon)."""
     mesh = dict(data=1, fsdp=1, tensor=1, sequence=1, pipeline=1) | axes
     cfg = tiny_config(
         train=dict(UNCLIPPED, microbatches=2 if axes.get("pipeline") else 1), model=dict(n_layers=4), mesh=mesh
@@ -181,6 +183,25 @@ def test_muon_update_on_a_mesh_is_one_devices(axes, split, one_device_updates):
     assert not [(op, name) for op, name in moved if "dot_general" in name or op.startswith("all-reduce")], moved
     placed = optimizer_placements(cfg, sharding.make_mesh(cfg))[("layers", "mlp", "up_proj", "kernel")][0]
     assert placed.spec == PartitionSpec(split, None, None)
+
+
+def test_uneven_pipeline_stages_split_the_stack_as_stored():
+    """Stages of 1 and 3 layers store 2 x 3 slots: the stack's 6 places divide over the 2 stages but not over
+    fsdp 2 as well (4 layers would), and the step with Muon runs."""
+    cfg = tiny_config(
+        train=dict(MUON, microbatches=2),
+        model=dict(n_layers=4),
+        mesh=dict(pipeline=2, data=2, fsdp=2, tensor=1, sequence=1, pipeline_stage_layers=[1, 3]),
+    )
+    mesh = sharding.make_mesh(cfg)
+    placed = optimizer_placements(cfg, mesh)[("layers", "mlp", "up_proj", "kernel")][0]
+    assert placed.spec == PartitionSpec(("pipeline",), None, None)
+    program = TrainProgram.build(cfg, mesh)
+    batch = jax.tree.map(np.asarray, random_batch(cfg))
+    with program.activate():
+        state = program.init_state(jax.random.key(0))
+        state, metrics = program.train_step(state, put_batch(program, batch))
+    assert np.isfinite(float(metrics["loss"]))
 
 
 def test_plan_counts_the_optimizers_collectives():

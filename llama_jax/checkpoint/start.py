@@ -95,8 +95,8 @@ def decide(config: Config, peers: Peers) -> Start:
             "cannot be resumed; start from it with checkpoint.init_from"
         )
     check_model(dataclasses.asdict(source.model), model, source.text, allowed)
-    if config.checkpoint.resume_from:
-        check_optimizer((read_meta(source.step_dir) or {}).get("config", {}), config, source.text)
+    if config.checkpoint.resume_from and (saved := read_meta(source.step_dir)) is not None:
+        check_optimizer(saved.get("config", {}), config, source.text)
     return Start(step, meta, source, resume=bool(config.checkpoint.resume_from))
 
 

@@ -134,8 +134,9 @@ def optimizer_labels(params) -> Any:
 def muon_placements(
     param_shardings: Any, mesh: Mesh, layers: int
 ) -> dict[tuple[str, ...], tuple[NamedSharding, NamedSharding]]:
-    """Each hidden matrix's path -> (where its `layers` matrices are orthogonalized whole, where its update goes
-    back: the parameter's sharding), from the parameters' shardings on `mesh` (sharding.whole_matrices)."""
+    """Each hidden matrix's path -> (where its stack of `layers` matrices, as stored, is orthogonalized whole, where
+    its update goes back: the parameter's sharding), from the parameters' shardings on `mesh`
+    (sharding.whole_matrices)."""
     return {
         _keys(path): (NamedSharding(mesh, whole_matrices(placed.spec, layers, mesh)), placed)
         for path, placed in jax.tree_util.tree_leaves_with_path(param_shardings)

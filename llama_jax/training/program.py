@@ -228,7 +228,8 @@ def optimizer_placements(config: Config, mesh: Mesh) -> dict | None:
     """Where Muon's Newton-Schulz iterations run on a mesh of several devices (optimizer.muon_placements)."""
     if config.train.optimizer != "muon" or mesh.size == 1:
         return None
-    return muon_placements(sharding.param_shardings(config, mesh), mesh, config.model.n_layers)
+    stacked = layer_order(config, mesh).length(config.model.n_layers)  # uneven pipeline stages pad the stack
+    return muon_placements(sharding.param_shardings(config, mesh), mesh, stacked)
 
 
 def _state(init_state: Callable, mesh: Mesh, context: TraceContext) -> tuple[Callable, Any, Any]:
