@@ -260,13 +260,9 @@ def whole_matrices(spec: PartitionSpec, layers: int, mesh: Mesh) -> PartitionSpe
     many as divide `layers` (the stack's own axes first: a pipeline stage keeps its layers), the matrices
     replicated over the axes left over. Newton-Schulz then needs no collective inside its iterations; moving the
     momentum there and the update back is an all-to-all (and an all-gather over the axes left over)."""
-
-    def axes(entry) -> tuple[str, ...]:
-        return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-
-    own = axes(spec[0]) if len(spec) else ()
+    own = rule_axes(spec[0]) if len(spec) else ()
     split = [axis for axis in own if mesh.shape[axis] > 1]
-    for axis in (a for entry in spec[1:] for a in axes(entry) if mesh.shape[a] > 1):
+    for axis in (a for entry in spec[1:] for a in rule_axes(entry) if mesh.shape[a] > 1):
         if layers % (math.prod(mesh.shape[a] for a in split) * mesh.shape[axis]) == 0:
             split.append(axis)
     return PartitionSpec(tuple(split) or None, None, None)

@@ -118,8 +118,8 @@ def state_bytes_per_param(config) -> float:
 
 def matrix_name(path) -> str | None:
     """The projection a parameter's path names, if it is one of the stacked layers' hidden matrices."""
-    names = [getattr(key, "key", str(key)) for key in path]
-    if names[:1] != ["layers"] or names[-1:] != ["kernel"]:
+    names = _keys(path)
+    if names[:1] != ("layers",) or names[-1:] != ("kernel",):
         return None
     return next((name for name in names if name in MATRIX_INPUT_AXES), None)
 
