@@ -11,6 +11,7 @@ import math
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -29,6 +30,7 @@ from llama_jax.checkpoint.checkpointer import Checkpointer, Tiers
 from llama_jax.checkpoint.durable import latest_checkpoint_step
 from llama_jax.errors import EXIT_HANG, EXIT_PREEMPTED
 from llama_jax.resilience.goodput import START_PARTS
+from llama_jax.resilience.lease import HOLDER_FILE
 from llama_jax.training.loop import train
 from llama_jax.training.metrics import read_metrics
 from llama_jax.training.program import TrainProgram
@@ -158,6 +160,45 @@ def test_sigterm_saves_the_current_step_and_exits_75(shared, straight, tmp_path)
     assert max(losses(run_dir)) == saved  # zero steps lost: the step it stopped at is the one saved
     resumed = run_to_end(shared, run_dir, f"train.steps={saved + 2}")
     assert resumed.returncode == 0 and f"resumed from {run_dir / 'checkpoints' / str(saved)}" in resumed.stdout
+
+
+def files_of(run_dir: Path) -> dict[str, bytes]:
+    """Every file under run_dir but the lease (its holder renews it) with its bytes."""
+    return {str(p): p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file() and p.name != HOLDER_FILE}
+
+
+@pytest.mark.slow
+def test_a_second_trainer_on_a_live_runs_dir_is_refused_and_a_killed_holders_is_taken_over(shared, straight, tmp_path):
+    """Two real processes: while a run trains (held at step 5 by an injected hang) a second `train` on its run.dir
+    is refused in one line naming the holder, exit 2, every file as it was; once the holder is SIGKILLed, the same
+    command takes the run.dir over at once and finishes it with the uninterrupted run's losses."""
+    run_dir = tmp_path / "run"
+    holder = subprocess.Popen(
+        command(shared, run_dir, "inject.hang_step=5", "fault.hang_min_timeout_s=600"),
+        env=subprocess_environment(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        wait_for_step(run_dir, 5, holder)
+        while latest_checkpoint_step(run_dir) < 4:
+            time.sleep(0.05)
+        before = files_of(run_dir)
+        second = run_to_end(shared, run_dir)
+        assert second.returncode == 2, second.stderr
+        (line,) = second.stderr.strip().splitlines()
+        assert line.startswith(f"llama-jax: error: run.dir {run_dir} is held by a live training run: pid {holder.pid} ")
+        assert f"on {socket.gethostname()} since " in line and "stop that run first" in line
+        assert second.stdout == "" and files_of(run_dir) == before
+        assert json.loads((run_dir / HOLDER_FILE).read_text())["pid"] == holder.pid
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(timeout=60)
+    resumed = run_to_end(shared, run_dir)
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"resumed from {run_dir / 'checkpoints' / '4'}" in resumed.stdout
+    assert losses(run_dir) == losses(straight)
+    assert not (run_dir / HOLDER_FILE).exists()  # given back at the end
 
 
 def test_hang_watchdog_dumps_stacks_and_exits_124(shared, tmp_path):

@@ -9,6 +9,7 @@ import textwrap
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -19,8 +20,9 @@ from llama_jax.files import format_ranges
 from llama_jax.resilience.goodput import Goodput, StartClock, format_goodput, observed_mtbf_s, process_started_at
 from llama_jax.resilience.guards import SpikeGuard
 from llama_jax.resilience.preemption import PreemptionGuard
-from llama_jax.resilience.stragglers import HostScores, StragglerDetector
+from llama_jax.resilience.stragglers import HostScores, HostWindow, StragglerDetector
 from llama_jax.resilience.watchdog import HangWatchdog
+from llama_jax.training.parts import StepResult, Stragglers
 
 # ---------------------------------------------------------------------------------------------
 # HangWatchdog
@@ -387,6 +389,25 @@ def test_straggler_warns_only_above_factor_times_median_and_names_the_process():
     warning = detector.observe(13, 4.0, process=0)
     assert warning is not None and "step 13" in warning and "took 4 s, 4.0x the median 1 s" in warning
     assert "seen on process 5" in detector.observe(14, 9.0, process=5)
+
+
+def test_a_run_of_one_process_names_no_straggler_and_one_of_two_does():
+    """A laptop's busy moment (one step 10x the others) is not a straggler where no one waits for the process; in a
+    run of two processes the same step is named, on the process that saw it."""
+
+    def warnings_of(processes: int) -> list[str]:
+        messages = []
+        peers = SimpleNamespace(count=processes, index=processes - 1)
+        hosts = HostWindow(peers, HostScores(0.1), every=1000, host="laptop", devices=[0])
+        part = Stragglers(3.0, hosts, SimpleNamespace(message=messages.append), goodput=None)
+        for step in range(1, 31):
+            part.observe(
+                StepResult(step, {}, compiled=False, waited=0.0, blocked=0.1, seconds=1.5 if step == 20 else 0.15)
+            )
+        return messages
+
+    assert warnings_of(1) == []
+    assert warnings_of(2) == ["warning: straggler: step 20 took 1.5 s, 10.0x the median 0.15 s; seen on process 1"]
 
 
 def test_spike_guard_skips_spikes_and_rollback():

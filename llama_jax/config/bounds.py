@@ -142,6 +142,7 @@ BOUNDS: dict[str, Bound] = {
     "run.process_id": Bound(-1, means="from the environment"),
     "run.init_timeout_s": Bound(1),
     "run.heartbeat_timeout_s": Bound(1),
+    "run.lease_s": Bound(1),
     "run.full_processes": Bound(0, means="this run's process count"),
     "run.device_memory_gb": Bound(0, means="what XLA may allocate"),
     # The testing section (schema.InjectConfig): faults injected on purpose.

@@ -299,6 +299,9 @@ class RunConfig:
     local_device_ids: list[int] = field(default_factory=list)  # GPUs this process drives (default: JAX's choice)
     init_timeout_s: float = 300.0  # how long to wait for the coordinator and every process to join
     heartbeat_timeout_s: float = 30.0  # a process silent this long is dead: the others stop instead of hanging
+    # One run.dir, one trainer (resilience/lease.py): process 0 holds <run.dir>/holder.json, renewed lease_s / 6
+    # apart; a run finding a holder on another host whose beat stays still for lease_s takes it over.
+    lease_s: float = 30.0
     # The process count train.microbatches is set for (0: this run's). On fewer processes -- continuing on the
     # hosts left after one is lost (launch/multiprocess.py --hosts) -- train.microbatches is multiplied by
     # full_processes / processes: the same global batch, each micro-batch the size it was on every device.

@@ -44,6 +44,7 @@ from llama_jax.resilience import preflight
 from llama_jax.resilience.flight import FlightRecorder
 from llama_jax.resilience.goodput import StartClock
 from llama_jax.resilience.inject import Injector
+from llama_jax.resilience.lease import RunDirLease
 from llama_jax.training.parts import Part, Position
 from llama_jax.training.program import TrainProgram
 from llama_jax.training.run import Run, RunStage, configure_process
@@ -86,10 +87,14 @@ def train(
     ]
     config = stages[0].config
     primary = jax.process_index() == 0
-    print_fn = print_fn if primary else _warnings_only(print_fn)  # this process's voice
-    _say_what_runs(config, stages, print_fn, primary)
     f, injector = config.fault, Injector(config.inject, jax.process_index())
     peers = Peers(f.barrier_timeout_s, injected_stall_at=injector.stall_at)
+    # One run.dir, one trainer: refused while a live run holds it, before anything is said or written (Loop.open
+    # takes it).
+    if held := peers.broadcast("run.dir holder", RunDirLease.of(config).problem() if primary else ""):
+        raise ConfigError(held)
+    print_fn = print_fn if primary else _warnings_only(print_fn)  # this process's voice
+    _say_what_runs(config, stages, print_fn, primary)
     # What this process was last doing, published to the others: a hang names the process the run waits for.
     peers.recorder = FlightRecorder(
         Path(config.run.dir),
@@ -202,20 +207,24 @@ def execute(
         average_decay(run.config, run.peers, devices, print_fn)
         return summary
     clock = clock or StartClock(time.time())
-    loop = Loop.open(run, print_fn, clock, injector, describe_program, parts)
+    lease = RunDirLease.taken(run.config, run.peers)  # one run.dir, one trainer: before the run writes there
     try:
-        with loop.running():
-            at, segment = loop.start(clock)
-            while True:
-                at = train_segment(loop, segment, at)
-                if at.stopped or at.step >= t.steps:
-                    break
-                segment, at = loop.segment_after(segment, at)
-            summary["exit_code"] = EXIT_PREEMPTED if at.stopped else EXIT_OK
-            summary.update(loop.finish(at.step, preempted=at.stopped))
+        loop = Loop.open(run, print_fn, clock, injector, describe_program, parts)
+        try:
+            with loop.running():
+                at, segment = loop.start(clock)
+                while True:
+                    at = train_segment(loop, segment, at)
+                    if at.stopped or at.step >= t.steps:
+                        break
+                    segment, at = loop.segment_after(segment, at)
+                summary["exit_code"] = EXIT_PREEMPTED if at.stopped else EXIT_OK
+                summary.update(loop.finish(at.step, preempted=at.stopped))
+        finally:
+            loop.checkpointer.close()  # also on errors: a pending asynchronous save is finished, not lost
+        loop.conclude(at, summary, print_fn)
     finally:
-        loop.checkpointer.close()  # also on errors: a pending asynchronous save is finished, not lost
-    loop.conclude(at, summary, print_fn)
+        lease.release()  # the run writes nothing more into run.dir
     summary["wall_time_s"] = time.perf_counter() - wall_start
     return summary
 

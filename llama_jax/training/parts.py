@@ -27,8 +27,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import jax
-
 from llama_jax.checkpoint.checkpointer import Checkpointer
 from llama_jax.perf.profiler import StepProfiler
 from llama_jax.resilience.goodput import Goodput
@@ -161,17 +159,19 @@ class Throughput(Part):
 
 
 class Stragglers(Part):
-    """A step much slower than this process's recent ones is named; every fault.straggler_every_steps each host
-    posts its window and process 0 scores the hosts (resilience/stragglers.py)."""
+    """In a multi-process run, a step much slower than this process's recent ones is named, and every
+    fault.straggler_every_steps each host posts its window and process 0 scores the hosts (resilience/stragglers.py).
+    A run of one process has no one to straggle behind: its slow step (a busy laptop) is the step time's, in
+    metrics.jsonl, and no warning."""
 
     def __init__(self, factor: float, hosts: HostWindow, log: MetricsLog, goodput: Goodput):
         self.factor, self.hosts, self.log, self.goodput = factor, hosts, log, goodput
-        self.detector = StragglerDetector(factor)
+        self.begin_stage(0)
 
     def observe(self, result: StepResult) -> StepResult:
         if result.compiled:
             return result
-        if warning := self.detector.observe(result.step, result.seconds, process=jax.process_index()):
+        if self.detector and (warning := self.detector.observe(result.step, result.seconds, self.hosts.peers.index)):
             self.log.message(warning)
         self.hosts.add(result.seconds, max(0.0, result.seconds - result.blocked))
         if result.step % self.hosts.every == 0 and (scored := self.hosts.close(result.step)) is not None:
@@ -184,7 +184,8 @@ class Stragglers(Part):
         return result
 
     def begin_stage(self, index: int) -> None:
-        self.detector = StragglerDetector(self.factor)  # a stage's steps take their own time
+        # A stage's steps take their own time.
+        self.detector = StragglerDetector(self.factor) if self.hosts.peers.count > 1 else None
 
 
 class Guard(Part):
