@@ -30,6 +30,7 @@ from pathlib import Path
 
 from llama_jax.distributed.processes import node_name
 from llama_jax.errors import EXIT_HANG, ConfigError
+from llama_jax.files import atomic_path
 
 HOLDER_FILE = "holder.json"
 BEATS_PER_LEASE = 6  # the holder renews 6 times per lease: a live one is seen to beat well within it
@@ -81,7 +82,7 @@ def describe(holder: dict) -> str:
 
 class RunDirLease:
     """The lease of `run_dir` for this process. `problem()` says whether a live run holds it and writes nothing;
-    `take()` takes it (run_dir must exist), `release()` gives it back; in between a daemon thread renews it."""
+    `take()` takes it (making run_dir), `release()` gives it back; in between a daemon thread renews it."""
 
     def __init__(self, run_dir: Path, lease_s: float):
         self.path = Path(run_dir) / HOLDER_FILE
@@ -201,12 +202,11 @@ class RunDirLease:
                 )
                 os._exit(EXIT_HANG)
             self.record["beat"] += 1
-            tmp = self.path.with_name(f".{HOLDER_FILE}.{os.getpid()}.tmp")
             try:
-                tmp.write_text(json.dumps(self.record))
-                os.replace(tmp, self.path)
+                with atomic_path(self.path) as tmp:
+                    tmp.write_text(json.dumps(self.record))
             except OSError:  # a storage hiccup: the next beat tries again (the lease allows for 5 missed)
-                tmp.unlink(missing_ok=True)
+                pass
 
     def release(self) -> None:
         """Give the lease back (the file goes, if it still names this run)."""

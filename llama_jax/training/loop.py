@@ -89,7 +89,7 @@ def train(
     primary = jax.process_index() == 0
     f, injector = config.fault, Injector(config.inject, jax.process_index())
     peers = Peers(f.barrier_timeout_s, injected_stall_at=injector.stall_at)
-    # One run.dir, one trainer: refused while a live run holds it, before anything is said or written (Loop.open
+    # One run.dir, one trainer: refused while a live run holds it, before anything is said or written (execute
     # takes it).
     if held := peers.broadcast("run.dir holder", RunDirLease.of(config).problem() if primary else ""):
         raise ConfigError(held)
