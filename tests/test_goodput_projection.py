@@ -117,6 +117,25 @@ def test_a_lost_host_waits_for_the_scheduler_only_when_every_hot_spare_is_taken(
     assert crash["replacement"] == 0.0  # a crash keeps its host
 
 
+def test_a_lost_first_host_is_detected_as_slurm_sees_it_once_in_hosts(capsys):
+    """Under slurm.sbatch the first host runs the batch script and the supervisor: losing it (1 / hosts of the hosts
+    lost) is detected when Slurm marks it DOWN and the successor job starts, not by the heartbeat. Other kinds keep
+    their detection; a run started by hand has no batch script."""
+    x = inputs(gpus=16, failures_per_gpu_hour=1e-4, first_host_detect_s=320.0)  # 2 hosts of 8
+    per_failure = project(x).per_failure_s
+    assert per_failure["host_lost"]["detect"] == pytest.approx((20.0 + 320.0) / 2, rel=1e-12)
+    assert per_failure["crash"]["detect"] == per_failure["slow_device"]["detect"] == 20.0
+    assert project(dataclasses.replace(x, first_host_detect_s=0.0)).per_failure_s["host_lost"]["detect"] == 20.0
+    assert project(x).goodput < project(dataclasses.replace(x, first_host_detect_s=0.0)).goodput
+    args = ["goodput", "llama3_8b", "--gpus", "16", "--json"]
+    assert cli.main(args) == 0
+    launched = json.loads(capsys.readouterr().out)["inputs"]["first_host_detect_s"]
+    assert launched["value"] == pytest.approx(300.0 + 7.5)
+    assert "bench/slurm_restart.py --first-node" in launched["source"]
+    assert cli.main([*args, "--without-launcher"]) == 0
+    assert json.loads(capsys.readouterr().out)["inputs"]["first_host_detect_s"]["value"] == 0.0
+
+
 def test_auto_spares_are_the_count_that_trains_the_most_per_gpu_allocated():
     """Each spare is a host held idle (1/hosts of the allocation) against the wait it saves: the auto count is the
     best of every count up to far past it, and none where a lost host costs no wait."""

@@ -88,6 +88,9 @@ FAKE_SCONTROL = """#!/usr/bin/env bash
 [[ "$1 $2" == "show node" ]] && echo "NodeName=$3 NodeAddr=$3 State=IDLE"
 exit 0
 """
+# A job's own submissions (slurm.sbatch submits its successor at its start): a job id, nothing queued, no-op cancel.
+FAKE_SBATCH = "#!/usr/bin/env bash\necho 4243\n"
+FAKE_SQUEUE = FAKE_SCANCEL = "#!/usr/bin/env bash\nexit 0\n"
 FAKE_SSH = """#!/usr/bin/env bash
 # ssh HOST COMMAND: run COMMAND here
 shift
@@ -103,6 +106,9 @@ def fakes(tmp_path):
         "llama-jax": FAKE_LLAMA_JAX,
         "srun": FAKE_SRUN,
         "scontrol": FAKE_SCONTROL,
+        "sbatch": FAKE_SBATCH,
+        "squeue": FAKE_SQUEUE,
+        "scancel": FAKE_SCANCEL,
         "ssh": FAKE_SSH,
     }.items():
         (bin_dir / name).write_text(text)
@@ -259,11 +265,15 @@ sys.exit(71)
 
 def slurm_script_in_a_job(tmp_path, job: dict, stand_ins: dict[str, str], *args: str):
     """launch/slurm.sbatch run as Slurm runs job 4242 (`job`: its other SLURM_* variables), with fakes()' stand-ins,
-    `stand_ins` (name -> script) in place of some, and an sbatch that records its calls in tmp_path/calls (as a
-    stand-in given may). (the finished script, the calls file)."""
+    `stand_ins` (name -> script) in place of some, and an sbatch (answering job 4243) and scancel that record their
+    calls in tmp_path/calls (as a stand-in given may). (the finished script, the calls file)."""
     env = fakes(tmp_path) | {"SLURM_JOB_ID": "4242", "SLURM_SUBMIT_DIR": str(ROOT), **job}
     bin_dir, calls = tmp_path / "bin", tmp_path / "calls"
-    for name, text in {**stand_ins, "sbatch": '#!/usr/bin/env bash\necho "sbatch $*" >> ' + str(calls) + "\n"}.items():
+    recorders = {
+        "sbatch": '#!/usr/bin/env bash\necho "sbatch $*" >> ' + str(calls) + "\necho 4243\n",
+        "scancel": '#!/usr/bin/env bash\necho "scancel $*" >> ' + str(calls) + "\n",
+    }
+    for name, text in {**recorders, **stand_ins}.items():
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
     script = ROOT / "launch" / "slurm.sbatch"
@@ -294,11 +304,74 @@ def test_slurm_script_resubmits_without_the_unhealthy_node(tmp_path):
     )
     assert result.returncode == 71, result.stderr
     assert "unhealthy node(s) gpu3,gpu18" in result.stderr
-    submitted = [line for line in calls.read_text().splitlines() if line.startswith("sbatch")]
+    submitted = [line for line in calls.read_text().splitlines() if line.startswith(("sbatch", "scancel"))]
+    same = "--ntasks-per-node 2 --gpus-per-node 0 --partition gpu"
+    arguments = f"{script} tiny run.dir={run_dir} fault.preflight=true"
     assert submitted == [
-        f"sbatch --nodes 2 --exclude gpu3,gpu18 --partition gpu {script} tiny run.dir={run_dir} fault.preflight=true"
+        f"sbatch --parsable {same} --nodes 2-2 --dependency afternotok:4242 --export ALL,LLAMA_JAX_ACTIVE_NODES=2 "
+        + arguments,  # its successor, at its start
+        "scancel 4243",  # which the job submitted again in its place makes its own
+        f"sbatch --nodes 2 --exclude gpu3,gpu18 {same} {arguments}",
     ]
     assert "requeue" not in calls.read_text()
+
+
+def test_slurm_script_submits_its_successor_first_and_cancels_it_at_its_own_end(tmp_path):
+    """Every job submits at its start the job that takes over should its first node fail (afternotok, the nodes it
+    trains on up to all it holds, its tasks and GPUs per node, name, partition, time and log), and cancels it when
+    the script itself ends. A requeued job finds its waiting successor instead of submitting another; a successor
+    trains on its predecessor's node count (LLAMA_JAX_ACTIVE_NODES), the rest of its nodes spares."""
+    scontrol = (
+        '#!/usr/bin/env bash\n[[ "$1 $2" == "show hostnames" ]] && printf "gpu17\\ngpu18\\ngpu19\\n"\n'
+        '[[ "$1 $2" == "show node" ]] && echo "NodeName=$3 NodeAddr=$3 State=ALLOCATED"\n'
+        '[[ "$1 $2" == "show job" ]] && echo "JobId=4242 JobName=big TimeLimit=2-00:00:00 QOS=(null) '
+        'TresPerNode=gres:gpu:8 StdOut=/shared/logs/slurm-4242.out"\nexit 0\n'
+    )
+    srun = FAKE_SRUN.replace("while [[", f'echo "srun $*" >> {tmp_path / "calls"}\nwhile [[', 1)
+    job = {"SLURM_JOB_NUM_NODES": "3", "SLURM_NTASKS_PER_NODE": "1", "SLURM_JOB_NODELIST": "gpu[17-19]"}
+    job |= {"SLURM_JOB_NAME": "big", "SLURM_JOB_PARTITION": "gpu"}
+    script = ROOT / "launch" / "slurm.sbatch"
+    result, calls = slurm_script_in_a_job(
+        tmp_path, job, {"scontrol": scontrol, "srun": srun}, "--spares", "1", "tiny", "run.dir=/shared/t"
+    )
+    assert result.returncode == 0, result.stderr
+    assert "slurm.sbatch: job 4243 waits to take over should this job's first node fail" in result.stderr
+    lines = calls.read_text().splitlines()
+    assert lines[0] == (
+        "sbatch --parsable --ntasks-per-node 1 --gpus-per-node 8 --job-name big --partition gpu --time 2-00:00:00 "
+        "--output /shared/logs/slurm-4242.out --no-kill --nodes 2-3 --dependency afternotok:4242 "
+        f"--export ALL,LLAMA_JAX_ACTIVE_NODES=2 {script} --spares 1 tiny run.dir=/shared/t"
+    )
+    guard = ROOT / "launch" / "slurm_guard.sh"  # the watch over the first node, on the second
+    watch = f"srun --overlap --nodes=1 --ntasks=1 --nodelist=gpu18 bash {guard} gpu17 /shared/logs/slurm-4242.out"
+    assert lines[1] == watch
+    assert "--nodelist=gpu17,gpu18 " in lines[2] and lines[3:] == ["scancel 4243"]  # trained; then cancelled it
+
+    # The same job requeued: its successor still waits (squeue), so it submits none and cancels that one.
+    squeue = '#!/usr/bin/env bash\necho "4250 afternotok:4241(unfulfilled)"\necho "4251 afternotok:4242(unfulfilled)"\n'
+    (tmp_path / "calls").unlink()
+    for case in ("requeued", "successor", "bad"):
+        (tmp_path / case).mkdir()
+    requeued, calls = slurm_script_in_a_job(
+        tmp_path / "requeued", job, {"scontrol": scontrol, "srun": srun, "squeue": squeue}, "--spares", "1", "tiny"
+    )
+    assert requeued.returncode == 0, requeued.stderr
+    assert [line for line in calls.read_text().splitlines() if not line.startswith("srun")] == ["scancel 4251"]
+
+    # The successor, given 3 nodes where its predecessor trained on 2: 2 train, 1 is its spare.
+    successor = job | {"LLAMA_JAX_ACTIVE_NODES": "2", "SLURM_JOB_ID": "4243"}
+    ran, calls = slurm_script_in_a_job(tmp_path / "successor", successor, {"scontrol": scontrol, "srun": srun}, "tiny")
+    assert ran.returncode == 0, ran.stderr
+    assert "slurm_step: on gpu17 gpu18; spare(s): gpu19" in ran.stderr
+    assert "--no-kill --nodes 2-3 --dependency afternotok:4243 " in calls.read_text()
+
+    # A predecessor's count this job cannot hold: one line, exit 2, nothing submitted.
+    bad, calls = slurm_script_in_a_job(tmp_path / "bad", job | {"LLAMA_JAX_ACTIVE_NODES": "5"}, {}, "tiny")
+    assert bad.returncode == 2 and not calls.exists()
+    assert bad.stderr.strip().splitlines() == [
+        "slurm.sbatch: error: LLAMA_JAX_ACTIVE_NODES=5 must be a node count of at most this job's 3; unset it (a "
+        "successor job is given it by its predecessor)"
+    ]
 
 
 def test_slurm_script_puts_a_spare_in_the_place_of_an_unhealthy_node_inside_the_allocation(tmp_path):
@@ -321,8 +394,10 @@ def test_slurm_script_puts_a_spare_in_the_place_of_an_unhealthy_node_inside_the_
     assert "unhealthy node(s) gpu18: starting again on the allocation's other nodes" in result.stderr
     assert "slurm_step: node gpu18 was named by the pre-flight check: not used" in result.stderr
     steps = [line.split("--nodelist=")[1].split()[0] for line in calls.read_text().splitlines() if "srun" in line]
-    assert steps == ["gpu17,gpu18", "gpu17,gpu19"]
-    assert "sbatch" not in calls.read_text() and not (run_dir / "unhealthy.json").exists()
+    assert steps == ["gpu18", "gpu17,gpu18", "gpu17,gpu19"]  # the watch over the first node, then the job steps
+    submitted = [line for line in calls.read_text().splitlines() if line.startswith("sbatch")]
+    assert [line for line in submitted if "--dependency afternotok:4242" not in line] == []  # its successor only
+    assert not (run_dir / "unhealthy.json").exists()
 
 
 def test_kubernetes_manifest_is_an_indexed_job_with_a_headless_service():

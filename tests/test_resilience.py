@@ -17,8 +17,10 @@ from llama_jax.checkpoint.durable import check_model, model_differences
 from llama_jax.checkpoint.interval import STEADY_STEPS, Figures, Interval, auto_checkpoint_steps, young_daly_interval_s
 from llama_jax.errors import EXIT_HANG, EXIT_PREEMPTED, ConfigError
 from llama_jax.files import format_ranges
+from llama_jax.resilience import lease as lease_module
 from llama_jax.resilience.goodput import Goodput, StartClock, format_goodput, observed_mtbf_s, process_started_at
 from llama_jax.resilience.guards import SpikeGuard
+from llama_jax.resilience.lease import HOLDER_FILE, RunDirLease
 from llama_jax.resilience.preemption import PreemptionGuard
 from llama_jax.resilience.stragglers import HostScores, HostWindow, StragglerDetector
 from llama_jax.resilience.watchdog import HangWatchdog
@@ -518,3 +520,57 @@ def test_a_time_based_save_is_announced_two_steps_ahead(tmp_path):
         assert not checkpointer.due(9, read=8)
     finally:
         checkpointer.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# RunDirLease: a holder on another host
+
+
+def foreign_holder(run_dir: Path, beat: int = 0) -> dict:
+    """A holder.json as a run on another host writes it (lease_s 1 s)."""
+    holder = {"host": "elsewhere-7", "node": "n7", "pid": 1, "started": None, "token": "theirs", "since": 0.0}
+    holder |= {"beat": beat, "lease_s": 1.0}
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / HOLDER_FILE).write_text(json.dumps(holder))
+    return holder
+
+
+def test_a_holder_on_another_host_that_beats_is_refused_and_one_that_stopped_is_waited_for_once(tmp_path, monkeypatch):
+    """Across hosts only the beat tells: one that moves within a lease is a live run (named, refused); one that
+    stays still for a lease is gone. A check (train) then a take (execute) watch it once: the take sleeps no more."""
+    live = tmp_path / "live"
+    holder = foreign_holder(live)
+    stop = threading.Event()
+
+    def beating():  # as a holder renews: a whole new file in one rename, never a torn one
+        while not stop.wait(0.2):
+            holder["beat"] += 1
+            (live / "next.json").write_text(json.dumps(holder))
+            os.replace(live / "next.json", live / HOLDER_FILE)
+
+    thread = threading.Thread(target=beating, daemon=True)
+    thread.start()
+    try:
+        lease = RunDirLease(live, lease_s=1.0)
+        assert lease.problem().startswith(
+            f"run.dir {live} is held by a live training run: pid 1 on elsewhere-7 (node n7)"
+        )
+        assert lease.take().startswith(f"run.dir {live} is held by a live training run")
+    finally:
+        stop.set()
+        thread.join()
+    assert json.loads((live / HOLDER_FILE).read_text())["token"] == "theirs"
+
+    gone = tmp_path / "gone"
+    foreign_holder(gone, beat=3)
+    lease = RunDirLease(gone, lease_s=1.0)
+    assert lease.problem() == ""  # watched for a lease: no beat
+    naps = []
+    monkeypatch.setattr(lease_module.time, "sleep", naps.append)
+    try:
+        assert lease.take() == ""
+        assert naps == []  # taken over at once: the same holder, the same beat, already watched
+        assert json.loads((gone / HOLDER_FILE).read_text())["token"] == lease.record["token"]
+    finally:
+        lease.release()
+    assert not (gone / HOLDER_FILE).exists()

@@ -4,6 +4,8 @@ finishes; a task SIGKILLed mid-run makes the script's supervisor start the job s
 and it resumes to the uninterrupted run's losses bit for bit; SIGTERM to the batch script (what --signal=B:TERM and
 a preemption send) saves, exits 75, requeues the job and the requeued job resumes to the same losses. A node down
 with a spare: the spare takes its place; a node drained with none: the run continues on one node and grows back.
+The first node dying (batch script, supervisor and process 0 with it): the watch on the second node ends the job,
+and the successor job the script submitted at its start resumes the run on the other nodes to the same losses.
 
 Skipped, naming why, where Slurm is not installed and cannot be (slurm_emulated.sh exit 3). slow and newest_leg: CI's
 newest leg runs it (about two and a half minutes), as GPU clusters run Python >= 3.12 and the newest jax."""
@@ -59,6 +61,7 @@ def cluster(tmp_path_factory):
         "LLAMA_JAX_GPU_FLAGS": "off",
         "LLAMA_JAX_RESTART_BACKOFF": "1",
         "LLAMA_JAX_GROW_POLL_S": "1",  # a run on fewer nodes looks for the others every second
+        "LLAMA_JAX_GUARD_POLL_S": "1",  # the watch over the first node (slurm_guard.sh) looks every second
         "LLAMA_JAX_LOCAL_DIR": str(directory / "local"),
         # Two processes sharing two cores time each other's matmuls: the pre-flight check (tested on its own in
         # test_preflight.py) would name a loaded "node" now and then.
@@ -256,3 +259,60 @@ def test_a_drained_node_without_a_spare_shrinks_the_run_and_it_grows_back_when_r
     assert sorted(got) == sorted(uninterrupted)
     assert all(got[step] == uninterrupted[step] for step in range(1, 5))
     assert all(abs(got[step] - loss) <= 1e-5 * abs(loss) for step, loss in uninterrupted.items()), got
+
+
+def descendants(pid: int) -> list[int]:
+    """pid and every process under it."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            children.setdefault(parent, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        found.append(todo.pop())
+        todo.extend(children.get(found[-1], []))
+    return found
+
+
+def parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def test_the_first_node_failing_is_taken_over_by_the_successor_job_and_the_run_resumes_exactly(
+    cluster, uninterrupted, tmp_path
+):
+    """sbatch --nodes 3 --no-kill, slurm.sbatch --spares 1: the step trains on n1 and n2. n1, where Slurm runs the
+    batch script (and the supervisor, and process 0 with the coordinator), dies: marked DOWN, its slurmd and
+    everything of the job on it SIGKILLed (the batch script's and the task's slurmstepd, and all under them). Nothing
+    in the job is left to restart it; the successor job the script submitted at its start (afternotok) runs on n2
+    and n3, resumes from the newest checkpoint, takes run.dir over and finishes with the uninterrupted run's losses
+    bit for bit (two processes, as before)."""
+    run_dir = tmp_path / "first"
+    log_file = Path(f"{run_dir}.out")
+    job_id = submit(cluster, run_dir, spares=1)
+    wait_for(lambda: saved(run_dir, 8), 180, "step 8's checkpoint")
+    waiting = log_file.read_text().split("slurm.sbatch: job ", 1)[1].split()[0]  # the successor
+    assert cluster.job(waiting)["JobState"] == "PENDING" and "afternotok" in cluster.job(waiting)["Dependency"]
+    slurmd = int((cluster.directory / "slurmd-n1.pid").read_text())
+    doomed = [slurmd, *descendants(parent(batch_script_pid(job_id))), *descendants(parent(task_pid(run_dir, 0)))]
+    try:
+        for pid in doomed:  # the node dies first; Slurm learns of it after (its slurmd no longer answers)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        cluster.run("scontrol", "update", "NodeName=n1", "State=DOWN", "Reason=test_slurm")
+        failed = finished(cluster, job_id, run_dir)
+        successor = finished(cluster, waiting, run_dir)
+    finally:  # n1 repaired: its slurmd back, the node in service
+        cluster.run("slurmd", "-f", str(cluster.directory / "slurm.conf"), "-N", "n1", check=False)
+        cluster.run("scontrol", "update", "NodeName=n1", "State=RESUME", check=False)
+    log = log_file.read_text()
+    # The job, left running on n2 and n3 without its batch script, ended by the watch on n2.
+    assert failed["JobState"] == "CANCELLED", log[-3000:]
+    assert "slurm_guard: the first node n1 failed and took the batch script with it; ending job" in log, log[-3000:]
+    assert successor["JobState"] == "COMPLETED", log[-3000:]
+    after = log.partition(f"slurm.sbatch: job {waiting} waits")[2]
+    assert "slurm_step: on n2 n3" in after and "resumed from" in after, log[-3000:]
+    assert losses(run_dir) == uninterrupted
+    # The successor's own successor, cancelled when it finished: nothing is left waiting.
+    assert cluster.run("squeue", "-h", "-o", "%i %T %E").strip() == "", log[-3000:]

@@ -317,6 +317,10 @@ def cmd_goodput(ns: argparse.Namespace) -> int:
     if by_hand:
         source = "none: a run started by hand (--without-launcher)"
         inputs = dataclasses.replace(inputs, sources={**inputs.sources, "spare_hosts": source})
+    if ns.without_launcher:  # no batch script on the first host: its loss is detected as any host's
+        source = "as any host's: a run started by hand (--without-launcher)"
+        sources = {**inputs.sources, "first_host_detect_s": source}
+        inputs = dataclasses.replace(inputs, first_host_detect_s=0.0, sources=sources)
     report = goodput_report.report(inputs)
     parts = projection.start_parts(Path(ns.run_dir)) if ns.run_dir else {}
     if ns.json:

@@ -14,6 +14,9 @@ The model (every choice here is a first-order one, stated where it is made):
   on average, plus its commit latency (a save counts once its write is done: an asynchronous durable write, the
   local tier's background write). With two tiers the newest of either serves (mean age of the union of both
   step sequences, computed exactly over their common period).
+- A lost host is the job's first host 1 / hosts of the time. Under slurm.sbatch that host runs the batch script and
+  its supervisor, so nothing in the job notices: Slurm ends the job once it marks the host DOWN and the successor
+  job (slurm.sbatch's) starts; that case's detection is first_host_detect_s (0: as any other host's).
 - A lost host is replaced by a hot spare already in the allocation when one is free (no wait: the restart runs on
   it), else by a host from the scheduler's pool (replacement_s). A spare taken is back repair_s later (the lost
   host repaired, or another in its place); a loss that finds none free takes the scheduler's host and no spare.
@@ -87,6 +90,7 @@ class Inputs:
     mtbf_setting_s: float = 0.0  # checkpoint.mtbf_hours (0: the MTBF the failure rate gives, as the trainer observes)
     spare_hosts: int = 0  # hot spares in the allocation (slurm.sbatch --spares)
     repair_s: float = 0.0  # a lost host's time until it (or its replacement) is a spare again
+    first_host_detect_s: float = 0.0  # a lost first host: until the successor job's processes start (0: as any)
     restart_parts: dict[str, float] = field(default_factory=dict)  # what restart_s adds up, where it is a sum
     sources: dict[str, str] = field(default_factory=dict)
 
@@ -249,6 +253,8 @@ def failure_costs(x: Inputs, nd: int, nl: int) -> dict[str, dict[str, float]]:
     for kind in KINDS:
         host_lost = kind in LOSES_HOST
         detect = {"hang": x.hang_detect_s, "preemption": 0.0}.get(kind, x.detect_s)
+        if kind == "host_lost" and x.first_host_detect_s:  # the first host, 1 / hosts of them: no supervisor left
+            detect += (x.first_host_detect_s - detect) / x.hosts
         replacement = x.replacement_s * x.no_spare_chance if host_lost else 0.0
         restart = x.restart_s * (2 if kind == "slow_device" else 1)  # a first start that pre-flight refuses
         restore_s, lost, interval = restore(host_lost, detect + replacement + restart)

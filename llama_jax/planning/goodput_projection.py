@@ -59,6 +59,12 @@ COORDINATOR_RETRY_S = 1.1
 # The two parts no measurement here can give, named as the projection's assumptions:
 SCHEDULER_RESTART_S = 30.0  # the scheduler relaunching the job step on every host (srun inside the allocation)
 COMPILE_HIT_S = 30.0  # a large model's step loaded from the persistent compilation cache (MaxText restarts in ~40 s)
+# A lost first host under slurm.sbatch (its batch script and supervisor die with it): Slurm ends the job once it
+# marks the host DOWN, SlurmdTimeout after its last word (slurm.conf's default, 300 s; assumed), and the successor
+# job then starts: from the failure to the successor's processes starting, with the host marked DOWN at once,
+# measured by bench/slurm_restart.py --first-node (2026-12-02, AMD EPYC, 2 cores, 3 emulated nodes).
+SLURMD_TIMEOUT_S = 300.0
+SUCCESSOR_START_S = 7.5  # of it the watch's poll (slurm_guard.sh, every 10 s): 5 s on average
 
 
 # Inputs: measured by a run, else the stated defaults.
@@ -189,6 +195,11 @@ def _stated_costs(config: Config, gpus: int, gpus_per_host: int) -> dict[str, tu
         config.run.heartbeat_timeout_s + BACKOFF_S,
         "run.heartbeat_timeout_s + `llama-jax supervise --backoff` (defaults)",
     )
+    values["first_host_detect_s"] = (
+        SLURMD_TIMEOUT_S + SUCCESSOR_START_S,
+        f"slurm.sbatch: Slurm's SlurmdTimeout ({SLURMD_TIMEOUT_S:g} s, its default; assumed) + the successor job "
+        f"starting ({SUCCESSOR_START_S:g} s: bench/slurm_restart.py --first-node, 3 emulated nodes)",
+    )
     values["replacement_s"] = (
         REPLACEMENT_S,
         "assumed: a host from the scheduler's pool where no spare is free (no published figure)",
@@ -289,6 +300,7 @@ def inputs_for(
             restart_s=v["restart_s"],
             first_start_s=v["first_start_s"],
             detect_s=v["detect_s"],
+            first_host_detect_s=v["first_host_detect_s"],
             hang_detect_s=v["hang_detect_s"],
             replacement_s=v["replacement_s"],
             steady_overhead=v["steady_overhead"],

@@ -27,6 +27,7 @@ INPUT_FIELDS = (
     "restart_s",
     "first_start_s",
     "detect_s",
+    "first_host_detect_s",
     "hang_detect_s",
     "replacement_s",
     "spare_hosts",

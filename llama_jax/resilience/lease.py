@@ -100,20 +100,21 @@ class RunDirLease:
         }
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        # Holders on another host (token, beat) already watched for a whole lease without a beat: a check then a
+        # take (train's, then execute's) waits once, not twice.
+        self._still: set[tuple] = set()
 
     @classmethod
     def of(cls, config) -> RunDirLease:
         """The lease of a run's run.dir, on its config's terms (run.lease_s)."""
         return cls(Path(config.run.dir), config.run.lease_s)
 
-    @classmethod
-    def taken(cls, config, peers) -> RunDirLease:
-        """The run's lease, taken by process 0 for every process of the run; ConfigError (on all) if a live run
-        holds it."""
-        lease = cls.of(config)
-        if held := peers.broadcast("run.dir lease", lease.take() if peers.index == 0 else ""):
+    def taken_for(self, peers) -> RunDirLease:
+        """This lease, taken by process 0 for every process of the run; ConfigError (on all) if a live run holds
+        it."""
+        if held := peers.broadcast("run.dir lease", self.take() if peers.index == 0 else ""):
             raise ConfigError(held)
-        return lease
+        return self
 
     # Who holds it.
 
@@ -127,6 +128,8 @@ class RunDirLease:
                 return False
             started = _started(pid)
             return started is None or holder.get("started") in (None, started)
+        if (holder.get("token"), holder.get("beat")) in self._still:
+            return False
         lease = float(holder.get("lease_s") or self.lease_s)
         deadline = time.monotonic() + max(lease, self.lease_s)
         while time.monotonic() < deadline:
@@ -136,6 +139,7 @@ class RunDirLease:
                 return False  # given back, or taken by another: look again (acquire's loop)
             if now.get("beat") != holder.get("beat"):
                 return True
+        self._still.add((holder.get("token"), holder.get("beat")))
         return False
 
     def problem(self) -> str:

@@ -90,8 +90,9 @@ def train(
     f, injector = config.fault, Injector(config.inject, jax.process_index())
     peers = Peers(f.barrier_timeout_s, injected_stall_at=injector.stall_at)
     # One run.dir, one trainer: refused while a live run holds it, before anything is said or written (execute
-    # takes it).
-    if held := peers.broadcast("run.dir holder", RunDirLease.of(config).problem() if primary else ""):
+    # takes this lease: a holder on another host found gone here is not waited for again).
+    lease = RunDirLease.of(config)
+    if held := peers.broadcast("run.dir holder", lease.problem() if primary else ""):
         raise ConfigError(held)
     print_fn = print_fn if primary else _warnings_only(print_fn)  # this process's voice
     _say_what_runs(config, stages, print_fn, primary)
@@ -106,7 +107,7 @@ def train(
         client=peers.client,
     )
     with peers.recorder:
-        return _train(stages, peers, print_fn, devices, clock, injector, describe_program, parts)
+        return _train(stages, peers, print_fn, devices, clock, injector, describe_program, parts, lease)
 
 
 def _say_what_runs(config: Config, stages: list[Stage], print_fn: Callable[[str], None], primary: bool) -> None:
@@ -138,6 +139,7 @@ def _train(
     injector: Injector,
     describe_program: Callable[[TrainProgram], str] | None,
     parts: Sequence[Part],
+    lease: RunDirLease,
 ) -> dict:
     config = stages[0].config
     f = config.fault
@@ -173,7 +175,7 @@ def _train(
         print_fn(
             f"train.microbatches=auto: {run.config.train.microbatches}, the fewest whose step fits run.device_memory_gb"
         )
-    return execute(run, print_fn, clock, injector, describe_program, parts)
+    return execute(run, print_fn, clock, injector, describe_program, parts, lease)
 
 
 def _warnings_only(print_fn: Callable[[str], None]) -> Callable[[str], None]:
@@ -195,10 +197,12 @@ def execute(
     injector: Injector | None = None,
     describe_program: Callable[[TrainProgram], str] | None = None,
     parts: Sequence[Part] = (),
+    lease: RunDirLease | None = None,
 ) -> dict:
     """The training loop: the run's segments one after another, from where it starts to train.steps, a rollback
     re-entering where it went back to. Returns a summary: eval losses, throughput, MFU, goodput and the exit code
-    (0, or EXIT_PREEMPTED after a SIGTERM/SIGINT made it save and stop). `parts`: a caller's own (parts.py)."""
+    (0, or EXIT_PREEMPTED after a SIGTERM/SIGINT made it save and stop). `parts`: a caller's own (parts.py);
+    `lease`: run.dir's, as train() checked it (else a new one)."""
     t, run_dir, wall_start = run.config.train, Path(run.config.run.dir), time.perf_counter()
     summary: dict[str, Any] = {"run_dir": str(run_dir), "exit_code": EXIT_OK}
     if run.start.step and run.start.step >= t.steps:
@@ -207,7 +211,7 @@ def execute(
         average_decay(run.config, run.peers, devices, print_fn)
         return summary
     clock = clock or StartClock(time.time())
-    lease = RunDirLease.taken(run.config, run.peers)  # one run.dir, one trainer: before the run writes there
+    lease = (lease or RunDirLease.of(run.config)).taken_for(run.peers)  # one run.dir, one trainer: before it writes
     try:
         loop = Loop.open(run, print_fn, clock, injector, describe_program, parts)
         try:
