@@ -374,7 +374,8 @@ def projected(args, recipe: Path, run_dir: Path, faults: list[dict], costs: list
     unexpected = sum(n for k, n in kinds.items() if k != "preemption")
     gaps = [c["gap_s"] for c in costs if c["kind"] not in ("hang", "preemption")]
     hang_gaps = [c["gap_s"] for c in costs if c["kind"] == "hang"]
-    given = {"replacement_s": 0.0}
+    # launch/multiprocess.py's supervisor outlives every host it loses: no first host lost as under slurm.sbatch.
+    given = {"replacement_s": 0.0, "first_host_detect_s": 0.0}
     if gaps:
         given["detect_s"] = statistics.median(gaps)
     if hang_gaps or gaps:  # a stopped process is found by its peers' heartbeat, as a crash is (not the watchdog)

@@ -62,11 +62,13 @@ def wait_for(condition, timeout: float, what: str) -> None:
 
 
 def task_pid(env: dict, job_id: str, node: str) -> int | None:
-    """The trainer the job runs on `node` (Slurm's own list of the job's processes there)."""
+    """The trainer the job runs on `node` (Slurm's own list of the job's processes there): the one told its place in
+    the run (JAX_PROCESS_ID), not the supervisor, slurm_step.sh or srun, whose arguments say `train` too."""
     lines = slurm(env, "scontrol", "listpids", job_id, node).splitlines()[1:]
     for pid in (int(line.split()[0]) for line in lines if line.split()):
         try:
-            if b"train" in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0"):
+            told = b"JAX_PROCESS_ID=" in Path(f"/proc/{pid}/environ").read_bytes()
+            if told and b"train" in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0"):
                 return pid
         except OSError:
             continue

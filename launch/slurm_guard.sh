@@ -17,9 +17,11 @@ first="$1" log="$2"
 while true; do
   record=$(scontrol show job "$SLURM_JOB_ID" -o 2>/dev/null) || { sleep "${LLAMA_JAX_GUARD_POLL_S:-10}"; continue; }
   state=$(sed -n 's/.* JobState=\([^ ]*\).*/\1/p' <<<" $record")
-  [[ "$state" == RUNNING ]] || exit 0  # ended, requeued, or not a job at all
+  [[ "$state" == RUNNING || "$state" == SUSPENDED ]] || exit 0  # ended, requeued, or not a job at all
   nodes=$(sed -n 's/.* NodeList=\([^ ]*\).*/\1/p' <<<" $record")
-  if [[ -n "$nodes" ]] && ! scontrol show hostnames "$nodes" | grep -qx "$first"; then
+  # The whole list read first: a reader that stops at the first match would leave scontrol a broken pipe.
+  listed=$(scontrol show hostnames "$nodes" 2>/dev/null) || listed=""
+  if [[ -n "$listed" && $'\n'"$listed"$'\n' != *$'\n'"$first"$'\n'* ]]; then
     echo "slurm_guard: the first node $first failed and took the batch script with it; ending job $SLURM_JOB_ID" \
          "so that its successor job takes over (it resumes from the newest checkpoint)" >>"$log"
     scancel "$SLURM_JOB_ID"

@@ -130,10 +130,13 @@ def test_a_lost_first_host_is_detected_as_slurm_sees_it_once_in_hosts(capsys):
     args = ["goodput", "llama3_8b", "--gpus", "16", "--json"]
     assert cli.main(args) == 0
     launched = json.loads(capsys.readouterr().out)["inputs"]["first_host_detect_s"]
-    assert launched["value"] == pytest.approx(300.0 + 7.5)
+    assert launched["value"] == pytest.approx(300.0 + 12.1 + 30.0)  # + run.lease_s: the holder was on that host
     assert "bench/slurm_restart.py --first-node" in launched["source"]
     assert cli.main([*args, "--without-launcher"]) == 0
     assert json.loads(capsys.readouterr().out)["inputs"]["first_host_detect_s"]["value"] == 0.0
+    assert cli.main(args[:-1] + ["--without-launcher"]) == 0  # as text: the header names the preset
+    text = capsys.readouterr().out
+    assert text.startswith("goodput projection: llama3_8b on 16 GPUs") and "first_host_detect_s    0 " in text
 
 
 def test_auto_spares_are_the_count_that_trains_the_most_per_gpu_allocated():

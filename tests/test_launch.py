@@ -269,9 +269,15 @@ def slurm_script_in_a_job(tmp_path, job: dict, stand_ins: dict[str, str], *args:
     calls in tmp_path/calls (as a stand-in given may). (the finished script, the calls file)."""
     env = fakes(tmp_path) | {"SLURM_JOB_ID": "4242", "SLURM_SUBMIT_DIR": str(ROOT), **job}
     bin_dir, calls = tmp_path / "bin", tmp_path / "calls"
+    queue = (
+        tmp_path / "queue"
+    )  # what squeue shows: the successor sbatch submitted (held by afternotok), until cancelled
     recorders = {
-        "sbatch": '#!/usr/bin/env bash\necho "sbatch $*" >> ' + str(calls) + "\necho 4243\n",
-        "scancel": '#!/usr/bin/env bash\necho "scancel $*" >> ' + str(calls) + "\n",
+        "sbatch": f'#!/usr/bin/env bash\necho "sbatch $*" >> {calls}\n'
+        f'[[ "$*" =~ afternotok:([0-9]+) ]] && echo "4243 afternotok:${{BASH_REMATCH[1]}}(unfulfilled)" >> {queue}\n'
+        "echo 4243\n",
+        "scancel": f'#!/usr/bin/env bash\necho "scancel $*" >> {calls}\nrm -f {queue}\n',
+        "squeue": f"#!/usr/bin/env bash\ncat {queue} 2>/dev/null\nexit 0\n",
     }
     for name, text in {**recorders, **stand_ins}.items():
         (bin_dir / name).write_text(text)
@@ -308,8 +314,8 @@ def test_slurm_script_resubmits_without_the_unhealthy_node(tmp_path):
     same = "--ntasks-per-node 2 --gpus-per-node 0 --partition gpu"
     arguments = f"{script} tiny run.dir={run_dir} fault.preflight=true"
     assert submitted == [
-        f"sbatch --parsable {same} --nodes 2-2 --dependency afternotok:4242 --export ALL,LLAMA_JAX_ACTIVE_NODES=2 "
-        + arguments,  # its successor, at its start
+        f"sbatch --parsable {same} --exclude gpu3 --nodes 2-2 --dependency afternotok:4242 "
+        f"--export ALL,LLAMA_JAX_ACTIVE_NODES=2 {arguments}",  # its successor, at its start, as the job excludes
         "scancel 4243",  # which the job submitted again in its place makes its own
         f"sbatch --nodes 2 --exclude gpu3,gpu18 {same} {arguments}",
     ]
@@ -342,10 +348,8 @@ def test_slurm_script_submits_its_successor_first_and_cancels_it_at_its_own_end(
         "--output /shared/logs/slurm-4242.out --no-kill --nodes 2-3 --dependency afternotok:4242 "
         f"--export ALL,LLAMA_JAX_ACTIVE_NODES=2 {script} --spares 1 tiny run.dir=/shared/t"
     )
-    guard = ROOT / "launch" / "slurm_guard.sh"  # the watch over the first node, on the second
-    watch = f"srun --overlap --nodes=1 --ntasks=1 --nodelist=gpu18 bash {guard} gpu17 /shared/logs/slurm-4242.out"
-    assert lines[1] == watch
-    assert "--nodelist=gpu17,gpu18 " in lines[2] and lines[3:] == ["scancel 4243"]  # trained; then cancelled it
+    assert [line for line in lines if "--nodelist=gpu17,gpu18 " in line]  # trained
+    assert lines[-1] == "scancel 4243"  # then cancelled it
 
     # The same job requeued: its successor still waits (squeue), so it submits none and cancels that one.
     squeue = '#!/usr/bin/env bash\necho "4250 afternotok:4241(unfulfilled)"\necho "4251 afternotok:4242(unfulfilled)"\n'
@@ -356,6 +360,7 @@ def test_slurm_script_submits_its_successor_first_and_cancels_it_at_its_own_end(
         tmp_path / "requeued", job, {"scontrol": scontrol, "srun": srun, "squeue": squeue}, "--spares", "1", "tiny"
     )
     assert requeued.returncode == 0, requeued.stderr
+    assert "slurm.sbatch: job 4251 waits to take over" in requeued.stderr
     assert [line for line in calls.read_text().splitlines() if not line.startswith("srun")] == ["scancel 4251"]
 
     # The successor, given 3 nodes where its predecessor trained on 2: 2 train, 1 is its spare.
@@ -364,6 +369,36 @@ def test_slurm_script_submits_its_successor_first_and_cancels_it_at_its_own_end(
     assert ran.returncode == 0, ran.stderr
     assert "slurm_step: on gpu17 gpu18; spare(s): gpu19" in ran.stderr
     assert "--no-kill --nodes 2-3 --dependency afternotok:4243 " in calls.read_text()
+
+    # The watch itself (slurm_guard.sh): left alone while the first node is in the job, however long its list;
+    # the job ended by it once Slurm removed the first node; gone quietly once the job is not running.
+    guard = ROOT / "launch" / "slurm_guard.sh"
+    for case, nodes, state, ends in (
+        ("kept", "n[1-6000]", "RUNNING", False),
+        ("lost", "n[2-6000]", "RUNNING", True),
+        ("over", "n[1-2]", "COMPLETED", False),
+    ):
+        here = tmp_path / f"guard-{case}"
+        here.mkdir()
+        env = fakes(here) | {"SLURM_JOB_ID": "77", "LLAMA_JAX_GUARD_POLL_S": "0.05"}
+        polls = here / "polls"
+        (here / "bin" / "scontrol").write_text(
+            "#!/usr/bin/env bash\n"
+            f'if [[ "$1 $2" == "show hostnames" ]]; then first=${{3#n[}}; first=${{first%%-*}}\n'
+            '  for ((i = first; i <= 6000; i++)); do echo "n$i"; done; exit 0; fi\n'
+            f"echo . >> {polls}\n"  # the third poll finds the job ended
+            f'[[ $(wc -l < {polls}) -ge 3 ]] && echo "JobId=77 JobState=COMPLETED NodeList={nodes}" && exit 0\n'
+            f'echo "JobId=77 JobState={state} NodeList={nodes}"\n'
+        )
+        (here / "bin" / "scancel").write_text(f'#!/usr/bin/env bash\necho "scancel $*" >> {here / "calls"}\n')
+        watched = subprocess.run(
+            ["bash", str(guard), "n1", str(here / "log")], capture_output=True, text=True, env=env, timeout=60
+        )
+        assert watched.returncode == 0, watched.stderr
+        assert (here / "calls").exists() == ends, case
+        if ends:
+            assert (here / "calls").read_text() == "scancel 77\n"
+            assert (here / "log").read_text().startswith("slurm_guard: the first node n1 failed and took the batch")
 
     # A predecessor's count this job cannot hold: one line, exit 2, nothing submitted.
     bad, calls = slurm_script_in_a_job(tmp_path / "bad", job | {"LLAMA_JAX_ACTIVE_NODES": "5"}, {}, "tiny")
@@ -393,8 +428,9 @@ def test_slurm_script_puts_a_spare_in_the_place_of_an_unhealthy_node_inside_the_
     assert result.returncode == 0, result.stderr
     assert "unhealthy node(s) gpu18: starting again on the allocation's other nodes" in result.stderr
     assert "slurm_step: node gpu18 was named by the pre-flight check: not used" in result.stderr
-    steps = [line.split("--nodelist=")[1].split()[0] for line in calls.read_text().splitlines() if "srun" in line]
-    assert steps == ["gpu18", "gpu17,gpu18", "gpu17,gpu19"]  # the watch over the first node, then the job steps
+    srun = [line for line in calls.read_text().splitlines() if "srun" in line]
+    steps = [line.split("--nodelist=")[1].split()[0] for line in srun if "--overlap" not in line]  # not the watch
+    assert steps == ["gpu17,gpu18", "gpu17,gpu19"]
     submitted = [line for line in calls.read_text().splitlines() if line.startswith("sbatch")]
     assert [line for line in submitted if "--dependency afternotok:4242" not in line] == []  # its successor only
     assert not (run_dir / "unhealthy.json").exists()

@@ -315,11 +315,11 @@ def cmd_goodput(ns: argparse.Namespace) -> int:
         **given,
     )
     if by_hand:
-        source = "none: a run started by hand (--without-launcher)"
-        inputs = dataclasses.replace(inputs, sources={**inputs.sources, "spare_hosts": source})
+        none = "none: a run started by hand (--without-launcher)"
+        inputs = dataclasses.replace(inputs, sources={**inputs.sources, "spare_hosts": none})
     if ns.without_launcher:  # no batch script on the first host: its loss is detected as any host's
-        source = "as any host's: a run started by hand (--without-launcher)"
-        sources = {**inputs.sources, "first_host_detect_s": source}
+        as_any = "as any host's: a run started by hand (--without-launcher)"
+        sources = {**inputs.sources, "first_host_detect_s": as_any}
         inputs = dataclasses.replace(inputs, first_host_detect_s=0.0, sources=sources)
     report = goodput_report.report(inputs)
     parts = projection.start_parts(Path(ns.run_dir)) if ns.run_dir else {}

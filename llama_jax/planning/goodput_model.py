@@ -15,8 +15,9 @@ The model (every choice here is a first-order one, stated where it is made):
   local tier's background write). With two tiers the newest of either serves (mean age of the union of both
   step sequences, computed exactly over their common period).
 - A lost host is the job's first host 1 / hosts of the time. Under slurm.sbatch that host runs the batch script and
-  its supervisor, so nothing in the job notices: Slurm ends the job once it marks the host DOWN and the successor
-  job (slurm.sbatch's) starts; that case's detection is first_host_detect_s (0: as any other host's).
+  its supervisor, so nothing in the job notices until Slurm marks the host DOWN; then the job is ended (the watch,
+  slurm_guard.sh) and the successor job (slurm.sbatch's) starts; that case's detection is first_host_detect_s (0:
+  as any other host's).
 - A lost host is replaced by a hot spare already in the allocation when one is free (no wait: the restart runs on
   it), else by a host from the scheduler's pool (replacement_s). A spare taken is back repair_s later (the lost
   host repaired, or another in its place); a loss that finds none free takes the scheduler's host and no spare.

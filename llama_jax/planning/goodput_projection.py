@@ -56,15 +56,19 @@ PROCESS_START_PARTS = {"launch": 0.04, "imports": 1.09, "data": 0.19, "preflight
 # started the coordinator first (1.0-1.2 s wherever that happened), counted once.
 DISTRIBUTED_INIT_FIT = (0.0013, 0.00144)
 COORDINATOR_RETRY_S = 1.1
-# The two parts no measurement here can give, named as the projection's assumptions:
+# The two parts of a restart no measurement here can give, named as the projection's assumptions (the third,
+# SlurmdTimeout, is below):
 SCHEDULER_RESTART_S = 30.0  # the scheduler relaunching the job step on every host (srun inside the allocation)
 COMPILE_HIT_S = 30.0  # a large model's step loaded from the persistent compilation cache (MaxText restarts in ~40 s)
-# A lost first host under slurm.sbatch (its batch script and supervisor die with it): Slurm ends the job once it
-# marks the host DOWN, SlurmdTimeout after its last word (slurm.conf's default, 300 s; assumed), and the successor
-# job then starts: from the failure to the successor's processes starting, with the host marked DOWN at once,
-# measured by bench/slurm_restart.py --first-node (2026-12-02, AMD EPYC, 2 cores, 3 emulated nodes).
+# A lost first host under slurm.sbatch (its batch script and supervisor die with it): Slurm marks the host DOWN
+# SlurmdTimeout after its last word (slurm.conf's default, 300 s; a third assumption) and removes it from the job,
+# the watch on another node ends the job and the successor job starts: from the failure to the successor's
+# processes starting, with the host marked DOWN at once, 12.1 s in one run of bench/slurm_restart.py --first-node
+# (2026-12-02, AMD EPYC, 2 cores, 3 emulated nodes; up to 10 s of it can be the watch's poll). The successor's
+# process 0 then runs on another host than the lost holder of run.dir: it takes the lease over after run.lease_s
+# without a beat (on the emulated nodes, one host, it did at once).
 SLURMD_TIMEOUT_S = 300.0
-SUCCESSOR_START_S = 7.5  # of it the watch's poll (slurm_guard.sh, every 10 s): 5 s on average
+SUCCESSOR_START_S = 12.1
 
 
 # Inputs: measured by a run, else the stated defaults.
@@ -196,9 +200,10 @@ def _stated_costs(config: Config, gpus: int, gpus_per_host: int) -> dict[str, tu
         "run.heartbeat_timeout_s + `llama-jax supervise --backoff` (defaults)",
     )
     values["first_host_detect_s"] = (
-        SLURMD_TIMEOUT_S + SUCCESSOR_START_S,
+        SLURMD_TIMEOUT_S + SUCCESSOR_START_S + config.run.lease_s,
         f"slurm.sbatch: Slurm's SlurmdTimeout ({SLURMD_TIMEOUT_S:g} s, its default; assumed) + the successor job "
-        f"starting ({SUCCESSOR_START_S:g} s: bench/slurm_restart.py --first-node, 3 emulated nodes)",
+        f"starting ({SUCCESSOR_START_S:g} s: bench/slurm_restart.py --first-node, 3 emulated nodes) + run.lease_s "
+        "(the lost host's lease on run.dir)",
     )
     values["replacement_s"] = (
         REPLACEMENT_S,
