@@ -38,6 +38,9 @@ from llama_jax.data.corpus import ReadOptions
 from llama_jax.data.streams import evaluation_batches
 from llama_jax.data.tokenizer import Tokenizer
 from llama_jax.distributed import processes
+from llama_jax.errors import ConfigError
+from llama_jax.evaluation import tasks as lm_eval_tasks
+from llama_jax.files import unwritable
 from llama_jax.inference.generate import Sampling, generate, inference_adapters
 from llama_jax.model import peft
 from llama_jax.model.llama import abstract_model
@@ -46,7 +49,18 @@ from llama_jax.training import batches
 from llama_jax.training.loop import train as train_config
 from llama_jax.training.program import TrainProgram
 
-__all__ = ["ModelSpec", "convert", "evaluate", "generate_text", "load", "load_tokenizer", "logits", "resolve", "train"]
+__all__ = [
+    "ModelSpec",
+    "convert",
+    "evaluate",
+    "evaluate_tasks",
+    "generate_text",
+    "load",
+    "load_tokenizer",
+    "logits",
+    "resolve",
+    "train",
+]
 
 
 def load(
@@ -58,15 +72,7 @@ def load(
     `overrides` over `devices` (default: all) when either is given, else put on the default device.
     compute_dtype (None: the model's own) is the dtype the forward pass computes in, unless `overrides`
     set model.compute_dtype; model.attention can change too."""
-    spec = resolve(model)
-    config = specs.inference_config(spec.model, overrides, batches=False)
-    cfg = config.model
-    if compute_dtype and not any(o.strip().startswith("model.compute_dtype=") for o in overrides):
-        cfg = dataclasses.replace(cfg, compute_dtype=compute_dtype)
-    processes.initialize(config.run)
-    if target is None and (devices is not None or specs.names_a_mesh(overrides)):
-        target = specs.param_target(config, specs.inference_mesh(config, devices))
-    return cfg, specs.load_params(spec, target)
+    return specs.load_model(model, compute_dtype, target, overrides, devices)
 
 
 def load_tokenizer(model: str | ModelSpec) -> Tokenizer:
@@ -165,3 +171,39 @@ def evaluate(
         f"({n} batch(es) of {t.batch_size} x {t.seq_len} tokens)"
     )
     return result
+
+
+def evaluate_tasks(
+    model: str | ModelSpec,
+    tasks: list[str],
+    overrides: list[str] = (),
+    limit: int | None = None,
+    num_fewshot: int | None = None,
+    batch_size: int = 16,
+    output: str | None = None,
+) -> dict:
+    """lm-eval's results (simple_evaluate's dict) of `model` on `tasks` (lm-eval task names or task YAML files),
+    offline, through the llama-jax backend (evaluation/harness.py; the [eval] extra), sharded over the mesh of
+    the mesh.* keys in `overrides`; `output` (a file) gets them as JSON, from process 0."""
+    harness = _harness()
+    target = None if output is None else Path(output).expanduser()
+    if target is not None and (problem := unwritable(target, "file")):
+        raise ConfigError(f"--output: {problem}")
+    lm_eval_tasks.resolve(list(tasks))  # an unknown task is named before the model is read
+    lm = harness.LlamaJaxLM(model, overrides=list(overrides), batch_size=batch_size)
+    results = lm_eval_tasks.run(lm, list(tasks), limit, num_fewshot)
+    if target is not None and jax.process_index() == 0:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(lm_eval_tasks.as_json(results) + "\n")
+    return results
+
+
+def _harness():
+    """evaluation/harness.py, which needs lm-eval (the [eval] extra), or a one-line ConfigError."""
+    import importlib
+
+    try:
+        importlib.import_module("lm_eval")
+    except ImportError:
+        raise ConfigError("lm-eval tasks need the [eval] extra: pip install -e '.[eval]'") from None
+    return importlib.import_module("llama_jax.evaluation.harness")

@@ -26,6 +26,7 @@ LAYERS = [
     ["resilience"],  # guards, watchdog, stragglers, goodput, pre-flight, the supervisor
     ["checkpoint"],  # durable and local tiers, model specs, conversion, where a run starts
     ["inference"],  # decoding with a KV cache
+    ["evaluation"],  # the lm-evaluation-harness backend and the task scores a run logs
     ["training"],  # the step, the optimizer, the loop, metrics
     ["planning"],  # plan, tune and the goodput projection: what a run will cost, before it runs
     ["api"],  # the Python API, thin
@@ -33,7 +34,8 @@ LAYERS = [
     ["__main__"],  # python -m llama_jax
 ]
 LAZY_IMPORTS_ALLOWED = {"cli"}  # the command line (cli/): `llama-jax --help` must not import JAX
-OPTIONAL_DEPENDENCIES = {"pyarrow", "datasets", "importlib", "wandb"}  # importlib: data/corpus.py's optional loader
+# importlib: data/corpus.py's optional loader; lm_eval and huggingface_hub: the [eval] extra (evaluation/)
+OPTIONAL_DEPENDENCIES = {"pyarrow", "datasets", "importlib", "wandb", "lm_eval", "huggingface_hub"}
 # Imported where used because one process of a job uses them and each costs every process ~0.4 s at its start
 # (training/report.py: only process 0 draws the report, at the end of a run).
 START_COST_IMPORTS = {"matplotlib"}

@@ -322,6 +322,7 @@ CLAIMS = [
         r"^llama-jax (convert|generate|eval) /adapters/",
         "test_peft_read.py::test_the_guides_commands_on_an_adapter_made_by_peft",
     ),
+    (r"^llama-jax eval \S+ --tasks ", "test_evaluation.py::test_the_evaluation_guide_commands"),
     (r"^llama-jax (convert|generate|eval) ", "test_hf.py::test_readme_hugging_face_guide_commands"),
     (r"^launch/local\.sh ", "test_launch.py::test_readme_local_commands_dry_run"),
     (

@@ -5,6 +5,7 @@ Hugging Face model, a run with adapters -> a PEFT adapter directory (or, merged,
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from llama_jax.checkpoint.specs import (
     resolve,
 )
 from llama_jax.config import Config
+from llama_jax.data.tokenizer import HFTokenizer, load_tokenizer
 from llama_jax.distributed import processes, sharding
 from llama_jax.distributed.peers import Peers
 from llama_jax.errors import ConfigError
@@ -61,7 +63,30 @@ def convert(
         print_fn(f"converted {spec.hf_dir or source} -> {done}")
     if primary:
         copy_tokenizer(spec.home, target)
+        if spec.hf_dir is None and (target / "config.json").is_file():
+            name_special_tokens(target)
     return target
+
+
+def name_special_tokens(directory: Path) -> None:
+    """A Hugging Face model written from a run names its tokenizer's BOS and EOS, in tokenizer_config.json
+    (unless the run's tokenizer came with one) and as config.json's bos/eos_token_id: without them transformers
+    knows no EOS, so its generation (and lm-eval's hf backend's) would not stop where ours does, nor have a
+    prefix for an empty context. The tokenizer.json itself is copied unchanged."""
+    if not (directory / "tokenizer.json").is_file():
+        return
+    tokenizer = load_tokenizer(directory)
+    if not isinstance(tokenizer, HFTokenizer):
+        return
+    bos = None if tokenizer.bos_id is None else tokenizer.hf.id_to_token(tokenizer.bos_id)
+    eos = tokenizer.hf.id_to_token(tokenizer.eos_id)
+    if not (directory / "tokenizer_config.json").is_file():
+        settings = {"bos_token": bos, "eos_token": eos}
+        (directory / "tokenizer_config.json").write_text(json.dumps(settings, indent=2) + "\n")
+    config = json.loads((directory / "config.json").read_text())
+    config["bos_token_id"] = tokenizer.bos_id if config.get("bos_token_id") is None else config["bos_token_id"]
+    config["eos_token_id"] = tokenizer.eos_id if config.get("eos_token_id") is None else config["eos_token_id"]
+    (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
 def _checked_spec(source: str, out: str, target: Path, dtype: str, rotary: str, merge: bool) -> ModelSpec:

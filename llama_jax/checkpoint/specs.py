@@ -40,7 +40,7 @@ from llama_jax.config import Config, ModelConfig, PeftConfig, load_config, valid
 from llama_jax.config.choices import SHAPE_FIELDS
 from llama_jax.data.tokenizer import Tokenizer
 from llama_jax.data.tokenizer import load_tokenizer as load_tokenizer_file
-from llama_jax.distributed import sharding
+from llama_jax.distributed import processes, sharding
 from llama_jax.errors import ConfigError
 from llama_jax.files import unreadable
 from llama_jax.interop import hf, hf_config, peft_format
@@ -217,6 +217,22 @@ def _adapted(spec: ModelSpec, target: Any) -> Any:
     return params | jax.tree.map(
         lambda value, spec: jax.device_put(value, spec.sharding), placed, {k: target[k] for k in placed}
     )
+
+
+def load_model(
+    model: str | ModelSpec, compute_dtype: str | None = "float32", target=None, overrides: list[str] = (), devices=None
+) -> tuple[ModelConfig, Any]:
+    """(config, params) of a model spec, placed as api.load says (its docstring): the one way the commands
+    and the evaluation backend load a model."""
+    spec = resolve(model)
+    config = inference_config(spec.model, overrides, batches=False)
+    cfg = config.model
+    if compute_dtype and not any(o.strip().startswith("model.compute_dtype=") for o in overrides):
+        cfg = dataclasses.replace(cfg, compute_dtype=compute_dtype)
+    processes.initialize(config.run)
+    if target is None and (devices is not None or names_a_mesh(overrides)):
+        target = param_target(config, inference_mesh(config, devices))
+    return cfg, load_params(spec, target)
 
 
 def names_a_mesh(overrides: list[str]) -> bool:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 
 from llama_jax.cli.arguments import int_list
+from llama_jax.errors import ConfigError
 
 
 def cmd_convert(ns: argparse.Namespace) -> int:
@@ -120,21 +121,55 @@ def add_generate(commands) -> None:
 def cmd_eval(ns: argparse.Namespace) -> int:
     from llama_jax import api
 
-    api.evaluate(ns.model, ns.data, ns.overrides, ns.batches, ns.split)
+    if ns.tasks is None:
+        if ns.data is None:
+            raise ConfigError("llama-jax eval MODEL needs DATA (a token store or text files) or --tasks A,B")
+        api.evaluate(ns.model, ns.data, ns.overrides, ns.batches, ns.split)
+        return 0
+    if ns.data is not None:  # with --tasks there is no DATA: what stands there is an override
+        if "=" not in ns.data:
+            raise ConfigError(f"llama-jax eval MODEL --tasks ... takes no DATA ({ns.data}); drop it or drop --tasks")
+        ns.overrides = [ns.data, *ns.overrides]
+    import jax
+
+    results = api.evaluate_tasks(
+        ns.model, ns.tasks, ns.overrides, ns.limit, ns.num_fewshot, ns.batch_size, output=ns.output
+    )
+    if jax.process_index() == 0:
+        from llama_jax.evaluation import tasks
+
+        print(tasks.as_json(results) if ns.json else tasks.table(results))
     return 0
 
 
 def add_eval(commands) -> None:
     parser = commands.add_parser(
         "eval",
-        help="perplexity of a model on a token store or text files",
-        description="llama-jax eval MODEL DATA [key=value ...]. DATA is a token store made with the model's "
-        "tokenizer (its validation split is scored) or text/jsonl files (scored whole); "
-        "train.batch_size, train.seq_len and mesh.* keys apply.",
+        help="perplexity on a token store or text files, or lm-eval benchmark tasks (--tasks)",
+        description="llama-jax eval MODEL DATA [key=value ...]: perplexity; DATA is a token store made with the "
+        "model's tokenizer (its validation split is scored) or text/jsonl files (scored whole); "
+        "train.batch_size, train.seq_len and mesh.* keys apply. "
+        "llama-jax eval MODEL --tasks A,B [--limit N] [--num-fewshot K] [key=value ...]: lm-evaluation-harness "
+        "tasks (the [eval] extra), by name or task YAML file, offline (data from the Hugging Face datasets cache "
+        "or the files a task YAML names); prints lm-eval's table (--json: its results); mesh.* keys shard the "
+        "model, and the requests go over the data axes.",
     )
     parser.add_argument("model", metavar="MODEL")
-    parser.add_argument("data", metavar="DATA")
+    parser.add_argument("data", metavar="DATA", nargs="?")
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     parser.add_argument("--batches", type=int, default=0, help="at most this many batches (0: one pass)")
     parser.add_argument("--split", default="val", choices=("val", "train"), help="token store split (default val)")
+    parser.add_argument("--tasks", type=task_list, help="lm-eval tasks: names or task YAML files, comma-separated")
+    parser.add_argument("--limit", type=int, help="at most N documents of each task")
+    parser.add_argument("--num-fewshot", type=int, help="K examples in front of each question (default: the task's)")
+    parser.add_argument("--batch-size", type=int, default=16, help="requests scored at once (default 16)")
+    parser.add_argument("--json", action="store_true", help="print lm-eval's results as JSON instead of its table")
+    parser.add_argument("--output", help="also write lm-eval's results as JSON to this file")
     parser.set_defaults(func=cmd_eval)
+
+
+def task_list(text: str) -> list[str]:
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError("name at least one task, e.g. --tasks hellaswag,arc_easy")
+    return names

@@ -175,9 +175,17 @@ class Generator:
         )
 
     def __call__(
-        self, params, prompts: list[list[int]], max_new_tokens: int, rng: jax.Array, stop_token: int | None = None
+        self,
+        params,
+        prompts: list[list[int]],
+        max_new_tokens: int,
+        rng: jax.Array,
+        stop_token: int | None = None,
+        finished=None,
     ) -> list[list[int]]:
-        """The new tokens of each prompt: up to max_new_tokens, ending before stop_token if produced."""
+        """The new tokens of each prompt: up to max_new_tokens, ending before stop_token if produced. `finished`
+        (optional) maps the tokens produced so far [batch, n] to the rows that need no more (e.g. a stop
+        sequence in their text): decoding ends once every row is done; the rows' tokens are not cut."""
         lengths = np.array([len(p) for p in prompts], np.int32)
         if lengths.max(initial=0) + max_new_tokens > self.cache_len:
             raise ConfigError(
@@ -193,6 +201,8 @@ class Generator:
             produced[:, i] = np.asarray(token)
             if stop_token is not None:
                 done |= produced[:, i] == stop_token
+            if finished is not None:
+                done |= finished(produced[:, : i + 1])
             if done.all() or i == max_new_tokens - 1:
                 break
             rng, step_rng = jax.random.split(rng)
