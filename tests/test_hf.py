@@ -349,6 +349,7 @@ def test_readme_hugging_face_guide_commands(tmp_path, monkeypatch, corpus, tiny,
         for verb in ("convert", "generate", "eval")
         for c in readme_commands(f"llama-jax {verb}")
         if "mesh." not in c  # the sharded ones: test_inference.py; the adapter guide's: test_peft*.py
+        and "--tasks" not in c  # lm-eval tasks: test_evaluation.py
         and not any(f" runs/{adapted} " in c for adapted in ("lora", "prompt", "ptuning"))
         and " /adapters/" not in c
     ]
