@@ -79,12 +79,9 @@ def timed(lm, tasks: list[str], limit: int | None) -> tuple[dict, float, float]:
     """(results of the second run, the backend's seconds in the first run, in the second). A backend's seconds
     are those spent in its request methods: what lm-eval does around them (building the tasks and their
     prompts, the metrics) is the same for both backends and is left out."""
-    import lm_eval
-
     from llama_jax.evaluation import tasks as lm_eval_tasks
 
-    names, manager = lm_eval_tasks.resolve(tasks)
-    lm_eval_tasks.check_data(names, manager)
+    names, manager = lm_eval_tasks.prepare(tasks)
     spent = [0.0]
 
     def clocked(method):
@@ -102,7 +99,7 @@ def timed(lm, tasks: list[str], limit: int | None) -> tuple[dict, float, float]:
     seconds = []
     for _ in range(2):
         spent[0] = 0.0
-        results = lm_eval.simple_evaluate(model=lm, tasks=names, task_manager=manager, limit=limit, log_samples=True)
+        results = lm_eval_tasks.run(lm, names, manager, limit, log_samples=True)
         seconds.append(spent[0])
     return results, seconds[0], seconds[1]
 

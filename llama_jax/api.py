@@ -189,9 +189,9 @@ def evaluate_tasks(
     target = None if output is None else Path(output).expanduser()
     if target is not None and (problem := unwritable(target, "file")):
         raise ConfigError(f"--output: {problem}")
-    lm_eval_tasks.resolve(list(tasks))  # an unknown task is named before the model is read
+    names, manager = lm_eval_tasks.prepare(list(tasks))  # unknown tasks, missing data: before the model is read
     lm = harness.LlamaJaxLM(model, overrides=list(overrides), batch_size=batch_size)
-    results = lm_eval_tasks.run(lm, list(tasks), limit, num_fewshot)
+    results = lm_eval_tasks.run(lm, names, manager, limit, num_fewshot)
     if target is not None and jax.process_index() == 0:
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text(lm_eval_tasks.as_json(results) + "\n")

@@ -92,14 +92,21 @@ def check_data(names: list[str], manager) -> None:
             ) from None
 
 
-def run(lm, tasks: list[str], limit: int | None = None, num_fewshot: int | None = None) -> dict:
-    """lm-eval's results (simple_evaluate's dict, without per-sample logs) of `lm` on `tasks`, offline."""
-    import lm_eval
-
+def prepare(tasks: list[str]) -> tuple[list[str], object]:
+    """(task names, their TaskManager) once every task is known and its data is on this machine: what `run`
+    takes, decided before a model is read."""
     names, manager = resolve(tasks)
     check_data(names, manager)
+    return names, manager
+
+
+def run(lm, names: list[str], manager, limit: int | None = None, num_fewshot: int | None = None, log_samples=False):
+    """lm-eval's results (simple_evaluate's dict; per-sample logs with `log_samples`) of `lm` on the tasks
+    `prepare` gave, offline."""
+    import lm_eval
+
     return lm_eval.simple_evaluate(
-        model=lm, tasks=names, task_manager=manager, limit=limit, num_fewshot=num_fewshot, log_samples=False
+        model=lm, tasks=names, task_manager=manager, limit=limit, num_fewshot=num_fewshot, log_samples=log_samples
     )
 
 
